@@ -1,0 +1,137 @@
+"""Checkpoints: ``model.safetensors`` + ``config.json`` in one directory. No pickle.
+
+``config.json`` = {"model": TXLConfig, "tokenizer": {...}, "training": {...},
+"fingerprint": sha256 of the stored weights}. The fingerprint is what a stored
+session records, so a session made by another model is refused rather than
+silently continued with the wrong weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from model.config import TXLConfig
+from model.errors import CheckpointError, ConfigError
+from model.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_dict
+from model.transformer_xl import MemTransformerLM
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+TIED = "out_layer.weight"  # same storage as word_emb.weight when tie_weight
+
+
+@dataclass
+class Checkpoint:
+    model: MemTransformerLM
+    config: TXLConfig
+    tokenizer: Tokenizer
+    fingerprint: str
+    path: Path | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def weights_of(model: MemTransformerLM) -> dict[str, torch.Tensor]:
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_weight:
+        state.pop(TIED, None)
+    return state
+
+
+def fingerprint_of(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()[:32]
+
+
+def _atomic_write(path: Path, data: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(data)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(model: MemTransformerLM, out_dir: str | Path, *, training: dict[str, Any] | None = None,
+                    tokenizer: Tokenizer | None = None, dtype: torch.dtype | None = None) -> str:
+    """Write weights (optionally cast to ``dtype``, e.g. bf16 to ship small) and config; return the fingerprint."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = weights_of(model)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    tensors = {k: v.cpu() for k, v in tensors.items()}
+    fingerprint = fingerprint_of(tensors)
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "txlserve", "fingerprint": fingerprint})
+    os.replace(tmp, out / WEIGHTS)
+    meta = {
+        "model": model.cfg.to_dict(),
+        "tokenizer": (tokenizer or ByteTokenizer()).to_dict(),
+        "training": training or {},
+        "fingerprint": fingerprint,
+    }
+    _atomic_write(out / CONFIG, json.dumps(meta, indent=2, sort_keys=True))
+    return fingerprint
+
+
+def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
+    path = Path(ckpt_dir) / CONFIG
+    if not Path(ckpt_dir).is_dir():
+        raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist")
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {ckpt_dir} has no {CONFIG}") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"checkpoint {path} is not valid JSON: {err}") from None
+    if not isinstance(meta, dict) or "model" not in meta:
+        raise CheckpointError(f"{path} has no 'model' section")
+    return meta
+
+
+def load_checkpoint(ckpt_dir: str | Path, *, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None, **overrides: Any) -> Checkpoint:
+    """Rebuild the model from its config alone; ``overrides`` change inference-only
+    fields (``mem_len``, ``clamp_len``, ``same_length``, dropout) without touching weights."""
+    meta = read_meta(ckpt_dir)
+    try:
+        config = TXLConfig.from_dict(meta["model"]).replace(**{"dropout": 0.0, "dropatt": 0.0, **overrides})
+    except (ConfigError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {ckpt_dir}: {err}") from None
+    weights_path = Path(ckpt_dir) / WEIGHTS
+    if not weights_path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt_dir} has no {WEIGHTS}")
+    try:
+        tensors = load_file(str(weights_path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{weights_path} is not a readable safetensors file: {err}") from None
+    fingerprint = fingerprint_of(tensors)
+    if meta.get("fingerprint") and meta["fingerprint"] != fingerprint:
+        raise CheckpointError(f"{weights_path} does not match the fingerprint in {CONFIG} (damaged or replaced)")
+    model = MemTransformerLM(config)
+    expected = weights_of(model)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(tensors) if expected[k].shape != tensors[k].shape)
+    if missing or unexpected or wrong:
+        detail = "; ".join(f"{label}: {', '.join(names[:4])}" for label, names in
+                           (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names)
+        raise CheckpointError(f"{weights_path} does not fit its config ({detail})")
+    model.load_state_dict(tensors, strict=False)
+    model.to(device)
+    if dtype is not None:
+        model.to(dtype)
+    model.eval()
+    tokenizer = tokenizer_from_dict(meta.get("tokenizer", {"type": "byte"}))
+    return Checkpoint(model=model, config=config, tokenizer=tokenizer, fingerprint=fingerprint,
+                      path=Path(ckpt_dir), meta=meta)

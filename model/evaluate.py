@@ -1,0 +1,35 @@
+"""Bits per character with mems, as the paper evaluates."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from model.transformer_xl import MemTransformerLM
+
+
+@torch.no_grad()
+def evaluate(model: MemTransformerLM, data: np.ndarray, *, tgt_len: int, batch_size: int = 8,
+             max_tokens: int | None = None, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Mean NLL over ``data`` cut into ``batch_size`` streams read in ``tgt_len`` segments,
+    mems carried from segment to segment (each stream starts with empty mems)."""
+    from model.data import OrderedIterator
+
+    was_training = model.training
+    model.eval()
+    if max_tokens is not None and len(data) > max_tokens + 1:
+        data = data[: max_tokens + 1]
+    batch_size = max(1, min(batch_size, (len(data) - 1) // max(tgt_len, 1)))
+    total_nll, total_tokens, mems = 0.0, 0, None
+    for inp, tgt in OrderedIterator(data, batch_size, tgt_len, device=device):
+        nll, mems = model.loss(inp, tgt, mems)
+        total_nll += float(nll.double().sum())
+        total_tokens += tgt.numel()
+    model.train(was_training)
+    if total_tokens == 0:
+        return {"bpc": float("nan"), "ppl": float("nan"), "tokens": 0, "loss": float("nan")}
+    loss = total_nll / total_tokens
+    return {"bpc": loss / math.log(2), "ppl": math.exp(loss), "tokens": total_tokens, "loss": loss}

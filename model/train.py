@@ -1,0 +1,213 @@
+"""`txlserve train`: the paper's training recipe on an ordered byte stream.
+
+Adam(W) with linear warmup and cosine decay, gradient clipping and accumulation,
+bf16 autocast on CUDA, DDP when started by ``torchrun``, periodic valid bpc with
+mems, and exact resume (optimizer, RNG, mems and data position in safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.config import PRESETS, TXLConfig
+from model.errors import ConfigError
+from model.evaluate import evaluate
+from model.train_state import load_train_state, optimizer_from_flat, save_train_state
+from model.transformer_xl import MemTransformerLM
+
+
+@dataclass
+class TrainArgs:
+    data: str
+    out: str
+    preset: str = "tiny"
+    steps: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    warmup_steps: int | None = None
+    tgt_len: int | None = None
+    mem_len: int | None = None
+    n_layer: int | None = None
+    d_model: int | None = None
+    eval_every: int | None = None
+    eval_tokens: int = 200_000
+    save_every: int = 0
+    grad_accum: int = 1
+    clip: float | None = None
+    weight_decay: float = 0.0
+    seed: int = 1111
+    device: str = "auto"
+    resume: bool = False
+    stop_at: int | None = None  # end this run early at that step (time-boxed runs); --resume continues
+    progress: bool = True
+    command: str = ""
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve(args: TrainArgs) -> tuple[TXLConfig, dict[str, Any]]:
+    """Preset, then explicit flags: the model config and the optimisation settings."""
+    if args.preset not in PRESETS:
+        raise ConfigError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    model_kw = dict(PRESETS[args.preset]["model"])
+    opt = {"clip": 0.25, "warmup_steps": 0, **PRESETS[args.preset]["train"]}
+    for key in ("tgt_len", "mem_len", "n_layer"):
+        if getattr(args, key) is not None:
+            model_kw[key] = getattr(args, key)
+    if args.d_model is not None:
+        n_head = model_kw.get("n_head", 8)
+        model_kw.update(d_model=args.d_model, d_head=max(1, args.d_model // n_head), d_inner=4 * args.d_model)
+    model_kw.update(args.model_overrides)
+    for key in ("steps", "batch_size", "lr", "warmup_steps", "eval_every", "clip"):
+        if getattr(args, key) is not None:
+            opt[key] = getattr(args, key)
+    if opt["batch_size"] % args.grad_accum:
+        raise ConfigError(f"--batch-size {opt['batch_size']} is not divisible by --grad-accum {args.grad_accum}")
+    return TXLConfig(**model_kw), opt
+
+
+def lr_at(step: int, *, lr: float, warmup_steps: int, steps: int) -> float:
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+    return 0.5 * lr * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def _dist_setup(device: torch.device) -> tuple[int, int, torch.device]:
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    return rank, world, device
+
+
+def train(args: TrainArgs) -> dict[str, Any]:
+    from model.data import OrderedIterator, load_corpus
+
+    cfg, opt = resolve(args)
+    rank, world, device = _dist_setup(pick_device(args.device))
+    out = Path(args.out)
+    torch.manual_seed(args.seed + rank)
+    corpus = load_corpus(args.data)
+    model = MemTransformerLM(cfg).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt["lr"], weight_decay=args.weight_decay)
+    micro = opt["batch_size"] // args.grad_accum
+    batches = OrderedIterator(corpus.train, opt["batch_size"], cfg.tgt_len, rank=rank, world_size=world,
+                              device=device)
+    step, tokens_seen, mems, last_eval = 0, 0, None, {}
+    if args.resume:
+        ckpt = load_checkpoint(out, device=device)
+        if ckpt.config != cfg.replace(dropout=0.0, dropatt=0.0):
+            raise ConfigError(f"--resume: {out} was trained with another model config; use the same flags")
+        model.load_state_dict(ckpt.model.state_dict())
+        tensors, info = load_train_state(out)
+        optimizer.load_state_dict(optimizer_from_flat(tensors, info["param_groups"]))
+        torch.set_rng_state(tensors["rng.cpu"])
+        if "rng.cuda" in tensors and device.type == "cuda":
+            torch.cuda.set_rng_state(tensors["rng.cuda"])
+        mems = tensors["mems"].to(device) if "mems" in tensors else None
+        batches.load_state_dict(info["data"])
+        step, tokens_seen, last_eval = info["step"], info["tokens_seen"], info.get("last_eval", {})
+    ddp = model
+    if world > 1 or "RANK" in os.environ:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def meta() -> dict[str, Any]:
+        return {"data": str(args.data), "preset": args.preset, "steps": step, "tokens_seen": tokens_seen,
+                "world_size": world, "command": args.command, "optim": opt, **last_eval}
+
+    def save() -> None:
+        if rank == 0:
+            save_checkpoint(model, out, training=meta())
+            save_train_state(out, optimizer=optimizer, mems=mems,
+                             info={"step": step, "tokens_seen": tokens_seen, "data": batches.state_dict(),
+                                   "last_eval": last_eval, "args": asdict(args)})
+
+    def log(record: dict[str, Any]) -> None:
+        if rank == 0:
+            with open(out / "metrics.jsonl", "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    out.mkdir(parents=True, exist_ok=True)
+    bar = None
+    if args.progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=opt["steps"], initial=step, unit="step", dynamic_ncols=True)
+    stream = batches.forever()
+    t0, tok0 = time.perf_counter(), tokens_seen
+    losses: list[float] = []
+    model.train()
+    last_step = min(opt["steps"], args.stop_at or opt["steps"])
+    while step < last_step:
+        inp, tgt = next(stream)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, lr=opt["lr"], warmup_steps=opt["warmup_steps"], steps=opt["steps"])
+        if mems is not None and mems.size(1) != inp.size(0):
+            mems = None  # defensive: batch size changed between runs
+        new_mems, step_loss = [], 0.0
+        for i in range(args.grad_accum):
+            rows = slice(i * micro, (i + 1) * micro)
+            with autocast:
+                logits, m = ddp(inp[rows], None if mems is None else mems[:, rows])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), tgt[rows].flatten())
+            (loss / args.grad_accum).backward()
+            step_loss += float(loss.detach()) / args.grad_accum
+            new_mems.append(m)
+        mems = None if new_mems[0] is None else torch.cat(new_mems, dim=1).float()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), opt["clip"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += inp.numel() * world
+        losses.append(step_loss)
+        elapsed = time.perf_counter() - t0
+        tok_s = (tokens_seen - tok0) / max(elapsed, 1e-9)
+        record = {"step": step, "loss": step_loss, "bpc": step_loss / math.log(2),
+                  "lr": optimizer.param_groups[0]["lr"], "tokens_seen": tokens_seen, "tokens_per_s": tok_s, "elapsed_s": elapsed}
+        if opt["eval_every"] and (step % opt["eval_every"] == 0 or step == opt["steps"]):
+            ev = evaluate(model, corpus.valid, tgt_len=cfg.tgt_len, max_tokens=args.eval_tokens, device=device)
+            last_eval = {"valid_bpc": ev["bpc"], "valid_tokens": ev["tokens"], "valid_step": step}
+            record.update(last_eval)
+            model.train()
+        log(record)
+        if bar is not None:
+            bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{tok_s:,.0f}", **(
+                {"valid_bpc": f"{last_eval['valid_bpc']:.3f}"} if last_eval else {}))
+            bar.update(1)
+        if args.save_every and step % args.save_every == 0:
+            save()
+    if bar is not None:
+        bar.close()
+    save()
+    if "RANK" in os.environ:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return {"steps": step, "tokens_seen": tokens_seen, "losses": losses, "out": str(out), **last_eval}

@@ -1,0 +1,68 @@
+"""Exact-resume training state in safetensors + JSON (no pickle).
+
+``train_state/`` beside the checkpoint holds ``state.safetensors`` (optimizer
+moments, RNG states, the training mems) and ``state.json`` (step, tokens seen,
+data position, optimizer param groups).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from model.errors import CheckpointError
+
+STATE_DIR = "train_state"
+
+
+def optimizer_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    sd = optimizer.state_dict()
+    tensors = {}
+    for idx, per_param in sd["state"].items():
+        for key, value in per_param.items():
+            t = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"optim.{idx}.{key}"] = t.detach().cpu().contiguous()
+    return tensors, sd["param_groups"]
+
+
+def optimizer_from_flat(tensors: dict[str, torch.Tensor], param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if name.startswith("optim."):
+            _, idx, key = name.split(".", 2)
+            state.setdefault(int(idx), {})[key] = t
+    return {"state": state, "param_groups": param_groups}
+
+
+def save_train_state(out_dir: str | Path, *, optimizer: torch.optim.Optimizer, mems: torch.Tensor | None,
+                     info: dict[str, Any]) -> None:
+    path = Path(out_dir) / STATE_DIR
+    path.mkdir(parents=True, exist_ok=True)
+    tensors, groups = optimizer_to_flat(optimizer)
+    tensors["rng.cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    if mems is not None:
+        tensors["mems"] = mems.detach().float().cpu().contiguous()
+    save_file(tensors, str(path / "state.safetensors.tmp"))
+    os.replace(path / "state.safetensors.tmp", path / "state.safetensors")
+    (path / "state.json.tmp").write_text(json.dumps({**info, "param_groups": groups}, indent=2))
+    os.replace(path / "state.json.tmp", path / "state.json")
+
+
+def load_train_state(out_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    path = Path(out_dir) / STATE_DIR
+    try:
+        info = json.loads((path / "state.json").read_text())
+        tensors = load_file(str(path / "state.safetensors"))
+    except FileNotFoundError:
+        raise CheckpointError(f"--resume: no training state in {path}") from None
+    except (OSError, ValueError, SafetensorError) as err:
+        raise CheckpointError(f"--resume: training state in {path} is damaged: {err}") from None
+    return tensors, info

@@ -1,0 +1,126 @@
+"""The `txlserve` command. Each subcommand imports only what it needs, so
+`txlserve train` never loads the web stack."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+
+from model.errors import TxlError
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a Transformer-XL and write a checkpoint")
+    p.add_argument("--data", required=True, help="enwik8/text8 (.zip, .gz or raw), a text file, or a folder of .txt")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--preset", default="tiny", help="tiny | small | enwik8-base")
+    for flag, typ in (("--steps", int), ("--batch-size", int), ("--lr", float), ("--warmup-steps", int),
+                      ("--tgt-len", int), ("--mem-len", int), ("--n-layer", int), ("--d-model", int),
+                      ("--eval-every", int), ("--clip", float)):
+        p.add_argument(flag, type=typ, default=None)
+    p.add_argument("--eval-tokens", type=int, default=200_000, help="valid bytes per evaluation")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=1111)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--resume", action="store_true", help="continue from the training state in --out")
+    p.add_argument("--stop-at", type=int, default=None, help="end this run at that step; --resume continues")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(ns: argparse.Namespace) -> int:
+    from model.train import TrainArgs, train
+
+    args = TrainArgs(
+        data=ns.data, out=ns.out, preset=ns.preset, steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr,
+        warmup_steps=ns.warmup_steps, tgt_len=ns.tgt_len, mem_len=ns.mem_len, n_layer=ns.n_layer,
+        d_model=ns.d_model, eval_every=ns.eval_every, eval_tokens=ns.eval_tokens, save_every=ns.save_every,
+        grad_accum=ns.grad_accum, clip=ns.clip, weight_decay=ns.weight_decay, seed=ns.seed, device=ns.device,
+        resume=ns.resume, stop_at=ns.stop_at, progress=not ns.no_progress, command="txlserve " + shlex.join(ns.argv),
+    )
+    result = train(args)
+    summary = {k: v for k, v in result.items() if k != "losses"}
+    summary["final_loss"] = result["losses"][-1] if result["losses"] else None
+    print(json.dumps(summary))
+    return 0
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="bits per character and perplexity of a checkpoint on a corpus split")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--split", default="test", choices=["train", "valid", "test", "all"])
+    p.add_argument("--tgt-len", type=int, default=None)
+    p.add_argument("--mem-len", type=int, default=None)
+    p.add_argument("--clamp-len", type=int, default=None)
+    p.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_eval)
+
+
+def _cmd_eval(ns: argparse.Namespace) -> int:
+    import numpy as np
+
+    from model.checkpoint import load_checkpoint
+    from model.data import load_corpus
+    from model.evaluate import evaluate
+    from model.train import pick_device
+
+    device = pick_device(ns.device)
+    overrides = {k: v for k, v in (("mem_len", ns.mem_len), ("clamp_len", ns.clamp_len),
+                                    ("same_length", ns.same_length)) if v is not None}
+    ckpt = load_checkpoint(ns.checkpoint, device=device, **overrides)
+    cfg = ckpt.config
+    tgt_len = ns.tgt_len or cfg.tgt_len
+    corpus = load_corpus(ns.data)
+    splits = ["train", "valid", "test"] if ns.split == "all" else [ns.split]
+    results = {}
+    for name in splits:
+        data = corpus.split(name)
+        results[name] = evaluate(ckpt.model, np.asarray(data), tgt_len=tgt_len, batch_size=ns.batch_size,
+                                 max_tokens=ns.max_tokens, device=device)
+    settings = {"checkpoint": str(ns.checkpoint), "data": str(ns.data), "tgt_len": tgt_len, "mem_len": cfg.mem_len,
+                "clamp_len": cfg.clamp_len, "same_length": cfg.same_length, "batch_size": ns.batch_size,
+                "device": str(device)}
+    if ns.json:
+        if len(splits) == 1:
+            print(json.dumps({**results[splits[0]], "split": splits[0], **settings}))
+        else:
+            print(json.dumps({"splits": results, **settings}))
+    else:
+        for name, r in results.items():
+            print(f"{name:5s}  bpc {r['bpc']:.4f}  ppl {r['ppl']:.4f}  tokens {r['tokens']:,}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="txlserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    _add_eval(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser().parse_args(argv)
+    ns.argv = argv
+    try:
+        return ns.func(ns)
+    except TxlError as err:
+        print(f"txlserve: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Training, checkpoints and evaluation, end to end on small real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.errors import CheckpointError
+from model.train import TrainArgs, train
+from model.transformer_xl import MemTransformerLM
+from tests.model.test_transformer_xl import tiny_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "story.txt"
+    words = "the quick brown fox jumps over the lazy dog while seven wizards quietly hum".split()
+    rng = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, len(words), (12_000,), generator=rng).tolist()
+    path.write_text(" ".join(words[i] for i in idx) + "\n")
+    return path
+
+
+def test_tiny_model_overfits_repeating_text(tmp_path):
+    data = tmp_path / "abc.txt"
+    data.write_text("abcdefghij" * 2000)
+    result = train(TrainArgs(data=str(data), out=str(tmp_path / "ck"), preset="tiny", steps=300, lr=5e-3,
+                             progress=False))
+    assert result["losses"][0] > 3.0
+    assert sum(result["losses"][-10:]) / 10 < 0.05
+
+
+def test_save_load_round_trip_identical_logits(tmp_path):
+    torch.manual_seed(0)
+    model = MemTransformerLM(tiny_config()).eval()
+    fp = save_checkpoint(model, tmp_path, training={"steps": 3})
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt.fingerprint == fp and ckpt.meta["training"]["steps"] == 3
+    x = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        a, ma = model(x)
+        b, mb = ckpt.model(x)
+    assert torch.equal(a, b) and torch.equal(ma, mb)
+    assert ckpt.model.out_layer.weight.data_ptr() == ckpt.model.word_emb.weight.data_ptr()
+
+
+def test_bf16_checkpoint_keeps_fingerprint_of_stored_weights(tmp_path):
+    model = MemTransformerLM(tiny_config())
+    fp32 = save_checkpoint(model, tmp_path / "a")
+    bf16 = save_checkpoint(model, tmp_path / "b", dtype=torch.bfloat16)
+    assert fp32 != bf16
+    assert load_checkpoint(tmp_path / "b").fingerprint == bf16
+
+
+def test_resume_matches_uninterrupted_run(corpus, tmp_path):
+    common = dict(data=str(corpus), preset="tiny", lr=2e-3, warmup_steps=3, progress=False,
+                  model_overrides={"dropout": 0.1})
+    full = train(TrainArgs(out=str(tmp_path / "full"), steps=12, **common))
+    train(TrainArgs(out=str(tmp_path / "part"), steps=12, stop_at=6, **common))
+    # the same command line with --resume continues from step 6
+    resumed = train(TrainArgs(out=str(tmp_path / "part"), steps=12, resume=True, **common))
+    assert len(resumed["losses"]) == 6
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][6:]),
+                               rtol=1e-5, atol=1e-6)
+    a, b = load_checkpoint(tmp_path / "full"), load_checkpoint(tmp_path / "part")
+    assert a.fingerprint == b.fingerprint or all(
+        torch.allclose(p, q, atol=1e-6) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    assert b.meta["training"]["steps"] == 12
+
+
+def test_resume_refuses_a_different_model(corpus, tmp_path):
+    from model.errors import ConfigError
+
+    train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=2, progress=False))
+    with pytest.raises(ConfigError, match="another model config"):
+        train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=4, n_layer=3, resume=True,
+                        progress=False))
+
+
+def test_metrics_and_checkpoint_metadata(corpus, tmp_path):
+    train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=4, eval_every=2,
+                    eval_tokens=2000, progress=False, command="txlserve train ..."))
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert "valid_bpc" in lines[1] and lines[1]["valid_bpc"] > 0
+    assert all(r["tokens_per_s"] > 0 for r in lines)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    t = meta["training"]
+    assert t["steps"] == 4 and t["tokens_seen"] == 4 * 8 * 32 and t["valid_bpc"] > 0
+    assert t["command"] == "txlserve train ..." and len(meta["fingerprint"]) == 32
+    assert (tmp_path / "train_state" / "state.safetensors").is_file()
+
+
+def _cli(*args: str, env: dict | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_cli_train_then_eval_json(corpus, tmp_path):
+    out = tmp_path / "ck"
+    r = _cli("train", "--data", str(corpus), "--out", str(out), "--preset", "tiny", "--steps", "3",
+             "--no-progress")
+    assert r.returncode == 0, r.stderr
+    r = _cli("eval", "--checkpoint", str(out), "--data", str(corpus), "--split", "valid", "--json",
+             "--mem-len", "64", "--same-length")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["mem_len"] == 64 and result["same_length"] is True and result["split"] == "valid"
+    assert result["tokens"] > 1000 and 0 < result["bpc"] < 9
+    assert abs(result["ppl"] - 2 ** result["bpc"]) < 1e-6 * result["ppl"]
+    direct = json.loads(_cli("eval", "--checkpoint", str(out), "--data", str(corpus), "--split", "valid",
+                             "--json", "--mem-len", "64", "--same-length").stdout)
+    assert direct["bpc"] == result["bpc"]  # evaluation is deterministic
+
+
+def test_eval_with_longer_memory_than_training(corpus, tmp_path):
+    train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=30, progress=False))
+    from model.data import load_corpus
+    from model.evaluate import evaluate
+
+    valid = load_corpus(corpus).valid
+    short = evaluate(load_checkpoint(tmp_path).model, valid, tgt_len=16)
+    long = evaluate(load_checkpoint(tmp_path, mem_len=128).model, valid, tgt_len=16)
+    assert short["tokens"] == long["tokens"] and short["bpc"] != long["bpc"]
+
+
+@pytest.mark.parametrize("damage", ["no_dir", "no_config", "no_weights", "garbage_weights", "bad_json",
+                                    "wrong_shape", "replaced_weights"])
+def test_damaged_checkpoint_gives_one_clear_line(tmp_path, damage):
+    ck = tmp_path / "ck"
+    save_checkpoint(MemTransformerLM(tiny_config()), ck)
+    if damage == "no_dir":
+        ck = tmp_path / "missing"
+    elif damage == "no_config":
+        (ck / "config.json").unlink()
+    elif damage == "no_weights":
+        (ck / "model.safetensors").unlink()
+    elif damage == "garbage_weights":
+        (ck / "model.safetensors").write_bytes(b"\x00\x01not safetensors at all")
+    elif damage == "bad_json":
+        (ck / "config.json").write_text("{not json")
+    elif damage == "wrong_shape":
+        meta = json.loads((ck / "config.json").read_text())
+        meta["model"]["d_inner"] = 48
+        (ck / "config.json").write_text(json.dumps(meta))
+    elif damage == "replaced_weights":
+        save_checkpoint(MemTransformerLM(tiny_config(n_layer=1)), tmp_path / "other")
+        (ck / "model.safetensors").write_bytes((tmp_path / "other" / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError):
+        load_checkpoint(ck)
+    r = _cli("eval", "--checkpoint", str(ck), "--data", str(ck), "--json")
+    assert r.returncode == 2
+    assert r.stderr.startswith("txlserve: error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_ddp_with_gloo_on_cpu(corpus, tmp_path):
+    out = tmp_path / "ddp"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+         "server.cli", "train", "--data", str(corpus), "--out", str(out), "--preset", "tiny", "--steps", "3",
+         "--device", "cpu", "--no-progress"],
+        cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    meta = json.loads((out / "config.json").read_text())["training"]
+    assert meta["world_size"] == 2 and meta["tokens_seen"] == 3 * 2 * 8 * 32
+    assert load_checkpoint(out).fingerprint

@@ -1,0 +1,183 @@
+"""Numerical checks of the Transformer-XL against plain, term-by-term arithmetic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model.config import TXLConfig
+from model.transformer_xl import (
+    MemTransformerLM,
+    RelPartialLearnableMultiHeadAttn,
+    attn_mask,
+    relative_positions,
+)
+
+
+def tiny_config(**kw) -> TXLConfig:
+    base = dict(n_layer=2, d_model=16, n_head=2, d_head=4, d_inner=32, dropout=0.0, tgt_len=6, mem_len=5)
+    base.update(kw)
+    return TXLConfig(**base)
+
+
+def sinusoid(dist: int, d_model: int) -> torch.Tensor:
+    inv = [1.0 / (10000 ** (2 * k / d_model)) for k in range(d_model // 2)]
+    return torch.tensor([math.sin(dist * f) for f in inv] + [math.cos(dist * f) for f in inv], dtype=torch.float64)
+
+
+def explicit_attention(attn, h, mems, u, v, clamp_len, window):
+    """The paper's eq. for A_ij written out: (a) + (b) + (c) + (d), loops over i and j."""
+    H, Dh = attn.n_head, attn.d_head
+    W = attn.qkv_net.weight.double()
+    Wq, Wk, Wv = W[: H * Dh], W[H * Dh : 2 * H * Dh], W[2 * H * Dh :]
+    Wr, Wo = attn.r_net.weight.double(), attn.o_net.weight.double()
+    u, v = u.double(), v.double()
+    bsz, qlen, d = h.shape
+    mlen = 0 if mems is None else mems.size(1)
+    cat = h.double() if mems is None else torch.cat([mems, h], 1).double()
+    out = torch.zeros(bsz, qlen, d, dtype=torch.float64)
+    for b in range(bsz):
+        for i in range(qlen):
+            x_i = cat[b, mlen + i]
+            heads = []
+            for n in range(H):
+                sl = slice(n * Dh, (n + 1) * Dh)
+                q = Wq[sl] @ x_i
+                scores, values = [], []
+                for j in range(mlen + qlen):
+                    dist = mlen + i - j
+                    if dist < 0 or (window is not None and dist > window):
+                        continue
+                    rel = min(dist, clamp_len) if clamp_len > 0 else dist
+                    k = Wk[sl] @ cat[b, j]
+                    r = Wr[sl] @ sinusoid(rel, d)
+                    a = q @ k  # (a) content-content
+                    bb = q @ r  # (b) content-position
+                    c = u[n] @ k  # (c) global content bias
+                    dd = v[n] @ r  # (d) global position bias
+                    scores.append((a + bb + c + dd) / math.sqrt(Dh))
+                    values.append(Wv[sl] @ cat[b, j])
+                p = torch.softmax(torch.stack(scores), 0)
+                heads.append(sum(pj * vj for pj, vj in zip(p, values)))
+            attn_out = Wo @ torch.cat(heads)
+            out[b, i] = torch.nn.functional.layer_norm(
+                h[b, i].double() + attn_out, (d,), attn.layer_norm.weight.double(), attn.layer_norm.bias.double())
+    return out
+
+
+@pytest.mark.parametrize("mlen", [0, 3])
+@pytest.mark.parametrize("clamp_len", [0, 2])
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_equals_term_by_term(mlen, clamp_len, window):
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    attn = RelPartialLearnableMultiHeadAttn(cfg).eval()
+    torch.nn.init.normal_(attn.layer_norm.weight, 1.0, 0.2)
+    torch.nn.init.normal_(attn.layer_norm.bias, 0.0, 0.2)
+    h = torch.randn(2, 4, cfg.d_model)
+    mems = torch.randn(2, mlen, cfg.d_model) if mlen else None
+    u, v = torch.randn(cfg.n_head, cfg.d_head), torch.randn(cfg.n_head, cfg.d_head)
+    klen = mlen + 4
+    r = attn_pos = MemTransformerLM(cfg).pos_emb(relative_positions(klen, clamp_len))
+    assert attn_pos.shape == (klen, cfg.d_model)
+    got = attn(h, r, u, v, attn_mask(4, mlen, window), mems)
+    want = explicit_attention(attn, h, mems, u, v, clamp_len, window)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    if clamp_len and mlen:  # clamping must matter here, or the test proves nothing
+        unclamped = attn(h, MemTransformerLM(cfg).pos_emb(relative_positions(klen, 0)), u, v,
+                         attn_mask(4, mlen, window), mems)
+        assert not torch.allclose(unclamped, got, atol=1e-4)
+
+
+def test_no_gradient_flows_into_mems():
+    torch.manual_seed(0)
+    model = MemTransformerLM(tiny_config())
+    x = torch.randint(0, 256, (2, 6))
+    _, mems = model(x)
+    assert mems is not None and not mems.requires_grad
+    mems = mems.clone().requires_grad_(True)
+    nll, new_mems = model.loss(x, x, mems)
+    nll.mean().backward()
+    assert mems.grad is None
+    assert not new_mems.requires_grad
+    assert model.word_emb.weight.grad is not None
+
+
+def test_mems_keep_last_mem_len_layer_inputs():
+    torch.manual_seed(0)
+    cfg = tiny_config(mem_len=4)
+    model = MemTransformerLM(cfg).eval()
+    x = torch.randint(0, 256, (1, 6))
+    _, mems = model(x)
+    assert mems.shape == (cfg.n_layer, 1, 4, cfg.d_model)
+    emb = model.word_emb(x) * model.emb_scale
+    torch.testing.assert_close(mems[0], emb[:, -4:])  # layer 0's input is the embedding
+
+
+@pytest.mark.parametrize("seg", [1, 2, 5, 7, 40])
+def test_same_length_segments_equal_token_by_token(seg):
+    torch.manual_seed(0)
+    cfg = tiny_config(mem_len=6, same_length=True, clamp_len=0)
+    model = MemTransformerLM(cfg).eval()
+    x = torch.randint(0, 256, (2, 41))
+    inp, tgt = x[:, :-1], x[:, 1:]
+
+    def run(step):
+        mems, out = None, []
+        for s in range(0, inp.size(1), step):
+            nll, mems = model.loss(inp[:, s : s + step], tgt[:, s : s + step], mems)
+            out.append(nll)
+        return torch.cat(out, 1)
+
+    with torch.no_grad():
+        torch.testing.assert_close(run(seg), run(1), atol=1e-5, rtol=1e-5)
+
+
+def test_without_same_length_segmentation_matters():
+    """The control for the test above: with full attention to mems, splits change results."""
+    torch.manual_seed(0)
+    model = MemTransformerLM(tiny_config(mem_len=6, same_length=False)).eval()
+    x = torch.randint(0, 256, (1, 21))
+    with torch.no_grad():
+        whole, _ = model.loss(x[:, :-1], x[:, 1:])
+        mems, parts = None, []
+        for s in range(0, 20, 1):
+            nll, mems = model.loss(x[:, s : s + 1], x[:, s + 1 : s + 2], mems)
+            parts.append(nll)
+    assert not torch.allclose(whole, torch.cat(parts, 1), atol=1e-4)
+
+
+def test_untie_r_and_pre_lnorm_variants_run_and_differ():
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (2, 6))
+    outs = []
+    for untie_r, pre in [(True, False), (False, False), (True, True)]:
+        torch.manual_seed(0)
+        model = MemTransformerLM(tiny_config(untie_r=untie_r, pre_lnorm=pre)).eval()
+        has_shared = hasattr(model, "r_w_bias")
+        assert has_shared == (not untie_r)
+        logits, _ = model(x)
+        outs.append(logits)
+    assert not torch.allclose(outs[0], outs[2])
+
+
+def test_output_weights_tied_to_input_embedding():
+    model = MemTransformerLM(tiny_config())
+    assert model.out_layer.weight.data_ptr() == model.word_emb.weight.data_ptr()
+
+
+def test_config_validation():
+    from model.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="n_layer"):
+        tiny_config(n_layer=0)
+    with pytest.raises(ConfigError, match="dropout"):
+        tiny_config(dropout=1.5)
+    with pytest.raises(ConfigError, match="d_model"):
+        tiny_config(d_model=15)
+    with pytest.raises(ConfigError, match="unknown"):
+        TXLConfig.from_dict({"n_layer": 2, "bogus": 1})
+    cfg = tiny_config()
+    assert TXLConfig.from_dict(cfg.to_dict()) == cfg

@@ -190,7 +190,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         tok_s = (tokens_seen - tok0) / max(elapsed, 1e-9)
         record = {"step": step, "loss": step_loss, "bpc": step_loss / math.log(2),
-                  "lr": optimizer.param_groups[0]["lr"], "tokens_seen": tokens_seen, "tokens_per_s": tok_s, "elapsed_s": elapsed}
+                  "lr": optimizer.param_groups[0]["lr"], "tokens_seen": tokens_seen, "tokens_per_s": tok_s,
+                  "elapsed_s": elapsed}
         if opt["eval_every"] and (step % opt["eval_every"] == 0 or step == opt["steps"]):
             ev = evaluate(model, corpus.valid, tgt_len=cfg.tgt_len, max_tokens=args.eval_tokens, device=device)
             last_eval = {"valid_bpc": ev["bpc"], "valid_tokens": ev["tokens"], "valid_step": step}

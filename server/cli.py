@@ -101,11 +101,57 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream a continuation of a prompt to the terminal")
+    p.add_argument("--checkpoint", default=None, help="default: the bundled checkpoint")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--mem-len", type=int, default=None, help="default: the checkpoint's")
+    p.add_argument("--clamp-len", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from model.bundled import resolve_checkpoint
+    from model.engine import Engine
+    from model.sampling import SamplingParams
+    from model.train import pick_device
+
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p,
+                            seed=ns.seed, stop=tuple(ns.stop))
+    engine = Engine.from_checkpoint(resolve_checkpoint(ns.checkpoint), device=pick_device(ns.device),
+                                    mem_len=ns.mem_len, clamp_len=ns.clamp_len)
+    sys.stdout.write(ns.prompt)
+    for event in engine.generate(engine.new_state(), ns.prompt, params):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from bench import decode
+
+    p = sub.add_parser("bench", help="benchmarks that print one JSON object")
+    kinds = p.add_subparsers(dest="bench", required=True)
+    d = kinds.add_parser("decode", help="ring-buffer decoder vs the naive re-projecting decoder")
+    decode.add_arguments(d)
+    d.set_defaults(func=decode.main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="txlserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_eval(sub)
+    _add_generate(sub)
+    _add_bench(sub)
     return parser
 
 

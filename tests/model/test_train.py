@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "story.txt"
-    words = "the quick brown fox jumps over the lazy dog while seven wizards quietly hum".split()
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "seven", "wizards",
+             "quietly", "hum"]
     rng = torch.Generator().manual_seed(0)
     idx = torch.randint(0, len(words), (12_000,), generator=rng).tolist()
     path.write_text(" ".join(words[i] for i in idx) + "\n")

@@ -1,0 +1,17 @@
+"""Where the checkpoint that ships with txlserve lives, so every command has a default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from model.errors import CheckpointError
+
+BUNDLED = Path(__file__).resolve().parent.parent / "checkpoints" / "shakespeare-small"
+
+
+def resolve_checkpoint(path: str | Path | None) -> str:
+    if path is not None:
+        return str(path)
+    if not (BUNDLED / "config.json").is_file():
+        raise CheckpointError(f"no --checkpoint given and the bundled checkpoint is missing at {BUNDLED}")
+    return str(BUNDLED)

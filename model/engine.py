@@ -1,0 +1,199 @@
+"""The inference engine: a checkpoint, its decoder, and the session-state and generation API.
+
+The engine does no I/O: a session's state leaves it as plain tensors
+(``export_state``) and comes back through ``import_state``, which refuses a state
+built by another model or with other ``mem_len``/``clamp_len`` settings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from model.checkpoint import Checkpoint, load_checkpoint
+from model.decode import Decoder, DecodeState
+from model.errors import InvalidRequestError, StateIncompatible
+from model.sampling import SamplingParams, sample, token_logprobs
+from model.streaming import TextStreamer
+
+
+def token_text(token: int) -> str:
+    """How a byte token is named in logprobs: the character if ASCII, else OpenAI's ``bytes:\\xNN``."""
+    return chr(token) if token < 128 else f"bytes:\\x{token:02x}"
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    text: str  # text released by this token (may be empty while bytes are held back)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | None while generating
+
+
+@dataclass
+class Generation:
+    """One request's sampling, stop strings and text assembly; every serving loop drives one per request."""
+
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.rng = self.params.generator()
+        self.streamer = TextStreamer(self.params.stop)
+
+    def on_logits(self, logits: Tensor) -> TokenEvent:
+        """Choose the next token from ``logits [vocab]`` and say what text it releases."""
+        logits = logits.float().cpu()
+        token = sample(logits, self.params, self.rng)
+        self.tokens.append(token)
+        event = TokenEvent(token, self.streamer.push(bytes([token])))
+        if self.params.logprobs is not None:
+            event.logprob, event.top_logprobs = token_logprobs(logits, token, self.params.logprobs)
+        if self.streamer.stopped_by is not None:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.params.max_tokens:
+            self.finish_reason = "length"
+            event.text += self.streamer.flush()
+        event.finish_reason = self.finish_reason
+        return event
+
+
+@dataclass
+class Score:
+    tokens: int  # tokens that had a prediction (the first token of an empty state has none)
+    logprob: float  # natural log-likelihood of those tokens
+
+    @property
+    def bpc(self) -> float:
+        return -self.logprob / math.log(2) / self.tokens if self.tokens else float("nan")
+
+
+class Engine:
+    """Loads once; feeds text into session states and generates from them."""
+
+    def __init__(self, ckpt: Checkpoint, *, mem_len: int | None = None, clamp_len: int | None = None,
+                 prefill_chunk: int = 512) -> None:
+        self.ckpt, self.model, self.tokenizer, self.config = ckpt, ckpt.model, ckpt.tokenizer, ckpt.config
+        self.mem_len = ckpt.config.mem_len if mem_len is None else mem_len
+        self.clamp_len = ckpt.config.clamp_len if clamp_len is None else clamp_len
+        self.decoder = Decoder(ckpt.model, mem_len=self.mem_len, clamp_len=self.clamp_len)
+        self.prefill_chunk = prefill_chunk
+        # what a stored state must match: the weights and the attention window it was built with
+        self.fingerprint = f"{ckpt.fingerprint}:m{self.mem_len}:c{self.clamp_len}"
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, *, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None, **kw: int | None) -> Engine:
+        return cls(load_checkpoint(path, device=device, dtype=dtype), **kw)
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.device
+
+    def new_state(self, batch: int = 1) -> DecodeState:
+        return self.decoder.empty(batch)
+
+    def encode(self, text: str | bytes) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def feed(self, state: DecodeState, tokens: list[int]) -> Tensor:
+        """Prefill one session (``state.batch == 1``) with ``tokens``; logits [n, vocab]."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
+        return self.decoder.prefill(state, ids, chunk_size=self.prefill_chunk)[0]
+
+    # -- session state <-> plain tensors -------------------------------------------------------
+    def _ring_slots(self, seen: int) -> Tensor:
+        m = min(seen, self.mem_len)
+        return torch.arange(seen - m, seen, device=self.device).remainder(self.mem_len)  # [m]
+
+    def export_state(self, state: DecodeState, row: int = 0, *, dtype: torch.dtype | None = None,
+                     hot: bool = False) -> dict[str, Tensor]:
+        """``mems [n_layer, m, d_model]`` (oldest first) and ``last_logits [vocab]``; with ``hot``, also the
+        cached keys/values as ``_k``/``_v`` (hot-tier only: they can always be recomputed from mems)."""
+        slots = self._ring_slots(int(state.seen[row]))
+        cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+        out = {"mems": cast(state.hid[:, row, slots]).contiguous(),  # [n_layer, m, d_model]
+               "last_logits": state.last_logits[row].float().contiguous()}  # [vocab]
+        if hot:
+            out["_k"] = cast(state.k[:, row, :, slots]).contiguous()  # [n_layer, H, m, Dh]
+            out["_v"] = cast(state.v[:, row, :, slots]).contiguous()
+        return out
+
+    def import_state(self, tensors: dict[str, Tensor], *, tokens_seen: int, fingerprint: str) -> DecodeState:
+        """Rebuild a hot state (batch 1); recompute keys/values from mems when the cache is absent."""
+        if fingerprint != self.fingerprint:
+            raise StateIncompatible("this session was built by another model or with another mem_len/clamp_len "
+                                    f"(state {fingerprint!r}, server {self.fingerprint!r})")
+        cfg, m = self.config, min(tokens_seen, self.mem_len)
+        mems, last = tensors.get("mems"), tensors.get("last_logits")
+        if mems is None or tuple(mems.shape) != (cfg.n_layer, m, cfg.d_model):
+            got = None if mems is None else tuple(mems.shape)
+            raise StateIncompatible(f"session mems have shape {got}, this model needs "
+                                    f"{(cfg.n_layer, m, cfg.d_model)} (n_layer, min(tokens_seen, mem_len), d_model)")
+        if last is None or tuple(last.shape) != (cfg.vocab_size,):
+            raise StateIncompatible(f"session last_logits must have shape ({cfg.vocab_size},)")
+        state = self.new_state(1)
+        slots = self._ring_slots(tokens_seen)
+        hid = mems.to(self.device, self.decoder.dtype)  # [n_layer, m, d_model]
+        state.hid[:, 0, slots] = hid
+        k, v = tensors.get("_k"), tensors.get("_v")
+        if k is None or v is None or k.shape != (cfg.n_layer, cfg.n_head, m, cfg.d_head) or v.shape != k.shape:
+            k, v = self._project_kv(hid)
+        state.k[:, 0, :, slots] = k.to(self.device, self.decoder.dtype)
+        state.v[:, 0, :, slots] = v.to(self.device, self.decoder.dtype)
+        state.seen[0] = tokens_seen
+        state.last_logits[0] = last.to(self.device, torch.float32)
+        return state
+
+    @torch.no_grad()
+    def _project_kv(self, hid: Tensor) -> tuple[Tensor, Tensor]:
+        cfg, ks, vs = self.config, [], []
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.dec_attn
+            x = attn.layer_norm(hid[i]) if cfg.pre_lnorm else hid[i]  # [m, d_model]
+            _, k, v = attn.qkv_net(x).view(-1, 3, cfg.n_head, cfg.d_head).permute(1, 2, 0, 3)  # [H, m, Dh]
+            ks.append(k)
+            vs.append(v)
+        return torch.stack(ks), torch.stack(vs)  # [n_layer, H, m, Dh]
+
+    # -- generation and scoring ----------------------------------------------------------------
+    def generate(self, state: DecodeState, prompt: str | bytes | list[int],
+                 params: SamplingParams) -> Iterator[TokenEvent]:
+        """Continue one session: feed ``prompt``, then yield one event per generated token.
+
+        Every yielded token is fed into ``state`` before the next is chosen, and the last one
+        when the iterator ends or is closed early, so the state always holds prompt plus every
+        token the caller has seen."""
+        ids = prompt if isinstance(prompt, list) else self.encode(prompt)
+        if not ids and int(state.seen[0]) == 0:
+            raise InvalidRequestError("nothing to continue from: the prompt is empty and the session has no "
+                                      "memory yet", param="prompt")
+        if ids:
+            self.feed(state, ids)
+        gen = Generation(params)
+        while gen.finish_reason is None:
+            event = gen.on_logits(state.last_logits[0])
+            try:
+                yield event
+            finally:
+                self.decoder.step(state, torch.tensor([[event.token]], device=self.device))
+
+    def score(self, state: DecodeState, text: str | bytes | list[int]) -> Score:
+        """Log-likelihood of ``text`` continuing ``state``; the state advances past it."""
+        ids = text if isinstance(text, list) else self.encode(text)
+        if not ids:
+            return Score(0, 0.0)
+        had_context = int(state.seen[0]) > 0
+        prev = state.last_logits[0].clone()
+        logits = self.feed(state, ids)  # [n, vocab]
+        preds = torch.cat([prev[None], logits[:-1]]) if had_context else logits[:-1]  # [n or n-1, vocab]
+        targets = torch.tensor(ids if had_context else ids[1:], device=preds.device)
+        logp = torch.log_softmax(preds.float(), -1).gather(-1, targets[:, None]).sum()
+        return Score(targets.numel(), float(logp))

@@ -1,0 +1,268 @@
+"""The engine against the reference model: same numbers however text is split, batched or stored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.decode import DecodeState
+from model.engine import Engine, Generation
+from model.errors import InvalidRequestError, StateIncompatible
+from model.sampling import SamplingParams
+from model.streaming import TextStreamer
+from model.transformer_xl import MemTransformerLM
+from tests.model.test_transformer_xl import tiny_config
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def make_engine(tmp_path, mem_len=None, clamp_len=None, **cfg_kw) -> Engine:
+    torch.manual_seed(0)
+    model = MemTransformerLM(tiny_config(**cfg_kw))
+    for p in model.parameters():  # larger weights than init, so attention patterns matter
+        p.data.normal_(0, 0.3) if p.dim() > 1 else None
+    save_checkpoint(model, tmp_path / "ck")
+    return Engine.from_checkpoint(tmp_path / "ck", mem_len=mem_len, clamp_len=clamp_len)
+
+
+def reference_logits(engine: Engine, tokens: torch.Tensor, seg: int = 5) -> torch.Tensor:
+    """The reference forward in segments with mems, same_length, at the engine's mem_len/clamp_len."""
+    ck = load_checkpoint(engine.ckpt.path, mem_len=engine.mem_len, clamp_len=engine.clamp_len, same_length=True)
+    mems, out = None, []
+    with torch.no_grad():
+        for s in range(0, tokens.size(1), seg):
+            logits, mems = ck.model(tokens[:, s:s + seg], mems)
+            out.append(logits)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(pre_lnorm=True), dict(untie_r=False)])
+def test_incremental_decoding_matches_reference(tmp_path, cfg):
+    engine = make_engine(tmp_path, **cfg)
+    x = torch.randint(0, 256, (2, 37))
+    want = reference_logits(engine, x)
+    state = engine.new_state(2)
+    got = torch.stack([engine.decoder.step(state, x[:, i:i + 1])[:, 0] for i in range(x.size(1))], 1)
+    torch.testing.assert_close(got, want, **TOL)
+    assert state.seen.tolist() == [37, 37]
+
+
+def test_mem_len_larger_than_training(tmp_path):
+    engine = make_engine(tmp_path, mem_len=17)  # training mem_len is 5
+    assert engine.mem_len == 17
+    x = torch.randint(0, 256, (1, 40))
+    torch.testing.assert_close(engine.feed(engine.new_state(), x[0].tolist())[None], reference_logits(engine, x),
+                               **TOL)
+    short = make_engine(tmp_path / "b")
+    assert not torch.allclose(short.feed(short.new_state(), x[0].tolist()), engine.feed(engine.new_state(),
+                                                                                          x[0].tolist()), atol=1e-3)
+
+
+def _pieces(ids: list[int], cuts: list[int]) -> list[list[int]]:
+    bounds = [0, *cuts, len(ids)]
+    return [ids[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("cuts,chunk", [([], 512), ([7, 20], 512), ([1, 2, 3, 10, 11, 30], 4), ([], 1), ([13], 3)])
+def test_split_invariance(tmp_path, cuts, chunk):
+    engine = make_engine(tmp_path)
+    ids = torch.randint(0, 256, (41,)).tolist()
+    whole = engine.new_state()
+    want = engine.feed(whole, ids)
+    engine.prefill_chunk = chunk
+    state = engine.new_state()
+    got = torch.cat([engine.feed(state, p) for p in _pieces(ids, cuts)])
+    torch.testing.assert_close(got, want, **TOL)
+    a, b = engine.export_state(whole), engine.export_state(state)
+    torch.testing.assert_close(a["mems"], b["mems"], **TOL)
+    torch.testing.assert_close(a["last_logits"], b["last_logits"], **TOL)
+
+
+def test_batched_decode_equals_one_by_one(tmp_path):
+    engine = make_engine(tmp_path)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 11, 26)]
+    singles = []
+    for ids in prompts:
+        st = engine.new_state()
+        engine.feed(st, ids)
+        singles.append(st)
+    batch = DecodeState.cat([s.rows([0]) for s in singles])  # copies: the singles stay untouched
+    feed = torch.randint(0, 256, (3, 9))
+    batched = torch.stack([engine.decoder.step(batch, feed[:, i:i + 1])[:, 0] for i in range(9)], 1)
+    for r, st in enumerate(singles):
+        one = torch.stack([engine.decoder.step(st, feed[r:r + 1, i:i + 1])[0, 0] for i in range(9)])
+        torch.testing.assert_close(batched[r], one, **TOL)
+        torch.testing.assert_close(engine.export_state(batch, r)["mems"], engine.export_state(st)["mems"], **TOL)
+
+
+def test_batched_generation_equals_single_with_seeds(tmp_path):
+    engine = make_engine(tmp_path)
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=s) for s in (1, 2, 3)]
+    prompts = ["abc", "a much longer prompt here", "x"]
+    singles = [[e.token for e in engine.generate(engine.new_state(), p, sp)] for p, sp in zip(prompts, params)]
+    states = []
+    for p in prompts:
+        st = engine.new_state()
+        engine.feed(st, engine.encode(p))
+        states.append(st)
+    batch, gens = DecodeState.cat(states), [Generation(sp) for sp in params]
+    for _ in range(12):
+        toks = [g.on_logits(batch.last_logits[r]).token for r, g in enumerate(gens)]
+        engine.decoder.step(batch, torch.tensor(toks)[:, None])
+    assert [g.tokens for g in gens] == singles
+
+
+def test_seed_determinism(tmp_path):
+    engine = make_engine(tmp_path)
+
+    def run(seed):
+        return [e.token for e in engine.generate(engine.new_state(), "Once", SamplingParams(
+            max_tokens=20, temperature=1.0, seed=seed))]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_state_round_trip_continues_identically(tmp_path):
+    engine = make_engine(tmp_path)
+    greedy = SamplingParams(max_tokens=15, temperature=0)
+    ids = torch.randint(0, 256, (23,)).tolist()
+    st = engine.new_state()
+    engine.feed(st, ids)
+    for hot in (False, True):
+        tensors = engine.export_state(st, hot=hot)
+        assert set(tensors) == ({"mems", "last_logits", "_k", "_v"} if hot else {"mems", "last_logits"})
+        copy = engine.import_state({k: v.clone() for k, v in tensors.items()}, tokens_seen=23,
+                                   fingerprint=engine.fingerprint)
+        torch.testing.assert_close(copy.k, st.k, **TOL)  # recomputed keys equal the cached ones
+        a = [e.token for e in engine.generate(copy, "", greedy)]
+        b = [e.token for e in engine.generate(st.rows([0]), "", greedy)]
+        assert a == b
+    compact = engine.export_state(st, dtype=torch.bfloat16)
+    assert compact["mems"].dtype == torch.bfloat16
+    restored = engine.import_state(compact, tokens_seen=23, fingerprint=engine.fingerprint)
+    assert restored.hid.dtype == torch.float32
+
+
+def test_cancel_keeps_every_seen_token_in_state(tmp_path):
+    engine = make_engine(tmp_path)
+    st = engine.new_state()
+    it = engine.generate(st, "hello", SamplingParams(max_tokens=50, temperature=0))
+    got = [next(it).token for _ in range(4)]
+    it.close()
+    assert int(st.seen[0]) == 5 + 4
+    ref = engine.new_state()
+    engine.feed(ref, engine.encode("hello") + got)
+    torch.testing.assert_close(engine.export_state(st)["mems"], engine.export_state(ref)["mems"], **TOL)
+
+
+def test_finished_generation_state_holds_prompt_and_completion(tmp_path):
+    engine = make_engine(tmp_path)
+    st = engine.new_state()
+    events = list(engine.generate(st, "abc", SamplingParams(max_tokens=6, temperature=0)))
+    assert [e.finish_reason for e in events] == [None] * 5 + ["length"]
+    assert int(st.seen[0]) == 3 + 6
+    # continuing the session equals one request with the whole text
+    ref = engine.new_state()
+    engine.feed(ref, engine.encode("abc") + [e.token for e in events])
+    torch.testing.assert_close(st.last_logits, ref.last_logits, **TOL)
+
+
+def test_stop_strings(tmp_path):
+    engine = make_engine(tmp_path)
+    free = list(engine.generate(engine.new_state(), "The", SamplingParams(max_tokens=40, temperature=0)))
+    raw = bytes(e.token for e in free)
+    at = next(i for i in range(4, len(raw)) if raw[i] < 128)  # an ASCII byte to stop on
+    stop = raw[at:at + 1].decode()
+    st = engine.new_state()
+    events = list(engine.generate(st, "The", SamplingParams(max_tokens=40, temperature=0, stop=["\u2603", stop])))
+    text = "".join(e.text for e in events)
+    assert events[-1].finish_reason == "stop" and len(events) == raw.find(stop.encode()) + 1
+    assert text == raw[: raw.find(stop.encode())].decode("utf-8", errors="replace")
+    assert int(st.seen[0]) == 3 + len(events)  # the stop string itself is in memory
+
+
+def test_text_streamer_holds_back_partial_stops_and_utf8():
+    s = TextStreamer(["END"])
+    pieces = [s.push(b) for b in [b"ab", b"E", b"N", b"x", b"E", b"N", b"D", b"zz"]]
+    assert pieces[:3] == ["ab", "", ""] and pieces[3] == "ENx"
+    assert s.stopped_by == "END" and "".join(pieces[:7]) == "abENx"
+    euro = "€".encode()  # 3 bytes
+    s = TextStreamer()
+    assert [s.push(euro[:1]), s.push(euro[1:2]), s.push(euro[2:])] == ["", "", "€"]
+    s = TextStreamer()
+    assert s.push(euro[:2]) == "" and s.flush() == "\ufffd"
+    s = TextStreamer(["€"])  # a multi-byte stop string
+    assert s.push(b"a" + euro[:2]) == "a" and s.push(euro[2:]) == "" and s.stopped_by == "€"
+
+
+def test_generated_pieces_are_valid_utf8_at_char_boundaries(tmp_path):
+    engine = make_engine(tmp_path)
+    for seed in range(5):
+        events = list(engine.generate(engine.new_state(), "x", SamplingParams(max_tokens=40, temperature=1.5,
+                                                                                seed=seed)))
+        joined = "".join(e.text for e in events)
+        assert joined == bytes(e.token for e in events).decode("utf-8", errors="replace")
+
+
+def test_fed_text_split_inside_a_character(tmp_path):
+    engine = make_engine(tmp_path)
+    data = "naïve €uro".encode()
+    cut = data.index("€".encode()) + 1  # inside the 3-byte euro sign
+    a, b = engine.new_state(), engine.new_state()
+    engine.feed(a, list(data))
+    engine.feed(b, list(data[:cut]))
+    engine.feed(b, list(data[cut:]))
+    torch.testing.assert_close(a.last_logits, b.last_logits, **TOL)
+
+
+def test_score_matches_reference_log_likelihood(tmp_path):
+    engine = make_engine(tmp_path)
+    ids = torch.randint(0, 256, (30,))
+    logits = reference_logits(engine, ids[None])[0]
+    want = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None]).sum()
+    st = engine.new_state()
+    first = engine.score(st, ids[:10].tolist())
+    second = engine.score(st, ids[10:].tolist())
+    assert first.tokens + second.tokens == 29
+    assert abs(first.logprob + second.logprob - float(want)) < 1e-3
+    assert second.bpc > 0
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"), (dict(top_k=-3), "top_k"), (dict(logprobs=99), "logprobs"),
+    (dict(stop=[""]), "stop"), (dict(temperature=float("nan")), "temperature"), (dict(max_tokens=2.5), "max_tokens"),
+])
+def test_bad_sampling_params(kw, param):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kw)
+    assert info.value.param == param
+
+
+def test_empty_prompt_on_empty_state(tmp_path):
+    engine = make_engine(tmp_path)
+    with pytest.raises(InvalidRequestError, match="nothing to continue from"):
+        next(engine.generate(engine.new_state(), "", SamplingParams()))
+
+
+def test_state_from_another_model_is_refused(tmp_path):
+    engine = make_engine(tmp_path)
+    st = engine.new_state()
+    engine.feed(st, [1, 2, 3])
+    tensors = engine.export_state(st)
+    with pytest.raises(StateIncompatible, match="another model"):
+        engine.import_state(tensors, tokens_seen=3, fingerprint="someone-else:m5:c0")
+    other = make_engine(tmp_path / "o", n_layer=3)
+    with pytest.raises(StateIncompatible):
+        other.import_state(tensors, tokens_seen=3, fingerprint=engine.fingerprint)
+    with pytest.raises(StateIncompatible, match="shape"):
+        other.import_state(tensors, tokens_seen=3, fingerprint=other.fingerprint)
+    wide = make_engine(tmp_path / "w", d_model=24, d_head=4)
+    with pytest.raises(StateIncompatible, match="shape"):
+        wide.import_state(tensors, tokens_seen=3, fingerprint=wide.fingerprint)
+    longer = make_engine(tmp_path / "l", mem_len=9)
+    with pytest.raises(StateIncompatible):
+        longer.import_state(tensors, tokens_seen=3, fingerprint=engine.fingerprint.replace("m5", "m9") + "x")
+    assert longer.fingerprint != engine.fingerprint

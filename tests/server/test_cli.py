@@ -1,0 +1,60 @@
+"""The `txlserve` command as a user runs it: a real process, a real checkpoint on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.checkpoint import save_checkpoint
+from model.transformer_xl import MemTransformerLM
+from tests.model.test_transformer_xl import tiny_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def txlserve(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("ck")
+    save_checkpoint(MemTransformerLM(tiny_config()), path)
+    return path
+
+
+def test_generate_streams_prompt_and_continuation(checkpoint):
+    r = txlserve("generate", "--checkpoint", str(checkpoint), "--prompt", "Hello", "--max-tokens", "12",
+                 "--seed", "3", "--temperature", "0.7")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Hello") and len(r.stdout.encode()) > len("Hello")
+    again = txlserve("generate", "--checkpoint", str(checkpoint), "--prompt", "Hello", "--max-tokens", "12",
+                     "--seed", "3", "--temperature", "0.7")
+    assert again.stdout == r.stdout  # seeded
+
+
+@pytest.mark.parametrize("flags,needle", [(["--temperature", "-1"], "temperature"), (["--top-p", "0"], "top_p"),
+                                          (["--max-tokens", "0"], "max_tokens"), (["--prompt", ""], "nothing to")])
+def test_generate_bad_input_one_line(checkpoint, flags, needle):
+    args = ["generate", "--checkpoint", str(checkpoint), "--prompt", "x", *flags]
+    r = txlserve(*args)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_bench_decode_json(checkpoint):
+    r = txlserve("bench", "decode", "--checkpoint", str(checkpoint), "--mem-len", "16", "--batch", "2",
+                 "--tokens", "4", "--json", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("tokens_per_s", "baseline_tokens_per_s", "speedup", "prefill_tokens_per_s", "device"):
+        assert out[key]
+    assert out["mem_len"] == 16 and out["batch"] == 2
+    assert out["speedup"] == pytest.approx(out["tokens_per_s"] / out["baseline_tokens_per_s"])

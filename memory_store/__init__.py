@@ -9,6 +9,7 @@ async with MemoryStore.from_url(url, identity=identity) as store:
 """
 
 from memory_store.codec import ModelIdentity
+from memory_store.config import StoreConfig
 from memory_store.lease import Lease
 from memory_store.metrics import OpStats, StoreMetrics
 from memory_store.session import Session, SessionInfo
@@ -21,5 +22,6 @@ __all__ = [
     "OpStats",
     "Session",
     "SessionInfo",
+    "StoreConfig",
     "StoreMetrics",
 ]

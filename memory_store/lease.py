@@ -1,0 +1,120 @@
+"""Leases: the exclusive right to commit to one session, kept alive while its holder lives.
+
+The lease is a Redis key holding a random token with a short TTL. A background
+task renews it while the holder runs; a holder that dies stops renewing and the
+lease expires by itself, so no crashed process can block a session for longer
+than ``lease_ttl_ms``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Generator
+from types import TracebackType
+
+from memory_store.redis_tier import RedisTier
+from memory_store.session import Session
+from model.errors import StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class Lease:
+    """A held lease and the session as read when it was taken.
+
+    ``session`` (and so ``version``) advances with every successful commit made
+    under this lease; ``lost`` turns True when a renewal found the lease gone.
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        token: str,
+        *,
+        tier: RedisTier,
+        lease_ttl_ms: int,
+        on_release: Callable[[Lease], None],
+    ) -> None:
+        self.session = session
+        self.token = token
+        self.lost = False
+        self._tier = tier
+        self._on_release = on_release
+        self._released = False
+        self._renewer = asyncio.create_task(
+            self._renew_forever(lease_ttl_ms / 3000), name=f"txl-lease-renew-{session.session_id}"
+        )
+
+    @property
+    def session_id(self) -> str:
+        return self.session.session_id
+
+    @property
+    def version(self) -> int:
+        return self.session.version
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    async def _renew_forever(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                renewed = await self._tier.renew(self.session_id, self.token)
+            except StoreUnavailable as err:
+                # Keep trying: if Redis is back before the TTL runs out, nothing was lost.
+                log.warning("could not renew the lease on session %s: %s", self.session_id, err)
+                continue
+            if not renewed:
+                self.lost = True
+                log.warning("lease on session %s expired or was taken over", self.session_id)
+                return
+
+    async def release(self) -> None:
+        """Give the lease back (only if still ours); idempotent, and never raises for Redis.
+
+        If Redis cannot be reached the lease simply expires after its TTL. The
+        release is shielded so that a holder being cancelled (a client that
+        disconnected) still frees the session at once.
+        """
+        if self._released:
+            return
+        self._released = True
+        self._renewer.cancel()
+        try:
+            await asyncio.shield(self._tier.release(self.session_id, self.token))
+        except StoreUnavailable as err:
+            log.warning("could not release the lease on session %s (it will expire): %s", self.session_id, err)
+        finally:
+            self._on_release(self)
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.release()
+
+
+class LeaseRequest:
+    """What ``store.lease(...)`` returns: awaitable (``lease = await ...``) and ``async with``-able."""
+
+    def __init__(self, acquire: Callable[[], Awaitable[Lease]]) -> None:
+        self._acquire = acquire
+        self._lease: Lease | None = None
+
+    def __await__(self) -> Generator[object, None, Lease]:
+        return self._acquire().__await__()
+
+    async def __aenter__(self) -> Lease:
+        self._lease = await self._acquire()
+        return self._lease
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._lease is not None:
+            await self._lease.release()

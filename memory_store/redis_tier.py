@@ -1,0 +1,263 @@
+"""The Redis tier: key layout, the Lua scripts that make writes and leases atomic, error translation.
+
+Layout (every key carries a hash tag, so a session and its lease share one Redis
+Cluster slot and a script may touch both)::
+
+    txl:{<session id>}          hash: header (JSON), payload (safetensors bytes)
+    txl:{<session id>}:lease    string: the holder's random token, PX lease_ttl_ms
+    txl:owner:{<owner hash>}    sorted set: session id -> created_at in ms
+
+Every key has an idle TTL. Writes reset it; reads refresh it only once a tenth
+of it (at most an hour) has passed, so that a read stays a read and never waits
+for an fsync of the append-only file.
+
+The owner index lives in another slot, so it is updated after the session is
+written: a crash in between leaves a session that ``list`` misses until it
+expires, never an index entry that ``list`` cannot skip.
+
+This module speaks bytes and status strings; :mod:`memory_store.store` gives
+them meaning. Any Redis or socket failure leaves here as ``StoreUnavailable``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis.asyncio
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from memory_store.metrics import StoreMetrics
+from model.errors import SessionCorrupt, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+ANY_VERSION = "*"
+ABSENT = -1
+
+# Compare-and-set write. ARGV[1] is the version the caller read ('-1': must not
+# exist, '*': overwrite whatever is there); ARGV[2] the lease token that must
+# still be held ('' when the write is not under a lease).
+_WRITE = """
+local h = redis.call('HGET', KEYS[1], 'header')
+if ARGV[1] ~= '*' then
+  local expected = tonumber(ARGV[1])
+  if not h then
+    if expected >= 0 then return 'NOT_FOUND' end
+  else
+    local ok, doc = pcall(cjson.decode, h)
+    if not ok or type(doc) ~= 'table' or type(doc.version) ~= 'number' then return 'CORRUPT' end
+    if doc.version ~= expected then return 'CONFLICT' end
+  end
+end
+if ARGV[2] ~= '' then
+  if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 'LEASE_LOST' end
+  redis.call('PEXPIRE', KEYS[2], ARGV[6])
+end
+redis.call('HSET', KEYS[1], 'header', ARGV[3], 'payload', ARGV[4])
+if ARGV[5] == '0' then redis.call('PERSIST', KEYS[1]) else redis.call('PEXPIRE', KEYS[1], ARGV[5]) end
+return 'OK'
+"""
+
+# Take the lease only on an existing session of this owner, so that another
+# owner learns 'not found' rather than 'busy'.
+_ACQUIRE = """
+local h = redis.call('HGET', KEYS[1], 'header')
+if not h then return 'NOT_FOUND' end
+local ok, doc = pcall(cjson.decode, h)
+if not ok or type(doc) ~= 'table' then return 'CORRUPT' end
+local mine
+if ARGV[3] == '1' then
+  mine = (doc.owner == nil or doc.owner == cjson.null)
+else
+  mine = (doc.owner == ARGV[4])
+end
+if not mine then return 'NOT_FOUND' end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'BUSY' end
+if ARGV[5] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[5]) end
+return 'OK'
+"""
+
+# Refresh an idle TTL only once a slice of it has passed: a PEXPIRE is a write,
+# and with appendfsync always every write costs an fsync, which a read must not.
+_TOUCH = """
+local left = redis.call('PTTL', KEYS[1])
+if left >= 0 and left < tonumber(ARGV[1]) - tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return 0
+"""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def session_key(session_id: str) -> str:
+    return f"txl:{{{session_id}}}"
+
+
+def lease_key(session_id: str) -> str:
+    return f"txl:{{{session_id}}}:lease"
+
+
+def owner_key(owner: str | None) -> str:
+    """An owner may contain any character (``}`` too), so its index key uses a digest."""
+    name = "anonymous" if owner is None else "o:" + owner
+    return f"txl:owner:{{{hashlib.sha256(name.encode()).hexdigest()[:32]}}}"
+
+
+def connect(url: str, *, op_timeout_s: float, max_connections: int = 64) -> redis.asyncio.Redis:
+    """A client that fails fast: bounded socket waits, one immediate retry, a bounded wait for a connection.
+
+    The single retry, on connection errors only, lets a pooled connection that
+    died with a restarted server be replaced without the caller seeing an error;
+    a timeout is not retried, so a hung server costs one ``op_timeout_s``. Under
+    a burst, callers queue up to ``op_timeout_s`` for a pooled connection rather
+    than failing at once as the default pool does when it is exhausted.
+    """
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=op_timeout_s,
+        socket_timeout=op_timeout_s,
+        socket_connect_timeout=op_timeout_s,
+        retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
+    )
+    return redis.asyncio.Redis.from_pool(pool)
+
+
+class RedisTier:
+    """Session hashes, leases and owner indexes in one Redis database."""
+
+    def __init__(
+        self, client: redis.asyncio.Redis, *, where: str, ttl_s: int, lease_ttl_ms: int, metrics: StoreMetrics
+    ) -> None:
+        self._client = client
+        self.where = where
+        self._ttl_ms = ttl_s * 1000
+        self._touch_slack_ms = min(self._ttl_ms // 10, 3_600_000)
+        self._lease_ttl_ms = lease_ttl_ms
+        self._metrics = metrics
+        self._write = client.register_script(_WRITE)
+        self._acquire = client.register_script(_ACQUIRE)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+        self._touch_script = client.register_script(_TOUCH)
+
+    @contextmanager
+    def _translate(self) -> Iterator[None]:
+        try:
+            yield
+        except redis.exceptions.ResponseError as err:
+            if str(err).startswith("WRONGTYPE"):
+                raise SessionCorrupt(f"a key of the session has the wrong Redis type: {err}") from None
+            self._metrics.redis_errors += 1
+            raise StoreUnavailable(f"Redis at {self.where} refused a command: {err}") from err
+        except (redis.exceptions.RedisError, OSError, TimeoutError) as err:
+            self._metrics.redis_errors += 1
+            raise StoreUnavailable(f"Redis at {self.where} is unavailable: {err}") from err
+
+    async def _touch(self, pipe: redis.asyncio.client.Pipeline, key: str) -> None:
+        if self._ttl_ms:
+            await self._touch_script(keys=[key], args=[self._ttl_ms, self._touch_slack_ms], client=pipe)
+
+    async def ping(self) -> None:
+        with self._translate():
+            await self._client.ping()
+
+    async def read(self, session_id: str, owner: str | None, *, payload: bool) -> tuple[bytes | None, bytes | None]:
+        """(header, payload) of a session, refreshing its TTL and its owner's index TTL."""
+        fields = ("header", "payload") if payload else ("header",)
+        with self._translate():
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.hmget(session_key(session_id), fields)
+                await self._touch(pipe, session_key(session_id))
+                await self._touch(pipe, owner_key(owner))
+                values = (await pipe.execute())[0]
+        return values[0], (values[1] if payload else None)
+
+    async def write(
+        self, session_id: str, *, header: bytes, payload: bytes, expected: int | str, token: str = ""
+    ) -> str:
+        """Run the compare-and-set write; returns OK, NOT_FOUND, CONFLICT, LEASE_LOST or CORRUPT."""
+        keys = [session_key(session_id), lease_key(session_id)]
+        args = [str(expected), token, header, payload, self._ttl_ms, self._lease_ttl_ms]
+        with self._translate():
+            return (await self._write(keys=keys, args=args)).decode()
+
+    async def index(self, owner: str | None, session_id: str, created_at: float) -> None:
+        with self._translate():
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.zadd(owner_key(owner), {session_id: int(created_at * 1000)})
+                if self._ttl_ms:  # already a write, so refresh the TTL outright
+                    pipe.pexpire(owner_key(owner), self._ttl_ms)
+                await pipe.execute()
+
+    async def scan_index(
+        self, owner: str | None, *, after: tuple[int, str] | None, count: int
+    ) -> list[tuple[int, str, bytes]]:
+        """Up to ``count`` (created_ms, session id, header) of live sessions after the cursor, oldest first.
+
+        Entries whose session key is gone (expired or deleted) are skipped and
+        removed from the index.
+        """
+        live: list[tuple[int, str, bytes]] = []
+        dead: list[str] = []
+        offset, min_score = 0, (after[0] if after else 0)
+        with self._translate():
+            while len(live) < count:
+                rows = await self._client.zrangebyscore(
+                    owner_key(owner), min_score, "+inf", start=offset, num=count, withscores=True
+                )
+                if not rows:
+                    break
+                offset += len(rows)
+                entries = [(int(score), member.decode()) for member, score in rows]
+                entries = [e for e in entries if after is None or e > after]  # ties on the score: by id
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for _, session_id in entries:
+                        pipe.hget(session_key(session_id), "header")
+                    headers = await pipe.execute()
+                for (score, session_id), header in zip(entries, headers, strict=True):
+                    if header is None:
+                        dead.append(session_id)
+                    elif len(live) < count:
+                        live.append((score, session_id, header))
+            if dead:
+                await self._client.zrem(owner_key(owner), *dead)
+        return live
+
+    async def delete(self, session_id: str, owner: str | None) -> bool:
+        """Drop a session and its lease (a holder's next commit then fails); True if it existed."""
+        with self._translate():
+            removed = await self._client.delete(session_key(session_id), lease_key(session_id))
+            await self._client.zrem(owner_key(owner), session_id)
+        return removed > 0
+
+    async def acquire(self, session_id: str, owner: str | None, token: str) -> str:
+        """Try to take the lease; returns OK, BUSY, NOT_FOUND or CORRUPT."""
+        keys = [session_key(session_id), lease_key(session_id)]
+        args = [token, self._lease_ttl_ms, "1" if owner is None else "0", owner or "", self._ttl_ms]
+        with self._translate():
+            return (await self._acquire(keys=keys, args=args)).decode()
+
+    async def renew(self, session_id: str, token: str) -> bool:
+        """Extend the lease if ``token`` still holds it."""
+        with self._translate():
+            return bool(await self._renew(keys=[lease_key(session_id)], args=[token, self._lease_ttl_ms]))
+
+    async def release(self, session_id: str, token: str) -> bool:
+        with self._translate():
+            return bool(await self._release(keys=[lease_key(session_id)], args=[token]))
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

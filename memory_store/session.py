@@ -1,0 +1,67 @@
+"""What the store hands back: a session's header fields, and its tensors when they were loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from memory_store.codec import MEMS, Header
+
+Tier = Literal["hot", "redis"]
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """Header fields of one session; ``bytes`` is the size of its persisted payload.
+
+    ``tier`` is "hot" when this store holds the current version on its device,
+    "redis" when the next ``get`` has to load it.
+    """
+
+    session_id: str
+    owner: str | None
+    version: int
+    tokens_seen: int
+    mem_len: int
+    bytes: int
+    tier: Tier
+    created_at: float
+    updated_at: float
+    metadata: dict[str, Any]
+
+    @classmethod
+    def from_header(cls, session_id: str, header: Header, *, tier: Tier) -> SessionInfo:
+        return cls(
+            session_id=session_id,
+            owner=header.owner,
+            version=header.version,
+            tokens_seen=header.tokens_seen,
+            mem_len=header.mem_len,
+            bytes=header.payload_bytes,
+            tier=tier,
+            created_at=header.created_at,
+            updated_at=header.updated_at,
+            metadata=header.metadata,
+        )
+
+
+@dataclass(frozen=True)
+class Session:
+    """A loaded session. Its tensors may be the hot tier's own: treat them as read-only."""
+
+    info: SessionInfo
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def session_id(self) -> str:
+        return self.info.session_id
+
+    @property
+    def version(self) -> int:
+        return self.info.version
+
+    @property
+    def mems(self) -> torch.Tensor:
+        return self.tensors[MEMS]

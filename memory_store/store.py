@@ -1,0 +1,480 @@
+"""MemoryStore: persistent per-session state, a hot tier on the device composed over Redis.
+
+Redis is the truth, and every write goes through to it before the hot tier is
+touched, so evicting a hot copy never loses a commit. A hot copy is served
+only while its version equals the one in Redis, which costs one small header
+read per ``get`` and makes several servers over one Redis safe. Leases and
+compare-and-set commits (one Lua script each) let exactly one request at a
+time advance a session.
+
+Ownership is checked on every call: a session of another owner behaves exactly
+like one that does not exist. ``owner=None`` is the anonymous owner, not a
+wildcard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import re
+import secrets
+import time
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from memory_store import codec
+from memory_store.codec import Header, ModelIdentity
+from memory_store.config import StoreConfig
+from memory_store.embedded import EmbeddedRedis
+from memory_store.hot import HotTier
+from memory_store.lease import Lease, LeaseRequest
+from memory_store.metrics import StoreMetrics
+from memory_store.redis_tier import ABSENT, ANY_VERSION, RedisTier, connect
+from memory_store.session import Session, SessionInfo
+from model.errors import (
+    InvalidRequestError,
+    SessionBusy,
+    SessionConflict,
+    SessionCorrupt,
+    SessionIncompatible,
+    SessionNotFound,
+    StoreUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_PUT_ATTEMPTS = 5
+
+
+class MemoryStore:
+    """Sessions by id, for one model identity. Open with ``async with MemoryStore.from_url(...)``."""
+
+    def __init__(self, url: str | None, *, identity: ModelIdentity, config: StoreConfig | None = None) -> None:
+        self.url = url
+        self.identity = identity
+        self.config = config or StoreConfig()
+        self.device = torch.device(self.config.device)
+        self.metrics = StoreMetrics()
+        self._hot = HotTier(self.config.hot_cache_bytes, self.metrics)
+        self._tier: RedisTier | None = None
+        self._embedded: EmbeddedRedis | None = None
+        self._leases: set[Lease] = set()
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str | None,
+        *,
+        identity: ModelIdentity,
+        device: str | torch.device = "cpu",
+        hot_cache_mb: float = 1024,
+        ttl_s: int = 7 * 86400,
+        data_dir: str = "./.txlserve",
+        lease_ttl_ms: int = 30_000,
+        op_timeout_s: float = 2.0,
+        max_payload_mb: float = 256,
+    ) -> MemoryStore:
+        """A store over a ``redis://``, ``rediss://`` or ``unix://`` URL, or (None) the embedded Redis.
+
+        Nothing is opened until ``start()`` (or ``async with``); see :class:`StoreConfig`.
+        """
+        config = StoreConfig(
+            device=device,
+            hot_cache_mb=hot_cache_mb,
+            ttl_s=ttl_s,
+            data_dir=data_dir,
+            lease_ttl_ms=lease_ttl_ms,
+            op_timeout_s=op_timeout_s,
+            max_payload_mb=max_payload_mb,
+        )
+        return cls(url, identity=identity, config=config)
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect (starting or joining the embedded Redis if no URL) and check Redis answers."""
+        if self._tier is not None:
+            return
+        url = self.url
+        if url is None:
+            self._embedded = EmbeddedRedis(self.config.data_dir)
+            await asyncio.to_thread(self._embedded.start)
+            url = self._embedded.url
+        client = connect(url, op_timeout_s=self.config.op_timeout_s)
+        where = url.split("@")[-1]  # never log a password
+        self._tier = RedisTier(
+            client,
+            where=where,
+            ttl_s=self.config.ttl_s,
+            lease_ttl_ms=self.config.lease_ttl_ms,
+            metrics=self.metrics,
+        )
+        try:
+            await self._tier.ping()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        """Release held leases, close connections, stop the embedded Redis if this store started it."""
+        for lease in list(self._leases):
+            await lease.release()
+        tier, self._tier = self._tier, None
+        if tier is not None:
+            await tier.aclose()
+        embedded, self._embedded = self._embedded, None
+        if embedded is not None:
+            await asyncio.to_thread(embedded.stop)
+
+    async def __aenter__(self) -> MemoryStore:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    @property
+    def _redis(self) -> RedisTier:
+        if self._tier is None:
+            raise StoreUnavailable("the memory store is not open (use `async with` or `await store.start()`)")
+        return self._tier
+
+    async def ping(self) -> None:
+        with self.metrics.timed("ping"):
+            await self._redis.ping()
+
+    # -- reads -------------------------------------------------------------
+
+    async def get(self, session_id: str, *, owner: str | None = None) -> Session:
+        """The session's header and tensors on the device: the hot copy if current, else from Redis."""
+        with self.metrics.timed("get"):
+            return await self._load(_checked_id(session_id), owner)
+
+    async def info(self, session_id: str, *, owner: str | None = None) -> SessionInfo:
+        """Header fields only; no tensors are read."""
+        with self.metrics.timed("info"):
+            session_id = _checked_id(session_id)
+            raw, _ = await self._redis.read(session_id, owner, payload=False)
+            header = self._header(session_id, raw, owner, compatible=False)
+            return self._info(session_id, header)
+
+    async def list(
+        self, *, owner: str | None = None, limit: int = 20, after: str | None = None
+    ) -> tuple[list[SessionInfo], str | None]:
+        """One page of the owner's sessions, oldest first, and the cursor of the next page (or None).
+
+        Index entries whose session expired or was deleted are skipped, then pruned.
+        """
+        with self.metrics.timed("list"):
+            if not isinstance(limit, int) or not 1 <= limit <= 1000:
+                raise InvalidRequestError(f"limit must be in 1..1000, got {limit!r}", param="limit")
+            rows = await self._redis.scan_index(owner, after=_parse_cursor(after), count=limit + 1)
+            page = rows[:limit]
+            infos = []
+            for _, session_id, raw in page:
+                try:
+                    header = codec.decode_header(raw)
+                except (SessionCorrupt, SessionIncompatible) as err:
+                    log.warning("listing skips session %s: %s", session_id, err)
+                    continue
+                if header.owner == owner:
+                    infos.append(self._info(session_id, header))
+            next_cursor = f"{page[-1][0]}.{page[-1][1]}" if len(rows) > limit else None
+            return infos, next_cursor
+
+    # -- writes ------------------------------------------------------------
+
+    async def create(
+        self,
+        *,
+        owner: str | None = None,
+        tensors: Mapping[str, torch.Tensor],
+        mem_len: int,
+        tokens_seen: int = 0,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SessionInfo:
+        """A new session under a fresh random 128-bit id."""
+        with self.metrics.timed("create"):
+            return await self._create(owner, tensors, mem_len, tokens_seen, codec.check_metadata(metadata))
+
+    async def put(
+        self,
+        session_id: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        owner: str | None = None,
+        mem_len: int,
+        tokens_seen: int = 0,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SessionInfo:
+        """Write a session unconditionally (create or overwrite), bypassing any lease.
+
+        The version still advances, so a lease holder's next commit fails with
+        ``SessionConflict`` rather than silently undoing this write. A session of
+        another owner is not overwritten (``SessionConflict``); a corrupt one is.
+        """
+        with self.metrics.timed("put"):
+            if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
+                raise InvalidRequestError("session id must be 1-128 of [A-Za-z0-9_-]", param="session_id")
+            fresh, payload = await self._encode(
+                tensors, mem_len=mem_len, tokens_seen=tokens_seen, metadata=codec.check_metadata(metadata), owner=owner
+            )
+            for _ in range(_PUT_ATTEMPTS):
+                raw, _ = await self._redis.read(session_id, owner, payload=False)
+                header = fresh
+                expected: int | str = ABSENT
+                if raw is not None:
+                    try:
+                        prev = codec.decode_header(raw)
+                    except SessionCorrupt:
+                        expected = ANY_VERSION
+                    else:
+                        if prev.owner != owner:
+                            raise SessionConflict(f"session id {session_id!r} is taken")
+                        expected = prev.version
+                        header = dataclasses.replace(fresh, version=prev.version + 1, created_at=prev.created_at)
+                status = await self._redis.write(
+                    session_id, header=codec.encode_header(header), payload=payload, expected=expected
+                )
+                if status == "OK":
+                    await self._redis.index(owner, session_id, header.created_at)
+                    return self._cache(session_id, header, self._on_device(tensors))
+            raise SessionConflict(f"session {session_id!r} kept changing during put; try again")
+
+    async def fork(
+        self, session_id: str, *, owner: str | None = None, metadata: Mapping[str, Any] | None = None
+    ) -> SessionInfo:
+        """A new session with a copy of this one's tensors (hot-only ones too, while hot)."""
+        with self.metrics.timed("fork"):
+            source = await self._load(_checked_id(session_id), owner)
+            tensors = {name: t.clone() for name, t in source.tensors.items()}
+            metadata = source.info.metadata if metadata is None else metadata
+            info = source.info
+            return await self._create(owner, tensors, info.mem_len, info.tokens_seen, codec.check_metadata(metadata))
+
+    async def delete(self, session_id: str, *, owner: str | None = None) -> None:
+        """Remove a session and its lease. A corrupt session can be deleted by anyone who knows its id."""
+        with self.metrics.timed("delete"):
+            session_id = _checked_id(session_id)
+            raw, _ = await self._redis.read(session_id, owner, payload=False)
+            try:
+                self._header(session_id, raw, owner, compatible=False)
+            except SessionCorrupt:
+                log.warning("deleting corrupt session %s", session_id)
+            await self._redis.delete(session_id, owner)
+            self._hot.discard(session_id)
+
+    # -- leases ------------------------------------------------------------
+
+    def lease(self, session_id: str, *, owner: str | None = None) -> LeaseRequest:
+        """Take the session's lease, or fail at once with ``SessionBusy`` if anyone holds it.
+
+        ``await store.lease(...)`` or ``async with store.lease(...) as lease:``
+        (which releases on exit). The lease carries the session read after it
+        was taken; a commit succeeds only against that version.
+        """
+        return LeaseRequest(lambda: self._acquire(_checked_id(session_id), owner))
+
+    async def _acquire(self, session_id: str, owner: str | None) -> Lease:
+        with self.metrics.timed("lease"):
+            token = secrets.token_hex(16)
+            status = await self._redis.acquire(session_id, owner, token)
+            if status == "NOT_FOUND":
+                raise SessionNotFound(f"session {session_id!r} not found")
+            if status == "BUSY":
+                raise SessionBusy(f"session {session_id!r} is in use by another request")
+            if status == "CORRUPT":
+                raise SessionCorrupt(f"session {session_id!r} has an unreadable header")
+            self._hot.pin(session_id)
+            try:
+                session = await self._load(session_id, owner)
+            except BaseException:
+                self._hot.unpin(session_id)
+                with contextlib.suppress(StoreUnavailable):  # it expires anyway; keep the first error
+                    await asyncio.shield(self._redis.release(session_id, token))
+                raise
+            lease = Lease(
+                session, token, tier=self._redis, lease_ttl_ms=self.config.lease_ttl_ms, on_release=self._on_release
+            )
+            self._leases.add(lease)
+            return lease
+
+    def _on_release(self, lease: Lease) -> None:
+        self._leases.discard(lease)
+        self._hot.unpin(lease.session_id)
+
+    async def commit(
+        self,
+        lease: Lease,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        tokens_seen: int,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SessionInfo:
+        """Write a new version if the lease still holds and nobody wrote since it was read.
+
+        Otherwise ``SessionConflict`` (``SessionNotFound`` if it was deleted).
+        ``metadata=None`` keeps the current metadata.
+        """
+        with self.metrics.timed("commit"):
+            if lease not in self._leases:
+                raise SessionConflict(f"the lease on session {lease.session_id!r} is not held by this store")
+            prev = lease.session.info
+            metadata = prev.metadata if metadata is None else codec.check_metadata(metadata)
+            header, payload = await self._encode(
+                tensors,
+                mem_len=prev.mem_len,
+                tokens_seen=tokens_seen,
+                metadata=metadata,
+                owner=prev.owner,
+                version=prev.version + 1,
+                created_at=prev.created_at,
+            )
+            status = await self._redis.write(
+                lease.session_id,
+                header=codec.encode_header(header),
+                payload=payload,
+                expected=prev.version,
+                token=lease.token,
+            )
+            if status == "NOT_FOUND":
+                raise SessionNotFound(f"session {lease.session_id!r} was deleted")
+            if status == "LEASE_LOST":
+                raise SessionConflict(f"the lease on session {lease.session_id!r} expired or was taken")
+            if status != "OK":
+                raise SessionConflict(
+                    f"session {lease.session_id!r} changed since it was leased (version {prev.version})"
+                )
+            on_device = self._on_device(tensors)
+            info = self._cache(lease.session_id, header, on_device)
+            lease.session = Session(info, on_device)
+            return info
+
+    # -- helpers -----------------------------------------------------------
+
+    async def _load(self, session_id: str, owner: str | None) -> Session:
+        if self._hot.version(session_id) is not None:
+            raw, _ = await self._redis.read(session_id, owner, payload=False)
+            header = self._header(session_id, raw, owner)
+            entry = self._hot.get(session_id, header.version)
+            if entry is not None:
+                self.metrics.hot_hits += 1
+                return Session(SessionInfo.from_header(session_id, header, tier="hot"), entry.tensors)
+        self.metrics.hot_misses += 1
+        raw, payload = await self._redis.read(session_id, owner, payload=True)
+        header = self._header(session_id, raw, owner)
+        try:
+            tensors = await asyncio.to_thread(self._decode, payload or b"", header)
+        except SessionCorrupt:
+            self._hot.discard(session_id)
+            raise
+        self.metrics.redis_hits += 1
+        self._hot.put(session_id, header.version, tensors)
+        return Session(SessionInfo.from_header(session_id, header, tier="redis"), tensors)
+
+    def _decode(self, payload: bytes, header: Header) -> dict[str, torch.Tensor]:
+        return self._on_device(codec.decode_payload(payload, header))
+
+    def _header(self, session_id: str, raw: bytes | None, owner: str | None, *, compatible: bool = True) -> Header:
+        """The decoded header, or the error the caller should see (others' sessions do not exist)."""
+        if raw is None:
+            self.metrics.redis_misses += 1
+            self._hot.discard(session_id)
+            raise SessionNotFound(f"session {session_id!r} not found")
+        try:
+            header = codec.decode_header(raw)
+        except SessionCorrupt:
+            self._hot.discard(session_id)
+            raise
+        if header.owner != owner:
+            raise SessionNotFound(f"session {session_id!r} not found")
+        if compatible:
+            codec.check_compatible(header, self.identity)
+        return header
+
+    async def _create(
+        self,
+        owner: str | None,
+        tensors: Mapping[str, torch.Tensor],
+        mem_len: int,
+        tokens_seen: int,
+        metadata: dict[str, Any],
+    ) -> SessionInfo:
+        header, payload = await self._encode(
+            tensors, mem_len=mem_len, tokens_seen=tokens_seen, metadata=metadata, owner=owner
+        )
+        session_id = secrets.token_urlsafe(16)
+        status = await self._redis.write(
+            session_id, header=codec.encode_header(header), payload=payload, expected=ABSENT
+        )
+        if status != "OK":  # 128 random bits: never seen in practice
+            raise SessionConflict(f"new session id {session_id!r} already exists")
+        await self._redis.index(owner, session_id, header.created_at)
+        return self._cache(session_id, header, self._on_device(tensors))
+
+    async def _encode(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        mem_len: int,
+        tokens_seen: int,
+        metadata: dict[str, Any],
+        owner: str | None,
+        version: int = 1,
+        created_at: float | None = None,
+    ) -> tuple[Header, bytes]:
+        """Validate and serialise a state (in a thread: it is CPU-bound) and describe it in a header."""
+        codec.check_state(tensors, identity=self.identity, mem_len=mem_len, tokens_seen=tokens_seen)
+        payload = await asyncio.to_thread(codec.encode_payload, tensors, max_bytes=self.config.max_payload_bytes)
+        now = time.time()
+        header = Header(
+            fingerprint=self.identity.fingerprint,
+            n_layer=self.identity.n_layer,
+            d_model=self.identity.d_model,
+            mem_len=mem_len,
+            dtype=str(tensors[codec.MEMS].dtype),
+            tokens_seen=tokens_seen,
+            version=version,
+            owner=owner,
+            created_at=now if created_at is None else created_at,
+            updated_at=now,
+            metadata=metadata,
+            payload_bytes=len(payload),
+        )
+        return header, payload
+
+    def _cache(self, session_id: str, header: Header, tensors: dict[str, torch.Tensor]) -> SessionInfo:
+        """Put a state just written (already on the device) into the hot tier, if it fits, and describe it."""
+        cached = self._hot.put(session_id, header.version, tensors)
+        return SessionInfo.from_header(session_id, header, tier="hot" if cached else "redis")
+
+    def _info(self, session_id: str, header: Header) -> SessionInfo:
+        tier = "hot" if self._hot.version(session_id) == header.version else "redis"
+        return SessionInfo.from_header(session_id, header, tier=tier)
+
+    def _on_device(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: t.detach().to(self.device) for name, t in tensors.items()}
+
+
+def _checked_id(session_id: str) -> str:
+    """An id that could not have been issued names no session (and must not reach a Redis key)."""
+    if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
+        raise SessionNotFound(f"session {session_id!r} not found")
+    return session_id
+
+
+def _parse_cursor(after: str | None) -> tuple[int, str] | None:
+    if after is None:
+        return None
+    score, _, session_id = after.partition(".")
+    if not score.isdigit() or not _SESSION_ID.fullmatch(session_id):
+        raise InvalidRequestError(f"invalid pagination cursor {after!r}", param="after")
+    return int(score), session_id

@@ -1,0 +1,136 @@
+"""Header and payload encoding: bit-exact round trips and every way a stored session can be refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from memory_store import codec
+from memory_store.codec import Header
+from model.errors import InvalidRequestError, PayloadTooLarge, SessionCorrupt, SessionIncompatible
+from tests.memory_store.support import D_MODEL, IDENTITY, N_LAYER, assert_same, make_state
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def header_for(payload: bytes, dtype: str = "torch.float32", **changes: object) -> Header:
+    header = Header(
+        fingerprint=IDENTITY.fingerprint,
+        n_layer=N_LAYER,
+        d_model=D_MODEL,
+        mem_len=8,
+        dtype=dtype,
+        tokens_seen=0,
+        version=1,
+        owner=None,
+        created_at=0.0,
+        updated_at=0.0,
+        metadata={},
+        payload_bytes=len(payload),
+    )
+    return dataclasses.replace(header, **changes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_payload_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
+    state = make_state(dtype=dtype)
+    state["mems"][0, 0, 0] = float("nan")
+    state["extra"] = torch.arange(5, dtype=torch.int64)
+    payload = codec.encode_payload(state, max_bytes=1 << 20)
+    assert_same(codec.decode_payload(payload, header_for(payload, str(dtype))), state)
+
+
+def test_hot_only_tensors_are_not_encoded() -> None:
+    state = make_state(hot_only=True)
+    payload = codec.encode_payload(state, max_bytes=1 << 20)
+    assert set(codec.decode_payload(payload, header_for(payload))) == {"mems"}
+
+
+def test_views_and_shared_storage_encode() -> None:
+    buffer = torch.randn(2 * N_LAYER, 8, D_MODEL)
+    state = {"mems": buffer[:N_LAYER], "other": buffer[N_LAYER:], "t": buffer.transpose(1, 2)}
+    payload = codec.encode_payload(state, max_bytes=1 << 20)
+    decoded = codec.decode_payload(payload, header_for(payload))
+    assert all(torch.equal(decoded[name], state[name]) for name in state)
+
+
+def test_header_round_trip() -> None:
+    header = header_for(b"x" * 10, owner="alice", metadata={"title": "é"})
+    assert codec.decode_header(codec.encode_header(header)) == header
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xff\xfe garbage",
+        b"[1, 2]",
+        json.dumps({"format_version": 1}).encode(),
+        codec.encode_header(header_for(b""))[:-7],
+        codec.encode_header(header_for(b"")).replace(b'"version":1', b'"version":"1"'),
+    ],
+    ids=["bytes", "not-object", "missing-fields", "truncated", "wrong-type"],
+)
+def test_bad_header_is_corrupt(raw: bytes) -> None:
+    with pytest.raises(SessionCorrupt):
+        codec.decode_header(raw)
+
+
+def test_newer_header_format_is_incompatible() -> None:
+    raw = codec.encode_header(dataclasses.replace(header_for(b""), format_version=codec.FORMAT_VERSION + 1))
+    with pytest.raises(SessionIncompatible):
+        codec.decode_header(raw)
+
+
+def test_payload_that_disagrees_with_its_header_is_corrupt() -> None:
+    payload = codec.encode_payload(make_state(), max_bytes=1 << 20)
+    with pytest.raises(SessionCorrupt, match="declares"):
+        codec.decode_payload(payload[:-3], header_for(payload))
+    with pytest.raises(SessionCorrupt, match="does not decode"):
+        garbage = b"\x00" * len(payload)
+        codec.decode_payload(garbage, header_for(garbage))
+    with pytest.raises(SessionCorrupt, match="bfloat16"):
+        codec.decode_payload(payload, header_for(payload, "torch.bfloat16"))
+    with pytest.raises(SessionCorrupt, match="shape"):
+        codec.decode_payload(payload, header_for(payload, mem_len=4))
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        ({"other": torch.zeros(N_LAYER, 8, D_MODEL)}, "no 'mems'"),
+        ({"mems": torch.zeros(N_LAYER + 1, 8, D_MODEL)}, "shape"),
+        ({"mems": torch.zeros(N_LAYER, 8, D_MODEL + 1)}, "shape"),
+        ({"mems": torch.zeros(N_LAYER, 9, D_MODEL)}, "m <= 8"),
+        ({"mems": torch.zeros(N_LAYER, D_MODEL)}, "shape"),
+    ],
+)
+def test_state_of_another_shape_is_refused(state: dict[str, torch.Tensor], match: str) -> None:
+    with pytest.raises(SessionIncompatible, match=match):
+        codec.check_state(state, identity=IDENTITY, mem_len=8, tokens_seen=0)
+
+
+def test_invalid_state_arguments() -> None:
+    with pytest.raises(InvalidRequestError):
+        codec.check_state({"mems": [1.0]}, identity=IDENTITY, mem_len=8, tokens_seen=0)  # type: ignore[dict-item]
+    with pytest.raises(InvalidRequestError, match="tokens_seen"):
+        codec.check_state(make_state(), identity=IDENTITY, mem_len=8, tokens_seen=-1)
+    with pytest.raises(InvalidRequestError, match="metadata"):
+        codec.check_metadata({"when": object()})
+    with pytest.raises(PayloadTooLarge):
+        codec.check_metadata({"blob": "x" * (codec.MAX_METADATA_BYTES + 1)})
+
+
+def test_fingerprint_and_shape_mismatch_are_incompatible() -> None:
+    with pytest.raises(SessionIncompatible, match="built by model"):
+        codec.check_compatible(header_for(b"", fingerprint="other-model"), IDENTITY)
+    with pytest.raises(SessionIncompatible, match="d_model"):
+        codec.check_compatible(header_for(b"", d_model=D_MODEL * 2), IDENTITY)
+
+
+def test_oversized_payload_is_refused_before_encoding() -> None:
+    state = make_state()
+    with pytest.raises(PayloadTooLarge):
+        codec.encode_payload(state, max_bytes=state["mems"].nbytes - 1)

@@ -1,0 +1,128 @@
+"""The embedded Redis: start, join, stale sockets, and commits that survive kill -9."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from memory_store import MemoryStore
+from memory_store.embedded import EmbeddedRedis
+from model.errors import SessionBusy, StoreUnavailable
+from tests.memory_store import holder
+from tests.memory_store.support import IDENTITY, assert_same, make_state, start_holder
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(40)]
+
+
+def _pid_alive(pid: int) -> bool:
+    """Running, and not a zombie: an orphan's exit is reaped by whatever init this machine has."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Iterator[Path]:
+    """A data dir whose redis-server, if one is left running (an orphan), is killed at the end."""
+    yield tmp_path
+    pidfile = tmp_path / "redis.pid"
+    if pidfile.exists():
+        pid = int(pidfile.read_text())
+        if _pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def test_start_join_and_stop(data_dir: Path) -> None:
+    first = MemoryStore.from_url(None, identity=IDENTITY, data_dir=str(data_dir))
+    async with first:
+        assert (data_dir / "redis.sock").exists()
+        info = await first.create(tensors=make_state(seed=1), mem_len=8)
+        async with MemoryStore.from_url(None, identity=IDENTITY, data_dir=str(data_dir)) as second:
+            assert_same((await second.get(info.session_id)).tensors, make_state(seed=1))
+        await first.ping()  # the joiner did not stop the server it did not start
+        pid = int((data_dir / "redis.pid").read_text())
+    assert not _pid_alive(pid) and not (data_dir / "redis.sock").exists()
+
+    async with MemoryStore.from_url(None, identity=IDENTITY, data_dir=str(data_dir)) as again:
+        assert_same((await again.get(info.session_id)).tensors, make_state(seed=1))
+
+
+def test_concurrent_starts_make_one_server(data_dir: Path) -> None:
+    starters = [EmbeddedRedis(data_dir) for _ in range(4)]
+    with ThreadPoolExecutor(len(starters)) as pool:
+        list(pool.map(lambda e: e.start(), starters))
+    try:
+        assert sum(e.owned for e in starters) == 1
+    finally:
+        for embedded in starters:
+            embedded.stop()
+
+
+def test_stale_socket_is_replaced(data_dir: Path) -> None:
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(data_dir / "redis.sock"))  # a socket file nobody listens on
+    stale.close()
+    embedded = EmbeddedRedis(data_dir)
+    embedded.start()
+    try:
+        assert embedded.owned
+    finally:
+        embedded.stop()
+
+
+def test_a_silent_live_server_is_never_doubled(data_dir: Path) -> None:
+    embedded = EmbeddedRedis(data_dir)
+    embedded.start()
+    pid = int((data_dir / "redis.pid").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(StoreUnavailable, match="does not answer"):
+            EmbeddedRedis(data_dir, start_timeout_s=5).start()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        embedded.stop()
+
+
+def test_too_long_a_data_dir_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(StoreUnavailable, match="too long"):
+        EmbeddedRedis(tmp_path / ("d" * 120)).start()
+
+
+async def test_commits_survive_kill_9_of_the_starting_process(data_dir: Path) -> None:
+    proc, report = await start_holder("--data-dir", str(data_dir), "--lease-ttl-ms", "500")
+    proc.kill()  # SIGKILL: no cleanup of any kind
+    await proc.wait()
+    session_id = report["session_id"]
+
+    # The orphaned server is still running: a new process joins it, and the dead holder's lease expires.
+    async with MemoryStore.from_url(None, identity=IDENTITY, data_dir=str(data_dir)) as store:
+        for _ in range(40):
+            try:
+                lease = await store.lease(session_id, owner=holder.OWNER)
+                break
+            except SessionBusy:
+                await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the killed holder's lease never expired")
+        async with lease:
+            assert lease.version == report["version"]
+            assert_same(lease.session.tensors, make_state(seed=holder.COMMITTED_SEED))
+
+    # Now kill -9 the orphaned server too: the next store starts a new one from the AOF.
+    orphan = int((data_dir / "redis.pid").read_text())
+    os.kill(orphan, signal.SIGKILL)
+    while _pid_alive(orphan):
+        await asyncio.sleep(0.01)
+    async with MemoryStore.from_url(None, identity=IDENTITY, data_dir=str(data_dir)) as store:
+        got = await store.get(session_id, owner=holder.OWNER)
+        assert got.version == report["version"]
+        assert_same(got.tensors, make_state(seed=holder.COMMITTED_SEED))

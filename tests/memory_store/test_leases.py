@@ -1,0 +1,193 @@
+"""Leases and compare-and-set commits, between two store instances on one real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio
+
+from memory_store import MemoryStore
+from memory_store.redis_tier import lease_key
+from model.errors import SessionBusy, SessionConflict, SessionNotFound
+from tests.memory_store import holder
+from tests.memory_store.support import IDENTITY, assert_same, make_state, start_holder, state_bytes
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+async def short(redis_url: str) -> AsyncIterator[tuple[MemoryStore, MemoryStore]]:
+    """Two stores with 300 ms leases, so expiry and renewal show within a test."""
+    async with (
+        MemoryStore.from_url(redis_url, identity=IDENTITY, lease_ttl_ms=300) as a,
+        MemoryStore.from_url(redis_url, identity=IDENTITY, lease_ttl_ms=300) as b,
+    ):
+        yield a, b
+
+
+async def test_lease_is_exclusive_across_stores(store: MemoryStore, other_store: MemoryStore) -> None:
+    info = await store.create(tensors=make_state(), mem_len=8)
+    async with store.lease(info.session_id) as lease:
+        assert lease.version == 1 and lease.session_id == info.session_id
+        for contender in (other_store, store):
+            start = time.perf_counter()
+            with pytest.raises(SessionBusy):
+                await contender.lease(info.session_id)
+            assert time.perf_counter() - start < 0.5, "a busy session must fail at once, not wait"
+    lease = await other_store.lease(info.session_id)  # released on exit
+    await lease.release()
+    await lease.release()  # idempotent
+
+
+async def test_renewal_keeps_the_lease_past_its_ttl(short: tuple[MemoryStore, MemoryStore]) -> None:
+    a, b = short
+    info = await a.create(tensors=make_state(), mem_len=8)
+    async with a.lease(info.session_id) as lease:
+        for _ in range(4):
+            await asyncio.sleep(0.25)
+            with pytest.raises(SessionBusy):
+                await b.lease(info.session_id)
+        assert not lease.lost
+        await a.commit(lease, make_state(seed=1), tokens_seen=8)
+    async with b.lease(info.session_id) as lease:
+        assert lease.version == 2
+
+
+async def test_lease_expires_when_its_holder_process_dies(redis_url: str, store: MemoryStore) -> None:
+    proc, report = await start_holder("--url", redis_url, "--lease-ttl-ms", "400")
+    try:
+        session_id = report["session_id"]
+        with pytest.raises(SessionBusy):
+            await store.lease(session_id, owner=holder.OWNER)
+        await asyncio.sleep(0.6)  # alive: it renews
+        with pytest.raises(SessionBusy):
+            await store.lease(session_id, owner=holder.OWNER)
+    finally:
+        proc.kill()
+        await proc.wait()
+    killed = time.perf_counter()
+    while True:
+        try:
+            lease = await store.lease(session_id, owner=holder.OWNER)
+            break
+        except SessionBusy:
+            assert time.perf_counter() - killed < 2.0, "the dead holder's lease did not expire"
+            await asyncio.sleep(0.05)
+    async with lease:
+        assert lease.version == report["version"] == 2
+        assert_same(lease.session.tensors, make_state(seed=holder.COMMITTED_SEED))
+
+
+async def test_commit_conflicts_on_a_stale_version(store: MemoryStore, other_store: MemoryStore) -> None:
+    info = await store.create(tensors=make_state(), mem_len=8)
+    async with store.lease(info.session_id) as lease:
+        await other_store.put(info.session_id, make_state(seed=5), mem_len=8)  # unconditional, bypasses leases
+        with pytest.raises(SessionConflict, match="changed since"):
+            await store.commit(lease, make_state(seed=1), tokens_seen=8)
+    got = await store.get(info.session_id)
+    assert got.version == 2
+    assert_same(got.tensors, make_state(seed=5))
+
+
+async def test_commit_conflicts_when_the_lease_was_lost(
+    store: MemoryStore, other_store: MemoryStore, redis_url: str
+) -> None:
+    info = await store.create(tensors=make_state(), mem_len=8)
+    lease = await store.lease(info.session_id)
+    raw = redis.asyncio.Redis.from_url(redis_url)
+    await raw.delete(lease_key(info.session_id))  # as if it had expired
+    await raw.aclose()
+    async with other_store.lease(info.session_id) as taken:
+        with pytest.raises(SessionConflict, match="expired or was taken"):
+            await store.commit(lease, make_state(seed=1), tokens_seen=8)
+        await lease.release()  # must not free the new holder's lease
+        with pytest.raises(SessionBusy):
+            await store.lease(info.session_id)
+        await other_store.commit(taken, make_state(seed=2), tokens_seen=8)
+
+
+async def test_several_commits_under_one_lease(store: MemoryStore, other_store: MemoryStore) -> None:
+    info = await store.create(tensors=make_state(), mem_len=8, metadata={"title": "t"})
+    async with store.lease(info.session_id) as lease:
+        for step in range(1, 4):
+            committed = await store.commit(lease, make_state(seed=step), tokens_seen=8 * step)
+            assert committed.version == lease.version == step + 1
+            assert committed.metadata == {"title": "t"}
+        await store.commit(lease, make_state(seed=9), tokens_seen=40, metadata={"title": "u"})
+        assert_same(lease.session.tensors, make_state(seed=9))
+    got = await other_store.get(info.session_id)
+    assert (got.version, got.info.tokens_seen, got.info.metadata) == (5, 40, {"title": "u"})
+    with pytest.raises(SessionConflict):
+        await store.commit(lease, make_state(), tokens_seen=48)  # released
+
+
+async def test_stale_hot_copy_is_refreshed_from_redis(store: MemoryStore, other_store: MemoryStore) -> None:
+    info = await store.create(tensors=make_state(seed=1), mem_len=8)
+    assert (await store.get(info.session_id)).info.tier == "hot"
+    async with other_store.lease(info.session_id) as lease:
+        await other_store.commit(lease, make_state(seed=2), tokens_seen=8)
+    assert (await store.info(info.session_id)).tier == "redis"
+    got = await store.get(info.session_id)
+    assert (got.info.tier, got.version) == ("redis", 2)
+    assert_same(got.tensors, make_state(seed=2))
+    assert (await store.get(info.session_id)).info.tier == "hot"
+
+
+async def test_leased_session_is_never_evicted(redis_url: str) -> None:
+    budget = 2 * state_bytes() + state_bytes()  # the leased state holds a hot-only tensor as large as mems
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, hot_cache_mb=budget / MiB) as store:
+        info = await store.create(tensors=make_state(hot_only=True), mem_len=8)
+        async with store.lease(info.session_id) as lease:
+            for seed in range(4):
+                await store.create(tensors=make_state(seed=seed), mem_len=8)
+                assert store.metrics.hot_bytes <= budget
+            assert (await store.info(info.session_id)).tier == "hot"
+            assert "_k" in (await store.get(info.session_id)).tensors
+            await store.commit(lease, make_state(seed=7, hot_only=True), tokens_seen=8)
+        assert "_k" in (await store.get(info.session_id)).tensors
+        await store.create(tensors=make_state(), mem_len=8)
+        await store.create(tensors=make_state(), mem_len=8)
+        assert (await store.info(info.session_id)).tier == "redis"  # unpinned, it can go
+
+
+async def test_cancelled_holder_releases_at_once(store: MemoryStore, other_store: MemoryStore) -> None:
+    info = await store.create(tensors=make_state(), mem_len=8)
+    holding = asyncio.Event()
+
+    async def generate() -> None:
+        async with store.lease(info.session_id):
+            holding.set()
+            await asyncio.sleep(60)
+
+    task = asyncio.create_task(generate())
+    await holding.wait()
+    task.cancel()  # a client that disconnected
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    async with other_store.lease(info.session_id) as lease:
+        assert lease.version == 1
+
+
+async def test_lease_and_commit_on_missing_or_deleted_sessions(store: MemoryStore) -> None:
+    with pytest.raises(SessionNotFound):
+        await store.lease("no-such-session")
+    info = await store.create(owner="a", tensors=make_state(), mem_len=8)
+    async with store.lease(info.session_id, owner="a") as lease:
+        with pytest.raises(SessionNotFound):  # not SessionBusy: it is not b's to know about
+            await store.lease(info.session_id, owner="b")
+        await store.delete(info.session_id, owner="a")
+        with pytest.raises(SessionNotFound):
+            await store.commit(lease, make_state(), tokens_seen=8)
+
+
+async def test_closing_the_store_releases_its_leases(redis_url: str, store: MemoryStore) -> None:
+    info = await store.create(tensors=make_state(), mem_len=8)
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY) as other:
+        await other.lease(info.session_id)
+    async with store.lease(info.session_id):
+        pass

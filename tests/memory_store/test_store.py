@@ -1,0 +1,338 @@
+"""MemoryStore against a real Redis: round trips, tiers, ownership, listing, validation, corruption."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio
+import torch
+
+from memory_store import MemoryStore, ModelIdentity
+from memory_store.redis_tier import owner_key, session_key
+from model.errors import (
+    InvalidRequestError,
+    PayloadTooLarge,
+    SessionConflict,
+    SessionCorrupt,
+    SessionIncompatible,
+    SessionNotFound,
+    StoreUnavailable,
+)
+from tests.memory_store.support import IDENTITY, assert_same, make_state, new_owner, state_bytes
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+async def raw(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:
+    """Direct Redis access, to look at and damage what the store wrote."""
+    client = redis.asyncio.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+async def test_round_trip_is_bit_exact(store: MemoryStore, other_store: MemoryStore, dtype: torch.dtype) -> None:
+    state = make_state(dtype=dtype, seed=3)
+    info = await store.create(owner="u", tensors=state, mem_len=8, tokens_seen=5, metadata={"k": "v"})
+
+    hot = await store.get(info.session_id, owner="u")
+    cold = await other_store.get(info.session_id, owner="u")  # no hot copy there: read from Redis
+
+    assert (hot.info.tier, cold.info.tier) == ("hot", "redis")
+    assert_same(hot.tensors, state)
+    assert_same(cold.tensors, state)
+    assert cold.info == dataclasses.replace(hot.info, tier="redis")
+    assert (await other_store.get(info.session_id, owner="u")).info.tier == "hot"
+
+
+async def test_info_reads_the_header_only(store: MemoryStore) -> None:
+    owner = new_owner()
+    info = await store.create(owner=owner, tensors=make_state(m=5), mem_len=8, tokens_seen=7, metadata={"a": 1})
+    got = await store.info(info.session_id, owner=owner)
+    assert got == info
+    assert (got.owner, got.version, got.tokens_seen, got.mem_len, got.metadata) == (owner, 1, 7, 8, {"a": 1})
+    assert got.bytes > state_bytes(m=5) and got.tier == "hot"
+    assert got.created_at == got.updated_at > 0
+    assert len(got.session_id) >= 22  # 128 random bits, urlsafe base64
+
+
+async def test_lru_eviction_at_the_byte_budget(redis_url: str) -> None:
+    budget = 3 * state_bytes()
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, hot_cache_mb=budget / MiB) as store:
+        states = [make_state(seed=i) for i in range(6)]
+        infos = []
+        for state in states:
+            infos.append(await store.create(tensors=state, mem_len=8))
+            assert store.metrics.hot_bytes <= budget
+        assert store.metrics.hot_sessions == 3 and store.metrics.evictions == 3
+        tiers = [(await store.info(i.session_id)).tier for i in infos]
+        assert tiers == ["redis"] * 3 + ["hot"] * 3
+
+        restored = await store.get(infos[0].session_id)
+        assert restored.info.tier == "redis"
+        assert_same(restored.tensors, states[0])
+        assert store.metrics.redis_hits == 1 and store.metrics.hot_bytes <= budget
+        assert (await store.info(infos[0].session_id)).tier == "hot"
+        assert (await store.info(infos[3].session_id)).tier == "redis"  # the least recently used went
+
+
+async def test_state_larger_than_the_hot_budget_still_persists(redis_url: str) -> None:
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, hot_cache_mb=16 / MiB) as store:
+        info = await store.create(tensors=make_state(), mem_len=8)
+        assert info.tier == "redis" and store.metrics.hot_bytes == 0
+        assert_same((await store.get(info.session_id)).tensors, make_state())
+
+
+async def test_hot_only_tensors_are_never_persisted(
+    store: MemoryStore, other_store: MemoryStore, raw: redis.asyncio.Redis
+) -> None:
+    state = make_state(hot_only=True)
+    info = await store.create(tensors=state, mem_len=8)
+    assert set((await store.get(info.session_id)).tensors) == {"mems", "_k"}
+    assert set((await other_store.get(info.session_id)).tensors) == {"mems"}
+    assert b"_k" not in await raw.hget(session_key(info.session_id), "payload")
+
+
+async def test_other_owners_sessions_do_not_exist(store: MemoryStore) -> None:
+    info = await store.create(owner="alice", tensors=make_state(), mem_len=8)
+    for owner in ("bob", None):
+        with pytest.raises(SessionNotFound):
+            await store.get(info.session_id, owner=owner)
+        with pytest.raises(SessionNotFound):
+            await store.info(info.session_id, owner=owner)
+        with pytest.raises(SessionNotFound):
+            await store.lease(info.session_id, owner=owner)
+        with pytest.raises(SessionNotFound):
+            await store.delete(info.session_id, owner=owner)
+        with pytest.raises(SessionNotFound):
+            await store.fork(info.session_id, owner=owner)
+        with pytest.raises(SessionConflict):
+            await store.put(info.session_id, make_state(), owner=owner, mem_len=8)
+    assert (await store.get(info.session_id, owner="alice")).info.owner == "alice"
+
+
+async def test_unknown_and_malformed_ids_are_not_found(store: MemoryStore) -> None:
+    for session_id in ("nope", "txl:{x}", "", "a" * 200):
+        with pytest.raises(SessionNotFound):
+            await store.get(session_id)
+
+
+async def test_fork_is_independent(store: MemoryStore) -> None:
+    owner = new_owner()
+    state = make_state(seed=1, hot_only=True)
+    source = await store.create(owner=owner, tensors=state, mem_len=8, tokens_seen=4, metadata={"n": 1})
+    fork = await store.fork(source.session_id, owner=owner)
+    assert fork.session_id != source.session_id
+    assert (fork.tokens_seen, fork.metadata, fork.version) == (4, {"n": 1}, 1)
+    forked = await store.get(fork.session_id, owner=owner)
+    assert_same(forked.tensors, state)
+
+    async with store.lease(fork.session_id, owner=owner) as lease:
+        await store.commit(lease, make_state(seed=2), tokens_seen=12)
+    assert_same((await store.get(source.session_id, owner=owner)).tensors, state)
+    await store.delete(source.session_id, owner=owner)
+    assert (await store.get(fork.session_id, owner=owner)).info.tokens_seen == 12
+
+    renamed = await store.fork(fork.session_id, owner=owner, metadata={"title": "copy"})
+    assert renamed.metadata == {"title": "copy"}
+
+
+async def test_delete(store: MemoryStore, other_store: MemoryStore) -> None:
+    owner = new_owner()
+    info = await store.create(owner=owner, tensors=make_state(), mem_len=8)
+    await other_store.get(info.session_id, owner=owner)
+    await store.delete(info.session_id, owner=owner)
+    for s in (store, other_store):  # the other store's hot copy must not outlive the session
+        with pytest.raises(SessionNotFound):
+            await s.get(info.session_id, owner=owner)
+    assert store.metrics.hot_sessions == 0 and other_store.metrics.hot_sessions == 0
+    assert await store.list(owner=owner) == ([], None)
+    with pytest.raises(SessionNotFound):
+        await store.delete(info.session_id, owner=owner)
+
+
+async def test_list_by_owner_with_pagination(store: MemoryStore) -> None:
+    owner = new_owner()
+    ids = []
+    for i in range(5):
+        ids.append((await store.create(owner=owner, tensors=make_state(), mem_len=8, metadata={"i": i})).session_id)
+    await store.create(owner=new_owner(), tensors=make_state(), mem_len=8)
+
+    seen, cursor, pages = [], None, 0
+    while True:
+        page, cursor = await store.list(owner=owner, limit=2, after=cursor)
+        pages += 1
+        seen += [info.session_id for info in page]
+        if cursor is None:
+            break
+    assert pages == 3 and seen == ids  # oldest first, each exactly once
+    assert [i.metadata["i"] for i in (await store.list(owner=owner, limit=5))[0]] == list(range(5))
+    assert (await store.list(owner=owner, limit=5))[1] is None
+    with pytest.raises(InvalidRequestError):
+        await store.list(owner=owner, after="garbage")
+    with pytest.raises(InvalidRequestError):
+        await store.list(owner=owner, limit=0)
+
+
+async def test_list_skips_and_prunes_vanished_sessions(store: MemoryStore, raw: redis.asyncio.Redis) -> None:
+    owner = new_owner()
+    ids = [(await store.create(owner=owner, tensors=make_state(), mem_len=8)).session_id for _ in range(4)]
+    await raw.delete(session_key(ids[0]), session_key(ids[2]))  # as an expired TTL would
+
+    page, cursor = await store.list(owner=owner, limit=1)
+    assert [i.session_id for i in page] == [ids[1]] and cursor is not None
+    page, cursor = await store.list(owner=owner, after=cursor)
+    assert [i.session_id for i in page] == [ids[3]] and cursor is None
+    assert await raw.zcard(owner_key(owner)) == 2
+
+
+async def test_idle_ttl_expires_sessions(redis_url: str, raw: redis.asyncio.Redis) -> None:
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=1) as store:
+        owner = new_owner()
+        info = await store.create(owner=owner, tensors=make_state(), mem_len=8)
+        assert 0 < await raw.pttl(session_key(info.session_id)) <= 1000
+        assert 0 < await raw.pttl(owner_key(owner)) <= 1000
+        await asyncio.sleep(0.6)
+        await store.get(info.session_id, owner=owner)  # use refreshes the idle TTL
+        await asyncio.sleep(0.6)
+        assert (await store.info(info.session_id, owner=owner)).version == 1
+        await asyncio.sleep(1.2)
+        with pytest.raises(SessionNotFound):
+            await store.get(info.session_id, owner=owner)
+        assert store.metrics.hot_sessions == 0
+
+
+async def test_reads_do_not_write(store: MemoryStore, raw: redis.asyncio.Redis) -> None:
+    """With appendfsync always, a write on the read path would cost every get an fsync."""
+    owner = new_owner()
+    info = await store.create(owner=owner, tensors=make_state(), mem_len=8)
+    await store.get(info.session_id, owner=owner)  # the first use loads the Lua scripts (SCRIPT LOAD is logged)
+    before = (await raw.info("persistence"))["aof_current_size"]
+    await store.get(info.session_id, owner=owner)
+    await store.info(info.session_id, owner=owner)
+    await store.list(owner=owner)
+    assert (await raw.info("persistence"))["aof_current_size"] == before
+
+
+async def test_ttl_zero_means_forever(redis_url: str, raw: redis.asyncio.Redis) -> None:
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=0) as store:
+        info = await store.create(tensors=make_state(), mem_len=8)
+        assert await raw.pttl(session_key(info.session_id)) == -1
+
+
+async def test_fingerprint_and_shape_mismatch(redis_url: str, store: MemoryStore) -> None:
+    info = await store.create(tensors=make_state(), mem_len=8)
+    others = [
+        ModelIdentity("another-model", IDENTITY.n_layer, IDENTITY.d_model),
+        ModelIdentity(IDENTITY.fingerprint, IDENTITY.n_layer + 1, IDENTITY.d_model),
+    ]
+    for identity in others:
+        async with MemoryStore.from_url(redis_url, identity=identity) as other:
+            with pytest.raises(SessionIncompatible):
+                await other.get(info.session_id)
+            with pytest.raises(SessionIncompatible):
+                await other.lease(info.session_id)
+            assert (await other.info(info.session_id)).version == 1  # still listable
+    async with store.lease(info.session_id):  # the failed leases were given back
+        pass
+    with pytest.raises(SessionIncompatible):
+        await store.create(tensors={"mems": torch.zeros(2, 8, 17)}, mem_len=8)
+    with pytest.raises(SessionIncompatible):
+        await store.create(tensors={"mems": torch.zeros(2, 9, 16)}, mem_len=8)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncate", "drop"])
+async def test_corrupt_payload(
+    store: MemoryStore, other_store: MemoryStore, raw: redis.asyncio.Redis, damage: str
+) -> None:
+    info = await store.create(tensors=make_state(), mem_len=8)
+    key = session_key(info.session_id)
+    payload = await raw.hget(key, "payload")
+    if damage == "garbage":
+        await raw.hset(key, "payload", b"\x07" * len(payload))
+    elif damage == "truncate":
+        await raw.hset(key, "payload", payload[: len(payload) // 2])
+    else:
+        await raw.hdel(key, "payload")
+
+    with pytest.raises(SessionCorrupt):
+        await other_store.get(info.session_id)
+    assert other_store.metrics.hot_sessions == 0  # nothing undecodable went into the hot tier
+    with pytest.raises(SessionCorrupt):
+        await other_store.lease(info.session_id)
+
+    await other_store.put(info.session_id, make_state(seed=9), mem_len=8)  # an overwrite repairs it
+    assert_same((await store.get(info.session_id)).tensors, make_state(seed=9))
+
+
+async def test_corrupt_header(store: MemoryStore, raw: redis.asyncio.Redis) -> None:
+    info = await store.create(owner="u", tensors=make_state(), mem_len=8)
+    await raw.hset(session_key(info.session_id), "header", b"{not json")
+    with pytest.raises(SessionCorrupt):
+        await store.get(info.session_id, owner="u")
+    assert store.metrics.hot_sessions == 0  # the old hot copy no longer matches anything
+    with pytest.raises(SessionCorrupt):
+        await store.info(info.session_id, owner="u")
+    await store.delete(info.session_id, owner="u")
+    with pytest.raises(SessionNotFound):
+        await store.get(info.session_id, owner="u")
+
+
+async def test_oversized_payload(redis_url: str) -> None:
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, max_payload_mb=0.5 * state_bytes() / MiB) as s:
+        owner = new_owner()
+        with pytest.raises(PayloadTooLarge):
+            await s.create(owner=owner, tensors=make_state(), mem_len=8)
+        assert await s.list(owner=owner) == ([], None)
+        small = await s.create(owner=owner, tensors=make_state(m=2), mem_len=8)
+        async with s.lease(small.session_id, owner=owner) as lease:
+            with pytest.raises(PayloadTooLarge):
+                await s.commit(lease, make_state(), tokens_seen=8)
+        assert (await s.info(small.session_id, owner=owner)).version == 1
+
+
+async def test_put_creates_then_overwrites(store: MemoryStore, other_store: MemoryStore) -> None:
+    owner = new_owner()
+    first = await store.put("my-session_1", make_state(seed=1), owner=owner, mem_len=8, tokens_seen=1)
+    await other_store.get("my-session_1", owner=owner)
+    second = await store.put("my-session_1", make_state(seed=2), owner=owner, mem_len=8, tokens_seen=2)
+    assert (first.version, second.version) == (1, 2)
+    assert second.created_at == first.created_at < second.updated_at
+    got = await other_store.get("my-session_1", owner=owner)  # its hot copy (version 1) is stale
+    assert got.info.tier == "redis" and got.info.tokens_seen == 2
+    assert_same(got.tensors, make_state(seed=2))
+    assert [i.session_id for i in (await store.list(owner=owner))[0]] == ["my-session_1"]
+    with pytest.raises(InvalidRequestError):
+        await store.put("bad id!", make_state(), owner=owner, mem_len=8)
+    await store.delete("my-session_1", owner=owner)
+
+
+async def test_metrics(store: MemoryStore, other_store: MemoryStore) -> None:
+    info = await store.create(tensors=make_state(), mem_len=8)
+    await store.get(info.session_id)
+    await other_store.get(info.session_id)
+    await other_store.get(info.session_id)
+    with pytest.raises(SessionNotFound):
+        await other_store.get("missing")
+    m = other_store.metrics
+    assert (m.hot_hits, m.hot_misses, m.redis_hits, m.redis_misses) == (1, 2, 1, 1)
+    assert (m.hot_sessions, m.hot_bytes) == (1, state_bytes())
+    assert m.ops["get"].count == 3 and m.ops["get"].errors == 1 and m.ops["get"].total_s > 0
+    assert store.metrics.hot_hits == 1 and store.metrics.ops["create"].count == 1
+
+
+async def test_closed_store_is_unavailable(redis_url: str) -> None:
+    store = MemoryStore.from_url(redis_url, identity=IDENTITY)
+    with pytest.raises(StoreUnavailable, match="not open"):
+        await store.get("x")
+    await store.start()
+    await store.ping()
+    await store.aclose()
+    with pytest.raises(StoreUnavailable):
+        await store.ping()

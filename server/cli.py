@@ -145,12 +145,42 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=decode.main)
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from server.settings import Settings
+
+    p = sub.add_parser("serve", help="serve the HTTP API (OpenAI-compatible completions, sessions, WebSocket)",
+                       description="Every flag also reads TXLSERVE_<NAME> from the environment.")
+    for f in Settings.__dataclass_fields__.values():
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "api_keys":
+            p.add_argument(flag, nargs="*", default=None, help="Bearer keys; sessions belong to the key")
+            continue
+        typ = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        p.add_argument(flag, type=typ, default=None, help=f"default: {f.default!r}")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    import logging
+
+    from server.serve import serve
+    from server.settings import Settings
+
+    overrides = {k: getattr(ns, k) for k in Settings.__dataclass_fields__ if getattr(ns, k, None) is not None}
+    if "api_keys" in overrides:
+        overrides["api_keys"] = tuple(overrides["api_keys"])
+    settings = Settings.from_env(**overrides)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="txlserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_eval(sub)
     _add_generate(sub)
+    _add_serve(sub)
     _add_bench(sub)
     return parser
 

@@ -1,0 +1,150 @@
+"""Completions shared by the HTTP and WebSocket surfaces: validate a request, start its run,
+and shape OpenAI's ``text_completion`` objects and chunks."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from model.engine import TokenEvent, token_text
+from model.errors import InvalidRequestError, PayloadTooLarge
+from model.sampling import SamplingParams
+from server.errors import ModelNotFound
+from server.protocol import CompletionRequest
+from server.runtime import Runtime
+from server.service import Failed, Final, Run, first_item
+
+
+def check_model(rt: Runtime, model: str) -> None:
+    if model != rt.settings.model_name:
+        raise ModelNotFound(f"the model {model!r} does not exist; this server serves {rt.settings.model_name!r}",
+                            param="model")
+
+
+def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams:
+    s = rt.settings
+    if req.n not in (None, 1):
+        raise InvalidRequestError("only n=1 is supported", param="n")
+    if req.best_of not in (None, 1):
+        raise InvalidRequestError("only best_of=1 is supported", param="best_of")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise InvalidRequestError(f"{name} is not supported (only 0)", param=name)
+    if req.logit_bias:
+        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+    if req.suffix:
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    if max_tokens > s.max_tokens_limit:
+        raise InvalidRequestError(f"max_tokens must be at most {s.max_tokens_limit}", param="max_tokens")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > s.max_stop:
+        raise InvalidRequestError(f"at most {s.max_stop} stop strings are allowed", param="stop")
+    if any(len(x.encode()) > s.max_stop_bytes for x in stop):
+        raise InvalidRequestError(f"a stop string may be at most {s.max_stop_bytes} bytes", param="stop")
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                          top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
+                          stop=tuple(stop), logprobs=req.logprobs)
+
+
+def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt") -> list[int]:
+    ids = rt.engine.encode(text)
+    if len(ids) > limit:
+        raise PayloadTooLarge(f"{param} is {len(ids)} bytes; the limit is {limit}", param=param)
+    return ids
+
+
+def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
+    check_model(rt, req.model)
+    params = sampling_params(rt, req)
+    ids = prompt_ids(rt, req.prompt, rt.settings.max_prompt_bytes)
+    return Run(rt, ids=ids, params=params, owner=owner, session_id=req.session_id)
+
+
+@dataclass
+class Completion:
+    """Accumulates one choice; renders the full object or stream chunks."""
+
+    req: CompletionRequest
+    model: str
+    id: str = field(default_factory=lambda: "cmpl-" + secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    tops: list[dict[str, float]] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+
+    def add(self, ev: TokenEvent) -> dict[str, Any] | None:
+        """Record a token; its logprobs piece for a stream chunk (or None without logprobs)."""
+        start = len(self.text)
+        self.tokens.append(ev.token)
+        self.text += ev.text
+        if self.req.logprobs is None:
+            return None
+        top = {token_text(t): lp for t, lp in (ev.top_logprobs or [])}
+        self.lps.append(ev.logprob)
+        self.tops.append(top)
+        self.offsets.append(start)
+        return {"tokens": [token_text(ev.token)], "token_logprobs": [ev.logprob], "top_logprobs": [top],
+                "text_offset": [start]}
+
+    def logprobs(self) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        return {"tokens": [token_text(t) for t in self.tokens], "token_logprobs": self.lps,
+                "top_logprobs": self.tops, "text_offset": self.offsets}
+
+    def chunk(self, text: str, finish_reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+    @staticmethod
+    def usage(final: Final, prompt_tokens: int) -> dict[str, Any]:
+        n = final.done.completion_tokens
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
+                "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+
+    @staticmethod
+    def session(final: Final) -> dict[str, Any] | None:
+        if final.info is None:
+            return None
+        return {"id": final.info.session_id, "tokens_seen": final.info.tokens_seen}
+
+    def finish(self, final: Final) -> str:
+        reason = final.done.finish_reason
+        return "stop" if reason == "cancelled" else reason or "length"
+
+    def body(self, final: Final, prompt_tokens: int) -> dict[str, Any]:
+        out = self.chunk(self.text, self.finish(final), self.logprobs())
+        out["usage"] = self.usage(final, prompt_tokens)
+        if (session := self.session(final)) is not None:
+            out["session"] = session
+        return out
+
+
+async def events(run: Run, first: Any) -> AsyncIterator[TokenEvent | Final]:
+    """The run's TokenEvents then its Final (with the last token folded in); raises a Failed's error."""
+    item = first
+    while True:
+        if isinstance(item, Failed):
+            raise item.error
+        if isinstance(item, Final):
+            if item.last is not None:
+                yield item.last
+            yield item
+            return
+        yield item
+        item = await run.events.get()
+
+
+async def open_run(rt: Runtime, req: CompletionRequest, owner: str | None) -> tuple[Run, Any]:
+    run = start(rt, req, owner)
+    try:
+        return run, await first_item(run)
+    except BaseException:
+        run.cancel()
+        raise

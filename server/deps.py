@@ -1,0 +1,40 @@
+"""Request dependencies: the runtime, and the caller's identity (the owner of its sessions)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from fastapi import Request, WebSocket
+
+from server.errors import AuthenticationError
+from server.runtime import Runtime
+
+
+def runtime(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def owner_for_key(rt: Runtime, key: str | None) -> str | None:
+    """With API keys configured, sessions belong to the key that made them (stored as a hash)."""
+    keys = rt.settings.api_keys
+    if not keys:
+        return None
+    if key is None or not any(hmac.compare_digest(key, k) for k in keys):
+        raise AuthenticationError("invalid or missing API key (send 'Authorization: Bearer <key>')")
+    return "key:" + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _bearer(header: str | None) -> str | None:
+    if header and header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return None
+
+
+def owner(request: Request) -> str | None:
+    return owner_for_key(runtime(request), _bearer(request.headers.get("authorization")))
+
+
+def ws_owner(ws: WebSocket) -> str | None:
+    key = _bearer(ws.headers.get("authorization")) or ws.query_params.get("api_key")
+    return owner_for_key(ws.app.state.runtime, key)

@@ -1,0 +1,99 @@
+"""One table from the error hierarchy (``model.errors``) to HTTP status and OpenAI error type,
+and the handlers that answer every error in OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from model import errors as e
+
+log = logging.getLogger("txlserve")
+
+# most specific first: the first isinstance match wins
+STATUS: list[tuple[type[e.TxlError], int, str]] = [
+    (e.SessionIncompatible, 422, "invalid_request_error"),
+    (e.InvalidRequestError, 400, "invalid_request_error"),
+    (e.ConfigError, 400, "invalid_request_error"),
+    (e.SessionNotFound, 404, "not_found_error"),
+    (e.SessionBusy, 409, "conflict_error"),
+    (e.SessionConflict, 409, "conflict_error"),
+    (e.SessionCorrupt, 422, "invalid_request_error"),
+    (e.PayloadTooLarge, 413, "invalid_request_error"),
+    (e.Overloaded, 429, "rate_limit_error"),
+    (e.StoreUnavailable, 503, "service_unavailable_error"),
+]
+
+
+class AuthenticationError(e.TxlError):
+    code = "invalid_api_key"
+
+
+class ModelNotFound(e.TxlError):
+    code = "model_not_found"
+
+
+class Unavailable(e.TxlError):
+    code = "service_unavailable"
+
+
+STATUS[:0] = [(AuthenticationError, 401, "authentication_error"), (ModelNotFound, 404, "not_found_error"),
+              (Unavailable, 503, "service_unavailable_error")]
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def classify(err: BaseException) -> tuple[int, dict[str, Any]]:
+    """Status and body for any exception; unknown ones are logged and answered without details."""
+    if isinstance(err, e.TxlError):
+        for cls, status, type_ in STATUS:
+            if isinstance(err, cls):
+                return status, error_body(err.message, type_, err.param, err.code)
+    log.exception("internal error", exc_info=err)
+    return 500, error_body("internal server error", "server_error", None, "internal_error")
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    first = err.errors()[0] if err.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        msg = f"unrecognized request argument: {param}"
+    elif first.get("type") == "json_invalid":
+        msg, param = "the request body is not valid JSON", None
+    elif param:
+        msg = f"{param}: {msg}"
+    return msg, param
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(e.TxlError)
+    async def _txl(_: Request, err: e.TxlError) -> JSONResponse:
+        status, body = classify(err)
+        headers = {"Retry-After": "1"} if status in (429, 503) else None
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        msg, param = _validation_message(err)
+        return JSONResponse(error_body(msg, "invalid_request_error", param, "invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        type_ = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}.get(
+            err.status_code, "invalid_request_error")
+        return JSONResponse(error_body(str(err.detail), type_, None, None), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def _other(_: Request, err: Exception) -> JSONResponse:
+        status, body = classify(err)
+        return JSONResponse(body, status_code=status)

@@ -1,0 +1,61 @@
+"""Prometheus metrics, all named ``txlserve_*``, in a registry of the app's own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from memory_store import MemoryStore
+    from server.scheduler import Scheduler
+
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _Live(Collector):
+    """Gauges and counters read at scrape time from the scheduler and the store."""
+
+    def __init__(self, scheduler: Scheduler, store: MemoryStore) -> None:
+        self.scheduler, self.store = scheduler, store
+
+    def collect(self) -> Iterator[Metric]:
+        s, m = self.scheduler, self.store.metrics
+        yield GaugeMetricFamily("txlserve_requests_running", "Requests generating in the decode batch",
+                                value=len(s.running))
+        yield GaugeMetricFamily("txlserve_requests_waiting", "Requests queued or prefilling", value=s.waiting)
+        yield CounterMetricFamily("txlserve_decode_steps", "Batched decode steps", value=s.steps)
+        yield GaugeMetricFamily("txlserve_hot_bytes", "Bytes of session state in the hot tier", value=m.hot_bytes)
+        yield GaugeMetricFamily("txlserve_hot_sessions", "Sessions in the hot tier", value=m.hot_sessions)
+        for name, value, doc in (("hot_hits", m.hot_hits, "Session loads served by the hot tier"),
+                                 ("hot_misses", m.hot_misses, "Session loads the hot tier could not serve"),
+                                 ("redis_hits", m.redis_hits, "Session loads served by Redis"),
+                                 ("redis_misses", m.redis_misses, "Session loads Redis did not have"),
+                                 ("evictions", m.evictions, "Hot-tier evictions"),
+                                 ("store_errors", m.redis_errors, "Redis errors")):
+            yield CounterMetricFamily(f"txlserve_{name}", doc, value=value)
+
+
+class Metrics:
+    def __init__(self, scheduler: Scheduler, store: MemoryStore) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("txlserve_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.ttft = Histogram("txlserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY,
+                              registry=r)
+        self.itl = Histogram("txlserve_inter_token_latency_seconds", "Time between streamed tokens",
+                             buckets=LATENCY, registry=r)
+        self.e2e = Histogram("txlserve_e2e_request_latency_seconds", "Request latency, first byte in to last out",
+                             buckets=LATENCY, registry=r)
+        self.prompt_tokens = Counter("txlserve_prompt_tokens", "Prompt tokens read", registry=r)
+        self.generation_tokens = Counter("txlserve_generation_tokens", "Tokens generated", registry=r)
+        self.disconnects = Counter("txlserve_client_disconnects", "Clients gone before their response ended",
+                                   registry=r)
+        r.register(_Live(scheduler, store))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

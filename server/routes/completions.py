@@ -1,0 +1,85 @@
+"""POST /v1/completions: OpenAI's legacy completions, plain or streamed as SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import StreamingResponse
+
+from model.engine import TokenEvent
+from server.completion import Completion, events, open_run
+from server.deps import owner, runtime
+from server.errors import classify
+from server.protocol import CompletionRequest
+from server.runtime import Runtime
+from server.service import Final, Run
+
+router = APIRouter()
+
+
+def _sse(obj: object) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(req: CompletionRequest, rt: Runtime = Depends(runtime),
+                            who: str | None = Depends(owner)) -> dict | StreamingResponse:
+    t0 = time.monotonic()
+    run, first = await open_run(rt, req, who)
+    comp = Completion(req, rt.settings.model_name)
+    if req.echo:
+        comp.text = req.prompt
+    if not req.stream:
+        async for item in events(run, first):
+            if isinstance(item, TokenEvent):
+                comp.add(item)
+            else:
+                _observe(rt, run, item, t0)
+                return comp.body(item, len(run.ids))
+    return StreamingResponse(_stream(rt, run, first, comp, t0), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: float) -> AsyncIterator[str]:
+    include_usage = bool(comp.req.stream_options and comp.req.stream_options.include_usage)
+    last_t = None
+    finished = False
+    try:
+        if comp.req.echo and comp.req.prompt:
+            yield _sse(comp.chunk(comp.req.prompt))
+        async for item in events(run, first):
+            if isinstance(item, TokenEvent):
+                now = time.monotonic()
+                (rt.metrics.ttft if last_t is None else rt.metrics.itl).observe(now - (last_t or t0))
+                last_t = now
+                logprobs = comp.add(item)
+                if item.text or logprobs is not None:
+                    yield _sse(comp.chunk(item.text, None, logprobs))
+                continue
+            yield _sse(comp.chunk("", comp.finish(item)) | ({"session": s} if (s := comp.session(item)) else {}))
+            if include_usage:
+                yield _sse({**comp.chunk(""), "choices": [], "usage": comp.usage(item, len(run.ids))})
+            _observe(rt, run, item, t0)
+        finished = True
+    except asyncio.CancelledError:
+        rt.metrics.disconnects.inc()
+        run.cancel()
+        raise
+    except Exception as err:  # mid-stream: an error event, then [DONE]
+        _, body = classify(err)
+        yield _sse(body)
+        finished = True
+    finally:
+        if not finished:
+            run.cancel()
+    yield "data: [DONE]\n\n"
+
+
+def _observe(rt: Runtime, run: Run, final: Final, t0: float) -> None:
+    rt.metrics.e2e.observe(time.monotonic() - t0)
+    rt.metrics.prompt_tokens.inc(len(run.ids))
+    rt.metrics.generation_tokens.inc(final.done.completion_tokens)

@@ -1,0 +1,45 @@
+"""Liveness, readiness, metrics and the model list."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+
+from model.errors import StoreUnavailable
+from server.deps import owner, runtime
+from server.errors import error_body
+from server.runtime import Runtime
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> Response:
+    rt: Runtime | None = getattr(request.app.state, "runtime", None)
+    if rt is None or not rt.ready:
+        why = "draining" if rt is not None and rt.draining else "starting"
+        return JSONResponse(error_body(f"not ready: {why}", "service_unavailable_error", None, why), 503)
+    try:
+        await rt.store.ping()
+    except StoreUnavailable as err:
+        return JSONResponse(error_body(f"not ready: {err}", "service_unavailable_error", None, err.code), 503)
+    return JSONResponse({"status": "ready", "model": rt.settings.model_name})
+
+
+@router.get("/metrics")
+async def metrics(rt: Runtime = Depends(runtime)) -> Response:
+    return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/v1/models")
+async def models(rt: Runtime = Depends(runtime), _owner: str | None = Depends(owner)) -> dict:
+    cfg = rt.engine.config
+    return {"object": "list", "data": [{
+        "id": rt.settings.model_name, "object": "model", "created": 0, "owned_by": "txlserve",
+        "n_layer": cfg.n_layer, "d_model": cfg.d_model, "mem_len": rt.engine.mem_len,
+        "clamp_len": rt.engine.clamp_len, "fingerprint": rt.engine.fingerprint}]}

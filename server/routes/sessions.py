@@ -1,0 +1,81 @@
+"""The sessions API: create, inspect, list, delete, append a document, fork."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Query, Response
+
+from memory_store import SessionInfo
+from server.completion import prompt_ids
+from server.deps import owner, runtime
+from server.protocol import AppendResult, SessionAppend, SessionCreate, SessionFork, SessionList, SessionObject
+from server.runtime import Runtime
+from server.service import Final, Run, first_item
+
+router = APIRouter(prefix="/v1/sessions")
+
+
+def session_object(rt: Runtime, info: SessionInfo) -> SessionObject:
+    return SessionObject(id=info.session_id, model=rt.settings.model_name, tokens_seen=info.tokens_seen,
+                         mem_len=info.mem_len, bytes=info.bytes, tier=info.tier, created_at=int(info.created_at),
+                         last_used_at=int(info.updated_at), metadata=info.metadata or {})
+
+
+async def _final(run: Run) -> Final:
+    item = await first_item(run)
+    while not isinstance(item, Final):
+        item = await first_item(run)
+    return item
+
+
+@router.post("", status_code=201, response_model=AppendResult)
+async def create_session(body: SessionCreate | None = None, rt: Runtime = Depends(runtime),
+                         who: str | None = Depends(owner)) -> AppendResult:
+    body = body or SessionCreate()
+    ids = prompt_ids(rt, body.text, rt.settings.max_append_bytes, param="text")
+    final = await _final(Run(rt, ids=ids, params=None, owner=who, create=True, create_metadata=body.metadata))
+    return _appended(rt, final, len(ids))
+
+
+@router.get("", response_model=SessionList)
+async def list_sessions(limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=200),
+                        rt: Runtime = Depends(runtime), who: str | None = Depends(owner)) -> SessionList:
+    infos, cursor = await rt.store.list(owner=who, limit=limit, after=after)
+    return SessionList(data=[session_object(rt, i) for i in infos], has_more=cursor is not None, next_cursor=cursor)
+
+
+@router.get("/{session_id}", response_model=SessionObject)
+async def get_session(session_id: str, rt: Runtime = Depends(runtime),
+                      who: str | None = Depends(owner)) -> SessionObject:
+    return session_object(rt, await rt.store.info(session_id, owner=who))
+
+
+@router.delete("/{session_id}")
+async def delete_session(session_id: str, rt: Runtime = Depends(runtime), who: str | None = Depends(owner)) -> dict:
+    await rt.store.delete(session_id, owner=who)
+    return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+
+@router.post("/{session_id}/append", response_model=AppendResult)
+async def append(session_id: str, body: SessionAppend, rt: Runtime = Depends(runtime),
+                 who: str | None = Depends(owner)) -> AppendResult:
+    ids = prompt_ids(rt, body.text, rt.settings.max_append_bytes, param="text")
+    final = await _final(Run(rt, ids=ids, params=None, owner=who, session_id=session_id))
+    return _appended(rt, final, len(ids))
+
+
+@router.post("/{session_id}/fork", status_code=201, response_model=SessionObject)
+async def fork(session_id: str, body: SessionFork | None = None, rt: Runtime = Depends(runtime),
+               who: str | None = Depends(owner)) -> SessionObject:
+    info = await rt.store.fork(session_id, owner=who, metadata=(body.metadata if body else None))
+    return session_object(rt, info)
+
+
+def _appended(rt: Runtime, final: Final, n: int) -> AppendResult:
+    score = final.done.score
+    base = session_object(rt, final.info).model_dump()
+    has = score is not None and score.tokens > 0
+    return AppendResult(**base, appended_tokens=n, logprob=score.logprob if has else None,
+                        bpc=score.bpc if has else None)
+
+
+__all__ = ["router", "Response"]

@@ -1,0 +1,126 @@
+"""GET /v1/ws: completions over a WebSocket, many in turn on one connection, with cancel.
+
+Client -> server: {"type": "completion.create", ...the /v1/completions fields} | {"type": "cancel"}
+Server -> client: {"type": "completion.delta", "id", "text", "logprobs"?} ... then
+{"type": "completion.done", "id", "text", "finish_reason", "usage", "session"?} or {"type": "error", "error": {...}}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from pydantic import ValidationError
+
+from model.engine import TokenEvent
+from server.completion import Completion, events, open_run
+from server.deps import ws_owner
+from server.errors import classify, error_body
+from server.protocol import CompletionRequest
+
+router = APIRouter()
+
+
+def _invalid(message: str, param: str | None = None) -> dict:
+    return {"type": "error", **error_body(message, "invalid_request_error", param, "invalid_value")}
+
+
+@router.websocket("/v1/ws")
+async def completions_ws(ws: WebSocket) -> None:
+    try:
+        who = ws_owner(ws)
+    except Exception as err:
+        await ws.close(code=1008, reason=str(err)[:120])
+        return
+    await ws.accept()
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def reader() -> None:
+        try:
+            while True:
+                await inbox.put(await ws.receive_text())
+        except (WebSocketDisconnect, RuntimeError):
+            await inbox.put(None)
+
+    reading = asyncio.create_task(reader())
+    try:
+        while (raw := await inbox.get()) is not None:
+            await _handle(ws, raw, inbox, who)
+    finally:
+        reading.cancel()
+
+
+async def _handle(ws: WebSocket, raw: str, inbox: asyncio.Queue, who: str | None) -> None:
+    try:
+        msg = json.loads(raw)
+    except json.JSONDecodeError:
+        await ws.send_json(_invalid("messages must be JSON objects"))
+        return
+    kind = msg.pop("type", None) if isinstance(msg, dict) else None
+    if kind == "cancel":
+        return  # nothing running: a late cancel is harmless
+    if kind != "completion.create":
+        await ws.send_json(_invalid(f"unknown message type {kind!r}", "type"))
+        return
+    rt = ws.app.state.runtime
+    try:
+        req = CompletionRequest.model_validate({**msg, "stream": True})
+        run, first = await open_run(rt, req, who)
+    except ValidationError as err:
+        first_err = err.errors()[0]
+        param = ".".join(str(p) for p in first_err.get("loc", ())) or None
+        await ws.send_json(_invalid(f"{param}: {first_err.get('msg')}", param))
+        return
+    except Exception as err:
+        await ws.send_json({"type": "error", **classify(err)[1]})
+        return
+    comp = Completion(req, rt.settings.model_name)
+    stream = events(run, first).__aiter__()
+    next_item = asyncio.ensure_future(stream.__anext__())
+    next_msg = asyncio.ensure_future(inbox.get())
+    try:
+        while True:
+            done, _ = await asyncio.wait({next_item, next_msg}, return_when=asyncio.FIRST_COMPLETED)
+            if next_msg in done:
+                incoming = next_msg.result()
+                if incoming is None:  # the client left: stop within a step, commit what was generated
+                    rt.metrics.disconnects.inc()
+                    run.cancel()
+                    inbox.put_nowait(None)
+                    next_msg = asyncio.ensure_future(asyncio.sleep(0))
+                    return
+                with contextlib.suppress(json.JSONDecodeError, AttributeError):
+                    if json.loads(incoming).get("type") == "cancel":
+                        run.cancel()
+                    else:
+                        await ws.send_json(_invalid("a completion is in progress: send 'cancel' or wait", "type"))
+                next_msg = asyncio.ensure_future(inbox.get())
+                continue
+            try:
+                item = next_item.result()
+            except StopAsyncIteration:
+                return
+            except Exception as err:
+                await ws.send_json({"type": "error", **classify(err)[1]})
+                return
+            if isinstance(item, TokenEvent):
+                logprobs = comp.add(item)
+                if item.text or logprobs is not None:
+                    await ws.send_json({"type": "completion.delta", "id": comp.id, "text": item.text,
+                                        **({"logprobs": logprobs} if logprobs else {})})
+            else:
+                done_msg = {"type": "completion.done", "id": comp.id, "text": comp.text,
+                            "finish_reason": "cancelled" if item.done.finish_reason == "cancelled"
+                            else comp.finish(item), "usage": comp.usage(item, len(run.ids))}
+                if (session := comp.session(item)) is not None:
+                    done_msg["session"] = session
+                await ws.send_json(done_msg)
+            next_item = asyncio.ensure_future(stream.__anext__())
+    finally:
+        next_item.cancel()
+        if not next_msg.done():
+            next_msg.cancel()
+        elif not next_msg.cancelled():
+            inbox.put_nowait(next_msg.result())  # not ours to consume: back to the connection loop

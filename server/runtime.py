@@ -1,0 +1,83 @@
+"""What the server opens at start-up and closes at shutdown: engine, scheduler, store, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from memory_store import MemoryStore, ModelIdentity
+from model.bundled import resolve_checkpoint
+from model.engine import Engine
+from model.train import pick_device
+from server.metrics import Metrics
+from server.scheduler import Scheduler
+from server.settings import Settings
+
+log = logging.getLogger("txlserve")
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: Engine
+    scheduler: Scheduler
+    store: MemoryStore
+    metrics: Metrics
+    ready: bool = False
+    draining: bool = False
+    runs: set = field(default_factory=set)  # in-flight request runs, awaited at shutdown
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return getattr(torch, self.settings.storage_dtype)
+
+    @property
+    def hot_cache(self) -> bool:
+        """Keep projected keys/values in the hot tier only when they equal what a reload would compute."""
+        return self.storage_dtype == self.engine.decoder.dtype
+
+
+async def open_runtime(settings: Settings) -> Runtime:
+    device = pick_device(settings.device)
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}.get(
+        settings.dtype, getattr(torch, settings.dtype, None))
+    checkpoint = resolve_checkpoint(settings.checkpoint)
+    engine = await asyncio.to_thread(Engine.from_checkpoint, checkpoint, device=device, dtype=dtype,
+                                     mem_len=settings.mem_len, clamp_len=settings.clamp_len,
+                                     prefill_chunk=settings.prefill_chunk)
+    identity = ModelIdentity(fingerprint=engine.fingerprint, n_layer=engine.config.n_layer,
+                             d_model=engine.config.d_model)
+    store = MemoryStore.from_url(settings.redis_url, identity=identity, device=device,
+                                 hot_cache_mb=settings.hot_cache_mb, ttl_s=settings.session_ttl_s,
+                                 data_dir=settings.data_dir, lease_ttl_ms=settings.lease_ttl_ms,
+                                 op_timeout_s=settings.store_timeout_s)
+    await store.start()
+    scheduler = Scheduler(engine, max_batch=settings.max_batch, prefill_chunk=settings.prefill_chunk)
+    scheduler.start()
+    rt = Runtime(settings, engine, scheduler, store, Metrics(scheduler, store))
+    where = "embedded Redis under " + settings.data_dir if settings.redis_url is None else "Redis at " + (
+        settings.redis_url.split("@")[-1])
+    log.info("txlserve: loaded %s (%s, %d layers, d_model %d, mem_len %d) on %s; sessions in %s; "
+             "http://%s:%d", checkpoint, settings.model_name, engine.config.n_layer, engine.config.d_model,
+             engine.mem_len, device, where, settings.host, settings.port)
+    rt.ready = True
+    return rt
+
+
+async def close_runtime(rt: Runtime) -> None:
+    """Drain: refuse new work, let runs finish within the shutdown timeout, cancel the rest (they
+    commit what they generated), then stop the engine and close the store."""
+    rt.ready, rt.draining = False, True
+    runs = list(rt.runs)
+    if runs:
+        _, pending = await asyncio.wait([r.task for r in runs], timeout=rt.settings.shutdown_timeout_s)
+        for r in runs:
+            if r.task in pending:
+                r.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=10)
+    await asyncio.to_thread(rt.scheduler.stop)
+    await rt.store.aclose()

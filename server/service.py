@@ -1,0 +1,126 @@
+"""One request's life, independent of the HTTP connection that started it:
+lease the session, rebuild its state, let the engine loop work, commit, release.
+
+A run is its own asyncio task, so a client that disconnects only *cancels* it: the
+run still collects the engine's final state and commits what was generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from memory_store import SessionInfo
+from model.engine import Score, TokenEvent
+from model.errors import InvalidRequestError, Overloaded
+from model.sampling import SamplingParams
+from server.errors import Unavailable
+from server.runtime import Runtime
+from server.scheduler import Job, JobDone, JobFailed
+
+
+@dataclass
+class Final:
+    done: JobDone
+    last: TokenEvent | None  # the token that ended generation, held back until the commit
+    info: SessionInfo | None  # the session after commit
+    cached_tokens: int  # tokens already in the session's memory before this request
+
+
+@dataclass
+class Failed:
+    error: BaseException
+
+
+class Run:
+    """Feed ``ids`` to a session (or a fresh state) and, with ``params``, generate.
+
+    ``events`` yields TokenEvent*, then one Final or Failed."""
+
+    def __init__(self, rt: Runtime, *, ids: list[int], params: SamplingParams | None, owner: str | None,
+                 session_id: str | None = None, create_metadata: dict | None = None,
+                 create: bool = False) -> None:
+        s = rt.settings
+        if rt.draining or not rt.ready:
+            raise Unavailable("the server is shutting down" if rt.draining else "the server is starting")
+        if rt.scheduler.waiting + len(rt.scheduler.running) >= s.max_queue + s.max_batch:
+            raise Overloaded("too many requests are waiting; retry shortly")
+        self.rt, self.ids, self.params, self.owner = rt, ids, params, owner
+        self.session_id, self.create, self.create_metadata = session_id, create, create_metadata
+        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.job: Job | None = None
+        self.cancelled = False
+        self.started = time.monotonic()
+        self.task = asyncio.create_task(self._main())
+        rt.runs.add(self)
+        self.task.add_done_callback(lambda _: rt.runs.discard(self))
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.job is not None:
+            self.job.cancel()
+
+    async def _main(self) -> None:
+        rt = self.rt
+        try:
+            if self.session_id is None:
+                done, last = await self._schedule(rt.engine.new_state())
+                info = None
+                if self.create:
+                    info = await rt.store.create(owner=self.owner, tensors=done.tensors, mem_len=rt.engine.mem_len,
+                                                 tokens_seen=done.tokens_seen, metadata=self.create_metadata)
+                await self.events.put(Final(done, last, info, 0))
+                return
+            async with rt.store.lease(self.session_id, owner=self.owner) as lease:
+                cached = lease.session.info.tokens_seen
+                if not self.ids and cached == 0 and self.params is not None:
+                    raise InvalidRequestError("nothing to continue from: the prompt is empty and the session has "
+                                              "no memory yet", param="prompt")
+                state = await asyncio.to_thread(rt.engine.import_state, lease.session.tensors, tokens_seen=cached,
+                                                fingerprint=rt.engine.fingerprint)
+                done, last = await self._schedule(state)
+                info = lease.session.info
+                if done.tensors is not None and done.tokens_seen != cached:
+                    info = await rt.store.commit(lease, done.tensors, tokens_seen=done.tokens_seen)
+                await self.events.put(Final(done, last, info, cached))
+        except Exception as err:  # delivered to the handler, which answers in OpenAI's error shape
+            await self.events.put(Failed(err))
+
+    async def _schedule(self, state) -> tuple[JobDone, TokenEvent | None]:
+        if self.params is not None and not self.ids and int(state.seen[0]) == 0:
+            raise InvalidRequestError("nothing to continue from: the prompt is empty and no session was given",
+                                      param="prompt")
+        loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
+        rt = self.rt
+        self.job = Job(state, list(self.ids), self.params, lambda item: loop.call_soon_threadsafe(inbox.put_nowait,
+                                                                                                  item),
+                       hot=rt.hot_cache, dtype=rt.storage_dtype)
+        if self.cancelled:
+            self.job.cancel()
+        rt.scheduler.submit(self.job)
+        last = None
+        while True:
+            item = await inbox.get()
+            if isinstance(item, TokenEvent):
+                if item.finish_reason is None:
+                    await self.events.put(item)
+                else:
+                    last = item
+            elif isinstance(item, JobDone):
+                return item, last
+            elif isinstance(item, JobFailed):
+                raise item.error
+
+
+async def first_item(run: Run) -> Any:
+    """Wait for the run's first result so that errors become a proper status before any body is sent."""
+    item = await run.events.get()
+    if isinstance(item, Failed):
+        raise item.error
+    return item
+
+
+def score_of(done: JobDone) -> Score | None:
+    return done.score

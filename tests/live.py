@@ -1,0 +1,98 @@
+"""A real `txlserve serve` process on a real socket, over a tiny checkpoint written by the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from model.checkpoint import save_checkpoint
+from model.transformer_xl import MemTransformerLM
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "txl-test"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tiny_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A small random model with weights large enough that its text varies with context; it writes
+    printable ASCII and newlines."""
+    from model.config import TXLConfig
+
+    torch.manual_seed(seed)
+    model = MemTransformerLM(TXLConfig(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, dropout=0.0,
+                                       tgt_len=16, mem_len=24))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.25)
+        model.out_layer.bias[128:] = -30.0  # generate ASCII, so texts compare exactly after a round trip
+        model.out_layer.bias[:32] = -30.0
+        model.out_layer.bias[10] = 0.0
+    save_checkpoint(model, path)
+    return path
+
+
+class LiveServer:
+    def __init__(self, checkpoint: Path, *, redis_url: str | None, data_dir: Path, port: int | None = None,
+                 env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
+        self.checkpoint, self.redis_url, self.data_dir = checkpoint, redis_url, data_dir
+        self.port = port or free_port()
+        self.env, self.args = env or {}, args
+        self.proc: subprocess.Popen | None = None
+        self.log = data_dir / f"server-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60) -> LiveServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--checkpoint", str(self.checkpoint), "--port",
+               str(self.port), "--model-name", MODEL, "--data-dir", str(self.data_dir), *self.args]
+        if self.redis_url:
+            cmd += ["--redis-url", self.redis_url]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}
+        with open(self.log, "ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server did not become ready:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def terminate(self, timeout: float = 30) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            try:
+                self.terminate(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()

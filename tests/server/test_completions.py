@@ -1,0 +1,191 @@
+"""/v1/completions over a real socket: shapes, SSE, the official OpenAI SDK, sessions and invariance."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.live import MODEL
+
+TEXT_A = "It was the best of times, it was the worst of times, "
+TEXT_B = "it was the age of wisdom, it was the age of foolishness, "
+TEXT_C = "it was the epoch of belief"
+
+
+def complete(server, **body) -> dict:
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse_events(server, **body) -> list:
+    events = []
+    with httpx.stream("POST", server.url + "/v1/completions", json={"model": MODEL, "stream": True, **body},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        buf = ""
+        for chunk in r.iter_text():
+            buf += chunk
+        for block in buf.split("\n\n"):
+            if block:
+                assert block.startswith("data: "), block
+                payload = block[len("data: "):]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_completion_shape(server):
+    out = complete(server, prompt="Hello", max_tokens=7, temperature=0)
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-") and out["model"] == MODEL
+    assert isinstance(out["created"], int)
+    (choice,) = out["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
+    assert len(choice["text"].encode()) == 7 and choice["text"].isascii()
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
+    assert "session" not in out
+
+
+def test_sse_exact_shape(server):
+    events = sse_events(server, prompt="Hello", max_tokens=6, temperature=0,
+                        stream_options={"include_usage": True})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    ids = {c["id"] for c in chunks}
+    created = {c["created"] for c in chunks}
+    assert len(ids) == 1 and len(created) == 1
+    for c in chunks:
+        assert c["object"] == "text_completion" and c["model"] == MODEL
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    final = chunks[-2]
+    assert final["choices"][0]["finish_reason"] == "length"
+    text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+    assert text == complete(server, prompt="Hello", max_tokens=6, temperature=0)["choices"][0]["text"]
+
+
+def test_without_usage_no_usage_chunk(server):
+    events = sse_events(server, prompt="Hi", max_tokens=3, temperature=0)
+    assert all("usage" not in e for e in events[:-1]) and events[-1] == "[DONE]"
+
+
+def test_seed_determinism_and_logprobs(server):
+    a = complete(server, prompt="Once", max_tokens=12, temperature=1.0, seed=42, logprobs=2)
+    b = complete(server, prompt="Once", max_tokens=12, temperature=1.0, seed=42, logprobs=2)
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    lp = a["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 12
+    assert all(v <= 0 for v in lp["token_logprobs"]) and all(len(t) == 2 for t in lp["top_logprobs"])
+
+
+def test_stop_and_echo(server):
+    free = complete(server, prompt="The", max_tokens=30, temperature=0)["choices"][0]["text"]
+    stop = free[5:7]
+    out = complete(server, prompt="The", max_tokens=30, temperature=0, stop=["\u2603", stop])
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["text"] == free[: free.index(stop)]
+    echoed = complete(server, prompt="The", max_tokens=5, temperature=0, echo=True)
+    assert echoed["choices"][0]["text"].startswith("The")
+
+
+def test_openai_sdk_plain_and_streaming(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 8
+    pieces = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == out.choices[0].text
+    assert pieces[-1].usage.completion_tokens == 8
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", temperature=9)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"session_id": "no-such-session"})
+
+
+def new_session(server, text: str = "", **kw) -> dict:
+    r = httpx.post(server.url + "/v1/sessions", json={"text": text, **kw}, timeout=60)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def test_split_invariance_through_http(server):
+    whole = complete(server, prompt=TEXT_A + TEXT_B + TEXT_C, max_tokens=40, temperature=0)
+    sid = new_session(server, TEXT_A)["id"]
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}/append", json={"text": TEXT_B}, timeout=60)
+    assert r.status_code == 200 and r.json()["tokens_seen"] == len(TEXT_A + TEXT_B)
+    split = complete(server, prompt=TEXT_C, max_tokens=40, temperature=0, session_id=sid)
+    assert split["choices"][0]["text"] == whole["choices"][0]["text"]
+    assert split["usage"]["prompt_tokens_details"]["cached_tokens"] == len(TEXT_A + TEXT_B)
+    assert split["session"] == {"id": sid, "tokens_seen": len(TEXT_A + TEXT_B + TEXT_C) + 40}
+
+
+def test_three_completions_equal_one(server):
+    """Generated tokens join the session: A, then B, then C continue exactly where one request would."""
+    sid = new_session(server)["id"]
+    a = complete(server, prompt=TEXT_A, max_tokens=5, temperature=0, session_id=sid)["choices"][0]["text"]
+    b = complete(server, prompt=TEXT_B, max_tokens=5, temperature=0, session_id=sid)["choices"][0]["text"]
+    c = complete(server, prompt=TEXT_C, max_tokens=20, temperature=0, session_id=sid)
+    once = complete(server, prompt=TEXT_A + a + TEXT_B + b + TEXT_C, max_tokens=20, temperature=0)
+    assert c["choices"][0]["text"] == once["choices"][0]["text"]
+
+
+def test_fork_independence(server):
+    sid = new_session(server, TEXT_A, metadata={"title": "tale"})["id"]
+    fork = httpx.post(f"{server.url}/v1/sessions/{sid}/fork", json={}, timeout=30)
+    assert fork.status_code == 201
+    fid = fork.json()["id"]
+    assert fid != sid and fork.json()["tokens_seen"] == len(TEXT_A)
+    complete(server, prompt=TEXT_B, max_tokens=3, temperature=0, session_id=fid)
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}").json()["tokens_seen"] == len(TEXT_A)
+    assert httpx.get(f"{server.url}/v1/sessions/{fid}").json()["tokens_seen"] == len(TEXT_A + TEXT_B) + 3
+    x = complete(server, prompt=TEXT_C, max_tokens=10, temperature=0, session_id=sid)
+    y = complete(server, prompt=TEXT_C, max_tokens=10, temperature=0, session_id=fid)
+    assert x["session"]["tokens_seen"] != y["session"]["tokens_seen"]
+
+
+def test_session_crud(server):
+    s = new_session(server, "abc", metadata={"k": "v"})
+    got = httpx.get(f"{server.url}/v1/sessions/{s['id']}").json()
+    assert got["object"] == "session" and got["tokens_seen"] == 3 and got["metadata"] == {"k": "v"}
+    assert got["mem_len"] == 24 and got["bytes"] > 0 and got["tier"] in ("hot", "redis")
+    assert len(s["id"]) >= 22  # >= 128 random bits
+    listed = httpx.get(f"{server.url}/v1/sessions", params={"limit": 100}).json()
+    assert listed["object"] == "list" and s["id"] in [x["id"] for x in listed["data"]]
+    page = httpx.get(f"{server.url}/v1/sessions", params={"limit": 1}).json()
+    assert len(page["data"]) == 1 and page["has_more"] is True and page["next_cursor"]
+    r = httpx.delete(f"{server.url}/v1/sessions/{s['id']}")
+    assert r.json() == {"id": s["id"], "object": "session.deleted", "deleted": True}
+    assert httpx.get(f"{server.url}/v1/sessions/{s['id']}").status_code == 404
+
+
+def test_memory_is_fixed_size(server):
+    """The product's promise: a session's stored size stops growing at mem_len tokens."""
+    sid = new_session(server, "x" * 30)["id"]
+    size = httpx.get(f"{server.url}/v1/sessions/{sid}").json()["bytes"]
+    httpx.post(f"{server.url}/v1/sessions/{sid}/append", json={"text": "y" * 5000}, timeout=60)
+    info = httpx.get(f"{server.url}/v1/sessions/{sid}").json()
+    assert info["tokens_seen"] == 5030 and info["bytes"] == size
+
+
+def test_health_ready_metrics_docs(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/ready").status_code == 200
+    complete(server, prompt="metrics", max_tokens=2)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("txlserve_requests_total", "txlserve_time_to_first_token_seconds", "txlserve_hot_bytes",
+                 "txlserve_requests_running", "txlserve_requests_waiting", "txlserve_hot_hits_total",
+                 "txlserve_evictions_total", "txlserve_store_errors_total", "txlserve_client_disconnects_total",
+                 "txlserve_prompt_tokens_total", "txlserve_generation_tokens_total",
+                 "txlserve_e2e_request_latency_seconds", "txlserve_inter_token_latency_seconds"):
+        assert name in text, name
+    assert httpx.get(server.url + "/docs").status_code == 200
+    assert httpx.get(server.url + "/openapi.json").json()["info"]["title"] == "txlserve"

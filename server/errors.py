@@ -61,9 +61,14 @@ def classify(err: BaseException) -> tuple[int, dict[str, Any]]:
     return 500, error_body("internal server error", "server_error", None, "internal_error")
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "bytes"}
+
+
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     first = err.errors()[0] if err.errors() else {}
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    while len(loc) > 1 and (loc[-1] in _TYPE_TAGS or "[" in loc[-1]):  # pydantic names union members by type
+        loc.pop()
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
     if first.get("type") == "extra_forbidden":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -65,16 +64,13 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
                 yield _sse({**comp.chunk(""), "choices": [], "usage": comp.usage(item, len(run.ids))})
             _observe(rt, run, item, t0)
         finished = True
-    except asyncio.CancelledError:
-        rt.metrics.disconnects.inc()
-        run.cancel()
-        raise
     except Exception as err:  # mid-stream: an error event, then [DONE]
         _, body = classify(err)
         yield _sse(body)
         finished = True
     finally:
-        if not finished:
+        if not finished:  # the client went away (cancelled, or the generator closed at a yield)
+            rt.metrics.disconnects.inc()
             run.cancel()
     yield "data: [DONE]\n\n"
 

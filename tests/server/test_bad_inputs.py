@@ -1,0 +1,88 @@
+"""Every bad input gets a 4xx in OpenAI's error shape: never a 500, a hang or a traceback."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.live import MODEL
+
+OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+
+# (name, method, path, body or raw bytes, expected status, expected param or None)
+CASES = [
+    ("not json", "POST", "/v1/completions", b"{not json", 400, None),
+    ("json array", "POST", "/v1/completions", [1, 2], 400, None),
+    ("missing model", "POST", "/v1/completions", {"prompt": "x"}, 400, "model"),
+    ("unknown model", "POST", "/v1/completions", {**OK, "model": "gpt-4"}, 404, "model"),
+    ("prompt list", "POST", "/v1/completions", {**OK, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("prompt int", "POST", "/v1/completions", {**OK, "prompt": 5}, 400, "prompt"),
+    ("max_tokens 0", "POST", "/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", "POST", "/v1/completions", {**OK, "max_tokens": -4}, 400, "max_tokens"),
+    ("max_tokens over cap", "POST", "/v1/completions", {**OK, "max_tokens": 10**6}, 400, "max_tokens"),
+    ("max_tokens string", "POST", "/v1/completions", {**OK, "max_tokens": "5"}, 400, "max_tokens"),
+    ("max_tokens float", "POST", "/v1/completions", {**OK, "max_tokens": 2.5}, 400, "max_tokens"),
+    ("temperature negative", "POST", "/v1/completions", {**OK, "temperature": -1}, 400, "temperature"),
+    ("temperature too high", "POST", "/v1/completions", {**OK, "temperature": 3}, 400, "temperature"),
+    ("temperature string", "POST", "/v1/completions", {**OK, "temperature": "hot"}, 400, "temperature"),
+    ("top_p zero", "POST", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p"),
+    ("top_p above one", "POST", "/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p"),
+    ("top_k below -1", "POST", "/v1/completions", {**OK, "top_k": -5}, 400, "top_k"),
+    ("n two", "POST", "/v1/completions", {**OK, "n": 2}, 400, "n"),
+    ("best_of three", "POST", "/v1/completions", {**OK, "best_of": 3}, 400, "best_of"),
+    ("logprobs too many", "POST", "/v1/completions", {**OK, "logprobs": 50}, 400, "logprobs"),
+    ("too many stops", "POST", "/v1/completions", {**OK, "stop": list("abcdefgh")}, 400, "stop"),
+    ("stop too long", "POST", "/v1/completions", {**OK, "stop": "x" * 500}, 400, "stop"),
+    ("stop empty", "POST", "/v1/completions", {**OK, "stop": [""]}, 400, "stop"),
+    ("stop wrong type", "POST", "/v1/completions", {**OK, "stop": 7}, 400, "stop"),
+    ("unknown field", "POST", "/v1/completions", {**OK, "foo": 1}, 400, "foo"),
+    ("stream not bool", "POST", "/v1/completions", {**OK, "stream": "yes"}, 400, "stream"),
+    ("stream_options unknown", "POST", "/v1/completions", {**OK, "stream_options": {"x": 1}}, 400, None),
+    ("echo string", "POST", "/v1/completions", {**OK, "echo": "true"}, 400, "echo"),
+    ("seed float", "POST", "/v1/completions", {**OK, "seed": 1.5}, 400, "seed"),
+    ("penalty", "POST", "/v1/completions", {**OK, "frequency_penalty": 1.0}, 400, "frequency_penalty"),
+    ("logit_bias", "POST", "/v1/completions", {**OK, "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("suffix", "POST", "/v1/completions", {**OK, "suffix": "end"}, 400, "suffix"),
+    ("empty prompt no session", "POST", "/v1/completions", {**OK, "prompt": ""}, 400, "prompt"),
+    ("unknown session", "POST", "/v1/completions", {**OK, "session_id": "nope-nope-nope"}, 404, None),
+    ("user too long", "POST", "/v1/completions", {**OK, "user": "u" * 1000}, 400, "user"),
+    ("prompt too large", "POST", "/v1/completions", {**OK, "prompt": "x" * 1_100_000}, 413, "prompt"),
+    ("body too large", "POST", "/v1/completions", b"{" + b" " * 11_000_000 + b"}", 413, None),
+    ("invalid utf-8", "POST", "/v1/completions", b'{"model": "txl-test", "prompt": "\xff\xfe"}', 400, None),
+    ("session get unknown", "GET", "/v1/sessions/unknown-session-id", None, 404, None),
+    ("session delete unknown", "DELETE", "/v1/sessions/unknown-session-id", None, 404, None),
+    ("append unknown", "POST", "/v1/sessions/unknown-session-id/append", {"text": "x"}, 404, None),
+    ("fork unknown", "POST", "/v1/sessions/unknown-session-id/fork", {}, 404, None),
+    ("append no text", "POST", "/v1/sessions/unknown-session-id/append", {}, 400, "text"),
+    ("append text int", "POST", "/v1/sessions/unknown-session-id/append", {"text": 3}, 400, "text"),
+    ("create metadata not str", "POST", "/v1/sessions", {"metadata": {"a": 1}}, 400, "metadata.a"),
+    ("create unknown field", "POST", "/v1/sessions", {"txt": "x"}, 400, "txt"),
+    ("list limit zero", "GET", "/v1/sessions?limit=0", None, 400, "limit"),
+    ("list limit huge", "GET", "/v1/sessions?limit=100000", None, 400, "limit"),
+    ("unknown route", "GET", "/v1/nothing-here", None, 404, None),
+    ("wrong method", "PUT", "/v1/completions", {}, 405, None),
+]
+
+
+@pytest.mark.parametrize("name,method,path,body,status,param", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(server, name, method, path, body, status, param):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else (
+        {"json": body} if body is not None else {})
+    r = httpx.request(method, server.url + path, timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_bad_request_never_corrupts_a_session(server):
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "stable"}).json()["id"]
+    before = httpx.get(f"{server.url}/v1/sessions/{sid}").json()
+    for body in ({**OK, "session_id": sid, "temperature": -1}, {**OK, "session_id": sid, "n": 3},
+                 {**OK, "session_id": sid, "prompt": "x" * 1_100_000}):
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code in (400, 413)
+    after = httpx.get(f"{server.url}/v1/sessions/{sid}").json()
+    assert after["tokens_seen"] == before["tokens_seen"] == 6

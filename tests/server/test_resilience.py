@@ -1,0 +1,135 @@
+"""Disconnects, crashes, restarts, shutdowns and replicas: sessions stay at their last commit."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.live import MODEL, LiveServer
+
+
+def complete(srv, **body) -> dict:
+    r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "temperature": 0, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def settled(srv, sid: str, timeout: float = 20) -> dict:
+    """The session once no request holds it (its lease released)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = httpx.post(f"{srv.url}/v1/sessions/{sid}/append", json={"text": ""}, timeout=30)
+        if r.status_code == 200:
+            return r.json()
+        assert r.status_code == 409, r.text
+        time.sleep(0.1)
+    raise AssertionError("session stayed busy")
+
+
+def test_client_disconnect_stops_generation_and_commits(server):
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Story: "}).json()["id"]
+    received = ""
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "go", "max_tokens": 4000, "temperature": 0, "stream": True,
+            "session_id": sid}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                received += json.loads(line[6:])["choices"][0]["text"]
+            if len(received) >= 5:
+                break
+    info = settled(server, sid)
+    generated = info["tokens_seen"] - len("Story: go")
+    assert len(received) <= generated < 4000  # stopped early, and kept everything it sent
+    full = complete(server, prompt="Story: go", max_tokens=generated)["choices"][0]["text"]
+    assert full.startswith(received)
+    cont = complete(server, prompt=" next", max_tokens=10, session_id=sid)["choices"][0]["text"]
+    assert cont == complete(server, prompt="Story: go" + full + " next", max_tokens=10)["choices"][0]["text"]
+    metrics = httpx.get(server.url + "/metrics").text
+    (line,) = [x for x in metrics.splitlines() if x.startswith("txlserve_client_disconnects_total ")]
+    assert float(line.split()[1]) >= 1
+
+
+@pytest.fixture
+def own_server(checkpoint, redis_url, tmp_path):
+    servers = []
+
+    def start(port=None, args=("--lease-ttl-ms", "1500")):
+        srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path / f"s{len(servers)}", port=port,
+                         args=args).start()
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.stop()
+
+
+def test_kill_9_mid_stream_then_restart(own_server):
+    srv = own_server()
+    sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Committed text. "}).json()["id"]
+    complete(srv, prompt="More", max_tokens=4, session_id=sid)
+    before = httpx.get(f"{srv.url}/v1/sessions/{sid}").json()["tokens_seen"]
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "go", "max_tokens": 4000, "stream": True, "session_id": sid}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 6:
+                srv.kill()
+                break
+    again = own_server(port=srv.port)
+    assert httpx.get(f"{again.url}/v1/sessions/{sid}").json()["tokens_seen"] == before
+    settled(again, sid)  # the dead server's lease expires by itself
+    cont = complete(again, prompt=" on", max_tokens=10, session_id=sid)
+    history = "Committed text. More" + complete(again, prompt="Committed text. More", max_tokens=4)[
+        "choices"][0]["text"]
+    assert cont["choices"][0]["text"] == complete(again, prompt=history + " on", max_tokens=10)["choices"][0]["text"]
+
+
+def test_two_servers_alternate_like_one(own_server, server):
+    a, b = own_server(), own_server()
+    prompts = ["First part. ", "second part, ", "third and ", "last."]
+
+    def run(targets):
+        sid = httpx.post(targets[0].url + "/v1/sessions", json={"text": "Shared: "}).json()["id"]
+        return [complete(t, prompt=p, max_tokens=6, session_id=sid)["choices"][0]["text"]
+                for t, p in zip(targets * 4, prompts)]
+
+    assert run([a, b]) == run([server])
+
+
+def test_sigterm_lets_streams_finish_and_commit(own_server):
+    srv = own_server(args=("--shutdown-timeout-s", "20"))
+    sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Graceful "}).json()["id"]
+    chunks = []
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "end", "max_tokens": 300, "stream": True, "session_id": sid}) as r:
+        for i, line in enumerate(r.iter_lines()):
+            if i == 2:
+                srv.proc.send_signal(15)
+            if line:
+                chunks.append(line)
+    assert chunks[-1] == "data: [DONE]"
+    final = json.loads(chunks[-2][6:]) if '"session"' in chunks[-2] else json.loads(chunks[-3][6:])
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert srv.proc.wait(30) in (0, -15)  # uvicorn re-raises SIGTERM once shut down
+    again = own_server(port=srv.port)
+    assert httpx.get(f"{again.url}/v1/sessions/{sid}").json()["tokens_seen"] == len("Graceful end") + 300
+
+
+def test_sigterm_past_the_timeout_cancels_and_commits(own_server):
+    srv = own_server(args=("--shutdown-timeout-s", "1"))
+    sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Cut "}).json()["id"]
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "off", "max_tokens": 4000, "stream": True, "session_id": sid}) as r:
+        lines = []
+        for i, line in enumerate(r.iter_lines()):
+            if i == 2:
+                srv.proc.send_signal(15)
+            lines.append(line)
+    assert [x for x in lines if x][-1] == "data: [DONE]"  # the stream ended cleanly, not cut
+    assert srv.proc.wait(30) in (0, -15)  # uvicorn re-raises SIGTERM once shut down
+    again = own_server(port=srv.port)
+    seen = httpx.get(f"{again.url}/v1/sessions/{sid}").json()["tokens_seen"]
+    assert len("Cut off") < seen < len("Cut off") + 4000

@@ -1,0 +1,70 @@
+"""One request per session at a time, and sessions that belong to the key that made them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from tests.live import MODEL, LiveServer
+
+
+def test_second_request_on_a_busy_session_gets_409_at_once(server):
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "busy "}).json()["id"]
+    started = threading.Event()
+
+    def long_stream():
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "go", "max_tokens": 4000, "stream": True, "session_id": sid}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i == 2:
+                    started.set()
+                if i > 400:
+                    break
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert started.wait(30)
+    t0 = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "session_id": sid})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
+    assert time.monotonic() - t0 < 2
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}/append", json={"text": "x"})
+    assert r.status_code == 409
+    t.join(60)
+
+
+@pytest.fixture(scope="module")
+def keyed(checkpoint, redis_url, tmp_path_factory):
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("keyed"),
+                     args=("--api-keys", "key-one", "key-two")).start()
+    yield srv
+    srv.stop()
+
+
+def test_api_keys_isolate_sessions(keyed):
+    one, two = {"Authorization": "Bearer key-one"}, {"Authorization": "Bearer key-two"}
+    assert httpx.get(keyed.url + "/v1/models").status_code == 401
+    r = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(keyed.url + "/health").status_code == 200  # probes stay open
+    sid = httpx.post(keyed.url + "/v1/sessions", json={"text": "mine"}, headers=one).json()["id"]
+    assert httpx.get(f"{keyed.url}/v1/sessions/{sid}", headers=one).status_code == 200
+    for method, path, body in (("GET", f"/v1/sessions/{sid}", None), ("DELETE", f"/v1/sessions/{sid}", None),
+                               ("POST", f"/v1/sessions/{sid}/append", {"text": "x"}),
+                               ("POST", f"/v1/sessions/{sid}/fork", {}),
+                               ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "session_id": sid})):
+        r = httpx.request(method, keyed.url + path, json=body, headers=two, timeout=30)
+        assert r.status_code == 404, (method, path, r.text)
+    assert sid in [s["id"] for s in httpx.get(keyed.url + "/v1/sessions", headers=one).json()["data"]]
+    assert sid not in [s["id"] for s in httpx.get(keyed.url + "/v1/sessions", headers=two).json()["data"]]
+    assert httpx.get(f"{keyed.url}/v1/sessions/{sid}", headers=one).json()["tokens_seen"] == 4
+    with pytest.raises(InvalidStatus):
+        connect(keyed.url.replace("http", "ws") + "/v1/ws").recv(timeout=5)
+    with connect(keyed.url.replace("http", "ws") + "/v1/ws?api_key=key-two") as conn:
+        conn.send('{"type": "completion.create", "model": "txl-test", "prompt": "x", "session_id": "%s"}' % sid)
+        assert '"not_found_error"' in conn.recv(timeout=10)

@@ -1,0 +1,77 @@
+"""The WebSocket surface: streaming, cancel, several requests in turn on one connection."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from websockets.sync.client import connect
+
+from tests.live import MODEL
+
+
+def ws_url(server, query: str = "") -> str:
+    return server.url.replace("http://", "ws://") + "/v1/ws" + query
+
+
+def collect(conn) -> list[dict]:
+    out = []
+    while True:
+        msg = json.loads(conn.recv(timeout=60))
+        out.append(msg)
+        if msg["type"] in ("completion.done", "error"):
+            return out
+
+
+def test_ws_streams_same_text_as_http_and_serves_many_in_turn(server):
+    want = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 9,
+                                                             "temperature": 0}).json()["choices"][0]["text"]
+    with connect(ws_url(server)) as conn:
+        for _ in range(2):
+            conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "Hello", "max_tokens": 9,
+                                  "temperature": 0}))
+            msgs = collect(conn)
+            deltas, done = msgs[:-1], msgs[-1]
+            assert all(m["type"] == "completion.delta" for m in deltas)
+            assert "".join(m["text"] for m in deltas) == want == done["text"]
+            assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 9
+            assert len({m["id"] for m in msgs}) == 1
+
+
+def test_ws_errors_keep_the_connection(server):
+    with connect(ws_url(server)) as conn:
+        conn.send("not json")
+        assert json.loads(conn.recv(timeout=10))["type"] == "error"
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x", "temperature": -2}))
+        err = json.loads(conn.recv(timeout=10))
+        assert err["type"] == "error" and err["error"]["param"] == "temperature"
+        conn.send(json.dumps({"type": "dance"}))
+        assert json.loads(conn.recv(timeout=10))["error"]["param"] == "type"
+        conn.send(json.dumps({"type": "completion.create", "model": "nope", "prompt": "x"}))
+        assert json.loads(conn.recv(timeout=10))["error"]["type"] == "not_found_error"
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "ok", "max_tokens": 2}))
+        assert collect(conn)[-1]["type"] == "completion.done"
+
+
+def test_ws_cancel_commits_what_was_generated(server):
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Begin: "}).json()["id"]
+    with connect(ws_url(server)) as conn:
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "go", "max_tokens": 4000,
+                              "temperature": 0, "session_id": sid}))
+        got = [json.loads(conn.recv(timeout=30)) for _ in range(3)]
+        assert all(m["type"] == "completion.delta" for m in got)
+        conn.send(json.dumps({"type": "cancel"}))
+        msgs = collect(conn)
+        done = msgs[-1]
+        assert done["type"] == "completion.done" and done["finish_reason"] == "cancelled"
+        n = done["usage"]["completion_tokens"]
+        assert 3 <= n < 4000
+        assert done["session"]["tokens_seen"] == len("Begin: go") + n
+        text = "".join(m["text"] for m in got + msgs[:-1])
+        assert text == done["text"]
+    # the session holds exactly prompt + the generated tokens: it continues like one request would
+    cont = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": " more", "max_tokens": 12,
+                                                             "temperature": 0, "session_id": sid}).json()
+    once = httpx.post(server.url + "/v1/completions", json={
+        "model": MODEL, "prompt": "Begin: go" + done["text"] + " more", "max_tokens": 12, "temperature": 0}).json()
+    assert cont["choices"][0]["text"] == once["choices"][0]["text"]

@@ -89,14 +89,77 @@ def run(
         return asyncio.run(both(data_dir))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.store", description=__doc__.splitlines()[0])
+def _document(n_bytes: int) -> bytes:
+    """Real prose when ../shared is beside the repo, else deterministic pseudo-words."""
+    from pathlib import Path
+
+    corpus = Path(__file__).resolve().parents[2] / "shared" / "data" / "shakespeare" / "hamlet_gut.txt"
+    if corpus.is_file():
+        text = corpus.read_bytes()
+        return (text * (n_bytes // len(text) + 1))[:n_bytes]
+    gen = torch.Generator().manual_seed(0)
+    words = [b"the", b"memory", b"of", b"a", b"session", b"is", b"fixed", b"size", b"and", b"long"]
+    idx = torch.randint(0, len(words), (n_bytes // 3,), generator=gen).tolist()
+    return b" ".join(words[i] for i in idx)[:n_bytes]
+
+
+def restore_vs_recompute(checkpoint: str, *, doc_bytes: int = 100_000, iters: int = 10,
+                         url: str | None = None, mem_len: int | None = None) -> dict[str, Any]:
+    """What a stored session saves: loading its state from Redis (and rebuilding the key/value
+    rings) against recomputing the same state by prefilling the whole document again."""
+    from model.engine import Engine
+
+    engine = Engine.from_checkpoint(checkpoint, mem_len=mem_len)
+    ids = list(_document(doc_bytes))
+    t0 = time.perf_counter()
+    state = engine.new_state()
+    engine.feed(state, ids)
+    recompute_s = time.perf_counter() - t0
+    tensors = engine.export_state(state)
+    identity = ModelIdentity(engine.fingerprint, engine.config.n_layer, engine.config.d_model)
+
+    async def restore(data_dir: str) -> list[float]:
+        async with MemoryStore.from_url(url, identity=identity, data_dir=data_dir, hot_cache_mb=0) as store:
+            sid = (await store.create(tensors=tensors, mem_len=engine.mem_len, tokens_seen=len(ids))).session_id
+
+            async def once() -> None:
+                session = await store.get(sid)  # hot tier disabled: every get reads Redis
+                engine.import_state(session.tensors, tokens_seen=len(ids), fingerprint=engine.fingerprint)
+
+            samples = await _time(once, iters)
+            await store.delete(sid)
+            return samples
+
+    with tempfile.TemporaryDirectory(prefix="txl-bench-") as data_dir:
+        samples = asyncio.run(restore(data_dir))
+    restore_s = statistics.median(samples)
+    return {"doc_bytes": len(ids), "mem_len": engine.mem_len, "n_layer": engine.config.n_layer,
+            "d_model": engine.config.d_model, "state_mb": sum(t.nbytes for t in tensors.values()) / 1e6,
+            "recompute_ms": recompute_s * 1e3, "restore_ms": restore_s * 1e3,
+            "restore_p99_ms": _stats(samples, 1)["p99_ms"], "restore_speedup": recompute_s / restore_s}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--state-mb-large", type=float, default=LARGE_MB)
     parser.add_argument("--state-mb-small", type=float, default=SMALL_MB)
     parser.add_argument("--url", default=None, help="a redis:// URL (default: the embedded Redis)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--checkpoint", default=None, help="model for restore vs recompute (default: bundled)")
+    parser.add_argument("--doc-kb", type=float, default=100, help="document size for restore vs recompute")
+    parser.add_argument("--mem-len", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
+
+
+def main(args: argparse.Namespace | list[str] | None = None) -> int:
+    if not isinstance(args, argparse.Namespace):
+        parser = argparse.ArgumentParser(prog="python -m bench.store", description=__doc__.splitlines()[0])
+        add_arguments(parser)
+        args = parser.parse_args(args)
+    from model.bundled import resolve_checkpoint
+
     result = run(state_mb_large=args.state_mb_large, state_mb_small=args.state_mb_small, iters=args.iters, url=args.url)
+    result.update(restore_vs_recompute(resolve_checkpoint(args.checkpoint), doc_bytes=int(args.doc_kb * 1000),
+                                       iters=min(args.iters, 20), url=args.url, mem_len=args.mem_len))
     print(json.dumps(result))
     return 0
 

@@ -143,6 +143,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     d = kinds.add_parser("decode", help="ring-buffer decoder vs the naive re-projecting decoder")
     decode.add_arguments(d)
     d.set_defaults(func=decode.main)
+    from bench import store
+
+    st = kinds.add_parser("store", help="memory-store latency, and restoring a session vs recomputing it")
+    store.add_arguments(st)
+    st.set_defaults(func=store.main)
+    from bench import serve
+
+    sv = kinds.add_parser("serve", help="concurrent streaming load, and continuing a session vs re-sending")
+    serve.add_arguments(sv)
+    sv.set_defaults(func=serve.main)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

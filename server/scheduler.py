@@ -112,8 +112,9 @@ class Scheduler:
     def _prefill_one(self) -> None:
         if not self.prefilling:
             return
-        job = self.prefilling.popleft()
+        job = self.prefilling[0]  # stays counted as waiting while its chunk runs
         if job.cancelled:  # the prompt joins the session only once completely read
+            self.prefilling.popleft()
             job.emit(JobDone(None, int(job.state.seen[0]), "cancelled"))
             return
         chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk:]
@@ -123,8 +124,10 @@ class Scheduler:
         elif chunk:
             self.engine.feed(job.state, chunk)
         if job.pending:
-            self.prefilling.append(job)
-        elif job.params is None:
+            self.prefilling.rotate(-1)  # round robin: the next waiting request reads its next chunk
+            return
+        self.prefilling.popleft()
+        if job.params is None:
             job.emit(self._done(job, job.state, 0, None))
         else:
             job.generation = Generation(job.params)

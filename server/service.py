@@ -45,7 +45,7 @@ class Run:
         s = rt.settings
         if rt.draining or not rt.ready:
             raise Unavailable("the server is shutting down" if rt.draining else "the server is starting")
-        if rt.scheduler.waiting + len(rt.scheduler.running) >= s.max_queue + s.max_batch:
+        if len(rt.runs) >= s.max_queue + s.max_batch:  # every request in flight, whatever its phase
             raise Overloaded("too many requests are waiting; retry shortly")
         self.rt, self.ids, self.params, self.owner = rt, ids, params, owner
         self.session_id, self.create, self.create_metadata = session_id, create, create_metadata

@@ -58,3 +58,23 @@ def test_bench_decode_json(checkpoint):
         assert out[key]
     assert out["mem_len"] == 16 and out["batch"] == 2
     assert out["speedup"] == pytest.approx(out["tokens_per_s"] / out["baseline_tokens_per_s"])
+
+
+def test_bench_store_json(checkpoint):
+    r = txlserve("bench", "store", "--json", "--iters", "3", "--state-mb-large", "1", "--state-mb-small", "0.05",
+                 "--checkpoint", str(checkpoint), "--doc-kb", "2", timeout=180)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("restore_ms", "recompute_ms", "restore_speedup"):
+        assert out[key] > 0
+    assert out["large"]["put"]["p50_ms"] > 0 and out["small"]["get_hot"]["p99_ms"] > 0
+    assert out["doc_bytes"] == 2000
+
+
+def test_bench_serve_json(checkpoint):
+    r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "2", "--duration", "1",
+                 "--max-tokens", "8", "--doc-kb", "1", timeout=180)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["errors"] == 0 and out["requests"] >= 2 and out["tokens_per_s"] > 0
+    assert out["ttft_p50_ms"] > 0 and out["continue_speedup"] > 0

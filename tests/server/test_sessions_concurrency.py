@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -66,5 +67,5 @@ def test_api_keys_isolate_sessions(keyed):
     with pytest.raises(InvalidStatus):
         connect(keyed.url.replace("http", "ws") + "/v1/ws").recv(timeout=5)
     with connect(keyed.url.replace("http", "ws") + "/v1/ws?api_key=key-two") as conn:
-        conn.send('{"type": "completion.create", "model": "txl-test", "prompt": "x", "session_id": "%s"}' % sid)
+        conn.send(json.dumps({"type": "completion.create", "model": "txl-test", "prompt": "x", "session_id": sid}))
         assert '"not_found_error"' in conn.recv(timeout=10)

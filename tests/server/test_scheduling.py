@@ -1,0 +1,65 @@
+"""Continuous batching as users feel it: long documents do not stall streams; overload is a 429."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from tests.live import MODEL, LiveServer
+
+
+def test_long_append_does_not_stall_a_stream(server):
+    sid = httpx.post(server.url + "/v1/sessions", json={}).json()["id"]
+    doc = "All the world's a stage, and all the men and women merely players. " * 4000  # ~270 KB
+    finished = {}
+
+    def append():
+        r = httpx.post(f"{server.url}/v1/sessions/{sid}/append", json={"text": doc}, timeout=300)
+        finished["append"] = (time.monotonic(), r.status_code)
+
+    t = threading.Thread(target=append)
+    t.start()
+    time.sleep(0.3)  # the append is prefilling
+    t0 = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Quick", "max_tokens": 20},
+                   timeout=120)
+    done = time.monotonic()
+    assert r.status_code == 200
+    t.join(300)
+    assert finished["append"][1] == 200
+    assert done < finished["append"][0], "the completion waited for the whole append"
+    assert done - t0 < (finished["append"][0] - t0) / 2
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}").json()["tokens_seen"] == len(doc)
+
+
+def _gauge(srv, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics").text
+    return float(next(x for x in text.splitlines() if x.startswith(name + " ")).split()[1])
+
+
+def test_overload_answers_429_with_retry_after(checkpoint, redis_url, tmp_path):
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path,
+                     args=("--max-batch", "1", "--max-queue", "1", "--prefill-chunk", "64")).start()
+    try:
+        doc = "To be, or not to be, that is the question. " * 5000  # 215 KB, read 64 tokens per step
+        sids = [httpx.post(srv.url + "/v1/sessions", json={}).json()["id"] for _ in range(2)]
+        results = []
+        threads = [threading.Thread(target=lambda s=s: results.append(httpx.post(
+            f"{srv.url}/v1/sessions/{s}/append", json={"text": doc}, timeout=300).status_code)) for s in sids]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while _gauge(srv, "txlserve_requests_waiting") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 2})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert int(r.headers["retry-after"]) >= 1
+        for t in threads:
+            t.join(300)
+        assert results == [200, 200]
+        assert httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "y",
+                                                              "max_tokens": 2}).status_code == 200
+    finally:
+        srv.stop()

@@ -13,5 +13,7 @@ def resolve_checkpoint(path: str | Path | None) -> str:
     if path is not None:
         return str(path)
     if not (BUNDLED / "config.json").is_file():
-        raise CheckpointError(f"no --checkpoint given and the bundled checkpoint is missing at {BUNDLED}")
+        raise CheckpointError(f"no --checkpoint given and the bundled checkpoint is not at {BUNDLED} (it ships in "
+                              "the repository: install with 'pip install -e .', or pass --checkpoint / set "
+                              "TXLSERVE_CHECKPOINT)")
     return str(BUNDLED)

@@ -11,17 +11,17 @@ translated into these at the package boundary that meets them.
     ├── DataError                   unreadable corpus or bad split request
     ├── InvalidRequestError         bad generation/scoring parameters   (400)
     │   └── StateIncompatible       a state built by another model      (400)
-    │       └── SessionIncompatible stored session of another model     (409)
+    │       └── SessionIncompatible stored session of another model     (422)
     ├── SessionNotFound             no such session (or not yours)      (404)
     ├── SessionBusy                 session leased by another request   (409)
     ├── SessionConflict             commit lost a compare-and-set race  (409)
-    ├── SessionCorrupt              stored payload fails validation     (500*)
+    ├── SessionCorrupt              stored payload fails validation     (422)
     ├── PayloadTooLarge             state/body over a configured limit  (413)
     ├── Overloaded                  queue full                          (429)
     └── StoreUnavailable            Redis unreachable / timed out       (503)
 
-(*) the server answers a corrupt session with a 409-style ``session_corrupt``
-error rather than a 500: the request was valid, the stored data is not.
+A stored session that exists but cannot be used (another model, damaged) is a
+422: the request was well-formed, the stored data is not usable by this server.
 """
 
 from __future__ import annotations

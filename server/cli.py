@@ -184,6 +184,22 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     return serve(settings)
 
 
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", add_help=False, help="terminal client: txlserve-chat [--session ID] [--url URL]")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_chat)
+
+
+def _cmd_chat(ns: argparse.Namespace) -> int:
+    try:
+        from txlserve_client.chat import main as chat_main
+    except ImportError:
+        print("txlserve: error: the terminal client needs the client package: pip install -e clients/python",
+              file=sys.stderr)
+        return 2
+    return chat_main(ns.args) or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="txlserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -191,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_generate(sub)
     _add_serve(sub)
+    _add_chat(sub)
     _add_bench(sub)
     return parser
 

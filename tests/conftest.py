@@ -20,6 +20,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from memory_store.embedded import find_redis_server
+from tests.live import LiveServer, tiny_checkpoint
 
 
 def _free_port() -> int:
@@ -106,3 +107,17 @@ def redis_server(tmp_path: Path) -> Iterator[Callable[..., RedisProcess]]:
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint written by the tests, for every real server they start."""
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="session")
+def server(checkpoint: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One shared `txlserve serve` process (no API keys) for tests that do not restart it."""
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("srv")).start()
+    yield srv
+    srv.stop()

@@ -12,6 +12,7 @@ import contextlib
 import json
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from model.engine import TokenEvent
@@ -31,8 +32,12 @@ def _invalid(message: str, param: str | None = None) -> dict:
 async def completions_ws(ws: WebSocket) -> None:
     try:
         who = ws_owner(ws)
-    except Exception as err:
-        await ws.close(code=1008, reason=str(err)[:120])
+    except Exception as err:  # refuse the handshake: an HTTP 401 in OpenAI's shape where the server can
+        status, body = classify(err)
+        try:
+            await ws.send_denial_response(JSONResponse(body, status_code=status))
+        except RuntimeError:  # no denial-response extension: close with "policy violation"
+            await ws.close(code=1008, reason=str(err)[:120])
         return
     await ws.accept()
     inbox: asyncio.Queue = asyncio.Queue()

@@ -158,6 +158,8 @@ def test_damaged_checkpoint_gives_one_clear_line(tmp_path, damage):
         (ck / "model.safetensors").write_bytes((tmp_path / "other" / "model.safetensors").read_bytes())
     with pytest.raises(CheckpointError):
         load_checkpoint(ck)
+    if damage not in ("no_dir", "garbage_weights", "wrong_shape"):
+        return  # the command line is checked on a few kinds of damage; each costs a process start
     r = _cli("eval", "--checkpoint", str(ck), "--data", str(ck), "--json")
     assert r.returncode == 2
     assert r.stderr.startswith("txlserve: error: ") and r.stderr.count("\n") == 1, r.stderr

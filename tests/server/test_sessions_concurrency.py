@@ -64,8 +64,10 @@ def test_api_keys_isolate_sessions(keyed):
     assert sid in [s["id"] for s in httpx.get(keyed.url + "/v1/sessions", headers=one).json()["data"]]
     assert sid not in [s["id"] for s in httpx.get(keyed.url + "/v1/sessions", headers=two).json()["data"]]
     assert httpx.get(f"{keyed.url}/v1/sessions/{sid}", headers=one).json()["tokens_seen"] == 4
-    with pytest.raises(InvalidStatus):
+    with pytest.raises(InvalidStatus) as refused:
         connect(keyed.url.replace("http", "ws") + "/v1/ws").recv(timeout=5)
+    assert refused.value.response.status_code == 401
+    assert json.loads(refused.value.response.body)["error"]["type"] == "authentication_error"
     with connect(keyed.url.replace("http", "ws") + "/v1/ws?api_key=key-two") as conn:
         conn.send(json.dumps({"type": "completion.create", "model": "txl-test", "prompt": "x", "session_id": sid}))
         assert '"not_found_error"' in conn.recv(timeout=10)

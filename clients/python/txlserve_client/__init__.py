@@ -1,0 +1,69 @@
+"""Python client for txlserve: OpenAI-style completions, persistent sessions, and WebSocket streaming.
+
+    from txlserve_client import Client
+
+    with Client(base_url="http://127.0.0.1:8000") as client:
+        session = client.sessions.create(text="ROMEO: ")
+        with client.completions.create(model="txl-shakespeare-small", prompt="But soft", max_tokens=64,
+                                       session_id=session.id, stream=True) as stream:
+            for chunk in stream:
+                print(chunk.text, end="", flush=True)
+
+Light on purpose: it needs httpx and websockets only, never torch or the server.
+"""
+
+from httpx import Timeout
+
+from txlserve_client._async_client import AsyncClient
+from txlserve_client._base import __version__
+from txlserve_client._client import Client
+from txlserve_client._exceptions import (
+    APIConnectionError,
+    APIError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    InternalServerError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RateLimitError,
+    ServiceUnavailableError,
+    SessionBusyError,
+    UnprocessableEntityError,
+)
+from txlserve_client._streaming import AsyncStream, Stream
+from txlserve_client._types import (
+    AppendResult,
+    AsyncSessionPage,
+    Completion,
+    CompletionChunk,
+    Logprobs,
+    Model,
+    Session,
+    SessionDeleted,
+    SessionPage,
+    SessionRef,
+    Usage,
+)
+from txlserve_client._websocket import (
+    AsyncWebSocketConnection,
+    AsyncWebSocketStream,
+    WebSocketConnection,
+    WebSocketStream,
+)
+
+__all__ = [
+    # clients
+    "Client", "AsyncClient", "Timeout", "__version__",
+    # results
+    "Completion", "CompletionChunk", "Usage", "Logprobs", "SessionRef", "Session", "AppendResult", "SessionDeleted",
+    "SessionPage", "AsyncSessionPage", "Model",
+    # streams
+    "Stream", "AsyncStream", "WebSocketConnection", "WebSocketStream", "AsyncWebSocketConnection",
+    "AsyncWebSocketStream",
+    # errors
+    "APIError", "APIConnectionError", "APITimeoutError", "BadRequestError", "AuthenticationError", "NotFoundError",
+    "ConflictError", "SessionBusyError", "PayloadTooLargeError", "UnprocessableEntityError", "RateLimitError",
+    "ServiceUnavailableError", "InternalServerError",
+]

@@ -1,0 +1,156 @@
+"""The asynchronous client: ``AsyncClient`` and its resources over ``httpx.AsyncClient``.
+It mirrors ``_client.py`` line for line; every request and answer is built and read by ``_base``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Literal, TypeVar, overload
+
+import httpx
+
+from txlserve_client import _base as api
+from txlserve_client._base import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, BaseClient, Call
+from txlserve_client._streaming import AsyncStream
+from txlserve_client._types import AppendResult, AsyncSessionPage, Completion, Model, Session, SessionDeleted
+from txlserve_client._websocket import AsyncConnect, AsyncWebSocketConnection, AsyncWebSocketStream
+
+log = logging.getLogger("txlserve_client")
+T = TypeVar("T")
+
+
+class AsyncClient(BaseClient):
+    """``Client`` for asyncio: the same options, and every method a coroutine."""
+
+    def __init__(self, *, base_url: str | None = None, api_key: str | None = None,
+                 timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+                 max_retries: int = DEFAULT_MAX_RETRIES) -> None:
+        super().__init__(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers(), timeout=self.timeout)
+        self.completions = AsyncCompletions(self)
+        self.sessions = AsyncSessions(self)
+        self.models = AsyncModels(self)
+        self.ws = AsyncWebSocket(self)
+
+    async def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
+        """The answer to ``call``, retried as the policy allows; raises the APIError of a failure."""
+        request = self._http.build_request(call.method, call.path, json=call.json, params=call.params)
+        attempt = 0
+        while True:
+            try:
+                response = await self._http.send(request, stream=stream)
+                if not response.is_success:
+                    await response.aread()  # the error body, even of a stream
+            except httpx.TransportError as err:
+                if (delay := self._retry_delay(call, attempt)) is None:
+                    raise api.connection_error(err) from err
+            else:
+                if response.is_success:
+                    return response
+                await response.aclose()
+                if (delay := self._retry_delay(call, attempt, response)) is None:
+                    raise api.error_from_response(response)
+            log.info("retrying %s %s in %.2f s (attempt %d)", call.method, call.path, delay, attempt + 1)
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def _call(self, call: Call[T]) -> T:
+        return call.parse((await self._send(call)).json())
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+
+class AsyncCompletions:
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    @overload
+    async def create(self, *, model: str, prompt: str = "", max_tokens: int | None = None,
+                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                     stop: str | Sequence[str] | None = None, seed: int | None = None, logprobs: int | None = None,
+                     echo: bool | None = None, n: int | None = None, user: str | None = None,
+                     session_id: str | None = None, stream_options: Mapping[str, bool] | None = None,
+                     stream: Literal[False] = False) -> Completion: ...
+
+    @overload
+    async def create(self, *, model: str, prompt: str = "", max_tokens: int | None = None,
+                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                     stop: str | Sequence[str] | None = None, seed: int | None = None, logprobs: int | None = None,
+                     echo: bool | None = None, n: int | None = None, user: str | None = None,
+                     session_id: str | None = None, stream_options: Mapping[str, bool] | None = None,
+                     stream: Literal[True]) -> AsyncStream: ...
+
+    async def create(self, *, model: str, prompt: str = "", max_tokens: int | None = None,
+                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                     stop: str | Sequence[str] | None = None, seed: int | None = None, logprobs: int | None = None,
+                     echo: bool | None = None, n: int | None = None, user: str | None = None,
+                     session_id: str | None = None, stream_options: Mapping[str, bool] | None = None,
+                     stream: bool = False) -> Completion | AsyncStream:
+        """See ``Client.completions.create``; ``stream=True`` gives an ``AsyncStream``."""
+        call = api.completion_call(api.completion_body(model, prompt, stream, dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed,
+            logprobs=logprobs, echo=echo, n=n, user=user, session_id=session_id, stream_options=stream_options)))
+        if stream:
+            return AsyncStream(await self._client._send(call, stream=True))
+        return await self._client._call(call)
+
+
+class AsyncSessions:
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def create(self, *, text: str | None = None, metadata: Mapping[str, str] | None = None) -> AppendResult:
+        return await self._client._call(api.session_create_call(text, metadata))
+
+    async def get(self, session_id: str) -> Session:
+        return await self._client._call(api.session_get_call(session_id))
+
+    async def list(self, *, limit: int | None = None, after: str | None = None) -> AsyncSessionPage:
+        async def fetch(cursor: str) -> AsyncSessionPage:
+            return await self.list(limit=limit, after=cursor)
+
+        return AsyncSessionPage(**await self._client._call(api.session_list_call(limit, after)), _fetch=fetch)
+
+    async def delete(self, session_id: str) -> SessionDeleted:
+        return await self._client._call(api.session_delete_call(session_id))
+
+    async def append(self, session_id: str, text: str) -> AppendResult:
+        return await self._client._call(api.session_append_call(session_id, text))
+
+    async def fork(self, session_id: str, *, metadata: Mapping[str, str] | None = None) -> Session:
+        return await self._client._call(api.session_fork_call(session_id, metadata))
+
+
+class AsyncModels:
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def list(self) -> list[Model]:
+        return await self._client._call(api.models_call())
+
+
+class AsyncWebSocket:
+    """Completions over ``/v1/ws`` (see ``txlserve_client._websocket``)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    def connect(self) -> AsyncConnect:
+        """``async with client.ws.connect() as conn`` (or ``conn = await client.ws.connect()``)."""
+        return AsyncConnect(self._client)
+
+    def stream(self, *, model: str, prompt: str = "", **options: Any) -> AsyncWebSocketStream:
+        """One completion on a connection of its own, opened when the stream is first read, closed with it."""
+        body = api.completion_body(model, prompt, False, options)
+        return AsyncWebSocketStream({"type": "completion.create", **body},
+                                    open=lambda: AsyncWebSocketConnection.open(self._client))

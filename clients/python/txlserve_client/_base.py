@@ -1,0 +1,175 @@
+"""What ``Client`` and ``AsyncClient`` share: configuration, the calls of the API (each a request and
+the parser of its answer), the retry policy, and the mapping of failures to exceptions. The two
+clients add only the transport: the same loop with ``time.sleep`` or ``await asyncio.sleep``.
+
+Retries. A call is sent again only when sending it twice cannot change the result:
+
+- GETs, DELETEs, and completions *without* a session (a stateless function of their
+  parameters; with ``stream=True``, only before any of the stream was read) are retried on
+  429, 503, timeouts and connection errors, after ``0.5 s * 2**attempt`` (at most 8 s, with
+  jitter) or the server's ``Retry-After``, at most ``max_retries`` times.
+- Appends and completions *in* a session are never retried: each feeds text to the session's
+  memory, and a failure after the server committed (a reset connection, a timeout) would feed
+  it twice. Creating and forking sessions are not retried either: a lost answer would leave a
+  second session behind. These raise at once; the caller knows whether a retry is safe.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import os
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+import httpx
+
+from txlserve_client._exceptions import APIConnectionError, APIError, APITimeoutError, error_from_body
+from txlserve_client._types import AppendResult, Completion, Model, Session, SessionDeleted
+
+__version__ = "0.1.0"
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)  # read: the longest wait for the next byte of an answer
+DEFAULT_MAX_RETRIES = 2
+RETRY_STATUSES = frozenset({429, 503})
+MAX_RETRY_AFTER = 60.0  # a longer Retry-After is not waited for: the normal backoff applies
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One API call: the request, whether it may be sent again, and how to read its answer."""
+
+    method: str
+    path: str
+    parse: Callable[[Any], T]
+    json: Any = None
+    params: Mapping[str, Any] | None = None
+    retry: bool = False
+
+
+def completion_body(model: str, prompt: str, stream: bool, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The request body: unset options are left out, so the server's defaults apply."""
+    body = {"model": model, "prompt": prompt, **{k: v for k, v in options.items() if v is not None}}
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def completion_call(body: dict[str, Any]) -> Call[Completion]:
+    return Call("POST", "/v1/completions", Completion.from_dict, json=body, retry=body.get("session_id") is None)
+
+
+def _sid(session_id: str) -> str:
+    if not session_id:
+        raise ValueError("session_id must be a non-empty string")
+    return quote(session_id, safe="")
+
+
+def session_create_call(text: str | None, metadata: Mapping[str, str] | None) -> Call[AppendResult]:
+    body = {k: v for k, v in (("text", text), ("metadata", dict(metadata) if metadata else None)) if v is not None}
+    return Call("POST", "/v1/sessions", AppendResult.from_dict, json=body)
+
+
+def session_get_call(session_id: str) -> Call[Session]:
+    return Call("GET", f"/v1/sessions/{_sid(session_id)}", Session.from_dict, retry=True)
+
+
+def _page(body: dict[str, Any]) -> dict[str, Any]:
+    return {"data": [Session.from_dict(s) for s in body["data"]], "has_more": body["has_more"],
+            "next_cursor": body.get("next_cursor")}
+
+
+def session_list_call(limit: int | None, after: str | None) -> Call[dict[str, Any]]:
+    """The fields of a page: the sync and async clients wrap them in their own page type."""
+    params = {k: v for k, v in (("limit", limit), ("after", after)) if v is not None}
+    return Call("GET", "/v1/sessions", _page, params=params, retry=True)
+
+
+def session_delete_call(session_id: str) -> Call[SessionDeleted]:
+    return Call("DELETE", f"/v1/sessions/{_sid(session_id)}", SessionDeleted.from_dict, retry=True)
+
+
+def session_append_call(session_id: str, text: str) -> Call[AppendResult]:
+    return Call("POST", f"/v1/sessions/{_sid(session_id)}/append", AppendResult.from_dict, json={"text": text})
+
+
+def session_fork_call(session_id: str, metadata: Mapping[str, str] | None) -> Call[Session]:
+    body = {"metadata": dict(metadata)} if metadata else {}
+    return Call("POST", f"/v1/sessions/{_sid(session_id)}/fork", Session.from_dict, json=body)
+
+
+def models_call() -> Call[list[Model]]:
+    return Call("GET", "/v1/models", lambda body: [Model.from_dict(m) for m in body["data"]], retry=True)
+
+
+def error_from_response(response: httpx.Response) -> APIError:
+    """The exception for a non-2xx answer whose body has been read."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    return error_from_body(body, response.status_code, response.text[:200] or response.reason_phrase)
+
+
+def connection_error(err: Exception) -> APIConnectionError:
+    if isinstance(err, (httpx.TimeoutException, TimeoutError)):
+        return APITimeoutError(f"the request timed out ({type(err).__name__}: {err})")
+    return APIConnectionError(f"could not talk to the txlserve server ({type(err).__name__}: {err})")
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    raw = response.headers.get("retry-after")
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:  # an HTTP date
+        try:
+            seconds = email.utils.parsedate_to_datetime(raw).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return None
+    return max(seconds, 0.0) if seconds <= MAX_RETRY_AFTER else None
+
+
+class BaseClient:
+    """Configuration and retry policy; see the module docstring for what is retried and why."""
+
+    initial_retry_delay = 0.5
+    max_retry_delay = 8.0
+
+    def __init__(self, *, base_url: str | None, api_key: str | None, timeout: float | httpx.Timeout | None,
+                 max_retries: int) -> None:
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        self.base_url = (base_url or os.environ.get("TXLSERVE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get("TXLSERVE_API_KEY") or None
+        self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        self.max_retries = max_retries
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"User-Agent": f"txlserve-client/{__version__}", "Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    @property
+    def ws_url(self) -> str:
+        scheme, rest = self.base_url.split("://", 1)
+        return {"http": "ws", "https": "wss"}.get(scheme, scheme) + "://" + rest + "/v1/ws"
+
+    def _retry_delay(self, call: Call[Any], attempt: int, response: httpx.Response | None = None) -> float | None:
+        """Seconds to wait before sending ``call`` again after a failed ``attempt``, or None to give up."""
+        if not call.retry or attempt >= self.max_retries:
+            return None
+        if response is not None:
+            if response.status_code not in RETRY_STATUSES:
+                return None
+            if (after := _retry_after(response)) is not None:
+                return after
+        return min(self.initial_retry_delay * 2.0**attempt, self.max_retry_delay) * (1 - 0.25 * random.random())

@@ -1,0 +1,164 @@
+"""The synchronous client: ``Client`` and its resources over ``httpx.Client``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Literal, TypeVar, overload
+
+import httpx
+
+from txlserve_client import _base as api
+from txlserve_client._base import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, BaseClient, Call
+from txlserve_client._streaming import Stream
+from txlserve_client._types import AppendResult, Completion, Model, Session, SessionDeleted, SessionPage
+from txlserve_client._websocket import WebSocketConnection, WebSocketStream
+
+log = logging.getLogger("txlserve_client")
+T = TypeVar("T")
+
+
+class Client(BaseClient):
+    """A txlserve server over HTTP and WebSocket.
+
+    ``base_url`` defaults to ``$TXLSERVE_BASE_URL`` (else http://127.0.0.1:8000), ``api_key`` to
+    ``$TXLSERVE_API_KEY``; ``timeout`` is an ``httpx.Timeout`` or seconds (None: wait forever);
+    ``max_retries`` applies to calls that are safe to repeat (see ``txlserve_client._base``).
+    """
+
+    def __init__(self, *, base_url: str | None = None, api_key: str | None = None,
+                 timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+                 max_retries: int = DEFAULT_MAX_RETRIES) -> None:
+        super().__init__(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
+        self._http = httpx.Client(base_url=self.base_url, headers=self._headers(), timeout=self.timeout)
+        self.completions = Completions(self)
+        self.sessions = Sessions(self)
+        self.models = Models(self)
+        self.ws = WebSocket(self)
+
+    def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
+        """The answer to ``call``, retried as the policy allows; raises the APIError of a failure."""
+        request = self._http.build_request(call.method, call.path, json=call.json, params=call.params)
+        attempt = 0
+        while True:
+            try:
+                response = self._http.send(request, stream=stream)
+                if not response.is_success:
+                    response.read()  # the error body, even of a stream
+            except httpx.TransportError as err:
+                if (delay := self._retry_delay(call, attempt)) is None:
+                    raise api.connection_error(err) from err
+            else:
+                if response.is_success:
+                    return response
+                response.close()
+                if (delay := self._retry_delay(call, attempt, response)) is None:
+                    raise api.error_from_response(response)
+            log.info("retrying %s %s in %.2f s (attempt %d)", call.method, call.path, delay, attempt + 1)
+            time.sleep(delay)
+            attempt += 1
+
+    def _call(self, call: Call[T]) -> T:
+        return call.parse(self._send(call).json())
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class Completions:
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    @overload
+    def create(self, *, model: str, prompt: str = "", max_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
+               seed: int | None = None, logprobs: int | None = None, echo: bool | None = None, n: int | None = None,
+               user: str | None = None, session_id: str | None = None,
+               stream_options: Mapping[str, bool] | None = None, stream: Literal[False] = False) -> Completion: ...
+
+    @overload
+    def create(self, *, model: str, prompt: str = "", max_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
+               seed: int | None = None, logprobs: int | None = None, echo: bool | None = None, n: int | None = None,
+               user: str | None = None, session_id: str | None = None,
+               stream_options: Mapping[str, bool] | None = None, stream: Literal[True]) -> Stream: ...
+
+    def create(self, *, model: str, prompt: str = "", max_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
+               seed: int | None = None, logprobs: int | None = None, echo: bool | None = None, n: int | None = None,
+               user: str | None = None, session_id: str | None = None,
+               stream_options: Mapping[str, bool] | None = None, stream: bool = False) -> Completion | Stream:
+        """A completion of ``prompt``; in ``session_id``, of the session's text so far followed by ``prompt``
+        (and the prompt and completion are then added to the session). ``stream=True``: a ``Stream``."""
+        call = api.completion_call(api.completion_body(model, prompt, stream, dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed,
+            logprobs=logprobs, echo=echo, n=n, user=user, session_id=session_id, stream_options=stream_options)))
+        if stream:
+            return Stream(self._client._send(call, stream=True))
+        return self._client._call(call)
+
+
+class Sessions:
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def create(self, *, text: str | None = None, metadata: Mapping[str, str] | None = None) -> AppendResult:
+        """A new session, its memory built from ``text`` (none: empty)."""
+        return self._client._call(api.session_create_call(text, metadata))
+
+    def get(self, session_id: str) -> Session:
+        return self._client._call(api.session_get_call(session_id))
+
+    def list(self, *, limit: int | None = None, after: str | None = None) -> SessionPage:
+        """One page of sessions, oldest first; ``page.iter_all()`` continues through the later pages."""
+        def fetch(cursor: str) -> SessionPage:
+            return self.list(limit=limit, after=cursor)
+
+        return SessionPage(**self._client._call(api.session_list_call(limit, after)), _fetch=fetch)
+
+    def delete(self, session_id: str) -> SessionDeleted:
+        return self._client._call(api.session_delete_call(session_id))
+
+    def append(self, session_id: str, text: str) -> AppendResult:
+        """Feed ``text`` to the session's memory (nothing is generated); never retried."""
+        return self._client._call(api.session_append_call(session_id, text))
+
+    def fork(self, session_id: str, *, metadata: Mapping[str, str] | None = None) -> Session:
+        """A new session with a copy of this one's memory; the two then go their own ways."""
+        return self._client._call(api.session_fork_call(session_id, metadata))
+
+
+class Models:
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def list(self) -> list[Model]:
+        return self._client._call(api.models_call())
+
+
+class WebSocket:
+    """Completions over ``/v1/ws`` (see ``txlserve_client._websocket``)."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def connect(self) -> WebSocketConnection:
+        return WebSocketConnection.open(self._client)
+
+    def stream(self, *, model: str, prompt: str = "", **options: Any) -> WebSocketStream:
+        """One completion on a connection of its own, closed with the stream."""
+        conn = self.connect()
+        try:
+            return conn._start(api.completion_body(model, prompt, False, options), owns_connection=True)
+        except BaseException:
+            conn.close()
+            raise

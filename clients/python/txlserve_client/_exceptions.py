@@ -1,0 +1,123 @@
+"""The client's one error hierarchy. Every failure a call can meet is one of these:
+
+    APIError                        base: message, status, type, code, param
+    ├── APIConnectionError          the server could not be reached, or the connection broke
+    │   └── APITimeoutError         no answer within the client's timeout
+    ├── BadRequestError             400  invalid parameters
+    ├── AuthenticationError         401  missing or wrong API key (a refused WebSocket handshake too)
+    ├── NotFoundError               404  unknown model or session
+    ├── ConflictError               409
+    │   └── SessionBusyError        409  code "session_busy": another request holds the session
+    ├── PayloadTooLargeError        413
+    ├── UnprocessableEntityError    422  a stored session that this model cannot use
+    ├── RateLimitError              429  the server's queue is full
+    ├── ServiceUnavailableError     503  starting, draining, or its store is down
+    └── InternalServerError         other 5xx
+
+An error that arrives inside a stream (an SSE ``error`` event or a WebSocket ``error``
+message) has no HTTP status of its own; ``status`` is then the one the server answers the
+same error with outside a stream, looked up from its ``code`` and ``type``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+class APIError(Exception):
+    """Base of every client error; the server's OpenAI-shaped ``error`` object, unpacked."""
+
+    def __init__(self, message: str, *, status: int | None = None, type: str | None = None,
+                 code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.code, self.param = message, status, type, code, param
+
+    def __str__(self) -> str:
+        where = " ".join(str(x) for x in (self.status, self.code) if x is not None)
+        return f"{where}: {self.message}" if where else self.message
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(message={self.message!r}, status={self.status!r}, type={self.type!r}, "
+                f"code={self.code!r}, param={self.param!r})")
+
+
+class APIConnectionError(APIError):
+    def __init__(self, message: str = "could not connect to the txlserve server") -> None:
+        super().__init__(message)
+
+
+class APITimeoutError(APIConnectionError):
+    def __init__(self, message: str = "the request timed out") -> None:
+        super().__init__(message)
+
+
+class BadRequestError(APIError):
+    pass
+
+
+class AuthenticationError(APIError):
+    pass
+
+
+class NotFoundError(APIError):
+    pass
+
+
+class ConflictError(APIError):
+    pass
+
+
+class SessionBusyError(ConflictError):
+    pass
+
+
+class PayloadTooLargeError(APIError):
+    pass
+
+
+class UnprocessableEntityError(APIError):
+    pass
+
+
+class RateLimitError(APIError):
+    pass
+
+
+class ServiceUnavailableError(APIError):
+    pass
+
+
+class InternalServerError(APIError):
+    pass
+
+
+_BY_STATUS: dict[int, type[APIError]] = {
+    400: BadRequestError, 401: AuthenticationError, 404: NotFoundError, 409: ConflictError,
+    413: PayloadTooLargeError, 422: UnprocessableEntityError, 429: RateLimitError, 503: ServiceUnavailableError,
+}
+# for errors inside a stream: the status the server gives each code, else each type, outside one
+_STATUS_BY_CODE = {
+    "session_busy": 409, "session_conflict": 409, "session_not_found": 404, "model_not_found": 404,
+    "session_incompatible": 422, "session_corrupt": 422, "payload_too_large": 413, "invalid_api_key": 401,
+    "overloaded": 429, "store_unavailable": 503, "service_unavailable": 503, "internal_error": 500,
+}
+_STATUS_BY_TYPE = {
+    "invalid_request_error": 400, "authentication_error": 401, "not_found_error": 404, "conflict_error": 409,
+    "rate_limit_error": 429, "service_unavailable_error": 503, "server_error": 500,
+}
+
+
+def error_from_body(body: Any, status: int | None = None, fallback: str = "") -> APIError:
+    """The exception for an error answer: ``status`` from HTTP, or None inside a stream."""
+    err = body.get("error") if isinstance(body, Mapping) else None
+    if not isinstance(err, Mapping):
+        err = {"message": fallback or f"the server answered HTTP {status}"}
+    code, type_ = err.get("code"), err.get("type")
+    if status is None:
+        status = _STATUS_BY_CODE.get(str(code)) or _STATUS_BY_TYPE.get(str(type_))
+    cls = _BY_STATUS.get(status or 0) or (InternalServerError if (status or 0) >= 500 else APIError)
+    if cls is ConflictError and code == "session_busy":
+        cls = SessionBusyError
+    return cls(str(err.get("message") or fallback or "unknown error"), status=status, type=type_, code=code,
+               param=err.get("param"))

@@ -1,0 +1,138 @@
+"""Server-sent events of ``/v1/completions`` with ``stream=True``, as iterators of ``CompletionChunk``.
+
+Closing a stream before its end (``close()``, leaving its ``with`` block, breaking out of the
+loop of a ``with`` block) closes the HTTP response; the server then cancels the generation and
+commits what it generated so far to the session, if there is one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
+from types import TracebackType
+
+import httpx
+
+from txlserve_client._base import connection_error
+from txlserve_client._exceptions import APIConnectionError, error_from_body
+from txlserve_client._types import CompletionChunk
+
+DONE = "[DONE]"
+
+
+class SSEDecoder:
+    """Lines in, the ``data`` of each complete event out (the parts of the SSE format the server uses)."""
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> str | None:
+        if not line:  # a blank line ends an event
+            data, self._data = self._data, []
+            return "\n".join(data) if data else None
+        name, _, value = line.partition(":")
+        if name == "data":
+            self._data.append(value[1:] if value.startswith(" ") else value)
+        return None  # comments (":...") and other fields are ignored
+
+    def flush(self) -> str | None:
+        return self.feed("")
+
+
+def chunk_from_event(data: str) -> CompletionChunk | None:
+    """The chunk an event carries; None for the final ``[DONE]``; raises the error an error event carries."""
+    if data == DONE:
+        return None
+    body = json.loads(data)
+    if "error" in body:
+        raise error_from_body(body)
+    return CompletionChunk.from_sse(body)
+
+
+_ENDED_EARLY = "the stream ended before [DONE]: the server closed the connection"
+
+
+class Stream(Iterator[CompletionChunk]):
+    """The chunks of one streamed completion; a context manager that closes the HTTP response."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self._chunks = self._iter()
+
+    def _iter(self) -> Generator[CompletionChunk, None, None]:
+        decoder = SSEDecoder()
+        try:
+            for line in self.response.iter_lines():
+                data = decoder.feed(line)
+                if data is None:
+                    continue
+                if (chunk := chunk_from_event(data)) is None:
+                    return
+                yield chunk
+            if (data := decoder.flush()) is not None and chunk_from_event(data) is None:
+                return
+        except httpx.TransportError as err:
+            raise connection_error(err) from err
+        finally:
+            self.response.close()
+        raise APIConnectionError(_ENDED_EARLY)
+
+    def __next__(self) -> CompletionChunk:
+        return next(self._chunks)
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def close(self) -> None:
+        self._chunks.close()
+        self.response.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class AsyncStream(AsyncIterator[CompletionChunk]):
+    """The chunks of one streamed completion; an async context manager that closes the HTTP response."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self._chunks = self._iter()
+
+    async def _iter(self) -> AsyncGenerator[CompletionChunk, None]:
+        decoder = SSEDecoder()
+        try:
+            async for line in self.response.aiter_lines():
+                data = decoder.feed(line)
+                if data is None:
+                    continue
+                if (chunk := chunk_from_event(data)) is None:
+                    return
+                yield chunk
+            if (data := decoder.flush()) is not None and chunk_from_event(data) is None:
+                return
+        except httpx.TransportError as err:
+            raise connection_error(err) from err
+        finally:
+            await self.response.aclose()
+        raise APIConnectionError(_ENDED_EARLY)
+
+    async def __anext__(self) -> CompletionChunk:
+        return await self._chunks.__anext__()
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def close(self) -> None:
+        await self._chunks.aclose()
+        await self.response.aclose()
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()

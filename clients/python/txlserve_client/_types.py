@@ -1,0 +1,199 @@
+"""Typed results. Each ``from_dict`` reads the server's JSON and ignores fields it does not know,
+so a newer server does not break an older client."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    cached_tokens: int = 0  # tokens the session's memory already held: not recomputed
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Usage:
+        details = d.get("prompt_tokens_details") or {}
+        return cls(d["prompt_tokens"], d["completion_tokens"], d["total_tokens"], details.get("cached_tokens", 0))
+
+
+@dataclass(frozen=True)
+class SessionRef:
+    """The session a completion ran in, after it: ``tokens_seen`` counts prompt and completion."""
+
+    id: str
+    tokens_seen: int
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SessionRef | None:
+        return None if d is None else cls(d["id"], d["tokens_seen"])
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Logprobs | None:
+        if d is None:
+            return None
+        return cls(d["tokens"], d["token_logprobs"], d["top_logprobs"], d["text_offset"])
+
+
+@dataclass(frozen=True)
+class Completion:
+    id: str
+    created: int
+    model: str
+    text: str
+    finish_reason: str | None
+    usage: Usage
+    session: SessionRef | None = None
+    logprobs: Logprobs | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Completion:
+        choice = d["choices"][0]
+        return cls(d["id"], d["created"], d["model"], choice["text"], choice.get("finish_reason"),
+                   Usage.from_dict(d["usage"]), SessionRef.from_dict(d.get("session")),
+                   Logprobs.from_dict(choice.get("logprobs")))
+
+
+@dataclass(frozen=True)
+class CompletionChunk:
+    """One piece of a streamed completion (SSE or WebSocket). The last piece has ``finish_reason``
+    (and ``session``); ``usage`` comes on the last piece over a WebSocket, and over SSE on a piece
+    of its own with empty text when ``stream_options={"include_usage": True}``."""
+
+    id: str
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    session: SessionRef | None = None
+    logprobs: Logprobs | None = None
+
+    @classmethod
+    def from_sse(cls, d: dict[str, Any]) -> CompletionChunk:
+        choice = d["choices"][0] if d.get("choices") else {}
+        usage = d.get("usage")
+        return cls(d["id"], choice.get("text", ""), choice.get("finish_reason"),
+                   Usage.from_dict(usage) if usage else None, SessionRef.from_dict(d.get("session")),
+                   Logprobs.from_dict(choice.get("logprobs")))
+
+    @classmethod
+    def from_ws(cls, d: dict[str, Any]) -> CompletionChunk:
+        """A ``completion.delta``, or the ``completion.done`` that ends it (text already sent: empty here)."""
+        if d["type"] == "completion.delta":
+            return cls(d["id"], d["text"], logprobs=Logprobs.from_dict(d.get("logprobs")))
+        return cls(d["id"], "", d["finish_reason"], Usage.from_dict(d["usage"]), SessionRef.from_dict(d.get("session")))
+
+
+@dataclass(frozen=True)
+class Session:
+    """A session's persistent memory, as the server describes it (times are Unix seconds)."""
+
+    id: str
+    model: str
+    tokens_seen: int
+    mem_len: int
+    bytes: int
+    tier: str
+    created_at: int
+    last_used_at: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def _fields(cls, d: dict[str, Any]) -> dict[str, Any]:
+        return {"id": d["id"], "model": d["model"], "tokens_seen": d["tokens_seen"], "mem_len": d["mem_len"],
+                "bytes": d["bytes"], "tier": d["tier"], "created_at": d["created_at"],
+                "last_used_at": d["last_used_at"], "metadata": d.get("metadata") or {}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Session:
+        return cls(**cls._fields(d))
+
+
+@dataclass(frozen=True)
+class AppendResult(Session):
+    """What ``sessions.create`` and ``sessions.append`` return: the session after the text was fed,
+    and how well the model predicted that text (None when it was empty or a single token)."""
+
+    appended_tokens: int = 0
+    logprob: float | None = None
+    bpc: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AppendResult:
+        return cls(**cls._fields(d), appended_tokens=d.get("appended_tokens", 0), logprob=d.get("logprob"),
+                   bpc=d.get("bpc"))
+
+
+@dataclass(frozen=True)
+class SessionDeleted:
+    id: str
+    deleted: bool
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SessionDeleted:
+        return cls(d["id"], d["deleted"])
+
+
+@dataclass(frozen=True)
+class Model:
+    id: str
+    owned_by: str
+    mem_len: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Model:
+        return cls(d["id"], d.get("owned_by", ""), d.get("mem_len"))
+
+
+@dataclass(frozen=True)
+class SessionPage:
+    """One page of ``sessions.list``; ``iter_all()`` walks this page and every later one."""
+
+    data: list[Session]
+    has_more: bool
+    next_cursor: str | None
+    _fetch: Callable[[str], SessionPage] | None = field(default=None, repr=False, compare=False)
+
+    def next_page(self) -> SessionPage | None:
+        if not self.has_more or self.next_cursor is None or self._fetch is None:
+            return None
+        return self._fetch(self.next_cursor)
+
+    def iter_all(self) -> Iterator[Session]:
+        page: SessionPage | None = self
+        while page is not None:
+            yield from page.data
+            page = page.next_page()
+
+
+@dataclass(frozen=True)
+class AsyncSessionPage:
+    """One page of ``AsyncClient.sessions.list``; ``async for s in page.iter_all()`` walks every later one too."""
+
+    data: list[Session]
+    has_more: bool
+    next_cursor: str | None
+    _fetch: Callable[[str], Awaitable[AsyncSessionPage]] | None = field(default=None, repr=False, compare=False)
+
+    async def next_page(self) -> AsyncSessionPage | None:
+        if not self.has_more or self.next_cursor is None or self._fetch is None:
+            return None
+        return await self._fetch(self.next_cursor)
+
+    async def iter_all(self) -> AsyncIterator[Session]:
+        page: AsyncSessionPage | None = self
+        while page is not None:
+            for session in page.data:
+                yield session
+            page = await page.next_page()

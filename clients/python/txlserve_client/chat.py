@@ -1,0 +1,134 @@
+"""``txlserve-chat``: continue a session from the terminal.
+
+Each line you type is added to the session (with its newline) and the model's continuation
+streams back; an empty line asks for more of the same. Ctrl-C during a generation stops it (what
+was generated stays in the session); Ctrl-C or Ctrl-D at the prompt quits. The session persists
+on the server: come back to it with ``--session ID``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from txlserve_client._client import Client
+from txlserve_client._exceptions import APIConnectionError, APIError, SessionBusyError
+from txlserve_client._streaming import Stream
+from txlserve_client._types import Session
+
+# a model's output must not drive the terminal: C0 controls (ESC above all) but newline and tab are dropped
+_CONTROLS = dict.fromkeys(c for c in range(32) if c not in (9, 10)) | {127: None}
+HELP = "/info  the session   /fork  fork it and go on in the fork   /new  a fresh session   /quit  leave"
+BUSY_WAIT_S = 5.0  # after a cancel the server commits in the background; a 409 until then is worth waiting out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="txlserve-chat", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--session", default=None, help="continue this session (default: create one)")
+    p.add_argument("--url", default=None, help="server URL (default: $TXLSERVE_BASE_URL or http://127.0.0.1:8000)")
+    p.add_argument("--api-key", default=None, help="default: $TXLSERVE_API_KEY")
+    p.add_argument("--model", default=None, help="default: the server's model")
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    return p
+
+
+class Chat:
+    def __init__(self, client: Client, model: str, session: Session, args: argparse.Namespace,
+                 out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
+        self.client, self.model, self.session, self.args, self.out, self.err = client, model, session, args, out, err
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def run(self) -> int:
+        if sys.stdin.isatty():
+            with contextlib.suppress(ImportError):  # line editing and history where the platform has it
+                import readline  # noqa: F401
+        self.say(f"session {self.session.id} ({self.session.tokens_seen} tokens). {HELP}")
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                self.say("")
+                break
+            command = line.strip()
+            if command in ("/quit", "/exit"):
+                break
+            try:
+                if command.startswith("/"):
+                    self.command(command)
+                else:
+                    self.generate(line + "\n" if line else "")
+            except APIConnectionError:
+                raise  # the server is gone: main() reports it and leaves
+            except APIError as err:
+                print(f"error: {err}", file=self.err, flush=True)
+        self.say(f"session {self.session.id}: resume with --session {self.session.id}")
+        return 0
+
+    def command(self, command: str) -> None:
+        if command == "/info":
+            s = self.client.sessions.get(self.session.id)
+            self.say(f"session {s.id}: tokens_seen={s.tokens_seen} mem_len={s.mem_len} bytes={s.bytes} "
+                     f"tier={s.tier} model={s.model}")
+        elif command == "/fork":
+            fork = self.client.sessions.fork(self.session.id)
+            self.say(f"forked {self.session.id} -> {fork.id}")
+            self.session = fork
+        elif command == "/new":
+            self.session = self.client.sessions.create()
+            self.say(f"new session {self.session.id}")
+        else:
+            self.say(HELP)
+
+    def generate(self, prompt: str) -> None:
+        at_line_start = True
+        try:
+            with self.open_stream(prompt) as stream:
+                for chunk in stream:
+                    if chunk.text:
+                        self.out.write(chunk.text.translate(_CONTROLS) if self.out.isatty() else chunk.text)
+                        self.out.flush()
+                        at_line_start = chunk.text.endswith("\n")
+        except KeyboardInterrupt:  # the stream is closed: the server stops and keeps what it generated
+            self.out.write(" [cancelled]")
+            at_line_start = False
+        if not at_line_start:
+            self.out.write("\n")
+        self.out.flush()
+
+    def open_stream(self, prompt: str) -> Stream:
+        deadline = time.monotonic() + BUSY_WAIT_S
+        while True:
+            try:
+                return self.client.completions.create(
+                    model=self.model, prompt=prompt, max_tokens=self.args.max_tokens,
+                    temperature=self.args.temperature, session_id=self.session.id, stream=True)
+            except SessionBusyError:  # refused before anything was fed to the session: safe to ask again
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with Client(base_url=args.url, api_key=args.api_key) as client:
+            model = args.model or client.models.list()[0].id
+            session = client.sessions.get(args.session) if args.session else client.sessions.create()
+            return Chat(client, model, session, args).run()
+    except APIError as err:
+        print(f"txlserve-chat: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

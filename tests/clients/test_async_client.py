@@ -1,0 +1,122 @@
+"""AsyncClient against a real server: the same API with await, async for and async with."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from txlserve_client import (
+    AsyncClient,
+    AsyncStream,
+    AsyncWebSocketStream,
+    AuthenticationError,
+    BadRequestError,
+    Completion,
+    NotFoundError,
+    SessionBusyError,
+    SessionRef,
+)
+
+from tests.clients.conftest import KeyedServer
+from tests.live import MODEL
+
+pytestmark = pytest.mark.anyio
+LONG = 4000
+
+
+async def test_completion_and_stream(aclient: AsyncClient) -> None:
+    done = await aclient.completions.create(model=MODEL, prompt="Hello", max_tokens=10, temperature=0)
+    assert isinstance(done, Completion) and done.usage.completion_tokens == 10
+    stream = await aclient.completions.create(model=MODEL, prompt="Hello", max_tokens=10, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})
+    assert isinstance(stream, AsyncStream)
+    async with stream:
+        chunks = [c async for c in stream]
+    assert "".join(c.text for c in chunks) == done.text
+    assert chunks[-1].usage == done.usage
+
+
+async def test_sessions(aclient: AsyncClient) -> None:
+    created = await aclient.sessions.create(text="abc", metadata={"k": "v"})
+    appended = await aclient.sessions.append(created.id, "de")
+    assert appended.tokens_seen == 5 and appended.appended_tokens == 2
+    done = await aclient.completions.create(model=MODEL, prompt="f", max_tokens=3, session_id=created.id)
+    assert done.session == SessionRef(created.id, 9) and done.usage.cached_tokens == 5
+    fork = await aclient.sessions.fork(created.id)
+    assert (await aclient.sessions.get(fork.id)).tokens_seen == 9
+    assert (await aclient.sessions.delete(fork.id)).deleted
+    with pytest.raises(NotFoundError):
+        await aclient.sessions.get(fork.id)
+
+
+async def test_list_pages(keyed_server: KeyedServer) -> None:
+    async with AsyncClient(base_url=keyed_server.url, api_key=keyed_server.keys[0]) as client:
+        mine = [(await client.sessions.create()).id for _ in range(3)]
+        page = await client.sessions.list(limit=2)
+        assert page.has_more and len(page.data) == 2
+        seen = [s.id async for s in page.iter_all()]
+        assert set(mine) <= set(seen) and len(seen) == len(set(seen))
+    async with AsyncClient(base_url=keyed_server.url, api_key="wrong") as client:
+        with pytest.raises(AuthenticationError):
+            await client.sessions.list()
+
+
+async def test_session_busy_and_early_close(aclient: AsyncClient) -> None:
+    session = await aclient.sessions.create(text="abc")
+    stream = await aclient.completions.create(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id,
+                                              stream=True)
+    async with stream:
+        await stream.__anext__()
+        with pytest.raises(SessionBusyError) as info:
+            await aclient.completions.create(model=MODEL, prompt="x", max_tokens=1, session_id=session.id)
+        assert info.value.status == 409
+    for _ in range(200):  # the cancelled run commits what it generated, then frees the session
+        if (s := await aclient.sessions.get(session.id)).tokens_seen > 4:
+            break
+        await asyncio.sleep(0.05)
+    assert 4 < s.tokens_seen < 4 + LONG
+
+
+async def test_errors(aclient: AsyncClient) -> None:
+    with pytest.raises(NotFoundError):
+        await aclient.completions.create(model="no-such-model", prompt="x")
+    with pytest.raises(BadRequestError) as info:
+        await aclient.completions.create(model=MODEL, prompt="x", temperature=-1.0, stream=True)
+    assert info.value.param == "temperature"
+
+
+async def test_websocket(aclient: AsyncClient) -> None:
+    session = await aclient.sessions.create(text="abc")
+    async with aclient.ws.connect() as conn:
+        chunks = [c async for c in conn.completion(model=MODEL, prompt="Hello", max_tokens=6)]
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 6
+
+        chunks = []
+        async for chunk in conn.completion(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id):
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                await conn.cancel()
+        assert chunk.finish_reason == "cancelled" and chunk.usage.completion_tokens < LONG
+        assert chunk.session == SessionRef(session.id, 4 + chunk.usage.completion_tokens)
+
+        stream = conn.completion(model=MODEL, prompt="x", max_tokens=LONG)
+        async for _ in stream:
+            break  # left running: the next completion cancels it first
+        again = [c async for c in conn.completion(model=MODEL, prompt="y", max_tokens=2)]
+        assert stream.done and again[-1].usage.completion_tokens == 2
+
+        with pytest.raises(NotFoundError):
+            async for _ in conn.completion(model="no-such-model", prompt="x"):
+                pass
+
+    one_shot = aclient.ws.stream(model=MODEL, prompt="Hello", max_tokens=LONG)
+    assert isinstance(one_shot, AsyncWebSocketStream)
+    async with one_shot:
+        await one_shot.__anext__()
+    assert one_shot.done
+
+
+async def test_many_concurrent_completions(aclient: AsyncClient) -> None:
+    results = await asyncio.gather(*(aclient.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=8)
+                                     for i in range(8)))
+    assert all(r.usage.completion_tokens == 8 for r in results)

@@ -1,0 +1,101 @@
+"""``txlserve-chat`` as a user runs it: a real process, its stdin a pipe, against the live server."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from txlserve_client import Client
+
+from tests.clients.conftest import CLIENT_SRC
+from tests.live import LiveServer
+
+ID = r"[\w-]+"
+
+
+def chat(server: LiveServer, *args: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(CLIENT_SRC), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "txlserve_client.chat", "--url", server.url, *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            cwd=CLIENT_SRC)
+
+
+def run_chat(server: LiveServer, lines: str, *args: str) -> tuple[int, str, str]:
+    with chat(server, *args) as proc:
+        out, err = proc.communicate(lines.encode(), timeout=60)
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+def test_lines_info_fork_new_quit(server: LiveServer, client: Client) -> None:
+    rc, out, err = run_chat(server, "hello\n/info\n/fork\n/info\nworld\n/new\n/bogus\n/quit\nnot read\n",
+                            "--max-tokens", "8", "--temperature", "0.5")
+    assert rc == 0, err
+    first = re.search(rf"^session ({ID}) \(0 tokens\)", out, re.M).group(1)
+    infos = re.findall(rf"session ({ID}): tokens_seen=(\d+) mem_len=24", out)
+    fork = re.search(rf"forked {first} -> ({ID})", out).group(1)
+    assert infos == [(first, "14"), (fork, "14")]  # "hello\n" + 8 generated, then the fork's copy
+    fresh = re.search(rf"new session ({ID})", out).group(1)
+    assert "/info" in out.split(f"new session {fresh}")[1]  # /bogus: the help line
+    assert out.rstrip().endswith(f"session {fresh}: resume with --session {fresh}")
+    assert client.sessions.get(first).tokens_seen == 14
+    assert client.sessions.get(fork).tokens_seen == 14 + 6 + 8  # "world\n" went on in the fork
+    assert client.sessions.get(fresh).tokens_seen == 0
+
+
+def test_resume_a_session_and_exit_at_eof(server: LiveServer, client: Client) -> None:
+    session = client.sessions.create(text="some text")
+    rc, out, _ = run_chat(server, "\n/info\n", "--session", session.id, "--max-tokens", "5")
+    assert rc == 0
+    assert f"session {session.id} (9 tokens)" in out
+    assert f"session {session.id}: tokens_seen=14" in out  # an empty line continued by 5 tokens
+
+
+def test_unknown_session_is_an_error(server: LiveServer) -> None:
+    rc, _, err = run_chat(server, "", "--session", "no-such-session")
+    assert rc == 1 and "404" in err and "not found" in err
+
+
+def test_ctrl_c_cancels_the_generation_not_the_program(server: LiveServer, client: Client) -> None:
+    with chat(server, "--max-tokens", "4000") as proc:
+        out = bytearray()
+
+        def pump() -> None:
+            while data := proc.stdout.read1(4096):
+                out.extend(data)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+
+        def wait_for(pattern: bytes, timeout: float = 20) -> int:
+            deadline = time.monotonic() + timeout
+            while (i := out.find(pattern)) < 0:
+                assert time.monotonic() < deadline and proc.poll() is None, bytes(out)
+                time.sleep(0.01)
+            return i
+
+        wait_for(b"> ")
+        header = bytes(out)
+        session_id = re.search(rf"session ({ID})".encode(), header).group(1).decode()
+        proc.stdin.write(b"hello\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 20
+        while len(out) < len(header) + 3:  # the continuation is streaming
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        wait_for(b"[cancelled]")
+        proc.stdin.write(b"again\n/info\n")
+        proc.stdin.close()  # then EOF: the program leaves on its own
+        assert proc.wait(timeout=30) == 0
+        reader.join(timeout=5)
+        text = out.decode(errors="replace")
+        seen = int(re.search(rf"session {session_id}: tokens_seen=(\d+)", text).group(1))
+        # "hello\n", the part generated before Ctrl-C, then "again\n" and 4000 more: all in the one session
+        cancelled_part = seen - len("hello\n") - len("again\n") - 4000
+        assert 0 < cancelled_part < 4000
+        assert client.sessions.get(session_id).tokens_seen == seen

@@ -1,0 +1,239 @@
+"""The synchronous client against a real server: completions, streams, sessions, WebSocket, errors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from txlserve_client import (
+    APIConnectionError,
+    AuthenticationError,
+    BadRequestError,
+    Client,
+    Completion,
+    CompletionChunk,
+    NotFoundError,
+    PayloadTooLargeError,
+    Session,
+    SessionBusyError,
+    SessionRef,
+    Stream,
+)
+
+from tests.clients.conftest import KeyedServer
+from tests.live import MODEL, LiveServer
+
+LONG = 4000  # tokens: a generation that runs for seconds on the test model, so there is time to interrupt it
+
+
+def wait_for_tokens(client: Client, session_id: str, above: int, timeout: float = 10) -> Session:
+    """The session once it holds more than ``above`` tokens (a cancelled run commits in the background)."""
+    deadline = time.monotonic() + timeout
+    while (s := client.sessions.get(session_id)).tokens_seen <= above:
+        assert time.monotonic() < deadline, f"session stayed at {s.tokens_seen} tokens"
+        time.sleep(0.05)
+    return s
+
+
+def test_completion(client: Client) -> None:
+    done = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, seed=3, logprobs=2)
+    assert isinstance(done, Completion)
+    assert done.id.startswith("cmpl-") and done.model == MODEL and done.finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (5, 8, 13)
+    assert done.usage.cached_tokens == 0 and done.session is None
+    assert done.logprobs is not None and len(done.logprobs.token_logprobs) == 8
+    assert all(len(top) <= 2 for top in done.logprobs.top_logprobs)
+    again = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, seed=3, logprobs=2)
+    assert again.text == done.text  # same seed, same text
+
+
+def test_streaming_completion(client: Client) -> None:
+    with client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, stream=True,
+                                   stream_options={"include_usage": True}) as stream:
+        assert isinstance(stream, Stream)
+        chunks = list(stream)
+    assert all(isinstance(c, CompletionChunk) for c in chunks)
+    finish = [c for c in chunks if c.finish_reason]
+    assert [c.finish_reason for c in finish] == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0)
+    assert "".join(c.text for c in chunks) == plain.text
+
+
+def test_session_continues_across_requests(client: Client) -> None:
+    """A completion in a session continues the session's text: greedy output equals the same text sent whole."""
+    session = client.sessions.create(text="abc")
+    assert session.tokens_seen == 3 and session.appended_tokens == 3
+    done = client.completions.create(model=MODEL, prompt="de", max_tokens=6, temperature=0, session_id=session.id)
+    assert done.session == SessionRef(session.id, 3 + 2 + 6)
+    assert done.usage.cached_tokens == 3 and done.usage.prompt_tokens == 2
+    whole = client.completions.create(model=MODEL, prompt="abcde", max_tokens=6, temperature=0)
+    assert done.text == whole.text
+    # an empty prompt continues where the session stopped, streamed this time
+    with client.completions.create(model=MODEL, prompt="", max_tokens=4, session_id=session.id,
+                                   stream=True) as stream:
+        last = list(stream)[-1]
+    assert last.session == SessionRef(session.id, 11 + 4)
+    assert client.sessions.get(session.id).tokens_seen == 15
+
+
+def test_sessions_crud_append_fork(client: Client) -> None:
+    created = client.sessions.create(text="Once upon a time", metadata={"user": "ada"})
+    assert created.metadata == {"user": "ada"} and created.model == MODEL and created.bpc is not None
+    got = client.sessions.get(created.id)
+    assert isinstance(got, Session) and got.tokens_seen == 16 and got.mem_len > 0 and got.bytes > 0
+
+    appended = client.sessions.append(created.id, " there was")
+    assert appended.appended_tokens == 10 and appended.tokens_seen == 26
+    assert appended.logprob is not None and appended.logprob < 0
+
+    fork = client.sessions.fork(created.id, metadata={"branch": "b"})
+    assert fork.id != created.id and fork.tokens_seen == 26 and fork.metadata == {"branch": "b"}
+    client.sessions.append(fork.id, " a fork")
+    assert client.sessions.get(fork.id).tokens_seen == 33
+    assert client.sessions.get(created.id).tokens_seen == 26  # the original is untouched
+
+    deleted = client.sessions.delete(fork.id)
+    assert deleted.id == fork.id and deleted.deleted
+    with pytest.raises(NotFoundError) as info:
+        client.sessions.get(fork.id)
+    assert info.value.code == "session_not_found" and info.value.status == 404
+
+
+def test_list_pages(keyed_server: KeyedServer) -> None:
+    # the second key creates sessions in this test only, so its list is exactly what this test made
+    with Client(base_url=keyed_server.url, api_key=keyed_server.keys[1], timeout=30) as client:
+        mine = [client.sessions.create(metadata={"n": str(i)}).id for i in range(5)]
+        page = client.sessions.list(limit=2)
+        assert len(page.data) == 2 and page.has_more and page.next_cursor
+        second = page.next_page()
+        assert second is not None and {s.id for s in second.data}.isdisjoint(s.id for s in page.data)
+        every = [s.id for s in page.iter_all()]
+        assert sorted(every) == sorted(mine)  # every page, each session once
+        last = client.sessions.list(limit=100)
+        assert not last.has_more and last.next_cursor is None and last.next_page() is None
+
+
+def test_closing_a_stream_cancels_and_keeps_what_was_generated(client: Client) -> None:
+    session = client.sessions.create(text="abc")
+    stream = client.completions.create(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id, stream=True)
+    with stream:
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+    after = wait_for_tokens(client, session.id, above=4)
+    assert after.tokens_seen < 4 + LONG  # stopped early...
+    done = client.completions.create(model=MODEL, prompt="e", max_tokens=2, session_id=session.id)
+    assert done.session == SessionRef(session.id, after.tokens_seen + 3)  # ...and the session goes on
+
+
+def test_concurrent_use_of_a_session_is_refused(client: Client) -> None:
+    session = client.sessions.create(text="abc")
+    with client.completions.create(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id,
+                                   stream=True) as stream:
+        next(stream)
+        with pytest.raises(SessionBusyError) as info:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, session_id=session.id)
+        assert (info.value.status, info.value.code, info.value.type) == (409, "session_busy", "conflict_error")
+        assert session.id in info.value.message
+        with pytest.raises(SessionBusyError):
+            client.sessions.append(session.id, "x")
+        with pytest.raises(SessionBusyError):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, session_id=session.id, stream=True)
+        with client.ws.connect() as conn, pytest.raises(SessionBusyError):  # inside a WebSocket: no status
+            list(conn.completion(model=MODEL, prompt="x", max_tokens=2, session_id=session.id))
+
+
+def test_request_errors(client: Client) -> None:
+    with pytest.raises(NotFoundError) as info:
+        client.completions.create(model="no-such-model", prompt="x")
+    assert (info.value.code, info.value.param, info.value.status) == ("model_not_found", "model", 404)
+    assert "no-such-model" in info.value.message
+    with pytest.raises(BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="x", temperature=5.0)
+    assert bad.value.param == "temperature" and bad.value.status == 400
+    with pytest.raises(BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", stream=True, n=2)
+    with pytest.raises(NotFoundError):
+        client.completions.create(model=MODEL, prompt="x", session_id="no-such-session")
+    with pytest.raises(NotFoundError):
+        client.sessions.append("no-such-session", "x")
+    with pytest.raises(PayloadTooLargeError) as big:
+        client.completions.create(model=MODEL, prompt="x" * 1_000_001, max_tokens=1)
+    assert big.value.status == 413 and big.value.param == "prompt"
+
+
+def test_api_keys(keyed_server: KeyedServer) -> None:
+    k1, k2 = keyed_server.keys
+    for key in (None, "wrong"):
+        with Client(base_url=keyed_server.url, api_key=key, max_retries=0) as client:
+            with pytest.raises(AuthenticationError) as info:
+                client.sessions.create()
+            assert info.value.status == 401 and info.value.code == "invalid_api_key"
+            with pytest.raises(AuthenticationError):
+                client.ws.connect()
+    with Client(base_url=keyed_server.url, api_key=k1) as one, Client(base_url=keyed_server.url, api_key=k2) as two:
+        session = one.sessions.create(text="mine")
+        assert one.completions.create(model=MODEL, prompt="x", max_tokens=1, session_id=session.id).session
+        with pytest.raises(NotFoundError):  # sessions belong to the key that made them
+            two.sessions.get(session.id)
+        with one.ws.connect() as conn:
+            assert list(conn.completion(model=MODEL, prompt="x", max_tokens=2))[-1].finish_reason == "length"
+
+
+def test_environment_defaults(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TXLSERVE_BASE_URL", server.url + "/")
+    monkeypatch.setenv("TXLSERVE_API_KEY", "from-env")
+    with Client() as client:
+        assert client.base_url == server.url and client.api_key == "from-env"
+        assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_connection_error() -> None:
+    with Client(base_url="http://127.0.0.1:9", max_retries=0) as client:
+        with pytest.raises(APIConnectionError):
+            client.models.list()
+        with pytest.raises(APIConnectionError):
+            client.ws.connect()
+
+
+def test_websocket_completions_in_turn_with_cancel(client: Client) -> None:
+    session = client.sessions.create(text="abc")
+    with client.ws.connect() as conn:
+        chunks = list(conn.completion(model=MODEL, prompt="Hello", max_tokens=12, temperature=0))
+        plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0)
+        assert "".join(c.text for c in chunks) == plain.text
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 12
+
+        stream = conn.completion(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id)
+        texts = []
+        for chunk in stream:
+            texts.append(chunk.text)
+            if len(texts) == 3:
+                conn.cancel()
+        last = chunk
+        assert last.finish_reason == "cancelled" and stream.done
+        assert last.usage.completion_tokens < LONG
+        assert last.session == SessionRef(session.id, 3 + 1 + last.usage.completion_tokens)
+
+        # leaving a completion early: the next one on the connection cancels it and starts cleanly
+        for _ in conn.completion(model=MODEL, prompt="x", max_tokens=LONG):
+            break
+        again = list(conn.completion(model=MODEL, prompt="e", max_tokens=3, session_id=session.id))
+        assert again[-1].session == SessionRef(session.id, last.session.tokens_seen + 1 + 3)
+
+        # an error answers one request; the connection stays usable
+        with pytest.raises(NotFoundError):
+            list(conn.completion(model="no-such-model", prompt="x"))
+        with pytest.raises(BadRequestError):
+            list(conn.completion(model=MODEL, prompt="x", temperature=9))
+        assert list(conn.completion(model=MODEL, prompt="x", max_tokens=1))[-1].finish_reason == "length"
+
+
+def test_websocket_one_shot_stream(client: Client) -> None:
+    with client.ws.stream(model=MODEL, prompt="Hello", max_tokens=5) as stream:
+        chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].session is None
+    with client.ws.stream(model=MODEL, prompt="Hello", max_tokens=LONG) as stream:
+        next(stream)
+    assert stream.done  # closing cancelled it and read it to its end

@@ -1,0 +1,126 @@
+"""The client as a distribution: light, with a deliberate public API and error tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import txlserve_client
+from txlserve_client import (
+    APIConnectionError,
+    APIError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    InternalServerError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RateLimitError,
+    ServiceUnavailableError,
+    SessionBusyError,
+    UnprocessableEntityError,
+)
+from txlserve_client._exceptions import error_from_body
+from txlserve_client._streaming import SSEDecoder, chunk_from_event
+
+from tests.clients.conftest import CLIENT_SRC
+
+PUBLIC = {
+    "Client", "AsyncClient", "Timeout", "__version__",
+    "Completion", "CompletionChunk", "Usage", "Logprobs", "SessionRef", "Session", "AppendResult", "SessionDeleted",
+    "SessionPage", "AsyncSessionPage", "Model",
+    "Stream", "AsyncStream", "WebSocketConnection", "WebSocketStream", "AsyncWebSocketConnection",
+    "AsyncWebSocketStream",
+    "APIError", "APIConnectionError", "APITimeoutError", "BadRequestError", "AuthenticationError", "NotFoundError",
+    "ConflictError", "SessionBusyError", "PayloadTooLargeError", "UnprocessableEntityError", "RateLimitError",
+    "ServiceUnavailableError", "InternalServerError",
+}
+
+
+def test_all_is_the_public_api() -> None:
+    assert set(txlserve_client.__all__) == PUBLIC
+    assert len(txlserve_client.__all__) == len(PUBLIC)
+    for name in txlserve_client.__all__:
+        assert getattr(txlserve_client, name) is not None
+    public_module_names = {n for n in vars(txlserve_client) if not n.startswith("_") and n != "chat"}
+    assert public_module_names <= PUBLIC | {"annotations"}
+
+
+def test_importing_the_client_loads_neither_torch_nor_the_server() -> None:
+    code = ("import sys, json, txlserve_client, txlserve_client.chat; "
+            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+    env = {**os.environ, "PYTHONPATH": str(CLIENT_SRC)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=CLIENT_SRC, capture_output=True, text=True,
+                         check=True).stdout
+    loaded = set(json.loads(out))
+    assert {"httpx", "websockets", "txlserve_client"} <= loaded
+    assert not loaded & {"torch", "numpy", "server", "model", "memory_store", "fastapi", "redis", "pydantic"}
+
+
+def test_distribution_metadata() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    meta = tomllib.loads((CLIENT_SRC / "pyproject.toml").read_text())
+    project = meta["project"]
+    assert project["name"] == "txlserve-client"
+    assert sorted(d.split(">")[0].split("=")[0] for d in project["dependencies"]) == ["httpx", "websockets"]
+    assert project["scripts"] == {"txlserve-chat": "txlserve_client.chat:main"}
+    assert (CLIENT_SRC / "txlserve_client" / "py.typed").is_file()
+    assert (CLIENT_SRC / "README.md").is_file()
+
+
+def test_error_tree() -> None:
+    for cls in (APIConnectionError, BadRequestError, AuthenticationError, NotFoundError, ConflictError,
+                PayloadTooLargeError, UnprocessableEntityError, RateLimitError, ServiceUnavailableError,
+                InternalServerError):
+        assert issubclass(cls, APIError)
+    assert issubclass(APITimeoutError, APIConnectionError)
+    assert issubclass(SessionBusyError, ConflictError)
+
+
+def _body(type_: str, code: str | None, message: str = "m", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+@pytest.mark.parametrize(("status", "type_", "code", "cls"), [
+    (400, "invalid_request_error", "invalid_value", BadRequestError),
+    (401, "authentication_error", "invalid_api_key", AuthenticationError),
+    (404, "not_found_error", "model_not_found", NotFoundError),
+    (409, "conflict_error", "session_busy", SessionBusyError),
+    (409, "conflict_error", "session_conflict", ConflictError),
+    (413, "invalid_request_error", "payload_too_large", PayloadTooLargeError),
+    (422, "invalid_request_error", "session_incompatible", UnprocessableEntityError),
+    (429, "rate_limit_error", "overloaded", RateLimitError),
+    (503, "service_unavailable_error", "store_unavailable", ServiceUnavailableError),
+    (500, "server_error", "internal_error", InternalServerError),
+    (502, None, None, InternalServerError),
+    (405, "invalid_request_error", None, APIError),
+])
+def test_errors_are_named_for_what_happened(status: int, type_: str, code: str, cls: type[APIError]) -> None:
+    err = error_from_body(_body(type_, code, "what went wrong", "p"), status)
+    assert type(err) is cls
+    assert (err.message, err.status, err.type, err.code, err.param) == ("what went wrong", status, type_, code, "p")
+    # inside a stream there is no status: the same class, and the status it would have had, from code and type
+    if code is not None:
+        inner = error_from_body(_body(type_, code, "what went wrong"))
+        assert type(inner) is cls and inner.status == status
+
+
+def test_error_without_an_openai_body() -> None:
+    err = error_from_body(None, 502, "<html>bad gateway</html>")
+    assert isinstance(err, InternalServerError) and err.message == "<html>bad gateway</html>" and err.status == 502
+    assert "502" in str(err) and "bad gateway" in str(err)
+
+
+def test_sse_decoder() -> None:
+    decoder = SSEDecoder()
+    lines = [": comment", "event: x", "data: {\"a\":", "data: 1}", "", "", "data:[DONE]", ""]
+    events = [e for e in map(decoder.feed, lines) if e is not None]
+    assert events == ['{"a":\n1}', "[DONE]"]
+    assert chunk_from_event("[DONE]") is None
+    with pytest.raises(SessionBusyError) as info:
+        chunk_from_event(json.dumps(_body("conflict_error", "session_busy", "busy")))
+    assert info.value.status == 409 and info.value.message == "busy"

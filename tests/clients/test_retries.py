@@ -1,0 +1,216 @@
+"""Retries, timeouts and broken streams, against a small scripted HTTP server on a real socket."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from txlserve_client import (
+    APIConnectionError,
+    APITimeoutError,
+    AsyncClient,
+    Client,
+    InternalServerError,
+    RateLimitError,
+    ServiceUnavailableError,
+    SessionBusyError,
+)
+
+from tests.live import free_port
+
+COMPLETION = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+              "choices": [{"index": 0, "text": "ok", "logprobs": None, "finish_reason": "length"}],
+              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
+                        "prompt_tokens_details": {"cached_tokens": 0}}}
+SESSION = {"id": "s1", "object": "session", "model": "m", "tokens_seen": 3, "mem_len": 24, "bytes": 10,
+           "tier": "hot", "created_at": 1, "last_used_at": 1, "metadata": {}}
+
+
+def error(status: int, type_: str, code: str, retry_after: str | None = "0") -> Reply:
+    body = {"error": {"message": f"{code} now", "type": type_, "param": None, "code": code}}
+    return Reply(status, json.dumps(body).encode(), {"Retry-After": retry_after} if retry_after else {})
+
+
+def unavailable(retry_after: str | None = "0") -> Reply:
+    return error(503, "service_unavailable_error", "store_unavailable", retry_after)
+
+
+def sse(*events: object) -> Reply:
+    data = b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+    return Reply(200, data, {"Content-Type": "text/event-stream"})
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    delay: float = 0.0
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    at: float
+
+
+class Scripted:
+    """Answers each request with the next scripted reply (the last one repeats) and records it."""
+
+    def __init__(self) -> None:
+        self.replies: list[Reply] = []
+        self.seen: list[Seen] = []
+        script = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                script.seen.append(Seen(self.command, self.path, time.monotonic()))
+                reply = script.replies.pop(0) if len(script.replies) > 1 else script.replies[0]
+                time.sleep(reply.delay)
+                self.send_response(reply.status)
+                for k, v in {"Content-Type": "application/json", **reply.headers}.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(reply.body)))
+                self.end_headers()
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a client that timed out
+                    self.wfile.write(reply.body)
+
+            do_GET = do_POST = do_DELETE = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def script(self, *replies: Reply) -> Scripted:
+        self.replies, self.seen = list(replies), []
+        return self
+
+    def gaps(self) -> list[float]:
+        return [b.at - a.at for a, b in zip(self.seen, self.seen[1:])]
+
+
+@pytest.fixture
+def scripted() -> Iterator[Scripted]:
+    srv = Scripted()
+    thread = threading.Thread(target=srv.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    yield srv
+    srv.httpd.shutdown()
+    srv.httpd.server_close()
+
+
+def test_backs_off_exponentially_then_succeeds(scripted: Scripted) -> None:
+    ok = Reply(200, json.dumps(COMPLETION).encode())
+    scripted.script(unavailable(retry_after=None), unavailable(retry_after=None), ok)
+    with Client(base_url=scripted.url, max_retries=2) as client:
+        assert client.completions.create(model="m", prompt="x").text == "ok"
+    assert len(scripted.seen) == 3
+    first, second = scripted.gaps()
+    assert 0.375 <= first < second < 3  # 0.5 s then 1 s, less up to 25% jitter
+    assert second >= 0.75
+
+
+def test_honours_retry_after(scripted: Scripted) -> None:
+    scripted.script(error(429, "rate_limit_error", "overloaded", retry_after="1"),
+                    Reply(200, json.dumps(SESSION).encode()))
+    with Client(base_url=scripted.url) as client:
+        assert client.sessions.get("s1").tokens_seen == 3
+    assert [s.method for s in scripted.seen] == ["GET", "GET"]
+    assert 1.0 <= scripted.gaps()[0] < 3
+
+
+def test_gives_up_after_max_retries(scripted: Scripted) -> None:
+    scripted.script(unavailable())
+    with Client(base_url=scripted.url, max_retries=2) as client, pytest.raises(ServiceUnavailableError) as info:
+        client.sessions.delete("s1")
+    assert len(scripted.seen) == 3
+    assert (info.value.status, info.value.code, info.value.message) == (503, "store_unavailable",
+                                                                        "store_unavailable now")
+    scripted.script(unavailable())
+    with Client(base_url=scripted.url, max_retries=0) as client, pytest.raises(ServiceUnavailableError):
+        client.models.list()
+    assert len(scripted.seen) == 1
+
+
+@pytest.mark.parametrize("call", ["append", "session_completion", "session_stream", "create", "fork"])
+def test_calls_that_change_a_session_are_not_retried(scripted: Scripted, call: str) -> None:
+    scripted.script(error(429, "rate_limit_error", "overloaded"), Reply(200, json.dumps(COMPLETION).encode()))
+    with Client(base_url=scripted.url, max_retries=5) as client, pytest.raises(RateLimitError):
+        {"append": lambda: client.sessions.append("s1", "more text"),
+         "session_completion": lambda: client.completions.create(model="m", prompt="x", session_id="s1"),
+         "session_stream": lambda: client.completions.create(model="m", prompt="x", session_id="s1", stream=True),
+         "create": lambda: client.sessions.create(text="x"),
+         "fork": lambda: client.sessions.fork("s1")}[call]()
+    assert len(scripted.seen) == 1
+
+
+def test_stream_retried_before_it_starts(scripted: Scripted) -> None:
+    chunk = {"id": "c", "object": "text_completion", "created": 1, "model": "m",
+             "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}]}
+    scripted.script(unavailable(), sse(chunk, b"[DONE]"))
+    with Client(base_url=scripted.url) as client, client.completions.create(model="m", prompt="x",
+                                                                               stream=True) as stream:
+        assert [c.text for c in stream] == ["hi"]
+    assert [s.path for s in scripted.seen] == ["/v1/completions"] * 2
+
+
+def test_errors_inside_a_stream(scripted: Scripted) -> None:
+    chunk = {"id": "c", "object": "text_completion", "created": 1, "model": "m",
+             "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}]}
+    busy = {"error": {"message": "in use", "type": "conflict_error", "param": None, "code": "session_busy"}}
+    scripted.script(sse(chunk, busy, b"[DONE]"))
+    with Client(base_url=scripted.url) as client:
+        stream = client.completions.create(model="m", prompt="x", stream=True)
+        assert next(stream).text == "hi"
+        with pytest.raises(SessionBusyError) as info:
+            next(stream)
+        assert info.value.status == 409 and info.value.message == "in use"
+
+        scripted.script(sse(chunk))  # the connection ends without [DONE]
+        with pytest.raises(APIConnectionError, match=r"\[DONE\]"):
+            list(client.completions.create(model="m", prompt="x", stream=True))
+
+
+def test_non_json_error_body(scripted: Scripted) -> None:
+    scripted.script(Reply(502, b"<html>bad gateway</html>", {"Content-Type": "text/html"}))
+    with Client(base_url=scripted.url) as client, pytest.raises(InternalServerError) as info:
+        client.sessions.append("s1", "x")
+    assert info.value.status == 502 and "bad gateway" in info.value.message
+
+
+def test_timeout(scripted: Scripted) -> None:
+    scripted.script(Reply(200, json.dumps(SESSION).encode(), delay=1.0))
+    with Client(base_url=scripted.url, timeout=0.2, max_retries=0) as client, pytest.raises(APITimeoutError):
+        client.sessions.get("s1")
+
+
+def test_connection_refused_is_retried_then_raised() -> None:
+    t0 = time.monotonic()
+    with Client(base_url=f"http://127.0.0.1:{free_port()}", max_retries=1) as client, \
+            pytest.raises(APIConnectionError):
+        client.models.list()
+    assert time.monotonic() - t0 >= 0.375  # one backoff
+
+
+@pytest.mark.anyio
+async def test_async_client_retries_the_same_way(scripted: Scripted) -> None:
+    scripted.script(unavailable(), unavailable(), Reply(200, json.dumps(COMPLETION).encode()))
+    async with AsyncClient(base_url=scripted.url) as client:
+        assert (await client.completions.create(model="m", prompt="x")).text == "ok"
+    assert len(scripted.seen) == 3
+    scripted.script(unavailable())
+    async with AsyncClient(base_url=scripted.url) as client:
+        with pytest.raises(ServiceUnavailableError):
+            await client.sessions.append("s1", "x")
+    assert len(scripted.seen) == 1

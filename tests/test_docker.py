@@ -1,0 +1,141 @@
+"""The deployment files, read as data: docker cannot run in the test environment, so these check
+what would break a build or a deployment without one."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from server.settings import env_names
+
+yaml = pytest.importorskip("yaml")
+
+DOCKER = Path(__file__).resolve().parents[1] / "docker"
+REPO = DOCKER.parent
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or (line.startswith("#") and not pending):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        keyword, _, args = (pending + line).partition(" ")
+        out.append((keyword.upper(), args.strip()))
+        pending = ""
+    return out
+
+
+def env_vars(ins: list[tuple[str, str]]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for keyword, args in ins:
+        if keyword == "ENV":
+            env.update(item.split("=", 1) for item in shlex.split(args))
+    return env
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> list[tuple[str, str]]:
+    return instructions(DOCKER / "Dockerfile")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def test_base_and_build_args(dockerfile: list[tuple[str, str]]) -> None:
+    args = dict(a.split("=", 1) for k, a in dockerfile if k == "ARG")
+    assert args["BASE"].startswith("nvidia/cuda:") and "runtime" in args["BASE"]
+    assert "cu12" in args["TORCH_INDEX"]
+    assert [a for k, a in dockerfile if k == "FROM"] == ["${BASE}"]
+
+
+def test_installs_torch_from_its_index_before_the_project(dockerfile: list[tuple[str, str]]) -> None:
+    runs = [a for k, a in dockerfile if k == "RUN"]
+    torch = next(i for i, r in enumerate(runs) if "pip install" in r and "TORCH_INDEX" in r)
+    project = next(i for i, r in enumerate(runs) if re.search(r"pip install \.(\s|$)", r))
+    assert torch < project
+    copies = [a.split()[0] for k, a in dockerfile if k == "COPY"]
+    assert {"pyproject.toml", "model/", "memory_store/", "server/", "checkpoints/"} <= set(copies)
+    order = [k + " " + a for k, a in dockerfile]
+    assert order.index("RUN " + runs[project]) > max(order.index("COPY " + a) for k, a in dockerfile
+                                                      if k == "COPY" and not a.startswith("checkpoints"))
+
+
+def test_runs_as_a_non_root_user(dockerfile: list[tuple[str, str]]) -> None:
+    users = [a for k, a in dockerfile if k == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    # and that user owns the data dir the embedded store would write to
+    data_dir = env_vars(dockerfile)["TXLSERVE_DATA_DIR"]
+    assert any(f"chown {users[-1]} {data_dir}" in a for k, a in dockerfile if k == "RUN")
+
+
+def test_port_healthcheck_and_command(dockerfile: list[tuple[str, str]]) -> None:
+    assert ("EXPOSE", "8000") in dockerfile
+    health = [a for k, a in dockerfile if k == "HEALTHCHECK"]
+    assert len(health) == 1 and "/health" in health[0] and " CMD " in f" {health[0]} "
+    assert [a for k, a in dockerfile if k == "CMD"] == ['["txlserve", "serve", "--host", "0.0.0.0"]']
+
+
+def test_environment_names_are_settings(dockerfile: list[tuple[str, str]], compose: dict) -> None:
+    names = set(env_names())
+    used = {k for k in env_vars(dockerfile) if k.startswith("TXLSERVE_")}
+    for service in compose["services"].values():
+        used |= {k for k in service.get("environment", {}) if k.startswith("TXLSERVE_")}
+    assert used and used <= names, used - names
+    assert env_vars(dockerfile)["TXLSERVE_CHECKPOINT"].startswith("/app/checkpoints/")
+
+
+def test_dockerignore_sends_what_the_dockerfile_copies(dockerfile: list[tuple[str, str]]) -> None:
+    rules = [r for r in (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+             if r.strip() and not r.startswith("#")]
+    assert rules[0] == "*"  # an allowlist: .git, .venv, runs/ and the like never reach the daemon
+    allowed = {r[1:].rstrip("/") for r in rules if r.startswith("!")}
+    copied = {a.split()[0].rstrip("/") for k, a in dockerfile if k == "COPY"}
+    assert copied - {"./"} <= allowed
+    assert {"README.md", "pyproject.toml"} <= allowed  # pip install . reads both
+    for path in allowed - {"checkpoints"}:  # checkpoints/ is not in the repository yet
+        assert (REPO / path).exists(), path
+
+
+def test_compose_services(compose: dict) -> None:
+    services = compose["services"]
+    assert set(services) == {"redis", "txlserve"}
+    redis = services["redis"]
+    assert redis["command"][:3] == ["redis-server", "--appendonly", "yes"]
+    volume = redis["volumes"][0].split(":")[0]
+    assert volume in compose["volumes"]  # a named volume, not a bind mount
+
+    txl = services["txlserve"]
+    assert txl["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
+    assert (DOCKER / txl["build"]["context"] / txl["build"]["dockerfile"]).resolve() == DOCKER / "Dockerfile"
+    assert txl["environment"]["TXLSERVE_REDIS_URL"] == "redis://redis:6379/0"
+    assert "redis" in txl["depends_on"]
+    assert txl["ports"] == ["8000:8000"]
+    devices = txl["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+
+
+def test_second_replica_example_parses_when_uncommented(compose: dict) -> None:
+    lines = (DOCKER / "compose.yaml").read_text().splitlines()
+    start = lines.index("  # txlserve-2:")
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("  #"):
+            break
+        block.append(line.replace("# ", "", 1))
+    replica = yaml.safe_load("\n".join(block))["txlserve-2"]
+    assert replica["ports"] == ["8001:8000"]
+    assert replica["environment"]["TXLSERVE_REDIS_URL"] == compose["services"]["txlserve"]["environment"][
+        "TXLSERVE_REDIS_URL"]  # the same Redis: sessions are shared
+    assert replica["image"] == compose["services"]["txlserve"]["image"]
+    assert set(replica["environment"]) <= set(env_names())

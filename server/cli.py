@@ -214,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["chat"]:  # every flag after `chat` belongs to the client's own parser
+        return _cmd_chat(argparse.Namespace(args=argv[1:]))
     ns = build_parser().parse_args(argv)
     ns.argv = argv
     try:

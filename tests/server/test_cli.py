@@ -78,3 +78,9 @@ def test_bench_serve_json(checkpoint):
     out = json.loads(r.stdout)
     assert out["errors"] == 0 and out["requests"] >= 2 and out["tokens_per_s"] > 0
     assert out["ttft_p50_ms"] > 0 and out["continue_speedup"] > 0
+
+
+def test_chat_subcommand_hands_every_flag_to_the_client():
+    r = txlserve("chat", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "txlserve-chat" in r.stdout and "--session" in r.stdout

@@ -1,0 +1,37 @@
+"""The checkpoint that ships with txlserve: present, loadable, small, and its recorded figure reproduces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from model.bundled import BUNDLED, resolve_checkpoint
+from model.checkpoint import load_checkpoint
+
+SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "shakespeare"
+
+
+def test_bundled_checkpoint_is_complete_and_small():
+    assert resolve_checkpoint(None) == str(BUNDLED)
+    assert (BUNDLED / "model.safetensors").stat().st_size <= 25 * 2**20
+    meta = json.loads((BUNDLED / "config.json").read_text())
+    t = meta["training"]
+    assert t["commands"] and all(c.startswith("txlserve train ") for c in t["commands"])
+    assert t["steps"] > 0 and t["tokens_seen"] > 0 and 0 < t["test_bpc"] < 8
+    assert t["test_eval"]["command"].startswith("txlserve eval ")
+    ckpt = load_checkpoint(BUNDLED)
+    assert ckpt.fingerprint == meta["fingerprint"]
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason="needs ../shared/data/shakespeare beside the repo")
+def test_recorded_test_bpc_reproduces():
+    from model.data import load_corpus
+    from model.evaluate import evaluate
+
+    t = json.loads((BUNDLED / "config.json").read_text())["training"]["test_eval"]
+    ckpt = load_checkpoint(BUNDLED, mem_len=t["mem_len"], same_length=t["same_length"])
+    result = evaluate(ckpt.model, load_corpus(SHAKESPEARE).test, tgt_len=t["tgt_len"], batch_size=t["batch_size"])
+    assert result["tokens"] == t["tokens"]
+    assert abs(result["bpc"] - t["bpc"]) < 1e-4

@@ -133,3 +133,28 @@ def test_sigterm_past_the_timeout_cancels_and_commits(own_server):
     again = own_server(port=srv.port)
     seen = httpx.get(f"{again.url}/v1/sessions/{sid}").json()["tokens_seen"]
     assert len("Cut off") < seen < len("Cut off") + 4000
+
+
+def test_redis_outage_is_503_and_the_server_recovers(checkpoint, redis_server, tmp_path):
+    redis = redis_server()
+    srv = LiveServer(checkpoint, redis_url=redis.url, data_dir=tmp_path / "srv",
+                     args=("--store-timeout-s", "0.5")).start()
+    try:
+        sid = httpx.post(srv.url + "/v1/sessions", json={"text": "kept "}).json()["id"]
+        redis.kill()
+        r = httpx.get(srv.url + "/ready", timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", timeout=10, json={"model": MODEL, "prompt": "x",
+                                                                       "session_id": sid})
+        assert r.status_code == 503 and time.monotonic() - t0 < 5
+        assert r.json()["error"]["code"] == "store_unavailable"
+        assert complete(srv, prompt="stateless still works", max_tokens=3)["usage"]["completion_tokens"] == 3
+        redis.start()  # same port, same append-only file
+        deadline = time.monotonic() + 20
+        while httpx.get(srv.url + "/ready").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(f"{srv.url}/v1/sessions/{sid}").json()["tokens_seen"] == 5
+        assert complete(srv, prompt="back", max_tokens=2, session_id=sid)["session"]["tokens_seen"] == 11
+    finally:
+        srv.stop()

@@ -120,7 +120,7 @@ class Engine:
         slots = self._ring_slots(int(state.seen[row]))
         cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
         out = {"mems": cast(state.hid[:, row, slots]).contiguous(),  # [n_layer, m, d_model]
-               "last_logits": state.last_logits[row].float().contiguous()}  # [vocab]
+               "last_logits": state.last_logits[row].float().clone()}  # [vocab], not a view of the step's logits
         if hot:
             out["_k"] = cast(state.k[:, row, :, slots]).contiguous()  # [n_layer, H, m, Dh]
             out["_v"] = cast(state.v[:, row, :, slots]).contiguous()

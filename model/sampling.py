@@ -12,6 +12,7 @@ from torch import Tensor
 from model.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as vLLM does
 
 
 def _is_int(x: object) -> bool:
@@ -62,7 +63,7 @@ class SamplingParams:
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """Pick a token from ``logits [vocab]`` (float32, CPU): greedy at temperature 0."""
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:  # dividing by ~0 would overflow to inf/NaN
         return int(torch.argmax(logits))
     x = logits / params.temperature  # [vocab]
     if params.top_k > 0 and params.top_k < x.numel():

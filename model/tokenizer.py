@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from model.errors import InvalidRequestError
+
 
 class Tokenizer(Protocol):
     name: str
@@ -24,7 +26,12 @@ class ByteTokenizer:
     vocab_size = 256
 
     def encode(self, text: str | bytes) -> list[int]:
-        return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+        if isinstance(text, bytes):
+            return list(text)
+        try:
+            return list(text.encode("utf-8"))
+        except UnicodeEncodeError as err:  # JSON admits lone surrogates such as "\ud800"
+            raise InvalidRequestError(f"text is not valid Unicode: {err.reason} at position {err.start}") from None
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         return bytes(ids)

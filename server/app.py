@@ -17,7 +17,10 @@ from server.settings import Settings
 
 
 class BodyLimit:
-    """413 for bodies over the limit, counted as they arrive (Content-Length may be absent or lie)."""
+    """413 for bodies over the limit, counted as they arrive (Content-Length may be absent or lie).
+
+    Past the limit the client gets its 413 at once and the app sees the client gone, so no
+    framework layer can turn the refusal into another status."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -28,31 +31,28 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await _too_large(send, self.limit)
-        seen = 0
-        started = False
+        seen, started, refused = 0, False, False
 
         async def counted() -> Message:
-            nonlocal seen
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
             msg = await receive()
             seen += len(msg.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge
+            if seen > self.limit and not started:
+                refused = True
+                await _too_large(send, self.limit)
+                return {"type": "http.disconnect"}
             return msg
 
-        async def watch(msg: Message) -> None:
+        async def guarded(msg: Message) -> None:
             nonlocal started
+            if refused:
+                return  # the 413 has been sent; whatever the app says next goes nowhere
             started = started or msg["type"] == "http.response.start"
             await send(msg)
 
-        try:
-            await self.app(scope, counted, watch)
-        except _TooLarge:
-            if not started:
-                await _too_large(send, self.limit)
-
-
-class _TooLarge(Exception):
-    pass
+        await self.app(scope, counted, guarded)
 
 
 async def _too_large(send: Send, limit: int) -> None:

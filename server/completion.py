@@ -3,9 +3,11 @@ and shape OpenAI's ``text_completion`` objects and chunks."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,15 +45,23 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > s.max_stop:
         raise InvalidRequestError(f"at most {s.max_stop} stop strings are allowed", param="stop")
-    if any(len(x.encode()) > s.max_stop_bytes for x in stop):
-        raise InvalidRequestError(f"a stop string may be at most {s.max_stop_bytes} bytes", param="stop")
+    for x in stop:
+        try:
+            too_long = len(rt.engine.encode(x)) > s.max_stop_bytes
+        except InvalidRequestError as err:
+            raise InvalidRequestError(f"stop: {err.message}", param="stop") from None
+        if too_long:
+            raise InvalidRequestError(f"a stop string may be at most {s.max_stop_bytes} bytes", param="stop")
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
                           stop=tuple(stop), logprobs=req.logprobs)
 
 
 def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt") -> list[int]:
-    ids = rt.engine.encode(text)
+    try:
+        ids = rt.engine.encode(text)
+    except InvalidRequestError as err:
+        raise InvalidRequestError(f"{param}: {err.message}", param=param) from None
     if len(ids) > limit:
         raise PayloadTooLarge(f"{param} is {len(ids)} bytes; the limit is {limit}", param=param)
     return ids
@@ -141,10 +151,32 @@ async def events(run: Run, first: Any) -> AsyncIterator[TokenEvent | Final]:
         item = await run.events.get()
 
 
-async def open_run(rt: Runtime, req: CompletionRequest, owner: str | None) -> tuple[Run, Any]:
+async def open_run(rt: Runtime, req: CompletionRequest, owner: str | None,
+                   started: Callable[[Run], None] = lambda run: None) -> tuple[Run, Any]:
     run = start(rt, req, owner)
+    started(run)
     try:
         return run, await first_item(run)
     except BaseException:
         run.cancel()
         raise
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(receive: Callable[[], Awaitable[dict]], run_of: Callable[[], Run | None],
+                               on_disconnect: Callable[[], None] = lambda: None) -> AsyncIterator[None]:
+    """While the body of the block runs, a client that closes its connection cancels the run, so a
+    request nobody waits for stops within a step (or commits nothing while its prompt is being read)."""
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        on_disconnect()
+        if (run := run_of()) is not None:
+            run.cancel()
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()

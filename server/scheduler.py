@@ -21,6 +21,7 @@ import torch
 from model.decode import DecodeState
 from model.engine import Engine, Generation, Score, TokenEvent
 from model.sampling import SamplingParams
+from server.errors import Unavailable
 
 log = logging.getLogger("txlserve.scheduler")
 
@@ -39,7 +40,7 @@ class JobFailed:
     error: BaseException
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: jobs live in sets
 class Job:
     state: DecodeState  # batch-1 state while prefilling; moved into the shared batch to decode
     pending: list[int]  # tokens still to feed
@@ -63,6 +64,7 @@ class Scheduler:
         self.ready: deque[Job] = deque()  # prompt read, waiting for a batch slot
         self.running: list[Job] = []
         self.batch: DecodeState | None = None
+        self.active: set[Job] = set()  # accepted and not yet answered
         self.steps = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="txlserve-engine", daemon=True)
@@ -78,10 +80,18 @@ class Scheduler:
         self._stop.set()
         self.inbox.put(None)
         self._thread.join(timeout)
+        for job in list(self.active):  # nobody will advance them any more
+            self._finish(job, JobFailed(Unavailable("the server is shutting down")))
 
     def submit(self, job: Job) -> Job:
         self.inbox.put(job)
         return job
+
+    def _finish(self, job: Job, item: JobDone | JobFailed) -> None:
+        """A job's last word; every accepted job gets exactly one, whatever fails."""
+        if job in self.active:
+            self.active.discard(job)
+            job.emit(item)
 
     # -- the loop ---------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -93,8 +103,8 @@ class Scheduler:
                 self._decode_step()
             except Exception as err:  # a bug must fail the requests involved, never the loop
                 log.exception("engine step failed")
-                for job in [*self.running, *self.prefilling, *self.ready]:
-                    job.emit(JobFailed(err))
+                for job in list(self.active):
+                    self._finish(job, JobFailed(err))
                 self.running, self.batch = [], None
                 self.prefilling.clear()
                 self.ready.clear()
@@ -104,6 +114,7 @@ class Scheduler:
             job = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
             while True:
                 if job is not None:
+                    self.active.add(job)
                     self.prefilling.append(job)
                 job = self.inbox.get_nowait()
         except queue.Empty:
@@ -115,7 +126,7 @@ class Scheduler:
         job = self.prefilling[0]  # stays counted as waiting while its chunk runs
         if job.cancelled:  # the prompt joins the session only once completely read
             self.prefilling.popleft()
-            job.emit(JobDone(None, int(job.state.seen[0]), "cancelled"))
+            self._finish(job, JobDone(None, int(job.state.seen[0]), "cancelled"))
             return
         chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk:]
         if chunk and job.params is None:
@@ -126,42 +137,59 @@ class Scheduler:
         if job.pending:
             self.prefilling.rotate(-1)  # round robin: the next waiting request reads its next chunk
             return
-        self.prefilling.popleft()
         if job.params is None:
-            job.emit(self._done(job, job.state, 0, None))
+            self._finish(job, self._done(job, job.state, 0, None))
         else:
             job.generation = Generation(job.params)
             self.ready.append(job)
+        self.prefilling.popleft()
 
     def _done(self, job: Job, state: DecodeState, row: int, reason: str | None) -> JobDone:
         tensors = self.engine.export_state(state, row, dtype=job.dtype, hot=job.hot)
         n = len(job.generation.tokens) if job.generation else 0
         return JobDone(tensors, int(state.seen[row]), reason, n, job.score if job.params is None else None)
 
-    def _regroup(self, leaving: list[int]) -> None:
-        """Take finished rows out of the batch and let waiting requests in (the only copies of the rings)."""
+    def _regroup(self, leaving: list[int], failed: dict[int, BaseException] | None = None) -> None:
+        """Take finished (or failed) rows out of the batch and let waiting requests in; the only
+        copies of the rings happen here, when the batch's membership changes."""
+        failed = failed or {}
         for r in leaving:
             job = self.running[r]
-            job.emit(self._done(job, self.batch, r, job.generation.finish_reason or "cancelled"))
-        keep = [r for r in range(len(self.running)) if r not in set(leaving)]
-        joining = []
-        while self.ready and len(keep) + len(joining) < self.max_batch:
-            joining.append(self.ready.popleft())
-        if not leaving and not joining:
+            self._finish(job, self._done(job, self.batch, r, job.generation.finish_reason or "cancelled"))
+        for r, err in failed.items():
+            self._finish(self.running[r], JobFailed(err))
+        gone = set(leaving) | set(failed)
+        keep = [r for r in range(len(self.running)) if r not in gone]
+        joining = [job for job in list(self.ready)[: self.max_batch - len(keep)] if not job.cancelled]
+        if not gone and not joining:
             return
         parts = ([self.batch.rows(keep)] if keep else []) + [j.state for j in joining]
-        self.running = [self.running[r] for r in keep] + joining
         self.batch = DecodeState.cat(parts) if parts else None
+        self.running = [self.running[r] for r in keep] + joining
+        for job in joining:
+            self.ready.remove(job)
 
     def _decode_step(self) -> None:
+        for job in [j for j in self.ready if j.cancelled]:  # left before its first token: commit the prompt
+            self.ready.remove(job)
+            self._finish(job, self._done(job, job.state, 0, "cancelled"))
         self._regroup([r for r, job in enumerate(self.running) if job.cancelled])
         if not self.running:
             return
         logits = self.batch.last_logits.float().cpu()  # [batch, vocab]
-        events: list[TokenEvent] = [job.generation.on_logits(logits[r]) for r, job in enumerate(self.running)]
-        tokens = torch.tensor([[ev.token] for ev in events], device=self.engine.device)  # [batch, 1]
-        for job, ev in zip(self.running, events):
-            job.emit(ev)
-        self.engine.decoder.step(self.batch, tokens)
+        events: dict[int, TokenEvent] = {}
+        failed: dict[int, BaseException] = {}
+        for r, job in enumerate(self.running):
+            try:
+                events[r] = job.generation.on_logits(logits[r])
+            except Exception as err:  # one request's bad luck is not the batch's
+                failed[r] = err
+        if failed:
+            self._regroup([], failed)
+            return
+        tokens = torch.tensor([[events[r].token] for r in range(len(self.running))], device=self.engine.device)
+        for r, job in enumerate(self.running):
+            job.emit(events[r])
+        self.engine.decoder.step(self.batch, tokens)  # [batch, 1]
         self.steps += 1
-        self._regroup([r for r, ev in enumerate(events) if ev.finish_reason is not None])
+        self._regroup([r for r, ev in events.items() if ev.finish_reason is not None])

@@ -89,6 +89,13 @@ class Run:
             await self.events.put(Failed(err))
 
     async def _schedule(self, state) -> tuple[JobDone, TokenEvent | None]:
+        done, last = await self._engine_run(state)
+        if done.tensors is None and done.finish_reason == "cancelled":
+            raise Unavailable("the request was cancelled before its text was read (the server is shutting down "
+                              "or the client left); nothing was stored")
+        return done, last
+
+    async def _engine_run(self, state) -> tuple[JobDone, TokenEvent | None]:
         if self.params is not None and not self.ids and int(state.seen[0]) == 0:
             raise InvalidRequestError("nothing to continue from: the prompt is empty and no session was given",
                                       param="prompt")

@@ -6,11 +6,11 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from model.engine import TokenEvent
-from server.completion import Completion, events, open_run
+from server.completion import Completion, cancel_on_disconnect, events, open_run
 from server.deps import owner, runtime
 from server.errors import classify
 from server.protocol import CompletionRequest
@@ -25,20 +25,22 @@ def _sse(obj: object) -> str:
 
 
 @router.post("/v1/completions", response_model=None)
-async def create_completion(req: CompletionRequest, rt: Runtime = Depends(runtime),
+async def create_completion(req: CompletionRequest, request: Request, rt: Runtime = Depends(runtime),
                             who: str | None = Depends(owner)) -> dict | StreamingResponse:
     t0 = time.monotonic()
-    run, first = await open_run(rt, req, who)
     comp = Completion(req, rt.settings.model_name)
     if req.echo:
         comp.text = req.prompt
-    if not req.stream:
-        async for item in events(run, first):
-            if isinstance(item, TokenEvent):
-                comp.add(item)
-            else:
-                _observe(rt, run, item, t0)
-                return comp.body(item, len(run.ids))
+    runs: list[Run] = []
+    async with cancel_on_disconnect(request.receive, lambda: runs[0] if runs else None, rt.metrics.disconnects.inc):
+        run, first = await open_run(rt, req, who, started=runs.append)
+        if not req.stream:
+            async for item in events(run, first):
+                if isinstance(item, TokenEvent):
+                    comp.add(item)
+                else:
+                    _observe(rt, run, item, t0)
+                    return comp.body(item, len(run.ids))
     return StreamingResponse(_stream(rt, run, first, comp, t0), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

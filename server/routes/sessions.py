@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Depends, Query, Request
 
 from memory_store import SessionInfo
-from server.completion import prompt_ids
+from server.completion import cancel_on_disconnect, prompt_ids
 from server.deps import owner, runtime
 from server.protocol import AppendResult, SessionAppend, SessionCreate, SessionFork, SessionList, SessionObject
 from server.runtime import Runtime
@@ -20,19 +20,21 @@ def session_object(rt: Runtime, info: SessionInfo) -> SessionObject:
                          last_used_at=int(info.updated_at), metadata=info.metadata or {})
 
 
-async def _final(run: Run) -> Final:
-    item = await first_item(run)
-    while not isinstance(item, Final):
+async def _final(request: Request, run: Run) -> Final:
+    async with cancel_on_disconnect(request.receive, lambda: run):
         item = await first_item(run)
-    return item
+        while not isinstance(item, Final):
+            item = await first_item(run)
+        return item
 
 
 @router.post("", status_code=201, response_model=AppendResult)
-async def create_session(body: SessionCreate | None = None, rt: Runtime = Depends(runtime),
+async def create_session(request: Request, body: SessionCreate | None = None, rt: Runtime = Depends(runtime),
                          who: str | None = Depends(owner)) -> AppendResult:
     body = body or SessionCreate()
     ids = prompt_ids(rt, body.text, rt.settings.max_append_bytes, param="text")
-    final = await _final(Run(rt, ids=ids, params=None, owner=who, create=True, create_metadata=body.metadata))
+    final = await _final(request, Run(rt, ids=ids, params=None, owner=who, create=True,
+                                      create_metadata=body.metadata))
     return _appended(rt, final, len(ids))
 
 
@@ -56,10 +58,10 @@ async def delete_session(session_id: str, rt: Runtime = Depends(runtime), who: s
 
 
 @router.post("/{session_id}/append", response_model=AppendResult)
-async def append(session_id: str, body: SessionAppend, rt: Runtime = Depends(runtime),
+async def append(session_id: str, body: SessionAppend, request: Request, rt: Runtime = Depends(runtime),
                  who: str | None = Depends(owner)) -> AppendResult:
     ids = prompt_ids(rt, body.text, rt.settings.max_append_bytes, param="text")
-    final = await _final(Run(rt, ids=ids, params=None, owner=who, session_id=session_id))
+    final = await _final(request, Run(rt, ids=ids, params=None, owner=who, session_id=session_id))
     return _appended(rt, final, len(ids))
 
 
@@ -77,5 +79,3 @@ def _appended(rt: Runtime, final: Final, n: int) -> AppendResult:
     return AppendResult(**base, appended_tokens=n, logprob=score.logprob if has else None,
                         bpc=score.bpc if has else None)
 
-
-__all__ = ["router", "Response"]

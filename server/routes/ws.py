@@ -82,6 +82,7 @@ async def _handle(ws: WebSocket, raw: str, inbox: asyncio.Queue, who: str | None
         await ws.send_json({"type": "error", **classify(err)[1]})
         return
     comp = Completion(req, rt.settings.model_name)
+    answered = False
     stream = events(run, first).__aiter__()
     next_item = asyncio.ensure_future(stream.__anext__())
     next_msg = asyncio.ensure_future(inbox.get())
@@ -122,8 +123,11 @@ async def _handle(ws: WebSocket, raw: str, inbox: asyncio.Queue, who: str | None
                 if (session := comp.session(item)) is not None:
                     done_msg["session"] = session
                 await ws.send_json(done_msg)
+                answered = True
             next_item = asyncio.ensure_future(stream.__anext__())
     finally:
+        if not answered:  # cancelled, failed, or the socket broke under a send: stop within a step
+            run.cancel()
         next_item.cancel()
         if not next_msg.done():
             next_msg.cancel()

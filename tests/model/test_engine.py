@@ -266,3 +266,21 @@ def test_state_from_another_model_is_refused(tmp_path):
     with pytest.raises(StateIncompatible):
         longer.import_state(tensors, tokens_seen=3, fingerprint=engine.fingerprint.replace("m5", "m9") + "x")
     assert longer.fingerprint != engine.fingerprint
+
+
+def test_exported_state_owns_its_memory(tmp_path):
+    """Exported tensors must not keep the step's whole logits alive (the hot tier counts their bytes)."""
+    engine = make_engine(tmp_path)
+    st = engine.new_state()
+    engine.feed(st, list(range(40)))
+    for name, t in engine.export_state(st, hot=True).items():
+        assert t.untyped_storage().nbytes() == t.nbytes, name
+
+
+def test_tiny_temperature_is_greedy(tmp_path):
+    engine = make_engine(tmp_path)
+    def run(temperature: float) -> list[int]:
+        params = SamplingParams(max_tokens=8, temperature=temperature)
+        return [e.token for e in engine.generate(engine.new_state(), "abc", params)]
+
+    assert run(1e-40) == run(0)

@@ -49,6 +49,12 @@ CASES = [
     ("prompt too large", "POST", "/v1/completions", {**OK, "prompt": "x" * 1_100_000}, 413, "prompt"),
     ("body too large", "POST", "/v1/completions", b"{" + b" " * 11_000_000 + b"}", 413, None),
     ("invalid utf-8", "POST", "/v1/completions", b'{"model": "txl-test", "prompt": "\xff\xfe"}', 400, None),
+    ("lone surrogate prompt", "POST", "/v1/completions", b'{"model": "txl-test", "prompt": "a\\ud800b"}', 400,
+     "prompt"),
+    ("lone surrogate stop", "POST", "/v1/completions",
+     b'{"model": "txl-test", "prompt": "a", "stop": ["\\udfff"]}', 400, "stop"),
+    ("lone surrogate session text", "POST", "/v1/sessions", b'{"text": "\\ud800"}', 400, "text"),
+    ("chunked body too large", "POST", "/v1/completions", "chunked", 413, None),
     ("session get unknown", "GET", "/v1/sessions/unknown-session-id", None, 404, None),
     ("session delete unknown", "DELETE", "/v1/sessions/unknown-session-id", None, 404, None),
     ("append unknown", "POST", "/v1/sessions/unknown-session-id/append", {"text": "x"}, 404, None),
@@ -68,6 +74,8 @@ CASES = [
 def test_bad_input(server, name, method, path, body, status, param):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else (
         {"json": body} if body is not None else {})
+    if body == "chunked":  # no Content-Length: the limit must hold as the bytes arrive
+        kw = {"content": (b" " * 1_000_000 for _ in range(12)), "headers": {"content-type": "application/json"}}
     r = httpx.request(method, server.url + path, timeout=60, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]

@@ -158,3 +158,77 @@ def test_redis_outage_is_503_and_the_server_recovers(checkpoint, redis_server, t
         assert complete(srv, prompt="back", max_tokens=2, session_id=sid)["session"]["tokens_seen"] == 11
     finally:
         srv.stop()
+
+
+def test_tiny_temperature_fails_nobody(server):
+    """A temperature that would overflow the logits samples greedily; other requests are unaffected."""
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "side by side "}).json()["id"]
+    lines = []
+
+    def stream():
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "a", "max_tokens": 1500, "stream": True, "session_id": sid}) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+
+    import threading
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.2)
+    out = complete(server, prompt="cold", max_tokens=5, temperature=1e-40)
+    assert out["choices"][0]["text"] == complete(server, prompt="cold", max_tokens=5)["choices"][0]["text"]
+    t.join(60)
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in x for x in lines)
+
+
+def test_non_streaming_client_that_gives_up_stops_generation(server):
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Patience "}).json()["id"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=0.3, json={
+            "model": MODEL, "prompt": "x", "max_tokens": 4000, "session_id": sid})
+    info = settled(server, sid)
+    assert len("Patience x") <= info["tokens_seen"] < len("Patience x") + 4000
+
+
+def test_stream_left_during_prefill_commits_nothing(server):
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Before "}).json()["id"]
+    body = {"model": MODEL, "prompt": "p" * 900_000, "max_tokens": 5, "stream": True, "session_id": sid}
+    with pytest.raises(httpx.ReadTimeout), httpx.stream("POST", server.url + "/v1/completions", json=body,
+                                                        timeout=httpx.Timeout(30, read=0.3)) as r:
+        r.read()
+    assert settled(server, sid, timeout=60)["tokens_seen"] == len("Before ")
+
+
+def test_websocket_dropped_mid_stream_cancels(server):
+    import socket
+
+    from websockets.sync.client import connect
+
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Dropped "}).json()["id"]
+    with connect(server.url.replace("http://", "ws://") + "/v1/ws") as conn:
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x", "max_tokens": 4000,
+                              "session_id": sid}))
+        conn.recv(timeout=30)
+        conn.socket.shutdown(socket.SHUT_RDWR)  # no closing handshake: the peer just vanishes
+    assert settled(server, sid)["tokens_seen"] < len("Dropped x") + 4000
+
+
+def test_shutdown_during_append_is_503_not_success(own_server):
+    srv = own_server(args=("--shutdown-timeout-s", "1", "--prefill-chunk", "32"))
+    sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Start "}).json()["id"]
+    import threading
+
+    result = {}
+
+    def append():
+        r = httpx.post(f"{srv.url}/v1/sessions/{sid}/append", json={"text": "z" * 400_000}, timeout=60)
+        result["status"], result["body"] = r.status_code, r.json()
+
+    t = threading.Thread(target=append)
+    t.start()
+    time.sleep(1.0)
+    srv.proc.send_signal(15)
+    t.join(60)
+    assert result["status"] == 503, result
+    again = own_server(port=srv.port)
+    assert httpx.get(f"{again.url}/v1/sessions/{sid}").json()["tokens_seen"] == len("Start ")

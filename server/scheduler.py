@@ -129,11 +129,17 @@ class Scheduler:
             self._finish(job, JobDone(None, int(job.state.seen[0]), "cancelled"))
             return
         chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk:]
-        if chunk and job.params is None:
-            part = self.engine.score(job.state, chunk)
-            job.score = Score(job.score.tokens + part.tokens, job.score.logprob + part.logprob)
-        elif chunk:
-            self.engine.feed(job.state, chunk)
+        try:  # a prefill touches only this job's own state: a failure fails only this job
+            if chunk and job.params is None:
+                part = self.engine.score(job.state, chunk)
+                job.score = Score(job.score.tokens + part.tokens, job.score.logprob + part.logprob)
+            elif chunk:
+                self.engine.feed(job.state, chunk)
+        except Exception as err:
+            log.exception("prefill failed")
+            self.prefilling.popleft()
+            self._finish(job, JobFailed(err))
+            return
         if job.pending:
             self.prefilling.rotate(-1)  # round robin: the next waiting request reads its next chunk
             return

@@ -18,7 +18,10 @@ translated into these at the package boundary that meets them.
     ├── SessionCorrupt              stored payload fails validation     (422)
     ├── PayloadTooLarge             state/body over a configured limit  (413)
     ├── Overloaded                  queue full                          (429)
-    └── StoreUnavailable            Redis unreachable / timed out       (503)
+    ├── StoreUnavailable            Redis unreachable / timed out       (503)
+    ├── AuthenticationError         missing or wrong API key            (401)
+    ├── ModelNotFound               a model name this server does not serve (404)
+    └── Unavailable                 starting, draining, or cancelled by shutdown (503)
 
 A stored session that exists but cannot be used (another model, damaged) is a
 422: the request was well-formed, the stored data is not usable by this server.
@@ -91,3 +94,15 @@ class Overloaded(TxlError):
 
 class StoreUnavailable(TxlError):
     code = "store_unavailable"
+
+
+class AuthenticationError(TxlError):
+    code = "invalid_api_key"
+
+
+class ModelNotFound(TxlError):
+    code = "model_not_found"
+
+
+class Unavailable(TxlError):
+    code = "service_unavailable"

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model.engine import TokenEvent, token_text
-from model.errors import InvalidRequestError, PayloadTooLarge
+from model.errors import InvalidRequestError, ModelNotFound, PayloadTooLarge
 from model.sampling import SamplingParams
-from server.errors import ModelNotFound
 from server.protocol import CompletionRequest
 from server.runtime import Runtime
 from server.service import Failed, Final, Run, first_item

@@ -7,7 +7,7 @@ import hmac
 
 from fastapi import Request, WebSocket
 
-from server.errors import AuthenticationError
+from model.errors import AuthenticationError
 from server.runtime import Runtime
 
 

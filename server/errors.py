@@ -18,6 +18,9 @@ log = logging.getLogger("txlserve")
 
 # most specific first: the first isinstance match wins
 STATUS: list[tuple[type[e.TxlError], int, str]] = [
+    (e.AuthenticationError, 401, "authentication_error"),
+    (e.ModelNotFound, 404, "not_found_error"),
+    (e.Unavailable, 503, "service_unavailable_error"),
     (e.SessionIncompatible, 422, "invalid_request_error"),
     (e.InvalidRequestError, 400, "invalid_request_error"),
     (e.ConfigError, 400, "invalid_request_error"),
@@ -30,21 +33,6 @@ STATUS: list[tuple[type[e.TxlError], int, str]] = [
     (e.StoreUnavailable, 503, "service_unavailable_error"),
 ]
 
-
-class AuthenticationError(e.TxlError):
-    code = "invalid_api_key"
-
-
-class ModelNotFound(e.TxlError):
-    code = "model_not_found"
-
-
-class Unavailable(e.TxlError):
-    code = "service_unavailable"
-
-
-STATUS[:0] = [(AuthenticationError, 401, "authentication_error"), (ModelNotFound, 404, "not_found_error"),
-              (Unavailable, 503, "service_unavailable_error")]
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

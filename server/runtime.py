@@ -42,8 +42,8 @@ class Runtime:
 
 async def open_runtime(settings: Settings) -> Runtime:
     device = pick_device(settings.device)
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}.get(
-        settings.dtype, getattr(torch, settings.dtype, None))
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = auto if settings.dtype == "auto" else getattr(torch, settings.dtype)
     checkpoint = resolve_checkpoint(settings.checkpoint)
     engine = await asyncio.to_thread(Engine.from_checkpoint, checkpoint, device=device, dtype=dtype,
                                      mem_len=settings.mem_len, clamp_len=settings.clamp_len,

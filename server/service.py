@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from memory_store import SessionInfo
-from model.engine import Score, TokenEvent
-from model.errors import InvalidRequestError, Overloaded
+from model.engine import TokenEvent
+from model.errors import InvalidRequestError, Overloaded, Unavailable
 from model.sampling import SamplingParams
-from server.errors import Unavailable
 from server.runtime import Runtime
 from server.scheduler import Job, JobDone, JobFailed
 
@@ -75,9 +74,6 @@ class Run:
                 return
             async with rt.store.lease(self.session_id, owner=self.owner) as lease:
                 cached = lease.session.info.tokens_seen
-                if not self.ids and cached == 0 and self.params is not None:
-                    raise InvalidRequestError("nothing to continue from: the prompt is empty and the session has "
-                                              "no memory yet", param="prompt")
                 state = await asyncio.to_thread(rt.engine.import_state, lease.session.tensors, tokens_seen=cached,
                                                 fingerprint=rt.engine.fingerprint)
                 done, last = await self._schedule(state)
@@ -97,8 +93,8 @@ class Run:
 
     async def _engine_run(self, state) -> tuple[JobDone, TokenEvent | None]:
         if self.params is not None and not self.ids and int(state.seen[0]) == 0:
-            raise InvalidRequestError("nothing to continue from: the prompt is empty and no session was given",
-                                      param="prompt")
+            raise InvalidRequestError("nothing to continue from: the prompt is empty and there is no memory "
+                                      "(no session, or an empty one)", param="prompt")
         loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
         rt = self.rt
         self.job = Job(state, list(self.ids), self.params, lambda item: loop.call_soon_threadsafe(inbox.put_nowait,
@@ -128,6 +124,3 @@ async def first_item(run: Run) -> Any:
         raise item.error
     return item
 
-
-def score_of(done: JobDone) -> Score | None:
-    return done.score

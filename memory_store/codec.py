@@ -27,6 +27,15 @@ from model.errors import InvalidRequestError, PayloadTooLarge, SessionCorrupt, S
 FORMAT_VERSION = 1
 MEMS = "mems"
 MAX_METADATA_BYTES = 64 * 1024
+# Bounds no real model comes near; a header outside them was not written by txlserve.
+_RANGES: dict[str, tuple[int, int]] = {
+    "n_layer": (1, 4096),
+    "d_model": (1, 1 << 20),
+    "mem_len": (0, 1 << 20),
+    "tokens_seen": (0, 1 << 62),
+    "version": (0, 1 << 62),
+    "payload_bytes": (0, 1 << 40),
+}
 
 
 @dataclass(frozen=True)
@@ -112,8 +121,9 @@ def check_metadata(metadata: Mapping[str, Any] | None, *, max_bytes: int = MAX_M
         raise InvalidRequestError("metadata must be a JSON object", param="metadata")
     try:
         raw = json.dumps(dict(metadata), allow_nan=False)
-    except (TypeError, ValueError) as err:
-        raise InvalidRequestError(f"metadata is not JSON-serialisable: {err}", param="metadata") from None
+        json.dumps(dict(metadata), ensure_ascii=False).encode()  # a lone surrogate could never be read back
+    except (TypeError, ValueError) as err:  # UnicodeEncodeError is a ValueError
+        raise InvalidRequestError(f"metadata is not valid JSON text: {err}", param="metadata") from None
     if len(raw) > max_bytes:
         raise PayloadTooLarge(f"metadata is {len(raw)} bytes of JSON, over the {max_bytes}-byte limit")
     return json.loads(raw)
@@ -172,6 +182,11 @@ def decode_header(raw: bytes) -> Header:
         value = doc.get(name, ...)
         if not isinstance(value, types) or isinstance(value, bool):
             raise SessionCorrupt(f"session header field {name!r} is missing or has the wrong type")
+    for name, (low, high) in _RANGES.items():
+        if not low <= doc[name] <= high:
+            raise SessionCorrupt(f"session header field {name!r} is {doc[name]}, outside [{low}, {high}]")
+    # Older servers stored lone surrogates, which no response can carry: keep such a session readable.
+    doc["metadata"] = json.loads(json.dumps(doc["metadata"], ensure_ascii=False).encode("utf-8", "replace"))
     return Header(**{name: doc[name] for name in _FIELD_TYPES})
 
 

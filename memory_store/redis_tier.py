@@ -158,8 +158,8 @@ class RedisTier:
         try:
             yield
         except redis.exceptions.ResponseError as err:
-            if str(err).startswith("WRONGTYPE"):
-                raise SessionCorrupt(f"a key of the session has the wrong Redis type: {err}") from None
+            if "WRONGTYPE" in str(err):  # a pipeline or script prefixes the server's text
+                raise SessionCorrupt("a key of the session has the wrong Redis type") from None
             self._metrics.redis_errors += 1
             raise StoreUnavailable(f"Redis at {self.where} refused a command: {err}") from err
         except (redis.exceptions.RedisError, OSError, TimeoutError) as err:
@@ -226,8 +226,12 @@ class RedisTier:
                 async with self._client.pipeline(transaction=False) as pipe:
                     for _, session_id in entries:
                         pipe.hget(session_key(session_id), "header")
-                    headers = await pipe.execute()
+                    headers = await pipe.execute(raise_on_error=False)
                 for (score, session_id), header in zip(entries, headers, strict=True):
+                    if isinstance(header, redis.exceptions.ResponseError):
+                        if "WRONGTYPE" not in str(header):
+                            raise header
+                        header = b""  # not a session hash: listed as corrupt, so skipped
                     if header is None:
                         dead.append(session_id)
                     elif len(live) < count:

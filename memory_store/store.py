@@ -49,6 +49,7 @@ from model.errors import (
 log = logging.getLogger(__name__)
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_CURSOR_SCORE = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() also accepts '²'
 _PUT_ATTEMPTS = 5
 
 
@@ -264,8 +265,8 @@ class MemoryStore:
         """Remove a session and its lease. A corrupt session can be deleted by anyone who knows its id."""
         with self.metrics.timed("delete"):
             session_id = _checked_id(session_id)
-            raw, _ = await self._redis.read(session_id, owner, payload=False)
             try:
+                raw, _ = await self._redis.read(session_id, owner, payload=False)
                 self._header(session_id, raw, owner, compatible=False)
             except SessionCorrupt:
                 log.warning("deleting corrupt session %s", session_id)
@@ -475,6 +476,6 @@ def _parse_cursor(after: str | None) -> tuple[int, str] | None:
     if after is None:
         return None
     score, _, session_id = after.partition(".")
-    if not score.isdigit() or not _SESSION_ID.fullmatch(session_id):
+    if not _CURSOR_SCORE.fullmatch(score) or not _SESSION_ID.fullmatch(session_id):
         raise InvalidRequestError(f"invalid pagination cursor {after!r}", param="after")
     return int(score), session_id

@@ -21,6 +21,7 @@ translated into these at the package boundary that meets them.
     ├── StoreUnavailable            Redis unreachable / timed out       (503)
     ├── AuthenticationError         missing or wrong API key            (401)
     ├── ModelNotFound               a model name this server does not serve (404)
+    ├── UnsupportedEndpoint         an OpenAI route a base model cannot serve (404)
     └── Unavailable                 starting, draining, or cancelled by shutdown (503)
 
 A stored session that exists but cannot be used (another model, damaged) is a
@@ -102,6 +103,10 @@ class AuthenticationError(TxlError):
 
 class ModelNotFound(TxlError):
     code = "model_not_found"
+
+
+class UnsupportedEndpoint(TxlError):
+    code = "unsupported_endpoint"
 
 
 class Unavailable(TxlError):

@@ -72,6 +72,7 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator) -
     if params.top_p < 1.0:
         probs, order = torch.sort(torch.softmax(x, -1), descending=True)  # [vocab]
         drop = probs.cumsum(-1) - probs >= params.top_p  # keep the smallest prefix reaching top_p
+        drop[0] = False  # the most likely token always stays: a top_p below float32's range rounds to 0
         x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return int(torch.multinomial(torch.softmax(x, -1), 1, generator=generator))
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import swagger_ui_bundle
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import errors
@@ -17,52 +23,74 @@ from server.settings import Settings
 
 
 class BodyLimit:
-    """413 for bodies over the limit, counted as they arrive (Content-Length may be absent or lie).
+    """413 for bodies over the limit, counted as they arrive (Content-Length may be absent or lie), and 408
+    for a body that stops arriving for ``timeout_s``, so a slow sender cannot pin a request forever.
 
-    Past the limit the client gets its 413 at once and the app sees the client gone, so no
-    framework layer can turn the refusal into another status."""
+    Past either limit the client gets its answer at once and the app sees the client gone, so no
+    framework layer can turn the refusal into another status. Once the body is complete, reads
+    (the app waiting for a disconnect) are no longer timed."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, timeout_s: float) -> None:
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _too_large(send, self.limit)
-        seen, started, refused = 0, False, False
+            return await _refuse(send, 413, f"request body exceeds {self.limit} bytes", "payload_too_large")
+        seen, started, refused, complete = 0, False, False, False
 
         async def counted() -> Message:
-            nonlocal seen, refused
+            nonlocal seen, refused, complete
             if refused:
                 return {"type": "http.disconnect"}
-            msg = await receive()
+            if complete:
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                refused = True
+                if not started:
+                    await _refuse(send, 408, f"the request body did not arrive within {self.timeout_s:g} s",
+                                  "request_timeout")
+                return {"type": "http.disconnect"}
             seen += len(msg.get("body", b""))
+            complete = msg["type"] != "http.request" or not msg.get("more_body", False)
             if seen > self.limit and not started:
                 refused = True
-                await _too_large(send, self.limit)
+                await _refuse(send, 413, f"request body exceeds {self.limit} bytes", "payload_too_large")
                 return {"type": "http.disconnect"}
             return msg
 
         async def guarded(msg: Message) -> None:
             nonlocal started
             if refused:
-                return  # the 413 has been sent; whatever the app says next goes nowhere
+                return  # the refusal has been sent; whatever the app says next goes nowhere
             started = started or msg["type"] == "http.response.start"
             await send(msg)
 
         await self.app(scope, counted, guarded)
 
 
-async def _too_large(send: Send, limit: int) -> None:
-    import json
-
-    body = json.dumps(error_body(f"request body exceeds {limit} bytes", "invalid_request_error", None,
-                                 "payload_too_large")).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+async def _refuse(send: Send, status: int, message: str, code: str) -> None:
+    body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
+
+
+def _offline_docs(app: FastAPI) -> None:
+    """Swagger UI at /docs from the installed swagger-ui-bundle, not a CDN, so it works offline."""
+    app.mount("/docs/static", StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="docs-static")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title="txlserve API",
+                                   swagger_js_url="/docs/static/swagger-ui-bundle.js",
+                                   swagger_css_url="/docs/static/swagger-ui.css",
+                                   swagger_favicon_url="/docs/static/favicon-32x32.png")
 
 
 def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
@@ -77,8 +105,9 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
         finally:
             await close_runtime(rt)
 
-    app = FastAPI(title="txlserve", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="txlserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Transformer-XL inference with persistent per-session segment memory")
+    _offline_docs(app)
     errors.install(app)
     for module in (health, completions, sessions, ws):
         app.include_router(module.router)
@@ -94,5 +123,5 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
         response.headers.setdefault("x-process-time-ms", f"{1000 * (time.monotonic() - t0):.1f}")
         return response
 
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     return app

@@ -8,8 +8,29 @@ import json
 import shlex
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-from model.errors import TxlError
+from model.errors import ConfigError, TxlError
+
+
+def _add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads [TXLSERVE_THREADS] (default: half the usable cores, at least 1)")
+
+
+def _set_threads(ns: argparse.Namespace) -> None:
+    import os
+
+    from model.threads import set_threads
+
+    threads = ns.threads
+    if threads is None and (raw := os.environ.get("TXLSERVE_THREADS")):
+        if not raw.isdigit():
+            raise ConfigError(f"TXLSERVE_THREADS={raw!r} is not a whole number")
+        threads = int(raw)
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    set_threads(threads)
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -30,10 +51,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the training state in --out")
     p.add_argument("--stop-at", type=int, default=None, help="end this run at that step; --resume continues")
     p.add_argument("--no-progress", action="store_true")
+    _add_threads(p)
     p.set_defaults(func=_cmd_train)
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
+    _set_threads(ns)
     from model.train import TrainArgs, train
 
     args = TrainArgs(
@@ -63,10 +86,12 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_threads(p)
     p.set_defaults(func=_cmd_eval)
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
+    _set_threads(ns)
     import numpy as np
 
     from model.checkpoint import load_checkpoint
@@ -114,10 +139,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mem-len", type=int, default=None, help="default: the checkpoint's")
     p.add_argument("--clamp-len", type=int, default=None)
     p.add_argument("--device", default="auto")
+    _add_threads(p)
     p.set_defaults(func=_cmd_generate)
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
+    _set_threads(ns)
     from model.bundled import resolve_checkpoint
     from model.engine import Engine
     from model.sampling import SamplingParams
@@ -159,14 +186,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     from server.settings import Settings
 
     p = sub.add_parser("serve", help="serve the HTTP API (OpenAI-compatible completions, sessions, WebSocket)",
-                       description="Every flag also reads TXLSERVE_<NAME> from the environment.")
+                       description="Every flag also reads TXLSERVE_<NAME> from the environment; flags win.")
     for f in Settings.__dataclass_fields__.values():
         flag = "--" + f.name.replace("_", "-")
+        env = f"TXLSERVE_{f.name.upper()}"
+        default = "" if f.default is None or f.name in ("checkpoint", "api_keys") else f" (default: {f.default})"
+        text = f"{f.metadata['help']}{default} [{env}]".replace("%", "%%")
         if f.name == "api_keys":
-            p.add_argument(flag, nargs="*", default=None, help="Bearer keys; sessions belong to the key")
+            p.add_argument(flag, nargs="+", default=None, metavar="KEY", help=text)
             continue
         typ = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-        p.add_argument(flag, type=typ, default=None, help=f"default: {f.default!r}")
+        p.add_argument(flag, type=typ, default=None, help=text)
     p.set_defaults(func=_cmd_serve)
 
 
@@ -200,8 +230,15 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
     return chat_main(ns.args) or 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line, like every other error of the command, pointing at --help."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="txlserve", description=__doc__)
+    parser = _Parser(prog="txlserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_eval(sub)
@@ -221,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except TxlError as err:
+        print(f"txlserve: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a file, socket or binary the command needed: still one line
         print(f"txlserve: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model import errors as e
@@ -20,6 +21,7 @@ log = logging.getLogger("txlserve")
 STATUS: list[tuple[type[e.TxlError], int, str]] = [
     (e.AuthenticationError, 401, "authentication_error"),
     (e.ModelNotFound, 404, "not_found_error"),
+    (e.UnsupportedEndpoint, 404, "invalid_request_error"),
     (e.Unavailable, 503, "service_unavailable_error"),
     (e.SessionIncompatible, 422, "invalid_request_error"),
     (e.InvalidRequestError, 400, "invalid_request_error"),
@@ -52,7 +54,8 @@ def classify(err: BaseException) -> tuple[int, dict[str, Any]]:
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "bytes"}
 
 
-def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(err: RequestValidationError | ValidationError) -> tuple[str, str | None]:
+    """One wording for HTTP bodies and WebSocket messages: ``param: what is wrong``."""
     first = err.errors()[0] if err.errors() else {}
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
     while len(loc) > 1 and (loc[-1] in _TYPE_TAGS or "[" in loc[-1]):  # pydantic names union members by type
@@ -77,14 +80,18 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        msg, param = _validation_message(err)
+        msg, param = validation_message(err)
         return JSONResponse(error_body(msg, "invalid_request_error", param, "invalid_value"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        type_ = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}.get(
-            err.status_code, "invalid_request_error")
-        return JSONResponse(error_body(str(err.detail), type_, None, None), status_code=err.status_code)
+    async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        where = f"{request.method} {request.url.path}"
+        message, type_, code = {
+            404: (f"no such route: {where} (the API is described at /docs)", "not_found_error", "unknown_route"),
+            405: (f"method not allowed: {where}", "invalid_request_error", "method_not_allowed"),
+        }.get(err.status_code, (str(err.detail), "invalid_request_error", None))
+        return JSONResponse(error_body(message, type_, None, code), status_code=err.status_code,
+                            headers=getattr(err, "headers", None))
 
     @app.exception_handler(Exception)
     async def _other(_: Request, err: Exception) -> JSONResponse:

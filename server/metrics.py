@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -55,6 +55,7 @@ class Metrics:
         self.generation_tokens = Counter("txlserve_generation_tokens", "Tokens generated", registry=r)
         self.disconnects = Counter("txlserve_client_disconnects", "Clients gone before their response ended",
                                    registry=r)
+        self.websockets = Gauge("txlserve_websocket_connections", "Open WebSocket connections", registry=r)
         r.register(_Live(scheduler, store))
 
     def render(self) -> bytes:

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+def _utf8_text(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    """JSON admits lone surrogates (``"\\ud800"``), which no response could carry back: refuse them here."""
+    for text in (metadata or {}).items():
+        for part in text:
+            try:
+                part.encode()
+            except UnicodeEncodeError:
+                raise ValueError("keys and values must be valid Unicode text (no lone surrogates)") from None
+    return metadata
+
+
+Metadata = Annotated[dict[str, str] | None, Field(default=None, max_length=16), AfterValidator(_utf8_text)]
 
 
 class StreamOptions(BaseModel):
@@ -44,7 +58,7 @@ class CompletionRequest(BaseModel):
 class SessionCreate(BaseModel):
     model_config = STRICT
     text: str = ""
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    metadata: Metadata = None
 
 
 class SessionAppend(BaseModel):
@@ -54,7 +68,7 @@ class SessionAppend(BaseModel):
 
 class SessionFork(BaseModel):
     model_config = STRICT
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    metadata: Metadata = None
 
 
 class SessionObject(BaseModel):

@@ -28,6 +28,7 @@ class Runtime:
     metrics: Metrics
     ready: bool = False
     draining: bool = False
+    closed: bool = False
     runs: set = field(default_factory=set)  # in-flight request runs, awaited at shutdown
 
     @property
@@ -69,8 +70,10 @@ async def open_runtime(settings: Settings) -> Runtime:
 
 async def close_runtime(rt: Runtime) -> None:
     """Drain: refuse new work, let runs finish within the shutdown timeout, cancel the rest (they
-    commit what they generated), then stop the engine and close the store."""
-    rt.ready, rt.draining = False, True
+    commit what they generated), then stop the engine and close the store. Idempotent."""
+    if rt.closed:
+        return
+    rt.ready, rt.draining, rt.closed = False, True, True
     runs = list(rt.runs)
     if runs:
         _, pending = await asyncio.wait([r.task for r in runs], timeout=rt.settings.shutdown_timeout_s)

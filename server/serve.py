@@ -1,15 +1,27 @@
 """Run the app under uvicorn with a graceful SIGTERM: /ready turns 503 at once, in-flight
 requests get ``shutdown_timeout_s`` to finish, then are cancelled, commit what they
-generated and end their streams normally before the connections close."""
+generated and end their streams normally before the connections close.
+
+Start-up binds the port first and then loads the model and opens the store, both before
+uvicorn runs, so a port in use or a bad checkpoint is one line on stderr, not a
+traceback after a long load."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
+import socket
 
 import uvicorn
 
+from model.errors import ConfigError
+from model.threads import set_threads
 from server.app import build_app
+from server.runtime import close_runtime, open_runtime
 from server.settings import Settings
+
+log = logging.getLogger("txlserve")
 
 
 class _Server(uvicorn.Server):
@@ -27,10 +39,68 @@ def _cancel_runs(rt) -> None:
         run.cancel()
 
 
+class Redact(logging.Filter):
+    """Masks secrets in log records: ``api_key=`` (and ``key``, ``token``) query values, and the configured keys
+    wherever they appear. Arguments keep their places, since uvicorn's access formatter unpacks them."""
+
+    _QUERY = re.compile(r"(?i)([?&](?:api[_-]?key|key|token|access[_-]?token)=)[^&\s\"']*")
+
+    def __init__(self, secrets: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.secrets = tuple(s for s in secrets if s)
+
+    def redact(self, text: str) -> str:
+        text = self._QUERY.sub(r"\1***", text)
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = self.redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(self.redact(a) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+def install_redaction(settings: Settings) -> None:
+    redact = Redact(settings.api_keys)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "txlserve", ""):
+        logging.getLogger(name).addFilter(redact)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err} (choose another --port)") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(settings: Settings) -> int:
-    app = build_app(settings)
+    set_threads(settings.threads)
+    sock = bind(settings.host, settings.port)
+    try:
+        return asyncio.run(_serve(settings, sock))
+    finally:
+        sock.close()
+
+
+async def _serve(settings: Settings, sock: socket.socket) -> int:
+    rt = await open_runtime(settings)  # a bad checkpoint or unreachable Redis stops here, as one TxlError
+    app = build_app(settings, runtime=rt)
     # uvicorn's own deadline comes after ours, so cancelled streams can still say goodbye
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5)
-    _Server(config).run()
+    config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=int(
+        settings.shutdown_timeout_s) + 5)
+    install_redaction(settings)  # after uvicorn configured its loggers
+    try:
+        await _Server(config).serve(sockets=[sock])
+    finally:
+        await close_runtime(rt)  # already closed by the app's lifespan, unless uvicorn never started it
     return 0

@@ -10,44 +10,63 @@ from typing import Any
 from model.errors import ConfigError
 
 
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    """A setting with its ``--help`` text, so the CLI, the README and the code say one thing."""
+    return field(default=default, metadata={"help": help}, **kw)
+
+
 @dataclass(frozen=True)
 class Settings:
-    checkpoint: str | None = None  # None: the bundled checkpoint
-    host: str = "127.0.0.1"
-    port: int = 8000
-    device: str = "auto"
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    mem_len: int | None = None  # None: the checkpoint's
-    clamp_len: int | None = None
-    redis_url: str | None = None  # None: an embedded Redis under data_dir
-    data_dir: str = "./.txlserve"
-    hot_cache_mb: int = 1024
-    session_ttl_s: int = 7 * 86400  # idle TTL of a stored session; 0 keeps sessions forever
-    storage_dtype: str = "float32"  # dtype of mems written to Redis: float32 | bfloat16 | float16
-    api_keys: tuple[str, ...] = field(default_factory=tuple)
-    model_name: str = "txl-shakespeare-small"
-    max_batch: int = 32  # sessions advanced together per decode step
-    max_queue: int = 256  # waiting requests before 429
-    max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
-    max_prompt_bytes: int = 1_000_000
-    max_append_bytes: int = 8_000_000
-    max_body_bytes: int = 10_000_000
-    max_stop: int = 4
-    max_stop_bytes: int = 64
-    prefill_chunk: int = 512  # tokens per prefill slice; decode steps run between slices
-    lease_ttl_ms: int = 30_000
-    store_timeout_s: float = 2.0
-    shutdown_timeout_s: float = 30.0
-    log_level: str = "info"
+    checkpoint: str | None = _opt(None, "checkpoint directory (default: the bundled checkpoints/shakespeare-small)")
+    host: str = _opt("127.0.0.1", "bind address; keep loopback unless API keys are set")
+    port: int = _opt(8000, "TCP port")
+    device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = _opt("auto", "weights and memory dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, "
+                              "bfloat16, float16")
+    threads: int | None = _opt(None, "torch CPU threads (default: half the usable cores, at least 1: more "
+                                     "threads collapse when other processes share the cores)")
+    mem_len: int | None = _opt(None, "attention window at inference (default: the checkpoint's)")
+    clamp_len: int | None = _opt(None, "largest relative distance (default: the checkpoint's)")
+    redis_url: str | None = _opt(None, "redis://, rediss:// or unix:// URL (default: an embedded redis-server)")
+    data_dir: str = _opt("./.txlserve", "where the embedded Redis keeps its append-only file")
+    hot_cache_mb: int = _opt(1024, "byte budget of the device-resident LRU of sessions, in MiB")
+    session_ttl_s: int = _opt(7 * 86400, "idle TTL of a stored session in seconds (0 keeps sessions forever)")
+    storage_dtype: str = _opt("float32", "dtype of memories written to Redis: float32, bfloat16 or float16")
+    api_keys: tuple[str, ...] = _opt((), "Bearer keys (comma-separated in the environment); each session "
+                                         "belongs to the key that made it", )
+    model_name: str = _opt("txl-shakespeare-small", "the model name clients send")
+    max_batch: int = _opt(32, "sessions advanced together per decode step")
+    max_queue: int = _opt(256, "requests waiting beyond the batch before 429")
+    max_tokens_limit: int = _opt(4096, "the largest max_tokens a request may ask for")
+    max_prompt_bytes: int = _opt(1_000_000, "largest prompt, in bytes")
+    max_append_bytes: int = _opt(8_000_000, "largest appended document, in bytes")
+    max_body_bytes: int = _opt(10_000_000, "largest request body, in bytes (413 beyond)")
+    body_timeout_s: float = _opt(30.0, "a request body that stops arriving for this long gets 408")
+    max_stop: int = _opt(4, "most stop strings per request")
+    max_stop_bytes: int = _opt(64, "longest stop string, in bytes")
+    prefill_chunk: int = _opt(512, "tokens read per prefill slice; decode steps run between slices")
+    lease_ttl_ms: int = _opt(30_000, "a session lease's TTL in ms (renewed while its request runs)")
+    store_timeout_s: float = _opt(2.0, "Redis operation timeout in seconds")
+    shutdown_timeout_s: float = _opt(30.0, "on SIGTERM, time in seconds for in-flight requests before they are "
+                                           "cancelled")
+    log_level: str = _opt("info", "debug, info, warning or error")
 
     def __post_init__(self) -> None:
         if self.storage_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"storage_dtype must be float32, bfloat16 or float16, not {self.storage_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
-        for name in ("max_batch", "max_queue", "max_tokens_limit", "prefill_chunk", "port"):
-            if getattr(self, name) < 1 and name != "port":
+        for name in ("max_batch", "max_queue", "max_tokens_limit", "prefill_chunk"):
+            if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, not {self.port}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, not {self.threads}")
+        if not self.body_timeout_s > 0:
+            raise ConfigError(f"body_timeout_s must be > 0, not {self.body_timeout_s}")
+        if any(not isinstance(k, str) or not k.strip() or k != k.strip() for k in self.api_keys):
+            raise ConfigError("an API key may not be empty or start or end with white space")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
@@ -75,8 +94,8 @@ def env_names() -> list[str]:
 def _parse(f: dataclasses.Field, raw: str) -> Any:
     kind = str(f.type)
     try:
-        if f.name == "api_keys":
-            return tuple(k.strip() for k in raw.split(",") if k.strip())
+        if f.name == "api_keys":  # an empty item is refused, never silently dropped
+            return tuple(k.strip() for k in raw.split(",")) if raw.strip() else ()
         if raw == "" and "None" in kind:
             return None
         if kind.startswith("int"):

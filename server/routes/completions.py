@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from model.engine import TokenEvent
+from model.errors import UnsupportedEndpoint
 from server.completion import Completion, cancel_on_disconnect, events, open_run
 from server.deps import owner, runtime
 from server.errors import classify
@@ -22,6 +23,13 @@ router = APIRouter()
 
 def _sse(obj: object) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@router.post("/v1/chat/completions", include_in_schema=False)
+async def chat_completions() -> None:
+    raise UnsupportedEndpoint("this is not a chat model and thus not supported in the v1/chat/completions "
+                              "endpoint: txlserve serves a base language model, use v1/completions with a prompt",
+                              param="model")
 
 
 @router.post("/v1/completions", response_model=None)

@@ -8,7 +8,6 @@ Server -> client: {"type": "completion.delta", "id", "text", "logprobs"?} ... th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
@@ -18,7 +17,7 @@ from pydantic import ValidationError
 from model.engine import TokenEvent
 from server.completion import Completion, events, open_run
 from server.deps import ws_owner
-from server.errors import classify, error_body
+from server.errors import classify, error_body, validation_message
 from server.protocol import CompletionRequest
 
 router = APIRouter()
@@ -43,27 +42,45 @@ async def completions_ws(ws: WebSocket) -> None:
     inbox: asyncio.Queue = asyncio.Queue()
 
     async def reader() -> None:
+        """Every frame goes to the inbox (binary ones as bytes); None, always, once the connection ends."""
         try:
-            while True:
-                await inbox.put(await ws.receive_text())
+            while (frame := await ws.receive())["type"] == "websocket.receive":
+                await inbox.put(frame["text"] if frame.get("text") is not None else frame.get("bytes") or b"")
         except (WebSocketDisconnect, RuntimeError):
-            await inbox.put(None)
+            pass
+        finally:
+            inbox.put_nowait(None)
 
     reading = asyncio.create_task(reader())
+    gauge = ws.app.state.runtime.metrics.websockets
+    gauge.inc()
     try:
         while (raw := await inbox.get()) is not None:
             await _handle(ws, raw, inbox, who)
     finally:
         reading.cancel()
+        gauge.dec()
 
 
-async def _handle(ws: WebSocket, raw: str, inbox: asyncio.Queue, who: str | None) -> None:
+def _parse(raw: str | bytes) -> tuple[dict | None, dict | None]:
+    """(message, None), or (None, the error event that answers a frame that is no JSON object)."""
+    if isinstance(raw, bytes):
+        return None, _invalid("binary frames are not supported: send each message as a JSON text frame")
     try:
         msg = json.loads(raw)
-    except json.JSONDecodeError:
-        await ws.send_json(_invalid("messages must be JSON objects"))
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nesting deeper than the parser goes
+        return None, _invalid("messages must be JSON objects")
+    if not isinstance(msg, dict):
+        return None, _invalid("messages must be JSON objects")
+    return msg, None
+
+
+async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: str | None) -> None:
+    msg, error = _parse(raw)
+    if msg is None:
+        await ws.send_json(error)
         return
-    kind = msg.pop("type", None) if isinstance(msg, dict) else None
+    kind = msg.pop("type", None)
     if kind == "cancel":
         return  # nothing running: a late cancel is harmless
     if kind != "completion.create":
@@ -74,9 +91,7 @@ async def _handle(ws: WebSocket, raw: str, inbox: asyncio.Queue, who: str | None
         req = CompletionRequest.model_validate({**msg, "stream": True})
         run, first = await open_run(rt, req, who)
     except ValidationError as err:
-        first_err = err.errors()[0]
-        param = ".".join(str(p) for p in first_err.get("loc", ())) or None
-        await ws.send_json(_invalid(f"{param}: {first_err.get('msg')}", param))
+        await ws.send_json(_invalid(*validation_message(err)))
         return
     except Exception as err:
         await ws.send_json({"type": "error", **classify(err)[1]})
@@ -97,11 +112,11 @@ async def _handle(ws: WebSocket, raw: str, inbox: asyncio.Queue, who: str | None
                     inbox.put_nowait(None)
                     next_msg = asyncio.ensure_future(asyncio.sleep(0))
                     return
-                with contextlib.suppress(json.JSONDecodeError, AttributeError):
-                    if json.loads(incoming).get("type") == "cancel":
-                        run.cancel()
-                    else:
-                        await ws.send_json(_invalid("a completion is in progress: send 'cancel' or wait", "type"))
+                msg, error = _parse(incoming)
+                if msg is not None and msg.get("type") == "cancel":
+                    run.cancel()
+                else:
+                    await ws.send_json(error or _invalid("a completion is in progress: send 'cancel' or wait", "type"))
                 next_msg = asyncio.ensure_future(inbox.get())
                 continue
             try:

@@ -1,0 +1,312 @@
+"""Regressions from the attack run of issue 9: each case answered 5xx, hung, leaked a key or corrupted a
+session before its fix."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from websockets.sync.client import connect
+
+from tests.live import MODEL, LiveServer
+
+OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+
+
+def ws_url(srv, query: str = "") -> str:
+    return srv.url.replace("http://", "ws://") + "/v1/ws" + query
+
+
+def recv(conn) -> dict:
+    return json.loads(conn.recv(timeout=30))
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_k": 5}, {"temperature": 0.7}, {"temperature": 1e-4, "top_k": 3}])
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-46])
+def test_tiny_top_p_samples_the_most_likely_token(server, top_p, extra):
+    body = {**OK, "prompt": "Once", "max_tokens": 4, "top_p": top_p, **extra}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    greedy = httpx.post(server.url + "/v1/completions", json={**body, "top_p": 1.0, "top_k": 0, "temperature": 0},
+                        timeout=60).json()["choices"][0]["text"]
+    assert r.json()["choices"][0]["text"] == greedy  # top_p -> 0 keeps only the argmax
+
+
+@pytest.mark.parametrize("path", ["/v1/sessions", "fork"])
+def test_lone_surrogate_metadata_is_400_and_nothing_is_stored(server, path):
+    owner = httpx.post(server.url + "/v1/sessions", json={"text": "x"}).json()["id"]
+    before = httpx.get(server.url + "/v1/sessions?limit=100").json()
+    url = server.url + ("/v1/sessions" if path == "/v1/sessions" else f"/v1/sessions/{owner}/fork")
+    r = httpx.post(url, content=b'{"metadata": {"k": "\\ud800"}}', headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, "metadata")
+    after = httpx.get(server.url + "/v1/sessions?limit=100").json()
+    assert [s["id"] for s in after["data"]] == [s["id"] for s in before["data"]]
+
+
+def test_a_stored_session_with_bad_metadata_stays_readable(server, redis_url):
+    """Sessions written by an older server with a lone surrogate in their metadata must still list and read."""
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "x", "metadata": {"k": "v"}}).json()["id"]
+    r = redis.Redis.from_url(redis_url)
+    key = f"txl:{{{sid}}}"
+    header = json.loads(r.hget(key, "header"))
+    header["metadata"] = {"k": "\ud800"}
+    r.hset(key, "header", json.dumps(header))  # ensure_ascii writes the "\ud800" escape, as old servers did
+    got = httpx.get(f"{server.url}/v1/sessions/{sid}")
+    assert got.status_code == 200 and got.json()["metadata"] == {"k": "?"}
+    assert httpx.get(server.url + "/v1/sessions?limit=100").status_code == 200
+
+
+@pytest.mark.parametrize("cursor", ["%C2%B2.abc", "\u00b2.abc", "1.", ".abc", "-1.abc", "1" * 30 + ".abc",
+                                    "1.a%20b", "%F0%9F%98%80.x"])
+def test_bad_cursor_is_400(server, cursor):
+    assert_openai_error(httpx.get(server.url + f"/v1/sessions?after={cursor}"), 400, "after")
+
+
+def _raw_ws_frame(srv, payload: bytes, opcode: int) -> socket.socket:
+    """Open a WebSocket by hand and send one masked frame of ``opcode`` (2: binary)."""
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    sock.sendall(b"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    assert b" 101 " in sock.recv(4096)
+    mask = b"\x01\x02\x03\x04"
+    sock.sendall(bytes([0x80 | opcode, 0x80 | len(payload)]) + mask
+                 + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+    return sock
+
+
+def test_binary_frame_is_an_error_event_and_the_connection_goes_on(server):
+    with connect(ws_url(server)) as conn:
+        conn.send(b'{"type": "completion.create"}')
+        err = recv(conn)
+        assert err["type"] == "error" and "binary" in err["error"]["message"]
+        conn.send(json.dumps({"type": "completion.create", **OK}))
+        msgs = [recv(conn)]
+        while msgs[-1]["type"] not in ("completion.done", "error"):
+            msgs.append(recv(conn))
+        assert msgs[-1]["type"] == "completion.done"
+
+
+def test_binary_frame_during_a_completion_is_answered_and_cancel_still_works(server):
+    with connect(ws_url(server)) as conn:
+        conn.send(json.dumps({"type": "completion.create", **OK, "max_tokens": 4000}))
+        assert recv(conn)["type"] == "completion.delta"
+        conn.send(b"\x00\x01")
+        while (msg := recv(conn))["type"] == "completion.delta":
+            pass
+        assert msg["type"] == "error" and "binary" in msg["error"]["message"]
+        conn.send(json.dumps({"type": "cancel"}))
+        while (msg := recv(conn))["type"] == "completion.delta":
+            pass
+        assert msg["type"] == "completion.done" and msg["finish_reason"] == "cancelled"
+
+
+def test_ws_handler_ends_with_its_connection_after_a_binary_frame(server):
+    """Before the fix the reader task died on a binary frame and the handler outlived the client."""
+    sock = _raw_ws_frame(server, b"\xff", opcode=2)
+    sock.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        text = httpx.get(server.url + "/metrics").text
+        if re.search(r"^txlserve_websocket_connections 0\.0$", text, re.M):
+            break
+        time.sleep(0.05)  # poll
+    else:
+        pytest.fail("the WebSocket handler outlived its connection")
+
+
+def test_deeply_nested_json_is_malformed_input(server):
+    nested = "[" * 100_000 + "]" * 100_000
+    with connect(ws_url(server), max_size=None) as conn:
+        conn.send(nested)
+        assert recv(conn)["type"] == "error"
+        conn.send('{"type": "completion.create", "model": "' + MODEL + '", "prompt": "x", "max_tokens": 1, '
+                  '"user": ' + nested + "}")
+        assert recv(conn)["type"] == "error"
+        conn.send(json.dumps({"type": "completion.create", **OK}))
+        while (msg := recv(conn))["type"] == "completion.delta":
+            pass
+        assert msg["type"] == "completion.done"
+    for path in ("/v1/completions", "/v1/sessions"):
+        r = httpx.post(server.url + path, content=nested, headers={"content-type": "application/json"}, timeout=60)
+        assert_openai_error(r, 400)
+
+
+def test_wrong_redis_type_is_a_corrupt_session(server, redis_url):
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "x"}).json()["id"]
+    r = redis.Redis.from_url(redis_url)
+    key = f"txl:{{{sid}}}"
+    r.delete(key)
+    r.rpush(key, "something else wrote this")  # a list where a hash belongs
+    assert assert_openai_error(httpx.get(f"{server.url}/v1/sessions/{sid}"), 422)["code"] == "session_corrupt"
+    body = {**OK, "session_id": sid}
+    assert assert_openai_error(httpx.post(server.url + "/v1/completions", json=body), 422)["code"] == "session_corrupt"
+    assert httpx.get(server.url + "/v1/sessions?limit=100").status_code == 200  # listing skips it
+    assert httpx.get(server.url + "/ready").status_code == 200
+    assert httpx.delete(f"{server.url}/v1/sessions/{sid}").status_code == 200
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}").status_code == 404
+    assert not r.exists(key)
+
+
+@pytest.mark.parametrize("field,value", [("tokens_seen", -5), ("mem_len", 10**9), ("version", -1),
+                                         ("n_layer", 0), ("payload_bytes", -1)])
+def test_header_values_out_of_range_are_422(server, redis_url, field, value):
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "x"}).json()["id"]
+    r = redis.Redis.from_url(redis_url)
+    key = f"txl:{{{sid}}}"
+    header = json.loads(r.hget(key, "header"))
+    header[field] = value
+    r.hset(key, "header", json.dumps(header))
+    assert assert_openai_error(httpx.get(f"{server.url}/v1/sessions/{sid}"), 422)["code"] == "session_corrupt"
+    body = {**OK, "session_id": sid}
+    assert assert_openai_error(httpx.post(server.url + "/v1/completions", json=body), 422)["code"] == "session_corrupt"
+    assert httpx.delete(f"{server.url}/v1/sessions/{sid}").status_code == 200
+
+
+def test_unknown_routes_answer_in_openai_shape(server):
+    err = assert_openai_error(httpx.get(server.url + "/v1/nothing"), 404)
+    assert "/v1/nothing" in err["message"]
+    err = assert_openai_error(httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL}), 404, "model")
+    assert "v1/completions" in err["message"] and "chat" in err["message"]
+    assert_openai_error(httpx.delete(server.url + "/v1/completions"), 405)
+
+
+# -- a server with API keys and a short body timeout, whose log the tests read -------------------------------
+
+KEYS = ("key-alpha-123", "key-bravo-456")
+
+
+@pytest.fixture(scope="module")
+def keyed(checkpoint, redis_url, tmp_path_factory):
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("keyed"),
+                     args=("--api-keys", *KEYS, "--body-timeout-s", "1.5")).start()
+    yield srv
+    srv.stop()
+
+
+def test_no_key_in_any_log_line(keyed):
+    with connect(ws_url(keyed, f"?api_key={KEYS[1]}")) as conn:
+        conn.send(json.dumps({"type": "completion.create", **OK}))
+        while recv(conn)["type"] == "completion.delta":
+            pass
+    with connect(ws_url(keyed), additional_headers={"Authorization": f"Bearer {KEYS[0]}"}) as conn:
+        conn.send(json.dumps({"type": "nothing"}))
+        recv(conn)
+    httpx.get(keyed.url + f"/v1/models?api_key={KEYS[0]}", headers={"authorization": f"Bearer {KEYS[0]}"})
+    httpx.get(keyed.url + "/v1/models?key=wrong-key-789")
+    deadline = time.monotonic() + 10
+    while "/v1/models?key=" not in keyed.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)  # poll: the access line is written after the response
+    log = keyed.log.read_text()
+    assert "WebSocket /v1/ws" in log and "/v1/models?key=" in log  # the lines are there, without secrets
+    for secret in (*KEYS, "wrong-key-789"):
+        assert secret not in log
+
+
+def test_empty_or_whitespace_keys_never_authenticate(keyed):
+    for header in (b"Bearer ", b"Bearer  ", b"Bearer \x01", b"Bearer \t", b"bearer"):
+        with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: " + header
+                         + b"\r\n\r\n")
+            reply = b""
+            while chunk := sock.recv(4096):
+                reply += chunk
+        assert reply.startswith((b"HTTP/1.1 401", b"HTTP/1.1 400")), (header, reply)
+    with pytest.raises(Exception, match="401"):
+        connect(ws_url(keyed, "?api_key=")).close()
+
+
+def test_a_body_that_stops_arriving_is_408(keyed):
+    sock = socket.create_connection(("127.0.0.1", keyed.port), timeout=30)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEYS[0].encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"model\":")
+        t0 = time.monotonic()
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        assert time.monotonic() - t0 < 25
+    finally:
+        sock.close()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    assert httpx.get(keyed.url + "/health").status_code == 200
+
+
+def test_a_slow_but_steady_body_is_not_cut(keyed):
+    body = json.dumps({**OK}).encode()
+    with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEYS[0].encode() + b"\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n")
+        for i in range(0, len(body), 8):  # each piece well inside the 1.5 s timeout, the whole longer
+            sock.sendall(body[i:i + 8])
+            time.sleep(0.3)  # bounded: the pacing under test
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200"), reply
+
+
+# -- start-up errors are one line ----------------------------------------------------------------------------
+
+def _serve(*args: str, env: dict | None = None, timeout: float = 60):
+    import os
+    import subprocess
+    import sys
+
+    from tests.live import REPO
+    return subprocess.run([sys.executable, "-m", "server.cli", "serve", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.mark.parametrize("args,env,needle", [
+    (("--api-keys", "good", ""), {}, "API key"),
+    (("--api-keys",), {}, "--api-keys"),
+    ((), {"TXLSERVE_API_KEYS": "good,,other"}, "API key"),
+    (("--checkpoint", "/nope/nothing"), {}, "/nope/nothing"),
+    (("--threads", "0"), {}, "threads"),
+    (("--port", "70000"), {}, "port"),
+])
+def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Path):
+    r = _serve(*args, "--data-dir", str(tmp_path), env=env)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 3, r.stderr
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path: Path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        # a checkpoint that does not exist: the port must be refused first, before anything is loaded
+        r = _serve("--port", str(port), "--checkpoint", "/nope/nothing", "--data-dir", str(tmp_path))
+    assert r.returncode == 2 and f"{port}" in r.stderr and "in use" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_serve_help_describes_every_option():
+    from server.settings import Settings
+
+    r = _serve("--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    for name in Settings.__dataclass_fields__:
+        assert f"TXLSERVE_{name.upper()}" in text, name
+    assert "checkpoints/shakespeare-small" in text

@@ -7,13 +7,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 from txlserve_client import Client
 
 from tests.clients.conftest import CLIENT_SRC
 from tests.live import LiveServer
+from tests.procs import Streamed
 
 ID = r"[\w-]+"
 
@@ -61,41 +60,22 @@ def test_unknown_session_is_an_error(server: LiveServer) -> None:
 
 
 def test_ctrl_c_cancels_the_generation_not_the_program(server: LiveServer, client: Client) -> None:
-    with chat(server, "--max-tokens", "4000") as proc:
-        out = bytearray()
-
-        def pump() -> None:
-            while data := proc.stdout.read1(4096):
-                out.extend(data)
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-
-        def wait_for(pattern: bytes, timeout: float = 20) -> int:
-            deadline = time.monotonic() + timeout
-            while (i := out.find(pattern)) < 0:
-                assert time.monotonic() < deadline and proc.poll() is None, bytes(out)
-                time.sleep(0.01)
-            return i
-
-        wait_for(b"> ")
-        header = bytes(out)
+    env = {**os.environ, "PYTHONPATH": str(CLIENT_SRC), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "txlserve_client.chat", "--url", server.url, "--max-tokens", "4000"]
+    with Streamed(cmd, env=env, cwd=CLIENT_SRC) as chat_proc:
+        chat_proc.wait_for(b"> ")
+        header = bytes(chat_proc.out)
         session_id = re.search(rf"session ({ID})".encode(), header).group(1).decode()
-        proc.stdin.write(b"hello\n")
-        proc.stdin.flush()
-        deadline = time.monotonic() + 20
-        while len(out) < len(header) + 3:  # the continuation is streaming
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGINT)
-        wait_for(b"[cancelled]")
-        proc.stdin.write(b"again\n/info\n")
-        proc.stdin.close()  # then EOF: the program leaves on its own
-        assert proc.wait(timeout=30) == 0
-        reader.join(timeout=5)
-        text = out.decode(errors="replace")
-        seen = int(re.search(rf"session {session_id}: tokens_seen=(\d+)", text).group(1))
-        # "hello\n", the part generated before Ctrl-C, then "again\n" and 4000 more: all in the one session
-        cancelled_part = seen - len("hello\n") - len("again\n") - 4000
-        assert 0 < cancelled_part < 4000
-        assert client.sessions.get(session_id).tokens_seen == seen
+        chat_proc.write(b"hello\n")
+        chat_proc.wait_until(lambda out: len(out) >= len(header) + 3, 120, "the continuation streaming")
+        chat_proc.proc.send_signal(signal.SIGINT)
+        chat_proc.wait_for(b"[cancelled]")
+        chat_proc.write(b"/info\n")
+        chat_proc.close_stdin()  # then EOF: the program leaves on its own
+        assert chat_proc.wait(timeout=60) == 0
+        text = chat_proc.out.decode(errors="replace")
+    seen = int(re.search(rf"session {session_id}: tokens_seen=(\d+)", text).group(1))
+    # "hello\n" and the part generated before Ctrl-C, all in the one session
+    cancelled_part = seen - len("hello\n")
+    assert 0 < cancelled_part < 4000
+    assert client.sessions.get(session_id).tokens_seen == seen

@@ -26,7 +26,7 @@ from tests.live import MODEL, LiveServer
 LONG = 4000  # tokens: a generation that runs for seconds on the test model, so there is time to interrupt it
 
 
-def wait_for_tokens(client: Client, session_id: str, above: int, timeout: float = 10) -> Session:
+def wait_for_tokens(client: Client, session_id: str, above: int, timeout: float = 120) -> Session:
     """The session once it holds more than ``above`` tokens (a cancelled run commits in the background)."""
     deadline = time.monotonic() + timeout
     while (s := client.sessions.get(session_id)).tokens_seen <= above:

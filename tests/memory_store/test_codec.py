@@ -13,7 +13,7 @@ from memory_store.codec import Header
 from model.errors import InvalidRequestError, PayloadTooLarge, SessionCorrupt, SessionIncompatible
 from tests.memory_store.support import D_MODEL, IDENTITY, N_LAYER, assert_same, make_state
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(90)
 
 
 def header_for(payload: bytes, dtype: str = "torch.float32", **changes: object) -> Header:

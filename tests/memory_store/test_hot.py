@@ -8,7 +8,7 @@ import torch
 from memory_store.hot import HotTier
 from memory_store.metrics import StoreMetrics
 
-pytestmark = pytest.mark.timeout(10)
+pytestmark = pytest.mark.timeout(60)
 
 KB = 1024
 

@@ -13,7 +13,7 @@ from model.errors import StoreUnavailable
 from tests.conftest import RedisProcess
 from tests.memory_store.support import IDENTITY, assert_same, make_state
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
 OP_TIMEOUT_S = 0.5
 

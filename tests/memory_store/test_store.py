@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -23,7 +24,7 @@ from model.errors import (
 )
 from tests.memory_store.support import IDENTITY, assert_same, make_state, new_owner, state_bytes
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
 MiB = 1 << 20
 
@@ -193,16 +194,19 @@ async def test_list_skips_and_prunes_vanished_sessions(store: MemoryStore, raw: 
 
 
 async def test_idle_ttl_expires_sessions(redis_url: str, raw: redis.asyncio.Redis) -> None:
-    async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=1) as store:
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=3) as store:
         owner = new_owner()
         info = await store.create(owner=owner, tensors=make_state(), mem_len=8)
-        assert 0 < await raw.pttl(session_key(info.session_id)) <= 1000
-        assert 0 < await raw.pttl(owner_key(owner)) <= 1000
-        await asyncio.sleep(0.6)
+        created = time.monotonic()
+        assert 0 < await raw.pttl(session_key(info.session_id)) <= 3000
+        assert 0 < await raw.pttl(owner_key(owner)) <= 3000
+        await asyncio.sleep(1.5)
         await store.get(info.session_id, owner=owner)  # use refreshes the idle TTL
-        await asyncio.sleep(0.6)
+        refreshed = time.monotonic()
+        assert await raw.pttl(session_key(info.session_id)) > 3000 - 1000 * (time.monotonic() - refreshed) - 50
+        await asyncio.sleep(max(0.0, 3.3 - (time.monotonic() - created)))  # past the first TTL
         assert (await store.info(info.session_id, owner=owner)).version == 1
-        await asyncio.sleep(1.2)
+        await asyncio.sleep(3.5)
         with pytest.raises(SessionNotFound):
             await store.get(info.session_id, owner=owner)
         assert store.metrics.hot_sessions == 0

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.live import MODEL, LiveServer
+from tests.server.test_scheduling import wait_gauge
 
 
 def complete(srv, **body) -> dict:
@@ -17,7 +18,7 @@ def complete(srv, **body) -> dict:
     return r.json()
 
 
-def settled(srv, sid: str, timeout: float = 20) -> dict:
+def settled(srv, sid: str, timeout: float = 120) -> dict:
     """The session once no request holds it (its lease released)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -164,20 +165,25 @@ def test_tiny_temperature_fails_nobody(server):
     """A temperature that would overflow the logits samples greedily; other requests are unaffected."""
     sid = httpx.post(server.url + "/v1/sessions", json={"text": "side by side "}).json()["id"]
     lines = []
+    import threading
+
+    streaming = threading.Event()
 
     def stream():
-        with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
                 "model": MODEL, "prompt": "a", "max_tokens": 1500, "stream": True, "session_id": sid}) as r:
-            lines.extend(line for line in r.iter_lines() if line)
-
-    import threading
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    streaming.set()
+        streaming.set()
 
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(0.2)
+    assert streaming.wait(120)
     out = complete(server, prompt="cold", max_tokens=5, temperature=1e-40)
     assert out["choices"][0]["text"] == complete(server, prompt="cold", max_tokens=5)["choices"][0]["text"]
-    t.join(60)
+    t.join(120)
     assert lines[-1] == "data: [DONE]" and not any('"error"' in x for x in lines)
 
 
@@ -226,7 +232,7 @@ def test_shutdown_during_append_is_503_not_success(own_server):
 
     t = threading.Thread(target=append)
     t.start()
-    time.sleep(1.0)
+    wait_gauge(srv, "txlserve_requests_waiting", 1)  # the append is prefilling
     srv.proc.send_signal(15)
     t.join(60)
     assert result["status"] == 503, result

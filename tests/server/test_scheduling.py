@@ -21,7 +21,7 @@ def test_long_append_does_not_stall_a_stream(server):
 
     t = threading.Thread(target=append)
     t.start()
-    time.sleep(0.3)  # the append is prefilling
+    wait_gauge(server, "txlserve_requests_waiting", 1)  # the append is prefilling
     t0 = time.monotonic()
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Quick", "max_tokens": 20},
                    timeout=120)
@@ -39,6 +39,13 @@ def _gauge(srv, name: str) -> float:
     return float(next(x for x in text.splitlines() if x.startswith(name + " ")).split()[1])
 
 
+def wait_gauge(srv, name: str, at_least: float, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while _gauge(srv, name) < at_least:
+        assert time.monotonic() < deadline, f"{name} stayed below {at_least}"
+        time.sleep(0.02)  # poll
+
+
 def test_overload_answers_429_with_retry_after(checkpoint, redis_url, tmp_path):
     srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path,
                      args=("--max-batch", "1", "--max-queue", "1", "--prefill-chunk", "64")).start()
@@ -50,9 +57,7 @@ def test_overload_answers_429_with_retry_after(checkpoint, redis_url, tmp_path):
             f"{srv.url}/v1/sessions/{s}/append", json={"text": doc}, timeout=300).status_code)) for s in sids]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 60
-        while _gauge(srv, "txlserve_requests_waiting") < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_gauge(srv, "txlserve_requests_waiting", 2)
         r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 2})
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
         assert int(r.headers["retry-after"]) >= 1

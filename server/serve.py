@@ -99,6 +99,9 @@ async def _serve(settings: Settings, sock: socket.socket) -> int:
     config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=int(
         settings.shutdown_timeout_s) + 5)
     install_redaction(settings)  # after uvicorn configured its loggers
+    if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without API keys: anyone who reaches this port can read every session "
+                    "(set TXLSERVE_API_KEYS)", settings.host)
     try:
         await _Server(config).serve(sockets=[sock])
     finally:

@@ -82,7 +82,7 @@ def test_runs_as_a_non_root_user(dockerfile: list[tuple[str, str]]) -> None:
 def test_port_healthcheck_and_command(dockerfile: list[tuple[str, str]]) -> None:
     assert ("EXPOSE", "8000") in dockerfile
     health = [a for k, a in dockerfile if k == "HEALTHCHECK"]
-    assert len(health) == 1 and "/health" in health[0] and " CMD " in f" {health[0]} "
+    assert len(health) == 1 and "/ready" in health[0] and " CMD " in f" {health[0]} "
     assert [a for k, a in dockerfile if k == "CMD"] == ['["txlserve", "serve", "--host", "0.0.0.0"]']
 
 
@@ -109,20 +109,39 @@ def test_dockerignore_sends_what_the_dockerfile_copies(dockerfile: list[tuple[st
 
 def test_compose_services(compose: dict) -> None:
     services = compose["services"]
-    assert set(services) == {"redis", "txlserve"}
+    assert set(services) == {"redis", "txlserve", "txlserve-cpu"}
     redis = services["redis"]
     assert redis["command"][:3] == ["redis-server", "--appendonly", "yes"]
+    assert "profiles" not in redis  # Redis runs with either profile
     volume = redis["volumes"][0].split(":")[0]
     assert volume in compose["volumes"]  # a named volume, not a bind mount
 
-    txl = services["txlserve"]
-    assert txl["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
-    assert (DOCKER / txl["build"]["context"] / txl["build"]["dockerfile"]).resolve() == DOCKER / "Dockerfile"
-    assert txl["environment"]["TXLSERVE_REDIS_URL"] == "redis://redis:6379/0"
-    assert "redis" in txl["depends_on"]
-    assert txl["ports"] == ["8000:8000"]
-    devices = txl["deploy"]["resources"]["reservations"]["devices"]
+    for name in ("txlserve", "txlserve-cpu"):
+        txl = services[name]
+        assert txl["build"]["context"] == ".." and txl["build"]["dockerfile"] == "docker/Dockerfile"
+        assert (DOCKER / txl["build"]["context"] / txl["build"]["dockerfile"]).resolve() == DOCKER / "Dockerfile"
+        assert txl["environment"]["TXLSERVE_REDIS_URL"] == "redis://redis:6379/0"
+        assert "redis" in txl["depends_on"]
+        assert "/ready" in " ".join(txl["healthcheck"]["test"])
+    gpu, cpu = services["txlserve"], services["txlserve-cpu"]
+    assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]  # plain `up` builds no image by accident
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert "deploy" not in cpu and "cuda" not in cpu["build"]["args"]["BASE"]
+    assert cpu["build"]["args"]["TORCH_INDEX"].endswith("/cpu") and cpu["image"] != gpu["image"]
+
+
+def _published(port_spec: str) -> str:
+    """The host address of a compose port mapping, with ``${VAR:-default}`` taken at its default."""
+    resolved = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", port_spec)
+    return resolved.rsplit(":", 2)[0]
+
+
+def test_compose_publishes_on_loopback_unless_told(compose: dict) -> None:
+    for name in ("txlserve", "txlserve-cpu"):
+        (spec,) = compose["services"][name]["ports"]
+        assert _published(spec) == "127.0.0.1" and spec.endswith(":8000:8000")
+        assert "TXLSERVE_PUBLISH" in spec
 
 
 def test_second_replica_example_parses_when_uncommented(compose: dict) -> None:
@@ -133,9 +152,8 @@ def test_second_replica_example_parses_when_uncommented(compose: dict) -> None:
         if not line.startswith("  #"):
             break
         block.append(line.replace("# ", "", 1))
-    replica = yaml.safe_load("\n".join(block))["txlserve-2"]
-    assert replica["ports"] == ["8001:8000"]
-    assert replica["environment"]["TXLSERVE_REDIS_URL"] == compose["services"]["txlserve"]["environment"][
-        "TXLSERVE_REDIS_URL"]  # the same Redis: sessions are shared
+    doc = yaml.safe_load("\n".join(["x-txlserve: &txlserve", "  restart: unless-stopped", "services:", *block]))
+    replica = doc["services"]["txlserve-2"]
+    assert _published(replica["ports"][0]) == "127.0.0.1" and replica["ports"][0].endswith(":8001:8000")
+    assert replica["restart"] == "unless-stopped"  # merged from the shared settings: the same Redis, shared sessions
     assert replica["image"] == compose["services"]["txlserve"]["image"]
-    assert set(replica["environment"]) <= set(env_names())

@@ -310,3 +310,17 @@ def test_serve_help_describes_every_option():
     for name in Settings.__dataclass_fields__:
         assert f"TXLSERVE_{name.upper()}" in text, name
     assert "checkpoints/shakespeare-small" in text
+
+
+def test_docs_work_offline(server):
+    """Swagger UI's page names only assets this server serves (no CDN), and each of them loads."""
+    page = httpx.get(server.url + "/docs")
+    assert page.status_code == 200 and "swagger" in page.text.lower()
+    urls = re.findall(r"""(?:src|href)=["']([^"']+)["']|url: *["']([^"']+)["']""", page.text)
+    urls = [a or b for a, b in urls]
+    assert urls and not [u for u in urls if u.startswith(("http:", "https:", "//"))], urls
+    for url in urls:
+        r = httpx.get(server.url + url)
+        assert r.status_code == 200 and len(r.content) > 100, url
+    assert "SwaggerUIBundle" in httpx.get(server.url + "/docs/static/swagger-ui-bundle.js").text
+

@@ -1,0 +1,42 @@
+"""A fuzzer driven by the server's own /openapi.json: schemathesis generates requests for every operation
+against a live server, bounded in time, and no answer may be a 5xx."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.live import LiveServer
+
+pytest.importorskip("schemathesis")
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(checkpoint, redis_url, tmp_path_factory):
+    # short generations, so the time goes to many cases rather than a few long ones
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("fuzz"),
+                     args=("--max-tokens-limit", "32")).start()
+    yield srv
+    srv.stop()
+
+
+def test_no_generated_request_gets_a_server_error(fuzz_server: LiveServer, tmp_path: Path):
+    cli = shutil.which("schemathesis", path=str(Path(sys.executable).parent)) or shutil.which("schemathesis")
+    assert cli, "schemathesis is a dev dependency"
+    cmd = [cli, "run", fuzz_server.url + "/openapi.json", "--checks", "not_a_server_error",
+           "--phases", "examples,fuzzing,stateful", "--max-time", "45", "--workers", "2",
+           "--request-timeout", "60", "--suppress-health-check", "all", "--seed", "1122"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                       env={**os.environ, "NO_COLOR": "1"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-5000:]
+    generated = int(re.search(r"(\d+) generated", out).group(1))
+    assert generated >= 100, out[-2000:]  # it really ran
+    assert httpx.get(fuzz_server.url + "/ready").status_code == 200

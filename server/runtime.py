@@ -61,9 +61,9 @@ async def open_runtime(settings: Settings) -> Runtime:
     rt = Runtime(settings, engine, scheduler, store, Metrics(scheduler, store))
     where = "embedded Redis under " + settings.data_dir if settings.redis_url is None else "Redis at " + (
         settings.redis_url.split("@")[-1])
-    log.info("loaded %s (%s, %d layers, d_model %d, mem_len %d) on %s; sessions in %s; "
+    log.info("loaded %s (%s, %d layers, d_model %d, mem_len %d) on %s, %d torch threads; sessions in %s; "
              "http://%s:%d", checkpoint, settings.model_name, engine.config.n_layer, engine.config.d_model,
-             engine.mem_len, device, where, settings.host, settings.port)
+             engine.mem_len, device, torch.get_num_threads(), where, settings.host, settings.port)
     rt.ready = True
     return rt
 

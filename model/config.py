@@ -19,6 +19,13 @@ class TXLConfig:
     itself and exactly the ``mem_len`` tokens before it (the evaluation setting
     the inference engine always uses, so that splitting a stream never changes
     a result).
+
+    That window is one key wider than the original code's (kimiyoung/transformer-xl,
+    and Hugging Face's TransfoXL), whose ``same_length`` mask gives each query
+    ``mem_len`` keys *including itself*: txlserve at ``mem_len = M`` computes exactly
+    what the original computes at ``M + 1`` (:meth:`from_original_mem_len`,
+    :attr:`original_mem_len`; tested in ``tests/model/test_same_length.py``).
+    Without ``same_length`` the two agree at the same ``mem_len``.
     """
 
     n_layer: int = 12
@@ -56,6 +63,18 @@ class TXLConfig:
             raise ConfigError("config.d_model must be even (sin and cos halves)", param="d_model")
         if not self.init_std > 0:
             raise ConfigError(f"config.init_std must be > 0, got {self.init_std!r}", param="init_std")
+
+    @property
+    def original_mem_len(self) -> int:
+        """The original code's ``mem_len`` that computes what this config computes."""
+        return self.mem_len + 1 if self.same_length else self.mem_len
+
+    @staticmethod
+    def from_original_mem_len(mem_len: int, same_length: bool) -> int:
+        """txlserve's ``mem_len`` for a model the original code runs at ``mem_len`` (importers use this)."""
+        if same_length and mem_len < 1:
+            raise ConfigError("the original code's same_length needs mem_len >= 1", param="mem_len")
+        return mem_len - 1 if same_length else mem_len
 
     def replace(self, **changes: Any) -> TXLConfig:
         return dataclasses.replace(self, **changes)

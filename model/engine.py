@@ -145,23 +145,12 @@ class Engine:
         state.hid[:, 0, slots] = hid
         k, v = tensors.get("_k"), tensors.get("_v")
         if k is None or v is None or k.shape != (cfg.n_layer, cfg.n_head, m, cfg.d_head) or v.shape != k.shape:
-            k, v = self._project_kv(hid)
+            k, v = self.decoder.project_kv(hid)
         state.k[:, 0, :, slots] = k.to(self.device, self.decoder.dtype)
         state.v[:, 0, :, slots] = v.to(self.device, self.decoder.dtype)
         state.seen[0] = tokens_seen
         state.last_logits[0] = last.to(self.device, torch.float32)
         return state
-
-    @torch.no_grad()
-    def _project_kv(self, hid: Tensor) -> tuple[Tensor, Tensor]:
-        cfg, ks, vs = self.config, [], []
-        for i, layer in enumerate(self.model.layers):
-            attn = layer.dec_attn
-            x = attn.layer_norm(hid[i]) if cfg.pre_lnorm else hid[i]  # [m, d_model]
-            _, k, v = attn.qkv_net(x).view(-1, 3, cfg.n_head, cfg.d_head).permute(1, 2, 0, 3)  # [H, m, Dh]
-            ks.append(k)
-            vs.append(v)
-        return torch.stack(ks), torch.stack(vs)  # [n_layer, H, m, Dh]
 
     # -- generation and scoring ----------------------------------------------------------------
     def generate(self, state: DecodeState, prompt: str | bytes | list[int],

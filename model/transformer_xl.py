@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.cache import LayerCache, Positions, RingCache
 from model.config import TXLConfig
 
 
@@ -22,43 +23,58 @@ class PositionalEmbedding(nn.Module):
 
     def __init__(self, d_model: int) -> None:
         super().__init__()
-        inv_freq = 1.0 / (10000 ** (torch.arange(0.0, d_model, 2.0) / d_model))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.d_model = d_model
+        # a buffer only to follow the model's dtype; the frequencies are computed at that precision
+        self.register_buffer("inv_freq", torch.zeros(d_model // 2), persistent=False)
 
     def forward(self, pos_seq: Tensor) -> Tensor:
-        sinusoid = torch.outer(pos_seq.float(), self.inv_freq)  # [klen, d_model/2]
+        dtype = torch.float64 if self.inv_freq.dtype == torch.float64 else torch.float32  # never 16-bit angles
+        inv_freq = 1.0 / (10000 ** (torch.arange(0.0, self.d_model, 2.0, dtype=dtype, device=pos_seq.device)
+                                    / self.d_model))  # [d_model/2]
+        sinusoid = torch.outer(pos_seq.to(dtype), inv_freq)  # [klen, d_model/2]
         return torch.cat([sinusoid.sin(), sinusoid.cos()], dim=-1)  # [klen, d_model]
 
 
 def relative_positions(klen: int, clamp_len: int, device: torch.device | None = None) -> Tensor:
-    """Distances klen-1 .. 0 (the order `_rel_shift` expects), clamped at ``clamp_len`` (0: off)."""
-    pos_seq = torch.arange(klen - 1, -1, -1, device=device)  # [klen]
+    """Distances 0 .. klen-1, clamped at ``clamp_len`` (0: off): the rows of the position table."""
+    pos_seq = torch.arange(klen, device=device)  # [klen]
     return pos_seq.clamp(max=clamp_len) if clamp_len > 0 else pos_seq
 
 
 def attn_mask(qlen: int, mlen: int, window: int | None, device: torch.device | None = None) -> Tensor:
     """True where query i may NOT see key j: the future, and with a ``window``
     (``same_length``) keys more than ``window`` tokens back."""
-    i = torch.arange(qlen, device=device)[:, None]
-    j = torch.arange(mlen + qlen, device=device)[None, :]
-    dist = mlen + i - j  # [qlen, klen]
+    dist = segment_distances(qlen, mlen, device)  # [qlen, klen]
     mask = dist < 0
     if window is not None:
         mask = mask | (dist > window)
     return mask
 
 
-def _rel_shift(x: Tensor) -> Tensor:
-    """Turn scores against distances (klen-1 .. 0) into scores against key positions:
-    out[..., i, j] = x[..., i, j + qlen - 1 - i] (valid where j <= i + mlen)."""
-    b, h, qlen, klen = x.shape
-    zero_pad = x.new_zeros(b, h, qlen, 1)
-    x_padded = torch.cat([zero_pad, x], dim=-1).view(b, h, klen + 1, qlen)  # [b, h, klen+1, qlen]
-    return x_padded[:, :, 1:].reshape(b, h, qlen, klen)  # [b, h, qlen, klen]
+def segment_distances(qlen: int, mlen: int, device: torch.device | None = None) -> Tensor:
+    """``i - j`` for query i (after ``mlen`` memory tokens) and key j: [qlen, mlen+qlen]."""
+    return mlen + torch.arange(qlen, device=device)[:, None] - torch.arange(mlen + qlen, device=device)
+
+
+def segment_positions(qlen: int, mlen: int, cfg: TXLConfig, r: Tensor) -> Positions:
+    """A segment after ``mlen`` memory tokens; ``r`` holds the sinusoids of distances 0..klen-1 (clamped)."""
+    dist = segment_distances(qlen, mlen, r.device)  # [qlen, klen]
+    blocked = attn_mask(qlen, mlen, cfg.mem_len if cfg.same_length else None, r.device)
+    return Positions(dist.clamp(min=0)[None, None], blocked[None, None], r)
+
+
+def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores are normalised in fp32 for 16-bit models and in the model's own precision otherwise."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 class RelPartialLearnableMultiHeadAttn(nn.Module):
-    """score(i, j) = (q_i + u)·k_j  +  (q_i + v)·W_r R_{i-j}  — terms (a)+(c) and (b)+(d)."""
+    """score(i, j) = (q_i + u)·k_j  +  (q_i + v)·W_r R_{i-j}  — terms (a)+(c) and (b)+(d).
+
+    The one attention of the model, for training, evaluation, prefill and decode. Keys and
+    values come from the segment and, when training, from ``mems`` projected here; when
+    decoding, from the ``cache`` ring, which holds them projected once, with the position
+    table ``W_r R``; the chunk's own keys and values are then stored into the ring."""
 
     def __init__(self, cfg: TXLConfig) -> None:
         super().__init__()
@@ -71,24 +87,49 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         self.dropatt = nn.Dropout(cfg.dropatt)
         self.scale = 1.0 / math.sqrt(cfg.d_head)
 
-    def forward(self, h: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor, mask: Tensor,
-                mems: Tensor | None = None) -> Tensor:
-        bsz, qlen, _ = h.shape
-        cat = h if mems is None else torch.cat([mems, h], dim=1)  # [bsz, klen, d_model]
-        klen = cat.size(1)
-        w_heads = self.qkv_net(self.layer_norm(cat) if self.pre_lnorm else cat)  # [bsz, klen, 3*H*Dh]
-        q, k, v = w_heads.chunk(3, dim=-1)
-        q = q[:, -qlen:].reshape(bsz, qlen, self.n_head, self.d_head)  # [bsz, qlen, H, Dh]
-        k = k.reshape(bsz, klen, self.n_head, self.d_head)  # [bsz, klen, H, Dh]
-        v = v.reshape(bsz, klen, self.n_head, self.d_head)  # [bsz, klen, H, Dh]
-        r_head_k = self.r_net(r).view(klen, self.n_head, self.d_head)  # [klen, H, Dh]
+    def _heads(self, x: Tensor) -> Tensor:
+        n = x.size(-1) // (self.n_head * self.d_head)  # named, not -1: a length of 0 must still split
+        return x.view(x.size(0), x.size(1), n, self.n_head, self.d_head).permute(2, 0, 3, 1, 4)  # [n, b, H, len, Dh]
 
-        ac = torch.einsum("bihd,bjhd->bhij", q + r_w_bias, k)  # [bsz, H, qlen, klen]
-        bd = _rel_shift(torch.einsum("bihd,jhd->bhij", q + r_r_bias, r_head_k))  # [bsz, H, qlen, klen]
-        score = ((ac + bd) * self.scale).masked_fill(mask, float("-inf"))  # [bsz, H, qlen, klen]
-        prob = self.dropatt(F.softmax(score.float(), dim=-1).type_as(score))
-        attn_vec = torch.einsum("bhij,bjhd->bihd", prob, v).reshape(bsz, qlen, -1)  # [bsz, qlen, H*Dh]
-        attn_out = self.drop(self.o_net(attn_vec))  # [bsz, qlen, d_model]
+    def project(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v ``[batch, H, len, Dh]`` of the layer inputs ``h [batch, len, d_model]``."""
+        q, k, v = self._heads(self.qkv_net(self.layer_norm(h) if self.pre_lnorm else h))
+        return q, k, v
+
+    def project_kv(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values only (the memory needs no queries): ``[batch, H, len, Dh]`` each."""
+        x = self.layer_norm(h) if self.pre_lnorm else h
+        k, v = self._heads(F.linear(x, self.qkv_net.weight[self.n_head * self.d_head:]))
+        return k, v
+
+    def position_keys(self, r: Tensor) -> Tensor:
+        """``W_r R``: the position table [H, n_dist, Dh] for sinusoids ``r [n_dist, d_model]``."""
+        return self.r_net(r).view(-1, self.n_head, self.d_head).transpose(0, 1)
+
+    def forward(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None = None,
+                cache: LayerCache | None = None) -> Tensor:
+        bsz, qlen, _ = h.shape
+        q, k, v = self.project(h)  # [bsz, H, qlen, Dh]
+        if cache is not None:
+            blocks, r_head_k = [(cache.k, cache.v), (k, v)], cache.r_head_k  # ring, then the chunk
+        else:
+            blocks = [(k, v)] if mems is None else [self.project_kv(mems), (k, v)]
+            r_head_k = self.position_keys(pos.r)  # [H, n_dist, Dh]
+        q_u, q_v = q + r_w_bias[:, None], q + r_r_bias[:, None]  # [bsz, H, qlen, Dh]
+        ac = torch.cat([q_u @ kb.transpose(-1, -2) for kb, _ in blocks], -1)  # [bsz, H, qlen, klen]
+        # one [H, bsz*qlen, Dh] x [H, Dh, n_dist] product: broadcasting the table over the batch would copy it
+        bd = q_v.transpose(0, 1).reshape(self.n_head, -1, self.d_head) @ r_head_k.transpose(-1, -2)
+        bd = bd.view(self.n_head, bsz, qlen, -1).transpose(0, 1)  # [bsz, H, qlen, n_dist]
+        bd = bd.gather(-1, pos.dist.expand(bsz, self.n_head, qlen, -1))  # [bsz, H, qlen, klen]
+        score = ((ac + bd) * self.scale).masked_fill(pos.blocked, float("-inf"))  # [bsz, H, qlen, klen]
+        prob = self.dropatt(F.softmax(score.to(softmax_dtype(score.dtype)), dim=-1).type_as(score))
+        vec, start = None, 0
+        for kb, vb in blocks:
+            part = prob[..., start:start + kb.size(2)] @ vb  # [bsz, H, qlen, Dh]
+            vec, start = part if vec is None else vec + part, start + kb.size(2)
+        attn_out = self.drop(self.o_net(vec.transpose(1, 2).reshape(bsz, qlen, -1)))  # [bsz, qlen, d_model]
+        if cache is not None:
+            cache.store(h, k, v)
         return h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
 
 
@@ -117,9 +158,9 @@ class RelPartialLearnableDecoderLayer(nn.Module):
             self.r_w_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
             self.r_r_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
 
-    def forward(self, h: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor, mask: Tensor,
-                mems: Tensor | None = None) -> Tensor:
-        return self.pos_ff(self.dec_attn(h, r, r_w_bias, r_r_bias, mask, mems))
+    def forward(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None = None,
+                cache: LayerCache | None = None) -> Tensor:
+        return self.pos_ff(self.dec_attn(h, pos, r_w_bias, r_r_bias, mems, cache))
 
 
 class MemTransformerLM(nn.Module):
@@ -156,23 +197,31 @@ class MemTransformerLM(nn.Module):
         owner = self.layers[i] if self.cfg.untie_r else self
         return owner.r_w_bias, owner.r_r_bias
 
-    def hidden(self, tokens: Tensor, mems: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """Last layer's output and the new mems; the shared core of logits and loss."""
+    def hidden(self, tokens: Tensor, mems: Tensor | None = None, *,
+               cache: RingCache | None = None) -> tuple[Tensor, Tensor | None]:
+        """Last layer's output and the new mems; the shared core of logits and loss.
+
+        With a ``cache`` (decoding) the memory is the cache's ring, which the layers update in
+        place; the new mems are then None."""
         cfg = self.cfg
         qlen = tokens.size(1)
-        mems = None if mems is None or mems.size(2) == 0 else mems.detach()  # SG(mems): the paper's stop-gradient
-        mlen = 0 if mems is None else mems.size(2)
-        klen = mlen + qlen
-        mask = attn_mask(qlen, mlen, cfg.mem_len if cfg.same_length else None, tokens.device)
-        pos_seq = relative_positions(klen, cfg.clamp_len, tokens.device)  # [klen]
-        pos_emb = self.drop(self.pos_emb(pos_seq))  # [klen, d_model]
-
+        if cache is not None:
+            pos, mems = cache.positions, None
+        else:
+            mems = None if mems is None or mems.size(2) == 0 else mems.detach()  # SG(mems): the paper's stop-gradient
+            mlen = 0 if mems is None else mems.size(2)
+            r = self.pos_emb(relative_positions(mlen + qlen, cfg.clamp_len, tokens.device))  # [klen, d_model]
+            r = self.drop(r.to(self.word_emb.weight.dtype))
+            pos = segment_positions(qlen, mlen, cfg, r)
         core_out = self.drop(self.word_emb(tokens) * self.emb_scale)  # [bsz, qlen, d_model]
         hids = [core_out]
         for i, layer in enumerate(self.layers):
             r_w_bias, r_r_bias = self.biases(i)
-            core_out = layer(core_out, pos_emb, r_w_bias, r_r_bias, mask, None if mems is None else mems[i])
+            core_out = layer(core_out, pos, r_w_bias, r_r_bias, None if mems is None else mems[i],
+                             None if cache is None else cache.layer(i))
             hids.append(core_out)
+        if cache is not None:
+            return self.drop(core_out), None
         return self.drop(core_out), self._update_mems(hids[:-1], mems)
 
     @torch.no_grad()
@@ -183,8 +232,9 @@ class MemTransformerLM(nn.Module):
         cat = new if mems is None else torch.cat([mems, new], dim=2)  # [n_layer, bsz, mlen+qlen, d_model]
         return cat[:, :, -self.cfg.mem_len:].detach()
 
-    def forward(self, tokens: Tensor, mems: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        h, new_mems = self.hidden(tokens, mems)
+    def forward(self, tokens: Tensor, mems: Tensor | None = None, *,
+                cache: RingCache | None = None) -> tuple[Tensor, Tensor | None]:
+        h, new_mems = self.hidden(tokens, mems, cache=cache)
         return self.out_layer(h), new_mems  # [bsz, qlen, vocab]
 
     def loss(self, tokens: Tensor, targets: Tensor, mems: Tensor | None = None) -> tuple[Tensor, Tensor | None]:

@@ -284,3 +284,14 @@ def test_tiny_temperature_is_greedy(tmp_path):
         return [e.token for e in engine.generate(engine.new_state(), "abc", params)]
 
     assert run(1e-40) == run(0)
+
+
+def test_an_empty_session_round_trips(tmp_path):
+    """A session created with no text (0 tokens, empty mems) is exported, imported and continued."""
+    engine = make_engine(tmp_path)
+    state = engine.new_state()
+    tensors = {k: v for k, v in engine.export_state(state).items() if not k.startswith("_")}
+    assert tensors["mems"].shape[1] == 0
+    again = engine.import_state(tensors, tokens_seen=0, fingerprint=engine.fingerprint)
+    x = [5, 6, 7, 8]
+    torch.testing.assert_close(engine.feed(again, x), engine.feed(engine.new_state(), x), **TOL)

@@ -7,12 +7,14 @@ import math
 import pytest
 import torch
 
+from model.cache import Positions
 from model.config import TXLConfig
 from model.transformer_xl import (
     MemTransformerLM,
     RelPartialLearnableMultiHeadAttn,
     attn_mask,
     relative_positions,
+    segment_distances,
 )
 
 
@@ -80,14 +82,18 @@ def test_attention_equals_term_by_term(mlen, clamp_len, window):
     mems = torch.randn(2, mlen, cfg.d_model) if mlen else None
     u, v = torch.randn(cfg.n_head, cfg.d_head), torch.randn(cfg.n_head, cfg.d_head)
     klen = mlen + 4
-    r = attn_pos = MemTransformerLM(cfg).pos_emb(relative_positions(klen, clamp_len))
-    assert attn_pos.shape == (klen, cfg.d_model)
-    got = attn(h, r, u, v, attn_mask(4, mlen, window), mems)
+
+    def positions(clamp: int) -> Positions:
+        r = MemTransformerLM(cfg).pos_emb(relative_positions(klen, clamp))  # rows: distances 0..klen-1
+        assert r.shape == (klen, cfg.d_model)
+        dist = segment_distances(4, mlen).clamp(min=0)[None, None]
+        return Positions(dist, attn_mask(4, mlen, window)[None, None], r)
+
+    got = attn(h, positions(clamp_len), u, v, mems)
     want = explicit_attention(attn, h, mems, u, v, clamp_len, window)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     if clamp_len and mlen:  # clamping must matter here, or the test proves nothing
-        unclamped = attn(h, MemTransformerLM(cfg).pos_emb(relative_positions(klen, 0)), u, v,
-                         attn_mask(4, mlen, window), mems)
+        unclamped = attn(h, positions(0), u, v, mems)
         assert not torch.allclose(unclamped, got, atol=1e-4)
 
 
@@ -181,3 +187,19 @@ def test_config_validation():
         TXLConfig.from_dict({"n_layer": 2, "bogus": 1})
     cfg = tiny_config()
     assert TXLConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_fp64_models_compute_in_fp64():
+    """Scores follow the model's dtype: an fp64 attention matches the term-by-term sum to 1e-12, where an
+    fp32 softmax would stop near 1e-7."""
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    attn = RelPartialLearnableMultiHeadAttn(cfg).double().eval()
+    torch.nn.init.normal_(attn.layer_norm.weight, 1.0, 0.2)
+    h, mems = torch.randn(2, 4, cfg.d_model, dtype=torch.float64), torch.randn(2, 3, cfg.d_model, dtype=torch.float64)
+    u, v = torch.randn(cfg.n_head, cfg.d_head).double(), torch.randn(cfg.n_head, cfg.d_head).double()
+    r = MemTransformerLM(cfg).double().pos_emb(relative_positions(7, 0))
+    pos = Positions(segment_distances(4, 3).clamp(min=0)[None, None], attn_mask(4, 3, 3)[None, None], r)
+    got = attn(h, pos, u, v, mems)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, explicit_attention(attn, h, mems, u, v, 0, 3), atol=1e-12, rtol=1e-12)

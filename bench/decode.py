@@ -85,7 +85,8 @@ def default_prefill_chunk(mem_len: int) -> int:
 @torch.no_grad()
 def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: int | None = None,
         device: str = "auto", dtype: str = "float32", prefill_tokens: int | None = None,
-        prefill_chunk: int | None = None, naive: bool = True, seed: int = 0) -> dict[str, Any]:
+        prefill_chunk: int | None = None, naive: bool = True, cuda_graph: bool = False,
+        seed: int = 0) -> dict[str, Any]:
     dev = pick_device(device)
     torch_dtype = getattr(torch, dtype)
     chunk = prefill_chunk or default_prefill_chunk(mem_len)
@@ -100,12 +101,21 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
     engine.decoder.prefill(state, context, chunk_size=chunk)
     engine.decoder.step(state.rows(list(range(batch))), steps[:, :1])  # warm-up on a copy
     fast_s = _timed(lambda: [engine.decoder.step(state, steps[:, i:i + 1]) for i in range(tokens)], dev)
+    result: dict[str, Any] = {}
+    if cuda_graph:
+        from model.decode import GraphedStep
+
+        graphed = GraphedStep(engine.decoder, state)
+        graphed(steps[:, :1])  # the first replay
+        graph_s = _timed(lambda: [graphed(steps[:, i:i + 1]) for i in range(tokens)], dev)
+        result.update(eager_step_ms=1000 * fast_s / tokens, graph_step_ms=1000 * graph_s / tokens,
+                      graph_speedup=fast_s / graph_s)
+        fast_s = min(fast_s, graph_s)
     bandwidth = read_bandwidth(dev)
     nbytes = step_bytes(engine, batch)
 
     ref = load_checkpoint(checkpoint, device=dev, dtype=torch_dtype, mem_len=mem_len, same_length=True,
                           clamp_len=engine.clamp_len).model
-    result: dict[str, Any] = {}
     if naive:
         _, mems = ref(context, None)
 
@@ -160,6 +170,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens", type=int, default=None)
     p.add_argument("--prefill-chunk", type=int, default=None, help="default: chosen from mem_len")
     p.add_argument("--no-naive", action="store_true", help="skip the slow token-by-token reference decode")
+    p.add_argument("--cuda-graph", action="store_true", help="also time the step replayed as a CUDA graph")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: half the usable cores)")
@@ -171,7 +182,8 @@ def main(ns: argparse.Namespace) -> int:
 
     set_threads(ns.threads)
     kw = dict(mem_len=ns.mem_len, batch=ns.batch, tokens=ns.tokens, clamp_len=ns.clamp_len, device=ns.device,
-              dtype=ns.dtype, prefill_tokens=ns.prefill_tokens, prefill_chunk=ns.prefill_chunk, naive=not ns.no_naive)
+              dtype=ns.dtype, prefill_tokens=ns.prefill_tokens, prefill_chunk=ns.prefill_chunk, naive=not ns.no_naive,
+              cuda_graph=ns.cuda_graph)
     if ns.shape:
         with tempfile.TemporaryDirectory() as tmp:
             result = run(random_checkpoint(ns.shape, tmp, ns.mem_len), **kw)

@@ -69,3 +69,32 @@ class Decoder:
         """The ring's keys and values for stored layer inputs ``hid [n_layer, m, d_model]``: [n_layer, H, m, Dh]."""
         kv = [layer.dec_attn.project_kv(hid[i][None]) for i, layer in enumerate(self.model.layers)]
         return torch.stack([k[0] for k, _ in kv]), torch.stack([v[0] for _, v in kv])
+
+
+class GraphedStep:
+    """One decode step for a fixed batch, captured as a CUDA graph: a replay launches the whole step at
+    once instead of a few hundred small kernels (static shapes: one capture per batch size).
+
+    The capture records the step on ``state`` without running it; every :meth:`__call__` copies the
+    tokens in, replays, and leaves ``state`` advanced exactly as :meth:`Decoder.step` would, with
+    ``state.last_logits`` a view of the graph's output."""
+
+    def __init__(self, decoder: Decoder, state: DecodeState, warmup: int = 2) -> None:
+        if decoder.device.type != "cuda":
+            raise InvalidRequestError("CUDA graphs need a CUDA device", param="device")
+        self.tokens = torch.zeros(state.batch, 1, dtype=torch.long, device=decoder.device)  # [batch, 1]
+        side = torch.cuda.Stream(decoder.device)
+        side.wait_stream(torch.cuda.current_stream(decoder.device))
+        with torch.cuda.stream(side):  # warm-up (allocator, kernels) on a copy, so state is not advanced
+            scratch = state.rows(list(range(state.batch)))
+            for _ in range(warmup):
+                decoder.step(scratch, self.tokens)
+        torch.cuda.current_stream(decoder.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = decoder.step(state, self.tokens)  # [batch, 1, vocab], refreshed by each replay
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.logits

@@ -76,12 +76,6 @@ def random_checkpoint(shape: str, out: str, mem_len: int) -> str:
     return out
 
 
-def default_prefill_chunk(mem_len: int) -> int:
-    """Prefill chunk size from the shape: the attention of a chunk of C tokens costs C x (mem_len + C), so
-    chunks near mem_len/4 keep the scores small while the projections still see a wide matrix."""
-    return max(64, min(512, mem_len // 4))
-
-
 @torch.no_grad()
 def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: int | None = None,
         device: str = "auto", dtype: str = "float32", prefill_tokens: int | None = None,
@@ -89,9 +83,9 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
         seed: int = 0) -> dict[str, Any]:
     dev = pick_device(device)
     torch_dtype = getattr(torch, dtype)
-    chunk = prefill_chunk or default_prefill_chunk(mem_len)
     engine = Engine.from_checkpoint(checkpoint, device=dev, dtype=torch_dtype, mem_len=mem_len, clamp_len=clamp_len,
-                                    prefill_chunk=chunk)
+                                    prefill_chunk=prefill_chunk)
+    chunk = engine.prefill_chunk
     vocab = engine.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     context = torch.randint(0, vocab, (batch, mem_len), generator=gen).to(dev)  # fills the memory

@@ -17,7 +17,17 @@ from model.cache import DecodeState, RingCache
 from model.errors import InvalidRequestError
 from model.transformer_xl import MemTransformerLM
 
-__all__ = ["Decoder", "DecodeState"]
+__all__ = ["Decoder", "DecodeState", "GraphedStep", "default_prefill_chunk"]
+
+
+def default_prefill_chunk(mem_len: int, device: torch.device) -> int:
+    """Prefill chunk size from the shape. A chunk of C tokens costs C x (mem_len + C) in attention: on a CPU,
+    chunks near mem_len/4 keep those scores small while the projections still see wide matrices (1.3-1.9x
+    the reference forward in BENCHMARKS.md, where 512-token chunks were slower than it); on a GPU the launches
+    per chunk dominate, so chunks are as long as the memory."""
+    if device.type == "cuda":
+        return max(256, min(2048, mem_len))
+    return max(128, min(512, mem_len // 4))
 
 
 class Decoder:

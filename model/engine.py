@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from model.checkpoint import Checkpoint, load_checkpoint
-from model.decode import Decoder, DecodeState
+from model.decode import Decoder, DecodeState, default_prefill_chunk
 from model.errors import InvalidRequestError, StateIncompatible
 from model.sampling import SamplingParams, sample, token_logprobs
 from model.streaming import TextStreamer
@@ -79,12 +79,12 @@ class Engine:
     """Loads once; feeds text into session states and generates from them."""
 
     def __init__(self, ckpt: Checkpoint, *, mem_len: int | None = None, clamp_len: int | None = None,
-                 prefill_chunk: int = 512) -> None:
+                 prefill_chunk: int | None = None) -> None:
         self.ckpt, self.model, self.tokenizer, self.config = ckpt, ckpt.model, ckpt.tokenizer, ckpt.config
         self.mem_len = ckpt.config.mem_len if mem_len is None else mem_len
         self.clamp_len = ckpt.config.clamp_len if clamp_len is None else clamp_len
         self.decoder = Decoder(ckpt.model, mem_len=self.mem_len, clamp_len=self.clamp_len)
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.mem_len, self.decoder.device)
         # what a stored state must match: the weights and the attention window it was built with
         self.fingerprint = f"{ckpt.fingerprint}:m{self.mem_len}:c{self.clamp_len}"
 

@@ -44,7 +44,8 @@ class Settings:
     body_timeout_s: float = _opt(30.0, "a request body that stops arriving for this long gets 408")
     max_stop: int = _opt(4, "most stop strings per request")
     max_stop_bytes: int = _opt(64, "longest stop string, in bytes")
-    prefill_chunk: int = _opt(512, "tokens read per prefill slice; decode steps run between slices")
+    prefill_chunk: int | None = _opt(None, "tokens read per prefill slice; decode steps run between slices "
+                                           "(default: chosen from mem_len and the device)")
     lease_ttl_ms: int = _opt(30_000, "a session lease's TTL in ms (renewed while its request runs)")
     store_timeout_s: float = _opt(2.0, "Redis operation timeout in seconds")
     shutdown_timeout_s: float = _opt(30.0, "on SIGTERM, time in seconds for in-flight requests before they are "
@@ -57,7 +58,7 @@ class Settings:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         for name in ("max_batch", "max_queue", "max_tokens_limit", "prefill_chunk"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, not {self.port}")

@@ -58,6 +58,22 @@ def test_bench_decode_json(checkpoint):
         assert out[key]
     assert out["mem_len"] == 16 and out["batch"] == 2
     assert out["speedup"] == pytest.approx(out["tokens_per_s"] / out["baseline_tokens_per_s"])
+    # the roofline: bytes a step reads over its time over the bandwidth measured in the same run
+    for key in ("bytes_per_step", "read_bandwidth_gb_s", "roofline_share", "reference_prefill_tokens_per_s"):
+        assert out[key] > 0
+    assert out["roofline_share"] == pytest.approx(
+        out["bytes_per_step"] / (out["step_ms"] / 1000) / (out["read_bandwidth_gb_s"] * 1e9), rel=1e-6)
+    assert out["prefill_speedup"] == pytest.approx(
+        out["prefill_tokens_per_s"] / out["reference_prefill_tokens_per_s"], rel=1e-6)
+
+
+def test_bench_decode_random_shape():
+    r = txlserve("bench", "decode", "--shape", "2x64", "--mem-len", "32", "--batch", "2", "--tokens", "3",
+                 "--no-naive", "--threads", "1", "--prefill-tokens", "64")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["n_layer"], out["d_model"], out["checkpoint"]) == (2, 64, "random 2x64")
+    assert "speedup" not in out and out["prefill_chunk"] == 128
 
 
 def test_bench_store_json(checkpoint):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,19 +27,34 @@ class BodyLimit:
     """413 for bodies over the limit, counted as they arrive (Content-Length may be absent or lie), and 408
     for a body that stops arriving for ``timeout_s``, so a slow sender cannot pin a request forever.
 
-    Past either limit the client gets its answer at once and the app sees the client gone, so no
-    framework layer can turn the refusal into another status. Once the body is complete, reads
-    (the app waiting for a disconnect) are no longer timed."""
+    Before a 413 the rest of the body is read and discarded (up to ``DRAIN_FACTOR`` times the limit), so
+    that a client still uploading reads its answer instead of a reset connection. Past either limit the
+    app sees the client gone, so no framework layer can turn the refusal into another status. Once the
+    body is complete, reads (the app waiting for a disconnect) are no longer timed."""
+
+    DRAIN_FACTOR = 4
 
     def __init__(self, app: ASGIApp, limit: int, timeout_s: float) -> None:
         self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
+    async def _drain(self, receive: Receive, seen: int) -> None:
+        """Discard what is left of the body, within a byte budget and the read timeout."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            while seen <= self.DRAIN_FACTOR * self.limit:
+                msg = await asyncio.wait_for(receive(), self.timeout_s)
+                seen += len(msg.get("body", b""))
+                if msg["type"] != "http.request" or not msg.get("more_body", False):
+                    return
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        too_large = f"request body exceeds {self.limit} bytes"
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _refuse(send, 413, f"request body exceeds {self.limit} bytes", "payload_too_large")
+            if int(declared) <= self.DRAIN_FACTOR * self.limit:
+                await self._drain(receive, 0)
+            return await _refuse(send, 413, too_large, "payload_too_large")
         seen, started, refused, complete = 0, False, False, False
 
         async def counted() -> Message:
@@ -53,13 +69,15 @@ class BodyLimit:
                 refused = True
                 if not started:
                     await _refuse(send, 408, f"the request body did not arrive within {self.timeout_s:g} s",
-                                  "request_timeout")
+                                  "request_timeout", close=True)
                 return {"type": "http.disconnect"}
             seen += len(msg.get("body", b""))
             complete = msg["type"] != "http.request" or not msg.get("more_body", False)
             if seen > self.limit and not started:
                 refused = True
-                await _refuse(send, 413, f"request body exceeds {self.limit} bytes", "payload_too_large")
+                if not complete:
+                    await self._drain(receive, seen)
+                await _refuse(send, 413, too_large, "payload_too_large")
                 return {"type": "http.disconnect"}
             return msg
 
@@ -73,11 +91,11 @@ class BodyLimit:
         await self.app(scope, counted, guarded)
 
 
-async def _refuse(send: Send, status: int, message: str, code: str) -> None:
+async def _refuse(send: Send, status: int, message: str, code: str, *, close: bool = False) -> None:
     body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                "headers": headers + ([(b"connection", b"close")] if close else [])})
     await send({"type": "http.response.body", "body": body})
 
 

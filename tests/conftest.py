@@ -56,7 +56,7 @@ class RedisProcess:
             except (redis.exceptions.RedisError, OSError):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server on port {self.port} did not start") from None
-                time.sleep(0.02)
+                time.sleep(0.02)  # poll, bounded by the deadline
             finally:
                 client.close()
         return self

@@ -76,7 +76,7 @@ class LiveServer:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.1)
+            time.sleep(0.1)  # poll, bounded by the deadline
         self.stop()
         raise RuntimeError(f"server did not become ready:\n{self.log.read_text()[-3000:]}")
 

@@ -31,7 +31,7 @@ def wait_for_tokens(client: Client, session_id: str, above: int, timeout: float 
     deadline = time.monotonic() + timeout
     while (s := client.sessions.get(session_id)).tokens_seen <= above:
         assert time.monotonic() < deadline, f"session stayed at {s.tokens_seen} tokens"
-        time.sleep(0.05)
+        time.sleep(0.05)  # poll, bounded by the deadline
     return s
 
 

@@ -26,7 +26,7 @@ def settled(srv, sid: str, timeout: float = 120) -> dict:
         if r.status_code == 200:
             return r.json()
         assert r.status_code == 409, r.text
-        time.sleep(0.1)
+        time.sleep(0.1)  # poll, bounded by the deadline
     raise AssertionError("session stayed busy")
 
 
@@ -154,7 +154,7 @@ def test_redis_outage_is_503_and_the_server_recovers(checkpoint, redis_server, t
         redis.start()  # same port, same append-only file
         deadline = time.monotonic() + 20
         while httpx.get(srv.url + "/ready").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.2)  # poll, bounded by the deadline
         assert httpx.get(f"{srv.url}/v1/sessions/{sid}").json()["tokens_seen"] == 5
         assert complete(srv, prompt="back", max_tokens=2, session_id=sid)["session"]["tokens_seen"] == 11
     finally:

@@ -26,7 +26,9 @@ from model.transformer_xl import MemTransformerLM
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-TIED = "out_layer.weight"  # same storage as word_emb.weight when tie_weight
+# names of the plain embedding and softmax before they became the adaptive layers' first cluster
+LEGACY_NAMES = {"word_emb.weight": "word_emb.emb_layers.0.weight", "out_layer.weight": "crit.out_layers.0.weight",
+                "out_layer.bias": "crit.out_layers.0.bias"}
 
 
 @dataclass
@@ -40,9 +42,12 @@ class Checkpoint:
 
 
 def weights_of(model: MemTransformerLM) -> dict[str, torch.Tensor]:
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.cfg.tie_weight:
-        state.pop(TIED, None)
+    """The tensors to store: a tied parameter once, under its first name (the embedding's)."""
+    state, seen = {}, set()
+    for name, p in model.state_dict(keep_vars=True).items():
+        if id(p) not in seen:
+            seen.add(id(p))
+            state[name] = p.detach().contiguous()
     return state
 
 
@@ -51,7 +56,7 @@ def fingerprint_of(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.view(torch.uint8).numpy() if t.numel() else b"")  # hashed in place, not copied
     return digest.hexdigest()[:32]
 
 
@@ -94,6 +99,10 @@ def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {ckpt_dir} has no {CONFIG}") from None
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint {path} is not valid JSON: {err}") from None
+    if isinstance(meta, dict) and meta.get("model_type") == "transfo-xl":
+        out = str(Path(ckpt_dir)).rstrip("/") + "-txlserve"
+        raise CheckpointError(f"{ckpt_dir} is a Hugging Face TransfoXL directory; convert it once with: "
+                              f"txlserve import hf {ckpt_dir} --out {out}  (then serve --checkpoint {out})")
     if not isinstance(meta, dict) or "model" not in meta:
         raise CheckpointError(f"{path} has no 'model' section")
     return meta
@@ -110,7 +119,9 @@ def load_checkpoint(ckpt_dir: str | Path, *, device: str | torch.device = "cpu",
         raise CheckpointError(f"checkpoint {ckpt_dir}: {err}") from None
     weights_path = Path(ckpt_dir) / WEIGHTS
     if not weights_path.is_file():
-        raise CheckpointError(f"checkpoint {ckpt_dir} has no {WEIGHTS}")
+        pickled = next((p.name for p in Path(ckpt_dir).glob("*") if p.suffix in (".bin", ".pt", ".pth", ".pkl")), None)
+        hint = f" ({pickled} is a pickle, which txlserve never loads; it needs {WEIGHTS})" if pickled else ""
+        raise CheckpointError(f"checkpoint {ckpt_dir} has no {WEIGHTS}{hint}")
     try:
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
@@ -118,7 +129,19 @@ def load_checkpoint(ckpt_dir: str | Path, *, device: str | torch.device = "cpu",
     fingerprint = fingerprint_of(tensors)
     if meta.get("fingerprint") and meta["fingerprint"] != fingerprint:
         raise CheckpointError(f"{weights_path} does not match the fingerprint in {CONFIG} (damaged or replaced)")
-    model = MemTransformerLM(config)
+    tensors = {LEGACY_NAMES.get(k, k): v for k, v in tensors.items()}
+    model = build_from_tensors(config, tensors, ckpt_dir=weights_path, device=device, dtype=dtype)
+    tokenizer = tokenizer_from_dict(meta.get("tokenizer", {"type": "byte"}))
+    return Checkpoint(model=model, config=config, tokenizer=tokenizer, fingerprint=fingerprint,
+                      path=Path(ckpt_dir), meta=meta)
+
+
+def build_from_tensors(config: TXLConfig, tensors: dict[str, torch.Tensor], *, ckpt_dir: str | Path,
+                       device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> MemTransformerLM:
+    """The model with ``tensors`` as its parameters: built on the meta device and assigned, so loading holds
+    one copy of the weights (a 1 GB checkpoint must not need 2 GB), cast tensor by tensor when asked."""
+    with torch.device("meta"):
+        model = MemTransformerLM(config)
     expected = weights_of(model)
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -126,12 +149,15 @@ def load_checkpoint(ckpt_dir: str | Path, *, device: str | torch.device = "cpu",
     if missing or unexpected or wrong:
         detail = "; ".join(f"{label}: {', '.join(names[:4])}" for label, names in
                            (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names)
-        raise CheckpointError(f"{weights_path} does not fit its config ({detail})")
-    model.load_state_dict(tensors, strict=False)
-    model.to(device)
-    if dtype is not None:
-        model.to(dtype)
-    model.eval()
-    tokenizer = tokenizer_from_dict(meta.get("tokenizer", {"type": "byte"}))
-    return Checkpoint(model=model, config=config, tokenizer=tokenizer, fingerprint=fingerprint,
-                      path=Path(ckpt_dir), meta=meta)
+        raise CheckpointError(f"{ckpt_dir} does not fit its config ({detail})")
+    target = dtype or torch.float32
+    for name in list(tensors):  # one tensor at a time: the source copy is freed as its cast is made
+        t = tensors[name]
+        tensors[name] = t.to(device, target if t.is_floating_point() else t.dtype)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    model.tie_weights()
+    for module in model.modules():  # buffers that are not stored (computed) get real storage
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf.is_meta:
+                module.register_buffer(name, torch.zeros(buf.shape, dtype=target, device=device), persistent=False)
+    return model.eval()

@@ -44,9 +44,17 @@ class TXLConfig:
     vocab_size: int = 256
     tie_weight: bool = True
     init_std: float = 0.02
+    # adaptive input and softmax (Baevski & Auli; Grave et al.), as the paper's word-level models use them:
+    # clusters [0, c0), [c0, c1), ..., [c_last, vocab_size); cluster i embeds in d_embed // div_val**i
+    # dimensions, projected to d_model. No cutoffs and d_embed == d_model is a plain embedding and softmax.
+    d_embed: int = 0  # 0: d_model
+    cutoffs: tuple[int, ...] = ()
+    div_val: int = 1
+    tie_projs: tuple[bool, ...] = ()  # per cluster: the softmax's projection is the embedding's
+    layer_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        positive = ("n_layer", "d_model", "n_head", "d_head", "d_inner", "tgt_len", "vocab_size")
+        positive = ("n_layer", "d_model", "n_head", "d_head", "d_inner", "tgt_len", "vocab_size", "div_val")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -63,6 +71,42 @@ class TXLConfig:
             raise ConfigError("config.d_model must be even (sin and cos halves)", param="d_model")
         if not self.init_std > 0:
             raise ConfigError(f"config.init_std must be > 0, got {self.init_std!r}", param="init_std")
+        if not isinstance(self.layer_norm_eps, (int, float)) or not self.layer_norm_eps > 0:
+            raise ConfigError(f"config.layer_norm_eps must be > 0, got {self.layer_norm_eps!r}", param="layer_norm_eps")
+        if not isinstance(self.d_embed, int) or isinstance(self.d_embed, bool) or self.d_embed < 0:
+            raise ConfigError(f"config.d_embed must be an integer >= 0, got {self.d_embed!r}", param="d_embed")
+        object.__setattr__(self, "d_embed", self.d_embed or self.d_model)
+        self._check_clusters()
+
+    def _check_clusters(self) -> None:
+        try:
+            cutoffs, tie_projs = tuple(self.cutoffs), tuple(self.tie_projs)
+        except TypeError:
+            raise ConfigError("config.cutoffs and config.tie_projs must be lists", param="cutoffs") from None
+        object.__setattr__(self, "cutoffs", cutoffs)
+        ints = all(isinstance(c, int) and not isinstance(c, bool) for c in cutoffs)
+        if not ints or list(cutoffs) != sorted(set(cutoffs)) or \
+                (cutoffs and not 0 < cutoffs[0] <= cutoffs[-1] < self.vocab_size):
+            raise ConfigError(f"config.cutoffs must increase strictly within (0, vocab_size), got {list(cutoffs)}",
+                              param="cutoffs")
+        if any(self.d_embed // self.div_val**i < 1 for i in range(len(cutoffs) + 1)):
+            raise ConfigError(f"config.div_val {self.div_val} leaves a cluster with no embedding dimensions",
+                              param="div_val")
+        tie_projs = tie_projs or (False,) * (len(cutoffs) + 1)
+        if len(tie_projs) != len(cutoffs) + 1 or any(not isinstance(t, bool) for t in tie_projs):
+            raise ConfigError(f"config.tie_projs needs one boolean per cluster ({len(cutoffs) + 1}), got "
+                              f"{list(tie_projs)}", param="tie_projs")
+        object.__setattr__(self, "tie_projs", tie_projs)
+
+    @property
+    def n_clusters(self) -> int:
+        """Tail clusters of the adaptive softmax (0: a plain softmax)."""
+        return len(self.cutoffs)
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the input and output layers are the adaptive (clustered or projected) kind."""
+        return bool(self.cutoffs) or self.d_embed != self.d_model
 
     @property
     def original_mem_len(self) -> int:
@@ -109,7 +153,11 @@ class TXLConfig:
     def n_params_estimate(self) -> int:
         attn = self.d_model * self.n_head * self.d_head * 5  # qkv + r_net + o_net
         ff = 2 * self.d_model * self.d_inner
-        return self.n_layer * (attn + ff) + self.vocab_size * self.d_model
+        ends = [0, *self.cutoffs, self.vocab_size]
+        dims = [self.d_embed // self.div_val**i for i in range(len(ends) - 1)] if self.div_val > 1 else \
+            [self.d_embed] * (len(ends) - 1)
+        emb = sum((r - lo) * d for lo, r, d in zip(ends, ends[1:], dims))
+        return self.n_layer * (attn + ff) + emb
 
 
 # Presets for `txlserve train --preset`. `small` is sized for about an hour on 2 CPU cores.

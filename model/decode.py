@@ -59,19 +59,30 @@ class Decoder:
         )
 
     @torch.no_grad()
-    def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
-        """Feed ``tokens [batch, chunk]`` to every session of ``state`` (in place); logits [batch, chunk, vocab]."""
+    def advance(self, state: DecodeState, tokens: Tensor) -> Tensor:
+        """Feed ``tokens [batch, chunk]`` to every session of ``state`` (in place): the last layer's outputs
+        [batch, chunk, d_model]; only the next token's scores are computed (``state.last_logits``), so a long
+        prompt never builds a [tokens, vocab] table (267,735 words wide for the published WikiText-103 model)."""
         cache = RingCache(state, self.r_head_k, tokens.size(1))
-        logits, _ = self.model(tokens, cache=cache)  # [batch, chunk, vocab]
-        logits = logits.float()
-        cache.advance(logits[:, -1])
-        return logits
+        h, _ = self.model.hidden(tokens, cache=cache)  # [batch, chunk, d_model]
+        cache.advance(self.model.crit.logits(h[:, -1]).float())  # [batch, vocab]
+        return h
+
+    def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
+        """:meth:`advance`, with every token's scores: logits [batch, chunk, vocab] (float32)."""
+        h = self.advance(state, tokens)
+        return state.last_logits[:, None] if tokens.size(1) == 1 else self.logits(h)
+
+    @torch.no_grad()
+    def logits(self, h: Tensor) -> Tensor:
+        """Scores over the vocabulary for the last layer's outputs ``h [..., d_model]``: [..., vocab] float32."""
+        return self.model.crit.logits(h).float()
 
     def prefill(self, state: DecodeState, tokens: Tensor, *, chunk_size: int = 512) -> Tensor:
-        """Feed a long ``tokens [batch, n]`` in chunks (a banded mask per chunk); logits [batch, n, vocab]."""
+        """Feed a long ``tokens [batch, n]`` in chunks (a banded mask per chunk); outputs [batch, n, d_model]."""
         if tokens.size(1) == 0:
-            return torch.zeros(state.batch, 0, self.cfg.vocab_size, device=self.device)
-        return torch.cat([self.step(state, tokens[:, s:s + chunk_size])
+            return torch.zeros(state.batch, 0, self.cfg.d_model, device=self.device, dtype=self.dtype)
+        return torch.cat([self.advance(state, tokens[:, s:s + chunk_size])
                           for s in range(0, tokens.size(1), chunk_size)], dim=1)
 
     @torch.no_grad()

@@ -20,11 +20,7 @@ from model.decode import Decoder, DecodeState, default_prefill_chunk
 from model.errors import InvalidRequestError, StateIncompatible
 from model.sampling import SamplingParams, sample, token_logprobs
 from model.streaming import TextStreamer
-
-
-def token_text(token: int) -> str:
-    """How a byte token is named in logprobs: the character if ASCII, else OpenAI's ``bytes:\\xNN``."""
-    return chr(token) if token < 128 else f"bytes:\\x{token:02x}"
+from model.tokenizer import ByteTokenizer, Tokenizer
 
 
 @dataclass
@@ -41,6 +37,8 @@ class Generation:
     """One request's sampling, stop strings and text assembly; every serving loop drives one per request."""
 
     params: SamplingParams
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+    prev: int | None = None  # the token before the first generated one, when known (a word's spacing needs it)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -53,7 +51,8 @@ class Generation:
         logits = logits.float().cpu()
         token = sample(logits, self.params, self.rng)
         self.tokens.append(token)
-        event = TokenEvent(token, self.streamer.push(bytes([token])))
+        event = TokenEvent(token, self.streamer.push(self.tokenizer.token_bytes(token, self.prev)))
+        self.prev = token
         if self.params.logprobs is not None:
             event.logprob, event.top_logprobs = token_logprobs(logits, token, self.params.logprobs)
         if self.streamer.stopped_by is not None:
@@ -72,7 +71,13 @@ class Score:
 
     @property
     def bpc(self) -> float:
+        """Bits per token: bits per character for a byte model."""
         return -self.logprob / math.log(2) / self.tokens if self.tokens else float("nan")
+
+    @property
+    def perplexity(self) -> float:
+        """exp of the mean negative log-likelihood: a word model's measure."""
+        return math.exp(-self.logprob / self.tokens) if self.tokens else float("nan")
 
 
 class Engine:
@@ -104,9 +109,13 @@ class Engine:
         return self.tokenizer.encode(text)
 
     def feed(self, state: DecodeState, tokens: list[int]) -> Tensor:
-        """Prefill one session (``state.batch == 1``) with ``tokens``; logits [n, vocab]."""
+        """Prefill one session (``state.batch == 1``) with ``tokens``; the last layer's outputs [n, d_model]."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
         return self.decoder.prefill(state, ids, chunk_size=self.prefill_chunk)[0]
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Next-token scores [..., vocab] for outputs of :meth:`feed` (dense: for tests and short spans)."""
+        return self.decoder.logits(h)
 
     # -- session state <-> plain tensors -------------------------------------------------------
     def _ring_slots(self, seen: int) -> Tensor:
@@ -166,7 +175,7 @@ class Engine:
                                       "memory yet", param="prompt")
         if ids:
             self.feed(state, ids)
-        gen = Generation(params)
+        gen = Generation(params, self.tokenizer, ids[-1] if ids else None)
         while gen.finish_reason is None:
             event = gen.on_logits(state.last_logits[0])
             try:
@@ -174,6 +183,7 @@ class Engine:
             finally:
                 self.decoder.step(state, torch.tensor([[event.token]], device=self.device))
 
+    @torch.no_grad()
     def score(self, state: DecodeState, text: str | bytes | list[int]) -> Score:
         """Log-likelihood of ``text`` continuing ``state``; the state advances past it."""
         ids = text if isinstance(text, list) else self.encode(text)
@@ -181,8 +191,9 @@ class Engine:
             return Score(0, 0.0)
         had_context = int(state.seen[0]) > 0
         prev = state.last_logits[0].clone()
-        logits = self.feed(state, ids)  # [n, vocab]
-        preds = torch.cat([prev[None], logits[:-1]]) if had_context else logits[:-1]  # [n or n-1, vocab]
-        targets = torch.tensor(ids if had_context else ids[1:], device=preds.device)
-        logp = torch.log_softmax(preds.float(), -1).gather(-1, targets[:, None]).sum()
-        return Score(targets.numel(), float(logp))
+        h = self.feed(state, ids)  # [n, d_model]
+        targets = torch.tensor(ids, device=h.device)  # [n]
+        logp = self.model.crit.target_logprob(h[:-1], targets[1:]).sum() if len(ids) > 1 else 0.0
+        if had_context:
+            logp = logp + torch.log_softmax(prev.float(), -1)[ids[0]]
+        return Score(len(ids) if had_context else len(ids) - 1, float(logp))

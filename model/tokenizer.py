@@ -1,11 +1,21 @@
-"""Tokenizers. Byte level is what enwik8 bpc is measured on; the Protocol is the seam
-a subword tokenizer plugs into later."""
+"""Tokenizers: bytes (what enwik8 bpc is measured on) and words (WikiText, the paper's word-level models).
+
+A generated token's text can depend on the token before it (a word tokenizer puts a space
+between words but not before a comma), so text is released token by token through
+``token_bytes(token, prev)``; ``prev`` is None when the previous token is not known (the text
+continues a session's memory), which reads as "after a word".
+"""
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any, Protocol
 
-from model.errors import InvalidRequestError
+from model.errors import CheckpointError, InvalidRequestError
+
+START = -1  # ``prev`` at the start of a text
 
 
 class Tokenizer(Protocol):
@@ -16,7 +26,26 @@ class Tokenizer(Protocol):
 
     def decode_bytes(self, ids: list[int]) -> bytes: ...
 
+    def decode(self, ids: list[int]) -> str: ...
+
+    def token_bytes(self, token: int, prev: int | None) -> bytes: ...
+
+    def token_name(self, token: int) -> str: ...
+
     def to_dict(self) -> dict[str, Any]: ...
+
+
+def _text(text: str | bytes) -> str:
+    if isinstance(text, bytes):
+        try:
+            return text.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InvalidRequestError(f"text is not valid UTF-8: {err.reason} at byte {err.start}") from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:  # JSON admits lone surrogates such as "\ud800"
+        raise InvalidRequestError(f"text is not valid Unicode: {err.reason} at position {err.start}") from None
+    return text
 
 
 class ByteTokenizer:
@@ -28,10 +57,7 @@ class ByteTokenizer:
     def encode(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             return list(text)
-        try:
-            return list(text.encode("utf-8"))
-        except UnicodeEncodeError as err:  # JSON admits lone surrogates such as "\ud800"
-            raise InvalidRequestError(f"text is not valid Unicode: {err.reason} at position {err.start}") from None
+        return list(_text(text).encode("utf-8"))
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         return bytes(ids)
@@ -39,13 +65,138 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int, prev: int | None) -> bytes:
+        return bytes([token])
+
+    def token_name(self, token: int) -> str:
+        """The character if ASCII, else OpenAI's ``bytes:\\xNN``."""
+        return chr(token) if token < 128 else f"bytes:\\x{token:02x}"
+
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.name, "vocab_size": self.vocab_size}
 
 
-def tokenizer_from_dict(data: dict[str, Any]) -> Tokenizer:
-    from model.errors import CheckpointError
+JOINERS = {"@-@": "-", "@,@": ",", "@.@": "."}  # WikiText's marks for a split inside a word or number
+NO_SPACE_BEFORE = {",", ".", ";", ":", "!", "?", ")", "]", "}", "%", "'s", "'re", "'ve", "'ll", "'d", "'m", "n't",
+                   "'S", "N'T"}
+NO_SPACE_AFTER = {"(", "[", "{", "$"}
+_LEADING = "\"'([{$"
+_TRAILING = ".,;:!?\"')]}%"
+_CLITIC = re.compile(r"^(.+?)(n't|'s|'re|'ve|'ll|'d|'m)$", re.IGNORECASE)
+_INNER = re.compile(r"(?<=\w)([-,.])(?=\w)")
 
-    if data.get("type") == "byte":
+
+class WordTokenizer:
+    """Whitespace-separated words with WikiText's conventions, as the paper's word-level models were trained.
+
+    Each line ends with ``eos`` (a newline in text), a word outside the vocabulary is ``unk``,
+    and text that is not already tokenized the WikiText way is split as WikiText was: punctuation
+    and clitics off words (``don't`` -> ``do n't``) and ``@-@ @,@ @.@`` joiners inside words and
+    numbers (``1,000`` -> ``1 @,@ 000``), but only where the whole piece is not itself a word of the
+    vocabulary. Decoding undoes that for display. Words are never split across requests by the
+    server, so text appended in pieces should break at whitespace."""
+
+    name = "word"
+
+    def __init__(self, symbols: list[str], *, eos: str = "<eos>", unk: str | None = "<unk>") -> None:
+        if not isinstance(symbols, list) or not all(isinstance(s, str) and s and not s.isspace() for s in symbols):
+            raise CheckpointError("a word vocabulary must be a list of non-empty strings")
+        self.symbols, self.index = symbols, {s: i for i, s in enumerate(symbols)}
+        if len(self.index) != len(symbols):
+            dup = next(s for s, n in Counter(symbols).items() if n > 1)
+            raise CheckpointError(f"the word vocabulary lists {dup!r} twice")
+        if eos not in self.index:
+            raise CheckpointError(f"the word vocabulary has no end-of-line symbol {eos!r}")
+        self.eos, self.unk = eos, unk if unk in self.index else None
+        self.eos_id = self.index[eos]
+        self.unk_id = None if self.unk is None else self.index[self.unk]
+        self.vocab_size = len(symbols)
+
+    @classmethod
+    def build(cls, lines: Iterable[str], *, min_freq: int = 1, max_size: int | None = None,
+              specials: tuple[str, ...] = ("<eos>",)) -> WordTokenizer:
+        """A frequency-ordered vocabulary, as the original code builds it: specials first, then words by
+        count (ties in first-seen order), keeping those seen at least ``min_freq`` times."""
+        counts: Counter[str] = Counter()
+        for line in lines:
+            counts.update(line.split())
+        words = [w for w, n in counts.most_common(max_size) if n >= min_freq and w not in specials]
+        if len(words) < len(counts) and "<unk>" not in words:  # some words left out: they need a symbol
+            specials = (*specials, "<unk>")
+        symbols = list(specials) + words
+        return cls(symbols, unk="<unk>" if "<unk>" in symbols else None)
+
+    def _lookup(self, word: str) -> int:
+        i = self.index.get(word)
+        if i is not None:
+            return i
+        if self.unk_id is None:
+            raise InvalidRequestError(f"the word {word[:40]!r} is not in the vocabulary, which has no unknown-word "
+                                      "symbol")
+        return self.unk_id
+
+    def _split(self, chunk: str) -> list[str]:
+        """WikiText's tokenization of one whitespace-free chunk not in the vocabulary."""
+        if chunk in self.index:
+            return [chunk]
+        head, tail = [], []
+        while len(chunk) > 1 and chunk[0] in _LEADING and chunk not in self.index:
+            head.append(chunk[0])
+            chunk = chunk[1:]
+        while len(chunk) > 1 and chunk[-1] in _TRAILING and chunk not in self.index:
+            tail.insert(0, chunk[-1])
+            chunk = chunk[:-1]
+        middle = [chunk]
+        if chunk not in self.index and (m := _CLITIC.match(chunk)):
+            middle = [m.group(1), m.group(2)]
+        words = []
+        for piece in middle:
+            if piece in self.index or not _INNER.search(piece):
+                words.append(piece)
+            else:
+                words.extend(w for w in _INNER.sub(lambda m: f" @{m.group(1)}@ ", piece).split())
+        return head + words + tail
+
+    def encode(self, text: str | bytes) -> list[int]:
+        lines = _text(text).split("\n")
+        ids: list[int] = []
+        for i, line in enumerate(lines):
+            ids.extend(self._lookup(w) for chunk in line.split() for w in self._split(chunk))
+            if i < len(lines) - 1:
+                ids.append(self.eos_id)
+        return ids
+
+    def token_bytes(self, token: int, prev: int | None) -> bytes:
+        sym = self.symbols[token]
+        if token == self.eos_id:
+            return b"\n"
+        before = None if prev is None or prev == START else self.symbols[prev]
+        glued = (prev == START or prev == self.eos_id or sym in JOINERS or sym in NO_SPACE_BEFORE
+                 or before in JOINERS or before in NO_SPACE_AFTER)
+        return (("" if glued else " ") + JOINERS.get(sym, sym)).encode("utf-8")
+
+    def decode_bytes(self, ids: list[int], prev: int | None = START) -> bytes:
+        out = []
+        for token in ids:
+            out.append(self.token_bytes(token, prev))
+            prev = token
+        return b"".join(out)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8")
+
+    def token_name(self, token: int) -> str:
+        return self.symbols[token]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.name, "vocab_size": self.vocab_size, "eos": self.eos, "unk": self.unk,
+                "symbols": self.symbols}
+
+
+def tokenizer_from_dict(data: dict[str, Any]) -> Tokenizer:
+    kind = data.get("type") if isinstance(data, dict) else None
+    if kind == "byte":
         return ByteTokenizer()
-    raise CheckpointError(f"unknown tokenizer {data!r}; this txlserve knows 'byte'")
+    if kind == "word":
+        return WordTokenizer(data.get("symbols"), eos=data.get("eos", "<eos>"), unk=data.get("unk"))
+    raise CheckpointError(f"unknown tokenizer type {kind!r}; this txlserve knows 'byte' and 'word'")

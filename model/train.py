@@ -1,4 +1,4 @@
-"""`txlserve train`: the paper's training recipe on an ordered byte stream.
+"""`txlserve train`: the paper's training recipe on an ordered byte or word stream.
 
 Adam(W) with linear warmup and cosine decay, gradient clipping and accumulation,
 bf16 autocast on CUDA, DDP when started by ``torchrun``, periodic valid bpc with
@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import PRESETS, TXLConfig
+from model.data import Corpus, load_corpus
 from model.errors import ConfigError
 from model.evaluate import evaluate
+from model.tokenizer import ByteTokenizer, Tokenizer
 from model.train_state import load_train_state, optimizer_from_flat, save_train_state
 from model.transformer_xl import MemTransformerLM
 
@@ -51,14 +52,17 @@ class TrainArgs:
     stop_at: int | None = None  # end this run early at that step (time-boxed runs); --resume continues
     progress: bool = True
     command: str = ""
-    model_overrides: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = "byte"  # byte | word (a WikiText-style folder; the vocabulary is built from its train split)
+    max_vocab: int | None = None  # word: keep the most frequent words only (the rest are <unk>)
+    min_freq: int = 1  # word: drop words seen fewer times
+    model_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. cutoffs, div_val, d_embed
 
 
-def resolve(args: TrainArgs) -> tuple[TXLConfig, dict[str, Any]]:
+def resolve(args: TrainArgs, vocab_size: int = 256) -> tuple[TXLConfig, dict[str, Any]]:
     """Preset, then explicit flags: the model config and the optimisation settings."""
     if args.preset not in PRESETS:
         raise ConfigError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
-    model_kw = dict(PRESETS[args.preset]["model"])
+    model_kw = {**PRESETS[args.preset]["model"], "vocab_size": vocab_size}
     opt = {"clip": 0.25, "warmup_steps": 0, **PRESETS[args.preset]["train"]}
     for key in ("tgt_len", "mem_len", "n_layer"):
         if getattr(args, key) is not None:
@@ -104,14 +108,26 @@ def _dist_setup(device: torch.device) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def train(args: TrainArgs) -> dict[str, Any]:
-    from model.data import OrderedIterator, load_corpus
+def load_training_corpus(args: TrainArgs) -> tuple[Corpus, Tokenizer]:
+    """Bytes, or words with a vocabulary built from the training split (the checkpoint's when resuming)."""
+    if args.tokenizer == "byte":
+        return load_corpus(args.data), ByteTokenizer()
+    if args.tokenizer != "word":
+        raise ConfigError(f"unknown tokenizer {args.tokenizer!r}; choose byte or word", param="tokenizer")
+    from model.words import load_word_corpus
 
-    cfg, opt = resolve(args)
+    known = load_checkpoint(args.out).tokenizer if args.resume else None
+    return load_word_corpus(args.data, known, max_vocab=args.max_vocab, min_freq=args.min_freq)
+
+
+def train(args: TrainArgs) -> dict[str, Any]:
+    from model.data import OrderedIterator
+
+    corpus, tokenizer = load_training_corpus(args)
+    cfg, opt = resolve(args, tokenizer.vocab_size)
     rank, world, device = _dist_setup(pick_device(args.device))
     out = Path(args.out)
     torch.manual_seed(args.seed + rank)
-    corpus = load_corpus(args.data)
     model = MemTransformerLM(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt["lr"], weight_decay=args.weight_decay)
     micro = opt["batch_size"] // args.grad_accum
@@ -144,7 +160,7 @@ def train(args: TrainArgs) -> dict[str, Any]:
 
     def save() -> None:
         if rank == 0:
-            save_checkpoint(model, out, training=meta())
+            save_checkpoint(model, out, training=meta(), tokenizer=tokenizer)
             save_train_state(out, optimizer=optimizer, mems=mems,
                              info={"step": step, "tokens_seen": tokens_seen, "data": batches.state_dict(),
                                    "last_eval": last_eval, "args": asdict(args)})
@@ -175,8 +191,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
         for i in range(args.grad_accum):
             rows = slice(i * micro, (i + 1) * micro)
             with autocast:
-                logits, m = ddp(inp[rows], None if mems is None else mems[:, rows])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), tgt[rows].flatten())
+                nll, m = ddp(inp[rows], None if mems is None else mems[:, rows], targets=tgt[rows])
+                loss = nll.float().mean()
             (loss / args.grad_accum).backward()
             step_loss += float(loss.detach()) / args.grad_accum
             new_mems.append(m)
@@ -194,7 +210,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
                   "elapsed_s": elapsed}
         if opt["eval_every"] and (step % opt["eval_every"] == 0 or step == opt["steps"]):
             ev = evaluate(model, corpus.valid, tgt_len=cfg.tgt_len, max_tokens=args.eval_tokens, device=device)
-            last_eval = {"valid_bpc": ev["bpc"], "valid_tokens": ev["tokens"], "valid_step": step}
+            last_eval = {"valid_bpc": ev["bpc"], "valid_ppl": ev["ppl"], "valid_tokens": ev["tokens"],
+                         "valid_step": step}
             record.update(last_eval)
             model.train()
         log(record)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from model.cache import LayerCache, Positions, RingCache
 from model.config import TXLConfig
 
@@ -82,7 +83,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         self.qkv_net = nn.Linear(cfg.d_model, 3 * cfg.n_head * cfg.d_head, bias=False)
         self.r_net = nn.Linear(cfg.d_model, cfg.n_head * cfg.d_head, bias=False)
         self.o_net = nn.Linear(cfg.n_head * cfg.d_head, cfg.d_model, bias=False)
-        self.layer_norm = nn.LayerNorm(cfg.d_model)
+        self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.drop = nn.Dropout(cfg.dropout)
         self.dropatt = nn.Dropout(cfg.dropatt)
         self.scale = 1.0 / math.sqrt(cfg.d_head)
@@ -141,7 +142,7 @@ class PositionwiseFF(nn.Module):
             nn.Linear(cfg.d_model, cfg.d_inner), nn.ReLU(inplace=True), nn.Dropout(cfg.dropout),
             nn.Linear(cfg.d_inner, cfg.d_model), nn.Dropout(cfg.dropout),
         )
-        self.layer_norm = nn.LayerNorm(cfg.d_model)
+        self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.pre_lnorm:
@@ -164,23 +165,36 @@ class RelPartialLearnableDecoderLayer(nn.Module):
 
 
 class MemTransformerLM(nn.Module):
-    """``forward(tokens [batch, qlen], mems) -> (logits [batch, qlen, vocab], new_mems)``."""
+    """``forward(tokens [batch, qlen], mems) -> (logits [batch, qlen, vocab], new_mems)``.
+
+    Input and output layers are adaptive (:mod:`model.adaptive`); a byte model's are a plain
+    embedding and softmax. Logits are scores whose log-softmax is the log-probability (already
+    log-probabilities with an adaptive softmax): :meth:`loss` and scoring never build them."""
 
     def __init__(self, cfg: TXLConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.word_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.emb_scale = cfg.d_model**0.5
+        self.word_emb = AdaptiveEmbedding(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.pos_emb = PositionalEmbedding(cfg.d_model)
         self.layers = nn.ModuleList(RelPartialLearnableDecoderLayer(cfg) for _ in range(cfg.n_layer))
         if not cfg.untie_r:  # u and v shared by all layers
             self.r_w_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
             self.r_r_bias = nn.Parameter(torch.zeros(cfg.n_head, cfg.d_head))
-        self.out_layer = nn.Linear(cfg.d_model, cfg.vocab_size)
+        self.crit = AdaptiveLogSoftmax(cfg)
         self.reset_parameters()
-        if cfg.tie_weight:
-            self.out_layer.weight = self.word_emb.weight
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """The softmax shares the embedding's tables (``tie_weight``) and, per cluster, its projections
+        (``tie_projs``), as the reference ties them; called again after weights are loaded by assignment."""
+        emb, crit = self.word_emb, self.crit
+        if self.cfg.tie_weight:
+            for out, layer in zip(crit.out_layers, emb.emb_layers):
+                out.weight = layer.weight
+        for i, tied in enumerate(self.cfg.tie_projs):
+            if tied and len(crit.out_projs) > i and len(emb.emb_projs):
+                crit.out_projs[i] = emb.emb_projs[0 if self.cfg.div_val == 1 else i]
 
     def reset_parameters(self) -> None:
         std = self.cfg.init_std
@@ -211,9 +225,9 @@ class MemTransformerLM(nn.Module):
             mems = None if mems is None or mems.size(2) == 0 else mems.detach()  # SG(mems): the paper's stop-gradient
             mlen = 0 if mems is None else mems.size(2)
             r = self.pos_emb(relative_positions(mlen + qlen, cfg.clamp_len, tokens.device))  # [klen, d_model]
-            r = self.drop(r.to(self.word_emb.weight.dtype))
+            r = self.drop(r.to(self.crit.out_layers[0].weight.dtype))
             pos = segment_positions(qlen, mlen, cfg, r)
-        core_out = self.drop(self.word_emb(tokens) * self.emb_scale)  # [bsz, qlen, d_model]
+        core_out = self.drop(self.word_emb(tokens))  # [bsz, qlen, d_model]
         hids = [core_out]
         for i, layer in enumerate(self.layers):
             r_w_bias, r_r_bias = self.biases(i)
@@ -232,13 +246,15 @@ class MemTransformerLM(nn.Module):
         cat = new if mems is None else torch.cat([mems, new], dim=2)  # [n_layer, bsz, mlen+qlen, d_model]
         return cat[:, :, -self.cfg.mem_len:].detach()
 
-    def forward(self, tokens: Tensor, mems: Tensor | None = None, *,
-                cache: RingCache | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, tokens: Tensor, mems: Tensor | None = None, *, cache: RingCache | None = None,
+                targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits ``[bsz, qlen, vocab]`` and the new mems; with ``targets [bsz, qlen]`` the per-token
+        negative log-likelihood in nats ``[bsz, qlen]`` instead (training goes through here, so DDP sees it)."""
         h, new_mems = self.hidden(tokens, mems, cache=cache)
-        return self.out_layer(h), new_mems  # [bsz, qlen, vocab]
+        if targets is not None:
+            return -self.crit.target_logprob(h, targets), new_mems
+        return self.crit.logits(h), new_mems
 
     def loss(self, tokens: Tensor, targets: Tensor, mems: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Per-token negative log-likelihood in nats ``[bsz, qlen]`` and the new mems."""
-        logits, new_mems = self(tokens, mems)
-        nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
-        return nll.view_as(targets), new_mems
+        return self(tokens, mems, targets=targets)

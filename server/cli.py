@@ -51,8 +51,24 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the training state in --out")
     p.add_argument("--stop-at", type=int, default=None, help="end this run at that step; --resume continues")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--tokenizer", default="byte", choices=["byte", "word"],
+                   help="byte: any text; word: a WikiText-style folder (wiki.train.tokens ...), vocabulary built "
+                        "from its train split in frequency order")
+    p.add_argument("--max-vocab", type=int, default=None, help="word: keep the most frequent words (others <unk>)")
+    p.add_argument("--min-freq", type=int, default=1, help="word: drop words seen fewer times")
+    p.add_argument("--cutoffs", type=_int_list, default=None,
+                   help="adaptive softmax cluster boundaries, e.g. 20000,40000,200000 (word models)")
+    p.add_argument("--div-val", type=int, default=None, help="adaptive embedding width divisor per cluster")
+    p.add_argument("--d-embed", type=int, default=None, help="embedding width before projection (default d_model)")
     _add_threads(p)
     p.set_defaults(func=_cmd_train)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
@@ -65,6 +81,9 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         d_model=ns.d_model, eval_every=ns.eval_every, eval_tokens=ns.eval_tokens, save_every=ns.save_every,
         grad_accum=ns.grad_accum, clip=ns.clip, weight_decay=ns.weight_decay, seed=ns.seed, device=ns.device,
         resume=ns.resume, stop_at=ns.stop_at, progress=not ns.no_progress, command="txlserve " + shlex.join(ns.argv),
+        tokenizer=ns.tokenizer, max_vocab=ns.max_vocab, min_freq=ns.min_freq,
+        model_overrides={k: v for k, v in (("cutoffs", ns.cutoffs), ("div_val", ns.div_val),
+                                           ("d_embed", ns.d_embed)) if v is not None},
     )
     result = train(args)
     summary = {k: v for k, v in result.items() if k != "losses"}
@@ -74,9 +93,10 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="bits per character and perplexity of a checkpoint on a corpus split")
+    p = sub.add_parser("eval", help="bits per character (byte models) or word perplexity (word models) of a "
+                                    "checkpoint on a corpus split")
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--data", required=True)
+    p.add_argument("--data", required=True, help="a byte corpus, or for word models a WikiText folder or file")
     p.add_argument("--split", default="test", choices=["train", "valid", "test", "all"])
     p.add_argument("--tgt-len", type=int, default=None)
     p.add_argument("--mem-len", type=int, default=None)
@@ -105,8 +125,13 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
     ckpt = load_checkpoint(ns.checkpoint, device=device, **overrides)
     cfg = ckpt.config
     tgt_len = ns.tgt_len or cfg.tgt_len
-    corpus = load_corpus(ns.data)
     splits = ["train", "valid", "test"] if ns.split == "all" else [ns.split]
+    if ckpt.tokenizer.name == "word":
+        from model.words import load_word_corpus
+
+        corpus, _ = load_word_corpus(ns.data, ckpt.tokenizer, splits=tuple(splits))
+    else:
+        corpus = load_corpus(ns.data)
     results = {}
     for name in splits:
         data = corpus.split(name)
@@ -122,7 +147,10 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
             print(json.dumps({"splits": results, **settings}))
     else:
         for name, r in results.items():
-            print(f"{name:5s}  bpc {r['bpc']:.4f}  ppl {r['ppl']:.4f}  tokens {r['tokens']:,}")
+            if ckpt.tokenizer.name == "word":
+                print(f"{name:5s}  ppl {r['ppl']:.4f}  loss {r['loss']:.4f}  words {r['tokens']:,}")
+            else:
+                print(f"{name:5s}  bpc {r['bpc']:.4f}  ppl {r['ppl']:.4f}  tokens {r['tokens']:,}")
     return 0
 
 
@@ -162,6 +190,28 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_import(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("import", help="convert a published model into a txlserve checkpoint")
+    kinds = p.add_subparsers(dest="source", required=True)
+    hf = kinds.add_parser("hf", help="a Hugging Face TransfoXL directory (config.json, model.safetensors, "
+                                     "vocab.json or vocab.txt), e.g. transfo-xl/transfo-xl-wt103")
+    hf.add_argument("src", help="the downloaded directory")
+    hf.add_argument("--out", required=True, help="checkpoint directory to write")
+    hf.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="store the weights in this dtype (default: as published)")
+    hf.set_defaults(func=_cmd_import_hf)
+
+
+def _cmd_import_hf(ns: argparse.Namespace) -> int:
+    import torch
+
+    from model.import_hf import import_hf
+
+    fingerprint = import_hf(ns.src, ns.out, dtype=getattr(torch, ns.dtype) if ns.dtype else None)
+    print(json.dumps({"out": ns.out, "fingerprint": fingerprint}))
+    return 0
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from bench import decode
 
@@ -180,6 +230,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     sv = kinds.add_parser("serve", help="concurrent streaming load, and continuing a session vs re-sending")
     serve.add_arguments(sv)
     sv.set_defaults(func=serve.main)
+    from bench import scale
+
+    sc = kinds.add_parser("scale", help="the published WikiText-103 shape (random weights): load, decode, sessions")
+    scale.add_arguments(sc)
+    sc.set_defaults(func=scale.main)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -245,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_chat(sub)
+    _add_import(sub)
     _add_bench(sub)
     return parser
 

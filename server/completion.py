@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.engine import TokenEvent, token_text
+from model.engine import TokenEvent
 from model.errors import InvalidRequestError, ModelNotFound, PayloadTooLarge
 from model.sampling import SamplingParams
+from model.tokenizer import ByteTokenizer, Tokenizer
 from server.protocol import CompletionRequest
 from server.runtime import Runtime
 from server.service import Failed, Final, Run, first_item
@@ -44,11 +45,12 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > s.max_stop:
         raise InvalidRequestError(f"at most {s.max_stop} stop strings are allowed", param="stop")
-    for x in stop:
+    for x in stop:  # stop strings match the generated text's bytes, whatever the tokenizer
         try:
-            too_long = len(rt.engine.encode(x)) > s.max_stop_bytes
-        except InvalidRequestError as err:
-            raise InvalidRequestError(f"stop: {err.message}", param="stop") from None
+            too_long = isinstance(x, str) and len(x.encode("utf-8")) > s.max_stop_bytes
+        except UnicodeEncodeError as err:
+            raise InvalidRequestError(f"stop: text is not valid Unicode: {err.reason} at position {err.start}",
+                                      param="stop") from None
         if too_long:
             raise InvalidRequestError(f"a stop string may be at most {s.max_stop_bytes} bytes", param="stop")
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
@@ -62,7 +64,7 @@ def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt") -> lis
     except InvalidRequestError as err:
         raise InvalidRequestError(f"{param}: {err.message}", param=param) from None
     if len(ids) > limit:
-        raise PayloadTooLarge(f"{param} is {len(ids)} bytes; the limit is {limit}", param=param)
+        raise PayloadTooLarge(f"{param} is {len(ids)} tokens; the limit is {limit}", param=param)
     return ids
 
 
@@ -79,6 +81,7 @@ class Completion:
 
     req: CompletionRequest
     model: str
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # names the tokens in logprobs
     id: str = field(default_factory=lambda: "cmpl-" + secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
     text: str = ""
@@ -94,17 +97,18 @@ class Completion:
         self.text += ev.text
         if self.req.logprobs is None:
             return None
-        top = {token_text(t): lp for t, lp in (ev.top_logprobs or [])}
+        name = self.tokenizer.token_name
+        top = {name(t): lp for t, lp in (ev.top_logprobs or [])}
         self.lps.append(ev.logprob)
         self.tops.append(top)
         self.offsets.append(start)
-        return {"tokens": [token_text(ev.token)], "token_logprobs": [ev.logprob], "top_logprobs": [top],
+        return {"tokens": [name(ev.token)], "token_logprobs": [ev.logprob], "top_logprobs": [top],
                 "text_offset": [start]}
 
     def logprobs(self) -> dict[str, Any] | None:
         if self.req.logprobs is None:
             return None
-        return {"tokens": [token_text(t) for t in self.tokens], "token_logprobs": self.lps,
+        return {"tokens": [self.tokenizer.token_name(t) for t in self.tokens], "token_logprobs": self.lps,
                 "top_logprobs": self.tops, "text_offset": self.offsets}
 
     def chunk(self, text: str, finish_reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:

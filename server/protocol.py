@@ -94,4 +94,5 @@ class SessionList(BaseModel):
 class AppendResult(SessionObject):
     appended_tokens: int
     logprob: float | None = None
-    bpc: float | None = None
+    bpc: float | None = None  # bits per token: per character for a byte model
+    perplexity: float | None = None  # per token: a word model's measure

@@ -49,6 +49,7 @@ class Job:
     hot: bool = True  # export the key/value cache for the hot tier
     dtype: torch.dtype | None = None  # dtype of the exported mems
     cancelled: bool = False
+    prev: int | None = None  # the prompt's last token (how a word tokenizer spaces the first generated word)
     generation: Generation | None = None
     score: Score = field(default_factory=lambda: Score(0, 0.0))
 
@@ -146,7 +147,7 @@ class Scheduler:
         if job.params is None:
             self._finish(job, self._done(job, job.state, 0, None))
         else:
-            job.generation = Generation(job.params)
+            job.generation = Generation(job.params, self.engine.tokenizer, job.prev)
             self.ready.append(job)
         self.prefilling.popleft()
 

@@ -99,7 +99,7 @@ class Run:
         rt = self.rt
         self.job = Job(state, list(self.ids), self.params, lambda item: loop.call_soon_threadsafe(inbox.put_nowait,
                                                                                                   item),
-                       hot=rt.hot_cache, dtype=rt.storage_dtype)
+                       hot=rt.hot_cache, dtype=rt.storage_dtype, prev=self.ids[-1] if self.ids else None)
         if self.cancelled:
             self.job.cancel()
         rt.scheduler.submit(self.job)

@@ -38,7 +38,7 @@ class Settings:
     max_batch: int = _opt(32, "sessions advanced together per decode step")
     max_queue: int = _opt(256, "requests waiting beyond the batch before 429")
     max_tokens_limit: int = _opt(4096, "the largest max_tokens a request may ask for")
-    max_prompt_bytes: int = _opt(1_000_000, "largest prompt, in bytes")
+    max_prompt_bytes: int = _opt(1_000_000, "largest prompt, in tokens (bytes for a byte model)")
     max_append_bytes: int = _opt(8_000_000, "largest appended document, in bytes")
     max_body_bytes: int = _opt(10_000_000, "largest request body, in bytes (413 beyond)")
     body_timeout_s: float = _opt(30.0, "a request body that stops arriving for this long gets 408")

@@ -38,9 +38,9 @@ def tiny_checkpoint(path: Path, seed: int = 0) -> Path:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.25)
-        model.out_layer.bias[128:] = -30.0  # generate ASCII, so texts compare exactly after a round trip
-        model.out_layer.bias[:32] = -30.0
-        model.out_layer.bias[10] = 0.0
+        model.crit.out_layers[0].bias[128:] = -30.0  # generate ASCII, so texts compare exactly after a round trip
+        model.crit.out_layers[0].bias[:32] = -30.0
+        model.crit.out_layers[0].bias[10] = 0.0
     save_checkpoint(model, path)
     return path
 

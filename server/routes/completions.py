@@ -36,7 +36,7 @@ async def chat_completions() -> None:
 async def create_completion(req: CompletionRequest, request: Request, rt: Runtime = Depends(runtime),
                             who: str | None = Depends(owner)) -> dict | StreamingResponse:
     t0 = time.monotonic()
-    comp = Completion(req, rt.settings.model_name)
+    comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
     if req.echo:
         comp.text = req.prompt
     runs: list[Run] = []

@@ -77,5 +77,5 @@ def _appended(rt: Runtime, final: Final, n: int) -> AppendResult:
     base = session_object(rt, final.info).model_dump()
     has = score is not None and score.tokens > 0
     return AppendResult(**base, appended_tokens=n, logprob=score.logprob if has else None,
-                        bpc=score.bpc if has else None)
+                        bpc=score.bpc if has else None, perplexity=score.perplexity if has else None)
 

@@ -96,7 +96,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
     except Exception as err:
         await ws.send_json({"type": "error", **classify(err)[1]})
         return
-    comp = Completion(req, rt.settings.model_name)
+    comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
     answered = False
     stream = events(run, first).__aiter__()
     next_item = asyncio.ensure_future(stream.__anext__())

@@ -51,7 +51,7 @@ def test_save_load_round_trip_identical_logits(tmp_path):
         a, ma = model(x)
         b, mb = ckpt.model(x)
     assert torch.equal(a, b) and torch.equal(ma, mb)
-    assert ckpt.model.out_layer.weight.data_ptr() == ckpt.model.word_emb.weight.data_ptr()
+    assert ckpt.model.crit.out_layers[0].weight.data_ptr() == ckpt.model.word_emb.emb_layers[0].weight.data_ptr()
 
 
 def test_bf16_checkpoint_keeps_fingerprint_of_stored_weights(tmp_path):

@@ -108,7 +108,7 @@ def test_no_gradient_flows_into_mems():
     nll.mean().backward()
     assert mems.grad is None
     assert not new_mems.requires_grad
-    assert model.word_emb.weight.grad is not None
+    assert model.word_emb.emb_layers[0].weight.grad is not None
 
 
 def test_mems_keep_last_mem_len_layer_inputs():
@@ -118,7 +118,7 @@ def test_mems_keep_last_mem_len_layer_inputs():
     x = torch.randint(0, 256, (1, 6))
     _, mems = model(x)
     assert mems.shape == (cfg.n_layer, 1, 4, cfg.d_model)
-    emb = model.word_emb(x) * model.emb_scale
+    emb = model.word_emb(x)  # scaled by sqrt(d_model)
     torch.testing.assert_close(mems[0], emb[:, -4:])  # layer 0's input is the embedding
 
 
@@ -171,7 +171,7 @@ def test_untie_r_and_pre_lnorm_variants_run_and_differ():
 
 def test_output_weights_tied_to_input_embedding():
     model = MemTransformerLM(tiny_config())
-    assert model.out_layer.weight.data_ptr() == model.word_emb.weight.data_ptr()
+    assert model.crit.out_layers[0].weight.data_ptr() == model.word_emb.emb_layers[0].weight.data_ptr()
 
 
 def test_config_validation():

@@ -1,0 +1,163 @@
+"""`txlserve import hf`: a Hugging Face TransfoXL directory (the published WikiText-103 model) as a checkpoint.
+
+Reads ``config.json``, ``model.safetensors`` and ``vocab.json`` (or the original code's
+``vocab.txt``, one symbol per line) and writes a txlserve checkpoint that computes what
+the reference computes:
+
+- weights map one to one (``transformer.`` dropped, ``CoreNet`` -> ``core_net``); tables and
+  projections the reference ties are stored once and tied again on load;
+- ``same_length``: the reference gives each query ``mem_len`` keys including itself,
+  txlserve gives it itself plus ``mem_len`` earlier tokens, so the imported ``mem_len`` is one
+  less (:meth:`TXLConfig.from_original_mem_len`); ``original_mem_len`` in the checkpoint's
+  ``training`` section records the published value.
+
+A session starts with no memory, as in the original code; Hugging Face's ``init_mems``
+instead starts the first segment on ``mem_len`` zero states (the parity tests pass it
+empty mems, the original's behaviour). Pickled files are refused, never opened.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from model.checkpoint import build_from_tensors, save_checkpoint
+from model.config import TXLConfig
+from model.errors import CheckpointError, ConfigError
+from model.tokenizer import WordTokenizer
+
+PICKLED = {"pytorch_model.bin": "model.safetensors", "tf_model.h5": "model.safetensors",
+           "vocab.pkl": "vocab.json", "vocab.bin": "vocab.json"}
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A Hugging Face TransfoXL directory (its config.json names the model type)."""
+    try:
+        data = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("model_type") == "transfo-xl"
+
+
+def refuse_pickles(src: Path, wanted: str, safe: str) -> None:
+    """One line naming the safe file when only a pickled form of ``wanted`` is there."""
+    if (src / safe).is_file():
+        return
+    for name, instead in PICKLED.items():
+        if instead == safe and (src / name).is_file():
+            raise CheckpointError(f"{src / name} is a pickle, which txlserve never loads; fetch {safe} from the "
+                                  f"same model repository instead (for the {wanted})")
+
+
+def hf_config(data: dict[str, Any]) -> TXLConfig:
+    if data.get("model_type") != "transfo-xl":
+        raise CheckpointError(f"config.json is a {data.get('model_type')!r} model, not a Transformer-XL (transfo-xl)")
+    if data.get("attn_type", 0) != 0:
+        raise CheckpointError(f"attn_type {data['attn_type']} is not supported; txlserve serves the paper's "
+                              "relative attention (attn_type 0)")
+    if data.get("sample_softmax", -1) > 0:
+        raise CheckpointError("sample_softmax models are not supported")
+    same_length = bool(data.get("same_length", False))
+    cutoffs = list(data.get("cutoffs") or [])
+    n_clusters = len(cutoffs)
+    tie_weight = data.get("tie_word_embeddings", data.get("tie_weight", True))  # older configs say tie_weight
+    vocab_size = data.get("vocab_size", data.get("n_token"))
+    tie_projs = data.get("tie_projs")
+    if tie_projs is None:  # TransfoXLConfig derives it from proj_share_all_but_first
+        tie_projs = [False] + [bool(data.get("proj_share_all_but_first", True))] * n_clusters
+    try:
+        return TXLConfig(
+            n_layer=data["n_layer"], d_model=data["d_model"], n_head=data["n_head"], d_head=data["d_head"],
+            d_inner=data["d_inner"], dropout=0.0, dropatt=0.0, tgt_len=data.get("tgt_len", 128),
+            mem_len=TXLConfig.from_original_mem_len(data.get("mem_len") or 0, same_length),
+            clamp_len=max(0, data.get("clamp_len", 0) or 0), same_length=same_length,
+            pre_lnorm=bool(data.get("pre_lnorm", False)), untie_r=bool(data.get("untie_r", True)),
+            vocab_size=vocab_size, tie_weight=bool(tie_weight),
+            init_std=data.get("init_std", 0.02), d_embed=data.get("d_embed") or data["d_model"], cutoffs=tuple(cutoffs),
+            div_val=data.get("div_val", 1), tie_projs=tuple(bool(t) for t in tie_projs),
+            layer_norm_eps=data.get("layer_norm_epsilon", 1e-5))
+    except KeyError as err:
+        raise CheckpointError(f"config.json has no {err.args[0]!r}") from None
+    except ConfigError as err:
+        raise CheckpointError(f"config.json: {err.message}") from None
+    except (TypeError, ValueError) as err:  # a field of the wrong type
+        raise CheckpointError(f"config.json has a field of the wrong type: {err}") from None
+
+
+def read_vocab(src: Path) -> list[str]:
+    """Symbols in id order from ``vocab.json`` (a list, ``{"idx2sym": [...]}``, or ``{symbol: id}``,
+    also under ``"sym2idx"``) or ``vocab.txt`` (the original code's: the first field of each line)."""
+    refuse_pickles(src, "vocabulary", "vocab.json")
+    if (src / "vocab.json").is_file():
+        try:
+            data = json.loads((src / "vocab.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{src / 'vocab.json'} is not valid JSON: {err}") from None
+        if isinstance(data, dict) and isinstance(data.get("idx2sym"), list) and data["idx2sym"]:
+            return data["idx2sym"]
+        mapping = data.get("sym2idx", data) if isinstance(data, dict) else None
+        if isinstance(data, list):
+            return data
+        if isinstance(mapping, dict) and all(isinstance(v, int) for v in mapping.values()):
+            symbols = sorted(mapping, key=mapping.__getitem__)
+            if [mapping[s] for s in symbols] != list(range(len(symbols))):
+                raise CheckpointError(f"{src / 'vocab.json'}: ids are not 0..n-1")
+            return symbols
+        raise CheckpointError(f"{src / 'vocab.json'}: expected a list of symbols or a symbol-to-id object")
+    if (src / "vocab.txt").is_file():
+        lines = (src / "vocab.txt").read_text(encoding="utf-8").splitlines()
+        return [line.split()[0] for line in lines if line.strip()]
+    raise CheckpointError(f"{src} has no vocab.json or vocab.txt (the word vocabulary)")
+
+
+def hf_tensors(src: Path, cfg: TXLConfig) -> dict[str, torch.Tensor]:
+    """The reference's weights under txlserve's names, each tied table or projection once."""
+    refuse_pickles(src, "weights", "model.safetensors")
+    path = src / "model.safetensors"
+    if not path.is_file():
+        raise CheckpointError(f"{src} has no model.safetensors")
+    try:
+        raw = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from None
+    tensors = {}
+    for name in list(raw):
+        new = name.removeprefix("transformer.").replace(".CoreNet.", ".core_net.")
+        new = new.replace(".dec_attn.r_w_bias", ".r_w_bias").replace(".dec_attn.r_r_bias", ".r_r_bias")
+        tensor = raw.pop(name)
+        if new != "pos_emb.inv_freq":  # computed, not learned
+            tensors[new] = tensor
+    for i, tied in enumerate(cfg.tie_projs):  # a file written without deduplication stores tied copies too
+        if tied:
+            tensors.pop(f"crit.out_projs.{i}", None)
+    if cfg.tie_weight:
+        for i in range(len(cfg.cutoffs) + 1):
+            tensors.pop(f"crit.out_layers.{i}.weight", None)
+    return tensors
+
+
+def import_hf(src: str | Path, out: str | Path, *, dtype: torch.dtype | None = None) -> str:
+    """Convert ``src`` into a checkpoint at ``out``; the fingerprint of the written weights."""
+    src, out = Path(src), Path(out)
+    if not (src / "config.json").is_file():
+        raise CheckpointError(f"{src} has no config.json (expected a Hugging Face TransfoXL directory)")
+    try:
+        data = json.loads((src / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{src / 'config.json'} is not valid JSON: {err}") from None
+    cfg = hf_config(data if isinstance(data, dict) else {})
+    symbols = read_vocab(src)
+    if len(symbols) != cfg.vocab_size:
+        raise CheckpointError(f"the vocabulary has {len(symbols)} symbols, config.json says {cfg.vocab_size}")
+    eos = symbols[data["eos_token_id"]] if isinstance(data.get("eos_token_id"), int) and \
+        0 <= data["eos_token_id"] < len(symbols) else "<eos>"
+    tokenizer = WordTokenizer(symbols, eos=eos, unk="<unk>")
+    model = build_from_tensors(cfg, hf_tensors(src, cfg), ckpt_dir=src, dtype=dtype)
+    training = {"imported_from": "huggingface transfo-xl", "source": str(src.resolve()),
+                "original_mem_len": data.get("mem_len"), "same_length": cfg.same_length}
+    return save_checkpoint(model, out, training=training, tokenizer=tokenizer)

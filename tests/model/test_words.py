@@ -1,0 +1,189 @@
+"""Word-level models: the WikiText tokenizer, adaptive layers, training and evaluation on WikiText-style files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.config import TXLConfig
+from model.engine import Engine
+from model.errors import CheckpointError, ConfigError, DataError, InvalidRequestError
+from model.sampling import SamplingParams
+from model.tokenizer import START, WordTokenizer, tokenizer_from_dict
+from model.train import TrainArgs, train
+from model.transformer_xl import MemTransformerLM
+from model.words import load_word_corpus
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2"
+SYMBOLS = ["<eos>", "<unk>", "the", "cat", "do", "n't", ",", "1", "000", "@,@", "@-@", "@.@", "well", "known", ".",
+           "(", ")", "U.S.", "'s", "=", "Valkyria", "3", "5"]
+
+
+def test_word_tokenizer_wikitext_conventions():
+    tok = WordTokenizer(SYMBOLS)
+    ids = tok.encode("the cat don't, 1,000 well-known (the) U.S., dog.\nthe cat's 3.5")
+    assert [tok.symbols[i] for i in ids] == [
+        "the", "cat", "do", "n't", ",", "1", "@,@", "000", "well", "@-@", "known", "(", "the", ")", "U.S.", ",",
+        "<unk>", ".", "<eos>", "the", "cat", "'s", "3", "@.@", "5"]
+    assert tok.decode(ids) == "the cat don't, 1,000 well-known (the) U.S., <unk>.\nthe cat's 3.5"
+    assert tok.encode(tok.decode(ids)) == ids  # display text reads back to the same words
+    # text already in WikiText form reads word for word
+    assert [tok.symbols[i] for i in tok.encode(" = Valkyria = \n")] == ["=", "Valkyria", "=", "<eos>"]
+
+
+def test_word_tokens_released_one_by_one_join_to_the_decoded_text():
+    tok = WordTokenizer(SYMBOLS)
+    ids = tok.encode("the cat don't, 1,000\nthe (cat)")
+    pieces, prev = [], START
+    for t in ids:
+        pieces.append(tok.token_bytes(t, prev))
+        prev = t
+    assert b"".join(pieces).decode() == tok.decode(ids)
+    assert tok.token_bytes(tok.index["cat"], None) == b" cat"  # continuing unknown text: after a word
+    assert tok.token_name(tok.index["@-@"]) == "@-@"
+
+
+def test_word_tokenizer_round_trips_through_json_and_refuses_bad_vocabularies():
+    tok = WordTokenizer(SYMBOLS)
+    again = tokenizer_from_dict(json.loads(json.dumps(tok.to_dict())))
+    assert again.encode("the cat") == tok.encode("the cat") and again.vocab_size == len(SYMBOLS)
+    with pytest.raises(CheckpointError, match="twice"):
+        WordTokenizer(["<eos>", "a", "a"])
+    with pytest.raises(CheckpointError, match="end-of-line"):
+        WordTokenizer(["a", "b"])
+    with pytest.raises(InvalidRequestError, match="no unknown-word"):
+        WordTokenizer(["<eos>", "a"], unk=None).encode("b")
+    with pytest.raises(InvalidRequestError, match="not valid Unicode"):
+        tok.encode("\ud800")
+
+
+def test_vocabulary_is_frequency_ordered_as_the_original_builds_it():
+    tok = WordTokenizer.build(["b a b", "c b a", "d"])
+    assert tok.symbols == ["<eos>", "b", "a", "c", "d"]  # specials first, then by count, ties first-seen
+    capped = WordTokenizer.build(["b a b", "c b a", "d"], max_size=2)
+    assert capped.symbols == ["<eos>", "<unk>", "b", "a"] and capped.encode("d") == [capped.unk_id]
+
+
+def test_adaptive_config_is_validated():
+    with pytest.raises(ConfigError, match="cutoffs"):
+        TXLConfig(vocab_size=100, cutoffs=(50, 20))
+    with pytest.raises(ConfigError, match="cutoffs"):
+        TXLConfig(vocab_size=100, cutoffs=(20, 100))
+    with pytest.raises(ConfigError, match="tie_projs"):
+        TXLConfig(vocab_size=100, cutoffs=(20,), tie_projs=(True,))
+    with pytest.raises(ConfigError, match="div_val"):
+        TXLConfig(vocab_size=100, d_model=32, d_embed=4, cutoffs=(20, 50), div_val=4)
+    cfg = TXLConfig.from_dict(json.loads(TXLConfig(vocab_size=100, cutoffs=(20, 50), div_val=2).to_json()))
+    assert cfg.cutoffs == (20, 50) and cfg.tie_projs == (False, False, False) and cfg.d_embed == cfg.d_model
+
+
+def _adaptive(**kw) -> MemTransformerLM:
+    torch.manual_seed(0)
+    cfg = TXLConfig(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, dropout=0.0, tgt_len=8, mem_len=8,
+                    vocab_size=60, cutoffs=(10, 30), div_val=2, tie_projs=(False, True, True), **kw)
+    return MemTransformerLM(cfg).eval()
+
+
+def test_adaptive_log_probabilities_normalise_and_match_the_loss():
+    model = _adaptive()
+    x = torch.randint(0, 60, (2, 7))
+    with torch.no_grad():
+        logp, _ = model(x)
+        nll, _ = model(x, targets=x)
+    torch.testing.assert_close(logp.exp().sum(-1), torch.ones(2, 7))
+    torch.testing.assert_close(nll, -logp.gather(-1, x[..., None]).squeeze(-1))
+
+
+def test_adaptive_checkpoint_round_trip_keeps_ties(tmp_path):
+    model = _adaptive(d_embed=48)
+    save_checkpoint(model, tmp_path, tokenizer=WordTokenizer(["<eos>"] + [f"w{i}" for i in range(59)]))
+    ckpt = load_checkpoint(tmp_path)
+    crit, emb = ckpt.model.crit, ckpt.model.word_emb
+    assert crit.out_projs[1] is emb.emb_projs[1] and crit.out_projs[0] is not emb.emb_projs[0]
+    assert all(o.weight is e.weight for o, e in zip(crit.out_layers, emb.emb_layers))
+    x = torch.randint(0, 60, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ckpt.model(x)[0], model(x)[0], atol=0, rtol=0)
+
+
+def test_prefill_and_scoring_never_build_a_dense_table(tmp_path):
+    """A long prompt computes next-token scores for its last token only; scoring reads the targets cluster
+    by cluster. (A 267,735-word vocabulary makes [tokens, vocab] tables gigabytes.)"""
+    model = _adaptive()
+    save_checkpoint(model, tmp_path, tokenizer=WordTokenizer(["<eos>"] + [f"w{i}" for i in range(59)]))
+    engine = Engine.from_checkpoint(tmp_path, prefill_chunk=16)
+    rows = []
+    dense = engine.model.crit.logits
+    engine.model.crit.logits = lambda h: rows.append(h.reshape(-1, h.size(-1)).size(0)) or dense(h)
+    ids = torch.randint(0, 60, (100,)).tolist()
+    score = engine.score(engine.new_state(), ids)
+    assert max(rows) == 1 and score.tokens == 99
+    events = list(engine.generate(engine.new_state(), ids, SamplingParams(max_tokens=3, temperature=0)))
+    assert len(events) == 3 and max(rows) == 1
+    again = Engine.from_checkpoint(tmp_path)
+    whole = again.logits(again.feed(again.new_state(), ids))  # the dense table, for the check only
+    want = whole[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None]).sum()
+    assert abs(score.logprob - float(want)) < 1e-3
+
+
+def _wikitext(folder: Path, seed: int = 0) -> Path:
+    """A tiny WikiText-style corpus: a few hundred lines of a repetitive grammar, train/valid/test."""
+    rng = random.Random(seed)
+    nouns, verbs = ["the cat", "a dog", "the U.S.", "Valkyria"], ["saw", "ate", "won", "lost"]
+    folder.mkdir()
+    for split, n in (("train", 600), ("valid", 60), ("test", 60)):
+        lines = [" = Title = \n", " \n"] + [f" {rng.choice(nouns)} {rng.choice(verbs)} {rng.choice(nouns)} @-@ "
+                                            f"{rng.randint(1, 9)} @,@ 000 . \n" for _ in range(n)]
+        path = folder / f"wiki.{split}.tokens"
+        if split == "test":
+            with gzip.open(str(path) + ".gz", "wt") as fh:
+                fh.writelines(lines)
+        else:
+            path.write_text("".join(lines))
+    return folder
+
+
+def test_word_corpus_reads_the_wikitext_layout(tmp_path):
+    corpus, tok = load_word_corpus(_wikitext(tmp_path / "wt"))
+    assert tok.symbols[0] == "<eos>" and tok.unk_id is None  # no <unk> in the data, no word left out
+    n_lines = 602
+    assert int((corpus.train == tok.eos_id).sum()) == n_lines and corpus.test.size > 0  # .gz read too
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no train split"):
+        load_word_corpus(tmp_path / "empty", tok)
+
+
+def test_tiny_word_model_with_adaptive_softmax_learns(tmp_path):
+    data = _wikitext(tmp_path / "wt")
+    result = train(TrainArgs(data=str(data), out=str(tmp_path / "ck"), preset="tiny", steps=120, lr=5e-3,
+                             progress=False, tokenizer="word", eval_every=60,
+                             model_overrides={"cutoffs": (6, 12), "div_val": 2}))
+    first, last = sum(result["losses"][:5]) / 5, sum(result["losses"][-10:]) / 10
+    assert last < first - 1.0, (first, last)
+    ckpt = load_checkpoint(tmp_path / "ck")
+    assert ckpt.tokenizer.name == "word" and ckpt.config.cutoffs == (6, 12) and ckpt.config.div_val == 2
+    assert result["valid_ppl"] < ckpt.config.vocab_size / 2  # far better than uniform
+    engine = Engine(ckpt)
+    text = "".join(e.text for e in engine.generate(engine.new_state(), "the cat saw",
+                                                   SamplingParams(max_tokens=8, temperature=0)))
+    assert text.startswith(" ") and "@" not in text  # words, spaced and joined for display
+    out = subprocess.run([sys.executable, "-m", "server.cli", "eval", "--checkpoint", str(tmp_path / "ck"),
+                          "--data", str(data), "--split", "test", "--json"], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["tokens"] > 0 and 1 < report["ppl"] < ckpt.config.vocab_size / 2
+
+
+@pytest.mark.skipif(not (SHARED / "wiki.valid.tokens.gz").is_file(), reason="../shared/data/wikitext-2 is absent")
+def test_wikitext2_reads_the_published_token_count():
+    corpus, tok = load_word_corpus(SHARED, WordTokenizer.build(["<unk>"]), splits=("valid",))
+    assert corpus.valid.size == 217_646  # words plus one <eos> per line, the published count

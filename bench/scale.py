@@ -40,15 +40,18 @@ WT103 = dict(n_layer=18, d_model=1024, n_head=16, d_head=64, d_inner=4096, dropo
              div_val=4, tie_projs=(False, True, True, True))
 
 _LOAD = """
-import json, resource, sys, time
-import torch
+import json, sys, time
 from model.checkpoint import load_checkpoint
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def status(field):  # this process's own address space (ru_maxrss would start from the parent's peak)
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(field + ":"))
+
+before = status("VmRSS")
 t0 = time.perf_counter()
 ckpt = load_checkpoint(sys.argv[1])
 seconds = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"load_s": seconds, "rss_before": before, "rss_peak": peak}))
+print(json.dumps({"load_s": seconds, "rss_before": before, "rss_peak": status("VmHWM")}))
 """
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from model.errors import InvalidRequestError, PayloadTooLarge, SessionCorrupt, SessionIncompatible
+from txlserve.errors import InvalidRequestError, PayloadTooLarge, SessionCorrupt, SessionIncompatible
 
 FORMAT_VERSION = 1
 MEMS = "mems"

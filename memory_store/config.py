@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.errors import ConfigError
+from txlserve.errors import ConfigError
 
 MiB = 1 << 20
 

@@ -30,7 +30,7 @@ import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from model.errors import StoreUnavailable
+from txlserve.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from types import TracebackType
 
 from memory_store.redis_tier import RedisTier
 from memory_store.session import Session
-from model.errors import StoreUnavailable
+from txlserve.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from memory_store.metrics import StoreMetrics
-from model.errors import SessionCorrupt, StoreUnavailable
+from txlserve.errors import SessionCorrupt, StoreUnavailable
 
 log = logging.getLogger(__name__)
 

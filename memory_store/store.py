@@ -36,7 +36,7 @@ from memory_store.lease import Lease, LeaseRequest
 from memory_store.metrics import StoreMetrics
 from memory_store.redis_tier import ABSENT, ANY_VERSION, RedisTier, connect
 from memory_store.session import Session, SessionInfo
-from model.errors import (
+from txlserve.errors import (
     InvalidRequestError,
     SessionBusy,
     SessionConflict,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model.errors import CheckpointError
+from txlserve.errors import CheckpointError
 
 BUNDLED = Path(__file__).resolve().parent.parent / "checkpoints" / "shakespeare-small"
 

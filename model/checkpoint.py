@@ -20,9 +20,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model.config import TXLConfig
-from model.errors import CheckpointError, ConfigError
 from model.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_dict
 from model.transformer_xl import MemTransformerLM
+from txlserve.errors import CheckpointError, ConfigError
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model.errors import ConfigError
+from txlserve.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from model.errors import DataError
+from txlserve.errors import DataError
 
 SPLITS = ("train", "valid", "test")
 PAPER_HELDOUT = 5_000_000  # bytes in each of valid and test for enwik8 / text8 (Dai et al., 2019)

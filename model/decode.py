@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from model.cache import DecodeState, RingCache
-from model.errors import InvalidRequestError
 from model.transformer_xl import MemTransformerLM
+from txlserve.errors import InvalidRequestError
 
 __all__ = ["Decoder", "DecodeState", "GraphedStep", "default_prefill_chunk"]
 

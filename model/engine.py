@@ -17,10 +17,10 @@ from torch import Tensor
 
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.decode import Decoder, DecodeState, default_prefill_chunk
-from model.errors import InvalidRequestError, StateIncompatible
 from model.sampling import SamplingParams, sample, token_logprobs
 from model.streaming import TextStreamer
 from model.tokenizer import ByteTokenizer, Tokenizer
+from txlserve.errors import InvalidRequestError, StateIncompatible
 
 
 @dataclass

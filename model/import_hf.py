@@ -28,8 +28,8 @@ from safetensors.torch import load_file
 
 from model.checkpoint import build_from_tensors, save_checkpoint
 from model.config import TXLConfig
-from model.errors import CheckpointError, ConfigError
 from model.tokenizer import WordTokenizer
+from txlserve.errors import CheckpointError, ConfigError
 
 PICKLED = {"pytorch_model.bin": "model.safetensors", "tf_model.h5": "model.safetensors",
            "vocab.pkl": "vocab.json", "vocab.bin": "vocab.json"}

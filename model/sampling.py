@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from model.errors import InvalidRequestError
+from txlserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as vLLM does

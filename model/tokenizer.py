@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from model.errors import CheckpointError, InvalidRequestError
+from txlserve.errors import CheckpointError, InvalidRequestError
 
 START = -1  # ``prev`` at the start of a text
 

@@ -20,11 +20,11 @@ import torch
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import PRESETS, TXLConfig
 from model.data import Corpus, load_corpus
-from model.errors import ConfigError
 from model.evaluate import evaluate
 from model.tokenizer import ByteTokenizer, Tokenizer
 from model.train_state import load_train_state, optimizer_from_flat, save_train_state
 from model.transformer_xl import MemTransformerLM
+from txlserve.errors import ConfigError
 
 
 @dataclass

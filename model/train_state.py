@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from model.errors import CheckpointError
+from txlserve.errors import CheckpointError
 
 STATE_DIR = "train_state"
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from model.data import SPLITS, Corpus
-from model.errors import DataError
 from model.tokenizer import WordTokenizer
+from txlserve.errors import DataError
 
 _NAMES = ("wiki.{}.tokens", "wiki.{}.tokens.gz", "{}.txt", "{}.txt.gz", "{}.tokens", "{}.tokens.gz")
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from model.errors import ConfigError, TxlError
+from txlserve.errors import ConfigError, TxlError
 
 
 def _add_threads(p: argparse.ArgumentParser) -> None:

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model.engine import TokenEvent
-from model.errors import InvalidRequestError, ModelNotFound, PayloadTooLarge
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer, Tokenizer
 from server.protocol import CompletionRequest
 from server.runtime import Runtime
 from server.service import Failed, Final, Run, first_item
+from txlserve.errors import InvalidRequestError, ModelNotFound, PayloadTooLarge
 
 
 def check_model(rt: Runtime, model: str) -> None:

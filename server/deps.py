@@ -7,8 +7,8 @@ import hmac
 
 from fastapi import Request, WebSocket
 
-from model.errors import AuthenticationError
 from server.runtime import Runtime
+from txlserve.errors import AuthenticationError
 
 
 def runtime(request: Request) -> Runtime:

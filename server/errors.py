@@ -1,6 +1,5 @@
-"""One table from the error hierarchy (``model.errors``) to HTTP status and OpenAI error type,
-and the handlers that answer every error in OpenAI's shape:
-``{"error": {"message", "type", "param", "code"}}``."""
+"""The handlers that answer every error in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
+from the one table in :mod:`txlserve.errors` (each class's ``status`` and ``type``), for HTTP and WebSocket alike."""
 
 from __future__ import annotations
 
@@ -13,28 +12,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from model import errors as e
+from txlserve import errors as e
 
 log = logging.getLogger("txlserve")
-
-# most specific first: the first isinstance match wins
-STATUS: list[tuple[type[e.TxlError], int, str]] = [
-    (e.AuthenticationError, 401, "authentication_error"),
-    (e.ModelNotFound, 404, "not_found_error"),
-    (e.UnsupportedEndpoint, 404, "invalid_request_error"),
-    (e.Unavailable, 503, "service_unavailable_error"),
-    (e.SessionIncompatible, 422, "invalid_request_error"),
-    (e.InvalidRequestError, 400, "invalid_request_error"),
-    (e.ConfigError, 400, "invalid_request_error"),
-    (e.SessionNotFound, 404, "not_found_error"),
-    (e.SessionBusy, 409, "conflict_error"),
-    (e.SessionConflict, 409, "conflict_error"),
-    (e.SessionCorrupt, 422, "invalid_request_error"),
-    (e.PayloadTooLarge, 413, "invalid_request_error"),
-    (e.Overloaded, 429, "rate_limit_error"),
-    (e.StoreUnavailable, 503, "service_unavailable_error"),
-]
-
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -44,11 +24,16 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 def classify(err: BaseException) -> tuple[int, dict[str, Any]]:
     """Status and body for any exception; unknown ones are logged and answered without details."""
     if isinstance(err, e.TxlError):
-        for cls, status, type_ in STATUS:
-            if isinstance(err, cls):
-                return status, error_body(err.message, type_, err.param, err.code)
+        return err.status, error_body(err.message, err.type, err.param, err.code)
     log.exception("internal error", exc_info=err)
-    return 500, error_body("internal server error", "server_error", None, "internal_error")
+    return e.INTERNAL_STATUS, error_body("internal server error", e.INTERNAL_TYPE, None, e.INTERNAL_CODE)
+
+
+def stream_error(err: BaseException) -> dict[str, Any]:
+    """An error inside a stream (an SSE event, a WebSocket message): the body plus the status the same error
+    gets outside a stream, so a client needs no table of its own."""
+    status, body = classify(err)
+    return {**body, "status": status}
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "bytes"}

@@ -20,8 +20,8 @@ import torch
 
 from model.decode import DecodeState
 from model.engine import Engine, Generation, Score, TokenEvent
-from model.errors import Unavailable
 from model.sampling import SamplingParams
+from txlserve.errors import Unavailable
 
 log = logging.getLogger("txlserve.scheduler")
 

@@ -15,11 +15,11 @@ import socket
 
 import uvicorn
 
-from model.errors import ConfigError
 from model.threads import set_threads
 from server.app import build_app
 from server.runtime import close_runtime, open_runtime
 from server.settings import Settings
+from txlserve.errors import ConfigError
 
 log = logging.getLogger("txlserve")
 

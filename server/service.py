@@ -14,10 +14,10 @@ from typing import Any
 
 from memory_store import SessionInfo
 from model.engine import TokenEvent
-from model.errors import InvalidRequestError, Overloaded, Unavailable
 from model.sampling import SamplingParams
 from server.runtime import Runtime
 from server.scheduler import Job, JobDone, JobFailed
+from txlserve.errors import InvalidRequestError, Overloaded, Unavailable
 
 
 @dataclass

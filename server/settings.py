@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from model.errors import ConfigError
+from txlserve.errors import ConfigError
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:

@@ -10,13 +10,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from model.engine import TokenEvent
-from model.errors import UnsupportedEndpoint
 from server.completion import Completion, cancel_on_disconnect, events, open_run
 from server.deps import owner, runtime
-from server.errors import classify
+from server.errors import stream_error
 from server.protocol import CompletionRequest
 from server.runtime import Runtime
 from server.service import Final, Run
+from txlserve.errors import UnsupportedEndpoint
 
 router = APIRouter()
 
@@ -75,8 +75,7 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
             _observe(rt, run, item, t0)
         finished = True
     except Exception as err:  # mid-stream: an error event, then [DONE]
-        _, body = classify(err)
-        yield _sse(body)
+        yield _sse(stream_error(err))
         finished = True
     finally:
         if not finished:  # the client went away (cancelled, or the generator closed at a yield)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
-from model.errors import StoreUnavailable
 from server.deps import owner, runtime
 from server.errors import error_body
 from server.runtime import Runtime
+from txlserve.errors import StoreUnavailable
 
 router = APIRouter()
 

@@ -17,14 +17,14 @@ from pydantic import ValidationError
 from model.engine import TokenEvent
 from server.completion import Completion, events, open_run
 from server.deps import ws_owner
-from server.errors import classify, error_body, validation_message
+from server.errors import classify, error_body, stream_error, validation_message
 from server.protocol import CompletionRequest
 
 router = APIRouter()
 
 
 def _invalid(message: str, param: str | None = None) -> dict:
-    return {"type": "error", **error_body(message, "invalid_request_error", param, "invalid_value")}
+    return {"type": "error", **error_body(message, "invalid_request_error", param, "invalid_value"), "status": 400}
 
 
 @router.websocket("/v1/ws")
@@ -94,7 +94,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
         await ws.send_json(_invalid(*validation_message(err)))
         return
     except Exception as err:
-        await ws.send_json({"type": "error", **classify(err)[1]})
+        await ws.send_json({"type": "error", **stream_error(err)})
         return
     comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
     answered = False
@@ -124,7 +124,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
             except StopAsyncIteration:
                 return
             except Exception as err:
-                await ws.send_json({"type": "error", **classify(err)[1]})
+                await ws.send_json({"type": "error", **stream_error(err)})
                 return
             if isinstance(item, TokenEvent):
                 logprobs = comp.add(item)

@@ -10,8 +10,8 @@ import torch
 
 from memory_store import codec
 from memory_store.codec import Header
-from model.errors import InvalidRequestError, PayloadTooLarge, SessionCorrupt, SessionIncompatible
 from tests.memory_store.support import D_MODEL, IDENTITY, N_LAYER, assert_same, make_state
+from txlserve.errors import InvalidRequestError, PayloadTooLarge, SessionCorrupt, SessionIncompatible
 
 pytestmark = pytest.mark.timeout(90)
 

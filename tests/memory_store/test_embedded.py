@@ -15,9 +15,9 @@ import pytest
 
 from memory_store import MemoryStore
 from memory_store.embedded import EmbeddedRedis
-from model.errors import SessionBusy, StoreUnavailable
 from tests.memory_store import holder
 from tests.memory_store.support import IDENTITY, assert_same, make_state, start_holder
+from txlserve.errors import SessionBusy, StoreUnavailable
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 

@@ -11,9 +11,9 @@ import redis.asyncio
 
 from memory_store import MemoryStore
 from memory_store.redis_tier import lease_key
-from model.errors import SessionBusy, SessionConflict, SessionNotFound
 from tests.memory_store import holder
 from tests.memory_store.support import IDENTITY, assert_same, make_state, start_holder, state_bytes
+from txlserve.errors import SessionBusy, SessionConflict, SessionNotFound
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from memory_store import MemoryStore
-from model.errors import StoreUnavailable
 from tests.conftest import RedisProcess
 from tests.memory_store.support import IDENTITY, assert_same, make_state
+from txlserve.errors import StoreUnavailable
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 

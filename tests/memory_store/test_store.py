@@ -13,7 +13,8 @@ import torch
 
 from memory_store import MemoryStore, ModelIdentity
 from memory_store.redis_tier import owner_key, session_key
-from model.errors import (
+from tests.memory_store.support import IDENTITY, assert_same, make_state, new_owner, state_bytes
+from txlserve.errors import (
     InvalidRequestError,
     PayloadTooLarge,
     SessionConflict,
@@ -22,7 +23,6 @@ from model.errors import (
     SessionNotFound,
     StoreUnavailable,
 )
-from tests.memory_store.support import IDENTITY, assert_same, make_state, new_owner, state_bytes
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 

@@ -16,7 +16,7 @@ import torch
 
 from model import data as data_mod
 from model.data import PAPER_HELDOUT, Corpus, OrderedIterator, load_corpus
-from model.errors import DataError
+from txlserve.errors import DataError
 
 TOTAL = 2 * PAPER_HELDOUT + 2_000_000  # 12 MB: 2 MB train, 5 MB valid, 5 MB test
 ENWIK8_HEAD = b'<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.3/"'

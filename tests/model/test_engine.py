@@ -8,11 +8,11 @@ import torch
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.decode import DecodeState
 from model.engine import Engine, Generation
-from model.errors import InvalidRequestError, StateIncompatible
 from model.sampling import SamplingParams
 from model.streaming import TextStreamer
 from model.transformer_xl import MemTransformerLM
 from tests.model.test_transformer_xl import tiny_config
+from txlserve.errors import InvalidRequestError, StateIncompatible
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 

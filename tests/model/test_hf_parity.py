@@ -17,9 +17,9 @@ import torch
 
 from model.checkpoint import load_checkpoint
 from model.engine import Engine
-from model.errors import CheckpointError
 from model.import_hf import import_hf
 from model.sampling import SamplingParams
+from txlserve.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers", reason="the dev extras install transformers==4.35.2")
 warnings.filterwarnings("ignore", category=FutureWarning)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from model.checkpoint import load_checkpoint, save_checkpoint
-from model.errors import CheckpointError
 from model.train import TrainArgs, train
 from model.transformer_xl import MemTransformerLM
 from tests.model.test_transformer_xl import tiny_config
+from txlserve.errors import CheckpointError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,7 +79,7 @@ def test_resume_matches_uninterrupted_run(corpus, tmp_path):
 
 
 def test_resume_refuses_a_different_model(corpus, tmp_path):
-    from model.errors import ConfigError
+    from txlserve.errors import ConfigError
 
     train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=2, progress=False))
     with pytest.raises(ConfigError, match="another model config"):

@@ -175,7 +175,7 @@ def test_output_weights_tied_to_input_embedding():
 
 
 def test_config_validation():
-    from model.errors import ConfigError
+    from txlserve.errors import ConfigError
 
     with pytest.raises(ConfigError, match="n_layer"):
         tiny_config(n_layer=0)

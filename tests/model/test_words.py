@@ -15,12 +15,12 @@ import torch
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import TXLConfig
 from model.engine import Engine
-from model.errors import CheckpointError, ConfigError, DataError, InvalidRequestError
 from model.sampling import SamplingParams
 from model.tokenizer import START, WordTokenizer, tokenizer_from_dict
 from model.train import TrainArgs, train
 from model.transformer_xl import MemTransformerLM
 from model.words import load_word_corpus
+from txlserve.errors import CheckpointError, ConfigError, DataError, InvalidRequestError
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2"
 SYMBOLS = ["<eos>", "<unk>", "the", "cat", "do", "n't", ",", "1", "000", "@,@", "@-@", "@.@", "well", "known", ".",

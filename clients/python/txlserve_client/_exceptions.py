@@ -15,8 +15,8 @@
     └── InternalServerError         other 5xx
 
 An error that arrives inside a stream (an SSE ``error`` event or a WebSocket ``error``
-message) has no HTTP status of its own; ``status`` is then the one the server answers the
-same error with outside a stream, looked up from its ``code`` and ``type``.
+message) has no HTTP status of its own: the server sends ``status`` with it, the one it
+answers the same error with outside a stream.
 """
 
 from __future__ import annotations
@@ -96,16 +96,6 @@ _BY_STATUS: dict[int, type[APIError]] = {
     400: BadRequestError, 401: AuthenticationError, 404: NotFoundError, 409: ConflictError,
     413: PayloadTooLargeError, 422: UnprocessableEntityError, 429: RateLimitError, 503: ServiceUnavailableError,
 }
-# for errors inside a stream: the status the server gives each code, else each type, outside one
-_STATUS_BY_CODE = {
-    "session_busy": 409, "session_conflict": 409, "session_not_found": 404, "model_not_found": 404,
-    "session_incompatible": 422, "session_corrupt": 422, "payload_too_large": 413, "invalid_api_key": 401,
-    "overloaded": 429, "store_unavailable": 503, "service_unavailable": 503, "internal_error": 500,
-}
-_STATUS_BY_TYPE = {
-    "invalid_request_error": 400, "authentication_error": 401, "not_found_error": 404, "conflict_error": 409,
-    "rate_limit_error": 429, "service_unavailable_error": 503, "server_error": 500,
-}
 
 
 def error_from_body(body: Any, status: int | None = None, fallback: str = "") -> APIError:
@@ -114,8 +104,8 @@ def error_from_body(body: Any, status: int | None = None, fallback: str = "") ->
     if not isinstance(err, Mapping):
         err = {"message": fallback or f"the server answered HTTP {status}"}
     code, type_ = err.get("code"), err.get("type")
-    if status is None:
-        status = _STATUS_BY_CODE.get(str(code)) or _STATUS_BY_TYPE.get(str(type_))
+    if status is None and isinstance(body, Mapping) and isinstance(body.get("status"), int):  # inside a stream
+        status = body["status"]
     cls = _BY_STATUS.get(status or 0) or (InternalServerError if (status or 0) >= 500 else APIError)
     if cls is ConflictError and code == "session_busy":
         cls = SessionBusyError

@@ -1,0 +1,1 @@
+"""Shared by every txlserve package; today only the error hierarchy (:mod:`txlserve.errors`)."""

@@ -1,0 +1,120 @@
+"""The one error hierarchy of txlserve, and the one table from each error to its HTTP status and OpenAI type.
+
+Every error a user can cause or meet derives from ``TxlError``. Each class carries its
+``status``, OpenAI error ``type`` and a stable ``code``: the server answers HTTP and WebSocket
+errors from these attributes alone (``server/errors.py``), errors inside a stream carry the
+same status, and the CLI prints ``str(err)`` as one line. Infrastructure errors (Redis, OS)
+are translated into these at the package boundary that meets them. This module is neutral:
+``model/``, ``memory_store/`` and ``server/`` all import it, it imports none of them.
+
+    TxlError                                                     status  type
+    ├── ConfigError                 invalid model config or settings    400  invalid_request_error
+    ├── CheckpointError             missing / damaged checkpoint        400  invalid_request_error
+    ├── DataError                   unreadable corpus or bad split      400  invalid_request_error
+    ├── InvalidRequestError         bad generation/scoring parameters   400  invalid_request_error
+    │   └── StateIncompatible       a state built by another model      400  invalid_request_error
+    │       └── SessionIncompatible stored session of another model     422  invalid_request_error
+    ├── AuthenticationError         missing or wrong API key            401  authentication_error
+    ├── SessionNotFound             no such session (or not yours)      404  not_found_error
+    ├── ModelNotFound               a model this server does not serve  404  not_found_error
+    ├── UnsupportedEndpoint         an OpenAI route a base model lacks  404  invalid_request_error
+    ├── SessionBusy                 session leased by another request   409  conflict_error
+    ├── SessionConflict             commit lost a compare-and-set race  409  conflict_error
+    ├── PayloadTooLarge             state/body over a configured limit  413  invalid_request_error
+    ├── SessionCorrupt              stored payload fails validation     422  invalid_request_error
+    ├── Overloaded                  queue full                          429  rate_limit_error
+    ├── StoreUnavailable            Redis unreachable / timed out       503  service_unavailable_error
+    └── Unavailable                 starting, draining, or shut down    503  service_unavailable_error
+
+Anything else that escapes is a bug: 500 ``server_error``, logged, never shown.
+A stored session that exists but cannot be used (another model, damaged) is a 422: the
+request was well-formed, the stored data is not usable by this server.
+"""
+
+from __future__ import annotations
+
+INTERNAL_STATUS, INTERNAL_TYPE, INTERNAL_CODE = 500, "server_error", "internal_error"
+
+
+class TxlError(Exception):
+    """Base of every txlserve error; ``code`` is a stable machine-readable name."""
+
+    status: int = 400
+    type: str = "invalid_request_error"
+    code: str = "txlserve_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ConfigError(TxlError, ValueError):
+    code = "invalid_config"
+
+
+class CheckpointError(TxlError):
+    code = "invalid_checkpoint"
+
+
+class DataError(TxlError):
+    code = "invalid_data"
+
+
+class InvalidRequestError(TxlError, ValueError):
+    code = "invalid_request"
+
+
+class StateIncompatible(InvalidRequestError):
+    code = "state_incompatible"
+
+
+class SessionIncompatible(StateIncompatible):
+    status, code = 422, "session_incompatible"
+
+
+class AuthenticationError(TxlError):
+    status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class SessionNotFound(TxlError, KeyError):
+    status, type, code = 404, "not_found_error", "session_not_found"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.message
+
+
+class ModelNotFound(TxlError):
+    status, type, code = 404, "not_found_error", "model_not_found"
+
+
+class UnsupportedEndpoint(TxlError):
+    status, code = 404, "unsupported_endpoint"
+
+
+class SessionBusy(TxlError):
+    status, type, code = 409, "conflict_error", "session_busy"
+
+
+class SessionConflict(TxlError):
+    status, type, code = 409, "conflict_error", "session_conflict"
+
+
+class PayloadTooLarge(TxlError):
+    status, code = 413, "payload_too_large"
+
+
+class SessionCorrupt(TxlError):
+    status, code = 422, "session_corrupt"
+
+
+class Overloaded(TxlError):
+    status, type, code = 429, "rate_limit_error", "overloaded"
+
+
+class StoreUnavailable(TxlError):
+    status, type, code = 503, "service_unavailable_error", "store_unavailable"
+
+
+class Unavailable(TxlError):
+    status, type, code = 503, "service_unavailable_error", "service_unavailable"

@@ -30,6 +30,7 @@ class SessionInfo:
     created_at: float
     updated_at: float
     metadata: dict[str, Any]
+    fingerprint: str = ""  # of the model (and window) that wrote this session: what a restore must match
 
     @classmethod
     def from_header(cls, session_id: str, header: Header, *, tier: Tier) -> SessionInfo:
@@ -44,6 +45,7 @@ class SessionInfo:
             created_at=header.created_at,
             updated_at=header.updated_at,
             metadata=header.metadata,
+            fingerprint=header.fingerprint,
         )
 
 

@@ -12,6 +12,7 @@ ring of ``mem_len`` slots plus the chunk being fed is all a call ever needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,23 @@ class DecodeState:
     def rows(self, index: list[int] | Tensor) -> DecodeState:
         idx = torch.as_tensor(index, device=self.seen.device, dtype=torch.long)
         return DecodeState(self.hid[:, idx], self.k[:, idx], self.v[:, idx], self.seen[idx], self.last_logits[idx])
+
+    def prefix(self, n: int) -> DecodeState:
+        """Rows [0, n) as views: a step on them writes through (``last_logits`` is replaced, not written)."""
+        return DecodeState(self.hid[:, :n], self.k[:, :n], self.v[:, :n], self.seen[:n], self.last_logits[:n])
+
+    def copy_row(self, dst: int, src: DecodeState, row: int = 0) -> None:
+        """Row ``dst`` becomes a copy of ``src``'s row ``row``: one session's rings, nobody else's."""
+        self.hid[:, dst] = src.hid[:, row]
+        self.k[:, dst] = src.k[:, row]
+        self.v[:, dst] = src.v[:, row]
+        self.seen[dst] = src.seen[row]
+        self.last_logits[dst] = src.last_logits[row]
+
+    @property
+    def row_bytes(self) -> int:
+        """Device bytes one session occupies here."""
+        return sum(t[:, :1].nbytes for t in (self.hid, self.k, self.v)) + self.last_logits[:1].nbytes + 8
 
     @staticmethod
     def cat(states: list[DecodeState]) -> DecodeState:
@@ -101,3 +119,46 @@ class RingCache:
     def advance(self, last_logits: Tensor) -> None:
         self.state.seen += self.chunk
         self.state.last_logits = last_logits  # [batch, vocab]
+
+
+class SlotTable:
+    """The decode batch as a fixed-capacity table of rows (as static key/value caches are): rows [0, n) are
+    the sessions generating now. A session joins by copying its own state into row n and leaves by moving the
+    last row into its place, so joins and leaves never copy the other sessions' rings. The table grows by
+    doubling up to ``capacity`` (a byte budget's worth of rows), which is the only time rows move together."""
+
+    def __init__(self, new_state: Callable[[int], DecodeState], capacity: int) -> None:
+        self.new_state, self.capacity = new_state, max(1, capacity)
+        self.table: DecodeState | None = None
+        self.n = 0
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.n
+
+    def join(self, state: DecodeState) -> int:
+        """Copy a batch-1 ``state`` into the next row; its row index."""
+        if self.n >= self.capacity:
+            raise RuntimeError("the slot table is full")
+        if self.table is None or self.n == self.table.batch:
+            grown = self.new_state(min(self.capacity, max(4, 2 * self.n)))
+            for r in range(self.n):
+                grown.copy_row(r, self.table, r)
+            self.table = grown
+        self.table.copy_row(self.n, state)
+        self.n += 1
+        return self.n - 1
+
+    def leave(self, row: int) -> None:
+        """Free ``row`` (export it first): the last row moves into its place."""
+        last = self.n - 1
+        if row != last:
+            self.table.copy_row(row, self.table, last)
+        self.n = last
+
+    def active(self) -> DecodeState:
+        """Rows [0, n) as views, for one step; call :meth:`stepped` after it."""
+        return self.table.prefix(self.n)
+
+    def stepped(self, view: DecodeState) -> None:
+        self.table.last_logits[: self.n] = view.last_logits

@@ -14,7 +14,18 @@ from typing import Any
 from model.engine import TokenEvent
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer, Tokenizer
-from server.protocol import CompletionRequest
+from server.protocol import (
+    CompletionChoice,
+    CompletionDelta,
+    CompletionDone,
+    CompletionLogprobs,
+    CompletionObject,
+    CompletionRequest,
+    FinishReason,
+    PromptTokensDetails,
+    SessionRef,
+    Usage,
+)
 from server.runtime import Runtime
 from server.service import Failed, Final, Run, first_item
 from txlserve.errors import InvalidRequestError, ModelNotFound, PayloadTooLarge
@@ -90,7 +101,7 @@ class Completion:
     tops: list[dict[str, float]] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
 
-    def add(self, ev: TokenEvent) -> dict[str, Any] | None:
+    def add(self, ev: TokenEvent) -> CompletionLogprobs | None:
         """Record a token; its logprobs piece for a stream chunk (or None without logprobs)."""
         start = len(self.text)
         self.tokens.append(ev.token)
@@ -102,41 +113,52 @@ class Completion:
         self.lps.append(ev.logprob)
         self.tops.append(top)
         self.offsets.append(start)
-        return {"tokens": [name(ev.token)], "token_logprobs": [ev.logprob], "top_logprobs": [top],
-                "text_offset": [start]}
+        return CompletionLogprobs(tokens=[name(ev.token)], token_logprobs=[ev.logprob], top_logprobs=[top],
+                                  text_offset=[start])
 
-    def logprobs(self) -> dict[str, Any] | None:
+    def logprobs(self) -> CompletionLogprobs | None:
         if self.req.logprobs is None:
             return None
-        return {"tokens": [self.tokenizer.token_name(t) for t in self.tokens], "token_logprobs": self.lps,
-                "top_logprobs": self.tops, "text_offset": self.offsets}
+        return CompletionLogprobs(tokens=[self.tokenizer.token_name(t) for t in self.tokens],
+                                  token_logprobs=self.lps, top_logprobs=self.tops, text_offset=self.offsets)
 
-    def chunk(self, text: str, finish_reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    def chunk(self, text: str, finish_reason: FinishReason | None = None, logprobs: CompletionLogprobs | None = None,
+              *, session: SessionRef | None = None) -> CompletionObject:
+        return CompletionObject(id=self.id, created=self.created, model=self.model, session=session, choices=[
+            CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)])
 
     @staticmethod
-    def usage(final: Final, prompt_tokens: int) -> dict[str, Any]:
+    def usage(final: Final, prompt_tokens: int) -> Usage:
         n = final.done.completion_tokens
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
-                "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=final.cached_tokens))
 
     @staticmethod
-    def session(final: Final) -> dict[str, Any] | None:
+    def session(final: Final) -> SessionRef | None:
         if final.info is None:
             return None
-        return {"id": final.info.session_id, "tokens_seen": final.info.tokens_seen}
+        return SessionRef(id=final.info.session_id, tokens_seen=final.info.tokens_seen)
 
-    def finish(self, final: Final) -> str:
-        reason = final.done.finish_reason
-        return "stop" if reason == "cancelled" else reason or "length"
+    @staticmethod
+    def finish(final: Final) -> FinishReason:
+        return final.done.finish_reason or "length"
 
-    def body(self, final: Final, prompt_tokens: int) -> dict[str, Any]:
-        out = self.chunk(self.text, self.finish(final), self.logprobs())
-        out["usage"] = self.usage(final, prompt_tokens)
-        if (session := self.session(final)) is not None:
-            out["session"] = session
+    def body(self, final: Final, prompt_tokens: int) -> CompletionObject:
+        out = self.chunk(self.text, self.finish(final), self.logprobs(), session=self.session(final))
+        out.usage = self.usage(final, prompt_tokens)
         return out
+
+    def usage_chunk(self, final: Final, prompt_tokens: int) -> CompletionObject:
+        """The extra last SSE chunk of ``stream_options.include_usage``: no choices, the usage."""
+        return CompletionObject(id=self.id, created=self.created, model=self.model, choices=[],
+                                usage=self.usage(final, prompt_tokens))
+
+    def delta(self, text: str, logprobs: CompletionLogprobs | None) -> CompletionDelta:
+        return CompletionDelta(id=self.id, text=text, logprobs=logprobs)
+
+    def done(self, final: Final, prompt_tokens: int) -> CompletionDone:
+        return CompletionDone(id=self.id, text=self.text, finish_reason=self.finish(final),
+                              usage=self.usage(final, prompt_tokens), session=self.session(final))
 
 
 async def events(run: Run, first: Any) -> AsyncIterator[TokenEvent | Final]:

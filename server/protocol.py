@@ -96,3 +96,81 @@ class AppendResult(SessionObject):
     logprob: float | None = None
     bpc: float | None = None  # bits per token: per character for a byte model
     perplexity: float | None = None  # per token: a word model's measure
+
+
+# -- responses: one set of models for JSON bodies, SSE chunks and WebSocket messages ------------------------------
+FinishReason = Literal["stop", "length", "cancelled"]
+"""``stop``: a stop string; ``length``: max_tokens; ``cancelled``: the client cancelled or left, or the server
+drained, and what was generated was committed. The same on every surface."""
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # tokens already in the session's memory: never re-read
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class SessionRef(BaseModel):
+    id: str
+    tokens_seen: int
+
+
+class CompletionObject(BaseModel):
+    """OpenAI's ``text_completion``: the JSON body, and (``usage`` None until the end) each SSE chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    session: SessionRef | None = None  # txlserve: the session after this request
+
+    def dump(self) -> dict[str, Any]:
+        """OpenAI's shape: ``session`` only when there is one, ``usage`` only when known."""
+        return self.model_dump(exclude={k for k in ("session", "usage") if getattr(self, k) is None})
+
+
+class CompletionDelta(BaseModel):
+    """WebSocket: a piece of text (and its logprobs when asked)."""
+
+    type: Literal["completion.delta"] = "completion.delta"
+    id: str
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"logprobs"} if self.logprobs is None else set())
+
+
+class CompletionDone(BaseModel):
+    """WebSocket: the end of a completion, with the whole text."""
+
+    type: Literal["completion.done"] = "completion.done"
+    id: str
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    session: SessionRef | None = None
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"session"} if self.session is None else set())

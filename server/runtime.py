@@ -56,7 +56,8 @@ async def open_runtime(settings: Settings) -> Runtime:
                                  data_dir=settings.data_dir, lease_ttl_ms=settings.lease_ttl_ms,
                                  op_timeout_s=settings.store_timeout_s)
     await store.start()
-    scheduler = Scheduler(engine, max_batch=settings.max_batch, prefill_chunk=engine.prefill_chunk)
+    scheduler = Scheduler(engine, max_batch=settings.max_batch, batch_bytes=settings.batch_mb << 20,
+                          prefill_chunk=engine.prefill_chunk)
     scheduler.start()
     rt = Runtime(settings, engine, scheduler, store, Metrics(scheduler, store))
     where = "embedded Redis under " + settings.data_dir if settings.redis_url is None else "Redis at " + (

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from model.cache import SlotTable
 from model.decode import DecodeState
 from model.engine import Engine, Generation, Score, TokenEvent
 from model.sampling import SamplingParams
@@ -42,7 +43,7 @@ class JobFailed:
 
 @dataclass(eq=False)  # identity semantics: jobs live in sets
 class Job:
-    state: DecodeState  # batch-1 state while prefilling; moved into the shared batch to decode
+    state: DecodeState | None  # batch-1 state while prefilling; None once copied into a row of the slot table
     pending: list[int]  # tokens still to feed
     params: SamplingParams | None  # None: feed only (append), no generation
     emit: Callable[[Any], None]
@@ -57,14 +58,21 @@ class Job:
         self.cancelled = True  # read by the engine thread between steps
 
 
+def batch_capacity(engine: Engine, *, max_batch: int, batch_bytes: int) -> int:
+    """How many sessions generate together: as many as ``batch_bytes`` of rings hold, at most ``max_batch``."""
+    return max(1, min(max_batch, batch_bytes // engine.new_state(1).row_bytes))
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, *, max_batch: int = 32, prefill_chunk: int = 512) -> None:
-        self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
+    def __init__(self, engine: Engine, *, max_batch: int = 256, batch_bytes: int = 1 << 30,
+                 prefill_chunk: int = 512) -> None:
+        self.engine, self.prefill_chunk = engine, prefill_chunk
+        self.capacity = batch_capacity(engine, max_batch=max_batch, batch_bytes=batch_bytes)
         self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.prefilling: deque[Job] = deque()
-        self.ready: deque[Job] = deque()  # prompt read, waiting for a batch slot
-        self.running: list[Job] = []
-        self.batch: DecodeState | None = None
+        self.ready: deque[Job] = deque()  # prompt read, waiting for a row of the slot table
+        self.slots = SlotTable(engine.new_state, self.capacity)
+        self.running: list[Job] = []  # the job of each active row
         self.active: set[Job] = set()  # accepted and not yet answered
         self.steps = 0
         self._stop = threading.Event()
@@ -106,7 +114,7 @@ class Scheduler:
                 log.exception("engine step failed")
                 for job in list(self.active):
                     self._finish(job, JobFailed(err))
-                self.running, self.batch = [], None
+                self.running, self.slots = [], SlotTable(self.engine.new_state, self.capacity)
                 self.prefilling.clear()
                 self.ready.clear()
 
@@ -157,24 +165,26 @@ class Scheduler:
         return JobDone(tensors, int(state.seen[row]), reason, n, job.score if job.params is None else None)
 
     def _regroup(self, leaving: list[int], failed: dict[int, BaseException] | None = None) -> None:
-        """Take finished (or failed) rows out of the batch and let waiting requests in; the only
-        copies of the rings happen here, when the batch's membership changes."""
+        """Finished (or failed) rows leave the slot table and waiting requests join it while it has rows; each
+        move copies only the session that moves."""
         failed = failed or {}
         for r in leaving:
             job = self.running[r]
-            self._finish(job, self._done(job, self.batch, r, job.generation.finish_reason or "cancelled"))
+            self._finish(job, self._done(job, self.slots.table, r, job.generation.finish_reason or "cancelled"))
         for r, err in failed.items():
             self._finish(self.running[r], JobFailed(err))
-        gone = set(leaving) | set(failed)
-        keep = [r for r in range(len(self.running)) if r not in gone]
-        joining = [job for job in list(self.ready)[: self.max_batch - len(keep)] if not job.cancelled]
-        if not gone and not joining:
-            return
-        parts = ([self.batch.rows(keep)] if keep else []) + [j.state for j in joining]
-        self.batch = DecodeState.cat(parts) if parts else None
-        self.running = [self.running[r] for r in keep] + joining
-        for job in joining:
-            self.ready.remove(job)
+        for r in sorted(set(leaving) | set(failed), reverse=True):  # highest first: the moved last row stays valid
+            self.slots.leave(r)
+            self.running[r] = self.running[-1]
+            self.running.pop()
+        while self.ready and self.slots.free:
+            job = self.ready.popleft()
+            if job.cancelled:  # left before its first token: commit the prompt
+                self._finish(job, self._done(job, job.state, 0, "cancelled"))
+                continue
+            self.slots.join(job.state)
+            job.state = None  # the row is its state now
+            self.running.append(job)
 
     def _decode_step(self) -> None:
         for job in [j for j in self.ready if j.cancelled]:  # left before its first token: commit the prompt
@@ -183,7 +193,8 @@ class Scheduler:
         self._regroup([r for r, job in enumerate(self.running) if job.cancelled])
         if not self.running:
             return
-        logits = self.batch.last_logits.float().cpu()  # [batch, vocab]
+        batch = self.slots.active()  # views of rows [0, n)
+        logits = batch.last_logits.float().cpu()  # [batch, vocab]
         events: dict[int, TokenEvent] = {}
         failed: dict[int, BaseException] = {}
         for r, job in enumerate(self.running):
@@ -197,6 +208,7 @@ class Scheduler:
         tokens = torch.tensor([[events[r].token] for r in range(len(self.running))], device=self.engine.device)
         for r, job in enumerate(self.running):
             job.emit(events[r])
-        self.engine.decoder.step(self.batch, tokens)  # [batch, 1]
+        self.engine.decoder.step(batch, tokens)  # [batch, 1]
+        self.slots.stepped(batch)
         self.steps += 1
         self._regroup([r for r, ev in events.items() if ev.finish_reason is not None])

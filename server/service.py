@@ -44,7 +44,7 @@ class Run:
         s = rt.settings
         if rt.draining or not rt.ready:
             raise Unavailable("the server is shutting down" if rt.draining else "the server is starting")
-        if len(rt.runs) >= s.max_queue + s.max_batch:  # every request in flight, whatever its phase
+        if len(rt.runs) >= s.max_queue + rt.scheduler.capacity:  # every request in flight, whatever its phase
             raise Overloaded("too many requests are waiting; retry shortly")
         self.rt, self.ids, self.params, self.owner = rt, ids, params, owner
         self.session_id, self.create, self.create_metadata = session_id, create, create_metadata
@@ -75,7 +75,7 @@ class Run:
             async with rt.store.lease(self.session_id, owner=self.owner) as lease:
                 cached = lease.session.info.tokens_seen
                 state = await asyncio.to_thread(rt.engine.import_state, lease.session.tensors, tokens_seen=cached,
-                                                fingerprint=rt.engine.fingerprint)
+                                                fingerprint=lease.session.info.fingerprint)  # as written
                 done, last = await self._schedule(state)
                 info = lease.session.info
                 if done.tensors is not None and done.tokens_seen != cached:

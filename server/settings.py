@@ -35,7 +35,9 @@ class Settings:
     api_keys: tuple[str, ...] = _opt((), "Bearer keys (comma-separated in the environment); each session "
                                          "belongs to the key that made it", )
     model_name: str = _opt("txl-shakespeare-small", "the model name clients send")
-    max_batch: int = _opt(32, "sessions advanced together per decode step")
+    max_batch: int = _opt(256, "sessions advanced together per decode step, at most (fewer if --batch-mb is reached)")
+    batch_mb: int = _opt(1024, "memory for the sessions generating together (their key/value rings), in MiB: "
+                               "every waiting request joins the decode batch while it fits")
     max_queue: int = _opt(256, "requests waiting beyond the batch before 429")
     max_tokens_limit: int = _opt(4096, "the largest max_tokens a request may ask for")
     max_prompt_bytes: int = _opt(1_000_000, "largest prompt, in tokens (bytes for a byte model)")
@@ -57,7 +59,7 @@ class Settings:
             raise ConfigError(f"storage_dtype must be float32, bfloat16 or float16, not {self.storage_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
-        for name in ("max_batch", "max_queue", "max_tokens_limit", "prefill_chunk"):
+        for name in ("max_batch", "batch_mb", "max_queue", "max_tokens_limit", "prefill_chunk"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if not 0 <= self.port <= 65535:

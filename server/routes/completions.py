@@ -48,7 +48,7 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                     comp.add(item)
                 else:
                     _observe(rt, run, item, t0)
-                    return comp.body(item, len(run.ids))
+                    return comp.body(item, len(run.ids)).dump()
     return StreamingResponse(_stream(rt, run, first, comp, t0), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -59,7 +59,7 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
     finished = False
     try:
         if comp.req.echo and comp.req.prompt:
-            yield _sse(comp.chunk(comp.req.prompt))
+            yield _sse(comp.chunk(comp.req.prompt).dump())
         async for item in events(run, first):
             if isinstance(item, TokenEvent):
                 now = time.monotonic()
@@ -67,11 +67,11 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
                 last_t = now
                 logprobs = comp.add(item)
                 if item.text or logprobs is not None:
-                    yield _sse(comp.chunk(item.text, None, logprobs))
+                    yield _sse(comp.chunk(item.text, None, logprobs).dump())
                 continue
-            yield _sse(comp.chunk("", comp.finish(item)) | ({"session": s} if (s := comp.session(item)) else {}))
+            yield _sse(comp.chunk("", comp.finish(item), session=comp.session(item)).dump())
             if include_usage:
-                yield _sse({**comp.chunk(""), "choices": [], "usage": comp.usage(item, len(run.ids))})
+                yield _sse(comp.usage_chunk(item, len(run.ids)).dump())
             _observe(rt, run, item, t0)
         finished = True
     except Exception as err:  # mid-stream: an error event, then [DONE]

@@ -129,15 +129,9 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
             if isinstance(item, TokenEvent):
                 logprobs = comp.add(item)
                 if item.text or logprobs is not None:
-                    await ws.send_json({"type": "completion.delta", "id": comp.id, "text": item.text,
-                                        **({"logprobs": logprobs} if logprobs else {})})
+                    await ws.send_json(comp.delta(item.text, logprobs).dump())
             else:
-                done_msg = {"type": "completion.done", "id": comp.id, "text": comp.text,
-                            "finish_reason": "cancelled" if item.done.finish_reason == "cancelled"
-                            else comp.finish(item), "usage": comp.usage(item, len(run.ids))}
-                if (session := comp.session(item)) is not None:
-                    done_msg["session"] = session
-                await ws.send_json(done_msg)
+                await ws.send_json(comp.done(item, len(run.ids)).dump())
                 answered = True
             next_item = asyncio.ensure_future(stream.__anext__())
     finally:

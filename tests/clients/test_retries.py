@@ -168,7 +168,8 @@ def test_stream_retried_before_it_starts(scripted: Scripted) -> None:
 def test_errors_inside_a_stream(scripted: Scripted) -> None:
     chunk = {"id": "c", "object": "text_completion", "created": 1, "model": "m",
              "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}]}
-    busy = {"error": {"message": "in use", "type": "conflict_error", "param": None, "code": "session_busy"}, "status": 409}
+    busy = {"error": {"message": "in use", "type": "conflict_error", "param": None, "code": "session_busy"},
+            "status": 409}
     scripted.script(sse(chunk, busy, b"[DONE]"))
     with Client(base_url=scripted.url) as client:
         stream = client.completions.create(model="m", prompt="x", stream=True)

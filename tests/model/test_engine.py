@@ -295,3 +295,42 @@ def test_an_empty_session_round_trips(tmp_path):
     x = [5, 6, 7, 8]
     torch.testing.assert_close(engine.logits(engine.feed(again, x)), engine.logits(engine.feed(engine.new_state(), x)),
                                **TOL)
+
+
+def test_slot_table_joins_and_leaves_without_moving_the_others(tmp_path):
+    """Sessions generating together in a slot table compute what each computes alone; a leave moves only the
+    last row into the freed one, and the table is never reallocated below its capacity."""
+    from model.cache import SlotTable
+
+    engine = make_engine(tmp_path)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 9, 14, 6)]
+    alone = []
+    for p in prompts:
+        st = engine.new_state()
+        engine.feed(st, p)
+        alone.append(st)
+    table = SlotTable(engine.new_state, capacity=4)
+    for p in prompts:
+        st = engine.new_state()
+        engine.feed(st, p)
+        table.join(st)
+    storage = table.table.k.data_ptr()
+    rows = [0, 1, 2, 3]  # which session each row holds
+
+    def step(tokens: list[int]) -> None:
+        view = table.active()
+        engine.decoder.step(view, torch.tensor(tokens)[:, None])
+        table.stepped(view)
+        for r, tok in zip(rows, tokens):
+            engine.decoder.step(alone[r], torch.tensor([[tok]]))
+
+    step([1, 2, 3, 4])
+    before = table.table.k[:, 1].clone()
+    table.leave(0)  # session 3 moves into row 0
+    rows = [3, 1, 2]
+    assert torch.equal(table.table.k[:, 1], before) and table.n == 3
+    step([5, 6, 7])
+    for r, session in enumerate(rows):
+        torch.testing.assert_close(table.table.last_logits[r], alone[session].last_logits[0], **TOL)
+        assert int(table.table.seen[r]) == int(alone[session].seen[0])
+    assert table.table.k.data_ptr() == storage and table.free == 1

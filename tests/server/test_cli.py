@@ -88,12 +88,17 @@ def test_bench_store_json(checkpoint):
 
 
 def test_bench_serve_json(checkpoint):
-    r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "2", "--duration", "1",
+    r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "1,2", "--duration", "1",
                  "--max-tokens", "8", "--doc-kb", "1", timeout=180)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["errors"] == 0 and out["requests"] >= 2 and out["tokens_per_s"] > 0
-    assert out["ttft_p50_ms"] > 0 and out["continue_speedup"] > 0
+    assert [load["concurrency"] for load in out["loads"]] == [1, 2] and out["model"] == "bench-model"
+    for load in out["loads"]:
+        assert load["errors"] == 0 and load["requests"] >= load["concurrency"] and load["tokens_per_s"] > 0
+        assert load["tokens"] == 8 * load["requests"]  # counted from the usage the server reports
+        assert load["ttft_p50_ms"] > 0 and load["server_over_engine"] == pytest.approx(
+            load["tokens_per_s"] / load["engine_tokens_per_s"])
+    assert out["continue_speedup"] > 0
 
 
 def test_chat_subcommand_hands_every_flag_to_the_client():

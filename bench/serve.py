@@ -102,7 +102,7 @@ def served_model(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-def engine_tokens_per_s(checkpoint: str, batch: int, tokens: int = 32) -> float:
+def engine_tokens_per_s(checkpoint: str, batch: int, tokens: int = 64, repeat: int = 3) -> float:
     """The engine alone: ``batch`` sessions with full memories generating (decode step plus sampling)."""
     import torch
 
@@ -113,14 +113,17 @@ def engine_tokens_per_s(checkpoint: str, batch: int, tokens: int = 32) -> float:
     state = engine.new_state(batch)
     ids = torch.randint(32, 127, (batch, engine.mem_len))
     engine.decoder.prefill(state, ids, chunk_size=engine.prefill_chunk)
-    gens = [Generation(SamplingParams(max_tokens=tokens + 1, temperature=0.8), engine.tokenizer)
+    gens = [Generation(SamplingParams(max_tokens=repeat * tokens + 1, temperature=0.8), engine.tokenizer)
             for _ in range(batch)]
-    t0 = time.perf_counter()
-    for _ in range(tokens):
-        logits = state.last_logits.float().cpu()  # [batch, vocab]
-        chosen = [g.on_logits(logits[r]).token for r, g in enumerate(gens)]
-        engine.decoder.step(state, torch.tensor(chosen)[:, None])
-    return batch * tokens / (time.perf_counter() - t0)
+    best = float("inf")
+    for _ in range(repeat):  # the best of a few: the least disturbed by the rest of the machine
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            logits = state.last_logits.float().cpu()  # [batch, vocab]
+            chosen = [g.on_logits(logits[r]).token for r, g in enumerate(gens)]
+            engine.decoder.step(state, torch.tensor(chosen)[:, None])
+        best = min(best, time.perf_counter() - t0)
+    return batch * tokens / best
 
 
 async def _load(url: str, model: str, concurrency: int, duration: float, max_tokens: int) -> dict[str, Any]:

@@ -1,18 +1,20 @@
 """The engine loop: one thread owns the device and advances every active request together.
 
-Each iteration reads one prefill chunk of one waiting request (round robin, so a
-long document never stalls the streams), then runs one decode step for every
-generating request at once (continuous batching: requests join and leave at any
-step). Results go back to the asyncio side through each job's ``emit``.
+Each iteration reads up to one prefill chunk of prompt tokens across the waiting
+requests (round robin, so a long document never stalls the streams and many short
+prompts are read at once), then runs one decode step for every generating request
+(continuous batching over a slot table: requests join and leave at any step).
+Results go back to the asyncio side once per iteration, one wake-up per event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +48,8 @@ class Job:
     state: DecodeState | None  # batch-1 state while prefilling; None once copied into a row of the slot table
     pending: list[int]  # tokens still to feed
     params: SamplingParams | None  # None: feed only (append), no generation
-    emit: Callable[[Any], None]
+    loop: asyncio.AbstractEventLoop  # where the request waits: its items are put into ``inbox`` on that loop
+    inbox: asyncio.Queue
     hot: bool = True  # export the key/value cache for the hot tier
     dtype: torch.dtype | None = None  # dtype of the exported mems
     cancelled: bool = False
@@ -63,6 +66,11 @@ def batch_capacity(engine: Engine, *, max_batch: int, batch_bytes: int) -> int:
     return max(1, min(max_batch, batch_bytes // engine.new_state(1).row_bytes))
 
 
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for inbox, item in items:
+        inbox.put_nowait(item)
+
+
 class Scheduler:
     def __init__(self, engine: Engine, *, max_batch: int = 256, batch_bytes: int = 1 << 30,
                  prefill_chunk: int = 512) -> None:
@@ -75,6 +83,7 @@ class Scheduler:
         self.running: list[Job] = []  # the job of each active row
         self.active: set[Job] = set()  # accepted and not yet answered
         self.steps = 0
+        self._outbox: list[tuple[Job, Any]] = []  # items for the requests, handed over once per iteration
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="txlserve-engine", daemon=True)
 
@@ -91,16 +100,32 @@ class Scheduler:
         self._thread.join(timeout)
         for job in list(self.active):  # nobody will advance them any more
             self._finish(job, JobFailed(Unavailable("the server is shutting down")))
+        self._flush()
 
     def submit(self, job: Job) -> Job:
         self.inbox.put(job)
         return job
 
+    def _emit(self, job: Job, item: Any) -> None:
+        self._outbox.append((job, item))
+
+    def _flush(self) -> None:
+        """Hand this iteration's items to the event loops: one wake-up per loop and step, not one per token."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for job, item in self._outbox:
+            by_loop.setdefault(job.loop, []).append((job.inbox, item))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is waiting any more
+                loop.call_soon_threadsafe(_deliver, items)
+
     def _finish(self, job: Job, item: JobDone | JobFailed) -> None:
         """A job's last word; every accepted job gets exactly one, whatever fails."""
         if job in self.active:
             self.active.discard(job)
-            job.emit(item)
+            self._emit(job, item)
 
     # -- the loop ---------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -108,8 +133,9 @@ class Scheduler:
             idle = not (self.prefilling or self.ready or self.running)
             try:
                 self._drain(block=idle)
-                self._prefill_one()
+                self._prefill()
                 self._decode_step()
+                self._flush()
             except Exception as err:  # a bug must fail the requests involved, never the loop
                 log.exception("engine step failed")
                 for job in list(self.active):
@@ -117,6 +143,7 @@ class Scheduler:
                 self.running, self.slots = [], SlotTable(self.engine.new_state, self.capacity)
                 self.prefilling.clear()
                 self.ready.clear()
+                self._flush()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -129,15 +156,23 @@ class Scheduler:
         except queue.Empty:
             pass
 
-    def _prefill_one(self) -> None:
-        if not self.prefilling:
-            return
+    def _prefill(self) -> None:
+        """Read up to ``prefill_chunk`` prompt tokens per iteration, across waiting requests in turn: a long
+        document is read a chunk at a time between decode steps, and many short prompts are all read at once."""
+        budget = self.prefill_chunk
+        for _ in range(len(self.prefilling)):
+            if budget <= 0 or not self.prefilling:
+                return
+            budget -= self._prefill_one(budget)
+
+    def _prefill_one(self, budget: int) -> int:
+        """One chunk (at most ``budget`` tokens) of the first waiting request's prompt; the tokens read."""
         job = self.prefilling[0]  # stays counted as waiting while its chunk runs
         if job.cancelled:  # the prompt joins the session only once completely read
             self.prefilling.popleft()
             self._finish(job, JobDone(None, int(job.state.seen[0]), "cancelled"))
-            return
-        chunk, job.pending = job.pending[: self.prefill_chunk], job.pending[self.prefill_chunk:]
+            return 0
+        chunk, job.pending = job.pending[:budget], job.pending[budget:]
         try:  # a prefill touches only this job's own state: a failure fails only this job
             if chunk and job.params is None:
                 part = self.engine.score(job.state, chunk)
@@ -148,16 +183,17 @@ class Scheduler:
             log.exception("prefill failed")
             self.prefilling.popleft()
             self._finish(job, JobFailed(err))
-            return
+            return len(chunk)
         if job.pending:
             self.prefilling.rotate(-1)  # round robin: the next waiting request reads its next chunk
-            return
+            return len(chunk)
         if job.params is None:
             self._finish(job, self._done(job, job.state, 0, None))
         else:
             job.generation = Generation(job.params, self.engine.tokenizer, job.prev)
             self.ready.append(job)
         self.prefilling.popleft()
+        return max(1, len(chunk))
 
     def _done(self, job: Job, state: DecodeState, row: int, reason: str | None) -> JobDone:
         tensors = self.engine.export_state(state, row, dtype=job.dtype, hot=job.hot)
@@ -207,7 +243,7 @@ class Scheduler:
             return
         tokens = torch.tensor([[events[r].token] for r in range(len(self.running))], device=self.engine.device)
         for r, job in enumerate(self.running):
-            job.emit(events[r])
+            self._emit(job, events[r])
         self.engine.decoder.step(batch, tokens)  # [batch, 1]
         self.slots.stepped(batch)
         self.steps += 1

@@ -97,9 +97,8 @@ class Run:
                                       "(no session, or an empty one)", param="prompt")
         loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
         rt = self.rt
-        self.job = Job(state, list(self.ids), self.params, lambda item: loop.call_soon_threadsafe(inbox.put_nowait,
-                                                                                                  item),
-                       hot=rt.hot_cache, dtype=rt.storage_dtype, prev=self.ids[-1] if self.ids else None)
+        self.job = Job(state, list(self.ids), self.params, loop, inbox, hot=rt.hot_cache, dtype=rt.storage_dtype,
+                       prev=self.ids[-1] if self.ids else None)
         if self.cancelled:
             self.job.cancel()
         rt.scheduler.submit(self.job)

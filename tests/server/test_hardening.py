@@ -324,3 +324,29 @@ def test_docs_work_offline(server):
         assert r.status_code == 200 and len(r.content) > 100, url
     assert "SwaggerUIBundle" in httpx.get(server.url + "/docs/static/swagger-ui-bundle.js").text
 
+
+
+def test_connections_accepted_by_serve_have_nagle_off():
+    """serve binds its socket itself; connections accepted from it must get TCP_NODELAY as asyncio's own
+    sockets do (with Nagle on, each kept-alive response waited ~40 ms for the client's delayed ACK)."""
+    import asyncio
+
+    from server.serve import bind
+
+    async def main() -> int:
+        sock = bind("127.0.0.1", 0)
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def handler(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(handler, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            try:
+                return await asyncio.wait_for(accepted, 30)
+            finally:
+                writer.close()
+
+    assert asyncio.run(main()) == 1

@@ -180,7 +180,11 @@ def test_health_ready_metrics_docs(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready").status_code == 200
     complete(server, prompt="metrics", max_tokens=2)
+    r = httpx.post(server.url + "/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and float(r.headers["x-process-time-ms"]) >= 0
     text = httpx.get(server.url + "/metrics").text
+    assert 'txlserve_requests_total{route="/v1/completions",status="200"}' in text
+    assert 'txlserve_requests_total{route="/v1/completions",status="404"}' in text
     for name in ("txlserve_requests_total", "txlserve_time_to_first_token_seconds", "txlserve_hot_bytes",
                  "txlserve_requests_running", "txlserve_requests_waiting", "txlserve_hot_hits_total",
                  "txlserve_evictions_total", "txlserve_store_errors_total", "txlserve_client_disconnects_total",

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,9 @@ log = logging.getLogger("txlserve.scheduler")
 
 
 @dataclass
-class JobDone:
+class Finished:
+    """The last item of a request: the state to commit, why it ended, and (appends) the score."""
+
     tensors: dict[str, torch.Tensor] | None  # the session state to commit; None when nothing changed
     tokens_seen: int
     finish_reason: str | None  # "stop" | "length" | "cancelled" | None (append)
@@ -64,6 +67,27 @@ class Job:
 def batch_capacity(engine: Engine, *, max_batch: int, batch_bytes: int) -> int:
     """How many sessions generate together: as many as ``batch_bytes`` of rings hold, at most ``max_batch``."""
     return max(1, min(max_batch, batch_bytes // engine.new_state(1).row_bytes))
+
+
+class EngineRequest:
+    """One request in the engine: ``async for item in request`` yields :class:`TokenEvent`s and ends with one
+    :class:`Finished` (or raises what failed the request); :meth:`cancel` ends it within a step, and the
+    ``Finished`` then holds what was generated so far. SSE, WebSocket, append and the CLI all read this."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def cancel(self) -> None:
+        self.job.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent | Finished]:
+        while True:
+            item = await self.job.inbox.get()
+            if isinstance(item, JobFailed):
+                raise item.error
+            yield item
+            if isinstance(item, Finished):
+                return
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
@@ -102,9 +126,14 @@ class Scheduler:
             self._finish(job, JobFailed(Unavailable("the server is shutting down")))
         self._flush()
 
-    def submit(self, job: Job) -> Job:
+    def submit(self, state: DecodeState, ids: list[int], params: SamplingParams | None, *, hot: bool = True,
+               dtype: torch.dtype | None = None) -> EngineRequest:
+        """Feed ``ids`` to ``state`` (a batch-1 session) and, with ``params``, generate; called on an event loop."""
+        loop = asyncio.get_running_loop()
+        job = Job(state, list(ids), params, loop, asyncio.Queue(), hot=hot, dtype=dtype,
+                  prev=ids[-1] if ids else None)
         self.inbox.put(job)
-        return job
+        return EngineRequest(job)
 
     def _emit(self, job: Job, item: Any) -> None:
         self._outbox.append((job, item))
@@ -121,7 +150,7 @@ class Scheduler:
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is waiting any more
                 loop.call_soon_threadsafe(_deliver, items)
 
-    def _finish(self, job: Job, item: JobDone | JobFailed) -> None:
+    def _finish(self, job: Job, item: Finished | JobFailed) -> None:
         """A job's last word; every accepted job gets exactly one, whatever fails."""
         if job in self.active:
             self.active.discard(job)
@@ -170,7 +199,7 @@ class Scheduler:
         job = self.prefilling[0]  # stays counted as waiting while its chunk runs
         if job.cancelled:  # the prompt joins the session only once completely read
             self.prefilling.popleft()
-            self._finish(job, JobDone(None, int(job.state.seen[0]), "cancelled"))
+            self._finish(job, Finished(None, int(job.state.seen[0]), "cancelled"))
             return 0
         chunk, job.pending = job.pending[:budget], job.pending[budget:]
         try:  # a prefill touches only this job's own state: a failure fails only this job
@@ -195,10 +224,10 @@ class Scheduler:
         self.prefilling.popleft()
         return max(1, len(chunk))
 
-    def _done(self, job: Job, state: DecodeState, row: int, reason: str | None) -> JobDone:
+    def _done(self, job: Job, state: DecodeState, row: int, reason: str | None) -> Finished:
         tensors = self.engine.export_state(state, row, dtype=job.dtype, hot=job.hot)
         n = len(job.generation.tokens) if job.generation else 0
-        return JobDone(tensors, int(state.seen[row]), reason, n, job.score if job.params is None else None)
+        return Finished(tensors, int(state.seen[row]), reason, n, job.score if job.params is None else None)
 
     def _regroup(self, leaving: list[int], failed: dict[int, BaseException] | None = None) -> None:
         """Finished (or failed) rows leave the slot table and waiting requests join it while it has rows; each

@@ -16,13 +16,13 @@ from memory_store import SessionInfo
 from model.engine import TokenEvent
 from model.sampling import SamplingParams
 from server.runtime import Runtime
-from server.scheduler import Job, JobDone, JobFailed
+from server.scheduler import EngineRequest, Finished
 from txlserve.errors import InvalidRequestError, Overloaded, Unavailable
 
 
 @dataclass
 class Final:
-    done: JobDone
+    done: Finished
     last: TokenEvent | None  # the token that ended generation, held back until the commit
     info: SessionInfo | None  # the session after commit
     cached_tokens: int  # tokens already in the session's memory before this request
@@ -49,7 +49,7 @@ class Run:
         self.rt, self.ids, self.params, self.owner = rt, ids, params, owner
         self.session_id, self.create, self.create_metadata = session_id, create, create_metadata
         self.events: asyncio.Queue[Any] = asyncio.Queue()
-        self.job: Job | None = None
+        self.request: EngineRequest | None = None
         self.cancelled = False
         self.started = time.monotonic()
         self.task = asyncio.create_task(self._main())
@@ -58,8 +58,8 @@ class Run:
 
     def cancel(self) -> None:
         self.cancelled = True
-        if self.job is not None:
-            self.job.cancel()
+        if self.request is not None:
+            self.request.cancel()
 
     async def _main(self) -> None:
         rt = self.rt
@@ -84,36 +84,30 @@ class Run:
         except Exception as err:  # delivered to the handler, which answers in OpenAI's error shape
             await self.events.put(Failed(err))
 
-    async def _schedule(self, state) -> tuple[JobDone, TokenEvent | None]:
+    async def _schedule(self, state) -> tuple[Finished, TokenEvent | None]:
         done, last = await self._engine_run(state)
         if done.tensors is None and done.finish_reason == "cancelled":
             raise Unavailable("the request was cancelled before its text was read (the server is shutting down "
                               "or the client left); nothing was stored")
         return done, last
 
-    async def _engine_run(self, state) -> tuple[JobDone, TokenEvent | None]:
+    async def _engine_run(self, state) -> tuple[Finished, TokenEvent | None]:
         if self.params is not None and not self.ids and int(state.seen[0]) == 0:
             raise InvalidRequestError("nothing to continue from: the prompt is empty and there is no memory "
                                       "(no session, or an empty one)", param="prompt")
-        loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
         rt = self.rt
-        self.job = Job(state, list(self.ids), self.params, loop, inbox, hot=rt.hot_cache, dtype=rt.storage_dtype,
-                       prev=self.ids[-1] if self.ids else None)
+        self.request = rt.scheduler.submit(state, self.ids, self.params, hot=rt.hot_cache, dtype=rt.storage_dtype)
         if self.cancelled:
-            self.job.cancel()
-        rt.scheduler.submit(self.job)
+            self.request.cancel()
         last = None
-        while True:
-            item = await inbox.get()
-            if isinstance(item, TokenEvent):
-                if item.finish_reason is None:
-                    await self.events.put(item)
-                else:
-                    last = item
-            elif isinstance(item, JobDone):
+        async for item in self.request:
+            if isinstance(item, Finished):
                 return item, last
-            elif isinstance(item, JobFailed):
-                raise item.error
+            if item.finish_reason is None:
+                await self.events.put(item)
+            else:
+                last = item  # held back until the commit
+        raise RuntimeError("the engine ended a request without its Finished")  # pragma: no cover
 
 
 async def first_item(run: Run) -> Any:

@@ -1,0 +1,119 @@
+"""A fake engine for in-process tests of the request lifecycle: it speaks the engine loop's interface
+(``submit`` -> an async iterator of token events ending with ``Finished``), and the test decides when each
+token is produced, so nothing depends on timing.
+
+Each request generates the letters of ``"abcdef..."``, one per ``release()`` of the gate; a prompt containing
+``FAIL`` fails after its first token; a cancel ends the request at the next token with what was generated.
+The state it commits is a real (small) session state, so a real store validates and keeps it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import string
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from model.engine import TokenEvent
+from model.tokenizer import ByteTokenizer
+from server.scheduler import Finished
+from txlserve.errors import InvalidRequestError
+
+N_LAYER, D_MODEL, MEM_LEN = 2, 8, 16
+
+
+@dataclass
+class FakeState:
+    seen: torch.Tensor  # [1]: tokens seen, as DecodeState has it
+
+
+class FakeEngine:
+    tokenizer = ByteTokenizer()
+    fingerprint = "fake-engine"
+    mem_len = MEM_LEN
+    clamp_len = 0
+    config = SimpleNamespace(n_layer=N_LAYER, d_model=D_MODEL, vocab_size=256)
+    decoder = SimpleNamespace(dtype=torch.float32)
+
+    def encode(self, text: str | bytes) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def new_state(self) -> FakeState:
+        return FakeState(torch.zeros(1, dtype=torch.long))
+
+    def import_state(self, tensors: dict, *, tokens_seen: int, fingerprint: str) -> FakeState:
+        assert fingerprint == self.fingerprint
+        return FakeState(torch.tensor([tokens_seen]))
+
+    def export(self, seen: int) -> dict[str, torch.Tensor]:
+        return {"mems": torch.full((N_LAYER, min(seen, MEM_LEN), D_MODEL), float(seen)),
+                "last_logits": torch.zeros(256)}
+
+
+@dataclass
+class FakeRequest:
+    scheduler: FakeScheduler
+    state: FakeState
+    ids: list[int]
+    params: object
+    cancelled: bool = False
+    events: list[TokenEvent] = field(default_factory=list)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.scheduler.wake()
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent | Finished]:
+        s = self.scheduler
+        s.running += 1
+        try:
+            seen = int(self.state.seen[0]) + len(self.ids)
+            if self.params is None:  # an append: read the text, no tokens
+                yield Finished(s.engine.export(seen), seen, None)
+                return
+            reason, n = None, 0
+            for i in range(self.params.max_tokens):
+                await s.gate.acquire()
+                if self.cancelled:
+                    reason = "cancelled"
+                    break
+                if i == 1 and any(bytes(self.ids[j:j + 4]) == b"FAIL" for j in range(len(self.ids))):
+                    raise InvalidRequestError("the fake engine was told to fail")
+                last = i + 1 == self.params.max_tokens
+                event = TokenEvent(ord(string.ascii_lowercase[i % 26]), string.ascii_lowercase[i % 26],
+                                   finish_reason="length" if last else None)
+                seen, n = seen + 1, n + 1
+                self.events.append(event)
+                yield event
+            yield Finished(s.engine.export(seen), seen, reason or "length", completion_tokens=n)
+        finally:
+            s.running -= 1
+
+
+class FakeScheduler:
+    """What the runtime needs of the engine loop: ``submit``, gauges, ``stop``."""
+
+    def __init__(self, engine: FakeEngine, *, open_gate: bool = True) -> None:
+        self.engine, self.capacity, self.steps, self.waiting, self.running = engine, 8, 0, 0, 0
+        self.gate = asyncio.Semaphore(10**6 if open_gate else 0)
+        self.requests: list[FakeRequest] = []
+
+    def submit(self, state: FakeState, ids: list[int], params: object, **_: object) -> FakeRequest:
+        request = FakeRequest(self, state, list(ids), params)
+        self.requests.append(request)
+        return request
+
+    def release(self, n: int = 1) -> None:
+        """Let ``n`` more tokens be produced."""
+        for _ in range(n):
+            self.gate.release()
+
+    def wake(self) -> None:
+        """A cancelled request notices at its next token: let it look."""
+        self.gate.release()
+
+    def stop(self, timeout: float = 0) -> None:
+        pass

@@ -1,0 +1,162 @@
+"""The whole request lifecycle in-process, through ``build_app(runtime=...)``, with a fake engine whose tokens
+the test releases one by one: streaming and commit, a client that leaves, a failure mid-stream, and a drain.
+A real Redis keeps the sessions. Nothing here waits for time to pass: every wait is on an event."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from memory_store import MemoryStore, ModelIdentity
+from server.app import build_app
+from server.metrics import Metrics
+from server.runtime import Runtime, close_runtime
+from server.settings import Settings
+from tests.server.fake_engine import D_MODEL, N_LAYER, FakeEngine, FakeScheduler
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+MODEL = "fake"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@asynccontextmanager
+async def running_app(redis_url: str, tmp_path, *, open_gate: bool = True, **settings) -> AsyncIterator:
+    engine = FakeEngine()
+    scheduler = FakeScheduler(engine, open_gate=open_gate)
+    store = MemoryStore.from_url(redis_url, identity=ModelIdentity(engine.fingerprint, N_LAYER, D_MODEL),
+                                 data_dir=str(tmp_path))
+    await store.start()
+    config = Settings(model_name=MODEL, redis_url=redis_url, data_dir=str(tmp_path), **settings)
+    rt = Runtime(config, engine, scheduler, store, Metrics(scheduler, store), ready=True)
+    app = build_app(config, runtime=rt)
+    async with app.router.lifespan_context(app):  # closing it is the server's drain
+        yield app, rt, scheduler
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30)
+
+
+async def asgi_post(app, path: str, body: dict, *, sent: asyncio.Queue, leave: asyncio.Event | None = None) -> None:
+    """POST straight to the ASGI app: every message it sends goes to ``sent``; once ``leave`` is set the
+    client has gone (``http.disconnect``), as uvicorn reports a closed connection."""
+    raw, delivered = json.dumps(body).encode(), False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await (leave or asyncio.Event()).wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg: dict) -> None:
+        await sent.put(msg)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("test", 80), "state": {}}
+    await app(scope, receive, send)
+
+
+def sse_payloads(messages: list[dict]) -> list:
+    text = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body").decode()
+    return [b[6:] if b[6:] == "[DONE]" else json.loads(b[6:]) for b in text.split("\n\n") if b]
+
+
+async def next_chunk(sent: asyncio.Queue) -> list:
+    """The SSE payloads of the next non-empty body message."""
+    while True:
+        msg = await sent.get()
+        if msg["type"] == "http.response.body" and msg.get("body"):
+            return sse_payloads([msg])
+
+
+async def settle(rt: Runtime) -> None:
+    """Every run (they outlive their HTTP requests) has committed and ended."""
+    await asyncio.gather(*(r.task for r in list(rt.runs)))
+
+
+async def test_stream_commits_the_generated_tokens(redis_url, tmp_path):
+    async with running_app(redis_url, tmp_path) as (app, rt, _), _client(app) as c:
+        sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "yo", "max_tokens": 3, "stream": True,
+                                                  "session_id": sid})
+        events = [json.loads(b[6:]) if b[6:] != "[DONE]" else "[DONE]" for b in r.text.split("\n\n") if b]
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "abc" and events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert events[-2]["session"] == {"id": sid, "tokens_seen": 2 + 2 + 3}
+        await settle(rt)
+        assert (await rt.store.info(sid)).tokens_seen == 7
+
+
+async def test_a_client_that_leaves_cancels_its_run_which_commits_what_was_generated(redis_url, tmp_path):
+    async with running_app(redis_url, tmp_path, open_gate=False) as (app, rt, engine):
+        async with _client(app) as c:
+            sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]  # an append needs no tokens
+        sent, leave = asyncio.Queue(), asyncio.Event()
+        task = asyncio.create_task(asgi_post(app, "/v1/completions", {
+            "model": MODEL, "prompt": "yo", "max_tokens": 50, "stream": True, "session_id": sid}, sent=sent,
+            leave=leave))
+        engine.release()
+        assert (await next_chunk(sent))[0]["choices"][0]["text"] == "a"
+        engine.release()
+        assert (await next_chunk(sent))[0]["choices"][0]["text"] == "b"
+        leave.set()  # the client is gone
+        await task
+        await settle(rt)
+        (request,) = [r for r in engine.requests if r.params is not None]
+        assert request.cancelled and len(request.events) == 2  # no token after the client left
+        assert (await rt.store.info(sid)).tokens_seen == 2 + 2 + len(request.events)
+        assert rt.metrics.disconnects._value.get() == 1
+
+
+async def test_a_failure_mid_stream_is_an_error_event_with_its_status_and_nothing_is_committed(redis_url, tmp_path):
+    async with running_app(redis_url, tmp_path) as (app, rt, _), _client(app) as c:
+        sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "FAIL", "max_tokens": 5, "stream": True,
+                                                  "session_id": sid})
+        payloads = [b[6:] for b in r.text.split("\n\n") if b]
+        assert json.loads(payloads[0])["choices"][0]["text"] == "a"
+        error = json.loads(payloads[1])
+        assert error["status"] == 400 and error["error"]["code"] == "invalid_request"
+        assert payloads[-1] == "[DONE]"
+        await settle(rt)
+        assert (await rt.store.info(sid)).tokens_seen == 2  # the session is as it was
+        plain = await c.post("/v1/completions", json={"model": MODEL, "prompt": "FAIL", "max_tokens": 5})
+        assert plain.status_code == 400 and plain.json()["error"]["code"] == "invalid_request"  # same error, no stream
+
+
+async def test_drain_ends_streams_as_cancelled_commits_them_and_refuses_new_work(redis_url, tmp_path):
+    async with running_app(redis_url, tmp_path, open_gate=False, shutdown_timeout_s=0.0) as (app, rt, engine):
+        async with _client(app) as c:
+            sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]
+        sent = asyncio.Queue()
+        task = asyncio.create_task(asgi_post(app, "/v1/completions", {
+            "model": MODEL, "prompt": "yo", "max_tokens": 50, "stream": True, "session_id": sid}, sent=sent))
+        engine.release()
+        assert (await next_chunk(sent))[0]["choices"][0]["text"] == "a"
+        drain = asyncio.create_task(close_runtime(rt))  # what SIGTERM does
+        async with _client(app) as c:
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        await drain
+        await task
+        messages = []
+        while not sent.empty():
+            messages.append(sent.get_nowait())
+        payloads = sse_payloads(messages)
+        assert payloads[-1] == "[DONE]"
+        last = payloads[-2]
+        assert last["choices"][0]["finish_reason"] == "cancelled"  # the same word as over WebSocket
+        assert last["session"]["tokens_seen"] == 2 + 2 + 1

@@ -30,6 +30,27 @@ class Runtime:
     draining: bool = False
     closed: bool = False
     runs: set = field(default_factory=set)  # in-flight request runs, awaited at shutdown
+    _draining: asyncio.Task | None = field(default=None, repr=False)
+
+    def drain(self) -> asyncio.Task:
+        """The one drain: refuse new work, let in-flight runs finish within ``shutdown_timeout_s``, then cancel
+        the rest (they commit what they generated). One task, whoever asks first: SIGTERM, which must not wait
+        for open connections to close first, or the lifespan shutdown."""
+        if self._draining is None:
+            self.ready, self.draining = False, True
+            self._draining = asyncio.get_running_loop().create_task(self._drain_runs())
+        return self._draining
+
+    async def _drain_runs(self) -> None:
+        runs = list(self.runs)
+        if not runs:
+            return
+        _, pending = await asyncio.wait([r.task for r in runs], timeout=self.settings.shutdown_timeout_s)
+        for r in runs:
+            if r.task in pending:
+                r.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=10)
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -70,18 +91,10 @@ async def open_runtime(settings: Settings) -> Runtime:
 
 
 async def close_runtime(rt: Runtime) -> None:
-    """Drain: refuse new work, let runs finish within the shutdown timeout, cancel the rest (they
-    commit what they generated), then stop the engine and close the store. Idempotent."""
+    """Drain (:meth:`Runtime.drain`), then stop the engine and close the store. Idempotent."""
     if rt.closed:
         return
-    rt.ready, rt.draining, rt.closed = False, True, True
-    runs = list(rt.runs)
-    if runs:
-        _, pending = await asyncio.wait([r.task for r in runs], timeout=rt.settings.shutdown_timeout_s)
-        for r in runs:
-            if r.task in pending:
-                r.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=10)
+    rt.closed = True
+    await rt.drain()
     await asyncio.to_thread(rt.scheduler.stop)
     await rt.store.aclose()

@@ -27,16 +27,9 @@ log = logging.getLogger("txlserve")
 class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: object) -> None:
         rt = getattr(self.config.app.state, "runtime", None)
-        if rt is not None and not rt.draining:
-            rt.ready, rt.draining = False, True
-            loop = asyncio.get_event_loop()
-            loop.call_soon_threadsafe(loop.call_later, rt.settings.shutdown_timeout_s, _cancel_runs, rt)
+        if rt is not None:  # start the one drain now: uvicorn waits for open connections before lifespan ends
+            asyncio.get_event_loop().call_soon_threadsafe(rt.drain)
         super().handle_exit(sig, frame)
-
-
-def _cancel_runs(rt) -> None:
-    for run in list(rt.runs):
-        run.cancel()
 
 
 class Redact(logging.Filter):

@@ -275,16 +275,25 @@ class MemoryStore:
 
     # -- leases ------------------------------------------------------------
 
-    def lease(self, session_id: str, *, owner: str | None = None) -> LeaseRequest:
+    def lease(self, session_id: str, *, owner: str | None = None, tensors: bool = True) -> LeaseRequest:
         """Take the session's lease, or fail at once with ``SessionBusy`` if anyone holds it.
 
         ``await store.lease(...)`` or ``async with store.lease(...) as lease:``
         (which releases on exit). The lease carries the session read after it
-        was taken; a commit succeeds only against that version.
+        was taken; a commit succeeds only against that version. With ``tensors=False``
+        only the header is read (a caller that may already hold this version in its
+        own form): :meth:`read_tensors` fetches them when it does not.
         """
-        return LeaseRequest(lambda: self._acquire(_checked_id(session_id), owner))
+        return LeaseRequest(lambda: self._acquire(_checked_id(session_id), owner, tensors))
 
-    async def _acquire(self, session_id: str, owner: str | None) -> Lease:
+    async def read_tensors(self, lease: Lease) -> dict[str, torch.Tensor]:
+        """The leased version's tensors (hot tier or Redis), for a lease taken with ``tensors=False``."""
+        session = await self._load(lease.session_id, lease.session.info.owner)
+        if session.version != lease.version:
+            raise SessionConflict(f"session {lease.session_id!r} was overwritten while leased")
+        return session.tensors
+
+    async def _acquire(self, session_id: str, owner: str | None, tensors: bool = True) -> Lease:
         with self.metrics.timed("lease"):
             token = secrets.token_hex(16)
             status = await self._redis.acquire(session_id, owner, token)
@@ -296,7 +305,7 @@ class MemoryStore:
                 raise SessionCorrupt(f"session {session_id!r} has an unreadable header")
             self._hot.pin(session_id)
             try:
-                session = await self._load(session_id, owner)
+                session = await (self._load(session_id, owner) if tensors else self._head(session_id, owner))
             except BaseException:
                 self._hot.unpin(session_id)
                 with contextlib.suppress(StoreUnavailable):  # it expires anyway; keep the first error
@@ -380,6 +389,10 @@ class MemoryStore:
         self.metrics.redis_hits += 1
         self._hot.put(session_id, header.version, tensors)
         return Session(SessionInfo.from_header(session_id, header, tier="redis"), tensors)
+
+    async def _head(self, session_id: str, owner: str | None) -> Session:
+        raw, _ = await self._redis.read(session_id, owner, payload=False)
+        return Session(self._info(session_id, self._header(session_id, raw, owner)), {})
 
     def _decode(self, payload: bytes, header: Header) -> dict[str, torch.Tensor]:
         return self._on_device(codec.decode_payload(payload, header))

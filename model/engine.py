@@ -122,21 +122,17 @@ class Engine:
         m = min(seen, self.mem_len)
         return torch.arange(seen - m, seen, device=self.device).remainder(self.mem_len)  # [m]
 
-    def export_state(self, state: DecodeState, row: int = 0, *, dtype: torch.dtype | None = None,
-                     hot: bool = False) -> dict[str, Tensor]:
-        """``mems [n_layer, m, d_model]`` (oldest first) and ``last_logits [vocab]``; with ``hot``, also the
-        cached keys/values as ``_k``/``_v`` (hot-tier only: they can always be recomputed from mems)."""
+    def export_state(self, state: DecodeState, row: int = 0, *, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """What a session persists: ``mems [n_layer, m, d_model]`` (oldest first) and ``last_logits [vocab]``.
+        The keys and values are not: they are recomputed from mems on import (hot sessions keep the whole
+        state in the server, see ``server/hot_states.py``)."""
         slots = self._ring_slots(int(state.seen[row]))
         cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-        out = {"mems": cast(state.hid[:, row, slots]).contiguous(),  # [n_layer, m, d_model]
-               "last_logits": state.last_logits[row].float().clone()}  # [vocab], not a view of the step's logits
-        if hot:
-            out["_k"] = cast(state.k[:, row, :, slots]).contiguous()  # [n_layer, H, m, Dh]
-            out["_v"] = cast(state.v[:, row, :, slots]).contiguous()
-        return out
+        return {"mems": cast(state.hid[:, row, slots]).contiguous(),  # [n_layer, m, d_model]
+                "last_logits": state.last_logits[row].float().clone()}  # [vocab], not a view of the step's logits
 
     def import_state(self, tensors: dict[str, Tensor], *, tokens_seen: int, fingerprint: str) -> DecodeState:
-        """Rebuild a hot state (batch 1); recompute keys/values from mems when the cache is absent."""
+        """Rebuild a session's state (batch 1) from what it persisted, projecting its keys and values again."""
         if fingerprint != self.fingerprint:
             raise StateIncompatible("this session was built by another model or with another mem_len/clamp_len "
                                     f"(state {fingerprint!r}, server {self.fingerprint!r})")
@@ -152,9 +148,7 @@ class Engine:
         slots = self._ring_slots(tokens_seen)
         hid = mems.to(self.device, self.decoder.dtype)  # [n_layer, m, d_model]
         state.hid[:, 0, slots] = hid
-        k, v = tensors.get("_k"), tensors.get("_v")
-        if k is None or v is None or k.shape != (cfg.n_layer, cfg.n_head, m, cfg.d_head) or v.shape != k.shape:
-            k, v = self.decoder.project_kv(hid)
+        k, v = self.decoder.project_kv(hid)  # [n_layer, H, m, Dh] each
         state.k[:, 0, :, slots] = k.to(self.device, self.decoder.dtype)
         state.v[:, 0, :, slots] = v.to(self.device, self.decoder.dtype)
         state.seen[0] = tokens_seen

@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from memory_store import MemoryStore
+    from server.hot_states import HotStates
     from server.scheduler import Scheduler
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -19,28 +20,29 @@ LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 class _Live(Collector):
     """Gauges and counters read at scrape time from the scheduler and the store."""
 
-    def __init__(self, scheduler: Scheduler, store: MemoryStore) -> None:
-        self.scheduler, self.store = scheduler, store
+    def __init__(self, scheduler: Scheduler, store: MemoryStore, hot: HotStates) -> None:
+        self.scheduler, self.store, self.hot = scheduler, store, hot
 
     def collect(self) -> Iterator[Metric]:
-        s, m = self.scheduler, self.store.metrics
+        s, m, hot = self.scheduler, self.store.metrics, self.hot
         yield GaugeMetricFamily("txlserve_requests_running", "Requests generating in the decode batch",
                                 value=len(s.running))
         yield GaugeMetricFamily("txlserve_requests_waiting", "Requests queued or prefilling", value=s.waiting)
         yield CounterMetricFamily("txlserve_decode_steps", "Batched decode steps", value=s.steps)
-        yield GaugeMetricFamily("txlserve_hot_bytes", "Bytes of session state in the hot tier", value=m.hot_bytes)
-        yield GaugeMetricFamily("txlserve_hot_sessions", "Sessions in the hot tier", value=m.hot_sessions)
-        for name, value, doc in (("hot_hits", m.hot_hits, "Session loads served by the hot tier"),
-                                 ("hot_misses", m.hot_misses, "Session loads the hot tier could not serve"),
+        yield GaugeMetricFamily("txlserve_hot_bytes", "Bytes of hot sessions (the engine's own form)",
+                                value=hot.nbytes)
+        yield GaugeMetricFamily("txlserve_hot_sessions", "Hot sessions", value=len(hot))
+        for name, value, doc in (("hot_hits", hot.hits, "Session restores served hot, with no copy"),
+                                 ("hot_misses", hot.misses, "Session restores read from Redis"),
                                  ("redis_hits", m.redis_hits, "Session loads served by Redis"),
                                  ("redis_misses", m.redis_misses, "Session loads Redis did not have"),
-                                 ("evictions", m.evictions, "Hot-tier evictions"),
+                                 ("evictions", hot.evictions, "Hot sessions evicted to stay within the budget"),
                                  ("store_errors", m.redis_errors, "Redis errors")):
             yield CounterMetricFamily(f"txlserve_{name}", doc, value=value)
 
 
 class Metrics:
-    def __init__(self, scheduler: Scheduler, store: MemoryStore) -> None:
+    def __init__(self, scheduler: Scheduler, store: MemoryStore, hot: HotStates) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("txlserve_requests", "HTTP requests by route and status", ["route", "status"],
@@ -56,7 +58,7 @@ class Metrics:
         self.disconnects = Counter("txlserve_client_disconnects", "Clients gone before their response ended",
                                    registry=r)
         self.websockets = Gauge("txlserve_websocket_connections", "Open WebSocket connections", registry=r)
-        r.register(_Live(scheduler, store))
+        r.register(_Live(scheduler, store, hot))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,7 @@ from memory_store import MemoryStore, ModelIdentity
 from model.bundled import resolve_checkpoint
 from model.engine import Engine
 from model.train import pick_device
+from server.hot_states import HotStates
 from server.metrics import Metrics
 from server.scheduler import Scheduler
 from server.settings import Settings
@@ -26,6 +27,7 @@ class Runtime:
     scheduler: Scheduler
     store: MemoryStore
     metrics: Metrics
+    hot: HotStates
     ready: bool = False
     draining: bool = False
     closed: bool = False
@@ -56,11 +58,6 @@ class Runtime:
     def storage_dtype(self) -> torch.dtype:
         return getattr(torch, self.settings.storage_dtype)
 
-    @property
-    def hot_cache(self) -> bool:
-        """Keep projected keys/values in the hot tier only when they equal what a reload would compute."""
-        return self.storage_dtype == self.engine.decoder.dtype
-
 
 async def open_runtime(settings: Settings) -> Runtime:
     device = pick_device(settings.device)
@@ -73,14 +70,15 @@ async def open_runtime(settings: Settings) -> Runtime:
     identity = ModelIdentity(fingerprint=engine.fingerprint, n_layer=engine.config.n_layer,
                              d_model=engine.config.d_model)
     store = MemoryStore.from_url(settings.redis_url, identity=identity, device=device,
-                                 hot_cache_mb=settings.hot_cache_mb, ttl_s=settings.session_ttl_s,
+                                 hot_cache_mb=0, ttl_s=settings.session_ttl_s,  # hot sessions: HotStates
                                  data_dir=settings.data_dir, lease_ttl_ms=settings.lease_ttl_ms,
                                  op_timeout_s=settings.store_timeout_s)
     await store.start()
     scheduler = Scheduler(engine, max_batch=settings.max_batch, batch_bytes=settings.batch_mb << 20,
                           prefill_chunk=engine.prefill_chunk)
     scheduler.start()
-    rt = Runtime(settings, engine, scheduler, store, Metrics(scheduler, store))
+    hot = HotStates(settings.hot_cache_mb << 20)
+    rt = Runtime(settings, engine, scheduler, store, Metrics(scheduler, store, hot), hot)
     where = "embedded Redis under " + settings.data_dir if settings.redis_url is None else "Redis at " + (
         settings.redis_url.split("@")[-1])
     log.info("loaded %s (%s, %d layers, d_model %d, mem_len %d) on %s, %d torch threads; sessions in %s; "

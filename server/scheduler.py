@@ -34,7 +34,7 @@ log = logging.getLogger("txlserve.scheduler")
 class Finished:
     """The last item of a request: the state to commit, why it ended, and (appends) the score."""
 
-    tensors: dict[str, torch.Tensor] | None  # the session state to commit; None when nothing changed
+    state: DecodeState | None  # the session after this request (batch 1, its own copy); None: nothing was read
     tokens_seen: int
     finish_reason: str | None  # "stop" | "length" | "cancelled" | None (append)
     completion_tokens: int = 0
@@ -53,8 +53,6 @@ class Job:
     params: SamplingParams | None  # None: feed only (append), no generation
     loop: asyncio.AbstractEventLoop  # where the request waits: its items are put into ``inbox`` on that loop
     inbox: asyncio.Queue
-    hot: bool = True  # export the key/value cache for the hot tier
-    dtype: torch.dtype | None = None  # dtype of the exported mems
     cancelled: bool = False
     prev: int | None = None  # the prompt's last token (how a word tokenizer spaces the first generated word)
     generation: Generation | None = None
@@ -126,12 +124,11 @@ class Scheduler:
             self._finish(job, JobFailed(Unavailable("the server is shutting down")))
         self._flush()
 
-    def submit(self, state: DecodeState, ids: list[int], params: SamplingParams | None, *, hot: bool = True,
-               dtype: torch.dtype | None = None) -> EngineRequest:
-        """Feed ``ids`` to ``state`` (a batch-1 session) and, with ``params``, generate; called on an event loop."""
+    def submit(self, state: DecodeState, ids: list[int], params: SamplingParams | None) -> EngineRequest:
+        """Feed ``ids`` to ``state`` (a batch-1 session the engine now owns) and, with ``params``, generate;
+        called on an event loop."""
         loop = asyncio.get_running_loop()
-        job = Job(state, list(ids), params, loop, asyncio.Queue(), hot=hot, dtype=dtype,
-                  prev=ids[-1] if ids else None)
+        job = Job(state, list(ids), params, loop, asyncio.Queue(), prev=ids[-1] if ids else None)
         self.inbox.put(job)
         return EngineRequest(job)
 
@@ -225,9 +222,14 @@ class Scheduler:
         return max(1, len(chunk))
 
     def _done(self, job: Job, state: DecodeState, row: int, reason: str | None) -> Finished:
-        tensors = self.engine.export_state(state, row, dtype=job.dtype, hot=job.hot)
+        """The request's session as a batch-1 state of its own: the job's, or its row of the slot table copied
+        out (the one copy a generating session pays to leave the batch)."""
+        if state is not job.state:
+            own = self.engine.new_state(1)
+            own.copy_row(0, state, row)
+            state = own
         n = len(job.generation.tokens) if job.generation else 0
-        return Finished(tensors, int(state.seen[row]), reason, n, job.score if job.params is None else None)
+        return Finished(state, int(state.seen[0]), reason, n, job.score if job.params is None else None)
 
     def _regroup(self, leaving: list[int], failed: dict[int, BaseException] | None = None) -> None:
         """Finished (or failed) rows leave the slot table and waiting requests join it while it has rows; each

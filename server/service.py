@@ -68,25 +68,35 @@ class Run:
                 done, last = await self._schedule(rt.engine.new_state())
                 info = None
                 if self.create:
-                    info = await rt.store.create(owner=self.owner, tensors=done.tensors, mem_len=rt.engine.mem_len,
-                                                 tokens_seen=done.tokens_seen, metadata=self.create_metadata)
+                    info = await rt.store.create(owner=self.owner, tensors=await self._persisted(done),
+                                                 mem_len=rt.engine.mem_len, tokens_seen=done.tokens_seen,
+                                                 metadata=self.create_metadata)
+                    rt.hot.put(info.session_id, info.version, done.state)
                 await self.events.put(Final(done, last, info, 0))
                 return
-            async with rt.store.lease(self.session_id, owner=self.owner) as lease:
-                cached = lease.session.info.tokens_seen
-                state = await asyncio.to_thread(rt.engine.import_state, lease.session.tensors, tokens_seen=cached,
-                                                fingerprint=lease.session.info.fingerprint)  # as written
-                done, last = await self._schedule(state)
+            async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
                 info = lease.session.info
-                if done.tensors is not None and done.tokens_seen != cached:
-                    info = await rt.store.commit(lease, done.tensors, tokens_seen=done.tokens_seen)
+                cached = info.tokens_seen
+                state = rt.hot.take(self.session_id, info.version)  # hot: the engine's own state, no copy
+                if state is None:
+                    tensors = await rt.store.read_tensors(lease)
+                    state = await asyncio.to_thread(rt.engine.import_state, tensors, tokens_seen=cached,
+                                                    fingerprint=info.fingerprint)  # as it was written
+                done, last = await self._schedule(state)
+                if done.tokens_seen != cached:
+                    info = await rt.store.commit(lease, await self._persisted(done), tokens_seen=done.tokens_seen)
+                rt.hot.put(self.session_id, info.version, done.state)
                 await self.events.put(Final(done, last, info, cached))
         except Exception as err:  # delivered to the handler, which answers in OpenAI's error shape
             await self.events.put(Failed(err))
 
+    async def _persisted(self, done: Finished) -> dict:
+        """What Redis keeps of a session: its mems and next-token scores, in the storage dtype."""
+        return await asyncio.to_thread(self.rt.engine.export_state, done.state, dtype=self.rt.storage_dtype)
+
     async def _schedule(self, state) -> tuple[Finished, TokenEvent | None]:
         done, last = await self._engine_run(state)
-        if done.tensors is None and done.finish_reason == "cancelled":
+        if done.state is None and done.finish_reason == "cancelled":
             raise Unavailable("the request was cancelled before its text was read (the server is shutting down "
                               "or the client left); nothing was stored")
         return done, last
@@ -96,7 +106,7 @@ class Run:
             raise InvalidRequestError("nothing to continue from: the prompt is empty and there is no memory "
                                       "(no session, or an empty one)", param="prompt")
         rt = self.rt
-        self.request = rt.scheduler.submit(state, self.ids, self.params, hot=rt.hot_cache, dtype=rt.storage_dtype)
+        self.request = rt.scheduler.submit(state, self.ids, self.params)
         if self.cancelled:
             self.request.cancel()
         last = None

@@ -29,7 +29,8 @@ class Settings:
     clamp_len: int | None = _opt(None, "largest relative distance (default: the checkpoint's)")
     redis_url: str | None = _opt(None, "redis://, rediss:// or unix:// URL (default: an embedded redis-server)")
     data_dir: str = _opt("./.txlserve", "where the embedded Redis keeps its append-only file")
-    hot_cache_mb: int = _opt(1024, "byte budget of the device-resident LRU of sessions, in MiB")
+    hot_cache_mb: int = _opt(1024, "byte budget of hot sessions, kept on the device in the engine's own form (a hot "
+                                   "hit costs no copy and no restore), in MiB")
     session_ttl_s: int = _opt(7 * 86400, "idle TTL of a stored session in seconds (0 keeps sessions forever)")
     storage_dtype: str = _opt("float32", "dtype of memories written to Redis: float32, bfloat16 or float16")
     api_keys: tuple[str, ...] = _opt((), "Bearer keys (comma-separated in the environment); each session "

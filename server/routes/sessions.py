@@ -15,8 +15,9 @@ router = APIRouter(prefix="/v1/sessions")
 
 
 def session_object(rt: Runtime, info: SessionInfo) -> SessionObject:
+    tier = "hot" if rt.hot.version(info.session_id) == info.version else "redis"
     return SessionObject(id=info.session_id, model=rt.settings.model_name, tokens_seen=info.tokens_seen,
-                         mem_len=info.mem_len, bytes=info.bytes, tier=info.tier, created_at=int(info.created_at),
+                         mem_len=info.mem_len, bytes=info.bytes, tier=tier, created_at=int(info.created_at),
                          last_used_at=int(info.updated_at), metadata=info.metadata or {})
 
 
@@ -54,6 +55,7 @@ async def get_session(session_id: str, rt: Runtime = Depends(runtime),
 @router.delete("/{session_id}")
 async def delete_session(session_id: str, rt: Runtime = Depends(runtime), who: str | None = Depends(owner)) -> dict:
     await rt.store.delete(session_id, owner=who)
+    rt.hot.discard(session_id)
     return {"id": session_id, "object": "session.deleted", "deleted": True}
 
 

@@ -28,6 +28,8 @@ N_LAYER, D_MODEL, MEM_LEN = 2, 8, 16
 @dataclass
 class FakeState:
     seen: torch.Tensor  # [1]: tokens seen, as DecodeState has it
+    batch: int = 1
+    row_bytes: int = 64
 
 
 class FakeEngine:
@@ -48,8 +50,9 @@ class FakeEngine:
         assert fingerprint == self.fingerprint
         return FakeState(torch.tensor([tokens_seen]))
 
-    def export(self, seen: int) -> dict[str, torch.Tensor]:
-        return {"mems": torch.full((N_LAYER, min(seen, MEM_LEN), D_MODEL), float(seen)),
+    def export_state(self, state: FakeState, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        seen = int(state.seen[0])
+        return {"mems": torch.full((N_LAYER, min(seen, MEM_LEN), D_MODEL), float(seen), dtype=dtype),
                 "last_logits": torch.zeros(256)}
 
 
@@ -61,6 +64,7 @@ class FakeRequest:
     params: object
     cancelled: bool = False
     events: list[TokenEvent] = field(default_factory=list)
+    result: FakeState | None = None  # the state its Finished handed back
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -72,7 +76,8 @@ class FakeRequest:
         try:
             seen = int(self.state.seen[0]) + len(self.ids)
             if self.params is None:  # an append: read the text, no tokens
-                yield Finished(s.engine.export(seen), seen, None)
+                self.result = FakeState(torch.tensor([seen]))
+                yield Finished(self.result, seen, None)
                 return
             reason, n = None, 0
             for i in range(self.params.max_tokens):
@@ -88,7 +93,8 @@ class FakeRequest:
                 seen, n = seen + 1, n + 1
                 self.events.append(event)
                 yield event
-            yield Finished(s.engine.export(seen), seen, reason or "length", completion_tokens=n)
+            self.result = FakeState(torch.tensor([seen]))
+            yield Finished(self.result, seen, reason or "length", completion_tokens=n)
         finally:
             s.running -= 1
 

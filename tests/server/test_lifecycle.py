@@ -14,6 +14,7 @@ import pytest
 
 from memory_store import MemoryStore, ModelIdentity
 from server.app import build_app
+from server.hot_states import HotStates
 from server.metrics import Metrics
 from server.runtime import Runtime, close_runtime
 from server.settings import Settings
@@ -36,7 +37,8 @@ async def running_app(redis_url: str, tmp_path, *, open_gate: bool = True, **set
                                  data_dir=str(tmp_path))
     await store.start()
     config = Settings(model_name=MODEL, redis_url=redis_url, data_dir=str(tmp_path), **settings)
-    rt = Runtime(config, engine, scheduler, store, Metrics(scheduler, store), ready=True)
+    hot = HotStates(1 << 20)
+    rt = Runtime(config, engine, scheduler, store, Metrics(scheduler, store, hot), hot, ready=True)
     app = build_app(config, runtime=rt)
     async with app.router.lifespan_context(app):  # closing it is the server's drain
         yield app, rt, scheduler
@@ -160,3 +162,27 @@ async def test_drain_ends_streams_as_cancelled_commits_them_and_refuses_new_work
         last = payloads[-2]
         assert last["choices"][0]["finish_reason"] == "cancelled"  # the same word as over WebSocket
         assert last["session"]["tokens_seen"] == 2 + 2 + 1
+
+
+async def test_a_hot_session_continues_from_the_engines_own_state(redis_url, tmp_path):
+    """The state a request leaves is the state the next request on that session is given (no copy, no
+    restore); once it is gone from the hot set, the session is restored from Redis."""
+    async with running_app(redis_url, tmp_path) as (app, rt, engine), _client(app) as c:
+        sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]
+        assert (await c.get(f"/v1/sessions/{sid}")).json()["tier"] == "hot"
+        body = {"model": MODEL, "prompt": "yo", "max_tokens": 2, "session_id": sid}
+        await c.post("/v1/completions", json=body)
+        await settle(rt)
+        first, second = engine.requests[-2:]
+        assert rt.hot.hits == 1 and rt.hot.misses == 0
+        await c.post("/v1/completions", json=body)
+        await settle(rt)
+        third = engine.requests[-1]
+        assert rt.hot.hits == 2 and second.state is first.result and third.state is second.result
+        rt.hot.discard(sid)  # evicted, or another replica wrote it: Redis has it
+        assert (await c.get(f"/v1/sessions/{sid}")).json()["tier"] == "redis"
+        await c.post("/v1/completions", json=body)
+        await settle(rt)
+        fourth = engine.requests[-1]
+        assert rt.hot.misses == 1 and fourth.state is not third.result and int(fourth.state.seen[0]) == 2 + 2 * 4
+        assert (await rt.store.info(sid)).tokens_seen == 2 + 3 * 4

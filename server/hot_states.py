@@ -1,0 +1,67 @@
+"""Hot sessions in the engine's own form: a batch-1 ``DecodeState`` (the rings of keys and values, the layer
+inputs, the next-token scores) by session id and version, least recently used first out, under a byte budget.
+
+A request takes its session's state out (it will advance it in place) and the committed state goes back in
+under the new version, so a hot hit costs no copy and no re-projection; a state whose version is not the one
+in Redis is never served. The store persists and restores only what it must (mems and header).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from model.cache import DecodeState
+
+
+@dataclass
+class _Entry:
+    version: int
+    state: DecodeState
+    nbytes: int
+
+
+class HotStates:
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self.nbytes = 0
+        self.hits = self.misses = self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def version(self, session_id: str) -> int | None:
+        entry = self._entries.get(session_id)
+        return None if entry is None else entry.version
+
+    def take(self, session_id: str, version: int) -> DecodeState | None:
+        """The state of exactly ``version``, removed (the caller owns it now); None on a miss."""
+        entry = self._pop(session_id)
+        if entry is None or entry.version != version:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return entry.state
+
+    def put(self, session_id: str, version: int, state: DecodeState) -> bool:
+        """Keep ``state`` as ``version``, evicting the least recently used; False if it cannot fit at all."""
+        self._pop(session_id)
+        nbytes = state.row_bytes * state.batch
+        if nbytes > self.budget_bytes:
+            return False
+        while self.nbytes + nbytes > self.budget_bytes:
+            self._pop(next(iter(self._entries)))
+            self.evictions += 1
+        self._entries[session_id] = _Entry(version, state, nbytes)
+        self.nbytes += nbytes
+        return True
+
+    def discard(self, session_id: str) -> None:
+        self._pop(session_id)
+
+    def _pop(self, session_id: str) -> _Entry | None:
+        entry = self._entries.pop(session_id, None)
+        if entry is not None:
+            self.nbytes -= entry.nbytes
+        return entry

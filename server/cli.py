@@ -182,10 +182,24 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
                             seed=ns.seed, stop=tuple(ns.stop))
     engine = Engine.from_checkpoint(resolve_checkpoint(ns.checkpoint), device=pick_device(ns.device),
                                     mem_len=ns.mem_len, clamp_len=ns.clamp_len)
+    import asyncio
+
+    from model.engine import TokenEvent
+    from server.scheduler import Scheduler
+
+    async def stream() -> None:  # the server's engine loop, one request: one generation loop everywhere
+        async for item in scheduler.submit(engine.new_state(), engine.encode(ns.prompt), params):
+            if isinstance(item, TokenEvent):
+                sys.stdout.write(item.text)
+                sys.stdout.flush()
+
+    scheduler = Scheduler(engine, max_batch=1, prefill_chunk=engine.prefill_chunk)
+    scheduler.start()
     sys.stdout.write(ns.prompt)
-    for event in engine.generate(engine.new_state(), ns.prompt, params):
-        sys.stdout.write(event.text)
-        sys.stdout.flush()
+    try:
+        asyncio.run(stream())
+    finally:
+        scheduler.stop()
     sys.stdout.write("\n")
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -86,6 +87,9 @@ def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
     return Run(rt, ids=ids, params=params, owner=owner, session_id=req.session_id)
 
 
+_MARKER = "\u0000txl-text\u0000"  # cannot occur in generated text: JSON escapes it as \\u0000
+
+
 @dataclass
 class Completion:
     """Accumulates one choice; renders the full object or stream chunks."""
@@ -100,6 +104,7 @@ class Completion:
     lps: list[float] = field(default_factory=list)
     tops: list[dict[str, float]] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    _template: tuple[str, str] | None = field(default=None, repr=False)
 
     def add(self, ev: TokenEvent) -> CompletionLogprobs | None:
         """Record a token; its logprobs piece for a stream chunk (or None without logprobs)."""
@@ -121,6 +126,17 @@ class Completion:
             return None
         return CompletionLogprobs(tokens=[self.tokenizer.token_name(t) for t in self.tokens],
                                   token_logprobs=self.lps, top_logprobs=self.tops, text_offset=self.offsets)
+
+    def text_event(self, text: str) -> str:
+        """``data: {chunk}\n\n`` for a chunk of text alone, the per-token case of every stream: the model is
+        rendered once per completion with a marker and the text is spliced in, the same bytes as rendering it
+        each time (tested), at a fraction of the event loop's time with many concurrent streams."""
+        if self._template is None:
+            marker = json.dumps(_MARKER)[1:-1]
+            head, tail = json.dumps(self.chunk(_MARKER).dump(), ensure_ascii=False).split(marker)
+            self._template = ("data: " + head, tail + "\n\n")
+        head, tail = self._template
+        return head + json.dumps(text, ensure_ascii=False)[1:-1] + tail
 
     def chunk(self, text: str, finish_reason: FinishReason | None = None, logprobs: CompletionLogprobs | None = None,
               *, session: SessionRef | None = None) -> CompletionObject:

@@ -25,7 +25,7 @@ from model.cache import SlotTable
 from model.decode import DecodeState
 from model.engine import Engine, Generation, Score, TokenEvent
 from model.sampling import SamplingParams
-from txlserve.errors import Unavailable
+from txlserve.errors import InvalidRequestError, Unavailable
 
 log = logging.getLogger("txlserve.scheduler")
 
@@ -127,6 +127,9 @@ class Scheduler:
     def submit(self, state: DecodeState, ids: list[int], params: SamplingParams | None) -> EngineRequest:
         """Feed ``ids`` to ``state`` (a batch-1 session the engine now owns) and, with ``params``, generate;
         called on an event loop."""
+        if params is not None and not ids and int(state.seen[0]) == 0:
+            raise InvalidRequestError("nothing to continue from: the prompt is empty and there is no memory "
+                                      "(no session, or an empty one)", param="prompt")
         loop = asyncio.get_running_loop()
         job = Job(state, list(ids), params, loop, asyncio.Queue(), prev=ids[-1] if ids else None)
         self.inbox.put(job)

@@ -17,7 +17,7 @@ from model.engine import TokenEvent
 from model.sampling import SamplingParams
 from server.runtime import Runtime
 from server.scheduler import EngineRequest, Finished
-from txlserve.errors import InvalidRequestError, Overloaded, Unavailable
+from txlserve.errors import Overloaded, Unavailable
 
 
 @dataclass
@@ -102,9 +102,6 @@ class Run:
         return done, last
 
     async def _engine_run(self, state) -> tuple[Finished, TokenEvent | None]:
-        if self.params is not None and not self.ids and int(state.seen[0]) == 0:
-            raise InvalidRequestError("nothing to continue from: the prompt is empty and there is no memory "
-                                      "(no session, or an empty one)", param="prompt")
         rt = self.rt
         self.request = rt.scheduler.submit(state, self.ids, self.params)
         if self.cancelled:

@@ -66,8 +66,10 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
                 (rt.metrics.ttft if last_t is None else rt.metrics.itl).observe(now - (last_t or t0))
                 last_t = now
                 logprobs = comp.add(item)
-                if item.text or logprobs is not None:
+                if logprobs is not None:
                     yield _sse(comp.chunk(item.text, None, logprobs).dump())
+                elif item.text:
+                    yield comp.text_event(item.text)
                 continue
             yield _sse(comp.chunk("", comp.finish(item), session=comp.session(item)).dump())
             if include_usage:

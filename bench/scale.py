@@ -113,7 +113,7 @@ def measure_session(engine: Engine, dtype: torch.dtype, iters: int) -> dict[str,
     nbytes = sum(t.nbytes for t in tensors.values())
 
     async def go(data_dir: str) -> tuple[list[float], list[float]]:
-        async with MemoryStore.from_url(None, identity=identity, data_dir=data_dir, hot_cache_mb=0,
+        async with MemoryStore.from_url(None, identity=identity, data_dir=data_dir, hot_cache_mb=0, op_timeout_s=60,
                                         max_payload_mb=2 * nbytes / 2**20 + 1) as store:
             sid = (await store.create(tensors=tensors, mem_len=engine.mem_len, tokens_seen=seen)).session_id
             put, restore = [], []

@@ -127,7 +127,7 @@ def engine_tokens_per_s(checkpoint: str, batch: int, tokens: int = 64, repeat: i
 
 
 async def _load(url: str, model: str, concurrency: int, duration: float, max_tokens: int) -> dict[str, Any]:
-    ttfts, gaps, tokens, errors = [], [], 0, 0
+    ttfts, gaps, tokens, errors, samples = [], [], 0, 0, []
     async with _client(url, model, concurrency) as c:
         sessions = [(await c.post("/v1/sessions", json={"text": f"Client {i} writes: "})).json()["id"]
                     for i in range(concurrency)]
@@ -142,14 +142,17 @@ async def _load(url: str, model: str, concurrency: int, duration: float, max_tok
                     ttfts.append(ttft)
                     gaps.extend(g)
                     tokens += n
-                except Exception:
+                except Exception as err:
                     errors += 1
+                    if len(samples) < 3:
+                        samples.append(str(err)[:200])
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(s) for s in sessions))
         elapsed = time.perf_counter() - t0
     return {"concurrency": concurrency, "duration_s": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed,
-            "requests": len(ttfts), "errors": errors, "ttft_p50_ms": _pct(ttfts, 0.5), "ttft_p99_ms": _pct(ttfts, 0.99),
+            "requests": len(ttfts), "errors": errors, "error_samples": samples, "ttft_p50_ms": _pct(ttfts, 0.5),
+            "ttft_p99_ms": _pct(ttfts, 0.99),
             "itl_p50_ms": _pct(gaps, 0.5), "itl_p99_ms": _pct(gaps, 0.99)}
 
 

@@ -86,7 +86,8 @@ class Run:
                 if done.tokens_seen != cached:
                     info = await rt.store.commit(lease, await self._persisted(done), tokens_seen=done.tokens_seen)
                 rt.hot.put(self.session_id, info.version, done.state)
-                await self.events.put(Final(done, last, info, cached))
+            # the lease is released before the client hears the end, so its next request finds the session free
+            await self.events.put(Final(done, last, info, cached))
         except Exception as err:  # delivered to the handler, which answers in OpenAI's error shape
             await self.events.put(Failed(err))
 

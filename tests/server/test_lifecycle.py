@@ -186,3 +186,26 @@ async def test_a_hot_session_continues_from_the_engines_own_state(redis_url, tmp
         fourth = engine.requests[-1]
         assert rt.hot.misses == 1 and fourth.state is not third.result and int(fourth.state.seen[0]) == 2 + 2 * 4
         assert (await rt.store.info(sid)).tokens_seen == 2 + 3 * 4
+
+
+async def test_the_lease_is_released_before_the_answer_ends(redis_url, tmp_path):
+    """A client that continues its session as soon as the previous answer ended must never be told it is busy:
+    the run hands over its Final (the end of every response) only once the session's lease is released."""
+    from server.service import Final, Run
+
+    async with running_app(redis_url, tmp_path) as (app, rt, _), _client(app) as c:
+        sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]
+        released = []
+        release = rt.store._redis.release
+
+        async def recorded(session_id: str, token: str) -> object:
+            result = await release(session_id, token)
+            released.append(session_id)
+            return result
+
+        rt.store._redis.release = recorded
+        run = Run(rt, ids=[1, 2], params=None, owner=None, session_id=sid)
+        item = await run.events.get()
+        assert isinstance(item, Final) and released == [sid]
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "yo", "max_tokens": 2, "session_id": sid})
+        assert r.status_code == 200 and released == [sid, sid]

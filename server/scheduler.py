@@ -94,6 +94,8 @@ def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
 
 
 class Scheduler:
+    SHORT_PROMPT = 8  # prompt tokens a request may bring straight into a busy decode batch
+
     def __init__(self, engine: Engine, *, max_batch: int = 256, batch_bytes: int = 1 << 30,
                  prefill_chunk: int = 512) -> None:
         self.engine, self.prefill_chunk = engine, prefill_chunk
@@ -105,6 +107,7 @@ class Scheduler:
         self.running: list[Job] = []  # the job of each active row
         self.active: set[Job] = set()  # accepted and not yet answered
         self.steps = 0
+        self.prompt_tokens_in_batch = 0  # prompt tokens fed by decode steps rather than by prefill
         self._outbox: list[tuple[Job, Any]] = []  # items for the requests, handed over once per iteration
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="txlserve-engine", daemon=True)
@@ -180,10 +183,21 @@ class Scheduler:
             while True:
                 if job is not None:
                     self.active.add(job)
-                    self.prefilling.append(job)
+                    self._admit(job)
                 job = self.inbox.get_nowait()
         except queue.Empty:
             pass
+
+    def _admit(self, job: Job) -> None:
+        """A short prompt joins a busy batch directly, its tokens fed by the batch's own steps (one each, at
+        almost no cost to the others); otherwise it is prefilled in chunks first. Many requests arriving at once
+        then cost a few batched steps instead of one forward pass each while every stream waits."""
+        busy = bool(self.running or self.ready)
+        if job.params is not None and busy and len(job.pending) <= self.SHORT_PROMPT:
+            job.generation = Generation(job.params, self.engine.tokenizer, job.prev)
+            self.ready.append(job)
+        else:
+            self.prefilling.append(job)
 
     def _prefill(self) -> None:
         """Read up to ``prefill_chunk`` prompt tokens per iteration, across waiting requests in turn: a long
@@ -227,6 +241,8 @@ class Scheduler:
     def _done(self, job: Job, state: DecodeState, row: int, reason: str | None) -> Finished:
         """The request's session as a batch-1 state of its own: the job's, or its row of the slot table copied
         out (the one copy a generating session pays to leave the batch)."""
+        if job.pending:  # left while its prompt was still being fed: a partial prompt is never stored
+            return Finished(None, int(state.seen[row]), reason)
         if state is not job.state:
             own = self.engine.new_state(1)
             own.copy_row(0, state, row)
@@ -266,18 +282,24 @@ class Scheduler:
         batch = self.slots.active()  # views of rows [0, n)
         logits = batch.last_logits.float().cpu()  # [batch, vocab]
         events: dict[int, TokenEvent] = {}
+        fed: list[int] = []
         failed: dict[int, BaseException] = {}
         for r, job in enumerate(self.running):
+            if job.pending:  # a short prompt's next token: fed with the batch, nothing to sample or send
+                fed.append(job.pending.pop(0))
+                self.prompt_tokens_in_batch += 1
+                continue
             try:
                 events[r] = job.generation.on_logits(logits[r])
+                fed.append(events[r].token)
             except Exception as err:  # one request's bad luck is not the batch's
                 failed[r] = err
         if failed:
             self._regroup([], failed)
             return
-        tokens = torch.tensor([[events[r].token] for r in range(len(self.running))], device=self.engine.device)
-        for r, job in enumerate(self.running):
-            self._emit(job, events[r])
+        tokens = torch.tensor(fed, device=self.engine.device)[:, None]  # [batch, 1]
+        for r, event in events.items():
+            self._emit(self.running[r], event)
         self.engine.decoder.step(batch, tokens)  # [batch, 1]
         self.slots.stepped(batch)
         self.steps += 1

@@ -1,0 +1,87 @@
+"""The engine loop with a real (tiny) model: whatever path a request takes into the decode batch, it generates
+what the model generates alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from model.checkpoint import save_checkpoint
+from model.engine import Engine, TokenEvent
+from model.sampling import SamplingParams
+from model.transformer_xl import MemTransformerLM
+from server.scheduler import Finished, Scheduler
+from tests.model.test_transformer_xl import tiny_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Engine:
+    torch.manual_seed(0)
+    model = MemTransformerLM(tiny_config(mem_len=12))
+    for p in model.parameters():
+        p.data.normal_(0, 0.3) if p.dim() > 1 else None
+    path = tmp_path_factory.mktemp("ck")
+    save_checkpoint(model, path)
+    return Engine.from_checkpoint(path)
+
+
+def test_a_short_prompt_fed_by_a_busy_batch_generates_what_the_model_does_alone(engine):
+    greedy = SamplingParams(max_tokens=20, temperature=0)
+    prompt = engine.encode(" and")
+    history = engine.encode("Once upon a time")
+    alone = engine.new_state()
+    engine.feed(alone, history)
+    want = [e.token for e in engine.generate(alone, prompt, greedy)]
+
+    async def main() -> tuple[list[int], Finished]:
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        scheduler.start()
+        try:
+            busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), SamplingParams(max_tokens=400))
+            it = busy.__aiter__()
+            assert isinstance(await it.__anext__(), TokenEvent)  # generating: the batch is busy from here on
+            state = engine.new_state()
+            engine.feed(state, history)
+            got, done = [], None
+            async for item in scheduler.submit(state, prompt, greedy):
+                if isinstance(item, TokenEvent):
+                    got.append(item.token)
+                else:
+                    done = item
+            assert scheduler.prompt_tokens_in_batch == len(prompt)  # it took the batched path
+            busy.cancel()
+            async for _ in it:
+                pass
+            return got, done
+        finally:
+            scheduler.stop()
+
+    got, done = asyncio.run(main())
+    assert got == want
+    assert done.tokens_seen == len(history) + len(prompt) + 20
+
+
+def test_a_request_cancelled_while_its_prompt_is_fed_stores_nothing(engine):
+    async def main() -> Finished:
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        scheduler.start()
+        try:
+            busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), SamplingParams(max_tokens=400))
+            it = busy.__aiter__()
+            await it.__anext__()
+            request = scheduler.submit(engine.new_state(), engine.encode("abcdefg"), SamplingParams(max_tokens=5))
+            request.cancel()  # before or while its prompt is fed: no partial prompt may be committed
+            items = [item async for item in request]
+            busy.cancel()
+            async for _ in it:
+                pass
+            return items[-1]
+        finally:
+            scheduler.stop()
+
+    done = asyncio.run(main())
+    assert isinstance(done, Finished) and done.state is None and done.finish_reason == "cancelled"

@@ -1,9 +1,11 @@
-"""A word-level adaptive-softmax model (imported from the Hugging Face layout) served end to end over real
+"""A word-level adaptive-softmax model in the Hugging Face layout, imported and served end to end over real
 HTTP: completions, SSE, sessions and the WebSocket speak in words."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,10 +14,7 @@ import pytest
 import torch
 from websockets.sync.client import connect
 
-from model.checkpoint import save_checkpoint
-from model.config import TXLConfig
 from model.tokenizer import WordTokenizer
-from model.transformer_xl import MemTransformerLM
 from tests.live import MODEL, LiveServer
 from tests.server.test_ws import collect, ws_url
 
@@ -25,15 +24,24 @@ VOCAB = WORDS + [f"w{i}" for i in range(len(WORDS), 70)]
 
 @pytest.fixture(scope="module")
 def word_server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A random-weight Hugging Face TransfoXLLMHeadModel in the hub's layout (config.json, model.safetensors,
+    vocab.json), imported with `txlserve import hf` and served by a real `txlserve serve` process."""
+    transformers = pytest.importorskip("transformers", reason="the dev extras install transformers==4.35.2")
     torch.manual_seed(0)
-    cfg = TXLConfig(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, dropout=0.0, tgt_len=16, mem_len=12,
-                    vocab_size=len(VOCAB), cutoffs=(8, 30), div_val=2, tie_projs=(False, True, True))
-    model = MemTransformerLM(cfg)
+    cfg = transformers.TransfoXLConfig(vocab_size=len(VOCAB), cutoffs=[8, 30], d_model=32, d_embed=32, n_head=2,
+                                       d_head=16, d_inner=64, div_val=2, n_layer=2, mem_len=13, clamp_len=0,
+                                       same_length=True, dropout=0.0, dropatt=0.0)
+    model = transformers.TransfoXLLMHeadModel(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.4)
-    ck: Path = tmp_path_factory.mktemp("word-ck")
-    save_checkpoint(model, ck, tokenizer=WordTokenizer(VOCAB))
+    hf: Path = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(hf, safe_serialization=True)
+    (hf / "vocab.json").write_text(json.dumps({"idx2sym": VOCAB}))
+    ck = tmp_path_factory.mktemp("word-ck")
+    done = subprocess.run([sys.executable, "-m", "server.cli", "import", "hf", str(hf), "--out", str(ck)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
     srv = LiveServer(ck, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("word-srv")).start()
     yield srv
     srv.stop()
@@ -86,4 +94,14 @@ def test_session_across_three_requests_equals_one(word_server):
     assert split["choices"][0]["text"] == whole["choices"][0]["text"]
     assert split["session"]["tokens_seen"] == 7 + 5 + 4 + 7  # words, an <eos> per newline, generated words
     info = httpx.get(f"{word_server.url}/v1/sessions/{sid}", timeout=30).json()
-    assert info["tokens_seen"] == 23 and info["mem_len"] == 12
+    assert info["tokens_seen"] == 23 and info["mem_len"] == 12  # the published 13 under same_length
+
+
+def test_stop_strings_cut_the_displayed_words(word_server):
+    free = _post(word_server, "/v1/completions", model=MODEL, prompt="the cat saw", max_tokens=12,
+                 temperature=0)["choices"][0]["text"]
+    assert len(free) >= 12  # every word token shows at least one character
+    cut = free[len(free) // 2:][:2]
+    out = _post(word_server, "/v1/completions", model=MODEL, prompt="the cat saw", max_tokens=12, temperature=0,
+                stop=[cut])["choices"][0]
+    assert out["finish_reason"] == "stop" and out["text"] == free[:free.index(cut)]

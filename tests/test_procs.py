@@ -12,7 +12,8 @@ from tests.procs import Streamed
 
 
 def test_close_returns_while_the_reader_is_blocked():
-    proc = Streamed([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"])
+    silent = "import time; print('up', flush=True); time.sleep(600)"  # bounded: the test closes it
+    proc = Streamed([sys.executable, "-c", silent])
     proc.wait_for(b"up", timeout=60)  # the reader is now blocked in read1 on a silent pipe
     closer = threading.Thread(target=proc.close)
     closer.start()

@@ -57,12 +57,16 @@ class AdaptiveEmbedding(nn.Module):
                 emb = F.linear(emb, self.emb_projs[0])  # [batch, len, d_model]
             return emb * self.emb_scale
         flat = tokens.reshape(-1)  # [n]
-        proj0 = self.emb_projs[0]
-        out = torch.zeros(flat.numel(), proj0.size(0), dtype=proj0.dtype, device=flat.device)  # [n, d_model]
+        out: Tensor | None = None  # [n, d_model], in the dtype the projections produce (bf16 under autocast)
         for (lo, hi), layer, proj in zip(self.bounds, self.emb_layers, self.emb_projs):
             idx = ((flat >= lo) & (flat < hi)).nonzero().squeeze(1)  # [n_i]
             if idx.numel():
-                out.index_copy_(0, idx, F.linear(layer(flat[idx] - lo), proj))  # [n_i, d_model]
+                piece = F.linear(layer(flat[idx] - lo), proj)  # [n_i, d_model]
+                if out is None:
+                    out = piece.new_zeros(flat.numel(), piece.size(1))
+                out.index_copy_(0, idx, piece.to(out.dtype))
+        if out is None:  # no tokens at all
+            out = self.emb_projs[0].new_zeros(0, self.emb_projs[0].size(0))
         return out.view(*tokens.shape, -1) * self.emb_scale
 
 

@@ -77,7 +77,10 @@ class Score:
     @property
     def perplexity(self) -> float:
         """exp of the mean negative log-likelihood: a word model's measure."""
-        return math.exp(-self.logprob / self.tokens) if self.tokens else float("nan")
+        if not self.tokens:
+            return float("nan")
+        nll = -self.logprob / self.tokens
+        return math.exp(nll) if nll < 709 else float("inf")  # math.exp raises past ~709.78
 
 
 class Engine:

@@ -212,7 +212,7 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     hf.add_argument("src", help="the downloaded directory")
     hf.add_argument("--out", required=True, help="checkpoint directory to write")
     hf.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                    help="store the weights in this dtype (default: as published)")
+                    help="store the weights in this dtype (default: float32, whatever the published files hold)")
     hf.set_defaults(func=_cmd_import_hf)
 
 

@@ -70,9 +70,12 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams:
                           stop=tuple(stop), logprobs=req.logprobs)
 
 
-def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt") -> list[int]:
+_ENCODE_INLINE = 16_384  # characters; a longer text is tokenized off the event loop (a word tokenizer is slow)
+
+
+async def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt") -> list[int]:
     try:
-        ids = rt.engine.encode(text)
+        ids = rt.engine.encode(text) if len(text) <= _ENCODE_INLINE else await asyncio.to_thread(rt.engine.encode, text)
     except InvalidRequestError as err:
         raise InvalidRequestError(f"{param}: {err.message}", param=param) from None
     if len(ids) > limit:
@@ -80,10 +83,10 @@ def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt") -> lis
     return ids
 
 
-def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
+async def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
     check_model(rt, req.model)
     params = sampling_params(rt, req)
-    ids = prompt_ids(rt, req.prompt, rt.settings.max_prompt_bytes)
+    ids = await prompt_ids(rt, req.prompt, rt.settings.max_prompt_bytes)
     return Run(rt, ids=ids, params=params, owner=owner, session_id=req.session_id)
 
 
@@ -194,7 +197,7 @@ async def events(run: Run, first: Any) -> AsyncIterator[TokenEvent | Final]:
 
 async def open_run(rt: Runtime, req: CompletionRequest, owner: str | None,
                    started: Callable[[Run], None] = lambda run: None) -> tuple[Run, Any]:
-    run = start(rt, req, owner)
+    run = await start(rt, req, owner)
     started(run)
     try:
         return run, await first_item(run)

@@ -4,6 +4,11 @@ inputs, the next-token scores) by session id and version, least recently used fi
 A request takes its session's state out (it will advance it in place) and the committed state goes back in
 under the new version, so a hot hit costs no copy and no re-projection; a state whose version is not the one
 in Redis is never served. The store persists and restores only what it must (mems and header).
+
+A session deleted while a request ran on it is remembered (ids are never reused), so that request's state does
+not come back in afterwards; a session that expired in Redis only waits here for eviction, since its lease fails.
+Hot and restored states agree exactly when the storage dtype is the model's; a narrower storage dtype (bf16)
+rounds what Redis keeps, so a restored session then differs from the hot one by that rounding.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ class _Entry:
 
 
 class HotStates:
+    DELETED_REMEMBERED = 4096
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._deleted: OrderedDict[str, None] = OrderedDict()  # recently deleted ids, most recent last
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
 
@@ -48,7 +55,7 @@ class HotStates:
         """Keep ``state`` as ``version``, evicting the least recently used; False if it cannot fit at all."""
         self._pop(session_id)
         nbytes = state.row_bytes * state.batch
-        if nbytes > self.budget_bytes:
+        if nbytes > self.budget_bytes or session_id in self._deleted:
             return False
         while self.nbytes + nbytes > self.budget_bytes:
             self._pop(next(iter(self._entries)))
@@ -58,7 +65,15 @@ class HotStates:
         return True
 
     def discard(self, session_id: str) -> None:
+        """Drop the session (another replica wrote it, or it is wanted from Redis)."""
         self._pop(session_id)
+
+    def deleted(self, session_id: str) -> None:
+        """The session was deleted: drop it, and refuse it if a request still running on it puts it back."""
+        self._pop(session_id)
+        self._deleted[session_id] = None
+        if len(self._deleted) > self.DELETED_REMEMBERED:
+            self._deleted.popitem(last=False)
 
     def _pop(self, session_id: str) -> _Entry | None:
         entry = self._entries.pop(session_id, None)

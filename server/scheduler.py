@@ -122,7 +122,14 @@ class Scheduler:
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self.inbox.put(None)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self._thread.is_alive():  # a step outlived the timeout: the thread fails its jobs when it ends
+            log.error("the engine thread did not stop within %.0f s", timeout)
+            return
+        self._fail_all()
+
+    def _fail_all(self) -> None:
         for job in list(self.active):  # nobody will advance them any more
             self._finish(job, JobFailed(Unavailable("the server is shutting down")))
         self._flush()
@@ -161,6 +168,12 @@ class Scheduler:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._fail_all()  # whatever is still active when the loop ends is answered by this thread
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             idle = not (self.prefilling or self.ready or self.running)
             try:
@@ -286,21 +299,22 @@ class Scheduler:
         failed: dict[int, BaseException] = {}
         for r, job in enumerate(self.running):
             if job.pending:  # a short prompt's next token: fed with the batch, nothing to sample or send
-                fed.append(job.pending.pop(0))
-                self.prompt_tokens_in_batch += 1
+                fed.append(job.pending[0])
                 continue
             try:
                 events[r] = job.generation.on_logits(logits[r])
                 fed.append(events[r].token)
-            except Exception as err:  # one request's bad luck is not the batch's
-                failed[r] = err
-        if failed:
-            self._regroup([], failed)
-            return
+            except Exception as err:  # one request's bad luck is not the batch's: its row steps on a filler
+                failed[r] = err  # token and leaves after the step; every other row advances as planned
+                fed.append(0)
         tokens = torch.tensor(fed, device=self.engine.device)[:, None]  # [batch, 1]
-        for r, event in events.items():
-            self._emit(self.running[r], event)
         self.engine.decoder.step(batch, tokens)  # [batch, 1]
         self.slots.stepped(batch)
         self.steps += 1
-        self._regroup([r for r, ev in events.items() if ev.finish_reason is not None])
+        for r, job in enumerate(self.running):  # only now is a prompt token read
+            if job.pending and r not in failed:
+                job.pending.pop(0)
+                self.prompt_tokens_in_batch += 1
+        for r, event in events.items():
+            self._emit(self.running[r], event)
+        self._regroup([r for r, ev in events.items() if ev.finish_reason is not None], failed)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from fastapi import APIRouter, Depends, Query, Request
 
 from memory_store import SessionInfo
@@ -33,7 +35,7 @@ async def _final(request: Request, run: Run) -> Final:
 async def create_session(request: Request, body: SessionCreate | None = None, rt: Runtime = Depends(runtime),
                          who: str | None = Depends(owner)) -> AppendResult:
     body = body or SessionCreate()
-    ids = prompt_ids(rt, body.text, rt.settings.max_append_bytes, param="text")
+    ids = await prompt_ids(rt, body.text, rt.settings.max_append_bytes, param="text")
     final = await _final(request, Run(rt, ids=ids, params=None, owner=who, create=True,
                                       create_metadata=body.metadata))
     return _appended(rt, final, len(ids))
@@ -55,14 +57,14 @@ async def get_session(session_id: str, rt: Runtime = Depends(runtime),
 @router.delete("/{session_id}")
 async def delete_session(session_id: str, rt: Runtime = Depends(runtime), who: str | None = Depends(owner)) -> dict:
     await rt.store.delete(session_id, owner=who)
-    rt.hot.discard(session_id)
+    rt.hot.deleted(session_id)
     return {"id": session_id, "object": "session.deleted", "deleted": True}
 
 
 @router.post("/{session_id}/append", response_model=AppendResult)
 async def append(session_id: str, body: SessionAppend, request: Request, rt: Runtime = Depends(runtime),
                  who: str | None = Depends(owner)) -> AppendResult:
-    ids = prompt_ids(rt, body.text, rt.settings.max_append_bytes, param="text")
+    ids = await prompt_ids(rt, body.text, rt.settings.max_append_bytes, param="text")
     final = await _final(request, Run(rt, ids=ids, params=None, owner=who, session_id=session_id))
     return _appended(rt, final, len(ids))
 
@@ -78,6 +80,11 @@ def _appended(rt: Runtime, final: Final, n: int) -> AppendResult:
     score = final.done.score
     base = session_object(rt, final.info).model_dump()
     has = score is not None and score.tokens > 0
-    return AppendResult(**base, appended_tokens=n, logprob=score.logprob if has else None,
-                        bpc=score.bpc if has else None, perplexity=score.perplexity if has else None)
+    return AppendResult(**base, appended_tokens=n, logprob=_finite(score.logprob) if has else None,
+                        bpc=_finite(score.bpc) if has else None, perplexity=_finite(score.perplexity) if has else None)
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no infinity: a text the model finds impossible (perplexity past float range) reads as null."""
+    return x if math.isfinite(x) else None
 

@@ -109,6 +109,17 @@ def test_errors_are_named_for_what_happened(status: int, type_: str, code: str, 
         assert type(inner) is cls and inner.status == status
 
 
+@pytest.mark.parametrize(("type_", "cls"), [
+    ("invalid_request_error", BadRequestError), ("not_found_error", NotFoundError),
+    ("rate_limit_error", RateLimitError), ("service_unavailable_error", ServiceUnavailableError),
+    ("server_error", InternalServerError), ("something_new", APIError),
+])
+def test_a_stream_error_without_a_status_is_named_by_its_type(type_: str, cls: type[APIError]) -> None:
+    """An older server sends no ``status`` inside a stream: OpenAI's ``type`` still names the error."""
+    err = error_from_body(_body(type_, "c", "what went wrong"))
+    assert type(err) is cls
+
+
 def test_error_without_an_openai_body() -> None:
     err = error_from_body(None, 502, "<html>bad gateway</html>")
     assert isinstance(err, InternalServerError) and err.message == "<html>bad gateway</html>" and err.status == 502

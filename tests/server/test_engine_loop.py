@@ -85,3 +85,50 @@ def test_a_request_cancelled_while_its_prompt_is_fed_stores_nothing(engine):
 
     done = asyncio.run(main())
     assert isinstance(done, Finished) and done.state is None and done.finish_reason == "cancelled"
+
+
+def test_a_row_that_fails_mid_step_costs_the_others_nothing(engine):
+    """One row's sampling raises in the very step that feeds another row's short prompt: the failing request
+    gets its error, and the others neither lose a prompt token nor drop a sampled one."""
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    history, prompt = engine.encode("Once upon a time"), engine.encode(" and")
+    alone = engine.new_state()
+    engine.feed(alone, history)
+    want_short = [e.token for e in engine.generate(alone, prompt, greedy)]
+    want_long = [e.token for e in engine.generate(engine.new_state(), engine.encode("a longer prompt"), greedy)]
+
+    async def main():
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        scheduler.start()
+        try:
+            bad = scheduler.submit(engine.new_state(), engine.encode("xyz"), SamplingParams(max_tokens=400))
+            bad_items = bad.__aiter__()
+            await bad_items.__anext__()  # generating: the batch is busy
+            long_run = scheduler.submit(engine.new_state(), engine.encode("a longer prompt"), greedy)
+            sample = bad.job.generation.on_logits
+
+            def fail_while_a_prompt_is_fed(logits):  # runs on the engine thread, inside one decode step
+                if any(job.pending for job in scheduler.running):
+                    raise RuntimeError("sampling failed")
+                return sample(logits)
+
+            bad.job.generation.on_logits = fail_while_a_prompt_is_fed
+            state = engine.new_state()
+            engine.feed(state, history)
+            short_run = scheduler.submit(state, prompt, greedy)
+
+            async def tokens(request):
+                return [item.token async for item in request if isinstance(item, TokenEvent)]
+
+            got_long, got_short = await asyncio.gather(tokens(long_run), tokens(short_run))
+            with pytest.raises(RuntimeError, match="sampling failed"):
+                async for _ in bad_items:
+                    pass
+            return got_long, got_short, scheduler.prompt_tokens_in_batch
+        finally:
+            scheduler.stop()
+
+    got_long, got_short, fed_in_batch = asyncio.run(main())
+    assert fed_in_batch == len(prompt)  # the short prompt took the batched path, in the failing step
+    assert got_short == want_short
+    assert got_long == want_long

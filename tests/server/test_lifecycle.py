@@ -209,3 +209,25 @@ async def test_the_lease_is_released_before_the_answer_ends(redis_url, tmp_path)
         assert isinstance(item, Final) and released == [sid]
         r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "yo", "max_tokens": 2, "session_id": sid})
         assert r.status_code == 200 and released == [sid, sid]
+
+
+async def test_a_session_deleted_while_a_request_runs_on_it_does_not_come_back_hot(redis_url, tmp_path):
+    from model.sampling import SamplingParams
+    from server.service import Run
+
+    async with running_app(redis_url, tmp_path, open_gate=False) as (app, rt, engine), _client(app) as c:
+        sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]
+        submitted, submit = asyncio.Event(), engine.submit
+
+        def watched_submit(*args, **kwargs):
+            submitted.set()
+            return submit(*args, **kwargs)
+
+        engine.submit = watched_submit
+        run = Run(rt, ids=[], params=SamplingParams(max_tokens=5), owner=None, session_id=sid)
+        await submitted.wait()  # the run holds the session's state, taken out of the hot set
+        assert (await c.delete(f"/v1/sessions/{sid}")).status_code == 200
+        run.cancel()  # ends with nothing new: no commit, and its state must not be kept for a deleted session
+        await run.task
+        assert rt.hot.version(sid) is None and len(rt.hot) == 0
+        assert (await c.get(f"/v1/sessions/{sid}")).status_code == 404

@@ -16,7 +16,8 @@
 
 An error that arrives inside a stream (an SSE ``error`` event or a WebSocket ``error``
 message) has no HTTP status of its own: the server sends ``status`` with it, the one it
-answers the same error with outside a stream.
+answers the same error with outside a stream. From a server that sends no ``status`` there,
+the class follows OpenAI's error ``type`` (``invalid_request_error`` reads as 400).
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ _BY_STATUS: dict[int, type[APIError]] = {
 }
 
 
+_BY_TYPE: dict[str, int] = {  # OpenAI's error types, for a stream error that carries no status
+    "invalid_request_error": 400, "authentication_error": 401, "not_found_error": 404, "conflict_error": 409,
+    "rate_limit_error": 429, "service_unavailable_error": 503, "server_error": 500,
+}
+
+
 def error_from_body(body: Any, status: int | None = None, fallback: str = "") -> APIError:
     """The exception for an error answer: ``status`` from HTTP, or None inside a stream."""
     err = body.get("error") if isinstance(body, Mapping) else None
@@ -106,6 +113,8 @@ def error_from_body(body: Any, status: int | None = None, fallback: str = "") ->
     code, type_ = err.get("code"), err.get("type")
     if status is None and isinstance(body, Mapping) and isinstance(body.get("status"), int):  # inside a stream
         status = body["status"]
+    elif status is None and isinstance(type_, str):
+        status = _BY_TYPE.get(type_)
     cls = _BY_STATUS.get(status or 0) or (InternalServerError if (status or 0) >= 500 else APIError)
     if cls is ConflictError and code == "session_busy":
         cls = SessionBusyError

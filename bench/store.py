@@ -70,6 +70,47 @@ async def _measure(url: str | None, data_dir: str, mem_tokens: int, iters: int) 
     }
 
 
+def parsers(url: str | None, data_dir: str, mem_tokens: int, iters: int) -> dict[str, Any]:
+    """Reading one large session's payload with redis-py's pure-Python reply parser and, when the ``hiredis``
+    extra is installed, its C parser, in the same run (p50 ms; ``hiredis_speedup``)."""
+    import redis.asyncio
+    from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser
+    from redis.utils import HIREDIS_AVAILABLE
+
+    from memory_store.embedded import EmbeddedRedis
+    from memory_store.redis_tier import session_key
+
+    async def go(url: str) -> dict[str, Any]:
+        identity = ModelIdentity("bench-store", N_LAYER, D_MODEL)
+        state = {"mems": torch.randn(N_LAYER, mem_tokens, D_MODEL).to(DTYPE)}
+        async with MemoryStore.from_url(url, identity=identity, data_dir=data_dir, hot_cache_mb=0,
+                                        max_payload_mb=64) as store:
+            sid = (await store.create(tensors=state, mem_len=mem_tokens)).session_id
+            out: dict[str, Any] = {"payload_mb": state["mems"].nbytes / 1e6, "hiredis_installed": HIREDIS_AVAILABLE}
+            kinds = {"python": _AsyncRESP2Parser, **({"hiredis": _AsyncHiredisParser} if HIREDIS_AVAILABLE else {})}
+            for name, parser in kinds.items():
+                client = redis.asyncio.Redis.from_url(url, parser_class=parser)
+                samples = await _time(lambda c=client: c.hget(session_key(sid), "payload"), iters)
+                await client.aclose()
+                out[f"{name}_read_ms"] = statistics.median(samples) * 1e3
+            if HIREDIS_AVAILABLE:
+                out["hiredis_speedup"] = out["python_read_ms"] / out["hiredis_read_ms"]
+            await store.delete(sid)
+            return out
+
+    async def main() -> dict[str, Any]:
+        if url is not None:
+            return await go(url)
+        embedded = EmbeddedRedis(data_dir)  # the store below joins this same server
+        await asyncio.to_thread(embedded.start)
+        try:
+            return await go(embedded.url)
+        finally:
+            await asyncio.to_thread(embedded.stop)
+
+    return asyncio.run(main())
+
+
 LARGE_MB = 1600 * _BYTES_PER_TOKEN / MiB
 SMALL_MB = 32 * _BYTES_PER_TOKEN / MiB
 
@@ -86,7 +127,9 @@ def run(
         return result
 
     with tempfile.TemporaryDirectory(prefix="txl-bench-") as data_dir:
-        return asyncio.run(both(data_dir))
+        result = asyncio.run(both(data_dir))
+        result["parsers"] = parsers(url, data_dir, max(1, round(state_mb_large * MiB / _BYTES_PER_TOKEN)), iters)
+        return result
 
 
 def _document(n_bytes: int) -> bytes:
@@ -148,6 +191,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc-kb", type=float, default=100, help="document size for restore vs recompute")
     parser.add_argument("--mem-len", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
+    from bench import tiers
+
+    tiers.add_arguments(parser)
 
 
 def main(args: argparse.Namespace | list[str] | None = None) -> int:
@@ -160,6 +206,9 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     result = run(state_mb_large=args.state_mb_large, state_mb_small=args.state_mb_small, iters=args.iters, url=args.url)
     result.update(restore_vs_recompute(resolve_checkpoint(args.checkpoint), doc_bytes=int(args.doc_kb * 1000),
                                        iters=min(args.iters, 20), url=args.url, mem_len=args.mem_len))
+    from bench import tiers
+
+    result["tiers"] = tiers.run(args)
     print(json.dumps(result))
     return 0
 

@@ -9,6 +9,13 @@ truncated write before ``safetensors`` sees it.
 Tensors whose name starts with ``_`` (a key/value cache, say) are hot-only:
 :func:`persisted` drops them before encoding and the store keeps them on the
 device only.
+
+A record has one of two forms. ``state``: the hidden states (``mems``, and
+``last_logits``) plus, since format 2, the session's last tokens (``window``,
+int32), from which any model with the same tokenizer can rebuild it. ``window``
+(the cold tier): the token window alone, a few bytes per token, whatever the
+model's size. Records in the window form are written as format 2, so a server
+that predates them refuses them as too new instead of misreading them.
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ import torch
 
 from txlserve.errors import InvalidRequestError, PayloadTooLarge, SessionCorrupt, SessionIncompatible
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this code reads; a ``state`` record is still written as 1
 MEMS = "mems"
+WINDOW = "window"
+STATE_FORM, WINDOW_FORM = "state", "window"
 MAX_METADATA_BYTES = 64 * 1024
 # Bounds no real model comes near; a header outside them was not written by txlserve.
 _RANGES: dict[str, tuple[int, int]] = {
@@ -45,6 +54,7 @@ class ModelIdentity:
     fingerprint: str
     n_layer: int
     d_model: int
+    tokenizer: str = ""  # a session written under the same tokenizer can be rebuilt from its window
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,10 @@ class Header:
     updated_at: float
     metadata: dict[str, Any]
     payload_bytes: int
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
+    form: str = STATE_FORM  # "state" | "window"
+    tokenizer: str = ""
+    window_tokens: int = 0  # how many of its last tokens the record holds (0: none, a session from before windows)
 
 
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
@@ -81,6 +94,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "metadata": (dict,),
     "payload_bytes": (int,),
 }
+_OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"form": (str,), "tokenizer": (str,), "window_tokens": (int,)}
 
 
 def is_hot_only(name: str) -> bool:
@@ -107,10 +121,13 @@ def check_state(
     for name, value in (("mem_len", mem_len), ("tokens_seen", tokens_seen)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise InvalidRequestError(f"{name} must be an integer >= 0, got {value!r}", param=name)
-    mems = tensors.get(MEMS)
-    if mems is None:
-        raise SessionIncompatible(f"session state has no {MEMS!r} tensor", param="tensors")
-    _check_mems_shape(tuple(mems.shape), identity=identity, mem_len=mem_len, error=SessionIncompatible)
+    mems, window = tensors.get(MEMS), tensors.get(WINDOW)
+    if mems is None and window is None:
+        raise SessionIncompatible(f"session state has neither {MEMS!r} nor {WINDOW!r}", param="tensors")
+    if mems is not None:
+        _check_mems_shape(tuple(mems.shape), identity=identity, mem_len=mem_len, error=SessionIncompatible)
+    if window is not None:
+        _check_window(window, tokens_seen, error=InvalidRequestError)
 
 
 def check_metadata(metadata: Mapping[str, Any] | None, *, max_bytes: int = MAX_METADATA_BYTES) -> dict[str, Any]:
@@ -135,6 +152,19 @@ def _check_mems_shape(shape: tuple[int, ...], *, identity: ModelIdentity, mem_le
         raise error(
             f"{MEMS} has shape {list(shape)}, expected [{identity.n_layer}, m <= {mem_len}, {identity.d_model}]"
         )
+
+
+def _check_window(window: torch.Tensor, tokens_seen: int, *, error: type) -> None:
+    if window.dtype != torch.int32 or window.dim() != 1:
+        raise error(f"{WINDOW} must be a 1-D int32 tensor, got {window.dtype} of shape {list(window.shape)}")
+    if window.numel() > tokens_seen:
+        raise error(f"{WINDOW} holds {window.numel()} tokens, more than the {tokens_seen} the session has seen")
+    if window.numel() and int(window.min()) < 0:
+        raise error(f"{WINDOW} holds a negative token id")
+
+
+def form_of(tensors: Mapping[str, torch.Tensor]) -> str:
+    return STATE_FORM if MEMS in tensors else WINDOW_FORM
 
 
 def encode_payload(tensors: Mapping[str, torch.Tensor], *, max_bytes: int) -> bytes:
@@ -185,22 +215,38 @@ def decode_header(raw: bytes) -> Header:
     for name, (low, high) in _RANGES.items():
         if not low <= doc[name] <= high:
             raise SessionCorrupt(f"session header field {name!r} is {doc[name]}, outside [{low}, {high}]")
+    for name, types in _OPTIONAL_FIELDS.items():  # absent in format 1
+        value = doc.get(name, Header.__dataclass_fields__[name].default)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise SessionCorrupt(f"session header field {name!r} has the wrong type")
+        doc[name] = value
+    if doc["form"] not in (STATE_FORM, WINDOW_FORM) or not 0 <= doc["window_tokens"] <= doc["tokens_seen"]:
+        raise SessionCorrupt(f"session header has form {doc['form']!r} with {doc['window_tokens']} window tokens")
     # Older servers stored lone surrogates, which no response can carry: keep such a session readable.
     doc["metadata"] = json.loads(json.dumps(doc["metadata"], ensure_ascii=False).encode("utf-8", "replace"))
-    return Header(**{name: doc[name] for name in _FIELD_TYPES})
+    return Header(**{name: doc[name] for name in (*_FIELD_TYPES, *_OPTIONAL_FIELDS)})
 
 
-def check_compatible(header: Header, identity: ModelIdentity) -> None:
-    """A stored session made by another model (or another shape of model) cannot be resumed."""
-    if header.fingerprint != identity.fingerprint:
-        raise SessionIncompatible(
-            f"session was built by model {header.fingerprint!r}, this server runs {identity.fingerprint!r}"
-        )
-    if (header.n_layer, header.d_model) != (identity.n_layer, identity.d_model):
-        raise SessionIncompatible(
-            f"session has n_layer={header.n_layer}, d_model={header.d_model}; "
-            f"this model has n_layer={identity.n_layer}, d_model={identity.d_model}"
-        )
+def check_compatible(header: Header, identity: ModelIdentity) -> str:
+    """How the running model can use a stored session: ``"state"`` (its hidden states as they are) or
+    ``"window"`` (rebuilt from its last tokens: a cold record, or one written by another checkpoint with the
+    same tokenizer). A session it cannot use at all is ``SessionIncompatible``."""
+    same_model = (header.fingerprint, header.n_layer, header.d_model) == (
+        identity.fingerprint, identity.n_layer, identity.d_model)
+    if same_model and header.form == STATE_FORM:
+        return STATE_FORM
+    has_window = header.window_tokens > 0 or header.tokens_seen == 0
+    if has_window and header.tokenizer and header.tokenizer == identity.tokenizer:
+        return WINDOW_FORM
+    if header.tokenizer and header.tokenizer != identity.tokenizer:
+        why = f"its tokenizer {header.tokenizer!r} is not this server's {identity.tokenizer!r}"
+    else:
+        why = "it holds no token window to rebuild it from"
+    raise SessionIncompatible(
+        f"session was built by model {header.fingerprint!r} (n_layer={header.n_layer}, d_model={header.d_model}), "
+        f"this server runs {identity.fingerprint!r} (n_layer={identity.n_layer}, d_model={identity.d_model}), "
+        f"and {why}"
+    )
 
 
 def decode_payload(payload: bytes, header: Header) -> dict[str, torch.Tensor]:
@@ -211,6 +257,16 @@ def decode_payload(payload: bytes, header: Header) -> dict[str, torch.Tensor]:
         tensors = safetensors.torch.load(payload)
     except Exception as err:  # safetensors raises its own SafetensorError, or ValueError, or OSError
         raise SessionCorrupt(f"session payload does not decode: {err}") from None
+    window = tensors.get(WINDOW)
+    if window is not None:
+        _check_window(window, header.tokens_seen, error=SessionCorrupt)
+    if (0 if window is None else window.numel()) != header.window_tokens:
+        raise SessionCorrupt(f"session payload holds a window of {0 if window is None else window.numel()} "
+                             f"tokens, its header declares {header.window_tokens}")
+    if header.form == WINDOW_FORM:
+        if MEMS in tensors:
+            raise SessionCorrupt(f"a window-form session payload holds {MEMS!r}")
+        return tensors
     mems = tensors.get(MEMS)
     if mems is None:
         raise SessionCorrupt(f"session payload has no {MEMS!r} tensor")

@@ -31,6 +31,7 @@ class StoreMetrics:
     hot_bytes: int = 0
     hot_sessions: int = 0
     redis_errors: int = 0
+    demotions: int = 0  # sessions moved to the cold tier (token window only)
     ops: dict[str, OpStats] = field(default_factory=dict)
 
     @contextmanager

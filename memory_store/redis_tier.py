@@ -21,9 +21,10 @@ them meaning. Any Redis or socket failure leaves here as ``StoreUnavailable``.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
 import redis.asyncio
@@ -90,6 +91,18 @@ if left >= 0 and left < tonumber(ARGV[1]) - tonumber(ARGV[2]) then redis.call('P
 return 0
 """
 
+# The cold tier: rewrite a session in place, keeping its version and TTL, only if nobody holds its lease and
+# nobody wrote since it was read. ARGV[1] the version read, ARGV[2] header, ARGV[3] payload.
+_DEMOTE = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 'BUSY' end
+local h = redis.call('HGET', KEYS[1], 'header')
+if not h then return 'NOT_FOUND' end
+local ok, doc = pcall(cjson.decode, h)
+if not ok or type(doc) ~= 'table' or doc.version ~= tonumber(ARGV[1]) then return 'CONFLICT' end
+redis.call('HSET', KEYS[1], 'header', ARGV[2], 'payload', ARGV[3])
+return 'OK'
+"""
+
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
@@ -115,6 +128,9 @@ def owner_key(owner: str | None) -> str:
     return f"txl:owner:{{{hashlib.sha256(name.encode()).hexdigest()[:32]}}}"
 
 
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
 def connect(url: str, *, op_timeout_s: float, max_connections: int = 64) -> redis.asyncio.Redis:
     """A client that fails fast: bounded socket waits, one immediate retry, a bounded wait for a connection.
 
@@ -123,7 +139,19 @@ def connect(url: str, *, op_timeout_s: float, max_connections: int = 64) -> redi
     a timeout is not retried, so a hung server costs one ``op_timeout_s``. Under
     a burst, callers queue up to ``op_timeout_s`` for a pooled connection rather
     than failing at once as the default pool does when it is exhausted.
+
+    ``redis+cluster://host:port`` (or ``rediss+cluster://``) names any node of a
+    Redis Cluster: redis-py's cluster client finds the others and routes each key
+    to its slot's primary (every key of one session shares a slot: the hash tag).
     """
+    if url.startswith(CLUSTER_SCHEMES):
+        return redis.asyncio.RedisCluster.from_url(
+            url.replace("+cluster", "", 1),
+            socket_timeout=op_timeout_s,
+            socket_connect_timeout=op_timeout_s,
+            max_connections=max_connections,
+            retry=Retry(NoBackoff(), 1),
+        )
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
@@ -142,6 +170,7 @@ class RedisTier:
         self, client: redis.asyncio.Redis, *, where: str, ttl_s: int, lease_ttl_ms: int, metrics: StoreMetrics
     ) -> None:
         self._client = client
+        self._cluster = isinstance(client, redis.asyncio.RedisCluster)
         self.where = where
         self._ttl_ms = ttl_s * 1000
         self._touch_slack_ms = min(self._ttl_ms // 10, 3_600_000)
@@ -152,6 +181,7 @@ class RedisTier:
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._touch_script = client.register_script(_TOUCH)
+        self._demote = client.register_script(_DEMOTE)
 
     @contextmanager
     def _translate(self) -> Iterator[None]:
@@ -162,7 +192,7 @@ class RedisTier:
                 raise SessionCorrupt("a key of the session has the wrong Redis type") from None
             self._metrics.redis_errors += 1
             raise StoreUnavailable(f"Redis at {self.where} refused a command: {err}") from err
-        except (redis.exceptions.RedisError, OSError, TimeoutError) as err:
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError, TimeoutError) as err:
             self._metrics.redis_errors += 1
             raise StoreUnavailable(f"Redis at {self.where} is unavailable: {err}") from err
 
@@ -174,15 +204,25 @@ class RedisTier:
         with self._translate():
             await self._client.ping()
 
-    async def read(self, session_id: str, owner: str | None, *, payload: bool) -> tuple[bytes | None, bytes | None]:
-        """(header, payload) of a session, refreshing its TTL and its owner's index TTL."""
+    async def read(self, session_id: str, owner: str | None, *, payload: bool,
+                   touch: bool = True) -> tuple[bytes | None, bytes | None]:
+        """(header, payload) of a session, refreshing its TTL and its owner's index TTL (unless ``touch`` is
+        False: the cold-tier sweep reads without making a session look used)."""
         fields = ("header", "payload") if payload else ("header",)
         with self._translate():
-            async with self._client.pipeline(transaction=False) as pipe:
-                pipe.hmget(session_key(session_id), fields)
-                await self._touch(pipe, session_key(session_id))
-                await self._touch(pipe, owner_key(owner))
-                values = (await pipe.execute())[0]
+            if self._cluster:  # a cluster pipeline cannot carry scripts: the touches run beside the read
+                keys = (session_key(session_id), owner_key(owner)) if touch and self._ttl_ms else ()
+                values, *_ = await asyncio.gather(self._client.hmget(session_key(session_id), fields),
+                                                  *(self._touch_script(keys=[k], args=[self._ttl_ms,
+                                                                                       self._touch_slack_ms])
+                                                    for k in keys))
+            else:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    pipe.hmget(session_key(session_id), fields)
+                    if touch:
+                        await self._touch(pipe, session_key(session_id))
+                        await self._touch(pipe, owner_key(owner))
+                    values = (await pipe.execute())[0]
         return values[0], (values[1] if payload else None)
 
     async def write(
@@ -239,6 +279,32 @@ class RedisTier:
             if dead:
                 await self._client.zrem(owner_key(owner), *dead)
         return live
+
+    async def scan_sessions(self, batch: int = 256) -> AsyncIterator[tuple[str, bytes]]:
+        """(session id, header) of every session in this Redis (every primary of a cluster), in no order. SCAN
+        never blocks the server for long; a session written during the scan may or may not be seen."""
+        ids: list[str] = []
+        with self._translate():
+            async for key in self._client.scan_iter(match="txl:{*}", count=batch):
+                name = key.decode()
+                if name.startswith("txl:{") and name.endswith("}"):  # not a lease or an owner index
+                    ids.append(name[5:-1])
+        for start in range(0, len(ids), batch):
+            chunk = ids[start:start + batch]
+            with self._translate():
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for session_id in chunk:
+                        pipe.hget(session_key(session_id), "header")
+                    headers = await pipe.execute(raise_on_error=False)
+            for session_id, header in zip(chunk, headers, strict=True):
+                if isinstance(header, bytes):
+                    yield session_id, header
+
+    async def demote(self, session_id: str, *, header: bytes, payload: bytes, expected: int) -> str:
+        """Rewrite a session in place if unleased and still at ``expected``: OK, BUSY, NOT_FOUND or CONFLICT."""
+        keys = [session_key(session_id), lease_key(session_id)]
+        with self._translate():
+            return (await self._demote(keys=keys, args=[expected, header, payload])).decode()
 
     async def delete(self, session_id: str, owner: str | None) -> bool:
         """Drop a session and its lease (a holder's next commit then fails); True if it existed."""

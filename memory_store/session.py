@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 import torch
 
-from memory_store.codec import MEMS, Header
+from memory_store.codec import MEMS, WINDOW_FORM, Header
 
-Tier = Literal["hot", "redis"]
+Tier = Literal["hot", "redis", "cold"]
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class SessionInfo:
     """Header fields of one session; ``bytes`` is the size of its persisted payload.
 
     ``tier`` is "hot" when this store holds the current version on its device,
-    "redis" when the next ``get`` has to load it.
+    "redis" when the next ``get`` has to load it, "cold" when Redis holds only its
+    token window and its next use rebuilds it.
     """
 
     session_id: str
@@ -31,6 +32,8 @@ class SessionInfo:
     updated_at: float
     metadata: dict[str, Any]
     fingerprint: str = ""  # of the model (and window) that wrote this session: what a restore must match
+    tokenizer: str = ""  # what its token window means
+    window_tokens: int = 0  # how many of its last tokens it keeps (0: written before windows)
 
     @classmethod
     def from_header(cls, session_id: str, header: Header, *, tier: Tier) -> SessionInfo:
@@ -41,11 +44,13 @@ class SessionInfo:
             tokens_seen=header.tokens_seen,
             mem_len=header.mem_len,
             bytes=header.payload_bytes,
-            tier=tier,
+            tier="cold" if header.form == WINDOW_FORM and tier != "hot" else tier,
             created_at=header.created_at,
             updated_at=header.updated_at,
             metadata=header.metadata,
             fingerprint=header.fingerprint,
+            tokenizer=header.tokenizer,
+            window_tokens=header.window_tokens,
         )
 
 

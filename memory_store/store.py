@@ -81,7 +81,8 @@ class MemoryStore:
         op_timeout_s: float = 2.0,
         max_payload_mb: float = 256,
     ) -> MemoryStore:
-        """A store over a ``redis://``, ``rediss://`` or ``unix://`` URL, or (None) the embedded Redis.
+        """A store over a ``redis://``, ``rediss://`` or ``unix://`` URL, a ``redis+cluster://`` node of a Redis
+        Cluster, or (None) the embedded Redis.
 
         Nothing is opened until ``start()`` (or ``async with``); see :class:`StoreConfig`.
         """
@@ -273,6 +274,54 @@ class MemoryStore:
             await self._redis.delete(session_id, owner)
             self._hot.discard(session_id)
 
+    async def demote(self, session_id: str) -> bool:
+        """Move a session to the cold tier: keep only its token window (same version, same TTL), to be rebuilt
+        on its next use. False, and nothing written, if it is leased, changed meanwhile, already cold, or has
+        no window."""
+        session_id = _checked_id(session_id)
+        raw, payload = await self._redis.read(session_id, None, payload=True, touch=False)
+        if raw is None:
+            return False
+        header = codec.decode_header(raw)
+        if header.form != codec.STATE_FORM or not header.window_tokens:
+            return False
+        tensors = await asyncio.to_thread(codec.decode_payload, payload or b"", header)
+        cold = {codec.WINDOW: tensors[codec.WINDOW]}
+        small = await asyncio.to_thread(codec.encode_payload, cold, max_bytes=self.config.max_payload_bytes)
+        new = dataclasses.replace(header, form=codec.WINDOW_FORM, format_version=2, payload_bytes=len(small),
+                                  dtype=str(cold[codec.WINDOW].dtype))
+        status = await self._redis.demote(session_id, header=codec.encode_header(new), payload=small,
+                                          expected=header.version)
+        if status == "OK":
+            self._hot.discard(session_id)
+            self.metrics.demotions += 1
+        return status == "OK"
+
+    async def sweep(self, *, idle_s: float | None = None, warm_budget_bytes: int | None = None) -> int:
+        """Apply the cold-tier policy to every session in this Redis: those idle for ``idle_s`` go cold, then
+        the least recently updated until the warm (hidden-state) records fit ``warm_budget_bytes``. The number
+        moved. Every replica may sweep: a demotion is a compare-and-set that skips leased sessions."""
+        now, warm = time.time(), []
+        async for session_id, raw in self._redis.scan_sessions():
+            try:
+                header = codec.decode_header(raw)
+            except (SessionCorrupt, SessionIncompatible):
+                continue
+            if header.form == codec.STATE_FORM and header.window_tokens:
+                warm.append((header.updated_at, header.payload_bytes, session_id))
+        warm.sort()
+        total, moved = sum(nbytes for _, nbytes, _ in warm), 0
+        for updated_at, nbytes, session_id in warm:
+            idle = idle_s is not None and now - updated_at >= idle_s
+            over = warm_budget_bytes is not None and total > warm_budget_bytes
+            if not (idle or over):
+                continue
+            with contextlib.suppress(SessionCorrupt):  # changed or broken meanwhile: the next sweep sees it
+                if await self.demote(session_id):
+                    total -= nbytes
+                    moved += 1
+        return moved
+
     # -- leases ------------------------------------------------------------
 
     def lease(self, session_id: str, *, owner: str | None = None, tensors: bool = True) -> LeaseRequest:
@@ -328,11 +377,13 @@ class MemoryStore:
         *,
         tokens_seen: int,
         metadata: Mapping[str, Any] | None = None,
+        mem_len: int | None = None,
     ) -> SessionInfo:
         """Write a new version if the lease still holds and nobody wrote since it was read.
 
         Otherwise ``SessionConflict`` (``SessionNotFound`` if it was deleted).
-        ``metadata=None`` keeps the current metadata.
+        ``metadata=None`` keeps the current metadata; ``mem_len=None`` the current
+        memory length (a session rebuilt by another model takes that model's).
         """
         with self.metrics.timed("commit"):
             if lease not in self._leases:
@@ -341,7 +392,7 @@ class MemoryStore:
             metadata = prev.metadata if metadata is None else codec.check_metadata(metadata)
             header, payload = await self._encode(
                 tensors,
-                mem_len=prev.mem_len,
+                mem_len=prev.mem_len if mem_len is None else mem_len,
                 tokens_seen=tokens_seen,
                 metadata=metadata,
                 owner=prev.owner,
@@ -449,12 +500,13 @@ class MemoryStore:
         codec.check_state(tensors, identity=self.identity, mem_len=mem_len, tokens_seen=tokens_seen)
         payload = await asyncio.to_thread(codec.encode_payload, tensors, max_bytes=self.config.max_payload_bytes)
         now = time.time()
+        form, window = codec.form_of(tensors), tensors.get(codec.WINDOW)
         header = Header(
             fingerprint=self.identity.fingerprint,
             n_layer=self.identity.n_layer,
             d_model=self.identity.d_model,
             mem_len=mem_len,
-            dtype=str(tensors[codec.MEMS].dtype),
+            dtype=str(tensors[codec.MEMS].dtype if form == codec.STATE_FORM else window.dtype),
             tokens_seen=tokens_seen,
             version=version,
             owner=owner,
@@ -462,6 +514,10 @@ class MemoryStore:
             updated_at=now,
             metadata=metadata,
             payload_bytes=len(payload),
+            format_version=1 if form == codec.STATE_FORM else 2,
+            form=form,
+            tokenizer=self.identity.tokenizer,
+            window_tokens=0 if window is None else window.numel(),
         )
         return header, payload
 

@@ -19,8 +19,8 @@ from model.checkpoint import Checkpoint, load_checkpoint
 from model.decode import Decoder, DecodeState, default_prefill_chunk
 from model.sampling import SamplingParams, sample, token_logprobs
 from model.streaming import TextStreamer
-from model.tokenizer import ByteTokenizer, Tokenizer
-from txlserve.errors import InvalidRequestError, StateIncompatible
+from model.tokenizer import ByteTokenizer, Tokenizer, tokenizer_id
+from txlserve.errors import InvalidRequestError, SessionIncompatible, StateIncompatible
 
 
 @dataclass
@@ -95,6 +95,10 @@ class Engine:
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.mem_len, self.decoder.device)
         # what a stored state must match: the weights and the attention window it was built with
         self.fingerprint = f"{ckpt.fingerprint}:m{self.mem_len}:c{self.clamp_len}"
+        self.tokenizer_id = tokenizer_id(self.tokenizer)
+        # Every layer's query sees itself and exactly mem_len tokens before it, so the state after token t
+        # (mems at every layer, the next-token scores) depends on tokens t - n_layer * mem_len .. t alone.
+        self.window_len = self.config.n_layer * self.mem_len + 1
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, device: str | torch.device = "cpu",
@@ -121,6 +125,44 @@ class Engine:
         return self.decoder.logits(h)
 
     # -- session state <-> plain tensors -------------------------------------------------------
+    def renumber(self, state: DecodeState, tokens_seen: int) -> None:
+        """Make a batch-1 ``state`` read as if it had seen ``tokens_seen`` tokens. Attention depends only on
+        distances, so a state rebuilt from a session's last tokens equals the original once its rings sit
+        at the original positions (slot = position % mem_len): a rotation of each ring."""
+        seen = int(state.seen[0])
+        if tokens_seen < seen:
+            raise StateIncompatible(f"tokens_seen {tokens_seen} is less than the {seen} tokens the state holds")
+        shift = (tokens_seen - seen) % self.mem_len if self.mem_len else 0
+        if shift:
+            state.hid.copy_(state.hid.roll(shift, dims=2))  # [n_layer, 1, mem_len, d_model]
+            state.k.copy_(state.k.roll(shift, dims=3))  # [n_layer, 1, H, mem_len, Dh]
+            state.v.copy_(state.v.roll(shift, dims=3))
+        state.seen[0] = tokens_seen
+
+    def check_window(self, window: list[int], tokens_seen: int) -> list[int]:
+        """The part of a session's token window this model reads (its last ``window_len``), or why it cannot."""
+        if len(window) > tokens_seen:
+            raise InvalidRequestError(f"the window holds {len(window)} tokens, more than tokens_seen "
+                                      f"({tokens_seen})", param="tokens_seen")
+        if any(not 0 <= t < self.config.vocab_size for t in window):
+            raise InvalidRequestError(f"the window holds token ids outside 0..{self.config.vocab_size - 1}",
+                                      param="window")
+        window = window[-self.window_len:]
+        if len(window) < min(tokens_seen, self.mem_len):  # the ring would hold empty slots as real positions
+            raise SessionIncompatible(f"the session's window of {len(window)} tokens is shorter than this model's "
+                                    f"memory ({min(tokens_seen, self.mem_len)} tokens): it cannot be rebuilt here")
+        return window
+
+    def rebuild(self, window: list[int], tokens_seen: int) -> DecodeState:
+        """A session's state from its last ``window_len`` tokens (all of them if it has fewer): equal to the
+        state it had, within the split-invariance tolerance, when the window is complete."""
+        window = self.check_window(window, tokens_seen)
+        state = self.new_state(1)
+        if window:
+            self.feed(state, window)
+        self.renumber(state, tokens_seen)
+        return state
+
     def _ring_slots(self, seen: int) -> Tensor:
         m = min(seen, self.mem_len)
         return torch.arange(seen - m, seen, device=self.device).remainder(self.mem_len)  # [m]

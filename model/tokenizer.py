@@ -8,6 +8,8 @@ continues a session's memory), which reads as "after a word".
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections import Counter
 from collections.abc import Iterable
@@ -200,3 +202,11 @@ def tokenizer_from_dict(data: dict[str, Any]) -> Tokenizer:
     if kind == "word":
         return WordTokenizer(data.get("symbols"), eos=data.get("eos", "<eos>"), unk=data.get("unk"))
     raise CheckpointError(f"unknown tokenizer type {kind!r}; this txlserve knows 'byte' and 'word'")
+
+
+def tokenizer_id(tokenizer: Tokenizer) -> str:
+    """Names a tokenizer by what it does: two checkpoints whose ids agree read text into the same token ids, so
+    a session's token window written under one is a valid history for the other."""
+    doc = tokenizer.to_dict()
+    digest = hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    return f"{doc.get('type', 'unknown')}:{digest}"

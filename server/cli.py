@@ -299,6 +299,54 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
     return chat_main(ns.args) or 0
 
 
+def _add_session(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("session", help="move sessions between servers: export one as a small JSON document "
+                                       "(its last tokens), import it anywhere with the same tokenizer")
+    acts = p.add_subparsers(dest="action", required=True)
+    ex = acts.add_parser("export", help="write a session's export document (stdout, or --out)")
+    ex.add_argument("session_id")
+    ex.add_argument("--out", help="file to write (default: stdout)")
+    im = acts.add_parser("import", help="recreate a session from an export document; prints the new session")
+    im.add_argument("file", help="the export document ('-': stdin)")
+    for q in (ex, im):
+        q.add_argument("--url", default=None, help="server URL (default: $TXLSERVE_BASE_URL or "
+                                                   "http://127.0.0.1:8000)")
+        q.add_argument("--api-key", default=None, help="Bearer key (default: $TXLSERVE_API_KEY)")
+    p.set_defaults(func=_cmd_session)
+
+
+def _cmd_session(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    try:
+        from txlserve_client import APIError, Client
+    except ImportError:
+        print("txlserve: error: `txlserve session` needs the client package: pip install -e clients/python",
+              file=sys.stderr)
+        return 2
+    try:
+        with Client(base_url=ns.url, api_key=ns.api_key) as client:
+            if ns.action == "export":
+                text = json.dumps(client.sessions.export(ns.session_id))
+                if ns.out:
+                    Path(ns.out).write_text(text + "\n")
+                else:
+                    print(text)
+                return 0
+            raw = sys.stdin.read() if ns.file == "-" else Path(ns.file).read_text()
+            try:
+                document = json.loads(raw)
+            except ValueError as err:
+                print(f"txlserve: error: {ns.file} is not JSON: {err}", file=sys.stderr)
+                return 2
+            made = client.sessions.import_(document)
+            print(json.dumps({"id": made.id, "tokens_seen": made.tokens_seen, "tier": made.tier}))
+            return 0
+    except APIError as err:
+        print(f"txlserve: error: {err}", file=sys.stderr)
+        return 2
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors are one line, like every other error of the command, pointing at --help."""
 
@@ -314,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_chat(sub)
+    _add_session(sub)
     _add_import(sub)
     _add_bench(sub)
     return parser

@@ -156,7 +156,8 @@ class Completion:
     def session(final: Final) -> SessionRef | None:
         if final.info is None:
             return None
-        return SessionRef(id=final.info.session_id, tokens_seen=final.info.tokens_seen)
+        return SessionRef(id=final.info.session_id, tokens_seen=final.info.tokens_seen,
+                          rebuilt=True if final.source == "rebuild" else None)
 
     @staticmethod
     def finish(final: Final) -> FinishReason:

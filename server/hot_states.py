@@ -23,6 +23,7 @@ from model.cache import DecodeState
 class _Entry:
     version: int
     state: DecodeState
+    window: list[int] | None  # the session's last tokens, as its store record keeps them
     nbytes: int
 
 
@@ -42,16 +43,17 @@ class HotStates:
         entry = self._entries.get(session_id)
         return None if entry is None else entry.version
 
-    def take(self, session_id: str, version: int) -> DecodeState | None:
-        """The state of exactly ``version``, removed (the caller owns it now); None on a miss."""
+    def take(self, session_id: str, version: int) -> tuple[DecodeState, list[int] | None] | None:
+        """The state (and token window) of exactly ``version``, removed (the caller owns it now); None on a
+        miss."""
         entry = self._pop(session_id)
         if entry is None or entry.version != version:
             self.misses += 1
             return None
         self.hits += 1
-        return entry.state
+        return entry.state, entry.window
 
-    def put(self, session_id: str, version: int, state: DecodeState) -> bool:
+    def put(self, session_id: str, version: int, state: DecodeState, window: list[int] | None = None) -> bool:
         """Keep ``state`` as ``version``, evicting the least recently used; False if it cannot fit at all."""
         self._pop(session_id)
         nbytes = state.row_bytes * state.batch
@@ -60,7 +62,7 @@ class HotStates:
         while self.nbytes + nbytes > self.budget_bytes:
             self._pop(next(iter(self._entries)))
             self.evictions += 1
-        self._entries[session_id] = _Entry(version, state, nbytes)
+        self._entries[session_id] = _Entry(version, state, window, nbytes)
         self.nbytes += nbytes
         return True
 

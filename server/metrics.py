@@ -37,7 +37,8 @@ class _Live(Collector):
                                  ("redis_hits", m.redis_hits, "Session loads served by Redis"),
                                  ("redis_misses", m.redis_misses, "Session loads Redis did not have"),
                                  ("evictions", hot.evictions, "Hot sessions evicted to stay within the budget"),
-                                 ("store_errors", m.redis_errors, "Redis errors")):
+                                 ("store_errors", m.redis_errors, "Redis errors"),
+                                 ("session_demotions", m.demotions, "Sessions moved to the cold tier")):
             yield CounterMetricFamily(f"txlserve_{name}", doc, value=value)
 
 
@@ -57,6 +58,10 @@ class Metrics:
         self.generation_tokens = Counter("txlserve_generation_tokens", "Tokens generated", registry=r)
         self.disconnects = Counter("txlserve_client_disconnects", "Clients gone before their response ended",
                                    registry=r)
+        self.restores = Counter("txlserve_session_restores", "Sessions made ready for a request, by where their "
+                                "state came from: hot (the engine's own form), redis (hidden states), rebuild "
+                                "(prefilled from the token window: a cold session, or one another checkpoint "
+                                "wrote)", ["source"], registry=r)
         self.websockets = Gauge("txlserve_websocket_connections", "Open WebSocket connections", registry=r)
         r.register(_Live(scheduler, store, hot))
 

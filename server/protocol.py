@@ -77,8 +77,9 @@ class SessionObject(BaseModel):
     model: str
     tokens_seen: int
     mem_len: int
-    bytes: int
-    tier: str
+    bytes: int  # of its record in Redis: hidden states (warm) or the token window alone (cold)
+    tier: Literal["hot", "redis", "cold"]  # hot: on the device; redis: hidden states; cold: token window only
+    window_tokens: int = 0  # its last tokens kept in the record (enough to rebuild it, with any same-tokenizer model)
     created_at: int
     last_used_at: int
     metadata: dict[str, Any] = {}
@@ -93,6 +94,7 @@ class SessionList(BaseModel):
 
 class AppendResult(SessionObject):
     appended_tokens: int
+    rebuilt: bool = False  # the session's state was rebuilt from its token window (cold, or another checkpoint's)
     logprob: float | None = None
     bpc: float | None = None  # bits per token: per character for a byte model
     perplexity: float | None = None  # per token: a word model's measure
@@ -132,6 +134,15 @@ class Usage(BaseModel):
 class SessionRef(BaseModel):
     id: str
     tokens_seen: int
+    rebuilt: bool | None = None  # true when its state was rebuilt from its token window; absent otherwise
+
+
+def _exclude(**fields: Any) -> dict[str, Any]:
+    """``exclude=`` for model_dump: the top-level fields that are None, and a session's ``rebuilt`` unless set."""
+    out: dict[str, Any] = {k: True for k, v in fields.items() if v is None}
+    if fields.get("session") is not None and fields["session"].rebuilt is None:
+        out["session"] = {"rebuilt": True}
+    return out
 
 
 class CompletionObject(BaseModel):
@@ -147,7 +158,7 @@ class CompletionObject(BaseModel):
 
     def dump(self) -> dict[str, Any]:
         """OpenAI's shape: ``session`` only when there is one, ``usage`` only when known."""
-        return self.model_dump(exclude={k for k in ("session", "usage") if getattr(self, k) is None})
+        return self.model_dump(exclude=_exclude(session=self.session, usage=self.usage))
 
 
 class CompletionDelta(BaseModel):
@@ -173,4 +184,23 @@ class CompletionDone(BaseModel):
     session: SessionRef | None = None
 
     def dump(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"session"} if self.session is None else set())
+        return self.model_dump(exclude=_exclude(session=self.session))
+
+
+# -- portable sessions -------------------------------------------------------------------------------------------
+SESSION_FORMAT = "txlserve.session.v1"
+
+
+class SessionExport(BaseModel):
+    """A session as a small self-describing document: its last tokens and what they mean. Any server whose
+    tokenizer has the same id rebuilds it exactly (up to the window its own model needs)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    object: Literal["session.export"] = "session.export"
+    format: Literal["txlserve.session.v1"] = SESSION_FORMAT
+    tokenizer: str = Field(min_length=1, max_length=200)
+    tokens_seen: int = Field(ge=0, le=1 << 62)
+    window: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=1 << 22)
+    metadata: Metadata = None
+    model: str | None = Field(default=None, max_length=256)  # informative: the model that wrote it
+    created_at: int | None = None

@@ -33,6 +33,27 @@ class Runtime:
     closed: bool = False
     runs: set = field(default_factory=set)  # in-flight request runs, awaited at shutdown
     _draining: asyncio.Task | None = field(default=None, repr=False)
+    sweeper: asyncio.Task | None = field(default=None, repr=False)
+
+    def start_sweeper(self) -> None:
+        """Run the cold-tier policy every ``cold_sweep_s``: idle sessions, then any over the warm byte budget,
+        keep only their token window in Redis. Every replica may run it (a demotion is compare-and-set)."""
+        s = self.settings
+        if s.cold_after_s or s.warm_budget_mb:
+            self.sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        s = self.settings
+        while True:
+            await asyncio.sleep(s.cold_sweep_s)
+            try:
+                moved = await self.store.sweep(idle_s=s.cold_after_s or None,
+                                               warm_budget_bytes=(s.warm_budget_mb << 20) or None)
+            except Exception as err:  # Redis away: try again next time
+                log.warning("cold-tier sweep failed: %s", err)
+                continue
+            if moved:
+                log.info("cold tier: %d sessions now keep only their token window", moved)
 
     def drain(self) -> asyncio.Task:
         """The one drain: refuse new work, let in-flight runs finish within ``shutdown_timeout_s``, then cancel
@@ -68,7 +89,7 @@ async def open_runtime(settings: Settings) -> Runtime:
                                      mem_len=settings.mem_len, clamp_len=settings.clamp_len,
                                      prefill_chunk=settings.prefill_chunk)
     identity = ModelIdentity(fingerprint=engine.fingerprint, n_layer=engine.config.n_layer,
-                             d_model=engine.config.d_model)
+                             d_model=engine.config.d_model, tokenizer=engine.tokenizer_id)
     store = MemoryStore.from_url(settings.redis_url, identity=identity, device=device,
                                  hot_cache_mb=0, ttl_s=settings.session_ttl_s,  # hot sessions: HotStates
                                  data_dir=settings.data_dir, lease_ttl_ms=settings.lease_ttl_ms,
@@ -84,6 +105,7 @@ async def open_runtime(settings: Settings) -> Runtime:
     log.info("loaded %s (%s, %d layers, d_model %d, mem_len %d) on %s, %d torch threads; sessions in %s; "
              "http://%s:%d", checkpoint, settings.model_name, engine.config.n_layer, engine.config.d_model,
              engine.mem_len, device, torch.get_num_threads(), where, settings.host, settings.port)
+    rt.start_sweeper()
     rt.ready = True
     return rt
 
@@ -93,6 +115,8 @@ async def close_runtime(rt: Runtime) -> None:
     if rt.closed:
         return
     rt.closed = True
+    if rt.sweeper is not None:
+        rt.sweeper.cancel()
     await rt.drain()
     await asyncio.to_thread(rt.scheduler.stop)
     await rt.store.aclose()

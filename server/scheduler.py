@@ -39,6 +39,7 @@ class Finished:
     finish_reason: str | None  # "stop" | "length" | "cancelled" | None (append)
     completion_tokens: int = 0
     score: Score | None = None
+    generated: list[int] = field(default_factory=list)  # every generated token, all of them fed to the state
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Job:
     inbox: asyncio.Queue
     cancelled: bool = False
     prev: int | None = None  # the prompt's last token (how a word tokenizer spaces the first generated word)
+    scored: bool = True  # an append is scored; a session rebuilt from its window is only read
     generation: Generation | None = None
     score: Score = field(default_factory=lambda: Score(0, 0.0))
 
@@ -134,14 +136,15 @@ class Scheduler:
             self._finish(job, JobFailed(Unavailable("the server is shutting down")))
         self._flush()
 
-    def submit(self, state: DecodeState, ids: list[int], params: SamplingParams | None) -> EngineRequest:
+    def submit(self, state: DecodeState, ids: list[int], params: SamplingParams | None, *,
+               scored: bool = True) -> EngineRequest:
         """Feed ``ids`` to ``state`` (a batch-1 session the engine now owns) and, with ``params``, generate;
-        called on an event loop."""
+        without, score them (``scored``) or only read them. Called on an event loop."""
         if params is not None and not ids and int(state.seen[0]) == 0:
             raise InvalidRequestError("nothing to continue from: the prompt is empty and there is no memory "
                                       "(no session, or an empty one)", param="prompt")
         loop = asyncio.get_running_loop()
-        job = Job(state, list(ids), params, loop, asyncio.Queue(), prev=ids[-1] if ids else None)
+        job = Job(state, list(ids), params, loop, asyncio.Queue(), prev=ids[-1] if ids else None, scored=scored)
         self.inbox.put(job)
         return EngineRequest(job)
 
@@ -230,7 +233,7 @@ class Scheduler:
             return 0
         chunk, job.pending = job.pending[:budget], job.pending[budget:]
         try:  # a prefill touches only this job's own state: a failure fails only this job
-            if chunk and job.params is None:
+            if chunk and job.params is None and job.scored:
                 part = self.engine.score(job.state, chunk)
                 job.score = Score(job.score.tokens + part.tokens, job.score.logprob + part.logprob)
             elif chunk:
@@ -260,8 +263,9 @@ class Scheduler:
             own = self.engine.new_state(1)
             own.copy_row(0, state, row)
             state = own
-        n = len(job.generation.tokens) if job.generation else 0
-        return Finished(state, int(state.seen[0]), reason, n, job.score if job.params is None else None)
+        generated = list(job.generation.tokens) if job.generation else []
+        return Finished(state, int(state.seen[0]), reason, len(generated),
+                        job.score if job.params is None else None, generated)
 
     def _regroup(self, leaving: list[int], failed: dict[int, BaseException] | None = None) -> None:
         """Finished (or failed) rows leave the slot table and waiting requests join it while it has rows; each

@@ -12,7 +12,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from memory_store import SessionInfo
+from memory_store.codec import MEMS, WINDOW
+from model.cache import DecodeState
 from model.engine import TokenEvent
 from model.sampling import SamplingParams
 from server.runtime import Runtime
@@ -26,6 +30,7 @@ class Final:
     last: TokenEvent | None  # the token that ended generation, held back until the commit
     info: SessionInfo | None  # the session after commit
     cached_tokens: int  # tokens already in the session's memory before this request
+    source: str | None = None  # where the session's state came from: "hot", "redis", "rebuild"; None: new
 
 
 @dataclass
@@ -40,7 +45,7 @@ class Run:
 
     def __init__(self, rt: Runtime, *, ids: list[int], params: SamplingParams | None, owner: str | None,
                  session_id: str | None = None, create_metadata: dict | None = None,
-                 create: bool = False) -> None:
+                 create: bool = False, history: tuple[list[int], int] | None = None) -> None:
         s = rt.settings
         if rt.draining or not rt.ready:
             raise Unavailable("the server is shutting down" if rt.draining else "the server is starting")
@@ -48,6 +53,7 @@ class Run:
             raise Overloaded("too many requests are waiting; retry shortly")
         self.rt, self.ids, self.params, self.owner = rt, ids, params, owner
         self.session_id, self.create, self.create_metadata = session_id, create, create_metadata
+        self.history = history  # a new session's (token window, tokens seen): an imported session
         self.events: asyncio.Queue[Any] = asyncio.Queue()
         self.request: EngineRequest | None = None
         self.cancelled = False
@@ -62,38 +68,71 @@ class Run:
             self.request.cancel()
 
     async def _main(self) -> None:
-        rt = self.rt
+        rt, size = self.rt, self.rt.engine.window_len
         try:
             if self.session_id is None:
-                done, last = await self._schedule(rt.engine.new_state())
+                window, seen = self.history or ([], 0)
+                state = await self._rebuild(window, seen) if seen else rt.engine.new_state()
+                done, last = await self._schedule(state)
                 info = None
                 if self.create:
-                    info = await rt.store.create(owner=self.owner, tensors=await self._persisted(done),
+                    window = extend_window(window, self.ids + done.generated, seen, size)
+                    info = await rt.store.create(owner=self.owner, tensors=await self._persisted(done, window),
                                                  mem_len=rt.engine.mem_len, tokens_seen=done.tokens_seen,
                                                  metadata=self.create_metadata)
-                    rt.hot.put(info.session_id, info.version, done.state)
-                await self.events.put(Final(done, last, info, 0))
+                    rt.hot.put(info.session_id, info.version, done.state, window)
+                await self.events.put(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
             async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
                 info = lease.session.info
                 cached = info.tokens_seen
-                state = rt.hot.take(self.session_id, info.version)  # hot: the engine's own state, no copy
-                if state is None:
-                    tensors = await rt.store.read_tensors(lease)
-                    state = await asyncio.to_thread(rt.engine.import_state, tensors, tokens_seen=cached,
-                                                    fingerprint=info.fingerprint)  # as it was written
+                state, window, source = await self._restore(lease)
+                rt.metrics.restores.labels(source).inc()
                 done, last = await self._schedule(state)
-                if done.tokens_seen != cached:
-                    info = await rt.store.commit(lease, await self._persisted(done), tokens_seen=done.tokens_seen)
-                rt.hot.put(self.session_id, info.version, done.state)
+                window = extend_window(window, self.ids + done.generated, cached, size)
+                if done.tokens_seen != cached or source == "rebuild":  # a rebuilt session is stored warm again
+                    info = await rt.store.commit(lease, await self._persisted(done, window),
+                                                 tokens_seen=done.tokens_seen, mem_len=rt.engine.mem_len)
+                rt.hot.put(self.session_id, info.version, done.state, window)
             # the lease is released before the client hears the end, so its next request finds the session free
-            await self.events.put(Final(done, last, info, cached))
+            await self.events.put(Final(done, last, info, cached, source))
         except Exception as err:  # delivered to the handler, which answers in OpenAI's error shape
             await self.events.put(Failed(err))
 
-    async def _persisted(self, done: Finished) -> dict:
-        """What Redis keeps of a session: its mems and next-token scores, in the storage dtype."""
-        return await asyncio.to_thread(self.rt.engine.export_state, done.state, dtype=self.rt.storage_dtype)
+    async def _restore(self, lease) -> tuple[DecodeState, list[int] | None, str]:
+        """The leased session's state, its token window, and where the state came from: the hot set (no copy),
+        its hidden states in Redis, or, for a cold session or one another checkpoint wrote, its window."""
+        rt, info = self.rt, lease.session.info
+        hot = rt.hot.take(self.session_id, info.version)
+        if hot is not None:
+            return (*hot, "hot")
+        tensors = await rt.store.read_tensors(lease)
+        window = tensors[WINDOW].tolist() if WINDOW in tensors else None
+        if MEMS in tensors and info.fingerprint == rt.engine.fingerprint:
+            state = await asyncio.to_thread(rt.engine.import_state, tensors, tokens_seen=info.tokens_seen,
+                                            fingerprint=info.fingerprint)  # as it was written
+            return state, window, "redis"
+        return await self._rebuild(window or [], info.tokens_seen), window, "rebuild"
+
+    async def _rebuild(self, window: list[int], tokens_seen: int) -> DecodeState:
+        """Prefill the window from an empty state (through the engine loop, batched with everything else),
+        then place its rings at the session's positions."""
+        window = self.rt.engine.check_window(window, tokens_seen)
+        done = None
+        async for item in self.rt.scheduler.submit(self.rt.engine.new_state(), window, None, scored=False):
+            done = item
+        if not isinstance(done, Finished) or done.state is None:
+            raise Unavailable("the session could not be rebuilt: the server is shutting down")
+        await asyncio.to_thread(self.rt.engine.renumber, done.state, tokens_seen)
+        return done.state
+
+    async def _persisted(self, done: Finished, window: list[int] | None) -> dict:
+        """What Redis keeps of a session: its mems and next-token scores in the storage dtype, and its last
+        tokens (enough to rebuild it, with this model or another that reads text the same way)."""
+        tensors = await asyncio.to_thread(self.rt.engine.export_state, done.state, dtype=self.rt.storage_dtype)
+        if window is not None:
+            tensors[WINDOW] = torch.tensor(window, dtype=torch.int32)
+        return tensors
 
     async def _schedule(self, state) -> tuple[Finished, TokenEvent | None]:
         done, last = await self._engine_run(state)
@@ -116,6 +155,14 @@ class Run:
             else:
                 last = item  # held back until the commit
         raise RuntimeError("the engine ended a request without its Finished")  # pragma: no cover
+
+
+def extend_window(window: list[int] | None, fed: list[int], tokens_before: int, size: int) -> list[int] | None:
+    """A session's last ``size`` tokens after ``fed`` joined it; None while unknown (a session stored before
+    windows existed gets one once ``size`` new tokens have passed)."""
+    if window is None and tokens_before > 0:
+        return fed[-size:] if len(fed) >= size else None
+    return ((window or []) + fed)[-size:]
 
 
 async def first_item(run: Run) -> Any:

@@ -27,11 +27,17 @@ class Settings:
                                      "threads collapse when other processes share the cores)")
     mem_len: int | None = _opt(None, "attention window at inference (default: the checkpoint's)")
     clamp_len: int | None = _opt(None, "largest relative distance (default: the checkpoint's)")
-    redis_url: str | None = _opt(None, "redis://, rediss:// or unix:// URL (default: an embedded redis-server)")
+    redis_url: str | None = _opt(None, "redis://, rediss:// or unix:// URL, or redis+cluster://host:port "
+                                       "(any node of a Redis Cluster) (default: an embedded redis-server)")
     data_dir: str = _opt("./.txlserve", "where the embedded Redis keeps its append-only file")
     hot_cache_mb: int = _opt(1024, "byte budget of hot sessions, kept on the device in the engine's own form (a hot "
                                    "hit costs no copy and no restore), in MiB")
     session_ttl_s: int = _opt(7 * 86400, "idle TTL of a stored session in seconds (0 keeps sessions forever)")
+    cold_after_s: float = _opt(86400.0, "a session idle this many seconds keeps only its token window in Redis (the "
+                                        "cold tier) and is rebuilt from it on its next use; 0 never")
+    warm_budget_mb: int = _opt(0, "most hidden-state bytes kept in Redis, in MiB: beyond it the least recently "
+                                  "updated sessions go cold; 0 no limit")
+    cold_sweep_s: float = _opt(60.0, "how often the cold-tier policy runs, in seconds")
     storage_dtype: str = _opt("float32", "dtype of memories written to Redis: float32, bfloat16 or float16")
     api_keys: tuple[str, ...] = _opt((), "Bearer keys (comma-separated in the environment); each session "
                                          "belongs to the key that made it", )
@@ -67,6 +73,8 @@ class Settings:
             raise ConfigError(f"port must be in 0..65535, not {self.port}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, not {self.threads}")
+        if self.cold_after_s < 0 or self.warm_budget_mb < 0 or not self.cold_sweep_s > 0:
+            raise ConfigError("cold_after_s and warm_budget_mb must be >= 0, cold_sweep_s > 0")
         if not self.body_timeout_s > 0:
             raise ConfigError(f"body_timeout_s must be > 0, not {self.body_timeout_s}")
         if any(not isinstance(k, str) or not k.strip() or k != k.strip() for k in self.api_keys):

@@ -32,9 +32,10 @@ def _free_port() -> int:
 class RedisProcess:
     """One redis-server on a loopback port with an fsync-always AOF in ``data_dir``."""
 
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, *, extra: tuple[str, ...] = ()) -> None:
         self.data_dir = data_dir
         self.port = port or _free_port()
+        self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -45,7 +46,7 @@ class RedisProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)]
         args += ["--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no"]
-        args += ["--logfile", str(self.data_dir / "redis.log")]
+        args += ["--logfile", str(self.data_dir / "redis.log"), *self.extra]
         self.proc = subprocess.Popen([find_redis_server(), *args], stdout=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
         deadline = time.monotonic() + timeout_s
@@ -84,6 +85,76 @@ class RedisProcess:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def _free_cluster_port() -> int:
+    """A free port at most 55535 whose cluster bus port (10000 higher) is free too."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 55535)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+class RedisClusterProcesses:
+    """A real Redis Cluster of ``masters`` primaries (no replicas) from the same binary: started, joined with
+    CLUSTER MEET, the 16384 slots split evenly, ready when every node reports ``cluster_state:ok``."""
+
+    SLOTS = 16384
+
+    def __init__(self, data_dir: Path, masters: int = 3) -> None:
+        cluster_args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")  # under --dir
+        self.nodes = [RedisProcess(data_dir / f"node-{i}", _free_cluster_port(), extra=cluster_args)
+                      for i in range(masters)]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self, timeout_s: float = 30.0) -> RedisClusterProcesses:
+        for node in self.nodes:
+            node.start()
+        clients = [redis.Redis(port=n.port, socket_timeout=5) for n in self.nodes]
+        try:
+            per = self.SLOTS // len(self.nodes)
+            for i, client in enumerate(clients):
+                hi = self.SLOTS if i == len(clients) - 1 else (i + 1) * per
+                client.execute_command("CLUSTER", "ADDSLOTS", *range(i * per, hi))
+                if i:
+                    client.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port)
+            deadline = time.monotonic() + timeout_s
+            while not all(b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO") for c in clients):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Redis cluster did not converge")
+                time.sleep(0.05)  # poll, bounded by the deadline
+            while not all(len(c.execute_command("CLUSTER", "NODES").splitlines()) == len(self.nodes)
+                          for c in clients):  # every node knows every other one
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Redis cluster nodes did not all meet")
+                time.sleep(0.05)  # poll, bounded by the deadline
+        finally:
+            for client in clients:
+                client.close()
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL (``redis+cluster://``) of a real three-primary Redis Cluster for the whole run."""
+    cluster = RedisClusterProcesses(tmp_path_factory.mktemp("cluster")).start()
+    yield cluster.url
+    cluster.stop()
 
 
 @pytest.fixture(scope="session")

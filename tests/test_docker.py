@@ -109,7 +109,7 @@ def test_dockerignore_sends_what_the_dockerfile_copies(dockerfile: list[tuple[st
 
 def test_compose_services(compose: dict) -> None:
     services = compose["services"]
-    assert set(services) == {"redis", "txlserve", "txlserve-cpu"}
+    assert set(services) == {"redis", "txlserve", "txlserve-cpu", "txlserve-a", "txlserve-b", "nginx"}
     redis = services["redis"]
     assert redis["command"][:3] == ["redis-server", "--appendonly", "yes"]
     assert "profiles" not in redis  # Redis runs with either profile
@@ -129,6 +129,18 @@ def test_compose_services(compose: dict) -> None:
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
     assert "deploy" not in cpu and "cuda" not in cpu["build"]["args"]["BASE"]
     assert cpu["build"]["args"]["TORCH_INDEX"].endswith("/cpu") and cpu["image"] != gpu["image"]
+
+
+def test_replicas_profile_puts_two_servers_behind_the_tested_nginx_config(compose: dict) -> None:
+    services = compose["services"]
+    a, b, lb = services["txlserve-a"], services["txlserve-b"], services["nginx"]
+    assert a["profiles"] == b["profiles"] == lb["profiles"] == ["replicas"]
+    assert a["image"] == b["image"] == services["txlserve-cpu"]["image"] and a["ports"] == b["ports"] == []
+    assert a["environment"]["TXLSERVE_REDIS_URL"] == b["environment"]["TXLSERVE_REDIS_URL"]  # one Redis
+    assert lb["volumes"] == ["./nginx.conf:/etc/nginx/nginx.conf:ro"]
+    conf = (DOCKER / "nginx.conf").read_text()
+    assert "server txlserve-a:8000;" in conf and "server txlserve-b:8000;" in conf  # what tests/test_lb.py runs
+    assert _published(lb["ports"][0]) == "127.0.0.1"
 
 
 def _published(port_spec: str) -> str:

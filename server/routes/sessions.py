@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 from fastapi import APIRouter, Depends, Query, Request
 
 from memory_store import SessionInfo
+from memory_store.codec import WINDOW
 from server.completion import cancel_on_disconnect, prompt_ids
 from server.deps import owner, runtime
-from server.protocol import AppendResult, SessionAppend, SessionCreate, SessionFork, SessionList, SessionObject
+from server.protocol import (
+    AppendResult,
+    SessionAppend,
+    SessionCreate,
+    SessionExport,
+    SessionFork,
+    SessionList,
+    SessionObject,
+)
 from server.runtime import Runtime
 from server.service import Final, Run, first_item
+from txlserve.errors import SessionIncompatible
 
 router = APIRouter(prefix="/v1/sessions")
+log = logging.getLogger("txlserve.sessions")
 
 
 def session_object(rt: Runtime, info: SessionInfo) -> SessionObject:
-    tier = "hot" if rt.hot.version(info.session_id) == info.version else "redis"
+    tier = "hot" if rt.hot.version(info.session_id) == info.version else "cold" if info.tier == "cold" else "redis"
     return SessionObject(id=info.session_id, model=rt.settings.model_name, tokens_seen=info.tokens_seen,
-                         mem_len=info.mem_len, bytes=info.bytes, tier=tier, created_at=int(info.created_at),
-                         last_used_at=int(info.updated_at), metadata=info.metadata or {})
+                         mem_len=info.mem_len, bytes=info.bytes, tier=tier, window_tokens=info.window_tokens,
+                         created_at=int(info.created_at), last_used_at=int(info.updated_at),
+                         metadata=info.metadata or {})
 
 
 async def _final(request: Request, run: Run) -> Final:
@@ -69,6 +82,38 @@ async def append(session_id: str, body: SessionAppend, request: Request, rt: Run
     return _appended(rt, final, len(ids))
 
 
+@router.get("/{session_id}/export", response_model=SessionExport)
+async def export_session(session_id: str, rt: Runtime = Depends(runtime),
+                         who: str | None = Depends(owner)) -> SessionExport:
+    """llama.cpp's slot save, made portable: the session's last tokens, not its hidden states, so that any
+    server with the same tokenizer (another replica, cluster or checkpoint) can recreate it."""
+    session = await rt.store.get(session_id, owner=who)
+    info = session.info
+    if WINDOW not in session.tensors:
+        raise SessionIncompatible(f"session {session_id!r} was stored before sessions kept their token window; "
+                                  "it cannot be exported until it has read another "
+                                  f"{rt.engine.window_len} tokens", param="session_id")
+    return SessionExport(tokenizer=info.tokenizer or rt.engine.tokenizer_id, tokens_seen=info.tokens_seen,
+                         window=session.tensors[WINDOW].tolist(), metadata=info.metadata or None,
+                         model=rt.settings.model_name, created_at=int(info.created_at))
+
+
+@router.post("/import", status_code=201, response_model=AppendResult)
+async def import_session(request: Request, body: SessionExport, rt: Runtime = Depends(runtime),
+                         who: str | None = Depends(owner)) -> AppendResult:
+    """A new session (new id, the caller's) rebuilt from an exported document."""
+    if body.tokenizer != rt.engine.tokenizer_id:
+        raise SessionIncompatible(f"the session was written under tokenizer {body.tokenizer!r}; this server reads "
+                                  f"text with {rt.engine.tokenizer_id!r}", param="tokenizer")
+    window = rt.engine.check_window(body.window, body.tokens_seen)
+    if len(body.window) < min(body.tokens_seen, rt.engine.window_len):
+        log.info("importing a session whose window (%d tokens) is shorter than this model's (%d): rebuilt from "
+                 "what it holds", len(body.window), rt.engine.window_len)
+    final = await _final(request, Run(rt, ids=[], params=None, owner=who, create=True,
+                                      create_metadata=body.metadata, history=(window, body.tokens_seen)))
+    return _appended(rt, final, 0)
+
+
 @router.post("/{session_id}/fork", status_code=201, response_model=SessionObject)
 async def fork(session_id: str, body: SessionFork | None = None, rt: Runtime = Depends(runtime),
                who: str | None = Depends(owner)) -> SessionObject:
@@ -80,8 +125,9 @@ def _appended(rt: Runtime, final: Final, n: int) -> AppendResult:
     score = final.done.score
     base = session_object(rt, final.info).model_dump()
     has = score is not None and score.tokens > 0
-    return AppendResult(**base, appended_tokens=n, logprob=_finite(score.logprob) if has else None,
-                        bpc=_finite(score.bpc) if has else None, perplexity=_finite(score.perplexity) if has else None)
+    return AppendResult(**base, appended_tokens=n, rebuilt=final.source == "rebuild",
+                        logprob=_finite(score.logprob) if has else None, bpc=_finite(score.bpc) if has else None,
+                        perplexity=_finite(score.perplexity) if has else None)
 
 
 def _finite(x: float) -> float | None:

@@ -100,7 +100,7 @@ def test_payload_that_disagrees_with_its_header_is_corrupt() -> None:
 @pytest.mark.parametrize(
     ("state", "match"),
     [
-        ({"other": torch.zeros(N_LAYER, 8, D_MODEL)}, "no 'mems'"),
+        ({"other": torch.zeros(N_LAYER, 8, D_MODEL)}, "neither 'mems'"),
         ({"mems": torch.zeros(N_LAYER + 1, 8, D_MODEL)}, "shape"),
         ({"mems": torch.zeros(N_LAYER, 8, D_MODEL + 1)}, "shape"),
         ({"mems": torch.zeros(N_LAYER, 9, D_MODEL)}, "m <= 8"),
@@ -134,3 +134,40 @@ def test_oversized_payload_is_refused_before_encoding() -> None:
     state = make_state()
     with pytest.raises(PayloadTooLarge):
         codec.encode_payload(state, max_bytes=state["mems"].nbytes - 1)
+
+
+def test_a_format_1_header_reads_as_a_state_without_a_window() -> None:
+    doc = dataclasses.asdict(header_for(b""))
+    for name in ("form", "tokenizer", "window_tokens"):
+        del doc[name]
+    header = codec.decode_header(json.dumps(doc).encode())
+    assert (header.form, header.tokenizer, header.window_tokens, header.format_version) == ("state", "", 0, 1)
+
+
+def test_window_records_round_trip_and_must_agree_with_their_header() -> None:
+    window = torch.arange(7, dtype=torch.int32)
+    cold = codec.encode_payload({"window": window}, max_bytes=1 << 20)
+    header = header_for(cold, "torch.int32", form="window", window_tokens=7, tokens_seen=9, format_version=2)
+    assert torch.equal(codec.decode_payload(cold, header)["window"], window)
+    with pytest.raises(SessionCorrupt, match="declares 5"):
+        codec.decode_payload(cold, dataclasses.replace(header, window_tokens=5))
+    with pytest.raises(SessionCorrupt, match="more than"):
+        codec.decode_payload(cold, dataclasses.replace(header, tokens_seen=3))
+    warm = codec.encode_payload({**make_state(), "window": window}, max_bytes=1 << 20)
+    with pytest.raises(SessionCorrupt, match="window-form"):
+        codec.decode_payload(warm, dataclasses.replace(header, payload_bytes=len(warm)))
+    with pytest.raises(InvalidRequestError, match="int32"):
+        codec.check_state({"window": window.long()}, identity=IDENTITY, mem_len=8, tokens_seen=9)
+
+
+def test_which_sessions_another_model_can_use() -> None:
+    mine = dataclasses.replace(IDENTITY, tokenizer="byte:a")
+    state = header_for(b"", tokenizer="byte:a", window_tokens=17, tokens_seen=40)
+    assert codec.check_compatible(state, mine) == "state"
+    assert codec.check_compatible(dataclasses.replace(state, form="window"), mine) == "window"  # cold
+    upgraded = dataclasses.replace(mine, fingerprint="next-checkpoint", d_model=D_MODEL * 2)
+    assert codec.check_compatible(state, upgraded) == "window"  # same tokenizer: rebuilt from the window
+    with pytest.raises(SessionIncompatible, match="tokenizer"):
+        codec.check_compatible(state, dataclasses.replace(upgraded, tokenizer="word:b"))
+    with pytest.raises(SessionIncompatible, match="no token window"):
+        codec.check_compatible(dataclasses.replace(state, window_tokens=0), upgraded)

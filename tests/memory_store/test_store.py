@@ -340,3 +340,62 @@ async def test_closed_store_is_unavailable(redis_url: str) -> None:
     await store.aclose()
     with pytest.raises(StoreUnavailable):
         await store.ping()
+
+
+TOKENIZED = dataclasses.replace(IDENTITY, tokenizer="byte:test")
+
+
+def _with_window(n: int = 20, seed: int = 0) -> dict[str, torch.Tensor]:
+    return {**make_state(seed=seed), "window": torch.arange(n, dtype=torch.int32)}
+
+
+async def test_a_demoted_session_keeps_its_window_version_and_ttl(redis_server) -> None:
+    url = redis_server().url
+    async with MemoryStore.from_url(url, identity=TOKENIZED) as store:
+        state = _with_window()
+        info = await store.create(tensors=state, mem_len=8, tokens_seen=30)
+        assert info.window_tokens == 20 and info.tokenizer == "byte:test"
+        async with store.lease(info.session_id):
+            assert not await store.demote(info.session_id)  # in use: left alone
+        assert await store.demote(info.session_id)
+        cold = await store.info(info.session_id)
+        assert cold.tier == "cold" and cold.version == info.version and cold.bytes < info.bytes / 4
+        got = await store.get(info.session_id)
+        assert set(got.tensors) == {"window"} and torch.equal(got.tensors["window"].cpu(), state["window"])
+        assert not await store.demote(info.session_id)  # already cold
+        async with store.lease(info.session_id) as lease:  # the next commit stores it warm again
+            await store.commit(lease, _with_window(21), tokens_seen=31)
+        assert (await store.info(info.session_id)).tier != "cold"
+        assert store.metrics.demotions == 1
+
+
+async def test_sweep_moves_idle_sessions_and_the_oldest_over_the_warm_budget(redis_server) -> None:
+    url = redis_server().url
+    async with MemoryStore.from_url(url, identity=TOKENIZED, hot_cache_mb=0) as store:
+        ids = []
+        for seed in range(3):
+            ids.append((await store.create(tensors=_with_window(seed=seed), mem_len=8, tokens_seen=30)).session_id)
+        legacy = (await store.create(tensors=make_state(), mem_len=8, tokens_seen=30)).session_id  # no window
+        one = (await store.info(ids[0])).bytes
+        assert await store.sweep(idle_s=3600) == 0
+        assert await store.sweep(warm_budget_bytes=2 * one + 1) == 1  # the least recently updated goes first
+        assert [(await store.info(i)).tier for i in ids] == ["cold", "redis", "redis"]
+        assert await store.sweep(idle_s=0) == 2
+        assert {(await store.info(i)).tier for i in ids} == {"cold"}
+        assert (await store.info(legacy)).tier == "redis"  # nothing to rebuild it from: it stays warm
+
+
+async def test_another_model_reads_a_session_it_can_rebuild_and_refuses_one_it_cannot(redis_url: str) -> None:
+    async with MemoryStore.from_url(redis_url, identity=TOKENIZED) as store:
+        windowed = await store.create(tensors=_with_window(), mem_len=8, tokens_seen=30)
+        legacy = await store.create(tensors=make_state(), mem_len=8, tokens_seen=30)
+    upgraded = ModelIdentity("next-checkpoint", IDENTITY.n_layer, IDENTITY.d_model, tokenizer="byte:test")
+    async with MemoryStore.from_url(redis_url, identity=upgraded) as store:
+        async with store.lease(windowed.session_id) as lease:
+            assert lease.session.info.fingerprint == IDENTITY.fingerprint  # the caller rebuilds from the window
+        with pytest.raises(SessionIncompatible, match="no token window"):
+            await store.lease(legacy.session_id)
+    other_words = ModelIdentity("word-model", IDENTITY.n_layer, IDENTITY.d_model, tokenizer="word:xyz")
+    async with MemoryStore.from_url(redis_url, identity=other_words) as store:
+        with pytest.raises(SessionIncompatible, match="tokenizer"):
+            await store.get(windowed.session_id)

@@ -39,6 +39,14 @@ class FakeEngine:
     clamp_len = 0
     config = SimpleNamespace(n_layer=N_LAYER, d_model=D_MODEL, vocab_size=256)
     decoder = SimpleNamespace(dtype=torch.float32)
+    tokenizer_id = "byte:fake"
+    window_len = N_LAYER * MEM_LEN + 1
+
+    def check_window(self, window: list[int], tokens_seen: int) -> list[int]:
+        return window[-self.window_len:]
+
+    def renumber(self, state: FakeState, tokens_seen: int) -> None:
+        state.seen[0] = tokens_seen
 
     def encode(self, text: str | bytes) -> list[int]:
         return self.tokenizer.encode(text)
@@ -79,7 +87,7 @@ class FakeRequest:
                 self.result = FakeState(torch.tensor([seen]))
                 yield Finished(self.result, seen, None)
                 return
-            reason, n = None, 0
+            reason, n, generated = None, 0, []
             for i in range(self.params.max_tokens):
                 await s.gate.acquire()
                 if self.cancelled:
@@ -91,10 +99,11 @@ class FakeRequest:
                 event = TokenEvent(ord(string.ascii_lowercase[i % 26]), string.ascii_lowercase[i % 26],
                                    finish_reason="length" if last else None)
                 seen, n = seen + 1, n + 1
+                generated.append(event.token)
                 self.events.append(event)
                 yield event
             self.result = FakeState(torch.tensor([seen]))
-            yield Finished(self.result, seen, reason or "length", completion_tokens=n)
+            yield Finished(self.result, seen, reason or "length", completion_tokens=n, generated=generated)
         finally:
             s.running -= 1
 

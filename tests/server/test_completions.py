@@ -168,12 +168,18 @@ def test_session_crud(server):
 
 
 def test_memory_is_fixed_size(server):
-    """The product's promise: a session's stored size stops growing at mem_len tokens."""
+    """The product's promise: a session's stored size stops growing once it holds its window
+    (n_layer * mem_len + 1 tokens: its hidden states stop growing at mem_len, its token window there)."""
     sid = new_session(server, "x" * 30)["id"]
-    size = httpx.get(f"{server.url}/v1/sessions/{sid}").json()["bytes"]
+    small = httpx.get(f"{server.url}/v1/sessions/{sid}").json()
+    assert small["window_tokens"] == 30
     httpx.post(f"{server.url}/v1/sessions/{sid}/append", json={"text": "y" * 5000}, timeout=60)
     info = httpx.get(f"{server.url}/v1/sessions/{sid}").json()
-    assert info["tokens_seen"] == 5030 and info["bytes"] == size
+    window = info["window_tokens"]
+    assert info["tokens_seen"] == 5030 and 30 < window < 5030
+    httpx.post(f"{server.url}/v1/sessions/{sid}/append", json={"text": "z" * 5000}, timeout=60)
+    later = httpx.get(f"{server.url}/v1/sessions/{sid}").json()
+    assert later["tokens_seen"] == 10030 and later["bytes"] == info["bytes"] and later["window_tokens"] == window
 
 
 def test_health_ready_metrics_docs(server):

@@ -36,7 +36,8 @@ class AsyncClient(BaseClient):
 
     async def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
         """The answer to ``call``, retried as the policy allows; raises the APIError of a failure."""
-        request = self._http.build_request(call.method, call.path, json=call.json, params=call.params)
+        request = self._http.build_request(call.method, call.path, json=call.json, params=call.params,
+                                           headers=call.headers)
         attempt = 0
         while True:
             try:
@@ -129,6 +130,14 @@ class AsyncSessions:
 
     async def fork(self, session_id: str, *, metadata: Mapping[str, str] | None = None) -> Session:
         return await self._client._call(api.session_fork_call(session_id, metadata))
+
+    async def export(self, session_id: str) -> dict[str, Any]:
+        """The session as a small JSON document; see ``Client.sessions.export``."""
+        return await self._client._call(api.session_export_call(session_id))
+
+    async def import_(self, document: Mapping[str, Any]) -> AppendResult:
+        """A new session rebuilt from an ``export`` document; never retried."""
+        return await self._client._call(api.session_import_call(document))
 
 
 class AsyncModels:

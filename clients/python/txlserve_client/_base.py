@@ -51,6 +51,7 @@ class Call(Generic[T]):
     json: Any = None
     params: Mapping[str, Any] | None = None
     retry: bool = False
+    headers: Mapping[str, str] | None = None
 
 
 def completion_body(model: str, prompt: str, stream: bool, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -62,7 +63,10 @@ def completion_body(model: str, prompt: str, stream: bool, options: Mapping[str,
 
 
 def completion_call(body: dict[str, Any]) -> Call[Completion]:
-    return Call("POST", "/v1/completions", Completion.from_dict, json=body, retry=body.get("session_id") is None)
+    sid = body.get("session_id")
+    # X-Session-Id lets a load balancer send a session's requests to the replica that holds it hot
+    return Call("POST", "/v1/completions", Completion.from_dict, json=body, retry=sid is None,
+                headers={"x-session-id": str(sid)} if sid else None)
 
 
 def _sid(session_id: str) -> str:
@@ -102,6 +106,14 @@ def session_append_call(session_id: str, text: str) -> Call[AppendResult]:
 def session_fork_call(session_id: str, metadata: Mapping[str, str] | None) -> Call[Session]:
     body = {"metadata": dict(metadata)} if metadata else {}
     return Call("POST", f"/v1/sessions/{_sid(session_id)}/fork", Session.from_dict, json=body)
+
+
+def session_export_call(session_id: str) -> Call[dict[str, Any]]:
+    return Call("GET", f"/v1/sessions/{_sid(session_id)}/export", dict, retry=True)
+
+
+def session_import_call(document: Mapping[str, Any]) -> Call[AppendResult]:
+    return Call("POST", "/v1/sessions/import", AppendResult.from_dict, json=dict(document))
 
 
 def models_call() -> Call[list[Model]]:

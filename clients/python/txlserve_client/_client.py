@@ -40,7 +40,8 @@ class Client(BaseClient):
 
     def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
         """The answer to ``call``, retried as the policy allows; raises the APIError of a failure."""
-        request = self._http.build_request(call.method, call.path, json=call.json, params=call.params)
+        request = self._http.build_request(call.method, call.path, json=call.json, params=call.params,
+                                           headers=call.headers)
         attempt = 0
         while True:
             try:
@@ -135,6 +136,15 @@ class Sessions:
     def fork(self, session_id: str, *, metadata: Mapping[str, str] | None = None) -> Session:
         """A new session with a copy of this one's memory; the two then go their own ways."""
         return self._client._call(api.session_fork_call(session_id, metadata))
+
+    def export(self, session_id: str) -> dict[str, Any]:
+        """The session as a small JSON document (its last tokens, tokens seen, metadata, tokenizer id): save
+        it anywhere, and ``import_`` it into any server whose model reads text the same way."""
+        return self._client._call(api.session_export_call(session_id))
+
+    def import_(self, document: Mapping[str, Any]) -> AppendResult:
+        """A new session (this client's key owns it) rebuilt from an ``export`` document; never retried."""
+        return self._client._call(api.session_import_call(document))
 
 
 class Models:

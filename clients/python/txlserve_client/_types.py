@@ -27,10 +27,11 @@ class SessionRef:
 
     id: str
     tokens_seen: int
+    rebuilt: bool = False  # its state was rebuilt from its token window (a cold session, or another model's)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SessionRef | None:
-        return None if d is None else cls(d["id"], d["tokens_seen"])
+        return None if d is None else cls(d["id"], d["tokens_seen"], bool(d.get("rebuilt")))
 
 
 @dataclass(frozen=True)
@@ -104,16 +105,18 @@ class Session:
     tokens_seen: int
     mem_len: int
     bytes: int
-    tier: str
+    tier: str  # "hot" (on the device), "redis" (hidden states) or "cold" (its token window only)
     created_at: int
     last_used_at: int
     metadata: dict[str, Any] = field(default_factory=dict)
+    window_tokens: int = 0  # its last tokens kept with it: what an export carries
 
     @classmethod
     def _fields(cls, d: dict[str, Any]) -> dict[str, Any]:
         return {"id": d["id"], "model": d["model"], "tokens_seen": d["tokens_seen"], "mem_len": d["mem_len"],
                 "bytes": d["bytes"], "tier": d["tier"], "created_at": d["created_at"],
-                "last_used_at": d["last_used_at"], "metadata": d.get("metadata") or {}}
+                "last_used_at": d["last_used_at"], "metadata": d.get("metadata") or {},
+                "window_tokens": d.get("window_tokens", 0)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Session:
@@ -128,11 +131,13 @@ class AppendResult(Session):
     appended_tokens: int = 0
     logprob: float | None = None
     bpc: float | None = None
+    perplexity: float | None = None
+    rebuilt: bool = False  # its state was rebuilt from its token window first (cold, imported, another model's)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AppendResult:
         return cls(**cls._fields(d), appended_tokens=d.get("appended_tokens", 0), logprob=d.get("logprob"),
-                   bpc=d.get("bpc"))
+                   bpc=d.get("bpc"), perplexity=d.get("perplexity"), rebuilt=bool(d.get("rebuilt")))
 
 
 @dataclass(frozen=True)

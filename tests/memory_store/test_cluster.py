@@ -1,0 +1,107 @@
+"""The store on a real three-primary Redis Cluster (``redis+cluster://``): every key of a session in one slot,
+the whole session lifecycle, compare-and-set between two stores, the cold tier across primaries, and a session's
+slot migrated to another primary while a lease on it is held."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+import redis
+import torch
+
+from memory_store import MemoryStore
+from memory_store.redis_tier import lease_key, session_key
+from tests.memory_store.support import IDENTITY, assert_same, make_state, new_owner
+from txlserve.errors import SessionBusy, SessionConflict, SessionNotFound
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+TOKENIZED = dataclasses.replace(IDENTITY, tokenizer="byte:test")
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    return {**make_state(seed=seed), "window": torch.arange(10, dtype=torch.int32)}
+
+
+@pytest.fixture
+async def stores(redis_cluster_url: str) -> AsyncIterator[tuple[MemoryStore, MemoryStore]]:
+    async with (
+        MemoryStore.from_url(redis_cluster_url, identity=TOKENIZED, hot_cache_mb=0) as a,
+        MemoryStore.from_url(redis_cluster_url, identity=TOKENIZED, hot_cache_mb=0) as b,
+    ):
+        yield a, b
+
+
+def _nodes(url: str) -> redis.RedisCluster:
+    host, port = url.removeprefix("redis+cluster://").split(":")
+    return redis.RedisCluster(host=host, port=int(port), socket_timeout=5)
+
+
+async def test_a_session_lives_in_one_slot_and_its_lifecycle_works(stores, redis_cluster_url) -> None:
+    a, b = stores
+    owner = new_owner()
+    infos = [await a.create(tensors=_state(i), mem_len=8, tokens_seen=20, owner=owner) for i in range(12)]
+    cluster = _nodes(redis_cluster_url)
+    try:
+        slots = {cluster.keyslot(session_key(i.session_id)) for i in infos}
+        assert all(cluster.keyslot(session_key(i.session_id)) == cluster.keyslot(lease_key(i.session_id))
+                   for i in infos)
+        owners = {cluster.nodes_manager.get_node_from_slot(s).name for s in slots}
+        assert len(owners) > 1  # the sessions are spread over the primaries
+    finally:
+        cluster.close()
+    listed, _ = await a.list(owner=owner, limit=100)
+    assert {i.session_id for i in listed} == {i.session_id for i in infos}
+    sid = infos[0].session_id
+    assert_same((await b.get(sid, owner=owner)).tensors, {k: v for k, v in _state(0).items()})
+    async with a.lease(sid, owner=owner) as lease:
+        with pytest.raises(SessionBusy):
+            await b.lease(sid, owner=owner)
+        await a.commit(lease, _state(7), tokens_seen=21)
+        await b.put(sid, _state(9), mem_len=8, tokens_seen=22, owner=owner)  # a write that bypasses the lease
+        with pytest.raises(SessionConflict):  # so the holder's next commit is refused, not silently undone
+            await a.commit(lease, _state(8), tokens_seen=23)
+    assert (await b.info(sid, owner=owner)).version == 3
+    assert await a.sweep(idle_s=0) >= len(infos)  # every primary is swept
+    assert {(await b.info(i.session_id, owner=owner)).tier for i in infos} == {"cold"}
+    await b.delete(sid, owner=owner)
+    with pytest.raises(SessionNotFound):
+        await a.get(sid, owner=owner)
+
+
+def _migrate(cluster: redis.RedisCluster, slot: int) -> None:
+    """Move ``slot`` to another primary as redis-cli --cluster reshard does: IMPORTING, MIGRATING, MIGRATE each
+    key, then SETSLOT NODE on every primary."""
+    src = cluster.nodes_manager.get_node_from_slot(slot)
+    dst = next(n for n in cluster.get_primaries() if n.name != src.name)
+    src_id = cluster.execute_command("CLUSTER", "MYID", target_nodes=src).decode()
+    dst_id = cluster.execute_command("CLUSTER", "MYID", target_nodes=dst).decode()
+    cluster.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id, target_nodes=dst)
+    cluster.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id, target_nodes=src)
+    while keys := cluster.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100, target_nodes=src):
+        cluster.execute_command("MIGRATE", dst.host, dst.port, "", 0, 5000, "KEYS", *keys, target_nodes=src)
+    for node in cluster.get_primaries():
+        cluster.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id, target_nodes=node)
+
+
+async def test_a_slot_migrated_mid_lease_keeps_the_session_and_its_lease(stores, redis_cluster_url) -> None:
+    a, b = stores
+    info = await a.create(tensors=_state(1), mem_len=8, tokens_seen=20)
+    sid = info.session_id
+    cluster = _nodes(redis_cluster_url)
+    try:
+        slot = cluster.keyslot(session_key(sid))
+        before = cluster.nodes_manager.get_node_from_slot(slot).name
+        async with a.lease(sid) as lease:
+            _migrate(cluster, slot)  # the session and its lease move to another primary
+            with pytest.raises(SessionBusy):  # the lease moved with it
+                await b.lease(sid)
+            await a.commit(lease, _state(2), tokens_seen=21)  # redis-py follows MOVED to the new primary
+        cluster.nodes_manager.initialize()
+        assert cluster.nodes_manager.get_node_from_slot(slot).name != before
+    finally:
+        cluster.close()
+    got = await b.get(sid)
+    assert got.version == 2 and got.info.tokens_seen == 21
+    assert_same(got.tensors, _state(2))

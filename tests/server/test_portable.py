@@ -1,0 +1,195 @@
+"""Sessions that outlive their hidden states, their model and their cluster, over real HTTP: a cold session (its
+token window only) is rebuilt to the same continuation; a session written by another checkpoint with the same
+tokenizer is rebuilt instead of refused; an exported session continues identically on a server with its own
+store."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import RedisProcess
+from tests.live import MODEL, LiveServer, tiny_checkpoint
+
+pytestmark = pytest.mark.timeout(240)
+
+TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
+        "arrows of outrageous fortune, or to take arms against a sea of troubles, and by opposing end them.\n")
+COLD = ("--hot-cache-mb", "0", "--cold-after-s", "0.001", "--cold-sweep-s", "0.1")  # everything idle goes cold
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoint: Path, tmp_path_factory) -> Iterator[dict[str, LiveServer]]:
+    """``cold``: a Redis of its own (its sweep touches every session there), nothing hot, every idle session
+    cold at once; ``upgraded``: another checkpoint (same tokenizer) over that Redis; ``elsewhere``: the first
+    checkpoint with its own embedded store."""
+    other = tiny_checkpoint(tmp_path_factory.mktemp("other-ckpt"), seed=1)
+    redis = RedisProcess(tmp_path_factory.mktemp("portable-redis")).start()
+    redis_url = redis.url
+    started: dict[str, LiveServer] = {}
+    try:
+        started["cold"] = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("cold"),
+                                     args=COLD).start()
+        started["upgraded"] = LiveServer(other, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("upgraded"),
+                                         args=("--hot-cache-mb", "0")).start()
+        started["elsewhere"] = LiveServer(checkpoint, redis_url=None,
+                                          data_dir=tmp_path_factory.mktemp("elsewhere")).start()
+        yield started
+    finally:
+        for srv in started.values():
+            srv.stop()
+        redis.stop()
+
+
+def _post(srv: LiveServer, path: str, body: dict, status: int = 200) -> dict:
+    r = httpx.post(srv.url + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def _continue(srv: LiveServer, session_id: str | None = None, prompt: str = "") -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    if session_id:
+        body["session_id"] = session_id
+    return _post(srv, "/v1/completions", body)
+
+
+def _wait_for_tier(srv: LiveServer, session_id: str, tier: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = httpx.get(f"{srv.url}/v1/sessions/{session_id}", timeout=10).json()
+        if info["tier"] == tier:
+            return info
+        time.sleep(0.05)  # poll, bounded by the deadline
+    raise AssertionError(f"session {session_id} never became {tier}: {info}")
+
+
+def test_a_cold_session_is_rebuilt_from_its_window_to_the_same_continuation(servers):
+    srv = servers["cold"]
+    truth = _continue(srv, prompt=TEXT * 2)["choices"][0]["text"]  # the whole text in one request, no session
+    sid = _post(srv, "/v1/sessions", {"text": TEXT * 2}, 201)["id"]
+    warm = _post(servers["elsewhere"], "/v1/sessions", {"text": TEXT * 2}, 201)  # same model, never cold
+    cold = _wait_for_tier(srv, sid, "cold")
+    assert cold["window_tokens"] == warm["window_tokens"] == 2 * 24 + 1  # n_layer * mem_len + 1
+    assert cold["bytes"] < warm["bytes"] / 10 and cold["tokens_seen"] == warm["tokens_seen"]
+    out = _continue(srv, sid)
+    assert out["choices"][0]["text"] == truth
+    assert out["session"] == {"id": sid, "tokens_seen": 2 * len(TEXT) + 24, "rebuilt": True}
+    metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert 'txlserve_session_restores_total{source="rebuild"}' in metrics
+    # a cold session scores an append as a warm one does (on a server whose sessions stay hot)
+    again = _post(srv, "/v1/sessions", {"text": TEXT * 2}, 201)["id"]
+    _wait_for_tier(srv, again, "cold")
+    cold_append = _post(srv, f"/v1/sessions/{again}/append", {"text": TEXT})
+    hot = servers["elsewhere"]
+    hot_append = _post(hot, f"/v1/sessions/{_post(hot, '/v1/sessions', {'text': TEXT * 2}, 201)['id']}/append",
+                       {"text": TEXT})
+    assert cold_append["rebuilt"] is True and hot_append["rebuilt"] is False
+    assert cold_append["logprob"] == pytest.approx(hot_append["logprob"], abs=1e-3)
+
+
+def test_a_session_of_another_checkpoint_with_the_same_tokenizer_is_rebuilt(servers):
+    old, new = servers["cold"], servers["upgraded"]
+    sid = _post(old, "/v1/sessions", {"text": TEXT * 2}, 201)["id"]
+    truth = _continue(new, prompt=TEXT * 2)["choices"][0]["text"]  # what the new model says after the text
+    assert truth != _continue(old, prompt=TEXT * 2)["choices"][0]["text"]  # the models differ
+    out = _continue(new, sid)
+    assert out["choices"][0]["text"] == truth and out["session"]["rebuilt"] is True
+    follow = _continue(new, sid)  # from here on it is the new model's session, continued as usual
+    assert "rebuilt" not in follow["session"] or follow["session"]["rebuilt"] is True  # cold again on this Redis
+    assert follow["session"]["tokens_seen"] == 2 * len(TEXT) + 48
+
+
+def test_an_exported_session_continues_identically_on_a_server_with_its_own_store(servers):
+    src, dst, upgraded = servers["cold"], servers["elsewhere"], servers["upgraded"]
+    sid = _post(src, "/v1/sessions", {"text": TEXT * 3, "metadata": {"doc": "hamlet"}}, 201)["id"]
+    doc = httpx.get(f"{src.url}/v1/sessions/{sid}/export", timeout=10).json()
+    assert doc["object"] == "session.export" and doc["tokens_seen"] == 3 * len(TEXT)
+    assert len(doc["window"]) == 2 * 24 + 1 and doc["metadata"] == {"doc": "hamlet"}
+    assert doc["tokenizer"].startswith("byte:")
+    made = _post(dst, "/v1/sessions/import", doc, 201)
+    assert made["id"] != sid and made["tokens_seen"] == 3 * len(TEXT) and made["metadata"] == {"doc": "hamlet"}
+    assert made["rebuilt"] is True
+    here, there = _continue(src, sid), _continue(dst, made["id"])
+    assert there["choices"][0]["text"] == here["choices"][0]["text"]
+    assert there["session"]["tokens_seen"] == here["session"]["tokens_seen"]
+    # another model with the same tokenizer takes it too
+    assert _post(upgraded, "/v1/sessions/import", doc, 201)["tokens_seen"] == 3 * len(TEXT)
+
+
+@pytest.mark.parametrize(("change", "status", "code"), [
+    ({"tokenizer": "word:0123456789abcdef"}, 422, "session_incompatible"),
+    ({"window": [300]}, 400, None),
+    ({"window": [-1]}, 400, None),
+    ({"tokens_seen": 3}, 400, "invalid_request"),  # fewer than the window holds
+    ({"format": "txlserve.session.v9"}, 400, None),
+    ({"window": "abc"}, 400, None),
+    ({"extra": 1}, 400, None),
+])
+def test_bad_imports_are_refused_with_the_right_status(servers, change, status, code):
+    srv = servers["elsewhere"]
+    sid = _post(srv, "/v1/sessions", {"text": TEXT}, 201)["id"]
+    doc = httpx.get(f"{srv.url}/v1/sessions/{sid}/export", timeout=10).json()
+    r = httpx.post(srv.url + "/v1/sessions/import", json={**doc, **change}, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and (code is None or error["code"] == code)
+
+
+def test_a_window_too_short_for_this_model_is_refused(servers):
+    srv = servers["elsewhere"]
+    doc = {"tokenizer": httpx.get(f"{srv.url}/v1/sessions/{_post(srv, '/v1/sessions', {'text': 'x'}, 201)['id']}"
+                                  "/export", timeout=10).json()["tokenizer"],
+           "tokens_seen": 500, "window": [65] * 10}
+    r = httpx.post(srv.url + "/v1/sessions/import", json=doc, timeout=30)
+    assert r.status_code == 422 and "window" in r.json()["error"]["message"]
+
+
+def test_client_and_cli_carry_a_session_between_servers(servers, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from txlserve_client import Client, UnprocessableEntityError
+
+    src, dst = servers["cold"], servers["elsewhere"]
+    with Client(base_url=src.url) as client:
+        made = client.sessions.create(text=TEXT * 2)
+        doc = client.sessions.export(made.id)
+    assert doc["tokens_seen"] == 2 * len(TEXT)
+    path = tmp_path / "session.json"
+    out = subprocess.run([sys.executable, "-m", "server.cli", "session", "export", made.id, "--url", src.url,
+                          "--out", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(path.read_text()) == doc  # the same document either way
+    out = subprocess.run([sys.executable, "-m", "server.cli", "session", "import", str(path), "--url", dst.url],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    imported = json.loads(out.stdout)
+    with Client(base_url=dst.url) as client:
+        got = client.sessions.get(imported["id"])
+        assert got.tokens_seen == 2 * len(TEXT) and got.window_tokens == len(doc["window"])
+        with pytest.raises(UnprocessableEntityError):
+            client.sessions.import_({**doc, "tokenizer": "word:other"})
+    bad = subprocess.run([sys.executable, "-m", "server.cli", "session", "import", str(path), "--url",
+                          "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "error" in bad.stderr
+
+
+def test_a_server_on_a_redis_cluster_serves_and_moves_sessions(checkpoint, redis_cluster_url, servers, tmp_path):
+    srv = LiveServer(checkpoint, redis_url=redis_cluster_url, data_dir=tmp_path / "on-cluster").start()
+    try:
+        sid = _post(srv, "/v1/sessions", {"text": TEXT * 2}, 201)["id"]
+        here = _continue(srv, sid)
+        assert here["session"]["tokens_seen"] == 2 * len(TEXT) + 24
+        assert httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=10).json()["tokens_seen"] == 2 * len(TEXT) + 24
+        doc = httpx.get(f"{srv.url}/v1/sessions/{sid}/export", timeout=10).json()
+        moved = _post(servers["elsewhere"], "/v1/sessions/import", doc, 201)  # out of the cluster
+        assert _continue(servers["elsewhere"], moved["id"])["choices"][0]["text"] == _continue(srv, sid)[
+            "choices"][0]["text"]
+    finally:
+        srv.stop()

@@ -144,10 +144,10 @@ class Engine:
         if len(window) > tokens_seen:
             raise InvalidRequestError(f"the window holds {len(window)} tokens, more than tokens_seen "
                                       f"({tokens_seen})", param="tokens_seen")
-        if any(not 0 <= t < self.config.vocab_size for t in window):
+        window = window[-self.window_len:]  # older tokens cannot reach this model's state: never read
+        if window and not 0 <= min(window) <= max(window) < self.config.vocab_size:
             raise InvalidRequestError(f"the window holds token ids outside 0..{self.config.vocab_size - 1}",
                                       param="window")
-        window = window[-self.window_len:]
         if len(window) < min(tokens_seen, self.mem_len):  # the ring would hold empty slots as real positions
             raise SessionIncompatible(f"the session's window of {len(window)} tokens is shorter than this model's "
                                     f"memory ({min(tokens_seen, self.mem_len)} tokens): it cannot be rebuilt here")

@@ -200,7 +200,7 @@ class SessionExport(BaseModel):
     format: Literal["txlserve.session.v1"] = SESSION_FORMAT
     tokenizer: str = Field(min_length=1, max_length=200)
     tokens_seen: int = Field(ge=0, le=1 << 62)
-    window: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=1 << 22)
+    window: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=1 << 20)
     metadata: Metadata = None
     model: str | None = Field(default=None, max_length=256)  # informative: the model that wrote it
     created_at: int | None = None

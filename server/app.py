@@ -8,11 +8,12 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import swagger_ui_bundle
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -140,6 +141,18 @@ def _offline_docs(app: FastAPI) -> None:
                                    swagger_favicon_url="/docs/static/favicon-32x32.png")
 
 
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+def _playground(app: FastAPI) -> None:
+    """The web playground at /: static files in the package, no build step, no CDN (works offline)."""
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+
 def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     """With ``runtime`` given (tests), lifespan uses it instead of opening one."""
 
@@ -155,6 +168,7 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     app = FastAPI(title="txlserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Transformer-XL inference with persistent per-session segment memory")
     _offline_docs(app)
+    _playground(app)
     errors.install(app)
     for module in (health, completions, sessions, ws):
         app.include_router(module.router)

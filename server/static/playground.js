@@ -1,0 +1,196 @@
+// The txlserve playground: plain JavaScript over the public API (no build step, no CDN).
+"use strict";
+const $ = (id) => document.getElementById(id);
+const state = { model: null, selected: null, socket: null, running: false };
+
+function key() { return $("api-key").value.trim(); }
+
+function showError(message) { $("error").textContent = message || ""; }
+
+async function api(method, path, body) {
+  const headers = { "content-type": "application/json" };
+  if (key()) headers.authorization = "Bearer " + key();
+  if (state.selected && path.startsWith("/v1/sessions/" + state.selected)) headers["x-session-id"] = state.selected;
+  const response = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  const data = await response.json().catch(() => ({}));
+  if (!response.ok) {
+    const err = (data && data.error) || {};
+    throw new Error(`${response.status} ${err.code || ""}: ${err.message || response.statusText}`);
+  }
+  return data;
+}
+
+function fmtBytes(n) {
+  if (n >= 1e6) return (n / 1e6).toFixed(2) + " MB";
+  if (n >= 1e3) return (n / 1e3).toFixed(1) + " KB";
+  return n + " B";
+}
+
+const TIERS = { hot: "hot: on the device, ready", redis: "Redis: hidden states", cold: "cold: token window only" };
+
+function showMemory(s) {
+  if (!s) {
+    for (const id of ["m-tokens", "m-memlen", "m-bytes", "m-tier", "m-window"]) $(id).textContent = "—";
+    $("current").textContent = "no session selected";
+    $("bar-doc").style.width = $("bar-mem").style.width = "0";
+    return;
+  }
+  $("current").textContent = s.id;
+  $("m-tokens").textContent = s.tokens_seen.toLocaleString();
+  $("m-memlen").textContent = s.mem_len.toLocaleString() + " tokens per layer";
+  $("m-bytes").textContent = fmtBytes(s.bytes);
+  $("m-tier").textContent = TIERS[s.tier] || s.tier;
+  $("m-window").textContent = (s.window_tokens || 0).toLocaleString() + " tokens";
+  // the document's bar grows with tokens seen (log scale); the memory's stops at mem_len
+  const scale = (n) => Math.min(100, 12 * Math.log10(1 + n));
+  $("bar-doc").style.width = scale(s.tokens_seen) + "%";
+  $("bar-mem").style.width = scale(Math.min(s.tokens_seen, s.mem_len)) + "%";
+}
+
+async function refreshSelected() {
+  if (!state.selected) return showMemory(null);
+  try { showMemory(await api("GET", "/v1/sessions/" + state.selected)); } catch (e) { showError(e.message); }
+}
+
+function select(id) {
+  state.selected = id;
+  for (const li of document.querySelectorAll("#sessions li")) li.classList.toggle("selected", li.dataset.id === id);
+  refreshSelected();
+}
+
+async function refreshList() {
+  try {
+    const page = await api("GET", "/v1/sessions?limit=100");
+    const list = $("sessions");
+    list.replaceChildren();
+    for (const s of page.data) {
+      const li = document.createElement("li");
+      li.dataset.id = s.id;
+      const title = (s.metadata && s.metadata.title) || "untitled";
+      li.innerHTML = `<strong></strong> <span class="muted small"></span><div class="sid"></div>`;
+      li.querySelector("strong").textContent = title;
+      li.querySelector("span").textContent = `${s.tokens_seen} tokens, ${s.tier}`;
+      li.querySelector(".sid").textContent = s.id;
+      for (const [label, cls, act] of [["Select", "select", () => select(s.id)],
+                                       ["Fork", "fork", () => fork(s.id)],
+                                       ["Delete", "delete", () => remove(s.id)]]) {
+        const b = document.createElement("button");
+        b.type = "button"; b.textContent = label; b.className = cls + (cls === "select" ? "" : " secondary");
+        b.setAttribute("aria-label", `${label} session ${title} ${s.id}`);
+        b.addEventListener("click", act);
+        li.appendChild(b);
+      }
+      list.appendChild(li);
+    }
+    if (state.selected) select(state.selected);
+    showError("");
+  } catch (e) { showError(e.message); }
+}
+
+async function create(event) {
+  event.preventDefault();
+  const title = $("new-title").value.trim();
+  try {
+    const made = await api("POST", "/v1/sessions", { text: $("new-text").value,
+                                                    metadata: title ? { title } : undefined });
+    $("new-text").value = ""; $("new-title").value = "";
+    state.selected = made.id;
+    await refreshList();
+  } catch (e) { showError(e.message); }
+}
+
+async function fork(id) {
+  try { const made = await api("POST", `/v1/sessions/${id}/fork`, {}); state.selected = made.id; await refreshList(); }
+  catch (e) { showError(e.message); }
+}
+
+async function remove(id) {
+  try {
+    await api("DELETE", "/v1/sessions/" + id);
+    if (state.selected === id) state.selected = null;
+    await refreshList(); refreshSelected();
+  } catch (e) { showError(e.message); }
+}
+
+async function append() {
+  if (!state.selected) return showError("select or create a session first");
+  let text = $("doc-text").value;
+  const file = $("doc-file").files[0];
+  if (file) text += await file.text();
+  if (!text) return showError("nothing to append");
+  const t0 = performance.now();
+  try {
+    const r = await api("POST", `/v1/sessions/${state.selected}/append`, { text });
+    const ms = performance.now() - t0;
+    const quality = r.bpc != null ? `${r.bpc.toFixed(3)} bits per token` : "";
+    $("append-result").textContent = `${r.appended_tokens.toLocaleString()} tokens in ${ms.toFixed(0)} ms ${quality}`;
+    $("doc-text").value = ""; $("doc-file").value = "";
+    showMemory(r); refreshList();
+  } catch (e) { showError(e.message); }
+}
+
+function wsUrl() {
+  const base = (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/ws";
+  return key() ? base + "?api_key=" + encodeURIComponent(key()) : base;
+}
+
+function setRunning(running) {
+  state.running = running;
+  $("continue").disabled = running; $("cancel").disabled = !running;
+}
+
+function startContinue() {
+  if (!state.selected) return showError("select or create a session first");
+  showError("");
+  const out = $("output");
+  out.replaceChildren();
+  const prompt = $("prompt").value;
+  if (prompt) { const p = document.createElement("span"); p.className = "prompt"; p.textContent = prompt; out.appendChild(p); }
+  const gen = document.createElement("span"); gen.id = "generated"; out.appendChild(gen);
+  $("finish").textContent = "streaming…";
+  const socket = new WebSocket(wsUrl());
+  state.socket = socket;
+  setRunning(true);
+  socket.onopen = () => socket.send(JSON.stringify({
+    type: "completion.create", model: state.model, prompt, session_id: state.selected,
+    max_tokens: Number($("max-tokens").value), temperature: Number($("temperature").value),
+    top_p: Number($("top-p").value), top_k: Number($("top-k").value) }));
+  socket.onmessage = (event) => {
+    const msg = JSON.parse(event.data);
+    if (msg.type === "completion.delta") { gen.textContent += msg.text; out.scrollTop = out.scrollHeight; return; }
+    if (msg.type === "completion.done") {
+      $("finish").textContent = `finish_reason: ${msg.finish_reason}, ${msg.usage.completion_tokens} tokens`;
+    } else if (msg.type === "error") {
+      showError(`${msg.status || ""} ${msg.error.code}: ${msg.error.message}`);
+      $("finish").textContent = "failed";
+    }
+    setRunning(false); socket.close(); refreshSelected(); refreshList();
+  };
+  socket.onerror = () => { showError("the WebSocket connection failed"); setRunning(false); };
+  socket.onclose = () => { if (state.running) { setRunning(false); $("finish").textContent = "connection closed"; } };
+}
+
+function cancel() {
+  if (state.socket && state.running) state.socket.send(JSON.stringify({ type: "cancel" }));
+}
+
+async function start() {
+  $("create-form").addEventListener("submit", create);
+  $("refresh").addEventListener("click", refreshList);
+  $("append").addEventListener("click", append);
+  $("continue").addEventListener("click", startContinue);
+  $("cancel").addEventListener("click", cancel);
+  $("api-key").addEventListener("change", refreshList);
+  try {
+    const models = await api("GET", "/v1/models");
+    const m = models.data[0];
+    state.model = m.id;
+    $("model-line").textContent = `${m.id}: ${m.n_layer} layers, d_model ${m.d_model}, mem_len ${m.mem_len}`;
+    await refreshList();
+  } catch (e) {
+    $("model-line").textContent = "not connected";
+    showError(e.message + (String(e.message).startsWith("401") ? " (enter an API key above)" : ""));
+  }
+}
+
+start();

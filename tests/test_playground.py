@@ -1,0 +1,133 @@
+"""The web playground in a real headless Chromium (the system's, driven by selenium) against a live server: it
+loads without console errors, creates a session, streams a continuation equal to the HTTP API's at temperature 0,
+cancel stops a stream, and a fork appears in the list. It writes a screenshot (docs/playground.png is one)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.live import MODEL, REPO
+
+pytestmark = pytest.mark.timeout(180)
+WAIT_S = 60
+DOC = "HAMLET.\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
+
+
+def _browser_paths() -> tuple[str, str] | None:
+    chromium = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)),
+                    None)
+    driver = shutil.which("chromedriver")
+    return (chromium, driver) if chromium and driver else None
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
+    paths = _browser_paths()
+    if paths is None:
+        pytest.skip("no Chromium and chromedriver on PATH (apt-get install chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = paths[0]
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1280,900"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=paths[1]))
+    driver.set_page_load_timeout(WAIT_S)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _wait(driver, condition, what: str):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(condition, message=f"waiting for {what}")
+
+
+def _by_id(driver, element_id: str):
+    return driver.find_element("id", element_id)
+
+
+def _type(driver, element_id: str, text: str) -> None:
+    box = _by_id(driver, element_id)
+    box.clear()
+    box.send_keys(text)
+
+
+def _sessions(driver) -> list[str]:
+    """The listed session ids, read in one script call (the list is re-rendered as it refreshes)."""
+    return driver.execute_script("return [...document.querySelectorAll('#sessions li')].map(li => li.dataset.id)")
+
+
+def test_the_playground_creates_streams_cancels_and_forks(server, browser, tmp_path):
+    driver = browser
+    driver.get(server.url + "/")
+    _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "the model line")
+    assert driver.title == "txlserve playground"
+
+    # create a session from a document; it is selected and listed
+    _type(driver, "new-text", DOC)
+    _type(driver, "new-title", "hamlet")
+    _by_id(driver, "create").click()
+    _wait(driver, lambda d: _by_id(d, "current").text not in ("", "no session selected"), "the new session")
+    sid = _by_id(driver, "current").text
+    _wait(driver, lambda d: _by_id(d, "m-tokens").text == str(len(DOC)), "its memory panel")
+    assert sid in _sessions(driver)
+    twin = httpx.post(f"{server.url}/v1/sessions/{sid}/fork", timeout=30).json()["id"]  # the same memory, by HTTP
+
+    # stream a continuation at temperature 0 over the WebSocket: it equals the HTTP API's from the same memory
+    _type(driver, "prompt", "Or to take arms")
+    _type(driver, "max-tokens", "40")
+    _type(driver, "temperature", "0")
+    _by_id(driver, "continue").click()
+    _wait(driver, lambda d: "finish_reason" in _by_id(d, "finish").text, "the end of the stream")
+    assert "finish_reason: length, 40 tokens" in _by_id(driver, "finish").text
+    streamed = _by_id(driver, "generated").get_attribute("textContent")
+    http = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "Or to take arms", "max_tokens": 40, "temperature": 0, "session_id": twin})
+    assert streamed == http.json()["choices"][0]["text"]
+    _wait(driver, lambda d: _by_id(d, "m-tokens").text == str(len(DOC) + len("Or to take arms") + 40),
+          "the memory panel after the continuation")
+
+    # cancel stops a long stream within a step, and what was generated is committed
+    _type(driver, "prompt", "")
+    _type(driver, "max-tokens", "4000")
+    _type(driver, "temperature", "0.8")
+    _by_id(driver, "continue").click()
+    _wait(driver, lambda d: len(_by_id(d, "generated").get_attribute("textContent")) >= 5, "some streamed text")
+    _by_id(driver, "cancel").click()
+    _wait(driver, lambda d: "finish_reason: cancelled" in _by_id(d, "finish").text, "the cancelled stream")
+    got = httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()["tokens_seen"]
+    assert len(DOC) + len("Or to take arms") + 40 < got < len(DOC) + len("Or to take arms") + 40 + 4000
+
+    # a fork appears in the list and becomes the selected session
+    before = set(_sessions(driver))
+    driver.find_element("css selector", f'#sessions li[data-id="{sid}"] button.fork').click()
+    _wait(driver, lambda d: len(set(_sessions(d)) - before) == 1, "the fork in the list")
+    (forked,) = set(_sessions(driver)) - before
+    _wait(driver, lambda d: _by_id(d, "current").text == forked, "the fork selected")
+    assert _by_id(driver, "m-tokens").text == str(got)
+
+    # no console errors at any point
+    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+
+    # phone width: nothing wider than the screen
+    driver.set_window_size(390, 844)
+    assert driver.execute_script("return document.documentElement.scrollWidth") <= 390
+    driver.set_window_size(1280, 900)
+    shot = tmp_path / "playground.png"
+    driver.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("TXLSERVE_UPDATE_SCREENSHOT"):  # refresh the one in docs/
+        shutil.copy(shot, REPO / "docs" / "playground.png")
+    assert (REPO / "docs" / "playground.png").is_file()  # the README shows it
+    Path(shot).unlink()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import re
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -12,14 +15,16 @@ from pathlib import Path
 
 import swagger_ui_bundle
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import errors
+from server.deps import request_fields
 from server.errors import error_body
-from server.routes import completions, health, sessions, ws
+from server.routes import completions, health, sessions, tokenize, ws
 from server.runtime import Runtime, close_runtime, open_runtime
 from server.settings import Settings
 
@@ -92,33 +97,78 @@ class BodyLimit:
         await self.app(scope, counted, guarded)
 
 
-class CountRequests:
-    """Counts every answered request by route and status, and adds ``x-process-time-ms`` (time to the response
-    start). Plain ASGI: Starlette's ``BaseHTTPMiddleware`` re-wraps every chunk of a streamed body, which cost
-    the event loop a large share of its time at 64 concurrent streams."""
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+access_log = logging.getLogger("txlserve.requests")
+
+
+class RequestLog:
+    """Every HTTP request gets an id (the client's ``x-request-id`` when it sends a sane one), echoed in the
+    ``x-request-id`` response header, and one structured (JSON) log line when it ends: id, method, route,
+    status, timings, and what the handler added (prompt and completion tokens, session id). It also counts
+    requests by route and status and adds ``x-process-time-ms`` (time to the response start). Plain ASGI:
+    Starlette's ``BaseHTTPMiddleware`` re-wraps every chunk of a streamed body, which cost the event loop a
+    large share of its time at 64 concurrent streams."""
 
     def __init__(self, app: ASGIApp, runtime_of: Callable[[], Runtime | None]) -> None:
         self.app, self.runtime_of = app, runtime_of
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            return await self._websocket(scope, receive, send)
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        t0, status = time.monotonic(), 500
+        t0, status, started_ms = time.monotonic(), 500, None
+        request_id = _request_id(scope)
 
         async def timed(msg: Message) -> None:
-            nonlocal status
+            nonlocal status, started_ms
             if msg["type"] == "http.response.start":
-                status = msg["status"]
-                took = f"{1000 * (time.monotonic() - t0):.1f}".encode()
-                msg = {**msg, "headers": [*msg.get("headers", []), (b"x-process-time-ms", took)]}
+                status, started_ms = msg["status"], 1000 * (time.monotonic() - t0)
+                extra = [(b"x-process-time-ms", f"{started_ms:.1f}".encode()), (b"x-request-id", request_id.encode())]
+                msg = {**msg, "headers": [*msg.get("headers", []), *extra]}
             await send(msg)
 
         try:
             await self.app(scope, receive, timed)
         finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
             if (rt := self.runtime_of()) is not None:
-                route = scope.get("route")
-                rt.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
+                rt.metrics.requests.labels(route, str(status)).inc()
+            _log_line(request_id=request_id, method=scope.get("method"), route=route, status=status,
+                      start_ms=None if started_ms is None else round(started_ms, 1),
+                      total_ms=round(1000 * (time.monotonic() - t0), 1), **request_fields(scope))
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One line per WebSocket connection when it closes (its id in the handshake's ``x-request-id``)."""
+        t0, outcome = time.monotonic(), "closed before accept"
+        request_id = _request_id(scope)
+
+        async def tagged(msg: Message) -> None:
+            nonlocal outcome
+            if msg["type"] == "websocket.accept":
+                outcome = "accepted"
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", request_id.encode())]}
+            elif msg["type"] == "websocket.close" and outcome == "closed before accept":
+                outcome = f"refused {msg.get('code', 1000)}"
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, tagged)
+        finally:
+            _log_line(request_id=request_id, method="WEBSOCKET", route=scope.get("path"), status=outcome,
+                      total_ms=round(1000 * (time.monotonic() - t0), 1), **request_fields(scope))
+
+
+def _request_id(scope: Scope) -> str:
+    sent = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+    request_id = sent if _REQUEST_ID.fullmatch(sent) else secrets.token_hex(12)
+    scope.setdefault("state", {})["request_id"] = request_id
+    return request_id
+
+
+def _log_line(**fields: object) -> None:
+    if access_log.isEnabledFor(logging.INFO):
+        access_log.info(json.dumps(fields, separators=(",", ":"), default=str))
 
 
 async def _refuse(send: Send, status: int, message: str, code: str, *, close: bool = False) -> None:
@@ -170,9 +220,12 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     _offline_docs(app)
     _playground(app)
     errors.install(app)
-    for module in (health, completions, sessions, ws):
+    for module in (health, completions, sessions, tokenize, ws):
         app.include_router(module.router)
 
-    app.add_middleware(CountRequests, runtime_of=lambda: getattr(app.state, "runtime", None))
+    app.add_middleware(RequestLog, runtime_of=lambda: getattr(app.state, "runtime", None))
+    if settings.cors_origins:  # off by default: browsers on other origins may call the API only when allowed
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id", "x-process-time-ms"])
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     return app

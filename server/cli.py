@@ -259,10 +259,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     for f in Settings.__dataclass_fields__.values():
         flag = "--" + f.name.replace("_", "-")
         env = f"TXLSERVE_{f.name.upper()}"
-        default = "" if f.default is None or f.name in ("checkpoint", "api_keys") else f" (default: {f.default})"
+        default = "" if f.default is None or f.name in ("checkpoint", "api_keys", "cors_origins") else (
+            f" (default: {f.default})")
         text = f"{f.metadata['help']}{default} [{env}]".replace("%", "%%")
-        if f.name == "api_keys":
-            p.add_argument(flag, nargs="+", default=None, metavar="KEY", help=text)
+        if f.name in ("api_keys", "cors_origins"):
+            p.add_argument(flag, nargs="+", default=None, metavar=f.name.split("_")[-1][:-1].upper(), help=text)
             continue
         typ = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
         p.add_argument(flag, type=typ, default=None, help=text)
@@ -276,8 +277,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from server.settings import Settings
 
     overrides = {k: getattr(ns, k) for k in Settings.__dataclass_fields__ if getattr(ns, k, None) is not None}
-    if "api_keys" in overrides:
-        overrides["api_keys"] = tuple(overrides["api_keys"])
+    for name in ("api_keys", "cors_origins"):
+        if name in overrides:
+            overrides[name] = tuple(overrides[name])
     settings = Settings.from_env(**overrides)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return serve(settings)

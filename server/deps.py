@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import MutableMapping
+from typing import Any
 
 from fastapi import Request, WebSocket
 
 from server.runtime import Runtime
 from txlserve.errors import AuthenticationError
+
+
+def request_fields(scope: MutableMapping[str, Any]) -> dict[str, Any]:
+    """What a handler adds to its request's log line (token counts, session id): never a key, never text."""
+    return scope.setdefault("state", {}).setdefault("log_fields", {})
 
 
 def runtime(request: Request) -> Runtime:

@@ -204,3 +204,29 @@ class SessionExport(BaseModel):
     metadata: Metadata = None
     model: str | None = Field(default=None, max_length=256)  # informative: the model that wrote it
     created_at: int | None = None
+
+
+# -- tokenizer endpoints (vLLM's shapes) --------------------------------------------------------------------------
+class TokenizeRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # accepted for vLLM compatibility: txlserve's tokenizers add none
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int  # the most tokens one request may carry (a session's history is unbounded)
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=1 << 22)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

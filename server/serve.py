@@ -58,7 +58,7 @@ class Redact(logging.Filter):
 
 def install_redaction(settings: Settings) -> None:
     redact = Redact(settings.api_keys)
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "txlserve", ""):
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "txlserve", "txlserve.requests", ""):
         logging.getLogger(name).addFilter(redact)
 
 
@@ -92,8 +92,8 @@ async def _serve(settings: Settings, sock: socket.socket) -> int:
     rt = await open_runtime(settings)  # a bad checkpoint or unreachable Redis stops here, as one TxlError
     app = build_app(settings, runtime=rt)
     # uvicorn's own deadline comes after ours, so cancelled streams can still say goodbye
-    config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=int(
-        settings.shutdown_timeout_s) + 5)
+    config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,  # RequestLog writes one JSON line
+                            timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5)
     install_redaction(settings)  # after uvicorn configured its loggers
     if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without API keys: anyone who reaches this port can read every session "

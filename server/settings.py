@@ -41,6 +41,8 @@ class Settings:
     storage_dtype: str = _opt("float32", "dtype of memories written to Redis: float32, bfloat16 or float16")
     api_keys: tuple[str, ...] = _opt((), "Bearer keys (comma-separated in the environment); each session "
                                          "belongs to the key that made it", )
+    cors_origins: tuple[str, ...] = _opt((), "origins allowed to call the API from a browser (CORS), e.g. "
+                                             "https://app.example.com, or * for any; none by default")
     model_name: str = _opt("txl-shakespeare-small", "the model name clients send")
     max_batch: int = _opt(256, "sessions advanced together per decode step, at most (fewer if --batch-mb is reached)")
     batch_mb: int = _opt(1024, "memory for the sessions generating together (their key/value rings), in MiB: "
@@ -79,6 +81,9 @@ class Settings:
             raise ConfigError(f"body_timeout_s must be > 0, not {self.body_timeout_s}")
         if any(not isinstance(k, str) or not k.strip() or k != k.strip() for k in self.api_keys):
             raise ConfigError("an API key may not be empty or start or end with white space")
+        if any(not isinstance(o, str) or not (o == "*" or o.startswith(("http://", "https://")))
+               for o in self.cors_origins):
+            raise ConfigError("each CORS origin is * or starts with http:// or https://")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
@@ -106,7 +111,7 @@ def env_names() -> list[str]:
 def _parse(f: dataclasses.Field, raw: str) -> Any:
     kind = str(f.type)
     try:
-        if f.name == "api_keys":  # an empty item is refused, never silently dropped
+        if f.name in ("api_keys", "cors_origins"):  # an empty item is refused, never silently dropped
             return tuple(k.strip() for k in raw.split(",")) if raw.strip() else ()
         if raw == "" and "None" in kind:
             return None

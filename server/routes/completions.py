@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from model.engine import TokenEvent
 from server.completion import Completion, cancel_on_disconnect, events, open_run
-from server.deps import owner, runtime
+from server.deps import owner, request_fields, runtime
 from server.errors import stream_error
 from server.protocol import CompletionRequest
 from server.runtime import Runtime
@@ -47,13 +47,14 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                 if isinstance(item, TokenEvent):
                     comp.add(item)
                 else:
-                    _observe(rt, run, item, t0)
+                    _observe(rt, run, item, t0, request)
                     return comp.body(item, len(run.ids)).dump()
-    return StreamingResponse(_stream(rt, run, first, comp, t0), media_type="text/event-stream",
+    return StreamingResponse(_stream(rt, run, first, comp, t0, request), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: float) -> AsyncIterator[str]:
+async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: float,
+                  request: Request) -> AsyncIterator[str]:
     include_usage = bool(comp.req.stream_options and comp.req.stream_options.include_usage)
     last_t = None
     finished = False
@@ -74,7 +75,7 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
             yield _sse(comp.chunk("", comp.finish(item), session=comp.session(item)).dump())
             if include_usage:
                 yield _sse(comp.usage_chunk(item, len(run.ids)).dump())
-            _observe(rt, run, item, t0)
+            _observe(rt, run, item, t0, request)
         finished = True
     except Exception as err:  # mid-stream: an error event, then [DONE]
         yield _sse(stream_error(err))
@@ -86,7 +87,11 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
     yield "data: [DONE]\n\n"
 
 
-def _observe(rt: Runtime, run: Run, final: Final, t0: float) -> None:
+def _observe(rt: Runtime, run: Run, final: Final, t0: float, request: Request) -> None:
+    request_fields(request.scope).update(
+        prompt_tokens=len(run.ids), completion_tokens=final.done.completion_tokens,
+        cached_tokens=final.cached_tokens, finish_reason=final.done.finish_reason,
+        session_id=final.info.session_id if final.info else None, restored_from=final.source)
     rt.metrics.e2e.observe(time.monotonic() - t0)
     rt.metrics.prompt_tokens.inc(len(run.ids))
     rt.metrics.generation_tokens.inc(final.done.completion_tokens)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from memory_store import SessionInfo
 from memory_store.codec import WINDOW
 from server.completion import cancel_on_disconnect, prompt_ids
-from server.deps import owner, runtime
+from server.deps import owner, request_fields, runtime
 from server.protocol import (
     AppendResult,
     SessionAppend,
@@ -41,7 +41,10 @@ async def _final(request: Request, run: Run) -> Final:
         item = await first_item(run)
         while not isinstance(item, Final):
             item = await first_item(run)
-        return item
+    request_fields(request.scope).update(prompt_tokens=len(run.ids), cached_tokens=item.cached_tokens,
+                                         session_id=item.info.session_id if item.info else None,
+                                         restored_from=item.source)
+    return item
 
 
 @router.post("", status_code=201, response_model=AppendResult)

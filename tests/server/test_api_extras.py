@@ -1,0 +1,82 @@
+"""What API users expect besides completions: vLLM's /tokenize and /detokenize, a request id on every response
+with one structured log line per request (never a key, never a prompt), and CORS when asked for."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.live import MODEL
+from tests.server.test_lifecycle import _client, running_app
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(server):
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "héllo", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == list("héllo".encode()) and body["count"] == 6 and body["max_model_len"] > 0
+    assert len(body["token_strs"]) == 6 and body["token_strs"][0] == "h"
+    assert "token_strs" not in httpx.post(server.url + "/tokenize", json={"prompt": "x"}).json()
+    back = httpx.post(server.url + "/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "héllo"}
+
+
+@pytest.mark.parametrize(("path", "body", "status"), [
+    ("/tokenize", {"prompt": 5}, 400),
+    ("/tokenize", {"model": "nope", "prompt": "x"}, 404),
+    ("/tokenize", {"prompt": "x", "extra": 1}, 400),
+    ("/detokenize", {"tokens": [256]}, 400),  # outside a byte model's vocabulary
+    ("/detokenize", {"tokens": [-1]}, 400),
+    ("/detokenize", {"tokens": "abc"}, 400),
+    ("/detokenize", {"model": "nope", "tokens": [1]}, 404),
+])
+def test_tokenizer_endpoints_refuse_bad_input_with_openais_error_shape(server, path, body, status):
+    r = httpx.post(server.url + path, json=body)
+    assert r.status_code == status, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_every_response_has_a_request_id_and_one_log_line_without_the_prompt(server):
+    secret_prompt = "a-prompt-that-must-never-be-logged"
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Once"}).json()["id"]
+    r = httpx.post(server.url + "/v1/completions", headers={"x-request-id": "req-abc.123"}, timeout=60,
+                   json={"model": MODEL, "prompt": secret_prompt, "max_tokens": 5, "session_id": sid})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "req-abc.123"
+    mine = httpx.get(server.url + "/health", headers={"x-request-id": "bad id with spaces"})
+    assert mine.headers["x-request-id"] != "bad id with spaces" and len(mine.headers["x-request-id"]) == 24
+    assert httpx.get(server.url + "/nowhere").headers["x-request-id"]  # errors too
+    deadline, line = time.monotonic() + 10, None
+    while line is None and time.monotonic() < deadline:
+        for text in server.log.read_text().splitlines():
+            if '"request_id":"req-abc.123"' in text:
+                line = json.loads(text.split("txlserve.requests: ", 1)[1])
+        time.sleep(0.05)  # poll: the line is written once the response has ended
+    assert line is not None
+    assert line["route"] == "/v1/completions" and line["status"] == 200 and line["session_id"] == sid
+    assert line["prompt_tokens"] == len(secret_prompt) and line["completion_tokens"] == 5
+    assert line["cached_tokens"] == 4 and line["total_ms"] >= line["start_ms"] >= 0
+    assert secret_prompt not in server.log.read_text()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_cors_is_off_by_default_and_allows_only_the_configured_origins(redis_url, tmp_path):
+    preflight = {"origin": "https://app.example.com", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization,content-type"}
+    async with running_app(redis_url, tmp_path) as (app, _, _), _client(app) as c:
+        r = await c.options("/v1/completions", headers=preflight)
+        assert "access-control-allow-origin" not in r.headers
+    async with running_app(redis_url, tmp_path, cors_origins=("https://app.example.com",)) as (app, _, _), \
+            _client(app) as c:
+        r = await c.options("/v1/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example.com"
+        r = await c.get("/v1/models", headers={"origin": "https://app.example.com"})
+        assert r.headers["access-control-allow-origin"] == "https://app.example.com"
+        assert "x-request-id" in r.headers["access-control-expose-headers"]
+        r = await c.options("/v1/completions", headers={**preflight, "origin": "https://evil.example.com"})
+        assert r.headers.get("access-control-allow-origin") != "https://evil.example.com"

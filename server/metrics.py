@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from server.scheduler import Scheduler
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+RESTORE = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120, 600)
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 
 
 class _Live(Collector):
@@ -54,6 +56,20 @@ class Metrics:
                              buckets=LATENCY, registry=r)
         self.e2e = Histogram("txlserve_e2e_request_latency_seconds", "Request latency, first byte in to last out",
                              buckets=LATENCY, registry=r)
+        # histograms named as vLLM names its own (vllm:request_queue_time_seconds -> txlserve_...)
+        self.queue_time = Histogram("txlserve_request_queue_time_seconds", "Submitted until the engine first "
+                                    "worked on the request", buckets=LATENCY, registry=r)
+        self.prefill_time = Histogram("txlserve_request_prefill_time_seconds", "Reading a request's prompt",
+                                      buckets=LATENCY, registry=r)
+        self.request_prompt_tokens = Histogram("txlserve_request_prompt_tokens", "Prompt tokens per request "
+                                               "(what the session already held is not counted)", buckets=TOKENS,
+                                               registry=r)
+        self.request_generation_tokens = Histogram("txlserve_request_generation_tokens", "Tokens generated per "
+                                                   "request", buckets=TOKENS, registry=r)
+        self.restore_time = Histogram("txlserve_session_restore_seconds", "Making a session's state ready for a "
+                                      "request, by source: hot, redis (hidden states read and keys/values "
+                                      "re-projected), rebuild (its token window prefilled)", ["source"],
+                                      buckets=RESTORE, registry=r)
         self.prompt_tokens = Counter("txlserve_prompt_tokens", "Prompt tokens read", registry=r)
         self.generation_tokens = Counter("txlserve_generation_tokens", "Tokens generated", registry=r)
         self.disconnects = Counter("txlserve_client_disconnects", "Clients gone before their response ended",

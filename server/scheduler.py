@@ -14,6 +14,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ class Finished:
     completion_tokens: int = 0
     score: Score | None = None
     generated: list[int] = field(default_factory=list)  # every generated token, all of them fed to the state
+    queue_s: float | None = None  # submitted until the engine first worked on it
+    prefill_s: float | None = None  # from then until its prompt was read
 
 
 @dataclass
@@ -57,6 +60,18 @@ class Job:
     cancelled: bool = False
     prev: int | None = None  # the prompt's last token (how a word tokenizer spaces the first generated word)
     scored: bool = True  # an append is scored; a session rebuilt from its window is only read
+    submitted: float = field(default_factory=time.monotonic)
+    started: float | None = None  # the engine's first work on it (a prompt chunk, or joining the batch)
+    read: float | None = None  # its prompt completely read
+
+    def start(self) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
+
+    def prompt_read(self) -> None:
+        self.start()
+        if self.read is None:
+            self.read = time.monotonic()
     generation: Generation | None = None
     score: Score = field(default_factory=lambda: Score(0, 0.0))
 
@@ -232,6 +247,7 @@ class Scheduler:
             self._finish(job, Finished(None, int(job.state.seen[0]), "cancelled"))
             return 0
         chunk, job.pending = job.pending[:budget], job.pending[budget:]
+        job.start()
         try:  # a prefill touches only this job's own state: a failure fails only this job
             if chunk and job.params is None and job.scored:
                 part = self.engine.score(job.state, chunk)
@@ -246,6 +262,7 @@ class Scheduler:
         if job.pending:
             self.prefilling.rotate(-1)  # round robin: the next waiting request reads its next chunk
             return len(chunk)
+        job.prompt_read()
         if job.params is None:
             self._finish(job, self._done(job, job.state, 0, None))
         else:
@@ -264,8 +281,10 @@ class Scheduler:
             own.copy_row(0, state, row)
             state = own
         generated = list(job.generation.tokens) if job.generation else []
+        queue_s = None if job.started is None else job.started - job.submitted
+        prefill_s = None if job.read is None or job.started is None else job.read - job.started
         return Finished(state, int(state.seen[0]), reason, len(generated),
-                        job.score if job.params is None else None, generated)
+                        job.score if job.params is None else None, generated, queue_s, prefill_s)
 
     def _regroup(self, leaving: list[int], failed: dict[int, BaseException] | None = None) -> None:
         """Finished (or failed) rows leave the slot table and waiting requests join it while it has rows; each
@@ -286,6 +305,9 @@ class Scheduler:
                 self._finish(job, self._done(job, job.state, 0, "cancelled"))
                 continue
             self.slots.join(job.state)
+            job.start()
+            if not job.pending:
+                job.prompt_read()
             job.state = None  # the row is its state now
             self.running.append(job)
 
@@ -319,6 +341,8 @@ class Scheduler:
             if job.pending and r not in failed:
                 job.pending.pop(0)
                 self.prompt_tokens_in_batch += 1
+                if not job.pending:
+                    job.prompt_read()
         for r, event in events.items():
             self._emit(self.running[r], event)
         self._regroup([r for r, ev in events.items() if ev.finish_reason is not None], failed)

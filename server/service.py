@@ -86,8 +86,10 @@ class Run:
             async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
                 info = lease.session.info
                 cached = info.tokens_seen
+                t0 = time.monotonic()
                 state, window, source = await self._restore(lease)
                 rt.metrics.restores.labels(source).inc()
+                rt.metrics.restore_time.labels(source).observe(time.monotonic() - t0)
                 done, last = await self._schedule(state)
                 window = extend_window(window, self.ids + done.generated, cached, size)
                 if done.tokens_seen != cached or source == "rebuild":  # a rebuilt session is stored warm again
@@ -136,6 +138,14 @@ class Run:
 
     async def _schedule(self, state) -> tuple[Finished, TokenEvent | None]:
         done, last = await self._engine_run(state)
+        m = self.rt.metrics
+        if done.queue_s is not None:
+            m.queue_time.observe(done.queue_s)
+        if done.prefill_s is not None and self.ids:
+            m.prefill_time.observe(done.prefill_s)
+        m.request_prompt_tokens.observe(len(self.ids))
+        if self.params is not None:
+            m.request_generation_tokens.observe(done.completion_tokens)
         if done.state is None and done.finish_reason == "cancelled":
             raise Unavailable("the request was cancelled before its text was read (the server is shutting down "
                               "or the client left); nothing was stored")

@@ -80,3 +80,29 @@ async def test_cors_is_off_by_default_and_allows_only_the_configured_origins(red
         assert "x-request-id" in r.headers["access-control-expose-headers"]
         r = await c.options("/v1/completions", headers={**preflight, "origin": "https://evil.example.com"})
         assert r.headers.get("access-control-allow-origin") != "https://evil.example.com"
+
+
+def test_histograms_have_samples_and_the_grafana_dashboard_uses_only_real_metrics(server):
+    import re
+
+    from tests.live import REPO
+
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Once upon"}).json()["id"]
+    for _ in range(2):  # the second finds the session hot
+        httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": " a time", "max_tokens": 4, "session_id": sid, "stream": True})
+    text = httpx.get(server.url + "/metrics").text
+
+    def value(sample: str) -> float:
+        return float(re.search(rf"^{re.escape(sample)} ([0-9.e+]+)$", text, re.M).group(1))
+
+    for name in ("txlserve_request_queue_time_seconds", "txlserve_request_prefill_time_seconds",
+                 "txlserve_request_prompt_tokens", "txlserve_request_generation_tokens",
+                 "txlserve_time_to_first_token_seconds", "txlserve_inter_token_latency_seconds"):
+        assert value(f"{name}_count") >= 2, name
+    assert value('txlserve_session_restore_seconds_count{source="hot"}') >= 1
+    dashboard = json.loads((REPO / "docker" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\b(txlserve_[a-z_]+)", e)}
+    exposed = set(re.findall(r"^(txlserve_[a-z_]+)", text, re.M))
+    assert used and used <= exposed, used - exposed

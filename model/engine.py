@@ -223,6 +223,23 @@ class Engine:
                 self.decoder.step(state, torch.tensor([[event.token]], device=self.device))
 
     @torch.no_grad()
+    def token_scores(self, state: DecodeState, ids: list[int], top_n: int,
+                     rows: int = 256) -> list[tuple[float | None, list[tuple[int, float]]]]:
+        """Feed ``ids`` and score each one as OpenAI's ``echo`` with ``logprobs`` does: its log-probability
+        given everything before it and the ``top_n`` likeliest tokens there; ``(None, [])`` for a first token
+        with nothing before it. Scores are computed ``rows`` positions at a time (a word model's table is wide)."""
+        if not ids:
+            return []
+        prev = state.last_logits[0].clone() if int(state.seen[0]) > 0 else None  # [vocab]
+        h = self.feed(state, ids)  # [n, d_model]
+        out: list[tuple[float | None, list[tuple[int, float]]]] = []
+        out.append((None, []) if prev is None else token_logprobs(prev, ids[0], top_n))
+        for lo in range(0, len(ids) - 1, rows):
+            logits = self.logits(h[lo:lo + rows][: len(ids) - 1 - lo])  # [r, vocab]: predicts ids[lo+1 ..]
+            out.extend(token_logprobs(row, ids[lo + 1 + i], top_n) for i, row in enumerate(logits))
+        return out
+
+    @torch.no_grad()
     def score(self, state: DecodeState, text: str | bytes | list[int]) -> Score:
         """Log-likelihood of ``text`` continuing ``state``; the state advances past it."""
         ids = text if isinstance(text, list) else self.encode(text)

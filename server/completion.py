@@ -4,6 +4,7 @@ and shape OpenAI's ``text_completion`` objects and chunks."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import secrets
@@ -14,7 +15,7 @@ from typing import Any
 
 from model.engine import TokenEvent
 from model.sampling import SamplingParams
-from model.tokenizer import ByteTokenizer, Tokenizer
+from model.tokenizer import START, ByteTokenizer, Tokenizer
 from server.protocol import (
     CompletionChoice,
     CompletionDelta,
@@ -28,6 +29,7 @@ from server.protocol import (
     Usage,
 )
 from server.runtime import Runtime
+from server.scheduler import PromptScores
 from server.service import Failed, Final, Run, first_item
 from txlserve.errors import InvalidRequestError, ModelNotFound, PayloadTooLarge
 
@@ -87,7 +89,8 @@ async def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
     check_model(rt, req.model)
     params = sampling_params(rt, req)
     ids = await prompt_ids(rt, req.prompt, rt.settings.max_prompt_bytes)
-    return Run(rt, ids=ids, params=params, owner=owner, session_id=req.session_id)
+    scored = req.logprobs if req.echo and req.logprobs is not None and ids else None
+    return Run(rt, ids=ids, params=params, owner=owner, session_id=req.session_id, prompt_logprobs=scored)
 
 
 _MARKER = "\u0000txl-text\u0000"  # cannot occur in generated text: JSON escapes it as \\u0000
@@ -123,6 +126,23 @@ class Completion:
         self.offsets.append(start)
         return CompletionLogprobs(tokens=[name(ev.token)], token_logprobs=[ev.logprob], top_logprobs=[top],
                                   text_offset=[start])
+
+    def add_prompt(self, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
+        """The echoed prompt's logprobs, first in the choice (OpenAI's shape: the first token's entry is null
+        when nothing precedes it); offsets from the start of the text."""
+        name, decoder = self.tokenizer.token_name, codecs.getincrementaldecoder("utf-8")(errors="replace")
+        offset, prev = 0, START
+        piece = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for token, (lp, alts) in zip(ids, scores.entries, strict=True):
+            top = None if lp is None else {name(t): v for t, v in alts}
+            for values, value in ((self.lps, lp), (self.tops, top), (self.offsets, offset),
+                                  (piece.token_logprobs, lp), (piece.top_logprobs, top), (piece.text_offset, offset)):
+                values.append(value)
+            piece.tokens.append(name(token))
+            offset += len(decoder.decode(self.tokenizer.token_bytes(token, prev)))
+            prev = token
+        self.tokens[:0] = ids
+        return piece
 
     def logprobs(self) -> CompletionLogprobs | None:
         if self.req.logprobs is None:
@@ -181,8 +201,9 @@ class Completion:
                               usage=self.usage(final, prompt_tokens), session=self.session(final))
 
 
-async def events(run: Run, first: Any) -> AsyncIterator[TokenEvent | Final]:
-    """The run's TokenEvents then its Final (with the last token folded in); raises a Failed's error."""
+async def events(run: Run, first: Any) -> AsyncIterator[PromptScores | TokenEvent | Final]:
+    """The run's (PromptScores, then) TokenEvents, then its Final (with the last token folded in); raises a
+    Failed's error."""
     item = first
     while True:
         if isinstance(item, Failed):

@@ -64,6 +64,7 @@ class SessionCreate(BaseModel):
 class SessionAppend(BaseModel):
     model_config = STRICT
     text: str
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # per-token scores of the text, with alternatives
 
 
 class SessionFork(BaseModel):
@@ -98,6 +99,7 @@ class AppendResult(SessionObject):
     logprob: float | None = None
     bpc: float | None = None  # bits per token: per character for a byte model
     perplexity: float | None = None  # per token: a word model's measure
+    logprobs: CompletionLogprobs | None = None  # per token, when the append asked for ``logprobs``
 
 
 # -- responses: one set of models for JSON bodies, SSE chunks and WebSocket messages ------------------------------

@@ -46,6 +46,15 @@ class Finished:
 
 
 @dataclass
+class PromptScores:
+    """Each prompt token's (logprob, top alternatives), sent once the prompt is read and before any generated
+    token, for ``echo`` with ``logprobs`` (and appends asking for them); ``(None, [])`` for a first token with
+    nothing before it."""
+
+    entries: list[tuple[float | None, list[tuple[int, float]]]]
+
+
+@dataclass
 class JobFailed:
     error: BaseException
 
@@ -60,6 +69,8 @@ class Job:
     cancelled: bool = False
     prev: int | None = None  # the prompt's last token (how a word tokenizer spaces the first generated word)
     scored: bool = True  # an append is scored; a session rebuilt from its window is only read
+    prompt_logprobs: int | None = None  # score every prompt token, with this many alternatives
+    prompt_scores: list = field(default_factory=list)
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None  # the engine's first work on it (a prompt chunk, or joining the batch)
     read: float | None = None  # its prompt completely read
@@ -85,7 +96,8 @@ def batch_capacity(engine: Engine, *, max_batch: int, batch_bytes: int) -> int:
 
 
 class EngineRequest:
-    """One request in the engine: ``async for item in request`` yields :class:`TokenEvent`s and ends with one
+    """One request in the engine: ``async for item in request`` yields (a :class:`PromptScores` when asked for,
+    then) :class:`TokenEvent`s and ends with one
     :class:`Finished` (or raises what failed the request); :meth:`cancel` ends it within a step, and the
     ``Finished`` then holds what was generated so far. SSE, WebSocket, append and the CLI all read this."""
 
@@ -152,14 +164,15 @@ class Scheduler:
         self._flush()
 
     def submit(self, state: DecodeState, ids: list[int], params: SamplingParams | None, *,
-               scored: bool = True) -> EngineRequest:
+               scored: bool = True, prompt_logprobs: int | None = None) -> EngineRequest:
         """Feed ``ids`` to ``state`` (a batch-1 session the engine now owns) and, with ``params``, generate;
         without, score them (``scored``) or only read them. Called on an event loop."""
         if params is not None and not ids and int(state.seen[0]) == 0:
             raise InvalidRequestError("nothing to continue from: the prompt is empty and there is no memory "
                                       "(no session, or an empty one)", param="prompt")
         loop = asyncio.get_running_loop()
-        job = Job(state, list(ids), params, loop, asyncio.Queue(), prev=ids[-1] if ids else None, scored=scored)
+        job = Job(state, list(ids), params, loop, asyncio.Queue(), prev=ids[-1] if ids else None, scored=scored,
+                  prompt_logprobs=prompt_logprobs)
         self.inbox.put(job)
         return EngineRequest(job)
 
@@ -224,7 +237,7 @@ class Scheduler:
         almost no cost to the others); otherwise it is prefilled in chunks first. Many requests arriving at once
         then cost a few batched steps instead of one forward pass each while every stream waits."""
         busy = bool(self.running or self.ready)
-        if job.params is not None and busy and len(job.pending) <= self.SHORT_PROMPT:
+        if job.params is not None and busy and len(job.pending) <= self.SHORT_PROMPT and job.prompt_logprobs is None:
             job.generation = Generation(job.params, self.engine.tokenizer, job.prev)
             self.ready.append(job)
         else:
@@ -249,7 +262,12 @@ class Scheduler:
         chunk, job.pending = job.pending[:budget], job.pending[budget:]
         job.start()
         try:  # a prefill touches only this job's own state: a failure fails only this job
-            if chunk and job.params is None and job.scored:
+            if chunk and job.prompt_logprobs is not None:
+                entries = self.engine.token_scores(job.state, chunk, job.prompt_logprobs)
+                job.prompt_scores.extend(entries)
+                known = [lp for lp, _ in entries if lp is not None]
+                job.score = Score(job.score.tokens + len(known), job.score.logprob + sum(known))
+            elif chunk and job.params is None and job.scored:
                 part = self.engine.score(job.state, chunk)
                 job.score = Score(job.score.tokens + part.tokens, job.score.logprob + part.logprob)
             elif chunk:
@@ -263,6 +281,8 @@ class Scheduler:
             self.prefilling.rotate(-1)  # round robin: the next waiting request reads its next chunk
             return len(chunk)
         job.prompt_read()
+        if job.prompt_logprobs is not None:
+            self._emit(job, PromptScores(job.prompt_scores))
         if job.params is None:
             self._finish(job, self._done(job, job.state, 0, None))
         else:

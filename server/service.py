@@ -20,7 +20,7 @@ from model.cache import DecodeState
 from model.engine import TokenEvent
 from model.sampling import SamplingParams
 from server.runtime import Runtime
-from server.scheduler import EngineRequest, Finished
+from server.scheduler import EngineRequest, Finished, PromptScores
 from txlserve.errors import Overloaded, Unavailable
 
 
@@ -41,11 +41,12 @@ class Failed:
 class Run:
     """Feed ``ids`` to a session (or a fresh state) and, with ``params``, generate.
 
-    ``events`` yields TokenEvent*, then one Final or Failed."""
+    ``events`` yields (PromptScores when asked for, then) TokenEvent*, then one Final or Failed."""
 
     def __init__(self, rt: Runtime, *, ids: list[int], params: SamplingParams | None, owner: str | None,
                  session_id: str | None = None, create_metadata: dict | None = None,
-                 create: bool = False, history: tuple[list[int], int] | None = None) -> None:
+                 create: bool = False, history: tuple[list[int], int] | None = None,
+                 prompt_logprobs: int | None = None) -> None:
         s = rt.settings
         if rt.draining or not rt.ready:
             raise Unavailable("the server is shutting down" if rt.draining else "the server is starting")
@@ -54,6 +55,8 @@ class Run:
         self.rt, self.ids, self.params, self.owner = rt, ids, params, owner
         self.session_id, self.create, self.create_metadata = session_id, create, create_metadata
         self.history = history  # a new session's (token window, tokens seen): an imported session
+        self.prompt_logprobs = prompt_logprobs  # score each prompt token (echo with logprobs, appends)
+        self.scores: PromptScores | None = None  # those scores, once the engine sent them
         self.events: asyncio.Queue[Any] = asyncio.Queue()
         self.request: EngineRequest | None = None
         self.cancelled = False
@@ -153,14 +156,14 @@ class Run:
 
     async def _engine_run(self, state) -> tuple[Finished, TokenEvent | None]:
         rt = self.rt
-        self.request = rt.scheduler.submit(state, self.ids, self.params)
+        self.request = rt.scheduler.submit(state, self.ids, self.params, prompt_logprobs=self.prompt_logprobs)
         if self.cancelled:
             self.request.cancel()
         last = None
         async for item in self.request:
             if isinstance(item, Finished):
                 return item, last
-            if item.finish_reason is None:
+            if isinstance(item, PromptScores) or item.finish_reason is None:
                 await self.events.put(item)
             else:
                 last = item  # held back until the commit

@@ -69,14 +69,25 @@ def _sessions(driver) -> list[str]:
 
 def test_the_playground_creates_streams_cancels_and_forks(server, browser, tmp_path):
     driver = browser
+    with httpx.Client(base_url=server.url, timeout=30) as c:  # more sessions than one page of the list holds
+        for _ in range(105):
+            assert c.post("/v1/sessions", json={}).status_code == 201
     driver.get(server.url + "/")
     _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "the model line")
     assert driver.title == "txlserve playground"
 
-    # create a session from a document; it is selected and listed
+    # every control is named for assistive technology (a <label> or aria-label)
+    unnamed = driver.execute_script(
+        "return [...document.querySelectorAll('input, textarea, button')].filter(e => !(e.labels && e.labels.length)"
+        " && !e.getAttribute('aria-label') && !e.textContent.trim()).map(e => e.id)")
+    assert unnamed == []
+
+    # create a session from a document, from the keyboard (Enter in the title submits); it is selected and listed
+    from selenium.webdriver.common.keys import Keys
+
     _type(driver, "new-text", DOC)
     _type(driver, "new-title", "hamlet")
-    _by_id(driver, "create").click()
+    _by_id(driver, "new-title").send_keys(Keys.ENTER)
     _wait(driver, lambda d: _by_id(d, "current").text not in ("", "no session selected"), "the new session")
     sid = _by_id(driver, "current").text
     _wait(driver, lambda d: _by_id(d, "m-tokens").text == str(len(DOC)), "its memory panel")

@@ -15,6 +15,7 @@ from server.deps import owner, request_fields, runtime
 from server.errors import stream_error
 from server.protocol import CompletionRequest
 from server.runtime import Runtime
+from server.scheduler import PromptScores
 from server.service import Final, Run
 from txlserve.errors import UnsupportedEndpoint
 
@@ -46,6 +47,8 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
             async for item in events(run, first):
                 if isinstance(item, TokenEvent):
                     comp.add(item)
+                elif isinstance(item, PromptScores):
+                    comp.add_prompt(run.ids, item)
                 else:
                     _observe(rt, run, item, t0, request)
                     return comp.body(item, len(run.ids)).dump()
@@ -59,9 +62,12 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
     last_t = None
     finished = False
     try:
-        if comp.req.echo and comp.req.prompt:
+        if comp.req.echo and comp.req.prompt and run.prompt_logprobs is None:
             yield _sse(comp.chunk(comp.req.prompt).dump())
         async for item in events(run, first):
+            if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores come first
+                yield _sse(comp.chunk(comp.req.prompt, None, comp.add_prompt(run.ids, item)).dump())
+                continue
             if isinstance(item, TokenEvent):
                 now = time.monotonic()
                 (rt.metrics.ttft if last_t is None else rt.metrics.itl).observe(now - (last_t or t0))

@@ -9,10 +9,11 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from memory_store import SessionInfo
 from memory_store.codec import WINDOW
-from server.completion import cancel_on_disconnect, prompt_ids
+from server.completion import Completion, cancel_on_disconnect, prompt_ids
 from server.deps import owner, request_fields, runtime
 from server.protocol import (
     AppendResult,
+    CompletionRequest,
     SessionAppend,
     SessionCreate,
     SessionExport,
@@ -21,6 +22,7 @@ from server.protocol import (
     SessionObject,
 )
 from server.runtime import Runtime
+from server.scheduler import PromptScores
 from server.service import Final, Run, first_item
 from txlserve.errors import SessionIncompatible
 
@@ -37,9 +39,12 @@ def session_object(rt: Runtime, info: SessionInfo) -> SessionObject:
 
 
 async def _final(request: Request, run: Run) -> Final:
+    """The run's Final (its PromptScores, when asked for, kept on ``run.scores``)."""
     async with cancel_on_disconnect(request.receive, lambda: run):
         item = await first_item(run)
         while not isinstance(item, Final):
+            if isinstance(item, PromptScores):
+                run.scores = item
             item = await first_item(run)
     request_fields(request.scope).update(prompt_tokens=len(run.ids), cached_tokens=item.cached_tokens,
                                          session_id=item.info.session_id if item.info else None,
@@ -81,8 +86,10 @@ async def delete_session(session_id: str, rt: Runtime = Depends(runtime), who: s
 async def append(session_id: str, body: SessionAppend, request: Request, rt: Runtime = Depends(runtime),
                  who: str | None = Depends(owner)) -> AppendResult:
     ids = await prompt_ids(rt, body.text, rt.settings.max_append_bytes, param="text")
-    final = await _final(request, Run(rt, ids=ids, params=None, owner=who, session_id=session_id))
-    return _appended(rt, final, len(ids))
+    run = Run(rt, ids=ids, params=None, owner=who, session_id=session_id,
+              prompt_logprobs=body.logprobs if ids else None)
+    final = await _final(request, run)
+    return _appended(rt, final, len(ids), run)
 
 
 @router.get("/{session_id}/export", response_model=SessionExport)
@@ -124,13 +131,19 @@ async def fork(session_id: str, body: SessionFork | None = None, rt: Runtime = D
     return session_object(rt, info)
 
 
-def _appended(rt: Runtime, final: Final, n: int) -> AppendResult:
+def _appended(rt: Runtime, final: Final, n: int, run: Run | None = None) -> AppendResult:
     score = final.done.score
+    scores = getattr(run, "scores", None)
+    logprobs = None
+    if scores is not None:  # the appended text's tokens, each scored given everything before it
+        comp = Completion(CompletionRequest(model=rt.settings.model_name, logprobs=run.prompt_logprobs),
+                          rt.settings.model_name, rt.engine.tokenizer)
+        logprobs = comp.add_prompt(run.ids, scores)
     base = session_object(rt, final.info).model_dump()
     has = score is not None and score.tokens > 0
     return AppendResult(**base, appended_tokens=n, rebuilt=final.source == "rebuild",
                         logprob=_finite(score.logprob) if has else None, bpc=_finite(score.bpc) if has else None,
-                        perplexity=_finite(score.perplexity) if has else None)
+                        perplexity=_finite(score.perplexity) if has else None, logprobs=logprobs)
 
 
 def _finite(x: float) -> float | None:

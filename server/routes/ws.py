@@ -19,6 +19,7 @@ from server.completion import Completion, events, open_run
 from server.deps import ws_owner
 from server.errors import classify, error_body, stream_error, validation_message
 from server.protocol import CompletionRequest
+from server.scheduler import PromptScores
 
 router = APIRouter()
 
@@ -97,6 +98,10 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
         await ws.send_json({"type": "error", **stream_error(err)})
         return
     comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
+    if req.echo:
+        comp.text = req.prompt
+        if run.prompt_logprobs is None and req.prompt:
+            await ws.send_json(comp.delta(req.prompt, None).dump())
     answered = False
     stream = events(run, first).__aiter__()
     next_item = asyncio.ensure_future(stream.__anext__())
@@ -126,7 +131,9 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
             except Exception as err:
                 await ws.send_json({"type": "error", **stream_error(err)})
                 return
-            if isinstance(item, TokenEvent):
+            if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores first
+                await ws.send_json(comp.delta(req.prompt, comp.add_prompt(run.ids, item)).dump())
+            elif isinstance(item, TokenEvent):
                 logprobs = comp.add(item)
                 if item.text or logprobs is not None:
                     await ws.send_json(comp.delta(item.text, logprobs).dump())

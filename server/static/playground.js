@@ -60,10 +60,18 @@ function select(id) {
 
 async function refreshList() {
   try {
-    const page = await api("GET", "/v1/sessions?limit=100");
+    // every page (oldest first, at most 1,000 sessions), shown newest first
+    let all = [], cursor = null;
+    for (let i = 0; i < 10; i++) {
+      const page = await api("GET", "/v1/sessions?limit=100" + (cursor ? "&after=" + encodeURIComponent(cursor) : ""));
+      all = all.concat(page.data);
+      if (!page.has_more) break;
+      cursor = page.next_cursor;
+    }
+    all.reverse();
     const list = $("sessions");
     list.replaceChildren();
-    for (const s of page.data) {
+    for (const s of all) {
       const li = document.createElement("li");
       li.dataset.id = s.id;
       const title = (s.metadata && s.metadata.title) || "untitled";

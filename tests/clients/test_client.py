@@ -237,3 +237,13 @@ def test_websocket_one_shot_stream(client: Client) -> None:
     with client.ws.stream(model=MODEL, prompt="Hello", max_tokens=LONG) as stream:
         next(stream)
     assert stream.done  # closing cancelled it and read it to its end
+
+
+def test_append_with_logprobs_and_completions_name_their_session(client: Client) -> None:
+    made = client.sessions.create(text="Once upon")
+    got = client.sessions.append(made.id, " a time", logprobs=2)
+    assert got.logprobs is not None and len(got.logprobs.token_logprobs) == 7
+    assert abs(sum(got.logprobs.token_logprobs) - got.logprob) < 1e-4 and len(got.logprobs.top_logprobs[0]) == 2
+    assert client.sessions.append(made.id, "!").logprobs is None
+    out = client.completions.create(model=MODEL, prompt="", max_tokens=3, session_id=made.id)
+    assert out.session is not None and out.session.id == made.id and out.session.rebuilt is False

@@ -106,3 +106,44 @@ def test_histograms_have_samples_and_the_grafana_dashboard_uses_only_real_metric
     used = {m for e in exprs for m in re.findall(r"\b(txlserve_[a-z_]+)", e)}
     exposed = set(re.findall(r"^(txlserve_[a-z_]+)", text, re.M))
     assert used and used <= exposed, used - exposed
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_openai_does(server):
+    prompt = "To be, or not"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": True, "logprobs": 2}
+    out = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    lp = out["logprobs"]
+    assert out["text"].startswith(prompt) and len(lp["tokens"]) == len(prompt) + 5
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing precedes it
+    assert all(x <= 0 for x in lp["token_logprobs"][1:]) and all(len(t) == 2 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"][: len(prompt)] == list(range(len(prompt)))
+    assert lp["text_offset"][len(prompt)] == len(prompt)  # the completion's tokens follow the echoed prompt
+    # the prompt's scores are the model's: they add up to what an append of the same text scores
+    made = httpx.post(server.url + "/v1/sessions", json={"text": prompt}, timeout=60).json()
+    assert sum(lp["token_logprobs"][1:len(prompt)]) == pytest.approx(made["logprob"], abs=1e-4)
+    # streamed: the prompt and its scores come first, the same numbers
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]
+    assert first["text"] == prompt and first["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(prompt)]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == out["text"]
+    # continuing a session, the first prompt token has the session's memory before it
+    sid = made["id"]
+    cont = httpx.post(server.url + "/v1/completions", timeout=60,
+                      json={**body, "prompt": " to be", "session_id": sid}).json()["choices"][0]["logprobs"]
+    assert cont["token_logprobs"][0] is not None and cont["token_logprobs"][0] <= 0
+
+
+def test_an_append_returns_per_token_logprobs_when_asked(server):
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Once upon"}).json()["id"]
+    plain = httpx.post(f"{server.url}/v1/sessions/{sid}/append", json={"text": " a time"}, timeout=60).json()
+    assert plain["logprobs"] is None
+    twin = httpx.post(server.url + "/v1/sessions", json={"text": "Once upon"}).json()["id"]
+    got = httpx.post(f"{server.url}/v1/sessions/{twin}/append", json={"text": " a time", "logprobs": 1},
+                     timeout=60).json()
+    lps = got["logprobs"]["token_logprobs"]
+    assert len(lps) == 7 and None not in lps and got["logprobs"]["tokens"][1] == "a"
+    assert sum(lps) == pytest.approx(got["logprob"], abs=1e-4) and got["logprob"] == pytest.approx(plain["logprob"],
+                                                                                                   abs=1e-4)
+    bad = httpx.post(f"{server.url}/v1/sessions/{twin}/append", json={"text": "x", "logprobs": 99})
+    assert bad.status_code == 400

@@ -125,8 +125,8 @@ class AsyncSessions:
     async def delete(self, session_id: str) -> SessionDeleted:
         return await self._client._call(api.session_delete_call(session_id))
 
-    async def append(self, session_id: str, text: str) -> AppendResult:
-        return await self._client._call(api.session_append_call(session_id, text))
+    async def append(self, session_id: str, text: str, *, logprobs: int | None = None) -> AppendResult:
+        return await self._client._call(api.session_append_call(session_id, text, logprobs))
 
     async def fork(self, session_id: str, *, metadata: Mapping[str, str] | None = None) -> Session:
         return await self._client._call(api.session_fork_call(session_id, metadata))

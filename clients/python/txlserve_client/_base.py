@@ -99,8 +99,9 @@ def session_delete_call(session_id: str) -> Call[SessionDeleted]:
     return Call("DELETE", f"/v1/sessions/{_sid(session_id)}", SessionDeleted.from_dict, retry=True)
 
 
-def session_append_call(session_id: str, text: str) -> Call[AppendResult]:
-    return Call("POST", f"/v1/sessions/{_sid(session_id)}/append", AppendResult.from_dict, json={"text": text})
+def session_append_call(session_id: str, text: str, logprobs: int | None = None) -> Call[AppendResult]:
+    body: dict[str, Any] = {"text": text} if logprobs is None else {"text": text, "logprobs": logprobs}
+    return Call("POST", f"/v1/sessions/{_sid(session_id)}/append", AppendResult.from_dict, json=body)
 
 
 def session_fork_call(session_id: str, metadata: Mapping[str, str] | None) -> Call[Session]:

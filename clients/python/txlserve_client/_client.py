@@ -129,9 +129,10 @@ class Sessions:
     def delete(self, session_id: str) -> SessionDeleted:
         return self._client._call(api.session_delete_call(session_id))
 
-    def append(self, session_id: str, text: str) -> AppendResult:
-        """Feed ``text`` to the session's memory (nothing is generated); never retried."""
-        return self._client._call(api.session_append_call(session_id, text))
+    def append(self, session_id: str, text: str, *, logprobs: int | None = None) -> AppendResult:
+        """Feed ``text`` to the session's memory (nothing is generated); never retried. With ``logprobs``,
+        the result's ``logprobs`` scores each token of it (with that many alternatives)."""
+        return self._client._call(api.session_append_call(session_id, text, logprobs))
 
     def fork(self, session_id: str, *, metadata: Mapping[str, str] | None = None) -> Session:
         """A new session with a copy of this one's memory; the two then go their own ways."""

@@ -133,11 +133,13 @@ class AppendResult(Session):
     bpc: float | None = None
     perplexity: float | None = None
     rebuilt: bool = False  # its state was rebuilt from its token window first (cold, imported, another model's)
+    logprobs: Logprobs | None = None  # each appended token's, when asked for
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AppendResult:
         return cls(**cls._fields(d), appended_tokens=d.get("appended_tokens", 0), logprob=d.get("logprob"),
-                   bpc=d.get("bpc"), perplexity=d.get("perplexity"), rebuilt=bool(d.get("rebuilt")))
+                   bpc=d.get("bpc"), perplexity=d.get("perplexity"), rebuilt=bool(d.get("rebuilt")),
+                   logprobs=Logprobs.from_dict(d.get("logprobs")))
 
 
 @dataclass(frozen=True)

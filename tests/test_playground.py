@@ -52,6 +52,22 @@ def _wait(driver, condition, what: str):
     return WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(condition, message=f"waiting for {what}")
 
 
+def _settled(driver) -> None:
+    """Wait until no refresh of the session list is in flight (the page counts them in ``data-pending``)."""
+    _wait(driver, lambda d: d.execute_script("return document.body.dataset.pending") in (None, "0"),
+          "the session list to settle")
+
+
+def _click(driver, selector: str) -> None:
+    """Click once the list is settled; a list re-rendered under the click is found again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _settled(driver)
+    WebDriverWait(driver, WAIT_S, poll_frequency=0.05, ignored_exceptions=(StaleElementReferenceException,)).until(
+        lambda d: d.find_element("css selector", selector).click() or True, message=f"clicking {selector}")
+
+
 def _by_id(driver, element_id: str):
     return driver.find_element("id", element_id)
 
@@ -120,8 +136,9 @@ def test_the_playground_creates_streams_cancels_and_forks(server, browser, tmp_p
     assert len(DOC) + len("Or to take arms") + 40 < got < len(DOC) + len("Or to take arms") + 40 + 4000
 
     # a fork appears in the list and becomes the selected session
+    _settled(driver)
     before = set(_sessions(driver))
-    driver.find_element("css selector", f'#sessions li[data-id="{sid}"] button.fork').click()
+    _click(driver, f'#sessions li[data-id="{sid}"] button.fork')
     _wait(driver, lambda d: len(set(_sessions(d)) - before) == 1, "the fork in the list")
     (forked,) = set(_sessions(driver)) - before
     _wait(driver, lambda d: _by_id(d, "current").text == forked, "the fork selected")

@@ -58,7 +58,11 @@ function select(id) {
   refreshSelected();
 }
 
+let pending = 0;  // list refreshes in flight: document.body.dataset.pending, so a script (or test) can wait
+function busy(delta) { pending += delta; document.body.dataset.pending = String(pending); }
+
 async function refreshList() {
+  busy(+1);
   try {
     // every page (oldest first, at most 1,000 sessions), shown newest first
     let all = [], cursor = null;
@@ -92,7 +96,7 @@ async function refreshList() {
     }
     if (state.selected) select(state.selected);
     showError("");
-  } catch (e) { showError(e.message); }
+  } catch (e) { showError(e.message); } finally { busy(-1); }
 }
 
 async function create(event) {

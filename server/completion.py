@@ -93,6 +93,22 @@ async def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
     return Run(rt, ids=ids, params=params, owner=owner, session_id=req.session_id, prompt_logprobs=scored)
 
 
+def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
+    """Scored prompt (or appended) tokens in OpenAI's logprobs shape: the first entry is null when nothing
+    precedes it; offsets count characters from the start of the text."""
+    name, decoder = tokenizer.token_name, codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    offset, prev = 0, START
+    for token, (lp, alts) in zip(ids, scores.entries, strict=True):
+        out.tokens.append(name(token))
+        out.token_logprobs.append(lp)
+        out.top_logprobs.append(None if lp is None else {name(t): v for t, v in alts})
+        out.text_offset.append(offset)
+        offset += len(decoder.decode(tokenizer.token_bytes(token, prev)))
+        prev = token
+    return out
+
+
 _MARKER = "\u0000txl-text\u0000"  # cannot occur in generated text: JSON escapes it as \\u0000
 
 
@@ -128,19 +144,9 @@ class Completion:
                                   text_offset=[start])
 
     def add_prompt(self, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
-        """The echoed prompt's logprobs, first in the choice (OpenAI's shape: the first token's entry is null
-        when nothing precedes it); offsets from the start of the text."""
-        name, decoder = self.tokenizer.token_name, codecs.getincrementaldecoder("utf-8")(errors="replace")
-        offset, prev = 0, START
-        piece = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for token, (lp, alts) in zip(ids, scores.entries, strict=True):
-            top = None if lp is None else {name(t): v for t, v in alts}
-            for values, value in ((self.lps, lp), (self.tops, top), (self.offsets, offset),
-                                  (piece.token_logprobs, lp), (piece.top_logprobs, top), (piece.text_offset, offset)):
-                values.append(value)
-            piece.tokens.append(name(token))
-            offset += len(decoder.decode(self.tokenizer.token_bytes(token, prev)))
-            prev = token
+        """The echoed prompt's logprobs, first in the choice; the piece for a stream chunk."""
+        piece = prompt_logprobs(self.tokenizer, ids, scores)
+        self.lps[:0], self.tops[:0], self.offsets[:0] = piece.token_logprobs, piece.top_logprobs, piece.text_offset
         self.tokens[:0] = ids
         return piece
 

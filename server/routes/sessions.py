@@ -9,11 +9,10 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from memory_store import SessionInfo
 from memory_store.codec import WINDOW
-from server.completion import Completion, cancel_on_disconnect, prompt_ids
+from server.completion import cancel_on_disconnect, prompt_ids, prompt_logprobs
 from server.deps import owner, request_fields, runtime
 from server.protocol import (
     AppendResult,
-    CompletionRequest,
     SessionAppend,
     SessionCreate,
     SessionExport,
@@ -133,12 +132,8 @@ async def fork(session_id: str, body: SessionFork | None = None, rt: Runtime = D
 
 def _appended(rt: Runtime, final: Final, n: int, run: Run | None = None) -> AppendResult:
     score = final.done.score
-    scores = getattr(run, "scores", None)
-    logprobs = None
-    if scores is not None:  # the appended text's tokens, each scored given everything before it
-        comp = Completion(CompletionRequest(model=rt.settings.model_name, logprobs=run.prompt_logprobs),
-                          rt.settings.model_name, rt.engine.tokenizer)
-        logprobs = comp.add_prompt(run.ids, scores)
+    scores = None if run is None else run.scores
+    logprobs = None if scores is None else prompt_logprobs(rt.engine.tokenizer, run.ids, scores)
     base = session_object(rt, final.info).model_dump()
     has = score is not None and score.tokens > 0
     return AppendResult(**base, appended_tokens=n, rebuilt=final.source == "rebuild",

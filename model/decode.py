@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from model.cache import DecodeState, RingCache
+from model.cache import DecodeState, RingCache, column_major
 from model.transformer_xl import MemTransformerLM
 from txlserve.errors import InvalidRequestError
 
@@ -30,6 +30,16 @@ def default_prefill_chunk(mem_len: int, device: torch.device) -> int:
     return max(128, min(512, mem_len // 4))
 
 
+def widen_layout(model: MemTransformerLM) -> None:
+    """Store the layers' weights that widen (``out >= in``: the query/key/value, position and first
+    feed-forward projections) column-major, in place: same values, same shapes, and a one-row product
+    ``x @ W^T`` then streams the weight's rows (1.5-2.2x on a CPU for these shapes; narrowing weights are
+    faster as they are). Only the layers: the softmax may share its weight with the embedding."""
+    for module in model.layers.modules():
+        if isinstance(module, torch.nn.Linear) and module.out_features >= module.in_features:
+            module.weight.data = column_major(module.weight.data)
+
+
 class Decoder:
     """The model at a given ``mem_len``/``clamp_len`` with the position tables its cache needs."""
 
@@ -40,20 +50,26 @@ class Decoder:
         self.mem_len, self.clamp_len = mem_len, clamp_len
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.columns = self.device.type == "cpu"  # column-major rings, table and widening weights (column_major)
+        if self.columns:
+            widen_layout(model)
         dist = torch.arange(mem_len + 1, device=self.device)  # [mem_len+1]
         if clamp_len > 0:
             dist = dist.clamp(max=clamp_len)
         with torch.no_grad():
             r = model.pos_emb(dist).to(self.dtype)  # [mem_len+1, d_model]
-            self.r_head_k = torch.stack([layer.dec_attn.position_keys(r) for layer in model.layers])
+            self.r_head_k = self._layout(torch.stack([layer.dec_attn.position_keys(r) for layer in model.layers]))
             # [n_layer, n_head, mem_len+1, d_head]
+
+    def _layout(self, t: Tensor) -> Tensor:
+        return column_major(t) if self.columns else t
 
     def empty(self, batch: int = 1) -> DecodeState:
         c, m, kw = self.cfg, self.mem_len, dict(device=self.device, dtype=self.dtype)
         return DecodeState(
             hid=torch.zeros(c.n_layer, batch, m, c.d_model, **kw),
-            k=torch.zeros(c.n_layer, batch, c.n_head, m, c.d_head, **kw),
-            v=torch.zeros(c.n_layer, batch, c.n_head, m, c.d_head, **kw),
+            k=self._layout(torch.zeros(c.n_layer, batch, c.n_head, m, c.d_head, **kw)),
+            v=self._layout(torch.zeros(c.n_layer, batch, c.n_head, m, c.d_head, **kw)),
             seen=torch.zeros(batch, dtype=torch.long, device=self.device),
             last_logits=torch.zeros(batch, c.vocab_size, device=self.device, dtype=torch.float32),
         )

@@ -334,3 +334,29 @@ def test_slot_table_joins_and_leaves_without_moving_the_others(tmp_path):
         torch.testing.assert_close(table.table.last_logits[r], alone[session].last_logits[0], **TOL)
         assert int(table.table.seen[r]) == int(alone[session].seen[0])
     assert table.table.k.data_ptr() == storage and table.free == 1
+
+
+def test_cpu_decoding_keeps_its_column_major_layouts(tmp_path):
+    """The rings, the position table and the widening weights are stored column-major on a CPU (same values:
+    one-row products stream long rows; see ``model.cache.column_major``). Every way a state is made or moved
+    keeps that layout, so no session silently decodes at the slow layout, and the model still saves."""
+    engine = make_engine(tmp_path)
+    dec = engine.decoder
+
+    def columns(t: torch.Tensor) -> bool:
+        return t.stride(-2) == 1
+
+    assert columns(dec.r_head_k)
+    qkv, ff1, ff2 = (engine.model.layers[0].dec_attn.qkv_net.weight, engine.model.layers[0].pos_ff.core_net[0].weight,
+                     engine.model.layers[0].pos_ff.core_net[3].weight)
+    assert columns(qkv) and columns(ff1) and not columns(ff2)  # narrowing weights stay row-major
+    st = engine.new_state(2)
+    engine.decoder.prefill(st, torch.randint(0, 256, (2, 11)))
+    made = [st, st.rows([1]), DecodeState.cat([st.rows([0]), st.rows([1])]),
+            engine.import_state(engine.export_state(st, 1), tokens_seen=11, fingerprint=engine.fingerprint)]
+    for s in made:
+        assert columns(s.k) and columns(s.v)
+    torch.testing.assert_close(made[3].last_logits, st.last_logits[1:], **TOL)
+    save_checkpoint(engine.model, tmp_path / "again")  # safetensors needs contiguous tensors: the saver makes them
+    again = load_checkpoint(tmp_path / "again").model
+    torch.testing.assert_close(again.layers[0].dec_attn.qkv_net.weight, qkv, atol=0, rtol=0)

@@ -58,9 +58,10 @@ class DecodeState:
         k, v = _same_layout(self.k, self.k[:, idx]), _same_layout(self.v, self.v[:, idx])  # rings keep their layout
         return DecodeState(self.hid[:, idx], k, v, self.seen[idx], self.last_logits[idx])
 
-    def prefix(self, n: int) -> DecodeState:
-        """Rows [0, n) as views: a step on them writes through (``last_logits`` is replaced, not written)."""
-        return DecodeState(self.hid[:, :n], self.k[:, :n], self.v[:, :n], self.seen[:n], self.last_logits[:n])
+    def span(self, start: int, end: int) -> DecodeState:
+        """Rows [start, end) as views: a step on them writes through (``last_logits`` is replaced, not written)."""
+        rows = slice(start, end)
+        return DecodeState(self.hid[:, rows], self.k[:, rows], self.v[:, rows], self.seen[rows], self.last_logits[rows])
 
     def copy_row(self, dst: int, src: DecodeState, row: int = 0) -> None:
         """Row ``dst`` becomes a copy of ``src``'s row ``row``: one session's rings, nobody else's."""
@@ -170,9 +171,10 @@ class SlotTable:
             self.table.copy_row(row, self.table, last)
         self.n = last
 
-    def active(self) -> DecodeState:
-        """Rows [0, n) as views, for one step; call :meth:`stepped` after it."""
-        return self.table.prefix(self.n)
+    def active(self, start: int = 0, end: int | None = None) -> DecodeState:
+        """Rows [start, end) (default: every row in use) as views, for one step; call :meth:`stepped` after it."""
+        return self.table.span(start, self.n if end is None else end)
 
-    def stepped(self, view: DecodeState) -> None:
-        self.table.last_logits[: self.n] = view.last_logits
+    def stepped(self, view: DecodeState, start: int = 0) -> None:
+        """Keep the next-token scores of a step on rows [start, start + view.batch)."""
+        self.table.last_logits[start:start + view.batch] = view.last_logits

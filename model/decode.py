@@ -64,12 +64,19 @@ class Decoder:
     def _layout(self, t: Tensor) -> Tensor:
         return column_major(t) if self.columns else t
 
+    def _ring(self, batch: int) -> Tensor:
+        """An empty ring [n_layer, batch, H, mem_len, Dh], allocated in its layout (no copy)."""
+        c, kw = self.cfg, dict(device=self.device, dtype=self.dtype)
+        if self.columns:
+            return torch.zeros(c.n_layer, batch, c.n_head, c.d_head, self.mem_len, **kw).transpose(-1, -2)
+        return torch.zeros(c.n_layer, batch, c.n_head, self.mem_len, c.d_head, **kw)
+
     def empty(self, batch: int = 1) -> DecodeState:
         c, m, kw = self.cfg, self.mem_len, dict(device=self.device, dtype=self.dtype)
         return DecodeState(
             hid=torch.zeros(c.n_layer, batch, m, c.d_model, **kw),
-            k=self._layout(torch.zeros(c.n_layer, batch, c.n_head, m, c.d_head, **kw)),
-            v=self._layout(torch.zeros(c.n_layer, batch, c.n_head, m, c.d_head, **kw)),
+            k=self._ring(batch),
+            v=self._ring(batch),
             seen=torch.zeros(batch, dtype=torch.long, device=self.device),
             last_logits=torch.zeros(batch, c.vocab_size, device=self.device, dtype=torch.float32),
         )

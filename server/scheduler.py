@@ -123,7 +123,7 @@ def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
 
 
 class Scheduler:
-    SHORT_PROMPT = 8  # prompt tokens a request may bring straight into a busy decode batch
+    SHORT_PROMPT = 8  # prompt tokens a request may bring straight into the decode batch
 
     def __init__(self, engine: Engine, *, max_batch: int = 256, batch_bytes: int = 1 << 30,
                  prefill_chunk: int = 512) -> None:
@@ -136,7 +136,7 @@ class Scheduler:
         self.running: list[Job] = []  # the job of each active row
         self.active: set[Job] = set()  # accepted and not yet answered
         self.steps = 0
-        self.prompt_tokens_in_batch = 0  # prompt tokens fed by decode steps rather than by prefill
+        self.prompt_tokens_in_batch = 0  # prompt tokens read in the slot table as rows joined, not by prefill
         self._outbox: list[tuple[Job, Any]] = []  # items for the requests, handed over once per iteration
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="txlserve-engine", daemon=True)
@@ -233,11 +233,10 @@ class Scheduler:
             pass
 
     def _admit(self, job: Job) -> None:
-        """A short prompt joins a busy batch directly, its tokens fed by the batch's own steps (one each, at
-        almost no cost to the others); otherwise it is prefilled in chunks first. Many requests arriving at once
-        then cost a few batched steps instead of one forward pass each while every stream waits."""
-        busy = bool(self.running or self.ready)
-        if job.params is not None and busy and len(job.pending) <= self.SHORT_PROMPT and job.prompt_logprobs is None:
+        """A short prompt joins the decode batch directly and is read there, in one forward pass with every
+        other prompt of its length that joins in the same iteration (:meth:`_read_prompts`); a longer one is
+        prefilled in chunks first. Many requests arriving at once then cost one batched pass, not one each."""
+        if job.params is not None and len(job.pending) <= self.SHORT_PROMPT and job.prompt_logprobs is None:
             job.generation = Generation(job.params, self.engine.tokenizer, job.prev)
             self.ready.append(job)
         else:
@@ -308,28 +307,64 @@ class Scheduler:
 
     def _regroup(self, leaving: list[int], failed: dict[int, BaseException] | None = None) -> None:
         """Finished (or failed) rows leave the slot table and waiting requests join it while it has rows; each
-        move copies only the session that moves."""
+        move copies only the session that moves. Joining short prompts are then read in place."""
         failed = failed or {}
         for r in leaving:
             job = self.running[r]
             self._finish(job, self._done(job, self.slots.table, r, job.generation.finish_reason or "cancelled"))
-        for r, err in failed.items():
-            self._finish(self.running[r], JobFailed(err))
-        for r in sorted(set(leaving) | set(failed), reverse=True):  # highest first: the moved last row stays valid
-            self.slots.leave(r)
-            self.running[r] = self.running[-1]
-            self.running.pop()
-        while self.ready and self.slots.free:
+        self._drop(set(leaving), failed)
+        joining = []
+        while self.ready and len(joining) < self.slots.free:
             job = self.ready.popleft()
             if job.cancelled:  # left before its first token: commit the prompt
                 self._finish(job, self._done(job, job.state, 0, "cancelled"))
                 continue
+            joining.append(job)
+        first = len(self.running)
+        for job in sorted(joining, key=lambda j: len(j.pending)):  # prompts of one length in adjacent rows
             self.slots.join(job.state)
             job.start()
-            if not job.pending:
-                job.prompt_read()
             job.state = None  # the row is its state now
             self.running.append(job)
+        self._drop(set(), self._read_prompts(first))
+
+    def _read_prompts(self, first: int) -> dict[int, BaseException]:
+        """Feed the prompts of rows [first, n) that joined with tokens to read, one forward pass per run of
+        equal lengths, on the slot table's rows in place; the rows whose pass failed, with the error."""
+        failed: dict[int, BaseException] = {}
+        r = first
+        while r < len(self.running):
+            length = len(self.running[r].pending)
+            end = r + 1
+            while end < len(self.running) and len(self.running[end].pending) == length:
+                end += 1
+            group = self.running[r:end]
+            try:
+                if length:
+                    rows = self.slots.active(r, end)  # views of the group's rows
+                    tokens = torch.tensor([job.pending for job in group], device=self.engine.device)  # [k, length]
+                    self.engine.decoder.advance(rows, tokens)
+                    self.slots.stepped(rows, r)
+                    self.prompt_tokens_in_batch += length * len(group)
+            except Exception as err:  # a pass touches only its group's rows: only that group fails
+                log.exception("reading prompts failed")
+                failed.update((i, err) for i in range(r, end))
+            else:
+                for job in group:
+                    job.pending = []
+                    job.prompt_read()
+            r = end
+        return failed
+
+    def _drop(self, rows: set[int], failed: dict[int, BaseException]) -> None:
+        """Answer the failed rows' requests, then free ``rows`` and those rows (highest first: the last row,
+        moved into a freed one, stays valid)."""
+        for r, err in failed.items():
+            self._finish(self.running[r], JobFailed(err))
+        for r in sorted(rows | set(failed), reverse=True):
+            self.slots.leave(r)
+            self.running[r] = self.running[-1]
+            self.running.pop()
 
     def _decode_step(self) -> None:
         for job in [j for j in self.ready if j.cancelled]:  # left before its first token: commit the prompt
@@ -344,9 +379,6 @@ class Scheduler:
         fed: list[int] = []
         failed: dict[int, BaseException] = {}
         for r, job in enumerate(self.running):
-            if job.pending:  # a short prompt's next token: fed with the batch, nothing to sample or send
-                fed.append(job.pending[0])
-                continue
             try:
                 events[r] = job.generation.on_logits(logits[r])
                 fed.append(events[r].token)
@@ -357,12 +389,6 @@ class Scheduler:
         self.engine.decoder.step(batch, tokens)  # [batch, 1]
         self.slots.stepped(batch)
         self.steps += 1
-        for r, job in enumerate(self.running):  # only now is a prompt token read
-            if job.pending and r not in failed:
-                job.pending.pop(0)
-                self.prompt_tokens_in_batch += 1
-                if not job.pending:
-                    job.prompt_read()
         for r, event in events.items():
             self._emit(self.running[r], event)
         self._regroup([r for r, ev in events.items() if ev.finish_reason is not None], failed)

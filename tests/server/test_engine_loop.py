@@ -29,7 +29,7 @@ def engine(tmp_path_factory) -> Engine:
     return Engine.from_checkpoint(path)
 
 
-def test_a_short_prompt_fed_by_a_busy_batch_generates_what_the_model_does_alone(engine):
+def test_a_short_prompt_read_as_it_joins_a_busy_batch_generates_what_the_model_does_alone(engine):
     greedy = SamplingParams(max_tokens=20, temperature=0)
     prompt = engine.encode(" and")
     history = engine.encode("Once upon a time")
@@ -44,6 +44,7 @@ def test_a_short_prompt_fed_by_a_busy_batch_generates_what_the_model_does_alone(
             busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), SamplingParams(max_tokens=400))
             it = busy.__aiter__()
             assert isinstance(await it.__anext__(), TokenEvent)  # generating: the batch is busy from here on
+            before = scheduler.prompt_tokens_in_batch
             state = engine.new_state()
             engine.feed(state, history)
             got, done = [], None
@@ -52,7 +53,7 @@ def test_a_short_prompt_fed_by_a_busy_batch_generates_what_the_model_does_alone(
                     got.append(item.token)
                 else:
                     done = item
-            assert scheduler.prompt_tokens_in_batch == len(prompt)  # it took the batched path
+            assert scheduler.prompt_tokens_in_batch - before == len(prompt)  # read in the slot table, in place
             busy.cancel()
             async for _ in it:
                 pass
@@ -88,8 +89,8 @@ def test_a_request_cancelled_while_its_prompt_is_fed_stores_nothing(engine):
 
 
 def test_a_row_that_fails_mid_step_costs_the_others_nothing(engine):
-    """One row's sampling raises in the very step that feeds another row's short prompt: the failing request
-    gets its error, and the others neither lose a prompt token nor drop a sampled one."""
+    """One row's sampling raises in the very step in which another row's short prompt was read as it joined:
+    the failing request gets its error, and the others neither lose a prompt token nor drop a sampled one."""
     greedy = SamplingParams(max_tokens=12, temperature=0)
     history, prompt = engine.encode("Once upon a time"), engine.encode(" and")
     alone = engine.new_state()
@@ -104,11 +105,12 @@ def test_a_row_that_fails_mid_step_costs_the_others_nothing(engine):
             bad = scheduler.submit(engine.new_state(), engine.encode("xyz"), SamplingParams(max_tokens=400))
             bad_items = bad.__aiter__()
             await bad_items.__anext__()  # generating: the batch is busy
+            before = scheduler.prompt_tokens_in_batch
             long_run = scheduler.submit(engine.new_state(), engine.encode("a longer prompt"), greedy)
             sample = bad.job.generation.on_logits
 
             def fail_while_a_prompt_is_fed(logits):  # runs on the engine thread, inside one decode step
-                if any(job.pending for job in scheduler.running):
+                if scheduler.prompt_tokens_in_batch > before:  # the short prompt joined, in this step
                     raise RuntimeError("sampling failed")
                 return sample(logits)
 
@@ -124,11 +126,53 @@ def test_a_row_that_fails_mid_step_costs_the_others_nothing(engine):
             with pytest.raises(RuntimeError, match="sampling failed"):
                 async for _ in bad_items:
                     pass
-            return got_long, got_short, scheduler.prompt_tokens_in_batch
+            return got_long, got_short, scheduler.prompt_tokens_in_batch - before
         finally:
             scheduler.stop()
 
     got_long, got_short, fed_in_batch = asyncio.run(main())
-    assert fed_in_batch == len(prompt)  # the short prompt took the batched path, in the failing step
+    assert fed_in_batch == len(prompt)  # the short prompt was read in the slot table, before the failing step
     assert got_short == want_short
     assert got_long == want_long
+
+
+def test_short_prompts_arriving_together_are_read_in_one_pass_per_length(engine):
+    """Requests that arrive together (every stream of a load continuing at once) join the batch and their
+    prompts are read in one forward pass per prompt length, not one each; each generates what it does alone."""
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    histories = [engine.encode(f"Speaker {i} says") for i in range(6)]
+    prompts = [engine.encode(p) for p in (" and", " but", " so", " yes", " nor", " or")]  # lengths 4,4,3,4,4,3
+    want = []
+    for history, prompt in zip(histories, prompts):
+        alone = engine.new_state()
+        engine.feed(alone, history)
+        want.append([e.token for e in engine.generate(alone, prompt, greedy)])
+    passes: list[tuple[int, int]] = []
+    advance = engine.decoder.advance
+
+    def counted(state, tokens):
+        if tokens.size(1) > 1:
+            passes.append(tuple(tokens.shape))
+        return advance(state, tokens)
+
+    async def main() -> list[list[int]]:
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        requests = []
+        for history, prompt in zip(histories, prompts):
+            state = engine.new_state()
+            engine.feed(state, history)
+            requests.append(scheduler.submit(state, prompt, greedy))
+        engine.decoder.advance = counted
+        scheduler.start()  # every request is already waiting: they arrive together
+        try:
+            async def tokens(request):
+                return [item.token async for item in request if isinstance(item, TokenEvent)]
+
+            return list(await asyncio.gather(*(tokens(r) for r in requests)))
+        finally:
+            scheduler.stop()
+            engine.decoder.advance = advance
+
+    got = asyncio.run(main())
+    assert got == want
+    assert sorted(passes) == [(2, 3), (4, 4)]  # two passes: the 3-token prompts, then the 4-token ones

@@ -80,7 +80,7 @@ def random_checkpoint(shape: str, out: str, mem_len: int) -> str:
 def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: int | None = None,
         device: str = "auto", dtype: str = "float32", prefill_tokens: int | None = None,
         prefill_chunk: int | None = None, naive: bool = True, cuda_graph: bool = False,
-        seed: int = 0) -> dict[str, Any]:
+        compile: bool = False, seed: int = 0) -> dict[str, Any]:
     dev = pick_device(device)
     torch_dtype = getattr(torch, dtype)
     engine = Engine.from_checkpoint(checkpoint, device=dev, dtype=torch_dtype, mem_len=mem_len, clamp_len=clamp_len,
@@ -93,6 +93,10 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
 
     state = engine.new_state(batch)
     engine.decoder.prefill(state, context, chunk_size=chunk)
+    if compile:  # the one-token step only (prefill stays eager): fused kernels, then replayed by the graph
+        eager_advance = engine.decoder.advance
+        compiled = torch.compile(eager_advance, dynamic=False)
+        engine.decoder.advance = lambda s, t: compiled(s, t) if t.size(1) == 1 else eager_advance(s, t)
     engine.decoder.step(state.rows(list(range(batch))), steps[:, :1])  # warm-up on a copy
     fast_s = _timed(lambda: [engine.decoder.step(state, steps[:, i:i + 1]) for i in range(tokens)], dev)
     result: dict[str, Any] = {}
@@ -149,7 +153,7 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
         "threads": torch.get_num_threads(), "dtype": dtype, "checkpoint": checkpoint, "mem_len": mem_len,
         "clamp_len": engine.clamp_len, "batch": batch, "tokens": tokens, "prefill_tokens": n_prefill,
         "prefill_chunk": chunk, "n_layer": engine.config.n_layer, "d_model": engine.config.d_model,
-        "torch": torch.__version__,
+        "torch": torch.__version__, "compiled": compile,
     }
 
 
@@ -165,6 +169,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, help="default: chosen from mem_len")
     p.add_argument("--no-naive", action="store_true", help="skip the slow token-by-token reference decode")
     p.add_argument("--cuda-graph", action="store_true", help="also time the step replayed as a CUDA graph")
+    p.add_argument("--compile", action="store_true", help="torch.compile the one-token step (fewer, fused kernels)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: half the usable cores)")
@@ -177,7 +182,7 @@ def main(ns: argparse.Namespace) -> int:
     set_threads(ns.threads)
     kw = dict(mem_len=ns.mem_len, batch=ns.batch, tokens=ns.tokens, clamp_len=ns.clamp_len, device=ns.device,
               dtype=ns.dtype, prefill_tokens=ns.prefill_tokens, prefill_chunk=ns.prefill_chunk, naive=not ns.no_naive,
-              cuda_graph=ns.cuda_graph)
+              cuda_graph=ns.cuda_graph, compile=ns.compile)
     if ns.shape:
         with tempfile.TemporaryDirectory() as tmp:
             result = run(random_checkpoint(ns.shape, tmp, ns.mem_len), **kw)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -63,10 +64,11 @@ class _Server:
         self.proc.wait(30)
 
 
-async def _stream(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float, list[float], int]:
-    """Time to first token, inter-token gaps, tokens (from the usage the server reports)."""
+async def _stream(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float, list[float], int, list[float]]:
+    """Time to first token, inter-token gaps, tokens (from the usage the server reports), and when each
+    token's event arrived (``perf_counter``: one event per token, text or not)."""
     t0 = time.perf_counter()
-    ttft, gaps, last, n = None, [], None, 0
+    ttft, gaps, last, n, arrivals, final_at = None, [], None, 0, [], None
     body = {"model": client.headers.get("x-bench-model", MODEL), "stream": True,
             "stream_options": {"include_usage": True}, **body}
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -81,20 +83,31 @@ async def _stream(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[floa
                 raise RuntimeError(chunk["error"]["message"])
             if chunk.get("usage"):
                 n = chunk["usage"]["completion_tokens"]
-            if not chunk["choices"] or not chunk["choices"][0]["text"]:
+            if not chunk["choices"]:
                 continue
             now = time.perf_counter()
+            if chunk["choices"][0]["finish_reason"] is None:
+                arrivals.append(now)
+            else:
+                final_at = now  # the last token's event, or an event that only says why it ended
+            if not chunk["choices"][0]["text"]:
+                continue
             if ttft is None:
                 ttft = now - t0
             else:
                 gaps.append(now - last)
             last = now
-    return ttft or 0.0, gaps, n
+    if len(arrivals) < n and final_at is not None:
+        arrivals.append(final_at)
+    return ttft or 0.0, gaps, n, arrivals
 
 
-def _client(url: str, model: str, connections: int, timeout: float = 120) -> httpx.AsyncClient:
+def _client(url: str, model: str, connections: int = 1, timeout: float = 120) -> httpx.AsyncClient:
+    """A client per stream, not one for all: httpcore's pool scans every connection for every request it
+    places, so one pool of 64 connections delayed a herd of 64 requests by ~600 ms on the client side
+    (a raw-socket client saw the same server answer them within 45 ms)."""
     return httpx.AsyncClient(base_url=url, timeout=timeout, headers={"x-bench-model": model},
-                             limits=httpx.Limits(max_connections=connections + 4))
+                             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
 
 
 def served_model(url: str) -> str:
@@ -102,57 +115,96 @@ def served_model(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-def engine_tokens_per_s(checkpoint: str, batch: int, tokens: int = 64, repeat: int = 3) -> float:
-    """The engine alone: ``batch`` sessions with full memories generating (decode step plus sampling)."""
-    import torch
+class EngineAlone:
+    """The engine alone: ``batch`` sessions with full memories generating requests of ``tokens`` tokens (decode
+    step plus sampling, as the server's loop does). :meth:`run` is timed like the load: tokens over wall time
+    for a while, called before and after it so that both see the same state of a noisy machine."""
 
-    from model.engine import Engine, Generation
-    from model.sampling import SamplingParams
+    def __init__(self, checkpoint: str, batch: int, tokens: int = 64, device: str = "auto") -> None:
+        import torch
 
-    engine = Engine.from_checkpoint(checkpoint)
-    state = engine.new_state(batch)
-    ids = torch.randint(32, 127, (batch, engine.mem_len))
-    engine.decoder.prefill(state, ids, chunk_size=engine.prefill_chunk)
-    gens = [Generation(SamplingParams(max_tokens=repeat * tokens + 1, temperature=0.8), engine.tokenizer)
-            for _ in range(batch)]
-    best = float("inf")
-    for _ in range(repeat):  # the best of a few: the least disturbed by the rest of the machine
+        from model.engine import Engine
+        from model.train import auto_dtype, pick_device
+
+        dev = pick_device(device)  # as the server picks its device and dtype
+        self.engine = Engine.from_checkpoint(checkpoint, device=dev, dtype=auto_dtype(dev))
+        self.batch, self.tokens = batch, tokens
+        self.state = self.engine.new_state(batch)
+        ids = torch.randint(32, 127, (batch, self.engine.mem_len), device=dev)
+        self.engine.decoder.prefill(self.state, ids, chunk_size=self.engine.prefill_chunk)
+        self.generated, self.elapsed = 0, 0.0
+
+    def run(self, seconds: float) -> None:
+        import torch
+
+        from model.engine import Generation
+        from model.sampling import SamplingParams
+
         t0 = time.perf_counter()
-        for _ in range(tokens):
-            logits = state.last_logits.float().cpu()  # [batch, vocab]
-            chosen = [g.on_logits(logits[r]).token for r, g in enumerate(gens)]
-            engine.decoder.step(state, torch.tensor(chosen)[:, None])
-        best = min(best, time.perf_counter() - t0)
-    return batch * tokens / best
+        while True:
+            gens = [Generation(SamplingParams(max_tokens=self.tokens, temperature=0.8), self.engine.tokenizer)
+                    for _ in range(self.batch)]
+            for _ in range(self.tokens):
+                logits = self.state.last_logits.float().cpu()  # [batch, vocab]
+                chosen = [g.on_logits(logits[r]).token for r, g in enumerate(gens)]
+                self.engine.decoder.step(self.state, torch.tensor(chosen, device=self.engine.device)[:, None])
+            self.generated += self.batch * self.tokens
+            if time.perf_counter() - t0 >= seconds:
+                break
+        self.elapsed += time.perf_counter() - t0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.elapsed
 
 
 async def _load(url: str, model: str, concurrency: int, duration: float, max_tokens: int) -> dict[str, Any]:
-    ttfts, gaps, tokens, errors, samples = [], [], 0, 0, []
-    async with _client(url, model, concurrency) as c:
+    """Steady state: every stream first completes one unmeasured request (sessions, connections and the
+    server's batch warm up), then all start together, and for ``duration`` seconds the tokens that arrive
+    are counted. A request still running at the end is finished but counts only its tokens that arrived in
+    the window, so the figure is the rate while all ``concurrency`` streams run, as the engine's is."""
+    ttfts, gaps, tokens, reported, errors, samples = [], [], 0, 0, 0, []
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(_client(url, model)) for _ in range(concurrency)]
         sessions = [(await c.post("/v1/sessions", json={"text": f"Client {i} writes: "})).json()["id"]
-                    for i in range(concurrency)]
-        stop_at = time.perf_counter() + duration
+                    for i, c in enumerate(clients)]
+        body = {"prompt": " and", "max_tokens": max_tokens, "temperature": 0.8}
+        warm, go = asyncio.Semaphore(0), asyncio.Event()
+        window: list[float] = []
 
-        async def worker(sid: str) -> None:
-            nonlocal tokens, errors
-            while time.perf_counter() < stop_at:
+        async def worker(c: httpx.AsyncClient, sid: str) -> None:
+            nonlocal tokens, reported, errors
+            try:
+                await _stream(c, {**body, "session_id": sid})
+            except Exception as err:
+                errors += 1
+                if len(samples) < 3:
+                    samples.append(f"warm-up: {str(err)[:200]}")
+            finally:
+                warm.release()
+            await go.wait()
+            while time.perf_counter() < window[1]:
                 try:
-                    ttft, g, n = await _stream(c, {"prompt": " and", "max_tokens": max_tokens, "temperature": 0.8,
-                                                   "session_id": sid})
-                    ttfts.append(ttft)
-                    gaps.extend(g)
-                    tokens += n
+                    ttft, g, n, arrivals = await _stream(c, {**body, "session_id": sid})
                 except Exception as err:
                     errors += 1
                     if len(samples) < 3:
                         samples.append(str(err)[:200])
+                    continue
+                ttfts.append(ttft)
+                gaps.extend(g)
+                reported += n
+                tokens += sum(window[0] <= t <= window[1] for t in arrivals)
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(s) for s in sessions))
-        elapsed = time.perf_counter() - t0
-    return {"concurrency": concurrency, "duration_s": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed,
-            "requests": len(ttfts), "errors": errors, "error_samples": samples, "ttft_p50_ms": _pct(ttfts, 0.5),
-            "ttft_p99_ms": _pct(ttfts, 0.99),
+        tasks = [asyncio.create_task(worker(c, s)) for c, s in zip(clients, sessions)]
+        for _ in sessions:
+            await warm.acquire()
+        window.extend([time.perf_counter(), time.perf_counter() + duration])
+        go.set()
+        await asyncio.gather(*tasks)
+    return {"concurrency": concurrency, "duration_s": duration, "tokens": tokens, "tokens_per_s": tokens / duration,
+            "requests": len(ttfts), "completion_tokens": reported, "errors": errors, "error_samples": samples,
+            "ttft_p50_ms": _pct(ttfts, 0.5), "ttft_p99_ms": _pct(ttfts, 0.99),
             "itl_p50_ms": _pct(gaps, 0.5), "itl_p99_ms": _pct(gaps, 0.99)}
 
 
@@ -169,7 +221,7 @@ async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int) -> d
 
 
 def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration: float = 10, max_tokens: int = 64,
-        doc_kb: float = 50, url: str | None = None, repeats: int = 3) -> dict[str, Any]:
+        doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto") -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
 
@@ -177,13 +229,16 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
     doc = _document(int(doc_kb * 1000)).decode("utf-8", errors="replace")
     loads = []
     with tempfile.TemporaryDirectory(prefix="txl-bench-serve-") as data_dir:
-        server = None if url else _Server(checkpoint, data_dir, [])
+        server = None if url else _Server(checkpoint, data_dir, ["--device", device])
         target = url or server.url
         model = served_model(target)
         try:
             for n in concurrency:
+                alone = EngineAlone(checkpoint, n, max_tokens, device)
+                alone.run(duration / 2)
                 load = asyncio.run(_load(target, model, n, duration, max_tokens))
-                load["engine_tokens_per_s"] = engine_tokens_per_s(checkpoint, n)
+                alone.run(duration / 2)
+                load["engine_tokens_per_s"] = alone.tokens_per_s
                 load["server_over_engine"] = load["tokens_per_s"] / load["engine_tokens_per_s"]
                 loads.append(load)
             result: dict[str, Any] = {"loads": loads}
@@ -191,7 +246,8 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
         finally:
             if server is not None:
                 server.stop()
-    result.update({"checkpoint": checkpoint, "model": model, "max_tokens": max_tokens, "url": url or "spawned"})
+    result.update({"checkpoint": checkpoint, "model": model, "max_tokens": max_tokens, "url": url or "spawned",
+                   "engine_device": str(alone.engine.device)})
     return result
 
 
@@ -209,6 +265,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=10, help="seconds of load per concurrency")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--doc-kb", type=float, default=50)
+    p.add_argument("--device", default="auto", help="the spawned server's and the engine's (auto: cuda when present)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
 
 
@@ -216,5 +273,5 @@ def main(ns: argparse.Namespace) -> int:
     from model.bundled import resolve_checkpoint
 
     print(json.dumps(run(resolve_checkpoint(ns.checkpoint), concurrency=ns.concurrency, duration=ns.duration,
-                         max_tokens=ns.max_tokens, doc_kb=ns.doc_kb, url=ns.url)))
+                         max_tokens=ns.max_tokens, doc_kb=ns.doc_kb, url=ns.url, device=ns.device)))
     return 0

@@ -18,7 +18,10 @@ def request_fields(scope: MutableMapping[str, Any]) -> dict[str, Any]:
     return scope.setdefault("state", {}).setdefault("log_fields", {})
 
 
-def runtime(request: Request) -> Runtime:
+# The dependencies are ``async def`` on purpose: FastAPI runs a plain ``def`` dependency in its thread pool, and
+# two thread hops per request, each waiting for the GIL while the engine thread steps, cost a herd of 64
+# requests ~600 ms before its handlers even start (BENCHMARKS.md, "Serving").
+async def runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
@@ -38,8 +41,8 @@ def _bearer(header: str | None) -> str | None:
     return None
 
 
-def owner(request: Request) -> str | None:
-    return owner_for_key(runtime(request), _bearer(request.headers.get("authorization")))
+async def owner(request: Request) -> str | None:
+    return owner_for_key(request.app.state.runtime, _bearer(request.headers.get("authorization")))
 
 
 def ws_owner(ws: WebSocket) -> str | None:

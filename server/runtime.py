@@ -11,7 +11,7 @@ import torch
 from memory_store import MemoryStore, ModelIdentity
 from model.bundled import resolve_checkpoint
 from model.engine import Engine
-from model.train import pick_device
+from model.train import auto_dtype, pick_device
 from server.hot_states import HotStates
 from server.metrics import Metrics
 from server.scheduler import Scheduler
@@ -82,8 +82,7 @@ class Runtime:
 
 async def open_runtime(settings: Settings) -> Runtime:
     device = pick_device(settings.device)
-    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = auto if settings.dtype == "auto" else getattr(torch, settings.dtype)
+    dtype = auto_dtype(device) if settings.dtype == "auto" else getattr(torch, settings.dtype)
     checkpoint = resolve_checkpoint(settings.checkpoint)
     engine = await asyncio.to_thread(Engine.from_checkpoint, checkpoint, device=device, dtype=dtype,
                                      mem_len=settings.mem_len, clamp_len=settings.clamp_len,

@@ -74,6 +74,8 @@ class Job:
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None  # the engine's first work on it (a prompt chunk, or joining the batch)
     read: float | None = None  # its prompt completely read
+    generation: Generation | None = None
+    score: Score = field(default_factory=lambda: Score(0, 0.0))
 
     def start(self) -> None:
         if self.started is None:
@@ -83,8 +85,6 @@ class Job:
         self.start()
         if self.read is None:
             self.read = time.monotonic()
-    generation: Generation | None = None
-    score: Score = field(default_factory=lambda: Score(0, 0.0))
 
     def cancel(self) -> None:
         self.cancelled = True  # read by the engine thread between steps
@@ -385,10 +385,11 @@ class Scheduler:
             except Exception as err:  # one request's bad luck is not the batch's: its row steps on a filler
                 failed[r] = err  # token and leaves after the step; every other row advances as planned
                 fed.append(0)
+        for r, event in events.items():  # sent before the step that feeds them: a token reaches its stream
+            self._emit(self.running[r], event)  # one step sooner (the final one waits for the commit anyway)
+        self._flush()
         tokens = torch.tensor(fed, device=self.engine.device)[:, None]  # [batch, 1]
         self.engine.decoder.step(batch, tokens)  # [batch, 1]
         self.slots.stepped(batch)
         self.steps += 1
-        for r, event in events.items():
-            self._emit(self.running[r], event)
         self._regroup([r for r, ev in events.items() if ev.finish_reason is not None], failed)

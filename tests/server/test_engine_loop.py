@@ -4,6 +4,7 @@ what the model generates alone."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -176,3 +177,33 @@ def test_short_prompts_arriving_together_are_read_in_one_pass_per_length(engine)
     got = asyncio.run(main())
     assert got == want
     assert sorted(passes) == [(2, 3), (4, 4)]  # two passes: the 3-token prompts, then the 4-token ones
+
+
+def test_a_sampled_token_reaches_its_stream_before_the_step_that_feeds_it(engine, monkeypatch):
+    """The token is known once sampled: its stream hears it while the batch steps, not a step later."""
+    stepping, gate = threading.Event(), threading.Event()
+    real_step = engine.decoder.step
+
+    def held_step(state, tokens):
+        stepping.set()
+        gate.wait(30)  # bounded: a failing test must not hang
+        return real_step(state, tokens)
+
+    monkeypatch.setattr(engine.decoder, "step", held_step)
+
+    async def main() -> list:
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        scheduler.start()
+        try:
+            it = scheduler.submit(engine.new_state(), engine.encode("xyz"), SamplingParams(max_tokens=3)).__aiter__()
+            first = await asyncio.wait_for(it.__anext__(), 20)
+            held = stepping.is_set() and not gate.is_set()  # the step feeding that token has not returned
+            gate.set()
+            return [first, held] + [item async for item in it]
+        finally:
+            gate.set()
+            scheduler.stop()
+
+    first, held, *rest = asyncio.run(main())
+    assert isinstance(first, TokenEvent) and held
+    assert [type(x) for x in rest] == [TokenEvent, TokenEvent, Finished]

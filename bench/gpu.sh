@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One call on a CUDA machine: the CUDA tests, the model tests with a GPU present, and the bf16 decode
+# figures of BENCHMARKS.md (12 layers/512 at mem_len 1600, batch 1 and 64, eager and CUDA graph).
+# Usage, from the repository root: bash bench/gpu.sh OUTDIR
+# Wheels for what the machine lacks (fastapi, redis, ...) may sit in .whl/ (see BENCHMARKS.md).
+set -u
+out=${1:-/tmp/txlserve-gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda tests/model 2>&1 | tee "$out/cuda_tests.log" | tail -15
+
+bench() {  # shape mem_len batch extra...
+    timeout 120 python3 -m server.cli bench decode --shape "$1" --mem-len "$2" --batch "$3" --dtype bfloat16 \
+        --device cuda --cuda-graph --tokens 64 "${@:4}" --json 2>>"$out/bench.err" | tee -a "$out/decode.jsonl"
+}
+bench 12x512 1600 1
+bench 12x512 1600 64
+bench 12x512 1600 16
+bench 6x256 512 1
+bench 6x256 512 16
+bench 6x256 1600 1
+bench 6x256 1600 16
+# every model test with the GPU present (the published-model parity needs transformers 4.35.2: not here)
+timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/model --ignore tests/model/test_hf_parity.py \
+    2>&1 | tee "$out/model_tests.log" | tail -4
+tail -3 "$out/cuda_tests.log"
+python3 - "$out/decode.jsonl" <<'EOF'
+import json, sys
+print("shape     mem  batch  eager_ms  graph_ms  tok/s      roofline  share  prefill_x")
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"{r['n_layer']}x{r['d_model']:<5} {r['mem_len']:<4} {r['batch']:<6} {r['eager_step_ms']:<9.3f} "
+          f"{r['graph_step_ms']:<9.3f} {r['tokens_per_s']:<10.0f} {r['roofline_tokens_per_s']:<9.0f} "
+          f"{r['roofline_share']:<6.3f} {r['prefill_speedup']:.2f}")
+EOF

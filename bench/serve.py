@@ -102,12 +102,12 @@ async def _stream(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[floa
     return ttft or 0.0, gaps, n, arrivals
 
 
-def _client(url: str, model: str, connections: int = 1, timeout: float = 120) -> httpx.AsyncClient:
+def _client(url: str, model: str, timeout: float = 120) -> httpx.AsyncClient:
     """A client per stream, not one for all: httpcore's pool scans every connection for every request it
     places, so one pool of 64 connections delayed a herd of 64 requests by ~600 ms on the client side
     (a raw-socket client saw the same server answer them within 45 ms)."""
     return httpx.AsyncClient(base_url=url, timeout=timeout, headers={"x-bench-model": model},
-                             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+                             limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
 
 
 def served_model(url: str) -> str:
@@ -209,7 +209,7 @@ async def _load(url: str, model: str, concurrency: int, duration: float, max_tok
 
 
 async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int) -> dict[str, Any]:
-    async with _client(url, model, 1, timeout=600) as c:
+    async with _client(url, model, timeout=600) as c:
         sid = (await c.post("/v1/sessions", json={"text": doc})).json()["id"]
         cont, resend = [], []
         for _ in range(repeats):

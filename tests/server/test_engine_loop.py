@@ -207,3 +207,45 @@ def test_a_sampled_token_reaches_its_stream_before_the_step_that_feeds_it(engine
     first, held, *rest = asyncio.run(main())
     assert isinstance(first, TokenEvent) and held
     assert [type(x) for x in rest] == [TokenEvent, TokenEvent, Finished]
+
+
+def test_a_prompt_pass_that_fails_fails_only_its_own_group(engine):
+    """Prompts joining together are read one pass per length: if one pass raises, the requests of that length
+    get the error and every other request generates what it does alone."""
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    histories = [engine.encode(f"Speaker {i} says") for i in range(4)]
+    prompts = [engine.encode(p) for p in (" and", " so", " but", " or")]  # lengths 4, 3, 4, 3
+    want = []
+    for history, prompt in zip(histories, prompts):
+        alone = engine.new_state()
+        engine.feed(alone, history)
+        want.append([e.token for e in engine.generate(alone, prompt, greedy)])
+    advance = engine.decoder.advance
+
+    def failing(state, tokens):
+        if tokens.size(1) == 3:
+            raise RuntimeError("the 3-token pass failed")
+        return advance(state, tokens)
+
+    async def main() -> list:
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        requests = []
+        for history, prompt in zip(histories, prompts):
+            state = engine.new_state()
+            engine.feed(state, history)
+            requests.append(scheduler.submit(state, prompt, greedy))
+        engine.decoder.advance = failing
+        scheduler.start()
+        try:
+            async def tokens(request):
+                return [item.token async for item in request if isinstance(item, TokenEvent)]
+
+            return list(await asyncio.gather(*(tokens(r) for r in requests), return_exceptions=True))
+        finally:
+            scheduler.stop()
+            engine.decoder.advance = advance
+
+    got = asyncio.run(main())
+    assert got[0] == want[0] and got[2] == want[2]
+    for failed in (got[1], got[3]):
+        assert isinstance(failed, RuntimeError) and "3-token pass failed" in str(failed)

@@ -137,17 +137,47 @@ def test_a_row_that_fails_mid_step_costs_the_others_nothing(engine):
     assert got_long == want_long
 
 
+def _alone(engine, histories, prompts, params) -> list[list[int]]:
+    """What each (history, prompt) generates with the model alone."""
+    want = []
+    for history, prompt in zip(histories, prompts):
+        alone = engine.new_state()
+        engine.feed(alone, history)
+        want.append([e.token for e in engine.generate(alone, prompt, params)])
+    return want
+
+
+def _arriving_together(engine, histories, prompts, params, advance) -> list:
+    """Every request is waiting before the engine loop starts (they arrive together), the decoder's ``advance``
+    replaced by ``advance``; each request's tokens, or the error it ended with."""
+
+    async def main() -> list:
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        requests = []
+        for history, prompt in zip(histories, prompts):
+            state = engine.new_state()
+            engine.feed(state, history)
+            requests.append(scheduler.submit(state, prompt, params))
+        engine.decoder.advance = advance
+        scheduler.start()
+        try:
+            async def tokens(request):
+                return [item.token async for item in request if isinstance(item, TokenEvent)]
+
+            return list(await asyncio.gather(*(tokens(r) for r in requests), return_exceptions=True))
+        finally:
+            scheduler.stop()
+            del engine.decoder.advance  # the class's method again
+
+    return asyncio.run(main())
+
+
 def test_short_prompts_arriving_together_are_read_in_one_pass_per_length(engine):
     """Requests that arrive together (every stream of a load continuing at once) join the batch and their
     prompts are read in one forward pass per prompt length, not one each; each generates what it does alone."""
     greedy = SamplingParams(max_tokens=6, temperature=0)
     histories = [engine.encode(f"Speaker {i} says") for i in range(6)]
     prompts = [engine.encode(p) for p in (" and", " but", " so", " yes", " nor", " or")]  # lengths 4,4,3,4,4,3
-    want = []
-    for history, prompt in zip(histories, prompts):
-        alone = engine.new_state()
-        engine.feed(alone, history)
-        want.append([e.token for e in engine.generate(alone, prompt, greedy)])
     passes: list[tuple[int, int]] = []
     advance = engine.decoder.advance
 
@@ -156,26 +186,8 @@ def test_short_prompts_arriving_together_are_read_in_one_pass_per_length(engine)
             passes.append(tuple(tokens.shape))
         return advance(state, tokens)
 
-    async def main() -> list[list[int]]:
-        scheduler = Scheduler(engine, prefill_chunk=64)
-        requests = []
-        for history, prompt in zip(histories, prompts):
-            state = engine.new_state()
-            engine.feed(state, history)
-            requests.append(scheduler.submit(state, prompt, greedy))
-        engine.decoder.advance = counted
-        scheduler.start()  # every request is already waiting: they arrive together
-        try:
-            async def tokens(request):
-                return [item.token async for item in request if isinstance(item, TokenEvent)]
-
-            return list(await asyncio.gather(*(tokens(r) for r in requests)))
-        finally:
-            scheduler.stop()
-            engine.decoder.advance = advance
-
-    got = asyncio.run(main())
-    assert got == want
+    got = _arriving_together(engine, histories, prompts, greedy, counted)
+    assert got == _alone(engine, histories, prompts, greedy)
     assert sorted(passes) == [(2, 3), (4, 4)]  # two passes: the 3-token prompts, then the 4-token ones
 
 
@@ -215,11 +227,6 @@ def test_a_prompt_pass_that_fails_fails_only_its_own_group(engine):
     greedy = SamplingParams(max_tokens=5, temperature=0)
     histories = [engine.encode(f"Speaker {i} says") for i in range(4)]
     prompts = [engine.encode(p) for p in (" and", " so", " but", " or")]  # lengths 4, 3, 4, 3
-    want = []
-    for history, prompt in zip(histories, prompts):
-        alone = engine.new_state()
-        engine.feed(alone, history)
-        want.append([e.token for e in engine.generate(alone, prompt, greedy)])
     advance = engine.decoder.advance
 
     def failing(state, tokens):
@@ -227,25 +234,8 @@ def test_a_prompt_pass_that_fails_fails_only_its_own_group(engine):
             raise RuntimeError("the 3-token pass failed")
         return advance(state, tokens)
 
-    async def main() -> list:
-        scheduler = Scheduler(engine, prefill_chunk=64)
-        requests = []
-        for history, prompt in zip(histories, prompts):
-            state = engine.new_state()
-            engine.feed(state, history)
-            requests.append(scheduler.submit(state, prompt, greedy))
-        engine.decoder.advance = failing
-        scheduler.start()
-        try:
-            async def tokens(request):
-                return [item.token async for item in request if isinstance(item, TokenEvent)]
-
-            return list(await asyncio.gather(*(tokens(r) for r in requests), return_exceptions=True))
-        finally:
-            scheduler.stop()
-            engine.decoder.advance = advance
-
-    got = asyncio.run(main())
+    got = _arriving_together(engine, histories, prompts, greedy, failing)
+    want = _alone(engine, histories, prompts, greedy)
     assert got[0] == want[0] and got[2] == want[2]
     for failed in (got[1], got[3]):
         assert isinstance(failed, RuntimeError) and "3-token pass failed" in str(failed)

@@ -90,6 +90,13 @@ class Lease:
         finally:
             self._on_release(self)
 
+    def released_by_commit(self) -> None:
+        """The commit that gave the lease back in Redis: stop renewing it, and make :meth:`release` a no-op."""
+        if not self._released:
+            self._released = True
+            self._renewer.cancel()
+            self._on_release(self)
+
     async def __aenter__(self) -> Lease:
         return self
 

@@ -42,7 +42,8 @@ ABSENT = -1
 
 # Compare-and-set write. ARGV[1] is the version the caller read ('-1': must not
 # exist, '*': overwrite whatever is there); ARGV[2] the lease token that must
-# still be held ('' when the write is not under a lease).
+# still be held ('' when the write is not under a lease); ARGV[7] '1' gives the
+# lease back with the write (a request's last write: one round trip, not two).
 _WRITE = """
 local h = redis.call('HGET', KEYS[1], 'header')
 if ARGV[1] ~= '*' then
@@ -57,7 +58,7 @@ if ARGV[1] ~= '*' then
 end
 if ARGV[2] ~= '' then
   if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 'LEASE_LOST' end
-  redis.call('PEXPIRE', KEYS[2], ARGV[6])
+  if ARGV[7] == '1' then redis.call('DEL', KEYS[2]) else redis.call('PEXPIRE', KEYS[2], ARGV[6]) end
 end
 redis.call('HSET', KEYS[1], 'header', ARGV[3], 'payload', ARGV[4])
 if ARGV[5] == '0' then redis.call('PERSIST', KEYS[1]) else redis.call('PEXPIRE', KEYS[1], ARGV[5]) end
@@ -65,7 +66,8 @@ return 'OK'
 """
 
 # Take the lease only on an existing session of this owner, so that another
-# owner learns 'not found' rather than 'busy'.
+# owner learns 'not found' rather than 'busy'. Returns {status} or {'OK', header}:
+# the holder reads the header it leased in the same round trip.
 _ACQUIRE = """
 local h = redis.call('HGET', KEYS[1], 'header')
 if not h then return 'NOT_FOUND' end
@@ -80,7 +82,7 @@ end
 if not mine then return 'NOT_FOUND' end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'BUSY' end
 if ARGV[5] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[5]) end
-return 'OK'
+return {'OK', h}
 """
 
 # Refresh an idle TTL only once a slice of it has passed: a PEXPIRE is a write,
@@ -226,11 +228,13 @@ class RedisTier:
         return values[0], (values[1] if payload else None)
 
     async def write(
-        self, session_id: str, *, header: bytes, payload: bytes, expected: int | str, token: str = ""
+        self, session_id: str, *, header: bytes, payload: bytes, expected: int | str, token: str = "",
+        release: bool = False,
     ) -> str:
-        """Run the compare-and-set write; returns OK, NOT_FOUND, CONFLICT, LEASE_LOST or CORRUPT."""
+        """Run the compare-and-set write (and with ``release``, give the lease ``token`` back if it wrote);
+        returns OK, NOT_FOUND, CONFLICT, LEASE_LOST or CORRUPT."""
         keys = [session_key(session_id), lease_key(session_id)]
-        args = [str(expected), token, header, payload, self._ttl_ms, self._lease_ttl_ms]
+        args = [str(expected), token, header, payload, self._ttl_ms, self._lease_ttl_ms, "1" if release else "0"]
         with self._translate():
             return (await self._write(keys=keys, args=args)).decode()
 
@@ -313,12 +317,24 @@ class RedisTier:
             await self._client.zrem(owner_key(owner), session_id)
         return removed > 0
 
-    async def acquire(self, session_id: str, owner: str | None, token: str) -> str:
-        """Try to take the lease; returns OK, BUSY, NOT_FOUND or CORRUPT."""
+    async def acquire(self, session_id: str, owner: str | None, token: str) -> tuple[str, bytes | None]:
+        """Try to take the lease: (OK, the session's header), or (BUSY, NOT_FOUND or CORRUPT, None). The owner's
+        index TTL is refreshed in the same round trip, as a read refreshes it."""
         keys = [session_key(session_id), lease_key(session_id)]
         args = [token, self._lease_ttl_ms, "1" if owner is None else "0", owner or "", self._ttl_ms]
         with self._translate():
-            return (await self._acquire(keys=keys, args=args)).decode()
+            if self._cluster or not self._ttl_ms:  # the index lives in another slot: its touch runs beside
+                touches = [self._touch_script(keys=[owner_key(owner)], args=[self._ttl_ms, self._touch_slack_ms])
+                           ] if self._ttl_ms else []
+                reply, *_ = await asyncio.gather(self._acquire(keys=keys, args=args), *touches)
+            else:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    await self._acquire(keys=keys, args=args, client=pipe)
+                    await self._touch(pipe, owner_key(owner))
+                    reply = (await pipe.execute())[0]
+        if isinstance(reply, bytes):
+            return reply.decode(), None
+        return reply[0].decode(), reply[1]
 
     async def renew(self, session_id: str, token: str) -> bool:
         """Extend the lease if ``token`` still holds it."""

@@ -345,7 +345,7 @@ class MemoryStore:
     async def _acquire(self, session_id: str, owner: str | None, tensors: bool = True) -> Lease:
         with self.metrics.timed("lease"):
             token = secrets.token_hex(16)
-            status = await self._redis.acquire(session_id, owner, token)
+            status, raw = await self._redis.acquire(session_id, owner, token)
             if status == "NOT_FOUND":
                 raise SessionNotFound(f"session {session_id!r} not found")
             if status == "BUSY":
@@ -354,7 +354,10 @@ class MemoryStore:
                 raise SessionCorrupt(f"session {session_id!r} has an unreadable header")
             self._hot.pin(session_id)
             try:
-                session = await (self._load(session_id, owner) if tensors else self._head(session_id, owner))
+                if tensors:
+                    session = await self._load(session_id, owner)
+                else:  # the header came with the lease
+                    session = Session(self._info(session_id, self._header(session_id, raw, owner)), {})
             except BaseException:
                 self._hot.unpin(session_id)
                 with contextlib.suppress(StoreUnavailable):  # it expires anyway; keep the first error
@@ -378,12 +381,15 @@ class MemoryStore:
         tokens_seen: int,
         metadata: Mapping[str, Any] | None = None,
         mem_len: int | None = None,
+        release: bool = False,
     ) -> SessionInfo:
         """Write a new version if the lease still holds and nobody wrote since it was read.
 
         Otherwise ``SessionConflict`` (``SessionNotFound`` if it was deleted).
         ``metadata=None`` keeps the current metadata; ``mem_len=None`` the current
         memory length (a session rebuilt by another model takes that model's).
+        ``release=True`` gives the lease back with a successful write, in the same
+        round trip (a failed one keeps it until released).
         """
         with self.metrics.timed("commit"):
             if lease not in self._leases:
@@ -405,6 +411,7 @@ class MemoryStore:
                 payload=payload,
                 expected=prev.version,
                 token=lease.token,
+                release=release,
             )
             if status == "NOT_FOUND":
                 raise SessionNotFound(f"session {lease.session_id!r} was deleted")
@@ -417,6 +424,8 @@ class MemoryStore:
             on_device = self._on_device(tensors)
             info = self._cache(lease.session_id, header, on_device)
             lease.session = Session(info, on_device)
+            if release:
+                lease.released_by_commit()
             return info
 
     # -- helpers -----------------------------------------------------------
@@ -440,10 +449,6 @@ class MemoryStore:
         self.metrics.redis_hits += 1
         self._hot.put(session_id, header.version, tensors)
         return Session(SessionInfo.from_header(session_id, header, tier="redis"), tensors)
-
-    async def _head(self, session_id: str, owner: str | None) -> Session:
-        raw, _ = await self._redis.read(session_id, owner, payload=False)
-        return Session(self._info(session_id, self._header(session_id, raw, owner)), {})
 
     def _decode(self, payload: bytes, header: Header) -> dict[str, torch.Tensor]:
         return self._on_device(codec.decode_payload(payload, header))
@@ -498,7 +503,11 @@ class MemoryStore:
     ) -> tuple[Header, bytes]:
         """Validate and serialise a state (in a thread: it is CPU-bound) and describe it in a header."""
         codec.check_state(tensors, identity=self.identity, mem_len=mem_len, tokens_seen=tokens_seen)
-        payload = await asyncio.to_thread(codec.encode_payload, tensors, max_bytes=self.config.max_payload_bytes)
+        limit = self.config.max_payload_bytes
+        if codec.state_nbytes(tensors) <= codec.INLINE_BYTES:
+            payload = codec.encode_payload(tensors, max_bytes=limit)
+        else:
+            payload = await asyncio.to_thread(codec.encode_payload, tensors, max_bytes=limit)
         now = time.time()
         form, window = codec.form_of(tensors), tensors.get(codec.WINDOW)
         header = Header(

@@ -167,6 +167,12 @@ class Engine:
         m = min(seen, self.mem_len)
         return torch.arange(seen - m, seen, device=self.device).remainder(self.mem_len)  # [m]
 
+    def persisted_nbytes(self, dtype: torch.dtype | None = None) -> int:
+        """The size of what :meth:`export_state` returns for a full memory (mems in ``dtype``)."""
+        cfg = self.config
+        item = (dtype or self.decoder.dtype).itemsize
+        return cfg.n_layer * self.mem_len * cfg.d_model * item + cfg.vocab_size * 4
+
     def export_state(self, state: DecodeState, row: int = 0, *, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """What a session persists: ``mems [n_layer, m, d_model]`` (oldest first) and ``last_logits [vocab]``.
         The keys and values are not: they are recomputed from mems on import (hot sessions keep the whole

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from memory_store import SessionInfo
-from memory_store.codec import MEMS, WINDOW
+from memory_store.codec import INLINE_BYTES, MEMS, WINDOW
 from model.cache import DecodeState
 from model.engine import TokenEvent
 from model.sampling import SamplingParams
@@ -97,7 +97,8 @@ class Run:
                 window = extend_window(window, self.ids + done.generated, cached, size)
                 if done.tokens_seen != cached or source == "rebuild":  # a rebuilt session is stored warm again
                     info = await rt.store.commit(lease, await self._persisted(done, window),
-                                                 tokens_seen=done.tokens_seen, mem_len=rt.engine.mem_len)
+                                                 tokens_seen=done.tokens_seen, mem_len=rt.engine.mem_len,
+                                                 release=True)
                 rt.hot.put(self.session_id, info.version, done.state, window)
             # the lease is released before the client hears the end, so its next request finds the session free
             await self.events.put(Final(done, last, info, cached, source))
@@ -134,7 +135,11 @@ class Run:
     async def _persisted(self, done: Finished, window: list[int] | None) -> dict:
         """What Redis keeps of a session: its mems and next-token scores in the storage dtype, and its last
         tokens (enough to rebuild it, with this model or another that reads text the same way)."""
-        tensors = await asyncio.to_thread(self.rt.engine.export_state, done.state, dtype=self.rt.storage_dtype)
+        engine, dtype = self.rt.engine, self.rt.storage_dtype
+        if engine.persisted_nbytes(dtype) <= INLINE_BYTES:
+            tensors = engine.export_state(done.state, dtype=dtype)
+        else:
+            tensors = await asyncio.to_thread(engine.export_state, done.state, dtype=dtype)
         if window is not None:
             tensors[WINDOW] = torch.tensor(window, dtype=torch.int32)
         return tensors

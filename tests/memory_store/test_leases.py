@@ -127,6 +127,40 @@ async def test_several_commits_under_one_lease(store: MemoryStore, other_store: 
         await store.commit(lease, make_state(), tokens_seen=48)  # released
 
 
+async def test_a_releasing_commit_frees_the_session_in_the_same_write(
+    store: MemoryStore, other_store: MemoryStore, redis_url: str
+) -> None:
+    info = await store.create(tensors=make_state(), mem_len=8)
+    raw = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        async with store.lease(info.session_id, tensors=False) as lease:
+            assert (lease.version, lease.session.info.tokens_seen) == (1, 0)  # the header came with the lease
+            assert await raw.exists(lease_key(info.session_id))
+            committed = await store.commit(lease, make_state(seed=1), tokens_seen=8, release=True)
+            assert committed.version == 2 and lease.released
+            assert not await raw.exists(lease_key(info.session_id))  # given back by the write itself
+            async with other_store.lease(info.session_id) as taken:  # free at once, still inside the block
+                assert taken.version == 2
+                assert_same(taken.session.tensors, make_state(seed=1))
+            with pytest.raises(SessionConflict, match="not held"):
+                await store.commit(lease, make_state(seed=2), tokens_seen=16)
+    finally:
+        await raw.aclose()
+
+
+async def test_a_releasing_commit_that_fails_keeps_the_lease(store: MemoryStore, other_store: MemoryStore) -> None:
+    info = await store.create(tensors=make_state(), mem_len=8)
+    async with store.lease(info.session_id) as lease:
+        await other_store.put(info.session_id, make_state(seed=5), mem_len=8)  # bypasses leases
+        with pytest.raises(SessionConflict, match="changed since"):
+            await store.commit(lease, make_state(seed=1), tokens_seen=8, release=True)
+        assert not lease.released
+        with pytest.raises(SessionBusy):
+            await other_store.lease(info.session_id)
+    async with other_store.lease(info.session_id) as lease:  # released on exit
+        assert lease.version == 2
+
+
 async def test_stale_hot_copy_is_refreshed_from_redis(store: MemoryStore, other_store: MemoryStore) -> None:
     info = await store.create(tensors=make_state(seed=1), mem_len=8)
     assert (await store.get(info.session_id)).info.tier == "hot"

@@ -212,6 +212,19 @@ async def test_idle_ttl_expires_sessions(redis_url: str, raw: redis.asyncio.Redi
         assert store.metrics.hot_sessions == 0
 
 
+async def test_a_lease_refreshes_the_owner_index_in_its_round_trip(redis_url: str, raw: redis.asyncio.Redis) -> None:
+    """A session used only through leases (completions) keeps its owner's listing alive."""
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=3) as store:
+        owner = new_owner()
+        info = await store.create(owner=owner, tensors=make_state(), mem_len=8)
+        await asyncio.sleep(0.8)  # past the slack (a tenth of the TTL) after which a use refreshes it
+        assert await raw.pttl(owner_key(owner)) < 3000 - 700
+        leased = time.monotonic()
+        async with store.lease(info.session_id, owner=owner, tensors=False):
+            pass
+        assert await raw.pttl(owner_key(owner)) > 3000 - 1000 * (time.monotonic() - leased) - 50
+
+
 async def test_reads_do_not_write(store: MemoryStore, raw: redis.asyncio.Redis) -> None:
     """With appendfsync always, a write on the read path would cost every get an fsync."""
     owner = new_owner()

@@ -123,6 +123,16 @@ def test_seed_determinism(tmp_path):
     assert run(7) != run(8)
 
 
+def test_persisted_nbytes_is_the_size_of_a_full_export(tmp_path):
+    """The server encodes small exports on its event loop and large ones in a thread, by this size."""
+    engine = make_engine(tmp_path)
+    st = engine.new_state()
+    engine.feed(st, torch.randint(0, 256, (engine.mem_len + 3,)).tolist())
+    for dtype in (None, torch.bfloat16):
+        exported = engine.export_state(st, dtype=dtype)
+        assert engine.persisted_nbytes(dtype) == sum(t.nbytes for t in exported.values())
+
+
 def test_state_round_trip_continues_identically(tmp_path):
     engine = make_engine(tmp_path)
     greedy = SamplingParams(max_tokens=15, temperature=0)

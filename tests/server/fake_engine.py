@@ -58,6 +58,9 @@ class FakeEngine:
         assert fingerprint == self.fingerprint
         return FakeState(torch.tensor([tokens_seen]))
 
+    def persisted_nbytes(self, dtype: torch.dtype | None = None) -> int:
+        return N_LAYER * MEM_LEN * D_MODEL * (dtype or torch.float32).itemsize + 256 * 4
+
     def export_state(self, state: FakeState, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         seen = int(state.seen[0])
         return {"mems": torch.full((N_LAYER, min(seen, MEM_LEN), D_MODEL), float(seen), dtype=dtype),

@@ -190,25 +190,28 @@ async def test_a_hot_session_continues_from_the_engines_own_state(redis_url, tmp
 
 async def test_the_lease_is_released_before_the_answer_ends(redis_url, tmp_path):
     """A client that continues its session as soon as the previous answer ended must never be told it is busy:
-    the run hands over its Final (the end of every response) only once the session's lease is released."""
+    the run hands over its Final (the end of every response) only once the session's lease is released, whether
+    the commit gave it back (something new was read) or the lease's exit did (nothing new)."""
+    import redis.asyncio
+
+    from memory_store.redis_tier import lease_key
     from server.service import Final, Run
 
-    async with running_app(redis_url, tmp_path) as (app, rt, _), _client(app) as c:
-        sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]
-        released = []
-        release = rt.store._redis.release
-
-        async def recorded(session_id: str, token: str) -> object:
-            result = await release(session_id, token)
-            released.append(session_id)
-            return result
-
-        rt.store._redis.release = recorded
-        run = Run(rt, ids=[1, 2], params=None, owner=None, session_id=sid)
-        item = await run.events.get()
-        assert isinstance(item, Final) and released == [sid]
-        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "yo", "max_tokens": 2, "session_id": sid})
-        assert r.status_code == 200 and released == [sid, sid]
+    raw = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        async with running_app(redis_url, tmp_path) as (app, rt, _), _client(app) as c:
+            sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]
+            for ids in ([1, 2], []):
+                run = Run(rt, ids=ids, params=None, owner=None, session_id=sid)
+                item = await run.events.get()
+                assert isinstance(item, Final) and not await raw.exists(lease_key(sid))
+            assert (await c.get(f"/v1/sessions/{sid}")).json()["tokens_seen"] == 4
+            for _ in range(2):
+                r = await c.post("/v1/completions",
+                                 json={"model": MODEL, "prompt": "yo", "max_tokens": 2, "session_id": sid})
+                assert r.status_code == 200 and not await raw.exists(lease_key(sid))
+    finally:
+        await raw.aclose()
 
 
 async def test_a_session_deleted_while_a_request_runs_on_it_does_not_come_back_hot(redis_url, tmp_path):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 
 import redis.asyncio
@@ -198,9 +198,25 @@ class RedisTier:
             self._metrics.redis_errors += 1
             raise StoreUnavailable(f"Redis at {self.where} is unavailable: {err}") from err
 
-    async def _touch(self, pipe: redis.asyncio.client.Pipeline, key: str) -> None:
+    def _touch(self, pipe: redis.asyncio.client.Pipeline, key: str) -> None:
         if self._ttl_ms:
-            await self._touch_script(keys=[key], args=[self._ttl_ms, self._touch_slack_ms], client=pipe)
+            pipe.evalsha(self._touch_script.sha, 1, key, self._ttl_ms, self._touch_slack_ms)
+
+    async def _pipeline(self, build: Callable[[redis.asyncio.client.Pipeline], None]) -> list:
+        """Run a (non-transactional) pipeline whose scripts ``build`` calls by sha. redis-py sends a SCRIPT EXISTS
+        round trip before every pipeline that carries scripts; here a Redis that lost them (restarted, flushed)
+        answers NOSCRIPT, gets them loaded and the pipeline once more (every pipeline here may run twice)."""
+        for attempt in range(2):
+            async with self._client.pipeline(transaction=False) as pipe:
+                build(pipe)
+                try:
+                    return await pipe.execute()
+                except redis.exceptions.NoScriptError:
+                    if attempt:
+                        raise
+            for script in (self._acquire, self._touch_script):
+                await self._client.script_load(script.script)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def ping(self) -> None:
         with self._translate():
@@ -219,12 +235,13 @@ class RedisTier:
                                                                                        self._touch_slack_ms])
                                                     for k in keys))
             else:
-                async with self._client.pipeline(transaction=False) as pipe:
+                def build(pipe: redis.asyncio.client.Pipeline) -> None:
                     pipe.hmget(session_key(session_id), fields)
                     if touch:
-                        await self._touch(pipe, session_key(session_id))
-                        await self._touch(pipe, owner_key(owner))
-                    values = (await pipe.execute())[0]
+                        self._touch(pipe, session_key(session_id))
+                        self._touch(pipe, owner_key(owner))
+
+                values = (await self._pipeline(build))[0]
         return values[0], (values[1] if payload else None)
 
     async def write(
@@ -328,10 +345,11 @@ class RedisTier:
                            ] if self._ttl_ms else []
                 reply, *_ = await asyncio.gather(self._acquire(keys=keys, args=args), *touches)
             else:
-                async with self._client.pipeline(transaction=False) as pipe:
-                    await self._acquire(keys=keys, args=args, client=pipe)
-                    await self._touch(pipe, owner_key(owner))
-                    reply = (await pipe.execute())[0]
+                def build(pipe: redis.asyncio.client.Pipeline) -> None:
+                    pipe.evalsha(self._acquire.sha, len(keys), *keys, *args)
+                    self._touch(pipe, owner_key(owner))
+
+                reply = (await self._pipeline(build))[0]
         if isinstance(reply, bytes):
             return reply.decode(), None
         return reply[0].decode(), reply[1]

@@ -161,6 +161,26 @@ async def test_a_releasing_commit_that_fails_keeps_the_lease(store: MemoryStore,
         assert lease.version == 2
 
 
+async def test_a_redis_that_lost_its_scripts_loads_them_again(store: MemoryStore, redis_url: str) -> None:
+    """Pipelines call the scripts by sha (no SCRIPT EXISTS round trip before each): a Redis restarted or flushed
+    answers NOSCRIPT, and the store loads them and goes on."""
+    info = await store.create(tensors=make_state(), mem_len=8)
+    raw = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        for use in ("lease", "get", "lease"):
+            await raw.script_flush()
+            if use == "lease":
+                async with store.lease(info.session_id, tensors=False) as lease:
+                    await store.commit(lease, make_state(seed=lease.version), tokens_seen=8 * lease.version,
+                                       release=True)
+            else:
+                store._hot.discard(info.session_id)  # read from Redis, through the pipeline
+                assert (await store.get(info.session_id)).version == 2
+    finally:
+        await raw.aclose()
+    assert (await store.info(info.session_id)).version == 3
+
+
 async def test_stale_hot_copy_is_refreshed_from_redis(store: MemoryStore, other_store: MemoryStore) -> None:
     info = await store.create(tensors=make_state(seed=1), mem_len=8)
     assert (await store.get(info.session_id)).info.tier == "hot"

@@ -146,7 +146,9 @@ class EngineAlone:
                     for _ in range(self.batch)]
             for _ in range(self.tokens):
                 logits = self.state.last_logits.float().cpu()  # [batch, vocab]
-                chosen = [g.on_logits(logits[r]).token for r, g in enumerate(gens)]
+                chosen = Generation.choose(gens, logits)  # as the server's loop samples
+                for r, g in enumerate(gens):
+                    g.accept(chosen[r], logits[r])
                 self.engine.decoder.step(self.state, torch.tensor(chosen, device=self.engine.device)[:, None])
             self.generated += self.batch * self.tokens
             if time.perf_counter() - t0 >= seconds:

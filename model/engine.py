@@ -8,7 +8,7 @@ built by another model or with other ``mem_len``/``clamp_len`` settings.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.decode import Decoder, DecodeState, default_prefill_chunk
-from model.sampling import SamplingParams, sample, token_logprobs
+from model.sampling import SamplingParams, sample_rows, token_logprobs
 from model.streaming import TextStreamer
 from model.tokenizer import ByteTokenizer, Tokenizer, tokenizer_id
 from txlserve.errors import InvalidRequestError, SessionIncompatible, StateIncompatible
@@ -46,15 +46,23 @@ class Generation:
         self.rng = self.params.generator()
         self.streamer = TextStreamer(self.params.stop)
 
+    @staticmethod
+    def choose(gens: Sequence[Generation], logits: Tensor) -> list[int]:
+        """The next token of each generation, row ``r`` of ``logits [rows, vocab]`` for ``gens[r]``, sampled
+        together; record each with :meth:`accept`."""
+        return sample_rows(logits.float().cpu(), [g.params for g in gens], [g.rng for g in gens])
+
     def on_logits(self, logits: Tensor) -> TokenEvent:
         """Choose the next token from ``logits [vocab]`` and say what text it releases."""
-        logits = logits.float().cpu()
-        token = sample(logits, self.params, self.rng)
+        return self.accept(Generation.choose([self], logits[None])[0], logits)
+
+    def accept(self, token: int, logits: Tensor) -> TokenEvent:
+        """Record ``token``, chosen from ``logits [vocab]``, and say what text it releases."""
         self.tokens.append(token)
         event = TokenEvent(token, self.streamer.push(self.tokenizer.token_bytes(token, self.prev)))
         self.prev = token
         if self.params.logprobs is not None:
-            event.logprob, event.top_logprobs = token_logprobs(logits, token, self.params.logprobs)
+            event.logprob, event.top_logprobs = token_logprobs(logits.float().cpu(), token, self.params.logprobs)
         if self.streamer.stopped_by is not None:
             self.finish_reason = "stop"
         elif len(self.tokens) >= self.params.max_tokens:

@@ -378,9 +378,10 @@ class Scheduler:
         events: dict[int, TokenEvent] = {}
         fed: list[int] = []
         failed: dict[int, BaseException] = {}
+        chosen = Generation.choose([job.generation for job in self.running], logits)  # sampled together
         for r, job in enumerate(self.running):
             try:
-                events[r] = job.generation.on_logits(logits[r])
+                events[r] = job.generation.accept(chosen[r], logits[r])
                 fed.append(events[r].token)
             except Exception as err:  # one request's bad luck is not the batch's: its row steps on a filler
                 failed[r] = err  # token and leaves after the step; every other row advances as planned

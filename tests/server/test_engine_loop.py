@@ -108,14 +108,14 @@ def test_a_row_that_fails_mid_step_costs_the_others_nothing(engine):
             await bad_items.__anext__()  # generating: the batch is busy
             before = scheduler.prompt_tokens_in_batch
             long_run = scheduler.submit(engine.new_state(), engine.encode("a longer prompt"), greedy)
-            sample = bad.job.generation.on_logits
+            accept = bad.job.generation.accept
 
-            def fail_while_a_prompt_is_fed(logits):  # runs on the engine thread, inside one decode step
+            def fail_while_a_prompt_is_fed(token, logits):  # runs on the engine thread, inside one decode step
                 if scheduler.prompt_tokens_in_batch > before:  # the short prompt joined, in this step
                     raise RuntimeError("sampling failed")
-                return sample(logits)
+                return accept(token, logits)
 
-            bad.job.generation.on_logits = fail_while_a_prompt_is_fed
+            bad.job.generation.accept = fail_while_a_prompt_is_fed
             state = engine.new_state()
             engine.feed(state, history)
             short_run = scheduler.submit(state, prompt, greedy)

@@ -1,0 +1,77 @@
+"""Batched sampling: every row as if alone, the right distribution, and nothing outside top_k / top_p."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from model.sampling import SamplingParams, sample_rows
+
+MIXED = [SamplingParams(temperature=0.8), SamplingParams(temperature=0), SamplingParams(temperature=1.3, top_k=5),
+         SamplingParams(temperature=0.7, top_p=0.6), SamplingParams(temperature=1.0, top_k=40, top_p=0.9),
+         SamplingParams(temperature=1e-7)]
+
+
+class Fixed(random.Random):
+    """A generator that always draws ``u``: the ends of [0, 1) on purpose."""
+
+    def __init__(self, u: float) -> None:
+        super().__init__(0)
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+def test_a_row_draws_the_same_token_alone_and_in_any_batch():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        rows = [MIXED[(trial + i) % len(MIXED)] for i in range(7)]
+        logits = 3 * torch.randn(len(rows), 256, generator=gen)
+        seeds = [trial * 100 + i for i in range(len(rows))]
+        together = sample_rows(logits, rows, [random.Random(s) for s in seeds])
+        alone = [sample_rows(logits[r:r + 1], [rows[r]], [random.Random(seeds[r])])[0] for r in range(len(rows))]
+        assert together == alone
+
+
+def test_draws_follow_the_softmax_of_the_scaled_logits():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    params = SamplingParams(temperature=0.7)
+    rng = random.Random(1)
+    counts = torch.zeros(5)
+    for _ in range(20_000):
+        counts[sample_rows(logits, [params], [rng])[0]] += 1
+    want = torch.softmax(logits[0] / 0.7, -1)
+    assert torch.allclose(counts / counts.sum(), want, atol=0.015), (counts / counts.sum(), want)
+
+
+def test_greedy_rows_take_the_most_likely_token():
+    logits = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
+    got = sample_rows(logits, [SamplingParams(temperature=0)] * 4, [random.Random(i) for i in range(4)])
+    assert got == logits.argmax(-1).tolist()
+
+
+def test_top_k_and_top_p_never_choose_outside_their_set_even_at_the_ends_of_the_draw():
+    logits = torch.randn(1, 256, generator=torch.Generator().manual_seed(5))
+    order = logits[0].argsort(descending=True).tolist()
+    probs = torch.softmax(logits[0], -1)[order]
+    nucleus = int((probs.cumsum(-1) - probs < 0.5).sum())  # the smallest prefix reaching 0.5
+    for params, allowed in ((SamplingParams(top_k=3), set(order[:3])),
+                            (SamplingParams(top_p=0.5), set(order[:nucleus])),
+                            (SamplingParams(top_p=1e-9), {order[0]})):
+        for u in (0.0, 0.5, 1 - 2**-53):
+            assert sample_rows(logits, [params], [Fixed(u)])[0] in allowed
+        seen = {sample_rows(logits, [params], [random.Random(s)])[0] for s in range(300)}
+        assert seen <= allowed and (len(allowed) == 1 or len(seen) > 1)
+
+
+def test_a_seed_fixes_the_draws():
+    logits = torch.randn(3, 256, generator=torch.Generator().manual_seed(7))
+    params = [SamplingParams(seed=11)] * 3
+
+    def draws(seed_rngs):
+        return [sample_rows(logits, params, seed_rngs) for _ in range(10)]
+
+    assert draws([p.generator() for p in params]) == draws([p.generator() for p in params])
+    assert draws([p.generator() for p in params]) != draws([SamplingParams(seed=12).generator() for _ in params])

@@ -66,6 +66,7 @@ class Job:
     params: SamplingParams | None  # None: feed only (append), no generation
     loop: asyncio.AbstractEventLoop  # where the request waits: its items are put into ``inbox`` on that loop
     inbox: asyncio.Queue
+    stream: asyncio.Queue | None = None  # where tokens but the last (and PromptScores) go instead, if given
     cancelled: bool = False
     prev: int | None = None  # the prompt's last token (how a word tokenizer spaces the first generated word)
     scored: bool = True  # an append is scored; a session rebuilt from its window is only read
@@ -137,7 +138,7 @@ class Scheduler:
         self.active: set[Job] = set()  # accepted and not yet answered
         self.steps = 0
         self.prompt_tokens_in_batch = 0  # prompt tokens read in the slot table as rows joined, not by prefill
-        self._outbox: list[tuple[Job, Any]] = []  # items for the requests, handed over once per iteration
+        self._outbox: list[tuple[Job, asyncio.Queue, Any]] = []  # items and their queues, handed over per iteration
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="txlserve-engine", daemon=True)
 
@@ -164,28 +165,33 @@ class Scheduler:
         self._flush()
 
     def submit(self, state: DecodeState, ids: list[int], params: SamplingParams | None, *,
-               scored: bool = True, prompt_logprobs: int | None = None) -> EngineRequest:
+               scored: bool = True, prompt_logprobs: int | None = None,
+               stream: asyncio.Queue | None = None) -> EngineRequest:
         """Feed ``ids`` to ``state`` (a batch-1 session the engine now owns) and, with ``params``, generate;
-        without, score them (``scored``) or only read them. Called on an event loop."""
+        without, score them (``scored``) or only read them. Called on an event loop. With ``stream``, every token
+        but the one that ends generation (and the PromptScores) is put there directly, and the request yields
+        only that last token and the Finished: a run that streams tokens to its client and holds back the last
+        one until its commit then costs the event loop one hop per token, not two."""
         if params is not None and not ids and int(state.seen[0]) == 0:
             raise InvalidRequestError("nothing to continue from: the prompt is empty and there is no memory "
                                       "(no session, or an empty one)", param="prompt")
         loop = asyncio.get_running_loop()
-        job = Job(state, list(ids), params, loop, asyncio.Queue(), prev=ids[-1] if ids else None, scored=scored,
-                  prompt_logprobs=prompt_logprobs)
+        job = Job(state, list(ids), params, loop, asyncio.Queue(), stream, prev=ids[-1] if ids else None,
+                  scored=scored, prompt_logprobs=prompt_logprobs)
         self.inbox.put(job)
         return EngineRequest(job)
 
     def _emit(self, job: Job, item: Any) -> None:
-        self._outbox.append((job, item))
+        streamed = isinstance(item, PromptScores) or (isinstance(item, TokenEvent) and item.finish_reason is None)
+        self._outbox.append((job, job.stream if streamed and job.stream is not None else job.inbox, item))
 
     def _flush(self) -> None:
         """Hand this iteration's items to the event loops: one wake-up per loop and step, not one per token."""
         if not self._outbox:
             return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        for job, item in self._outbox:
-            by_loop.setdefault(job.loop, []).append((job.inbox, item))
+        for job, to, item in self._outbox:
+            by_loop.setdefault(job.loop, []).append((to, item))
         self._outbox = []
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is waiting any more

@@ -161,17 +161,15 @@ class Run:
 
     async def _engine_run(self, state) -> tuple[Finished, TokenEvent | None]:
         rt = self.rt
-        self.request = rt.scheduler.submit(state, self.ids, self.params, prompt_logprobs=self.prompt_logprobs)
+        self.request = rt.scheduler.submit(state, self.ids, self.params, prompt_logprobs=self.prompt_logprobs,
+                                           stream=self.events)  # tokens straight to the client, all but the last
         if self.cancelled:
             self.request.cancel()
         last = None
-        async for item in self.request:
+        async for item in self.request:  # the token that ended generation, held back until the commit; Finished
             if isinstance(item, Finished):
                 return item, last
-            if isinstance(item, PromptScores) or item.finish_reason is None:
-                await self.events.put(item)
-            else:
-                last = item  # held back until the commit
+            last = item
         raise RuntimeError("the engine ended a request without its Finished")  # pragma: no cover
 
 

@@ -73,6 +73,7 @@ class FakeRequest:
     state: FakeState
     ids: list[int]
     params: object
+    stream: asyncio.Queue | None = None
     cancelled: bool = False
     events: list[TokenEvent] = field(default_factory=list)
     result: FakeState | None = None  # the state its Finished handed back
@@ -104,7 +105,10 @@ class FakeRequest:
                 seen, n = seen + 1, n + 1
                 generated.append(event.token)
                 self.events.append(event)
-                yield event
+                if last or self.stream is None:
+                    yield event
+                else:  # as the engine loop does: tokens but the last go straight to the stream
+                    self.stream.put_nowait(event)
             self.result = FakeState(torch.tensor([seen]))
             yield Finished(self.result, seen, reason or "length", completion_tokens=n, generated=generated)
         finally:
@@ -119,8 +123,9 @@ class FakeScheduler:
         self.gate = asyncio.Semaphore(10**6 if open_gate else 0)
         self.requests: list[FakeRequest] = []
 
-    def submit(self, state: FakeState, ids: list[int], params: object, **_: object) -> FakeRequest:
-        request = FakeRequest(self, state, list(ids), params)
+    def submit(self, state: FakeState, ids: list[int], params: object, *, stream: asyncio.Queue | None = None,
+               **_: object) -> FakeRequest:
+        request = FakeRequest(self, state, list(ids), params, stream)
         self.requests.append(request)
         return request
 

@@ -239,3 +239,26 @@ def test_a_prompt_pass_that_fails_fails_only_its_own_group(engine):
     assert got[0] == want[0] and got[2] == want[2]
     for failed in (got[1], got[3]):
         assert isinstance(failed, RuntimeError) and "3-token pass failed" in str(failed)
+
+
+def test_with_a_stream_every_token_but_the_last_goes_straight_to_it(engine):
+    """A run streams tokens to its client through one queue and holds the last back until its commit: the engine
+    loop puts the others there itself, so the event loop pays one hop per token."""
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    want = [e.token for e in engine.generate(engine.new_state(), engine.encode("abc"), greedy)]
+
+    async def main():
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        scheduler.start()
+        try:
+            stream: asyncio.Queue = asyncio.Queue()
+            request = scheduler.submit(engine.new_state(), engine.encode("abc"), greedy, stream=stream)
+            items = [item async for item in request]
+            return [stream.get_nowait() for _ in range(stream.qsize())], items
+        finally:
+            scheduler.stop()
+
+    streamed, items = asyncio.run(main())
+    assert [type(item) for item in items] == [TokenEvent, Finished]
+    assert all(ev.finish_reason is None for ev in streamed) and items[0].finish_reason == "length"
+    assert [ev.token for ev in streamed] + [items[0].token] == want

@@ -38,10 +38,8 @@ def test_a_row_draws_the_same_token_alone_and_in_any_batch():
 def test_draws_follow_the_softmax_of_the_scaled_logits():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
     params = SamplingParams(temperature=0.7)
-    rng = random.Random(1)
-    counts = torch.zeros(5)
-    for _ in range(20_000):
-        counts[sample_rows(logits, [params], [rng])[0]] += 1
+    draws = sample_rows(logits.expand(20_000, 5), [params] * 20_000, [random.Random(1)] * 20_000)
+    counts = torch.bincount(torch.tensor(draws), minlength=5).float()
     want = torch.softmax(logits[0] / 0.7, -1)
     assert torch.allclose(counts / counts.sum(), want, atol=0.015), (counts / counts.sum(), want)
 

@@ -19,6 +19,14 @@ from model.cache import LayerCache, Positions, RingCache
 from model.config import TXLConfig
 
 
+class Dropout(nn.Dropout):
+    """``nn.Dropout`` that is not called at all outside training: evaluating and decoding would still dispatch
+    18 identity ops per step (4 layers), each giving the GIL up and taking it back."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) if self.training and self.p > 0 else x
+
+
 class PositionalEmbedding(nn.Module):
     """Sinusoidal embedding of relative distances, sin and cos halves concatenated."""
 
@@ -84,8 +92,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         self.r_net = nn.Linear(cfg.d_model, cfg.n_head * cfg.d_head, bias=False)
         self.o_net = nn.Linear(cfg.n_head * cfg.d_head, cfg.d_model, bias=False)
         self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.dropatt = nn.Dropout(cfg.dropatt)
+        self.drop = Dropout(cfg.dropout)
+        self.dropatt = Dropout(cfg.dropatt)
         self.scale = 1.0 / math.sqrt(cfg.d_head)
 
     def _heads(self, x: Tensor) -> Tensor:
@@ -139,8 +147,8 @@ class PositionwiseFF(nn.Module):
         super().__init__()
         self.pre_lnorm = cfg.pre_lnorm
         self.core_net = nn.Sequential(
-            nn.Linear(cfg.d_model, cfg.d_inner), nn.ReLU(inplace=True), nn.Dropout(cfg.dropout),
-            nn.Linear(cfg.d_inner, cfg.d_model), nn.Dropout(cfg.dropout),
+            nn.Linear(cfg.d_model, cfg.d_inner), nn.ReLU(inplace=True), Dropout(cfg.dropout),
+            nn.Linear(cfg.d_inner, cfg.d_model), Dropout(cfg.dropout),
         )
         self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 
@@ -175,7 +183,7 @@ class MemTransformerLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.word_emb = AdaptiveEmbedding(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.pos_emb = PositionalEmbedding(cfg.d_model)
         self.layers = nn.ModuleList(RelPartialLearnableDecoderLayer(cfg) for _ in range(cfg.n_layer))
         if not cfg.untie_r:  # u and v shared by all layers

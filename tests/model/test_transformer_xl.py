@@ -203,3 +203,20 @@ def test_fp64_models_compute_in_fp64():
     got = attn(h, pos, u, v, mems)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, explicit_attention(attn, h, mems, u, v, 0, 3), atol=1e-12, rtol=1e-12)
+
+
+def test_dropout_acts_in_training_only_and_is_not_called_outside_it():
+    """Outside training the model's dropouts hand back their input itself, without dispatching an op."""
+    from model.transformer_xl import Dropout
+
+    torch.manual_seed(0)
+    model = MemTransformerLM(tiny_config(dropout=0.5, dropatt=0.5))
+    assert sum(isinstance(m, Dropout) for m in model.modules()) == 2 * 4 + 1
+    x = torch.randint(0, 256, (2, 6))  # [bsz, qlen]
+    train = [model(x)[0] for _ in range(2)]
+    assert not torch.equal(train[0], train[1])
+    model.eval()
+    with torch.profiler.profile() as prof:
+        evals = [model(x)[0] for _ in range(2)]
+    assert not [e for e in prof.events() if "dropout" in e.name]
+    assert torch.equal(evals[0], evals[1])

@@ -205,18 +205,25 @@ class RedisTier:
     async def _pipeline(self, build: Callable[[redis.asyncio.client.Pipeline], None]) -> list:
         """Run a (non-transactional) pipeline whose scripts ``build`` calls by sha. redis-py sends a SCRIPT EXISTS
         round trip before every pipeline that carries scripts; here a Redis that lost them (restarted, flushed)
-        answers NOSCRIPT, gets them loaded and the pipeline once more (every pipeline here may run twice)."""
+        answers NOSCRIPT and gets them loaded. Only a NOSCRIPT for the first command (the one whose answer
+        matters) runs the pipeline again, since that command then did nothing; the others are TTL touches, which
+        the next use repeats."""
         for attempt in range(2):
             async with self._client.pipeline(transaction=False) as pipe:
                 build(pipe)
-                try:
-                    return await pipe.execute()
-                except redis.exceptions.NoScriptError:
-                    if attempt:
-                        raise
-            for script in (self._acquire, self._touch_script):
-                await self._client.script_load(script.script)
-        raise AssertionError("unreachable")  # pragma: no cover
+                results = await pipe.execute(raise_on_error=False)
+            missing = [isinstance(r, redis.exceptions.NoScriptError) for r in results]
+            if any(missing):
+                for script in (self._acquire, self._touch_script):
+                    await self._client.script_load(script.script)
+            if not missing[0] or attempt:
+                break
+        for r in results:
+            if isinstance(r, Exception) and not isinstance(r, redis.exceptions.NoScriptError):
+                raise r
+        if missing[0]:
+            raise redis.exceptions.NoScriptError("the script was not found after loading it")
+        return results
 
     async def ping(self) -> None:
         with self._translate():

@@ -176,6 +176,10 @@ async def test_a_redis_that_lost_its_scripts_loads_them_again(store: MemoryStore
             else:
                 store._hot.discard(info.session_id)  # read from Redis, through the pipeline
                 assert (await store.get(info.session_id)).version == 2
+        await raw.script_flush()
+        await raw.script_load(store._redis._acquire.script)  # the lease's script, not the touch beside it
+        async with store.lease(info.session_id, tensors=False) as lease:  # taken once, not "busy" on a rerun
+            assert lease.version == 3
     finally:
         await raw.aclose()
     assert (await store.info(info.session_id)).version == 3

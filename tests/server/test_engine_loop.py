@@ -208,8 +208,9 @@ def test_a_sampled_token_reaches_its_stream_before_the_step_that_feeds_it(engine
         scheduler.start()
         try:
             it = scheduler.submit(engine.new_state(), engine.encode("xyz"), SamplingParams(max_tokens=3)).__aiter__()
-            first = await asyncio.wait_for(it.__anext__(), 20)
-            held = stepping.is_set() and not gate.is_set()  # the step feeding that token has not returned
+            first = await asyncio.wait_for(it.__anext__(), 20)  # arrives with the gate shut: the step waits on it
+            held = await asyncio.to_thread(stepping.wait, 20) and not gate.is_set()  # the step did start (after
+            # the token was handed over, so it may start just after this loop heard the token)
             gate.set()
             return [first, held] + [item async for item in it]
         finally:

@@ -109,31 +109,26 @@ class LayerCache:
 
 
 class RingCache:
-    """A :class:`DecodeState` as one call of ``chunk`` tokens sees it."""
+    """A batch of rings (a :class:`DecodeState`'s tensors) as one call of ``chunk`` tokens sees it."""
 
-    def __init__(self, state: DecodeState, r_head_k: Tensor, chunk: int) -> None:
-        self.state, self.r_head_k, self.chunk = state, r_head_k, chunk  # r_head_k [n_layer, H, mem_len+1, Dh]
-        m, seen, dev = state.k.size(3), state.seen, state.seen.device
+    def __init__(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, r_head_k: Tensor, chunk: int) -> None:
+        self.hid, self.k, self.v, self.r_head_k = hid, k, v, r_head_k  # r_head_k [n_layer, H, mem_len+1, Dh]
+        m, batch, dev = k.size(3), seen.numel(), seen.device
         keep = min(chunk, m)  # only the last mem_len tokens of a chunk enter the ring
-        self.rows = torch.arange(state.batch, device=dev)[:, None]  # [batch, 1]
+        self.rows = torch.arange(batch, device=dev)[:, None]  # [batch, 1]
         self.slots = (seen[:, None] + torch.arange(chunk - keep, chunk, device=dev)).remainder(m)  # [batch, keep]
         pos = seen[:, None] + torch.arange(chunk, device=dev)  # [batch, chunk]
         last = seen[:, None] - 1  # [batch, 1]
         p_ring = last - (last - torch.arange(m, device=dev)).remainder(m)  # [batch, mem_len] slot positions
         d_ring = pos[:, :, None] - p_ring[:, None, :]  # [batch, chunk, mem_len]
         d_self = torch.arange(chunk, device=dev)[:, None] - torch.arange(chunk, device=dev)  # [chunk, chunk]
-        dist = torch.cat([d_ring, d_self.expand(state.batch, chunk, chunk)], dim=-1)  # [batch, chunk, m+chunk]
+        dist = torch.cat([d_ring, d_self.expand(batch, chunk, chunk)], dim=-1)  # [batch, chunk, m+chunk]
         blocked = (dist < 0) | (dist > m)
         blocked[:, :, :m] |= (p_ring < 0)[:, None, :]  # empty slots
         self.positions = Positions(dist.clamp(0, m)[:, None], blocked[:, None])
 
     def layer(self, i: int) -> LayerCache:
-        s = self.state
-        return LayerCache(s.hid[i], s.k[i], s.v[i], self.r_head_k[i], self.rows, self.slots)
-
-    def advance(self, last_logits: Tensor) -> None:
-        self.state.seen += self.chunk
-        self.state.last_logits = last_logits  # [batch, vocab]
+        return LayerCache(self.hid[i], self.k[i], self.v[i], self.r_head_k[i], self.rows, self.slots)
 
 
 class SlotTable:

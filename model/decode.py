@@ -10,6 +10,10 @@ boundaries and batching never change a result.
 
 from __future__ import annotations
 
+import logging
+import threading
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -18,6 +22,8 @@ from model.transformer_xl import MemTransformerLM
 from txlserve.errors import InvalidRequestError
 
 __all__ = ["Decoder", "DecodeState", "GraphedStep", "default_prefill_chunk"]
+
+log = logging.getLogger(__name__)
 
 
 def default_prefill_chunk(mem_len: int, device: torch.device) -> int:
@@ -43,7 +49,8 @@ def widen_layout(model: MemTransformerLM) -> None:
 class Decoder:
     """The model at a given ``mem_len``/``clamp_len`` with the position tables its cache needs."""
 
-    def __init__(self, model: MemTransformerLM, *, mem_len: int, clamp_len: int = 0) -> None:
+    def __init__(self, model: MemTransformerLM, *, mem_len: int, clamp_len: int = 0,
+                 traced: bool | None = None) -> None:
         if mem_len < 1:
             raise InvalidRequestError("mem_len must be at least 1 for decoding", param="mem_len")
         self.model, self.cfg = model.eval(), model.cfg
@@ -60,6 +67,12 @@ class Decoder:
             r = model.pos_emb(dist).to(self.dtype)  # [mem_len+1, d_model]
             self.r_head_k = self._layout(torch.stack([layer.dec_attn.position_keys(r) for layer in model.layers]))
             # [n_layer, n_head, mem_len+1, d_head]
+        # One-token steps run as one traced graph (trace_one_token); by default on a CPU. Not with an adaptive
+        # input embedding: which of its clusters run depends on the tokens, and a trace would fix them.
+        traceable = len(model.word_emb.emb_layers) == 1
+        self.traced = traceable and (self.device.type == "cpu" if traced is None else traced)
+        self._one_token: torch.jit.ScriptModule | None = None
+        self._tracing = threading.Lock()
 
     def _layout(self, t: Tensor) -> Tensor:
         return column_major(t) if self.columns else t
@@ -86,10 +99,42 @@ class Decoder:
         """Feed ``tokens [batch, chunk]`` to every session of ``state`` (in place): the last layer's outputs
         [batch, chunk, d_model]; only the next token's scores are computed (``state.last_logits``), so a long
         prompt never builds a [tokens, vocab] table (267,735 words wide for the published WikiText-103 model)."""
-        cache = RingCache(state, self.r_head_k, tokens.size(1))
-        h, _ = self.model.hidden(tokens, cache=cache)  # [batch, chunk, d_model]
-        cache.advance(self.model.crit.logits(h[:, -1]).float())  # [batch, vocab]
+        run = self.one_token_graph() if self.traced and tokens.size(1) == 1 else None
+        h, state.last_logits = (run or self.forward)(state.hid, state.k, state.v, state.seen, tokens)
         return h
+
+    def forward(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """One call on a state's tensors, which it advances in place: the last layer's outputs [batch, chunk,
+        d_model] and the next token's scores [batch, vocab] (float32). Tensors in and out, so it can be traced."""
+        cache = RingCache(hid, k, v, seen, self.r_head_k, tokens.size(1))
+        h, _ = self.model.hidden(tokens, cache=cache)  # [batch, chunk, d_model]
+        seen += tokens.size(1)
+        return h, self.model.crit.logits(h[:, -1]).float()  # [batch, vocab]
+
+    def one_token_graph(self) -> torch.jit.ScriptModule | None:
+        """:meth:`forward` for one token, traced once (on first use) by :func:`trace_one_token`; None where
+        tracing failed (TorchScript is deprecated and may go): steps then run eagerly, with the same results."""
+        with self._tracing:
+            if self._one_token is None and self.traced:
+                try:
+                    self._one_token = trace_one_token(self)
+                except Exception as err:  # any failure leaves the eager path, which is exact
+                    log.warning("one-token steps run eagerly: tracing them failed (%s: %s)", type(err).__name__, err)
+                    self.traced = False
+            return self._one_token
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Trace the one-token step and run it twice on a scratch state, so that the first request does not
+        pay for it (about 0.3 s for the bundled model: the trace, then TorchScript's profiling runs)."""
+        graph = self.one_token_graph() if self.traced else None
+        s = self.empty(1)
+        try:
+            for _ in range(2 if graph is not None else 0):
+                graph(s.hid, s.k, s.v, s.seen, torch.zeros(1, 1, dtype=torch.long, device=self.device))
+        except Exception as err:  # as if tracing had failed: eager steps give the same results
+            log.warning("one-token steps run eagerly: the traced step failed (%s: %s)", type(err).__name__, err)
+            self.traced = False
 
     def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
         """:meth:`advance`, with every token's scores: logits [batch, chunk, vocab] (float32)."""
@@ -113,6 +158,34 @@ class Decoder:
         """The ring's keys and values for stored layer inputs ``hid [n_layer, m, d_model]``: [n_layer, H, m, Dh]."""
         kv = [layer.dec_attn.project_kv(hid[i][None]) for i, layer in enumerate(self.model.layers)]
         return torch.stack([k[0] for k, _ in kv]), torch.stack([v[0] for _, v in kv])
+
+
+class _Forward(torch.nn.Module):
+    """:meth:`Decoder.forward` as a module holding the model, so that a trace reads the weights from the
+    model (shared, as they are) instead of freezing copies of them as constants."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        super().__init__()
+        self.model, self.forward_fn = decoder.model, decoder.forward
+        self.register_buffer("r_head_k", decoder.r_head_k, persistent=False)
+
+    def forward(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        return self.forward_fn(hid, k, v, seen, tokens)
+
+
+def trace_one_token(decoder: Decoder) -> torch.jit.ScriptModule:
+    """A one-token step as one TorchScript graph: one Python call instead of a few hundred torch ops, each of
+    which gives the GIL up and takes it back, so a server's event loop no longer stretches every step (a 64-row
+    step took twice as long beside one in BENCHMARKS.md), and batch-1 steps lose most of their dispatch cost.
+    The batch size stays symbolic (sizes are traced as ops), so one trace serves every batch; tests check it
+    equals :meth:`Decoder.forward` at other batch sizes, ring wrap included. Traced on a scratch state."""
+    scratch = decoder.empty(2)
+    tokens = torch.zeros(2, 1, dtype=torch.long, device=decoder.device)  # [batch, 1]
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # Python ints of sizes: checked by the tests
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates tracing; the fallback is eager
+        return torch.jit.trace(_Forward(decoder), (scratch.hid, scratch.k, scratch.v, scratch.seen, tokens),
+                               check_trace=False)
 
 
 class GraphedStep:

@@ -95,11 +95,12 @@ class Engine:
     """Loads once; feeds text into session states and generates from them."""
 
     def __init__(self, ckpt: Checkpoint, *, mem_len: int | None = None, clamp_len: int | None = None,
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_chunk: int | None = None, enforce_eager: bool = False) -> None:
         self.ckpt, self.model, self.tokenizer, self.config = ckpt, ckpt.model, ckpt.tokenizer, ckpt.config
         self.mem_len = ckpt.config.mem_len if mem_len is None else mem_len
         self.clamp_len = ckpt.config.clamp_len if clamp_len is None else clamp_len
-        self.decoder = Decoder(ckpt.model, mem_len=self.mem_len, clamp_len=self.clamp_len)
+        self.decoder = Decoder(ckpt.model, mem_len=self.mem_len, clamp_len=self.clamp_len,
+                               traced=False if enforce_eager else None)
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.mem_len, self.decoder.device)
         # what a stored state must match: the weights and the attention window it was built with
         self.fingerprint = f"{ckpt.fingerprint}:m{self.mem_len}:c{self.clamp_len}"
@@ -110,7 +111,7 @@ class Engine:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | None = None, **kw: int | None) -> Engine:
+                        dtype: torch.dtype | None = None, **kw: int | bool | None) -> Engine:
         return cls(load_checkpoint(path, device=device, dtype=dtype), **kw)
 
     @property

@@ -265,6 +265,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         if f.name in ("api_keys", "cors_origins"):
             p.add_argument(flag, nargs="+", default=None, metavar=f.name.split("_")[-1][:-1].upper(), help=text)
             continue
+        if str(f.type) == "bool":
+            p.add_argument(flag, action="store_true", default=None, help=text)
+            continue
         typ = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
         p.add_argument(flag, type=typ, default=None, help=text)
     p.set_defaults(func=_cmd_serve)

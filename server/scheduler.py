@@ -206,6 +206,7 @@ class Scheduler:
     # -- the loop ---------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self.engine.decoder.warm_up()  # before the first request, not during it
             self._loop()
         finally:
             self._fail_all()  # whatever is still active when the loop ends is answered by this thread

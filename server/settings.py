@@ -55,6 +55,9 @@ class Settings:
     body_timeout_s: float = _opt(30.0, "a request body that stops arriving for this long gets 408")
     max_stop: int = _opt(4, "most stop strings per request")
     max_stop_bytes: int = _opt(64, "longest stop string, in bytes")
+    enforce_eager: bool = _opt(False, "run decode steps op by op in eager PyTorch instead of as one traced graph "
+                                      "(on a CPU the graph runs a step without taking the GIL, so the event loop "
+                                      "no longer slows it); for debugging and comparison")
     prefill_chunk: int | None = _opt(None, "tokens read per prefill slice; decode steps run between slices "
                                            "(default: chosen from mem_len and the device)")
     lease_ttl_ms: int = _opt(30_000, "a session lease's TTL in ms (renewed while its request runs)")
@@ -115,6 +118,11 @@ def _parse(f: dataclasses.Field, raw: str) -> Any:
             return tuple(k.strip() for k in raw.split(",")) if raw.strip() else ()
         if raw == "" and "None" in kind:
             return None
+        if kind.startswith("bool"):
+            flag = raw.strip().lower()
+            if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+                raise ValueError(raw)
+            return flag in ("1", "true", "yes", "on")
         if kind.startswith("int"):
             return int(raw)
         if kind.startswith("float"):

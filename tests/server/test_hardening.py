@@ -294,6 +294,20 @@ def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Pat
     assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 3, r.stderr
 
 
+def test_enforce_eager_is_a_flag_and_an_environment_variable():
+    from server.cli import build_parser
+    from server.settings import Settings
+    from txlserve.errors import ConfigError
+
+    assert build_parser().parse_args(["serve", "--enforce-eager"]).enforce_eager is True
+    assert build_parser().parse_args(["serve"]).enforce_eager is None  # then the environment decides
+    assert Settings.from_env({}).enforce_eager is False
+    assert Settings.from_env({"TXLSERVE_ENFORCE_EAGER": "true"}).enforce_eager is True
+    assert Settings.from_env({"TXLSERVE_ENFORCE_EAGER": "0"}, enforce_eager=True).enforce_eager is True
+    with pytest.raises(ConfigError, match="TXLSERVE_ENFORCE_EAGER"):
+        Settings.from_env({"TXLSERVE_ENFORCE_EAGER": "maybe"})
+
+
 def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path: Path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

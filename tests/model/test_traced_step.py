@@ -1,0 +1,104 @@
+"""The one-token step traced as one graph: the same numbers as the eager step, for every batch it serves."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import model.decode as decode
+from model.cache import SlotTable
+from model.decode import Decoder
+from model.transformer_xl import MemTransformerLM
+from tests.model.test_transformer_xl import tiny_config
+
+
+def _model(**kw) -> MemTransformerLM:
+    torch.manual_seed(0)
+    model = MemTransformerLM(tiny_config(**kw))
+    for p in model.parameters():  # larger weights than init, so attention patterns matter
+        p.data.normal_(0, 0.3) if p.dim() > 1 else None
+    return model
+
+
+def _table(decoder: Decoder, lengths: list[int]) -> SlotTable:
+    """A slot table (rows are views of a larger table, as in the server) of sessions fed ``lengths`` tokens."""
+    table = SlotTable(decoder.empty, capacity=16)
+    g = torch.Generator().manual_seed(1)
+    for n in lengths:
+        one = decoder.empty(1)
+        decoder.prefill(one, torch.randint(0, 256, (1, n), generator=g), chunk_size=5)
+        table.join(one)
+    return table
+
+
+class _Count(TorchFunctionMode):
+    """Torch functions called from Python: each one gives the GIL up and takes it back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(pre_lnorm=True, untie_r=False)])
+def test_traced_steps_equal_eager_steps_at_every_batch_size(cfg):
+    """Traced once on a batch of 2, the graph serves batches of 1, 3 and 9 (sizes stay symbolic), on rows of a
+    slot table, with rings wrapped (mem_len 6) and not yet full, exactly as the eager step does."""
+    model = _model(**cfg)
+    eager, traced = Decoder(model, mem_len=6, traced=False), Decoder(model, mem_len=6, traced=True)
+    for lengths in ([9], [0, 4, 17], [1, 2, 3, 5, 6, 7, 11, 30, 2]):
+        a, b = _table(eager, lengths), _table(traced, lengths)
+        g = torch.Generator().manual_seed(len(lengths))
+        for _ in range(8):  # past a wrap of every ring
+            tokens = torch.randint(0, 256, (len(lengths), 1), generator=g)  # [batch, 1]
+            va, vb = a.active(), b.active()
+            ha, hb = eager.advance(va, tokens), traced.advance(vb, tokens)
+            a.stepped(va)
+            b.stepped(vb)
+            assert torch.equal(ha, hb) and torch.equal(va.last_logits, vb.last_logits)
+        for name in ("hid", "k", "v", "seen", "last_logits"):
+            assert torch.equal(getattr(a.table, name), getattr(b.table, name)), name
+    assert traced.one_token_graph() is not None and eager.one_token_graph() is None
+
+
+def test_a_traced_step_is_one_python_call():
+    """Eagerly a step dispatches hundreds of torch functions from Python; traced, none inside the step."""
+    model = _model()
+    counts = {}
+    for traced in (False, True):
+        decoder = Decoder(model, mem_len=6, traced=traced)
+        decoder.warm_up()
+        state, tokens = decoder.empty(3), torch.zeros(3, 1, dtype=torch.long)
+        with _Count() as count:
+            decoder.advance(state, tokens)
+        counts[traced] = count.calls
+    assert counts[True] <= 3 < 100 <= counts[False], counts
+
+
+def test_cpu_decoders_trace_by_default_but_not_adaptive_inputs():
+    """Which clusters of an adaptive input embedding run depends on the tokens: a trace would fix them."""
+    assert Decoder(_model(), mem_len=6).traced
+    adaptive = _model(vocab_size=300, cutoffs=(100, 200), div_val=2, d_embed=32)
+    decoder = Decoder(adaptive, mem_len=6, traced=True)
+    assert not decoder.traced and decoder.one_token_graph() is None
+
+
+def test_a_failed_trace_leaves_eager_steps_with_one_warning(monkeypatch, caplog):
+    def broken(decoder):
+        raise RuntimeError("no TorchScript here")
+
+    monkeypatch.setattr(decode, "trace_one_token", broken)
+    model = _model()
+    decoder, eager = Decoder(model, mem_len=6, traced=True), Decoder(model, mem_len=6, traced=False)
+    with caplog.at_level(logging.WARNING, logger="model.decode"):
+        decoder.warm_up()
+    assert not decoder.traced and "no TorchScript here" in caplog.text
+    a, b = decoder.empty(2), eager.empty(2)
+    tokens = torch.tensor([[3], [4]])
+    assert torch.equal(decoder.step(a, tokens), eager.step(b, tokens))

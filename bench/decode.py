@@ -97,9 +97,17 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
         eager_advance = engine.decoder.advance
         compiled = torch.compile(eager_advance, dynamic=False)
         engine.decoder.advance = lambda s, t: compiled(s, t) if t.size(1) == 1 else eager_advance(s, t)
+    engine.decoder.warm_up()  # the one-token trace, where there is one
     engine.decoder.step(state.rows(list(range(batch))), steps[:, :1])  # warm-up on a copy
-    fast_s = _timed(lambda: [engine.decoder.step(state, steps[:, i:i + 1]) for i in range(tokens)], dev)
     result: dict[str, Any] = {}
+    if engine.decoder.traced:  # the same step op by op, in the same run: what the trace is worth
+        s = state.rows(list(range(batch)))
+        eager_s = _timed(lambda: [engine.decoder.forward(s.hid, s.k, s.v, s.seen, steps[:, i:i + 1])
+                                  for i in range(tokens)], dev)
+    fast_s = _timed(lambda: [engine.decoder.step(state, steps[:, i:i + 1]) for i in range(tokens)], dev)
+    if engine.decoder.traced:
+        result.update(eager_step_ms=1000 * eager_s / tokens, traced_step_ms=1000 * fast_s / tokens,
+                      traced_speedup=eager_s / fast_s)
     if cuda_graph:
         from model.decode import GraphedStep
 

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -64,50 +66,86 @@ class _Server:
         self.proc.wait(30)
 
 
-async def _stream(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float, list[float], int, list[float]]:
+class _Connection:
+    """One keep-alive HTTP/1.1 connection that streams completions: the load generator's client, a few lines
+    of asyncio. httpx (h11, anyio, line decoding) took ~0.4 of a core at 64 streams on the two cores the
+    server shares with it (`client_cpu_s` reports what this one takes), and a starved client delays the very
+    events it times. Plain ``http://`` only; every read has a deadline."""
+
+    def __init__(self, url: str, model: str, timeout: float = 120) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http":
+            raise ValueError(f"bench serve streams over plain http://, not {url!r}")
+        self.host, self.port, self.model, self.timeout = parts.hostname, parts.port or 80, model, timeout
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def __aenter__(self) -> _Connection:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
+
+    async def _read(self, read: Awaitable[bytes]) -> bytes:
+        return await asyncio.wait_for(read, self.timeout)
+
+    async def events(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """POST ``body`` to /v1/completions and yield each ``data: {...}`` event of the stream, parsed."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port),
+                                                              self.timeout)
+        raw = json.dumps(body).encode()
+        self.writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (self.host.encode(), self.port, len(raw), raw))
+        head = (await self._read(self.reader.readuntil(b"\r\n\r\n"))).decode("latin-1").split("\r\n")
+        status, headers = int(head[0].split()[1]), dict(h.lower().split(": ", 1) for h in head[1:] if h)
+        if "chunked" not in headers.get("transfer-encoding", ""):
+            text = await self._read(self.reader.readexactly(int(headers.get("content-length", 0))))
+            raise RuntimeError(f"{status} {text[:200].decode(errors='replace')}")
+        buffer = b""
+        while size := int((await self._read(self.reader.readuntil(b"\r\n")))[:-2], 16):
+            buffer += (await self._read(self.reader.readexactly(size + 2)))[:-2]
+            *complete, buffer = buffer.split(b"\n\n")
+            for event in complete:
+                if event.startswith(b"data: {"):
+                    yield json.loads(event[6:])
+        await self._read(self.reader.readuntil(b"\r\n"))  # the end of the chunked body
+        if headers.get("connection") == "close":
+            await self.__aexit__()
+            self.writer = None
+
+
+async def _stream(conn: _Connection, body: dict[str, Any]) -> tuple[float, list[float], int, list[float]]:
     """Time to first token, inter-token gaps, tokens (from the usage the server reports), and when each
     token's event arrived (``perf_counter``: one event per token, text or not)."""
     t0 = time.perf_counter()
     ttft, gaps, last, n, arrivals, final_at = None, [], None, 0, [], None
-    body = {"model": client.headers.get("x-bench-model", MODEL), "stream": True,
-            "stream_options": {"include_usage": True}, **body}
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            raise RuntimeError(f"{r.status_code} {r.text[:200]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("usage"):
-                n = chunk["usage"]["completion_tokens"]
-            if not chunk["choices"]:
-                continue
-            now = time.perf_counter()
-            if chunk["choices"][0]["finish_reason"] is None:
-                arrivals.append(now)
-            else:
-                final_at = now  # the last token's event, or an event that only says why it ended
-            if not chunk["choices"][0]["text"]:
-                continue
-            if ttft is None:
-                ttft = now - t0
-            else:
-                gaps.append(now - last)
-            last = now
+    body = {"model": conn.model, "stream": True, "stream_options": {"include_usage": True}, **body}
+    async for chunk in conn.events(body):
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"]["message"])
+        if chunk.get("usage"):
+            n = chunk["usage"]["completion_tokens"]
+        if not chunk["choices"]:
+            continue
+        now = time.perf_counter()
+        if chunk["choices"][0]["finish_reason"] is None:
+            arrivals.append(now)
+        else:
+            final_at = now  # the last token's event, or an event that only says why it ended
+        if not chunk["choices"][0]["text"]:
+            continue
+        if ttft is None:
+            ttft = now - t0
+        else:
+            gaps.append(now - last)
+        last = now
     if len(arrivals) < n and final_at is not None:
         arrivals.append(final_at)
     return ttft or 0.0, gaps, n, arrivals
-
-
-def _client(url: str, model: str, timeout: float = 120) -> httpx.AsyncClient:
-    """A client per stream, not one for all: httpcore's pool scans every connection for every request it
-    places, so one pool of 64 connections delayed a herd of 64 requests by ~600 ms on the client side
-    (a raw-socket client saw the same server answer them within 45 ms)."""
-    return httpx.AsyncClient(base_url=url, timeout=timeout, headers={"x-bench-model": model},
-                             limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
 
 
 def served_model(url: str) -> str:
@@ -167,14 +205,15 @@ async def _load(url: str, model: str, concurrency: int, duration: float, max_tok
     the window, so the figure is the rate while all ``concurrency`` streams run, as the engine's is."""
     ttfts, gaps, tokens, reported, errors, samples = [], [], 0, 0, 0, []
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(_client(url, model)) for _ in range(concurrency)]
-        sessions = [(await c.post("/v1/sessions", json={"text": f"Client {i} writes: "})).json()["id"]
-                    for i, c in enumerate(clients)]
+        async with httpx.AsyncClient(base_url=url, timeout=120) as setup:
+            sessions = [(await setup.post("/v1/sessions", json={"text": f"Client {i} writes: "})).json()["id"]
+                        for i in range(concurrency)]
+        clients = [await stack.enter_async_context(_Connection(url, model)) for _ in range(concurrency)]
         body = {"prompt": " and", "max_tokens": max_tokens, "temperature": 0.8}
         warm, go = asyncio.Semaphore(0), asyncio.Event()
         window: list[float] = []
 
-        async def worker(c: httpx.AsyncClient, sid: str) -> None:
+        async def worker(c: _Connection, sid: str) -> None:
             nonlocal tokens, reported, errors
             try:
                 await _stream(c, {**body, "session_id": sid})
@@ -202,17 +241,20 @@ async def _load(url: str, model: str, concurrency: int, duration: float, max_tok
         for _ in sessions:
             await warm.acquire()
         window.extend([time.perf_counter(), time.perf_counter() + duration])
+        cpu0 = time.process_time()
         go.set()
         await asyncio.gather(*tasks)
+        cpu = time.process_time() - cpu0  # this process: the load generator alone while the load runs
     return {"concurrency": concurrency, "duration_s": duration, "tokens": tokens, "tokens_per_s": tokens / duration,
             "requests": len(ttfts), "completion_tokens": reported, "errors": errors, "error_samples": samples,
             "ttft_p50_ms": _pct(ttfts, 0.5), "ttft_p99_ms": _pct(ttfts, 0.99),
-            "itl_p50_ms": _pct(gaps, 0.5), "itl_p99_ms": _pct(gaps, 0.99)}
+            "itl_p50_ms": _pct(gaps, 0.5), "itl_p99_ms": _pct(gaps, 0.99), "client_cpu_s": cpu}
 
 
 async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int) -> dict[str, Any]:
-    async with _client(url, model, timeout=600) as c:
-        sid = (await c.post("/v1/sessions", json={"text": doc})).json()["id"]
+    async with httpx.AsyncClient(base_url=url, timeout=600) as setup:
+        sid = (await setup.post("/v1/sessions", json={"text": doc})).json()["id"]
+    async with _Connection(url, model, timeout=600) as c:
         cont, resend = [], []
         for _ in range(repeats):
             cont.append((await _stream(c, {"prompt": "\n", "max_tokens": 1, "session_id": sid}))[0])

@@ -368,3 +368,29 @@ def test_connections_accepted_by_serve_have_nagle_off():
                 writer.close()
 
     assert asyncio.run(main()) == 1
+
+
+def test_bench_load_generator_streams_over_one_connection_and_reports_errors(server):
+    """The bench's own HTTP client: tokens and usage of a stream, keep-alive between requests, a refused
+    request as an error with its status, and only plain http://."""
+    import asyncio
+
+    from bench.serve import _Connection, _stream
+
+    async def go() -> tuple:
+        async with _Connection(server.url, MODEL, timeout=60) as conn:
+            first = await _stream(conn, {"prompt": "Once", "max_tokens": 5, "temperature": 0})
+            writer = conn.writer
+            second = await _stream(conn, {"prompt": "Once", "max_tokens": 3, "temperature": 0})
+            reused = conn.writer is writer
+            bad = _Connection(server.url, "no-such-model", timeout=60)
+            async with bad:
+                with pytest.raises(RuntimeError, match="404"):
+                    await _stream(bad, {"prompt": "x", "max_tokens": 1})
+        return first, second, reused
+
+    (ttft, gaps, n, arrivals), second, reused = asyncio.run(go())
+    assert n == 5 and len(arrivals) == 5 and ttft > 0 and len(gaps) <= 4
+    assert second[2] == 3 and reused
+    with pytest.raises(ValueError, match="http://"):
+        _Connection("https://example.com", MODEL)

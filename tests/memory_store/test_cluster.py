@@ -81,7 +81,11 @@ def _migrate(cluster: redis.RedisCluster, slot: int) -> None:
     cluster.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id, target_nodes=src)
     while keys := cluster.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100, target_nodes=src):
         cluster.execute_command("MIGRATE", dst.host, dst.port, "", 0, 5000, "KEYS", *keys, target_nodes=src)
-    for node in cluster.get_primaries():
+    # the destination first (it bumps its config epoch), then the source, then the others, as the CLUSTER
+    # SETSLOT docs prescribe: in another order a node could take stale gossip from the source (its older epoch
+    # still the highest) and send MOVED back to it, and a client bounced between them gave up ("TTL exhausted")
+    others = [n for n in cluster.get_primaries() if n.name not in (src.name, dst.name)]
+    for node in (dst, src, *others):
         cluster.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id, target_nodes=node)
 
 

@@ -46,7 +46,8 @@ class _Count(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(pre_lnorm=True, untie_r=False)])
+@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(pre_lnorm=True, untie_r=False),
+                                 dict(vocab_size=300, cutoffs=(100, 200), div_val=1, d_embed=32)])  # adaptive softmax
 def test_traced_steps_equal_eager_steps_at_every_batch_size(cfg):
     """Traced once on a batch of 2, the graph serves batches of 1, 3 and 9 (sizes stay symbolic), on rows of a
     slot table, with rings wrapped (mem_len 6) and not yet full, exactly as the eager step does."""
@@ -102,3 +103,18 @@ def test_a_failed_trace_leaves_eager_steps_with_one_warning(monkeypatch, caplog)
     a, b = decoder.empty(2), eager.empty(2)
     tokens = torch.tensor([[3], [4]])
     assert torch.equal(decoder.step(a, tokens), eager.step(b, tokens))
+
+
+def test_an_engine_can_be_held_to_eager_steps(tmp_path):
+    """``--enforce-eager`` reaches the decoder: no trace is made, and the steps' results are the same."""
+    from model.checkpoint import save_checkpoint
+    from model.engine import Engine
+
+    save_checkpoint(_model(), tmp_path / "ck")
+    eager, traced = (Engine.from_checkpoint(tmp_path / "ck", enforce_eager=e) for e in (True, False))
+    assert not eager.decoder.traced and eager.decoder.one_token_graph() is None and traced.decoder.traced
+    a, b = eager.new_state(), traced.new_state()
+    for state, engine in ((a, eager), (b, traced)):
+        engine.feed(state, engine.encode("Once upon a time"))
+        engine.decoder.step(state, torch.tensor([[7]]))
+    assert torch.equal(a.last_logits, b.last_logits)

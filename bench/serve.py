@@ -97,25 +97,29 @@ class _Connection:
         if self.writer is None:
             self.reader, self.writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port),
                                                               self.timeout)
-        raw = json.dumps(body).encode()
-        self.writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n%s" % (self.host.encode(), self.port, len(raw), raw))
-        head = (await self._read(self.reader.readuntil(b"\r\n\r\n"))).decode("latin-1").split("\r\n")
-        status, headers = int(head[0].split()[1]), dict(h.lower().split(": ", 1) for h in head[1:] if h)
-        if "chunked" not in headers.get("transfer-encoding", ""):
-            text = await self._read(self.reader.readexactly(int(headers.get("content-length", 0))))
-            raise RuntimeError(f"{status} {text[:200].decode(errors='replace')}")
-        buffer = b""
-        while size := int((await self._read(self.reader.readuntil(b"\r\n")))[:-2], 16):
-            buffer += (await self._read(self.reader.readexactly(size + 2)))[:-2]
-            *complete, buffer = buffer.split(b"\n\n")
-            for event in complete:
-                if event.startswith(b"data: {"):
-                    yield json.loads(event[6:])
-        await self._read(self.reader.readuntil(b"\r\n"))  # the end of the chunked body
-        if headers.get("connection") == "close":
-            await self.__aexit__()
-            self.writer = None
+        raw, reusable = json.dumps(body).encode(), False
+        try:
+            self.writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json"
+                              b"\r\nContent-Length: %d\r\n\r\n%s" % (self.host.encode(), self.port, len(raw), raw))
+            head = (await self._read(self.reader.readuntil(b"\r\n\r\n"))).decode("latin-1").split("\r\n")
+            status, headers = int(head[0].split()[1]), dict(h.lower().split(": ", 1) for h in head[1:] if h)
+            reusable = headers.get("connection") != "close"
+            if "chunked" not in headers.get("transfer-encoding", ""):
+                text = await self._read(self.reader.readexactly(int(headers.get("content-length", 0))))
+                raise RuntimeError(f"{status} {text[:200].decode(errors='replace')}")
+            buffer, reusable = b"", False  # until the body has been read to its end
+            while size := int((await self._read(self.reader.readuntil(b"\r\n")))[:-2], 16):
+                buffer += (await self._read(self.reader.readexactly(size + 2)))[:-2]
+                *complete, buffer = buffer.split(b"\n\n")
+                for event in complete:
+                    if event.startswith(b"data: {"):
+                        yield json.loads(event[6:])
+            await self._read(self.reader.readuntil(b"\r\n"))  # the end of the chunked body
+            reusable = headers.get("connection") != "close"
+        finally:
+            if not reusable:  # a body left half read (an error, a timeout, a caller that stopped) or a close
+                await self.__aexit__()
+                self.writer = None
 
 
 async def _stream(conn: _Connection, body: dict[str, Any]) -> tuple[float, list[float], int, list[float]]:
@@ -124,25 +128,26 @@ async def _stream(conn: _Connection, body: dict[str, Any]) -> tuple[float, list[
     t0 = time.perf_counter()
     ttft, gaps, last, n, arrivals, final_at = None, [], None, 0, [], None
     body = {"model": conn.model, "stream": True, "stream_options": {"include_usage": True}, **body}
-    async for chunk in conn.events(body):
-        if "error" in chunk:
-            raise RuntimeError(chunk["error"]["message"])
-        if chunk.get("usage"):
-            n = chunk["usage"]["completion_tokens"]
-        if not chunk["choices"]:
-            continue
-        now = time.perf_counter()
-        if chunk["choices"][0]["finish_reason"] is None:
-            arrivals.append(now)
-        else:
-            final_at = now  # the last token's event, or an event that only says why it ended
-        if not chunk["choices"][0]["text"]:
-            continue
-        if ttft is None:
-            ttft = now - t0
-        else:
-            gaps.append(now - last)
-        last = now
+    async with contextlib.aclosing(conn.events(body)) as events:  # closed at once if this stops early
+        async for chunk in events:
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+            if not chunk["choices"]:
+                continue
+            now = time.perf_counter()
+            if chunk["choices"][0]["finish_reason"] is None:
+                arrivals.append(now)
+            else:
+                final_at = now  # the last token's event, or an event that only says why it ended
+            if not chunk["choices"][0]["text"]:
+                continue
+            if ttft is None:
+                ttft = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
     if len(arrivals) < n and final_at is not None:
         arrivals.append(final_at)
     return ttft or 0.0, gaps, n, arrivals

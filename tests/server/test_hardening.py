@@ -374,6 +374,7 @@ def test_bench_load_generator_streams_over_one_connection_and_reports_errors(ser
     """The bench's own HTTP client: tokens and usage of a stream, keep-alive between requests, a refused
     request as an error with its status, and only plain http://."""
     import asyncio
+    import contextlib
 
     from bench.serve import _Connection, _stream
 
@@ -383,14 +384,20 @@ def test_bench_load_generator_streams_over_one_connection_and_reports_errors(ser
             writer = conn.writer
             second = await _stream(conn, {"prompt": "Once", "max_tokens": 3, "temperature": 0})
             reused = conn.writer is writer
+            async with contextlib.aclosing(conn.events({"model": MODEL, "prompt": "Once", "max_tokens": 20,
+                                                        "stream": True})) as events:
+                async for _ in events:
+                    break  # a caller that stops reading leaves a body half read: that connection is dropped
+            dropped = conn.writer is None
+            third = await _stream(conn, {"prompt": "Once", "max_tokens": 2, "temperature": 0})
             bad = _Connection(server.url, "no-such-model", timeout=60)
             async with bad:
                 with pytest.raises(RuntimeError, match="404"):
                     await _stream(bad, {"prompt": "x", "max_tokens": 1})
-        return first, second, reused
+        return first, second, reused, dropped, third
 
-    (ttft, gaps, n, arrivals), second, reused = asyncio.run(go())
+    (ttft, gaps, n, arrivals), second, reused, dropped, third = asyncio.run(go())
     assert n == 5 and len(arrivals) == 5 and ttft > 0 and len(gaps) <= 4
-    assert second[2] == 3 and reused
+    assert second[2] == 3 and reused and dropped and third[2] == 2
     with pytest.raises(ValueError, match="http://"):
         _Connection("https://example.com", MODEL)

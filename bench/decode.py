@@ -94,6 +94,7 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
     state = engine.new_state(batch)
     engine.decoder.prefill(state, context, chunk_size=chunk)
     if compile:  # the one-token step only (prefill stays eager): fused kernels, then replayed by the graph
+        engine.decoder.traced = False  # torch.compile of the eager step, not of a TorchScript call
         eager_advance = engine.decoder.advance
         compiled = torch.compile(eager_advance, dynamic=False)
         engine.decoder.advance = lambda s, t: compiled(s, t) if t.size(1) == 1 else eager_advance(s, t)

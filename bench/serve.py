@@ -92,29 +92,50 @@ class _Connection:
     async def _read(self, read: Awaitable[bytes]) -> bytes:
         return await asyncio.wait_for(read, self.timeout)
 
-    async def events(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """POST ``body`` to /v1/completions and yield each ``data: {...}`` event of the stream, parsed."""
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port),
-                                                              self.timeout)
-        raw, reusable = json.dumps(body).encode(), False
-        try:
+    async def _send(self, raw: bytes) -> tuple[int, dict[str, str]]:
+        """Send one request; its status and headers. A kept-alive connection the server has closed meanwhile
+        (uvicorn closes idle ones after 5 s) is replaced once, before anything of the answer was read."""
+        fresh = False
+        while True:
+            if self.writer is None or self.writer.is_closing() or self.reader.at_eof():
+                await self.__aexit__()
+                self.reader, self.writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.host, self.port), self.timeout)
+                fresh = True
             self.writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json"
                               b"\r\nContent-Length: %d\r\n\r\n%s" % (self.host.encode(), self.port, len(raw), raw))
-            head = (await self._read(self.reader.readuntil(b"\r\n\r\n"))).decode("latin-1").split("\r\n")
-            status, headers = int(head[0].split()[1]), dict(h.lower().split(": ", 1) for h in head[1:] if h)
-            reusable = headers.get("connection") != "close"
-            if "chunked" not in headers.get("transfer-encoding", ""):
-                text = await self._read(self.reader.readexactly(int(headers.get("content-length", 0))))
+            try:
+                head = (await self._read(self.reader.readuntil(b"\r\n\r\n"))).decode("latin-1").split("\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError) as err:
+                if fresh or getattr(err, "partial", b""):
+                    raise
+                self.writer.close()  # closed under us before it answered: once more, on a new connection
+                continue
+            return int(head[0].split()[1]), dict(h.lower().split(": ", 1) for h in head[1:] if h)
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        while size := int((await self._read(self.reader.readuntil(b"\r\n")))[:-2], 16):
+            yield (await self._read(self.reader.readexactly(size + 2)))[:-2]
+        await self._read(self.reader.readuntil(b"\r\n"))  # the end of the chunked body
+
+    async def events(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """POST ``body`` to /v1/completions and yield each ``data: {...}`` event of the stream, parsed; an
+        answer other than 200 is raised with its status."""
+        reusable = False
+        try:
+            status, headers = await self._send(json.dumps(body).encode())
+            chunked = "chunked" in headers.get("transfer-encoding", "")
+            if status != 200:
+                text = b"".join([c async for c in self._chunks()]) if chunked else await self._read(
+                    self.reader.readexactly(int(headers.get("content-length", 0))))
+                reusable = headers.get("connection") != "close"
                 raise RuntimeError(f"{status} {text[:200].decode(errors='replace')}")
-            buffer, reusable = b"", False  # until the body has been read to its end
-            while size := int((await self._read(self.reader.readuntil(b"\r\n")))[:-2], 16):
-                buffer += (await self._read(self.reader.readexactly(size + 2)))[:-2]
-                *complete, buffer = buffer.split(b"\n\n")
+            buffer = b""
+            async for chunk in self._chunks():
+                *complete, buffer = (buffer + chunk).split(b"\n\n")
                 for event in complete:
                     if event.startswith(b"data: {"):
                         yield json.loads(event[6:])
-            await self._read(self.reader.readuntil(b"\r\n"))  # the end of the chunked body
             reusable = headers.get("connection") != "close"
         finally:
             if not reusable:  # a body left half read (an error, a timeout, a caller that stopped) or a close

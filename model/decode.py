@@ -10,6 +10,7 @@ boundaries and batching never change a result.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import warnings
@@ -99,8 +100,17 @@ class Decoder:
         """Feed ``tokens [batch, chunk]`` to every session of ``state`` (in place): the last layer's outputs
         [batch, chunk, d_model]; only the next token's scores are computed (``state.last_logits``), so a long
         prompt never builds a [tokens, vocab] table (267,735 words wide for the published WikiText-103 model)."""
-        run = self.one_token_graph() if self.traced and tokens.size(1) == 1 else None
-        h, state.last_logits = (run or self.forward)(state.hid, state.k, state.v, state.seen, tokens)
+        graph = self.one_token_graph() if self.traced and tokens.size(1) == 1 else None
+        if graph is None:
+            h, state.last_logits = self.forward(state.hid, state.k, state.v, state.seen, tokens)  # [b, c, d], [b, V]
+            return h
+        try:
+            h, state.last_logits = graph(state.hid, state.k, state.v, state.seen, tokens)  # [b, 1, d], [b, V]
+        except Exception as err:  # this call fails (its rows are the caller's to drop); later ones run eagerly
+            log.warning("one-token steps run eagerly from now on: the traced step failed (%s: %s)",
+                        type(err).__name__, err)
+            self.traced = False
+            raise
         return h
 
     def forward(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
@@ -127,14 +137,11 @@ class Decoder:
     def warm_up(self) -> None:
         """Trace the one-token step and run it twice on a scratch state, so that the first request does not
         pay for it (about 0.3 s for the bundled model: the trace, then TorchScript's profiling runs)."""
-        graph = self.one_token_graph() if self.traced else None
-        s = self.empty(1)
-        try:
-            for _ in range(2 if graph is not None else 0):
-                graph(s.hid, s.k, s.v, s.seen, torch.zeros(1, 1, dtype=torch.long, device=self.device))
-        except Exception as err:  # as if tracing had failed: eager steps give the same results
-            log.warning("one-token steps run eagerly: the traced step failed (%s: %s)", type(err).__name__, err)
-            self.traced = False
+        if self.traced and self.one_token_graph() is not None:
+            s, tokens = self.empty(1), torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
+            with contextlib.suppress(Exception):  # a failure has been logged, and steps run eagerly
+                for _ in range(2):
+                    self.advance(s, tokens)
 
     def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
         """:meth:`advance`, with every token's scores: logits [batch, chunk, vocab] (float32)."""

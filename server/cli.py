@@ -265,8 +265,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         if f.name in ("api_keys", "cors_origins"):
             p.add_argument(flag, nargs="+", default=None, metavar=f.name.split("_")[-1][:-1].upper(), help=text)
             continue
-        if str(f.type) == "bool":
-            p.add_argument(flag, action="store_true", default=None, help=text)
+        if str(f.type) == "bool":  # --name / --no-name, so a flag can also undo the environment
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
             continue
         typ = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
         p.add_argument(flag, type=typ, default=None, help=text)

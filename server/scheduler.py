@@ -206,7 +206,10 @@ class Scheduler:
     # -- the loop ---------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.engine.decoder.warm_up()  # before the first request, not during it
+            try:
+                self.engine.decoder.warm_up()  # before the first request, not during it
+            except Exception:  # a warm-up is an optimisation: the loop must run whatever it met
+                log.exception("the engine's warm-up failed")
             self._loop()
         finally:
             self._fail_all()  # whatever is still active when the loop ends is answered by this thread

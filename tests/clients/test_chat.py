@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import signal
@@ -64,10 +63,15 @@ def test_unknown_session_is_an_error(server: LiveServer) -> None:
 def test_ctrl_c_cancels_the_generation_not_the_program(server: LiveServer, client: Client) -> None:
     env = {**os.environ, "PYTHONPATH": str(CLIENT_SRC), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "txlserve_client.chat", "--url", server.url, "--max-tokens", "4000"]
-    # Ctrl-C as a terminal delivers it: a test run started in the background (`cmd &` in a script) would hand
-    # the child SIGINT ignored, and Python then never raises KeyboardInterrupt
-    default_sigint = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
-    with Streamed(cmd, env=env, cwd=CLIENT_SRC, preexec_fn=default_sigint) as chat_proc:
+    # Ctrl-C as a terminal delivers it: a test run started in the background (`cmd &` in a script) has SIGINT
+    # ignored, which a child inherits, and Python then never raises KeyboardInterrupt; a handled signal is
+    # reset to its default in the child (no preexec_fn: this process has threads)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        chat = Streamed(cmd, env=env, cwd=CLIENT_SRC)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    with chat as chat_proc:
         chat_proc.wait_for(b"> ")
         header = bytes(chat_proc.out)
         session_id = re.search(rf"session ({ID})".encode(), header).group(1).decode()

@@ -105,6 +105,25 @@ def test_a_failed_trace_leaves_eager_steps_with_one_warning(monkeypatch, caplog)
     assert torch.equal(decoder.step(a, tokens), eager.step(b, tokens))
 
 
+def test_a_traced_step_that_fails_fails_its_call_and_leaves_eager_steps(monkeypatch, caplog):
+    def failing(*tensors):
+        raise RuntimeError("graph broke")
+
+    monkeypatch.setattr(decode, "trace_one_token", lambda decoder: failing)
+    model = _model()
+    decoder, eager = Decoder(model, mem_len=6, traced=True), Decoder(model, mem_len=6, traced=False)
+    with caplog.at_level(logging.WARNING, logger="model.decode"):
+        decoder.warm_up()  # meets the failure, logs it, does not raise
+    assert not decoder.traced and "graph broke" in caplog.text
+    decoder.traced, decoder._one_token = True, failing  # a graph that breaks only later, on a real step
+    a, b, tokens = decoder.empty(2), eager.empty(2), torch.tensor([[3], [4]])
+    with pytest.raises(RuntimeError, match="graph broke"):  # the failing call's rows are its caller's to drop
+        decoder.step(a, tokens)
+    assert not decoder.traced
+    a = decoder.empty(2)
+    assert torch.equal(decoder.step(a, tokens), eager.step(b, tokens))
+
+
 def test_an_engine_can_be_held_to_eager_steps(tmp_path):
     """``--enforce-eager`` reaches the decoder: no trace is made, and the steps' results are the same."""
     from model.checkpoint import save_checkpoint
@@ -117,4 +136,4 @@ def test_an_engine_can_be_held_to_eager_steps(tmp_path):
     for state, engine in ((a, eager), (b, traced)):
         engine.feed(state, engine.encode("Once upon a time"))
         engine.decoder.step(state, torch.tensor([[7]]))
-    assert torch.equal(a.last_logits, b.last_logits)
+    assert torch.equal(a.last_logits, b.last_logits) and traced.decoder.one_token_graph() is not None

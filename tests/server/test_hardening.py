@@ -301,6 +301,8 @@ def test_enforce_eager_is_a_flag_and_an_environment_variable():
 
     assert build_parser().parse_args(["serve", "--enforce-eager"]).enforce_eager is True
     assert build_parser().parse_args(["serve"]).enforce_eager is None  # then the environment decides
+    assert build_parser().parse_args(["serve", "--no-enforce-eager"]).enforce_eager is False
+    assert Settings.from_env({"TXLSERVE_ENFORCE_EAGER": "true"}, enforce_eager=False).enforce_eager is False
     assert Settings.from_env({}).enforce_eager is False
     assert Settings.from_env({"TXLSERVE_ENFORCE_EAGER": "true"}).enforce_eager is True
     assert Settings.from_env({"TXLSERVE_ENFORCE_EAGER": "0"}, enforce_eager=True).enforce_eager is True
@@ -390,14 +392,16 @@ def test_bench_load_generator_streams_over_one_connection_and_reports_errors(ser
                     break  # a caller that stops reading leaves a body half read: that connection is dropped
             dropped = conn.writer is None
             third = await _stream(conn, {"prompt": "Once", "max_tokens": 2, "temperature": 0})
+            conn.writer.transport.abort()  # a kept-alive connection that went away meanwhile is replaced
+            fourth = await _stream(conn, {"prompt": "Once", "max_tokens": 2, "temperature": 0})
             bad = _Connection(server.url, "no-such-model", timeout=60)
             async with bad:
                 with pytest.raises(RuntimeError, match="404"):
                     await _stream(bad, {"prompt": "x", "max_tokens": 1})
-        return first, second, reused, dropped, third
+        return first, second, reused, dropped, third, fourth
 
-    (ttft, gaps, n, arrivals), second, reused, dropped, third = asyncio.run(go())
+    (ttft, gaps, n, arrivals), second, reused, dropped, third, fourth = asyncio.run(go())
     assert n == 5 and len(arrivals) == 5 and ttft > 0 and len(gaps) <= 4
-    assert second[2] == 3 and reused and dropped and third[2] == 2
+    assert second[2] == 3 and reused and dropped and third[2] == 2 and fourth[2] == 2
     with pytest.raises(ValueError, match="http://"):
         _Connection("https://example.com", MODEL)

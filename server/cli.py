@@ -21,8 +21,6 @@ def _add_threads(p: argparse.ArgumentParser) -> None:
 def _set_threads(ns: argparse.Namespace) -> None:
     import os
 
-    from model.threads import set_threads
-
     threads = ns.threads
     if threads is None and (raw := os.environ.get("TXLSERVE_THREADS")):
         if not raw.isdigit():
@@ -30,6 +28,8 @@ def _set_threads(ns: argparse.Namespace) -> None:
         threads = int(raw)
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
+    from model.threads import set_threads  # imports torch: only once the flags are known to be good
+
     set_threads(threads)
 
 
@@ -226,10 +226,21 @@ def _cmd_import_hf(ns: argparse.Namespace) -> int:
     return 0
 
 
+_BENCH_HELP = "benchmarks that print one JSON object"
+
+
+def _add_bench_placeholder(sub: argparse._SubParsersAction) -> None:
+    """`bench` in the command list without importing the benchmarks (they import torch, ~2-3 s): every other
+    command, and a usage error above all, answers without that wait. ``main`` builds the real one."""
+    p = sub.add_parser("bench", help=_BENCH_HELP, add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda ns: main(["bench", *ns.args]))
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from bench import decode
 
-    p = sub.add_parser("bench", help="benchmarks that print one JSON object")
+    p = sub.add_parser("bench", help=_BENCH_HELP)
     kinds = p.add_subparsers(dest="bench", required=True)
     d = kinds.add_parser("decode", help="ring-buffer decoder vs the naive re-projecting decoder")
     decode.add_arguments(d)
@@ -276,7 +287,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _cmd_serve(ns: argparse.Namespace) -> int:
     import logging
 
-    from server.serve import serve
+    from model.bundled import resolve_checkpoint
+    from server.listen import bind
     from server.settings import Settings
 
     overrides = {k: getattr(ns, k) for k in Settings.__dataclass_fields__ if getattr(ns, k, None) is not None}
@@ -284,8 +296,17 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         if name in overrides:
             overrides[name] = tuple(overrides[name])
     settings = Settings.from_env(**overrides)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(settings)
+    # a bad setting, a port in use or a missing checkpoint is one line at once, before torch is imported
+    sock = bind(settings.host, settings.port)
+    try:
+        resolve_checkpoint(settings.checkpoint)
+        logging.basicConfig(level=settings.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from server.serve import serve
+
+        return serve(settings, sock)
+    finally:
+        sock.close()
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:
@@ -359,7 +380,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
     parser = _Parser(prog="txlserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
@@ -369,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat(sub)
     _add_session(sub)
     _add_import(sub)
-    _add_bench(sub)
+    (_add_bench if with_bench else _add_bench_placeholder)(sub)
     return parser
 
 
@@ -377,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["chat"]:  # every flag after `chat` belongs to the client's own parser
         return _cmd_chat(argparse.Namespace(args=argv[1:]))
-    ns = build_parser().parse_args(argv)
+    ns = build_parser(with_bench=argv[:1] == ["bench"]).parse_args(argv)
     ns.argv = argv
     try:
         return ns.func(ns)

@@ -17,9 +17,9 @@ import uvicorn
 
 from model.threads import set_threads
 from server.app import build_app
+from server.listen import bind
 from server.runtime import close_runtime, open_runtime
 from server.settings import Settings
-from txlserve.errors import ConfigError
 
 log = logging.getLogger("txlserve")
 
@@ -62,26 +62,10 @@ def install_redaction(settings: Settings) -> None:
         logging.getLogger(name).addFilter(redact)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads. Its protocol is named (IPPROTO_TCP, not 0): asyncio
-    turns Nagle's algorithm off only on connections accepted from such a socket, and with it on, every response
-    after the first on a kept-alive connection waited ~40 ms for the client's delayed ACK."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err} (choose another --port)") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, sock: socket.socket | None = None) -> int:
+    """Run the server until it is stopped, on ``sock`` if the caller bound it already (see ``server.listen``)."""
     set_threads(settings.threads)
-    sock = bind(settings.host, settings.port)
+    sock = sock or bind(settings.host, settings.port)
     try:
         return asyncio.run(_serve(settings, sock))
     finally:

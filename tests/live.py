@@ -58,7 +58,8 @@ class LiveServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 60) -> LiveServer:
+    def launch(self) -> LiveServer:
+        """Start the process without waiting for it (see ``start_all``)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "server.cli", "serve", "--checkpoint", str(self.checkpoint), "--port",
                str(self.port), "--model-name", MODEL, "--data-dir", str(self.data_dir), *self.args]
@@ -67,6 +68,10 @@ class LiveServer:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.log, "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self, timeout: float = 60) -> LiveServer:
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -79,6 +84,9 @@ class LiveServer:
             time.sleep(0.1)  # poll, bounded by the deadline
         self.stop()
         raise RuntimeError(f"server did not become ready:\n{self.log.read_text()[-3000:]}")
+
+    def start(self, timeout: float = 60) -> LiveServer:
+        return self.launch().wait_ready(timeout)
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -96,3 +104,18 @@ class LiveServer:
                 self.terminate(timeout=20)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def start_all(*servers: LiveServer, timeout: float = 90) -> tuple[LiveServer, ...]:
+    """Start several servers side by side (each spends seconds importing torch, one core each); if one fails,
+    every one is stopped before the error propagates."""
+    try:
+        for srv in servers:
+            srv.launch()
+        for srv in servers:
+            srv.wait_ready(timeout)
+    except BaseException:
+        for srv in servers:
+            srv.stop()
+        raise
+    return servers

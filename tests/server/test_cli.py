@@ -32,12 +32,14 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def test_generate_streams_prompt_and_continuation(checkpoint):
-    r = txlserve("generate", "--checkpoint", str(checkpoint), "--prompt", "Hello", "--max-tokens", "12",
-                 "--seed", "3", "--temperature", "0.7")
+    from concurrent.futures import ThreadPoolExecutor
+
+    args = ("generate", "--checkpoint", str(checkpoint), "--prompt", "Hello", "--max-tokens", "12", "--seed", "3",
+            "--temperature", "0.7")
+    with ThreadPoolExecutor(2) as pool:  # two processes side by side, one core each
+        r, again = pool.map(lambda _: txlserve(*args), range(2))
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Hello") and len(r.stdout.encode()) > len("Hello")
-    again = txlserve("generate", "--checkpoint", str(checkpoint), "--prompt", "Hello", "--max-tokens", "12",
-                     "--seed", "3", "--temperature", "0.7")
     assert again.stdout == r.stdout  # seeded
 
 

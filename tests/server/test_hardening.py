@@ -294,6 +294,20 @@ def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Pat
     assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 3, r.stderr
 
 
+@pytest.mark.parametrize("argv", [["serve", "--port", "70000"], ["serve", "--checkpoint", "/nope/nothing"],
+                                  ["serve", "--api-keys", " "], ["generate", "--threads", "0", "--prompt", "x"],
+                                  ["eval", "--threads", "0", "--checkpoint", "x", "--data", "x"]])
+def test_a_bad_setting_is_refused_before_torch_loads(argv):
+    import subprocess
+    import sys
+
+    from tests.live import REPO
+    code = f"import sys; from server.cli import main; rc = main({argv!r}); print(rc, 'torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr)
+    assert r.stderr.startswith("txlserve: error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_enforce_eager_is_a_flag_and_an_environment_variable():
     from server.cli import build_parser
     from server.settings import Settings
@@ -351,7 +365,7 @@ def test_connections_accepted_by_serve_have_nagle_off():
     sockets do (with Nagle on, each kept-alive response waited ~40 ms for the client's delayed ACK)."""
     import asyncio
 
-    from server.serve import bind
+    from server.listen import bind
 
     async def main() -> int:
         sock = bind("127.0.0.1", 0)

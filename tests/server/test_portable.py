@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import RedisProcess
-from tests.live import MODEL, LiveServer, tiny_checkpoint
+from tests.live import MODEL, LiveServer, start_all, tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -30,14 +30,14 @@ def servers(checkpoint: Path, tmp_path_factory) -> Iterator[dict[str, LiveServer
     other = tiny_checkpoint(tmp_path_factory.mktemp("other-ckpt"), seed=1)
     redis = RedisProcess(tmp_path_factory.mktemp("portable-redis")).start()
     redis_url = redis.url
-    started: dict[str, LiveServer] = {}
+    started = {
+        "cold": LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("cold"), args=COLD),
+        "upgraded": LiveServer(other, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("upgraded"),
+                               args=("--hot-cache-mb", "0")),
+        "elsewhere": LiveServer(checkpoint, redis_url=None, data_dir=tmp_path_factory.mktemp("elsewhere")),
+    }
     try:
-        started["cold"] = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("cold"),
-                                     args=COLD).start()
-        started["upgraded"] = LiveServer(other, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("upgraded"),
-                                         args=("--hot-cache-mb", "0")).start()
-        started["elsewhere"] = LiveServer(checkpoint, redis_url=None,
-                                          data_dir=tmp_path_factory.mktemp("elsewhere")).start()
+        start_all(*started.values())
         yield started
     finally:
         for srv in started.values():

@@ -50,7 +50,7 @@ def test_overload_answers_429_with_retry_after(checkpoint, redis_url, tmp_path):
     srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path,
                      args=("--max-batch", "1", "--max-queue", "1", "--prefill-chunk", "64")).start()
     try:
-        doc = "To be, or not to be, that is the question. " * 5000  # 215 KB, read 64 tokens per step
+        doc = "To be, or not to be, that is the question. " * 1500  # 65 KB, read 64 tokens per step
         sids = [httpx.post(srv.url + "/v1/sessions", json={}).json()["id"] for _ in range(2)]
         results = []
         threads = [threading.Thread(target=lambda s=s: results.append(httpx.post(

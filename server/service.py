@@ -21,7 +21,7 @@ from model.engine import TokenEvent
 from model.sampling import SamplingParams
 from server.runtime import Runtime
 from server.scheduler import EngineRequest, Finished, PromptScores
-from txlserve.errors import Overloaded, Unavailable
+from txlserve.errors import Overloaded, RequestCancelled, Unavailable
 
 
 @dataclass
@@ -155,8 +155,11 @@ class Run:
         if self.params is not None:
             m.request_generation_tokens.observe(done.completion_tokens)
         if done.state is None and done.finish_reason == "cancelled":
-            raise Unavailable("the request was cancelled before its text was read (the server is shutting down "
-                              "or the client left); nothing was stored")
+            if self.rt.draining:
+                raise Unavailable("the server is shutting down: the request was cancelled before its text was "
+                                  "read; nothing was stored")
+            raise RequestCancelled("the request was cancelled before its text was read (the client left or "
+                                   "cancelled it); nothing was stored")
         return done, last
 
     async def _engine_run(self, state) -> tuple[Finished, TokenEvent | None]:

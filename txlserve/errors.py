@@ -23,6 +23,9 @@ are translated into these at the package boundary that meets them. This module i
     ├── PayloadTooLarge             state/body over a configured limit  413  invalid_request_error
     ├── SessionCorrupt              stored payload fails validation     422  invalid_request_error
     ├── Overloaded                  queue full                          429  rate_limit_error
+    ├── RequestCancelled            the client left before its text     499  invalid_request_error
+    │                               was read (nginx's status: logs
+    │                               and metrics only, nobody hears it)
     ├── StoreUnavailable            Redis unreachable / timed out       503  service_unavailable_error
     └── Unavailable                 starting, draining, or shut down    503  service_unavailable_error
 
@@ -110,6 +113,13 @@ class SessionCorrupt(TxlError):
 
 class Overloaded(TxlError):
     status, type, code = 429, "rate_limit_error", "overloaded"
+
+
+class RequestCancelled(TxlError):
+    """The client left (or cancelled) while its prompt was read, so nothing was stored. Not a server error:
+    counted as 499, as nginx counts a client that closed its request, so that 5xx dashboards stay quiet."""
+
+    status, code = 499, "request_cancelled"
 
 
 class StoreUnavailable(TxlError):

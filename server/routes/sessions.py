@@ -103,7 +103,7 @@ async def export_session(session_id: str, rt: Runtime = Depends(runtime),
                                   "it cannot be exported until it has read another "
                                   f"{rt.engine.window_len} tokens", param="session_id")
     return SessionExport(tokenizer=info.tokenizer or rt.engine.tokenizer_id, tokens_seen=info.tokens_seen,
-                         window=session.tensors[WINDOW].tolist(), metadata=info.metadata or None,
+                         window=session.tensors[WINDOW].tolist(), metadata=info.metadata or {},
                          model=rt.settings.model_name, created_at=int(info.created_at))
 
 

@@ -94,3 +94,18 @@ def test_a_bad_request_never_corrupts_a_session(server):
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code in (400, 413)
     after = httpx.get(f"{server.url}/v1/sessions/{sid}").json()
     assert after["tokens_seen"] == before["tokens_seen"] == 6
+
+
+def test_unparseable_bodies_and_huge_ids_get_messages_that_say_what_to_do(server):
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "txl-test", "prompt": "a\xff\xfeb"}',
+                   headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and "UTF-8" in err["message"] and err["code"] == "invalid_value", err
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "txl-test", "prompt": "a"}',
+                   headers={"content-type": "application/x-www-form-urlencoded"})  # what curl -d sends
+    err = r.json()["error"]
+    assert r.status_code == 400 and "Content-Type: application/json" in err["message"], err
+    assert "x-www-form-urlencoded" in err["message"]
+    r = httpx.get(server.url + "/v1/sessions/" + "s" * 60_000)
+    err = r.json()["error"]
+    assert r.status_code == 404 and "60000 characters" in err["message"] and len(err["message"]) < 200, err

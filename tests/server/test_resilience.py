@@ -195,13 +195,25 @@ def test_non_streaming_client_that_gives_up_stops_generation(server):
     assert len("Patience x") <= info["tokens_seen"] < len("Patience x") + 4000
 
 
+def _requests_counted(srv, status: int) -> float:
+    prefix = f'txlserve_requests_total{{route="/v1/completions",status="{status}"}} '
+    lines = [x for x in httpx.get(srv.url + "/metrics").text.splitlines() if x.startswith(prefix)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
 def test_stream_left_during_prefill_commits_nothing(server):
     sid = httpx.post(server.url + "/v1/sessions", json={"text": "Before "}).json()["id"]
+    left, failed = _requests_counted(server, 499), _requests_counted(server, 503)
     body = {"model": MODEL, "prompt": "p" * 900_000, "max_tokens": 5, "stream": True, "session_id": sid}
     with pytest.raises(httpx.ReadTimeout), httpx.stream("POST", server.url + "/v1/completions", json=body,
                                                         timeout=httpx.Timeout(30, read=0.3)) as r:
         r.read()
     assert settled(server, sid, timeout=60)["tokens_seen"] == len("Before ")
+    deadline = time.monotonic() + 60  # the request is counted when its handler ends, just after the release
+    while _requests_counted(server, 499) == left:
+        assert time.monotonic() < deadline, "the client that left was never counted"
+        time.sleep(0.05)  # poll, bounded by the deadline
+    assert _requests_counted(server, 503) == failed  # a client that leaves is not a server error (nginx's 499)
 
 
 def test_websocket_dropped_mid_stream_cancels(server):

@@ -96,8 +96,13 @@ def sample_rows(logits: Tensor, params: Sequence[SamplingParams], rngs: Sequence
 
 
 def token_logprobs(logits: Tensor, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
-    """The chosen token's log-probability under the model and the ``top_n`` most likely tokens."""
+    """The chosen token's log-probability under the model and the ``top_n`` most likely tokens, plus the chosen
+    one when it is not among them: OpenAI's rule ("always the logprob of the sampled token, so up to logprobs+1
+    elements"), which vLLM follows too."""
     logp = torch.log_softmax(logits.float(), -1)  # [vocab]
     top = torch.topk(logp, top_n) if top_n > 0 else None
     alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
-    return float(logp[token]), alts
+    chosen = float(logp[token])
+    if all(t != token for t, _ in alts):
+        alts.append((token, chosen))
+    return chosen, alts

@@ -73,13 +73,22 @@ def test_without_usage_no_usage_chunk(server):
     assert all("usage" not in e for e in events[:-1]) and events[-1] == "[DONE]"
 
 
+def test_logprobs_zero_names_the_sampled_token_alone(server):
+    lp = complete(server, prompt="Once", max_tokens=6, temperature=1.0, seed=7, logprobs=0)["choices"][0]["logprobs"]
+    assert [list(top) for top in lp["top_logprobs"]] == [[tok] for tok in lp["tokens"]]  # was [{}, {}, ...]
+    assert [top[tok] for tok, top in zip(lp["tokens"], lp["top_logprobs"])] == lp["token_logprobs"]
+
+
 def test_seed_determinism_and_logprobs(server):
     a = complete(server, prompt="Once", max_tokens=12, temperature=1.0, seed=42, logprobs=2)
     b = complete(server, prompt="Once", max_tokens=12, temperature=1.0, seed=42, logprobs=2)
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
     lp = a["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 12
-    assert all(v <= 0 for v in lp["token_logprobs"]) and all(len(t) == 2 for t in lp["top_logprobs"])
+    assert all(v <= 0 for v in lp["token_logprobs"])
+    # OpenAI's rule: the 2 most likely, and the sampled token too when it is not one of them (temperature 1)
+    assert all(len(top) in (2, 3) and tok in top and top[tok] == v
+               for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
 
 
 def test_stop_and_echo(server):

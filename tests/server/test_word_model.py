@@ -61,7 +61,7 @@ def test_completion_speaks_words(word_server):
     assert out["usage"]["completion_tokens"] == 6
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == 6 and all(t in VOCAB for t in lp["tokens"])  # OpenAI's tokens are words
-    assert all(len(top) == 2 and set(top) <= set(VOCAB) for top in lp["top_logprobs"])
+    assert all(len(top) == 2 and set(top) <= set(VOCAB) for top in lp["top_logprobs"])  # greedy: chosen is top-1
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     tok = WordTokenizer(VOCAB)
     assert choice["text"] == tok.decode_bytes([tok.index[t] for t in lp["tokens"]], prev=None).decode()

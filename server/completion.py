@@ -235,20 +235,32 @@ async def open_run(rt: Runtime, req: CompletionRequest, owner: str | None,
 
 
 @contextlib.asynccontextmanager
-async def cancel_on_disconnect(receive: Callable[[], Awaitable[dict]], run_of: Callable[[], Run | None],
-                               on_disconnect: Callable[[], None] = lambda: None) -> AsyncIterator[None]:
-    """While the body of the block runs, a client that closes its connection cancels the run, so a
-    request nobody waits for stops within a step (or commits nothing while its prompt is being read)."""
+async def cancel_on_disconnect(receive: Callable[[], Awaitable[dict]],
+                               on_disconnect: Callable[[], None] = lambda: None
+                               ) -> AsyncIterator[Callable[[Run], None]]:
+    """While the body of the block runs, a client that closes its connection cancels the run, so a request
+    nobody waits for stops within a step (or commits nothing while its prompt is being read). Yields
+    ``attach(run)``: a run attached after the client left (its prompt was tokenized meanwhile) is cancelled
+    at once."""
+    runs: list[Run] = []
+    left = False
+
+    def attach(run: Run) -> None:
+        runs.append(run)
+        if left:
+            run.cancel()
 
     async def watch() -> None:
+        nonlocal left
         while (await receive())["type"] != "http.disconnect":
             pass
+        left = True
         on_disconnect()
-        if (run := run_of()) is not None:
+        for run in runs:
             run.cancel()
 
     task = asyncio.create_task(watch())
     try:
-        yield
+        yield attach
     finally:
         task.cancel()

@@ -67,7 +67,7 @@ def install(app: FastAPI) -> None:
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         msg, param = validation_message(err)
         content_type = request.headers.get("content-type", "")
-        if param is None and content_type and "json" not in content_type.split(";")[0]:  # e.g. curl -d's form type
+        if param is None and content_type and "json" not in content_type.split(";")[0].lower():  # curl -d's form type
             msg = f"send the body as JSON with 'Content-Type: application/json' (this request's is {content_type!r})"
         return JSONResponse(error_body(msg, "invalid_request_error", param, "invalid_value"), status_code=400)
 
@@ -77,9 +77,10 @@ def install(app: FastAPI) -> None:
         message, type_, code = {
             404: (f"no such route: {where} (the API is described at /docs)", "not_found_error", "unknown_route"),
             405: (f"method not allowed: {where}", "invalid_request_error", "method_not_allowed"),
-            # FastAPI's only 400: a body json.loads could not even decode (not UTF-8)
-            400: ("the request body is not valid JSON (it must be UTF-8 text)", "invalid_request_error",
-                  "invalid_value"),
+            # FastAPI's own 400: json.loads raised something other than a JSON syntax error (bytes that are not
+            # UTF-8, nesting deeper than the parser goes)
+            400: ("the request body could not be read as JSON (it must be UTF-8 text, nested at most a few hundred "
+                  "levels deep)", "invalid_request_error", "invalid_value"),
         }.get(err.status_code, (str(err.detail), "invalid_request_error", None))
         return JSONResponse(error_body(message, type_, None, code), status_code=err.status_code,
                             headers=getattr(err, "headers", None))

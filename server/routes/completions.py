@@ -27,7 +27,7 @@ def _sse(obj: object) -> str:
 
 
 @router.post("/v1/chat/completions", include_in_schema=False)
-async def chat_completions() -> None:
+async def chat_completions(_owner: str | None = Depends(owner)) -> None:  # a key first, as on every /v1 route
     raise UnsupportedEndpoint("this is not a chat model and thus not supported in the v1/chat/completions "
                               "endpoint: txlserve serves a base language model, use v1/completions with a prompt",
                               param="model")
@@ -40,9 +40,8 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
     comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
     if req.echo:
         comp.text = req.prompt
-    runs: list[Run] = []
-    async with cancel_on_disconnect(request.receive, lambda: runs[0] if runs else None, rt.metrics.disconnects.inc):
-        run, first = await open_run(rt, req, who, started=runs.append)
+    async with cancel_on_disconnect(request.receive, rt.metrics.disconnects.inc) as attach:
+        run, first = await open_run(rt, req, who, started=attach)
         if not req.stream:
             async for item in events(run, first):
                 if isinstance(item, TokenEvent):

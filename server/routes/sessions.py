@@ -39,7 +39,8 @@ def session_object(rt: Runtime, info: SessionInfo) -> SessionObject:
 
 async def _final(request: Request, run: Run) -> Final:
     """The run's Final (its PromptScores, when asked for, kept on ``run.scores``)."""
-    async with cancel_on_disconnect(request.receive, lambda: run):
+    async with cancel_on_disconnect(request.receive) as attach:
+        attach(run)
         item = await first_item(run)
         while not isinstance(item, Final):
             if isinstance(item, PromptScores):

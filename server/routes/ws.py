@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from model.engine import TokenEvent
-from server.completion import Completion, events, open_run
+from server.completion import Completion, events, start
 from server.deps import ws_owner
 from server.errors import classify, error_body, stream_error, validation_message
 from server.protocol import CompletionRequest
 from server.scheduler import PromptScores
+from server.service import Final, Run
 
 router = APIRouter()
 
@@ -63,6 +65,12 @@ async def completions_ws(ws: WebSocket) -> None:
         gauge.dec()
 
 
+async def _items(run: Run) -> AsyncIterator[PromptScores | TokenEvent | Final]:
+    """The run's events from its first one on (an error it ends with raised here)."""
+    async for item in events(run, await run.events.get()):
+        yield item
+
+
 def _parse(raw: str | bytes) -> tuple[dict | None, dict | None]:
     """(message, None), or (None, the error event that answers a frame that is no JSON object)."""
     if isinstance(raw, bytes):
@@ -90,7 +98,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
     rt = ws.app.state.runtime
     try:
         req = CompletionRequest.model_validate({**msg, "stream": True})
-        run, first = await open_run(rt, req, who)
+        run = await start(rt, req, who)
     except ValidationError as err:
         await ws.send_json(_invalid(*validation_message(err)))
         return
@@ -98,12 +106,13 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
         await ws.send_json({"type": "error", **stream_error(err)})
         return
     comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
+    echo = req.echo and run.prompt_logprobs is None and bool(req.prompt)  # sent with the first event, not before
     if req.echo:
         comp.text = req.prompt
-        if run.prompt_logprobs is None and req.prompt:
-            await ws.send_json(comp.delta(req.prompt, None).dump())
     answered = False
-    stream = events(run, first).__aiter__()
+    # the inbox is read from the start: a cancel (or a client that leaves) while the prompt is being read stops
+    # it there, and nothing is stored, as over HTTP
+    stream = _items(run).__aiter__()
     next_item = asyncio.ensure_future(stream.__anext__())
     next_msg = asyncio.ensure_future(inbox.get())
     try:
@@ -131,6 +140,9 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
             except Exception as err:
                 await ws.send_json({"type": "error", **stream_error(err)})
                 return
+            if echo:
+                await ws.send_json(comp.delta(req.prompt, None).dump())
+                echo = False
             if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores first
                 await ws.send_json(comp.delta(req.prompt, comp.add_prompt(run.ids, item)).dump())
             elif isinstance(item, TokenEvent):

@@ -101,11 +101,16 @@ def test_unparseable_bodies_and_huge_ids_get_messages_that_say_what_to_do(server
                    headers={"content-type": "application/json"})
     err = r.json()["error"]
     assert r.status_code == 400 and "UTF-8" in err["message"] and err["code"] == "invalid_value", err
+    nested = b'{"model": "txl-test", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # deeper than json goes
+    r = httpx.post(server.url + "/v1/completions", content=nested, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"], r.text
     r = httpx.post(server.url + "/v1/completions", content=b'{"model": "txl-test", "prompt": "a"}',
-                   headers={"content-type": "application/x-www-form-urlencoded"})  # what curl -d sends
+                   headers={"content-type": "Application/X-WWW-Form-URLEncoded"})  # what curl -d sends
     err = r.json()["error"]
     assert r.status_code == 400 and "Content-Type: application/json" in err["message"], err
-    assert "x-www-form-urlencoded" in err["message"]
+    assert "X-WWW-Form-URLEncoded" in err["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b"[1]", headers={"content-type": "Application/JSON"})
+    assert r.status_code == 400 and "Content-Type" not in r.json()["error"]["message"], r.text  # it is JSON
     r = httpx.get(server.url + "/v1/sessions/" + "s" * 60_000)
     err = r.json()["error"]
     assert r.status_code == 404 and "60000 characters" in err["message"] and len(err["message"]) < 200, err

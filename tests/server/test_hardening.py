@@ -294,10 +294,12 @@ def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Pat
     assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 3, r.stderr
 
 
-@pytest.mark.parametrize("argv", [["serve", "--port", "70000"], ["serve", "--checkpoint", "/nope/nothing"],
-                                  ["serve", "--api-keys", " "], ["generate", "--threads", "0", "--prompt", "x"],
-                                  ["eval", "--threads", "0", "--checkpoint", "x", "--data", "x"]])
-def test_a_bad_setting_is_refused_before_torch_loads(argv):
+@pytest.mark.parametrize("argv,needle", [
+    (["serve", "--port", "70000"], "port"),
+    (["serve", "--port", "0", "--checkpoint", "/nope/nothing"], "does not exist"),
+    (["serve", "--api-keys", " "], "API key"), (["generate", "--threads", "0", "--prompt", "x"], "threads"),
+    (["eval", "--threads", "0", "--checkpoint", "x", "--data", "x"], "threads")])
+def test_a_bad_setting_is_refused_before_torch_loads(argv, needle):
     import subprocess
     import sys
 
@@ -306,6 +308,7 @@ def test_a_bad_setting_is_refused_before_torch_loads(argv):
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr)
     assert r.stderr.startswith("txlserve: error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert needle in r.stderr, r.stderr
 
 
 def test_enforce_eager_is_a_flag_and_an_environment_variable():

@@ -248,3 +248,44 @@ def test_shutdown_during_append_is_503_not_success(own_server, server):
     t.join(60)
     assert result["status"] == 503, result
     assert httpx.get(f"{server.url}/v1/sessions/{sid}").json()["tokens_seen"] == len("Start ")  # same Redis
+
+
+def test_a_client_gone_before_its_run_starts_commits_nothing(server):
+    """The whole request sent, the connection closed at once: the disconnect can arrive while the prompt is
+    still being tokenized, before the run exists; the run must still be cancelled before its prompt joins."""
+    import socket
+
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Gone "}).json()["id"]
+    left = _requests_counted(server, 499)
+    body = json.dumps({"model": MODEL, "prompt": "g" * 100_000, "max_tokens": 5, "stream": True,
+                       "session_id": sid}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head + body)
+    deadline = time.monotonic() + 60
+    while _requests_counted(server, 499) == left:
+        assert time.monotonic() < deadline, "the request was never counted as a client that left"
+        time.sleep(0.05)  # poll, bounded by the deadline
+    assert settled(server, sid)["tokens_seen"] == len("Gone ")  # its prompt never joined the session
+
+
+def test_websocket_cancel_or_leave_while_the_prompt_is_read_stores_nothing(server):
+    from websockets.sync.client import connect
+
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Kept "}).json()["id"]
+    create = {"type": "completion.create", "model": MODEL, "prompt": "w" * 300_000, "max_tokens": 5,
+              "session_id": sid}
+    with connect(server.url.replace("http://", "ws://") + "/v1/ws", max_size=None) as conn:
+        conn.send(json.dumps(create))
+        conn.send(json.dumps({"type": "cancel"}))  # long before 300,000 tokens can be read
+        reply = json.loads(conn.recv(timeout=60))
+        assert reply["type"] == "error" and reply["status"] == 499, reply
+        assert reply["error"]["code"] == "request_cancelled"
+        conn.send(json.dumps({**create, "prompt": " more", "max_tokens": 2}))  # the connection goes on
+        while (reply := json.loads(conn.recv(timeout=60)))["type"] != "completion.done":
+            assert reply["type"] == "completion.delta", reply
+    assert settled(server, sid)["tokens_seen"] == len("Kept  more") + 2
+    with connect(server.url.replace("http://", "ws://") + "/v1/ws") as conn:
+        conn.send(json.dumps(create))
+    assert settled(server, sid)["tokens_seen"] == len("Kept  more") + 2  # left while it was read: nothing stored

@@ -50,6 +50,7 @@ def keyed(checkpoint, redis_url, tmp_path_factory):
 def test_api_keys_guard_what_the_readme_says_and_nothing_else(keyed):
     for method, path, body in (("GET", "/v1/models", None), ("GET", "/v1/sessions", None),
                                ("POST", "/v1/sessions", {}), ("POST", "/v1/completions", {"prompt": "x"}),
+                               ("POST", "/v1/chat/completions", {}),
                                ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]})):
         assert httpx.request(method, keyed.url + path, json=body).status_code == 401, path
     for path in ("/health", "/ready", "/metrics", "/docs", "/openapi.json", "/"):  # probes, scrapes, the page

@@ -167,7 +167,11 @@ function startContinue() {
     type: "completion.create", model: state.model, prompt, session_id: state.selected,
     max_tokens: Number($("max-tokens").value), temperature: Number($("temperature").value),
     top_p: Number($("top-p").value), top_k: Number($("top-k").value) }));
+  // a socket's handlers act only while it is the current one: the previous stream's socket may report its
+  // close after this one started, and must not mark this one stopped (its cancel button disabled)
+  const current = () => state.socket === socket;
   socket.onmessage = (event) => {
+    if (!current()) return;
     const msg = JSON.parse(event.data);
     if (msg.type === "completion.delta") { gen.textContent += msg.text; out.scrollTop = out.scrollHeight; return; }
     if (msg.type === "completion.done") {
@@ -178,8 +182,10 @@ function startContinue() {
     }
     setRunning(false); socket.close(); refreshSelected(); refreshList();
   };
-  socket.onerror = () => { showError("the WebSocket connection failed"); setRunning(false); };
-  socket.onclose = () => { if (state.running) { setRunning(false); $("finish").textContent = "connection closed"; } };
+  socket.onerror = () => { if (current()) { showError("the WebSocket connection failed"); setRunning(false); } };
+  socket.onclose = () => {
+    if (current() && state.running) { setRunning(false); $("finish").textContent = "connection closed"; }
+  };
 }
 
 function cancel() {

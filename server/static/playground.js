@@ -1,7 +1,7 @@
 // The txlserve playground: plain JavaScript over the public API (no build step, no CDN).
 "use strict";
 const $ = (id) => document.getElementById(id);
-const state = { model: null, selected: null, socket: null, running: false };
+const state = { model: null, selected: null, socket: null, running: false, scrolling: false };
 
 function key() { return $("api-key").value.trim(); }
 
@@ -173,7 +173,14 @@ function startContinue() {
   socket.onmessage = (event) => {
     if (!current()) return;
     const msg = JSON.parse(event.data);
-    if (msg.type === "completion.delta") { gen.textContent += msg.text; out.scrollTop = out.scrollHeight; return; }
+    if (msg.type === "completion.delta") {  // a text node per delta (O(1), where textContent += copies it all)
+      gen.append(msg.text);  // and one scroll per frame: the page keeps up with a fast stream, so cancel is prompt
+      if (!state.scrolling) {
+        state.scrolling = true;
+        requestAnimationFrame(() => { state.scrolling = false; out.scrollTop = out.scrollHeight; });
+      }
+      return;
+    }
     if (msg.type === "completion.done") {
       $("finish").textContent = `finish_reason: ${msg.finish_reason}, ${msg.usage.completion_tokens} tokens`;
     } else if (msg.type === "error") {

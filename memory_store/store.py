@@ -347,7 +347,7 @@ class MemoryStore:
             token = secrets.token_hex(16)
             status, raw = await self._redis.acquire(session_id, owner, token)
             if status == "NOT_FOUND":
-                raise SessionNotFound(f"session {shown(session_id)} not found")
+                raise SessionNotFound(f"session {session_id!r} not found")
             if status == "BUSY":
                 raise SessionBusy(f"session {session_id!r} is in use by another request")
             if status == "CORRUPT":
@@ -414,7 +414,7 @@ class MemoryStore:
                 release=release,
             )
             if status == "NOT_FOUND":
-                raise SessionNotFound(f"session {shown(lease.session_id)} was deleted")
+                raise SessionNotFound(f"session {lease.session_id!r} was deleted")
             if status == "LEASE_LOST":
                 raise SessionConflict(f"the lease on session {lease.session_id!r} expired or was taken")
             if status != "OK":
@@ -458,14 +458,14 @@ class MemoryStore:
         if raw is None:
             self.metrics.redis_misses += 1
             self._hot.discard(session_id)
-            raise SessionNotFound(f"session {shown(session_id)} not found")
+            raise SessionNotFound(f"session {session_id!r} not found")
         try:
             header = codec.decode_header(raw)
         except SessionCorrupt:
             self._hot.discard(session_id)
             raise
         if header.owner != owner:
-            raise SessionNotFound(f"session {shown(session_id)} not found")
+            raise SessionNotFound(f"session {session_id!r} not found")
         if compatible:
             codec.check_compatible(header, self.identity)
         return header
@@ -551,7 +551,7 @@ def shown(session_id: object) -> str:
 
 def _checked_id(session_id: str) -> str:
     """An id that could not have been issued names no session (and must not reach a Redis key)."""
-    if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
+    if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):  # whatever a client sent
         raise SessionNotFound(f"session {shown(session_id)} not found")
     return session_id
 

@@ -224,7 +224,7 @@ async def events(run: Run, first: Any) -> AsyncIterator[PromptScores | TokenEven
 
 
 async def open_run(rt: Runtime, req: CompletionRequest, owner: str | None,
-                   started: Callable[[Run], None] = lambda run: None) -> tuple[Run, Any]:
+                   started: Callable[[Run], None]) -> tuple[Run, Any]:
     run = await start(rt, req, owner)
     started(run)
     try:

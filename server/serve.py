@@ -17,7 +17,6 @@ import uvicorn
 
 from model.threads import set_threads
 from server.app import build_app
-from server.listen import bind
 from server.runtime import close_runtime, open_runtime
 from server.settings import Settings
 
@@ -62,14 +61,11 @@ def install_redaction(settings: Settings) -> None:
         logging.getLogger(name).addFilter(redact)
 
 
-def serve(settings: Settings, sock: socket.socket | None = None) -> int:
-    """Run the server until it is stopped, on ``sock`` if the caller bound it already (see ``server.listen``)."""
+def serve(settings: Settings, sock: socket.socket) -> int:
+    """Run the server until it is stopped, on ``sock``, bound by the caller before anything heavy was imported
+    (``server.listen``); the caller closes it."""
     set_threads(settings.threads)
-    sock = sock or bind(settings.host, settings.port)
-    try:
-        return asyncio.run(_serve(settings, sock))
-    finally:
-        sock.close()
+    return asyncio.run(_serve(settings, sock))
 
 
 async def _serve(settings: Settings, sock: socket.socket) -> int:

@@ -23,9 +23,9 @@ are translated into these at the package boundary that meets them. This module i
     ├── PayloadTooLarge             state/body over a configured limit  413  invalid_request_error
     ├── SessionCorrupt              stored payload fails validation     422  invalid_request_error
     ├── Overloaded                  queue full                          429  rate_limit_error
-    ├── RequestCancelled            the client left before its text     499  invalid_request_error
-    │                               was read (nginx's status: logs
-    │                               and metrics only, nobody hears it)
+    ├── RequestCancelled            left or cancelled before its text   499  invalid_request_error
+    │                               was read (nginx's status; over
+    │                               HTTP only logs and metrics see it)
     ├── StoreUnavailable            Redis unreachable / timed out       503  service_unavailable_error
     └── Unavailable                 starting, draining, or shut down    503  service_unavailable_error
 

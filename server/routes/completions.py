@@ -41,7 +41,7 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
     if req.echo:
         comp.text = req.prompt
     async with cancel_on_disconnect(request.receive, rt.metrics.disconnects.inc) as attach:
-        run, first = await open_run(rt, req, who, started=attach)
+        run, first = await open_run(rt, req, who, attach)
         if not req.stream:
             async for item in events(run, first):
                 if isinstance(item, TokenEvent):

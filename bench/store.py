@@ -1,4 +1,5 @@
-"""Memory-store latency: put, and get from the hot tier or from Redis, for a large and a small state.
+"""Memory-store latency: put, and get from the hot tier or from Redis, for a large and a small state; and a
+request's commit that appended tokens (only their rows written) against the same commit written whole.
 
 The large state is what a 12-layer, d_model 512 model keeps for 1600 memory
 tokens in bf16 (~20 MB); the small one is the same model's 32 tokens. With no
@@ -60,6 +61,7 @@ async def _measure(url: str | None, data_dir: str, mem_tokens: int, iters: int) 
         get_redis = await _time(lambda: cold.get(session_id), iters)
         assert hot.metrics.hot_hits >= iters and cold.metrics.redis_hits >= iters
         await hot.delete(session_id)
+        commits = await _commits(hot, mem_tokens, iters)
     return {
         "shape": [N_LAYER, mem_tokens, D_MODEL],
         "dtype": str(DTYPE).removeprefix("torch."),
@@ -67,7 +69,40 @@ async def _measure(url: str | None, data_dir: str, mem_tokens: int, iters: int) 
         "put": _stats(put, nbytes),
         "get_hot": _stats(get_hot, nbytes),
         "get_redis": _stats(get_redis, nbytes),
+        **commits,
     }
+
+
+async def _commits(store: MemoryStore, mem_tokens: int, iters: int) -> dict[str, Any]:
+    """A session that reads ``append`` more tokens per request, committed as the server commits it (lease,
+    write, release in one round trip), alternately with ``appended=True`` and written whole."""
+    append = max(1, min(64, mem_tokens // 2))
+    doc = torch.randn(N_LAYER, mem_tokens + append * (2 * iters + 4), D_MODEL).to(DTYPE)  # [n_layer, tokens, d]
+    seen = mem_tokens
+    session_id = (await store.create(tensors={"mems": doc[:, :seen]}, mem_len=mem_tokens,
+                                     tokens_seen=seen)).session_id
+
+    async def commit(appended: bool) -> None:
+        nonlocal seen
+        async with store.lease(session_id, tensors=False) as lease:
+            seen += append
+            await store.commit(lease, {"mems": doc[:, seen - mem_tokens:seen]}, tokens_seen=seen,
+                               mem_len=mem_tokens, release=True, appended=appended)
+
+    samples: dict[bool, list[float]] = {True: [], False: []}
+    for appended in (True, False):
+        await commit(appended)  # warm-up
+    for _ in range(iters):
+        for appended in (True, False):
+            start = time.perf_counter()
+            await commit(appended)
+            samples[appended].append(time.perf_counter() - start)
+    await store.delete(session_id)
+    rows = N_LAYER * append * D_MODEL * doc.element_size()
+    whole, part = _stats(samples[False], N_LAYER * mem_tokens * D_MODEL * doc.element_size()), _stats(samples[True],
+                                                                                                       rows)
+    return {"append_tokens": append, "commit_whole": whole, "commit_appended": part,
+            "appended_speedup": whole["p50_ms"] / part["p50_ms"]}
 
 
 def parsers(url: str | None, data_dir: str, mem_tokens: int, iters: int) -> dict[str, Any]:
@@ -78,7 +113,7 @@ def parsers(url: str | None, data_dir: str, mem_tokens: int, iters: int) -> dict
     from redis.utils import HIREDIS_AVAILABLE
 
     from memory_store.embedded import EmbeddedRedis
-    from memory_store.redis_tier import session_key
+    from memory_store.redis_tier import ring_key
 
     async def go(url: str) -> dict[str, Any]:
         identity = ModelIdentity("bench-store", N_LAYER, D_MODEL)
@@ -86,11 +121,11 @@ def parsers(url: str | None, data_dir: str, mem_tokens: int, iters: int) -> dict
         async with MemoryStore.from_url(url, identity=identity, data_dir=data_dir, hot_cache_mb=0,
                                         max_payload_mb=64) as store:
             sid = (await store.create(tensors=state, mem_len=mem_tokens)).session_id
-            out: dict[str, Any] = {"payload_mb": state["mems"].nbytes / 1e6, "hiredis_installed": HIREDIS_AVAILABLE}
+            out: dict[str, Any] = {"memory_mb": state["mems"].nbytes / 1e6, "hiredis_installed": HIREDIS_AVAILABLE}
             kinds = {"python": _AsyncRESP2Parser, **({"hiredis": _AsyncHiredisParser} if HIREDIS_AVAILABLE else {})}
             for name, parser in kinds.items():
                 client = redis.asyncio.Redis.from_url(url, parser_class=parser)
-                samples = await _time(lambda c=client: c.hget(session_key(sid), "payload"), iters)
+                samples = await _time(lambda c=client: c.get(ring_key(sid)), iters)
                 await client.aclose()
                 out[f"{name}_read_ms"] = statistics.median(samples) * 1e3
             if HIREDIS_AVAILABLE:

@@ -5,7 +5,7 @@ async with MemoryStore.from_url(url, identity=identity) as store:
     async with store.lease(info.session_id, owner=owner) as lease:
         mems = lease.session.mems
         ...
-        await store.commit(lease, {"mems": new_mems}, tokens_seen=n)
+        await store.commit(lease, {"mems": new_mems}, tokens_seen=n, appended=True)  # writes only new rows
 """
 
 from memory_store.codec import ModelIdentity

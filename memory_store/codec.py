@@ -16,12 +16,21 @@ int32), from which any model with the same tokenizer can rebuild it. ``window``
 (the cold tier): the token window alone, a few bytes per token, whatever the
 model's size. Records in the window form are written as format 2, so a server
 that predates them refuses them as too new instead of misreading them.
+
+Since format 3 a state record's ``mems`` are not in the payload but in a raw
+**ring** beside it: ``[n_layer, mem_len, d_model]`` in the header's dtype,
+little-endian; its ``mem_rows`` rows are the positions before ``tokens_seen``,
+the row of position p at slot ``p % mem_len`` (other slots unused). A request
+that appended n < mem_len tokens then rewrites only their rows
+(:func:`ring_patch`), not the whole memory: the hidden states of past tokens
+never change, and a memory's size does not depend on the document's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +40,8 @@ import torch
 
 from txlserve.errors import InvalidRequestError, PayloadTooLarge, SessionCorrupt, SessionIncompatible
 
-FORMAT_VERSION = 2  # the newest this code reads; a ``state`` record is still written as 1
+FORMAT_VERSION = 3  # the newest this code reads and the version of every state record it writes
+RING_FORMAT = 3  # state records from this version on keep their mems in the ring
 MEMS = "mems"
 WINDOW = "window"
 STATE_FORM, WINDOW_FORM = "state", "window"
@@ -77,6 +87,7 @@ class Header:
     form: str = STATE_FORM  # "state" | "window"
     tokenizer: str = ""
     window_tokens: int = 0  # how many of its last tokens the record holds (0: none, a session from before windows)
+    mem_rows: int = 0  # rows of mems in the ring (format 3)
 
 
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
@@ -94,7 +105,8 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "metadata": (dict,),
     "payload_bytes": (int,),
 }
-_OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"form": (str,), "tokenizer": (str,), "window_tokens": (int,)}
+_OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"form": (str,), "tokenizer": (str,), "window_tokens": (int,),
+                                                 "mem_rows": (int,)}
 
 
 def is_hot_only(name: str) -> bool:
@@ -173,12 +185,13 @@ def form_of(tensors: Mapping[str, torch.Tensor]) -> str:
 
 
 def encode_payload(tensors: Mapping[str, torch.Tensor], *, max_bytes: int) -> bytes:
-    """safetensors bytes of the persisted tensors; CPU-bound, so callers run it in a thread."""
+    """safetensors bytes of the persisted tensors but ``mems`` (which go to the ring: :func:`encode_ring`);
+    CPU-bound, so callers run it in a thread."""
     kept = persisted(tensors)
     size = state_nbytes(kept)
     if size > max_bytes:
         raise PayloadTooLarge(f"session state is {size} bytes, over the {max_bytes}-byte limit")
-    payload = safetensors.torch.save(_for_save(kept))
+    payload = safetensors.torch.save(_for_save({name: t for name, t in kept.items() if name != MEMS}))
     if len(payload) > max_bytes:
         raise PayloadTooLarge(f"session payload is {len(payload)} bytes, over the {max_bytes}-byte limit")
     return payload
@@ -196,6 +209,75 @@ def _for_save(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         seen.add(key)
         out[name] = t
     return out
+
+
+_RING_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
+
+
+def ring_nbytes(header: Header) -> int:
+    """Bytes of the record's ring (0 for a record without one)."""
+    if header.form != STATE_FORM or header.format_version < RING_FORMAT or header.dtype not in _RING_DTYPES:
+        return 0
+    return header.n_layer * header.mem_len * header.d_model * _RING_DTYPES[header.dtype].itemsize
+
+
+def record_nbytes(header: Header) -> int:
+    """What the record occupies in Redis: its payload and its ring."""
+    return header.payload_bytes + ring_nbytes(header)
+
+
+def ring_slots(tokens_seen: int, rows: int, mem_len: int) -> torch.Tensor:
+    """The ring slots of ``rows`` positions before ``tokens_seen``, oldest first (distinct: rows <= mem_len)."""
+    return torch.arange(tokens_seen - rows, tokens_seen).remainder(max(mem_len, 1))  # [rows]
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def encode_ring(mems: torch.Tensor, *, tokens_seen: int, mem_len: int) -> bytes:
+    """The ring bytes of ``mems [n_layer, m, d_model]`` (oldest first) after ``tokens_seen`` tokens."""
+    ring = torch.zeros(mems.size(0), mem_len, mems.size(2), dtype=mems.dtype)  # [n_layer, mem_len, d_model]
+    ring[:, ring_slots(tokens_seen, mems.size(1), mem_len)] = mems.detach().to("cpu")
+    return _raw(ring)
+
+
+def ring_patch(mems: torch.Tensor, *, before: int, tokens_seen: int,
+               mem_len: int) -> tuple[list[tuple[int, bytes]], int] | None:
+    """The (byte offset, bytes) runs that turn the ring of the same session after ``before`` tokens into the
+    ring of ``mems [n_layer, m, d_model]`` (oldest first) after ``tokens_seen`` (the appended tokens' rows, at
+    most two runs per layer: the ring wraps), and how many rows the stored ring must hold for them to apply.
+    None when no patch is smaller than the ring (n >= mem_len)."""
+    n = tokens_seen - before
+    if n < 0 or n >= mem_len or n > mems.size(1):
+        return None
+    row = mems.size(2) * mems.element_size()
+    new = mems.detach().to("cpu")[:, mems.size(1) - n:]  # [n_layer, n, d_model]
+    start = before % mem_len
+    first = min(n, mem_len - start)
+    runs = [(start, 0, first)] + ([(0, first, n)] if n > first else [])  # (slot, rows from, rows to)
+    return [((layer * mem_len + slot) * row, _raw(new[layer, a:b]))
+            for layer in range(new.size(0)) for slot, a, b in runs if b > a], mems.size(1) - n
+
+
+def decode_ring(raw: bytes | None, header: Header) -> torch.Tensor:
+    """``mems [n_layer, m, d_model]`` (oldest first) of a ring that must agree with its header."""
+    if raw is None:
+        raise SessionCorrupt("session memory is missing (its ring key is gone)")
+    if header.dtype not in _RING_DTYPES:
+        raise SessionCorrupt(f"session header declares dtype {header.dtype!r}, which no memory is stored in")
+    if len(raw) != ring_nbytes(header):
+        raise SessionCorrupt(f"session memory is {len(raw)} bytes, its header declares {ring_nbytes(header)}")
+    shape = (header.n_layer, header.mem_len, header.d_model)
+    if not raw:
+        ring = torch.zeros(shape, dtype=_RING_DTYPES[header.dtype])
+    else:
+        with warnings.catch_warnings():  # read-only bytes: the rows are copied out below, never written
+            warnings.simplefilter("ignore", UserWarning)
+            ring = torch.frombuffer(raw, dtype=_RING_DTYPES[header.dtype]).view(shape)
+    slots = ring_slots(header.tokens_seen, header.mem_rows, header.mem_len)  # [mem_rows]
+    return ring[:, slots]  # [n_layer, mem_rows, d_model], a copy
 
 
 def encode_header(header: Header) -> bytes:
@@ -227,6 +309,8 @@ def decode_header(raw: bytes) -> Header:
         doc[name] = value
     if doc["form"] not in (STATE_FORM, WINDOW_FORM) or not 0 <= doc["window_tokens"] <= doc["tokens_seen"]:
         raise SessionCorrupt(f"session header has form {doc['form']!r} with {doc['window_tokens']} window tokens")
+    if not 0 <= doc["mem_rows"] <= doc["mem_len"]:
+        raise SessionCorrupt(f"session header declares {doc['mem_rows']} rows of a {doc['mem_len']}-slot memory")
     # Older servers stored lone surrogates, which no response can carry: keep such a session readable.
     doc["metadata"] = json.loads(json.dumps(doc["metadata"], ensure_ascii=False).encode("utf-8", "replace"))
     return Header(**{name: doc[name] for name in (*_FIELD_TYPES, *_OPTIONAL_FIELDS)})
@@ -254,8 +338,9 @@ def check_compatible(header: Header, identity: ModelIdentity) -> str:
     )
 
 
-def decode_payload(payload: bytes, header: Header) -> dict[str, torch.Tensor]:
-    """CPU tensors of a payload that must agree with its header; CPU-bound, run it in a thread."""
+def decode_payload(payload: bytes, header: Header, ring: bytes | None = None) -> dict[str, torch.Tensor]:
+    """CPU tensors of a payload (and, since format 3, its ring) that must agree with its header; CPU-bound,
+    run it in a thread."""
     if len(payload) != header.payload_bytes:
         raise SessionCorrupt(f"session payload is {len(payload)} bytes, its header declares {header.payload_bytes}")
     try:
@@ -272,6 +357,10 @@ def decode_payload(payload: bytes, header: Header) -> dict[str, torch.Tensor]:
         if MEMS in tensors:
             raise SessionCorrupt(f"a window-form session payload holds {MEMS!r}")
         return tensors
+    if header.format_version >= RING_FORMAT:
+        if MEMS in tensors:
+            raise SessionCorrupt(f"a format-{header.format_version} session payload holds {MEMS!r}")
+        tensors[MEMS] = decode_ring(ring, header)
     mems = tensors.get(MEMS)
     if mems is None:
         raise SessionCorrupt(f"session payload has no {MEMS!r} tensor")

@@ -4,6 +4,7 @@ Layout (every key carries a hash tag, so a session and its lease share one Redis
 Cluster slot and a script may touch both)::
 
     txl:{<session id>}          hash: header (JSON), payload (safetensors bytes)
+    txl:{<session id>}:ring     string: the memory's raw ring (format 3, :mod:`memory_store.codec`)
     txl:{<session id>}:lease    string: the holder's random token, PX lease_ttl_ms
     txl:owner:{<owner hash>}    sorted set: session id -> created_at in ms
 
@@ -26,6 +27,7 @@ import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import redis.asyncio
 import redis.exceptions
@@ -40,29 +42,61 @@ log = logging.getLogger(__name__)
 ANY_VERSION = "*"
 ABSENT = -1
 
-# Compare-and-set write. ARGV[1] is the version the caller read ('-1': must not
-# exist, '*': overwrite whatever is there); ARGV[2] the lease token that must
-# still be held ('' when the write is not under a lease); ARGV[7] '1' gives the
-# lease back with the write (a request's last write: one round trip, not two).
+# Compare-and-set write. KEYS: the session, its lease, its ring. ARGV[1] is the
+# version the caller read ('-1': must not exist, '*': overwrite whatever is
+# there); ARGV[2] the lease token that must still be held ('' when the write is
+# not under a lease); ARGV[7] '1' gives the lease back with the write (a
+# request's last write: one round trip, not two). ARGV[8] says what becomes of
+# the ring: 'set' to ARGV[9]; 'del'; or 'patch': ARGV[9..15] are the format,
+# fingerprint, dtype, mem_len, tokens_seen, least rows and ring length the stored
+# record must have (the state the patch was computed against), then (offset,
+# bytes) pairs; a record that does not match is left alone: 'RESHAPE', and the
+# caller writes it whole.
 _WRITE = """
 local h = redis.call('HGET', KEYS[1], 'header')
+local doc
+if h then
+  local ok
+  ok, doc = pcall(cjson.decode, h)
+  if not ok or type(doc) ~= 'table' then doc = nil end
+end
 if ARGV[1] ~= '*' then
   local expected = tonumber(ARGV[1])
   if not h then
     if expected >= 0 then return 'NOT_FOUND' end
   else
-    local ok, doc = pcall(cjson.decode, h)
-    if not ok or type(doc) ~= 'table' or type(doc.version) ~= 'number' then return 'CORRUPT' end
+    if not doc or type(doc.version) ~= 'number' then return 'CORRUPT' end
     if doc.version ~= expected then return 'CONFLICT' end
   end
 end
+if ARGV[2] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[2] then return 'LEASE_LOST' end
+if ARGV[8] == 'patch' then
+  if not doc or doc.format_version ~= tonumber(ARGV[9]) or doc.form ~= 'state' or doc.fingerprint ~= ARGV[10]
+     or doc.dtype ~= ARGV[11] or doc.mem_len ~= tonumber(ARGV[12]) or doc.tokens_seen ~= tonumber(ARGV[13])
+     or type(doc.mem_rows) ~= 'number' or doc.mem_rows < tonumber(ARGV[14])
+     or redis.call('STRLEN', KEYS[3]) ~= tonumber(ARGV[15]) then
+    return 'RESHAPE'
+  end
+  for i = 16, #ARGV, 2 do redis.call('SETRANGE', KEYS[3], tonumber(ARGV[i]), ARGV[i + 1]) end
+elseif ARGV[8] == 'set' then
+  redis.call('SET', KEYS[3], ARGV[9])
+else
+  redis.call('DEL', KEYS[3])
+end
 if ARGV[2] ~= '' then
-  if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 'LEASE_LOST' end
   if ARGV[7] == '1' then redis.call('DEL', KEYS[2]) else redis.call('PEXPIRE', KEYS[2], ARGV[6]) end
 end
 redis.call('HSET', KEYS[1], 'header', ARGV[3], 'payload', ARGV[4])
-if ARGV[5] == '0' then redis.call('PERSIST', KEYS[1]) else redis.call('PEXPIRE', KEYS[1], ARGV[5]) end
+for _, key in ipairs({KEYS[1], KEYS[3]}) do
+  if ARGV[5] == '0' then redis.call('PERSIST', key) else redis.call('PEXPIRE', key, ARGV[5]) end
+end
 return 'OK'
+"""
+
+# A record read whole, in one command so that no write lands between its header, payload and ring.
+_READ = """
+local h = redis.call('HMGET', KEYS[1], 'header', 'payload')
+return {h[1], h[2], redis.call('GET', KEYS[2])}
 """
 
 # Take the lease only on an existing session of this owner, so that another
@@ -81,15 +115,18 @@ else
 end
 if not mine then return 'NOT_FOUND' end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'BUSY' end
-if ARGV[5] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[5]) end
+if ARGV[5] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[5]); redis.call('PEXPIRE', KEYS[3], ARGV[5]) end
 return {'OK', h}
 """
 
 # Refresh an idle TTL only once a slice of it has passed: a PEXPIRE is a write,
 # and with appendfsync always every write costs an fsync, which a read must not.
+# KEYS[1] decides; every key given (a session and its ring) is refreshed alike.
 _TOUCH = """
 local left = redis.call('PTTL', KEYS[1])
-if left >= 0 and left < tonumber(ARGV[1]) - tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+if left >= 0 and left < tonumber(ARGV[1]) - tonumber(ARGV[2]) then
+  for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ARGV[1]) end
+end
 return 0
 """
 
@@ -102,6 +139,7 @@ if not h then return 'NOT_FOUND' end
 local ok, doc = pcall(cjson.decode, h)
 if not ok or type(doc) ~= 'table' or doc.version ~= tonumber(ARGV[1]) then return 'CONFLICT' end
 redis.call('HSET', KEYS[1], 'header', ARGV[2], 'payload', ARGV[3])
+redis.call('DEL', KEYS[3])
 return 'OK'
 """
 
@@ -118,6 +156,10 @@ return 0
 
 def session_key(session_id: str) -> str:
     return f"txl:{{{session_id}}}"
+
+
+def ring_key(session_id: str) -> str:
+    return f"txl:{{{session_id}}}:ring"
 
 
 def lease_key(session_id: str) -> str:
@@ -165,6 +207,15 @@ def connect(url: str, *, op_timeout_s: float, max_connections: int = 64) -> redi
     return redis.asyncio.Redis.from_pool(pool)
 
 
+@dataclass(frozen=True)
+class RingPatch:
+    """The rows a commit rewrites in a stored ring, and what the stored record must be for them to apply."""
+
+    guard: tuple[int, str, str, int, int, int, int]  # format, fingerprint, dtype, mem_len, tokens_seen, least rows,
+    # ring length
+    runs: list[tuple[int, bytes]]  # (byte offset, bytes)
+
+
 class RedisTier:
     """Session hashes, leases and owner indexes in one Redis database."""
 
@@ -184,6 +235,7 @@ class RedisTier:
         self._release = client.register_script(_RELEASE)
         self._touch_script = client.register_script(_TOUCH)
         self._demote = client.register_script(_DEMOTE)
+        self._read = client.register_script(_READ)
 
     @contextmanager
     def _translate(self) -> Iterator[None]:
@@ -198,9 +250,9 @@ class RedisTier:
             self._metrics.redis_errors += 1
             raise StoreUnavailable(f"Redis at {self.where} is unavailable: {err}") from err
 
-    def _touch(self, pipe: redis.asyncio.client.Pipeline, key: str) -> None:
+    def _touch(self, pipe: redis.asyncio.client.Pipeline, *keys: str) -> None:
         if self._ttl_ms:
-            pipe.evalsha(self._touch_script.sha, 1, key, self._ttl_ms, self._touch_slack_ms)
+            pipe.evalsha(self._touch_script.sha, len(keys), *keys, self._ttl_ms, self._touch_slack_ms)
 
     async def _pipeline(self, build: Callable[[redis.asyncio.client.Pipeline], None]) -> list:
         """Run a (non-transactional) pipeline whose scripts ``build`` calls by sha. redis-py sends a SCRIPT EXISTS
@@ -214,7 +266,7 @@ class RedisTier:
                 results = await pipe.execute(raise_on_error=False)
             missing = [isinstance(r, redis.exceptions.NoScriptError) for r in results]
             if any(missing):
-                for script in (self._acquire, self._touch_script):
+                for script in (self._acquire, self._touch_script, self._read):
                     await self._client.script_load(script.script)
             if not missing[0] or attempt:
                 break
@@ -230,35 +282,45 @@ class RedisTier:
             await self._client.ping()
 
     async def read(self, session_id: str, owner: str | None, *, payload: bool,
-                   touch: bool = True) -> tuple[bytes | None, bytes | None]:
-        """(header, payload) of a session, refreshing its TTL and its owner's index TTL (unless ``touch`` is
-        False: the cold-tier sweep reads without making a session look used)."""
-        fields = ("header", "payload") if payload else ("header",)
+                   touch: bool = True) -> tuple[bytes | None, bytes | None, bytes | None]:
+        """(header, payload, ring) of a session (only the header unless ``payload``), refreshing its TTL and its
+        owner's index TTL (unless ``touch`` is False: the cold-tier sweep reads without making a session look
+        used)."""
+        record = [session_key(session_id), ring_key(session_id)]
         with self._translate():
             if self._cluster:  # a cluster pipeline cannot carry scripts: the touches run beside the read
-                keys = (session_key(session_id), owner_key(owner)) if touch and self._ttl_ms else ()
-                values, *_ = await asyncio.gather(self._client.hmget(session_key(session_id), fields),
-                                                  *(self._touch_script(keys=[k], args=[self._ttl_ms,
-                                                                                       self._touch_slack_ms])
-                                                    for k in keys))
+                keys = (record, [owner_key(owner)]) if touch and self._ttl_ms else ()
+                read = (self._read(keys=record) if payload
+                        else self._client.hmget(session_key(session_id), ("header",)))
+                values, *_ = await asyncio.gather(read, *(self._touch_script(keys=k, args=[
+                    self._ttl_ms, self._touch_slack_ms]) for k in keys))
             else:
                 def build(pipe: redis.asyncio.client.Pipeline) -> None:
-                    pipe.hmget(session_key(session_id), fields)
+                    if payload:
+                        pipe.evalsha(self._read.sha, len(record), *record)
+                    else:
+                        pipe.hmget(session_key(session_id), ("header",))
                     if touch:
-                        self._touch(pipe, session_key(session_id))
+                        self._touch(pipe, *record)
                         self._touch(pipe, owner_key(owner))
 
                 values = (await self._pipeline(build))[0]
-        return values[0], (values[1] if payload else None)
+        return (values[0], values[1], values[2]) if payload else (values[0], None, None)
 
     async def write(
         self, session_id: str, *, header: bytes, payload: bytes, expected: int | str, token: str = "",
-        release: bool = False,
+        release: bool = False, ring: bytes | None = None, patch: RingPatch | None = None,
     ) -> str:
         """Run the compare-and-set write (and with ``release``, give the lease ``token`` back if it wrote);
-        returns OK, NOT_FOUND, CONFLICT, LEASE_LOST or CORRUPT."""
-        keys = [session_key(session_id), lease_key(session_id)]
+        returns OK, NOT_FOUND, CONFLICT, LEASE_LOST, CORRUPT, or for a ``patch`` RESHAPE (nothing written: the
+        stored record is not the one the patch applies to). The ring becomes ``ring``, or is patched, or (with
+        neither: a record without one) is removed."""
+        keys = [session_key(session_id), lease_key(session_id), ring_key(session_id)]
         args = [str(expected), token, header, payload, self._ttl_ms, self._lease_ttl_ms, "1" if release else "0"]
+        if patch is not None:
+            args += ["patch", *patch.guard, *(x for run in patch.runs for x in run)]
+        else:
+            args += ["del"] if ring is None else ["set", ring]
         with self._translate():
             return (await self._write(keys=keys, args=args)).decode()
 
@@ -330,21 +392,21 @@ class RedisTier:
 
     async def demote(self, session_id: str, *, header: bytes, payload: bytes, expected: int) -> str:
         """Rewrite a session in place if unleased and still at ``expected``: OK, BUSY, NOT_FOUND or CONFLICT."""
-        keys = [session_key(session_id), lease_key(session_id)]
+        keys = [session_key(session_id), lease_key(session_id), ring_key(session_id)]
         with self._translate():
             return (await self._demote(keys=keys, args=[expected, header, payload])).decode()
 
     async def delete(self, session_id: str, owner: str | None) -> bool:
         """Drop a session and its lease (a holder's next commit then fails); True if it existed."""
         with self._translate():
-            removed = await self._client.delete(session_key(session_id), lease_key(session_id))
+            removed = await self._client.delete(session_key(session_id), lease_key(session_id), ring_key(session_id))
             await self._client.zrem(owner_key(owner), session_id)
         return removed > 0
 
     async def acquire(self, session_id: str, owner: str | None, token: str) -> tuple[str, bytes | None]:
         """Try to take the lease: (OK, the session's header), or (BUSY, NOT_FOUND or CORRUPT, None). The owner's
         index TTL is refreshed in the same round trip, as a read refreshes it."""
-        keys = [session_key(session_id), lease_key(session_id)]
+        keys = [session_key(session_id), lease_key(session_id), ring_key(session_id)]
         args = [token, self._lease_ttl_ms, "1" if owner is None else "0", owner or "", self._ttl_ms]
         with self._translate():
             if self._cluster or not self._ttl_ms:  # the index lives in another slot: its touch runs beside

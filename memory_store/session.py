@@ -7,14 +7,14 @@ from typing import Any, Literal
 
 import torch
 
-from memory_store.codec import MEMS, WINDOW_FORM, Header
+from memory_store.codec import MEMS, WINDOW_FORM, Header, record_nbytes
 
 Tier = Literal["hot", "redis", "cold"]
 
 
 @dataclass(frozen=True)
 class SessionInfo:
-    """Header fields of one session; ``bytes`` is the size of its persisted payload.
+    """Header fields of one session; ``bytes`` is the size of its persisted record (payload and memory).
 
     ``tier`` is "hot" when this store holds the current version on its device,
     "redis" when the next ``get`` has to load it, "cold" when Redis holds only its
@@ -43,7 +43,7 @@ class SessionInfo:
             version=header.version,
             tokens_seen=header.tokens_seen,
             mem_len=header.mem_len,
-            bytes=header.payload_bytes,
+            bytes=record_nbytes(header),
             tier="cold" if header.form == WINDOW_FORM and tier != "hot" else tier,
             created_at=header.created_at,
             updated_at=header.updated_at,

@@ -5,7 +5,8 @@ touched, so evicting a hot copy never loses a commit. A hot copy is served
 only while its version equals the one in Redis, which costs one small header
 read per ``get`` and makes several servers over one Redis safe. Leases and
 compare-and-set commits (one Lua script each) let exactly one request at a
-time advance a session.
+time advance a session. A commit that only appended tokens (``appended=True``)
+rewrites only their rows of the stored memory (:func:`codec.ring_patch`).
 
 Ownership is checked on every call: a session of another owner behaves exactly
 like one that does not exist. ``owner=None`` is the anonymous owner, not a
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import re
 import secrets
@@ -34,7 +36,7 @@ from memory_store.embedded import EmbeddedRedis
 from memory_store.hot import HotTier
 from memory_store.lease import Lease, LeaseRequest
 from memory_store.metrics import StoreMetrics
-from memory_store.redis_tier import ABSENT, ANY_VERSION, RedisTier, connect
+from memory_store.redis_tier import ABSENT, ANY_VERSION, RedisTier, RingPatch, connect
 from memory_store.session import Session, SessionInfo
 from txlserve.errors import (
     InvalidRequestError,
@@ -164,7 +166,7 @@ class MemoryStore:
         """Header fields only; no tensors are read."""
         with self.metrics.timed("info"):
             session_id = _checked_id(session_id)
-            raw, _ = await self._redis.read(session_id, owner, payload=False)
+            raw, _, _ = await self._redis.read(session_id, owner, payload=False)
             header = self._header(session_id, raw, owner, compatible=False)
             return self._info(session_id, header)
 
@@ -226,11 +228,11 @@ class MemoryStore:
         with self.metrics.timed("put"):
             if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
                 raise InvalidRequestError("session id must be 1-128 of [A-Za-z0-9_-]", param="session_id")
-            fresh, payload = await self._encode(
+            fresh, payload, ring = await self._encode(
                 tensors, mem_len=mem_len, tokens_seen=tokens_seen, metadata=codec.check_metadata(metadata), owner=owner
             )
             for _ in range(_PUT_ATTEMPTS):
-                raw, _ = await self._redis.read(session_id, owner, payload=False)
+                raw, _, _ = await self._redis.read(session_id, owner, payload=False)
                 header = fresh
                 expected: int | str = ABSENT
                 if raw is not None:
@@ -244,7 +246,7 @@ class MemoryStore:
                         expected = prev.version
                         header = dataclasses.replace(fresh, version=prev.version + 1, created_at=prev.created_at)
                 status = await self._redis.write(
-                    session_id, header=codec.encode_header(header), payload=payload, expected=expected
+                    session_id, header=codec.encode_header(header), payload=payload, expected=expected, ring=ring
                 )
                 if status == "OK":
                     await self._redis.index(owner, session_id, header.created_at)
@@ -267,7 +269,7 @@ class MemoryStore:
         with self.metrics.timed("delete"):
             session_id = _checked_id(session_id)
             try:
-                raw, _ = await self._redis.read(session_id, owner, payload=False)
+                raw, _, _ = await self._redis.read(session_id, owner, payload=False)
                 self._header(session_id, raw, owner, compatible=False)
             except SessionCorrupt:
                 log.warning("deleting corrupt session %s", session_id)
@@ -279,13 +281,13 @@ class MemoryStore:
         on its next use. False, and nothing written, if it is leased, changed meanwhile, already cold, or has
         no window."""
         session_id = _checked_id(session_id)
-        raw, payload = await self._redis.read(session_id, None, payload=True, touch=False)
+        raw, payload, ring = await self._redis.read(session_id, None, payload=True, touch=False)
         if raw is None:
             return False
         header = codec.decode_header(raw)
         if header.form != codec.STATE_FORM or not header.window_tokens:
             return False
-        tensors = await asyncio.to_thread(codec.decode_payload, payload or b"", header)
+        tensors = await asyncio.to_thread(codec.decode_payload, payload or b"", header, ring)
         cold = {codec.WINDOW: tensors[codec.WINDOW]}
         small = await asyncio.to_thread(codec.encode_payload, cold, max_bytes=self.config.max_payload_bytes)
         new = dataclasses.replace(header, form=codec.WINDOW_FORM, format_version=2, payload_bytes=len(small),
@@ -308,7 +310,7 @@ class MemoryStore:
             except (SessionCorrupt, SessionIncompatible):
                 continue
             if header.form == codec.STATE_FORM and header.window_tokens:
-                warm.append((header.updated_at, header.payload_bytes, session_id))
+                warm.append((header.updated_at, codec.record_nbytes(header), session_id))
         warm.sort()
         total, moved = sum(nbytes for _, nbytes, _ in warm), 0
         for updated_at, nbytes, session_id in warm:
@@ -382,6 +384,7 @@ class MemoryStore:
         metadata: Mapping[str, Any] | None = None,
         mem_len: int | None = None,
         release: bool = False,
+        appended: bool = False,
     ) -> SessionInfo:
         """Write a new version if the lease still holds and nobody wrote since it was read.
 
@@ -389,30 +392,35 @@ class MemoryStore:
         ``metadata=None`` keeps the current metadata; ``mem_len=None`` the current
         memory length (a session rebuilt by another model takes that model's).
         ``release=True`` gives the lease back with a successful write, in the same
-        round trip (a failed one keeps it until released).
+        round trip (a failed one keeps it until released). ``appended=True`` says
+        that ``tensors`` are the leased state with tokens appended and its older
+        rows unchanged: only the new rows of the memory are written (the whole
+        memory where the stored record is not one they patch).
         """
         with self.metrics.timed("commit"):
             if lease not in self._leases:
                 raise SessionConflict(f"the lease on session {lease.session_id!r} is not held by this store")
             prev = lease.session.info
             metadata = prev.metadata if metadata is None else codec.check_metadata(metadata)
-            header, payload = await self._encode(
+            mem_len = prev.mem_len if mem_len is None else mem_len
+            header, payload, ring = await self._encode(
                 tensors,
-                mem_len=prev.mem_len if mem_len is None else mem_len,
+                mem_len=mem_len,
                 tokens_seen=tokens_seen,
                 metadata=metadata,
                 owner=prev.owner,
                 version=prev.version + 1,
                 created_at=prev.created_at,
+                ring=not appended,
             )
-            status = await self._redis.write(
-                lease.session_id,
-                header=codec.encode_header(header),
-                payload=payload,
-                expected=prev.version,
-                token=lease.token,
-                release=release,
-            )
+            patch = self._patch(tensors, header, before=prev.tokens_seen) if appended else None
+            write = functools.partial(self._redis.write, lease.session_id, header=codec.encode_header(header),
+                                      payload=payload, expected=prev.version, token=lease.token, release=release)
+            if appended and patch is None:  # more tokens than the ring holds, or no mems: written whole
+                ring = await self._ring(tensors, tokens_seen=tokens_seen, mem_len=mem_len)
+            status = await write(ring=ring, patch=patch)
+            if status == "RESHAPE":  # the stored record is not the state the rows were appended to
+                status = await write(ring=await self._ring(tensors, tokens_seen=tokens_seen, mem_len=mem_len))
             if status == "NOT_FOUND":
                 raise SessionNotFound(f"session {lease.session_id!r} was deleted")
             if status == "LEASE_LOST":
@@ -430,19 +438,41 @@ class MemoryStore:
 
     # -- helpers -----------------------------------------------------------
 
+    def _patch(self, tensors: Mapping[str, torch.Tensor], header: Header, *, before: int) -> RingPatch | None:
+        """The rows a commit of ``header`` appended to a stored state of ``before`` tokens, or None (no patch)."""
+        mems = tensors.get(codec.MEMS)
+        if mems is None:
+            return None
+        patch = codec.ring_patch(mems, before=before, tokens_seen=header.tokens_seen, mem_len=header.mem_len)
+        if patch is None:
+            return None
+        runs, rows = patch
+        guard = (header.format_version, header.fingerprint, header.dtype, header.mem_len, before, rows,
+                 codec.ring_nbytes(header))
+        return RingPatch(guard, runs)
+
+    async def _ring(self, tensors: Mapping[str, torch.Tensor], *, tokens_seen: int, mem_len: int) -> bytes | None:
+        """The whole ring of a state (None for a state without mems), encoded in a thread unless small."""
+        mems = tensors.get(codec.MEMS)
+        if mems is None:
+            return None
+        if mems.nbytes <= codec.INLINE_BYTES:
+            return codec.encode_ring(mems, tokens_seen=tokens_seen, mem_len=mem_len)
+        return await asyncio.to_thread(codec.encode_ring, mems, tokens_seen=tokens_seen, mem_len=mem_len)
+
     async def _load(self, session_id: str, owner: str | None) -> Session:
         if self._hot.version(session_id) is not None:
-            raw, _ = await self._redis.read(session_id, owner, payload=False)
+            raw, _, _ = await self._redis.read(session_id, owner, payload=False)
             header = self._header(session_id, raw, owner)
             entry = self._hot.get(session_id, header.version)
             if entry is not None:
                 self.metrics.hot_hits += 1
                 return Session(SessionInfo.from_header(session_id, header, tier="hot"), entry.tensors)
         self.metrics.hot_misses += 1
-        raw, payload = await self._redis.read(session_id, owner, payload=True)
+        raw, payload, ring = await self._redis.read(session_id, owner, payload=True)
         header = self._header(session_id, raw, owner)
         try:
-            tensors = await asyncio.to_thread(self._decode, payload or b"", header)
+            tensors = await asyncio.to_thread(self._decode, payload or b"", header, ring)
         except SessionCorrupt:
             self._hot.discard(session_id)
             raise
@@ -450,8 +480,8 @@ class MemoryStore:
         self._hot.put(session_id, header.version, tensors)
         return Session(SessionInfo.from_header(session_id, header, tier="redis"), tensors)
 
-    def _decode(self, payload: bytes, header: Header) -> dict[str, torch.Tensor]:
-        return self._on_device(codec.decode_payload(payload, header))
+    def _decode(self, payload: bytes, header: Header, ring: bytes | None) -> dict[str, torch.Tensor]:
+        return self._on_device(codec.decode_payload(payload, header, ring))
 
     def _header(self, session_id: str, raw: bytes | None, owner: str | None, *, compatible: bool = True) -> Header:
         """The decoded header, or the error the caller should see (others' sessions do not exist)."""
@@ -478,12 +508,12 @@ class MemoryStore:
         tokens_seen: int,
         metadata: dict[str, Any],
     ) -> SessionInfo:
-        header, payload = await self._encode(
+        header, payload, ring = await self._encode(
             tensors, mem_len=mem_len, tokens_seen=tokens_seen, metadata=metadata, owner=owner
         )
-        session_id = secrets.token_urlsafe(16)
+        session_id = _new_id()
         status = await self._redis.write(
-            session_id, header=codec.encode_header(header), payload=payload, expected=ABSENT
+            session_id, header=codec.encode_header(header), payload=payload, expected=ABSENT, ring=ring
         )
         if status != "OK":  # 128 random bits: never seen in practice
             raise SessionConflict(f"new session id {session_id!r} already exists")
@@ -500,14 +530,22 @@ class MemoryStore:
         owner: str | None,
         version: int = 1,
         created_at: float | None = None,
-    ) -> tuple[Header, bytes]:
-        """Validate and serialise a state (in a thread: it is CPU-bound) and describe it in a header."""
+        ring: bool = True,
+    ) -> tuple[Header, bytes, bytes | None]:
+        """Validate and serialise a state (in a thread unless small: it is CPU-bound) and describe it in a
+        header: (header, payload, the whole ring unless ``ring`` is False or the state has no mems)."""
         codec.check_state(tensors, identity=self.identity, mem_len=mem_len, tokens_seen=tokens_seen)
-        limit = self.config.max_payload_bytes
+        limit, mems = self.config.max_payload_bytes, tensors.get(codec.MEMS)
+
+        def encode() -> tuple[bytes, bytes | None]:
+            whole = None if mems is None or not ring else codec.encode_ring(mems, tokens_seen=tokens_seen,
+                                                                             mem_len=mem_len)
+            return codec.encode_payload(tensors, max_bytes=limit), whole
+
         if codec.state_nbytes(tensors) <= codec.INLINE_BYTES:
-            payload = codec.encode_payload(tensors, max_bytes=limit)
+            payload, whole = encode()
         else:
-            payload = await asyncio.to_thread(codec.encode_payload, tensors, max_bytes=limit)
+            payload, whole = await asyncio.to_thread(encode)
         now = time.time()
         form, window = codec.form_of(tensors), tensors.get(codec.WINDOW)
         header = Header(
@@ -523,12 +561,13 @@ class MemoryStore:
             updated_at=now,
             metadata=metadata,
             payload_bytes=len(payload),
-            format_version=1 if form == codec.STATE_FORM else 2,
+            format_version=codec.RING_FORMAT if form == codec.STATE_FORM else 2,
             form=form,
             tokenizer=self.identity.tokenizer,
             window_tokens=0 if window is None else window.numel(),
+            mem_rows=0 if mems is None else mems.size(1),
         )
-        return header, payload
+        return header, payload, whole
 
     def _cache(self, session_id: str, header: Header, tensors: dict[str, torch.Tensor]) -> SessionInfo:
         """Put a state just written (already on the device) into the hot tier, if it fits, and describe it."""
@@ -547,6 +586,14 @@ def shown(session_id: object) -> str:
     """An id as an error message quotes it: whatever a client sent, at most ~80 characters of it."""
     text = repr(session_id)
     return text if len(text) <= 80 else f"{text[:64]}... ({len(str(session_id))} characters)"
+
+
+def _new_id() -> str:
+    """128 random bits, URL-safe, never starting with ``-``: an id a command line would take for an option
+    (``txlserve-chat --session -x...`` was an argparse error for one session in 64)."""
+    while (session_id := secrets.token_urlsafe(16)).startswith("-"):
+        pass
+    return session_id
 
 
 def _checked_id(session_id: str) -> str:

@@ -96,9 +96,10 @@ class Run:
                 done, last = await self._schedule(state)
                 window = extend_window(window, self.ids + done.generated, cached, size)
                 if done.tokens_seen != cached or source == "rebuild":  # a rebuilt session is stored warm again
+                    # a restored state only grew: the store writes only the new tokens' rows of its memory
                     info = await rt.store.commit(lease, await self._persisted(done, window),
                                                  tokens_seen=done.tokens_seen, mem_len=rt.engine.mem_len,
-                                                 release=True)
+                                                 release=True, appended=source != "rebuild")
                 rt.hot.put(self.session_id, info.version, done.state, window)
             # the lease is released before the client hears the end, so its next request finds the session free
             await self.events.put(Final(done, last, info, cached, source))

@@ -12,7 +12,7 @@ import redis
 import torch
 
 from memory_store import MemoryStore
-from memory_store.redis_tier import lease_key, session_key
+from memory_store.redis_tier import lease_key, ring_key, session_key
 from tests.memory_store.support import IDENTITY, assert_same, make_state, new_owner
 from txlserve.errors import SessionBusy, SessionConflict, SessionNotFound
 
@@ -46,7 +46,7 @@ async def test_a_session_lives_in_one_slot_and_its_lifecycle_works(stores, redis
     try:
         slots = {cluster.keyslot(session_key(i.session_id)) for i in infos}
         assert all(cluster.keyslot(session_key(i.session_id)) == cluster.keyslot(lease_key(i.session_id))
-                   for i in infos)
+                   == cluster.keyslot(ring_key(i.session_id)) for i in infos)
         owners = {cluster.nodes_manager.get_node_from_slot(s).name for s in slots}
         assert len(owners) > 1  # the sessions are spread over the primaries
     finally:

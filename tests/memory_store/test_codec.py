@@ -6,17 +6,19 @@ import dataclasses
 import json
 
 import pytest
+import safetensors.torch
 import torch
 
 from memory_store import codec
 from memory_store.codec import Header
-from tests.memory_store.support import D_MODEL, IDENTITY, N_LAYER, assert_same, make_state
+from tests.memory_store.support import D_MODEL, IDENTITY, MEM, N_LAYER, assert_same, make_state
 from txlserve.errors import InvalidRequestError, PayloadTooLarge, SessionCorrupt, SessionIncompatible
 
 pytestmark = pytest.mark.timeout(90)
 
 
 def header_for(payload: bytes, dtype: str = "torch.float32", **changes: object) -> Header:
+    """A header for ``payload``; format 1 (mems inside the payload) unless changed."""
     header = Header(
         fingerprint=IDENTITY.fingerprint,
         n_layer=N_LAYER,
@@ -34,27 +36,90 @@ def header_for(payload: bytes, dtype: str = "torch.float32", **changes: object) 
     return dataclasses.replace(header, **changes)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_payload_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
-    state = make_state(dtype=dtype)
-    state["mems"][0, 0, 0] = float("nan")
-    state["extra"] = torch.arange(5, dtype=torch.int64)
+def record(state: dict[str, torch.Tensor], *, tokens_seen: int = MEM, mem_len: int = 8,
+           **changes: object) -> tuple[bytes, bytes, Header]:
+    """(payload, ring, header) of a state as the store writes it (format 3)."""
     payload = codec.encode_payload(state, max_bytes=1 << 20)
-    assert_same(codec.decode_payload(payload, header_for(payload, str(dtype))), state)
+    ring = codec.encode_ring(state["mems"], tokens_seen=tokens_seen, mem_len=mem_len)
+    header = header_for(payload, str(state["mems"].dtype), format_version=codec.RING_FORMAT, tokens_seen=tokens_seen,
+                        mem_len=mem_len, mem_rows=state["mems"].size(1))
+    return payload, ring, dataclasses.replace(header, **changes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "tokens_seen"), [(8, 8), (8, 21), (3, 3), (3, 40), (0, 0), (5, 2)])
+def test_record_round_trip_is_bit_exact(dtype: torch.dtype, rows: int, tokens_seen: int) -> None:
+    state = make_state(rows, dtype=dtype)
+    if rows:
+        state["mems"][0, 0, 0] = float("nan")
+    state["extra"] = torch.arange(5, dtype=torch.int64)
+    payload, ring, header = record(state, tokens_seen=tokens_seen)
+    assert len(ring) == codec.ring_nbytes(header) == N_LAYER * 8 * D_MODEL * state["mems"].element_size()
+    assert b"mems" not in payload  # the memory lives in the ring
+    assert_same(codec.decode_payload(payload, header, ring), state)
+
+
+def test_a_format_1_record_still_reads() -> None:
+    state = make_state()
+    payload = safetensors.torch.save(state)  # as servers before the ring wrote it: mems in the payload
+    assert_same(codec.decode_payload(payload, header_for(payload)), state)
 
 
 def test_hot_only_tensors_are_not_encoded() -> None:
-    state = make_state(hot_only=True)
-    payload = codec.encode_payload(state, max_bytes=1 << 20)
-    assert set(codec.decode_payload(payload, header_for(payload))) == {"mems"}
+    payload, ring, header = record(make_state(hot_only=True))
+    assert set(codec.decode_payload(payload, header, ring)) == {"mems"}
 
 
 def test_views_and_shared_storage_encode() -> None:
     buffer = torch.randn(2 * N_LAYER, 8, D_MODEL)
     state = {"mems": buffer[:N_LAYER], "other": buffer[N_LAYER:], "t": buffer.transpose(1, 2)}
-    payload = codec.encode_payload(state, max_bytes=1 << 20)
-    decoded = codec.decode_payload(payload, header_for(payload))
+    payload, ring, header = record(state)
+    decoded = codec.decode_payload(payload, header, ring)
     assert all(torch.equal(decoded[name], state[name]) for name in state)
+
+
+@pytest.mark.parametrize(("rows", "before", "n"), [(8, 8, 3), (8, 13, 5), (8, 15, 7), (5, 5, 2), (2, 2, 6),
+                                                   (8, 100, 0), (8, 9, 1)])
+def test_a_patch_writes_only_the_appended_rows_and_equals_the_whole_ring(rows: int, before: int, n: int) -> None:
+    """A session of ``rows`` rows after ``before`` tokens appends ``n``: the stored ring, patched, is the ring
+    of the new state written whole (wrapping at the ring's end included), and the patch is only n rows."""
+    mem_len, full = 8, make_state(rows + n, seed=3)["mems"]  # [n_layer, rows + n, d_model]
+    old, new = full[:, :rows], full[:, -min(rows + n, mem_len):]
+    ring = bytearray(codec.encode_ring(old, tokens_seen=before, mem_len=mem_len))
+    patch = codec.ring_patch(new, before=before, tokens_seen=before + n, mem_len=mem_len)
+    assert patch is not None
+    runs, least = patch
+    assert least == new.size(1) - n and least <= rows
+    for offset, raw in runs:
+        ring[offset:offset + len(raw)] = raw
+    assert ring == codec.encode_ring(new, tokens_seen=before + n, mem_len=mem_len)
+    assert sum(len(raw) for _, raw in runs) == n * N_LAYER * D_MODEL * 4
+    assert len(runs) <= 2 * N_LAYER
+
+
+def test_no_patch_when_the_whole_ring_is_new() -> None:
+    mems = make_state()["mems"]
+    assert codec.ring_patch(mems, before=4, tokens_seen=12, mem_len=8) is None  # 8 new tokens: every slot
+    assert codec.ring_patch(mems, before=12, tokens_seen=4, mem_len=8) is None  # not an append
+
+
+def test_a_ring_that_disagrees_with_its_header_is_corrupt() -> None:
+    payload, ring, header = record(make_state())
+    with pytest.raises(SessionCorrupt, match="missing"):
+        codec.decode_payload(payload, header, None)
+    with pytest.raises(SessionCorrupt, match="declares"):
+        codec.decode_payload(payload, header, ring[:-4])
+    with pytest.raises(SessionCorrupt, match="declares"):
+        codec.decode_payload(payload, dataclasses.replace(header, dtype="torch.bfloat16"), ring)
+    with pytest.raises(SessionCorrupt, match="no memory"):
+        codec.decode_payload(payload, dataclasses.replace(header, dtype="torch.int64"), ring)
+    with_mems = codec.encode_payload({"last_logits": torch.zeros(3)}, max_bytes=1 << 20)
+    stale = safetensors.torch.save(make_state())  # a format-3 header over a payload holding mems
+    with pytest.raises(SessionCorrupt, match="holds 'mems'"):
+        codec.decode_payload(stale, dataclasses.replace(header, payload_bytes=len(stale)), ring)
+    assert "mems" in codec.decode_payload(with_mems, dataclasses.replace(header, payload_bytes=len(with_mems)), ring)
+    with pytest.raises(SessionCorrupt, match="rows"):
+        codec.decode_header(codec.encode_header(dataclasses.replace(header, mem_rows=9)))
 
 
 def test_header_round_trip() -> None:
@@ -85,7 +150,7 @@ def test_newer_header_format_is_incompatible() -> None:
 
 
 def test_payload_that_disagrees_with_its_header_is_corrupt() -> None:
-    payload = codec.encode_payload(make_state(), max_bytes=1 << 20)
+    payload = safetensors.torch.save(make_state())  # format 1: mems in the payload
     with pytest.raises(SessionCorrupt, match="declares"):
         codec.decode_payload(payload[:-3], header_for(payload))
     with pytest.raises(SessionCorrupt, match="does not decode"):
@@ -153,7 +218,7 @@ def test_window_records_round_trip_and_must_agree_with_their_header() -> None:
         codec.decode_payload(cold, dataclasses.replace(header, window_tokens=5))
     with pytest.raises(SessionCorrupt, match="more than"):
         codec.decode_payload(cold, dataclasses.replace(header, tokens_seen=3))
-    warm = codec.encode_payload({**make_state(), "window": window}, max_bytes=1 << 20)
+    warm = safetensors.torch.save({**make_state(), "window": window})
     with pytest.raises(SessionCorrupt, match="window-form"):
         codec.decode_payload(warm, dataclasses.replace(header, payload_bytes=len(warm)))
     with pytest.raises(InvalidRequestError, match="int32"):

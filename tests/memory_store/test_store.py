@@ -412,3 +412,12 @@ async def test_another_model_reads_a_session_it_can_rebuild_and_refuses_one_it_c
     async with MemoryStore.from_url(redis_url, identity=other_words) as store:
         with pytest.raises(SessionIncompatible, match="tokenizer"):
             await store.get(windowed.session_id)
+
+
+def test_new_ids_never_start_with_a_dash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command line takes ``--session -x...`` for an option: an id is drawn again when it starts with ``-``."""
+    from memory_store import store as store_module
+
+    drawn = iter(["-starts-with-dash", "_fine", "unused"])
+    monkeypatch.setattr(store_module.secrets, "token_urlsafe", lambda n: next(drawn))
+    assert store_module._new_id() == "_fine"

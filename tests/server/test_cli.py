@@ -90,6 +90,9 @@ def test_bench_store_json(checkpoint):
         assert out[key] > 0
     assert out["large"]["put"]["p50_ms"] > 0 and out["small"]["get_hot"]["p99_ms"] > 0
     assert out["doc_bytes"] == 2000
+    large = out["large"]
+    assert large["append_tokens"] == min(64, large["shape"][1] // 2) and large["appended_speedup"] == pytest.approx(
+        large["commit_whole"]["p50_ms"] / large["commit_appended"]["p50_ms"])
 
 
 def test_bench_serve_json(checkpoint):

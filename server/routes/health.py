@@ -13,12 +13,12 @@ from txlserve.errors import StoreUnavailable
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # probes that send HEAD (monitors, some load balancers)
 async def health() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/ready")
+@router.api_route("/ready", methods=["GET", "HEAD"])
 async def ready(request: Request) -> Response:
     rt: Runtime | None = getattr(request.app.state, "runtime", None)
     if rt is None or not rt.ready:

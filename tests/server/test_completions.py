@@ -194,6 +194,9 @@ def test_memory_is_fixed_size(server):
 def test_health_ready_metrics_docs(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready").status_code == 200
+    for path in ("/health", "/ready"):  # a probe that sends HEAD gets the status without a body
+        head = httpx.head(server.url + path)
+        assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 0
     complete(server, prompt="metrics", max_tokens=2)
     r = httpx.post(server.url + "/v1/completions", json={"model": "nope", "prompt": "x"})
     assert r.status_code == 404 and float(r.headers["x-process-time-ms"]) >= 0

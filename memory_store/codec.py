@@ -46,6 +46,7 @@ MEMS = "mems"
 WINDOW = "window"
 STATE_FORM, WINDOW_FORM = "state", "window"
 MAX_METADATA_BYTES = 64 * 1024
+_RING_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}  # of a memory
 # Bounds no real model comes near; a header outside them was not written by txlserve.
 _RANGES: dict[str, tuple[int, int]] = {
     "n_layer": (1, 4096),
@@ -138,11 +139,16 @@ def check_state(
     for name, value in (("mem_len", mem_len), ("tokens_seen", tokens_seen)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise InvalidRequestError(f"{name} must be an integer >= 0, got {value!r}", param=name)
+    if mem_len > _RANGES["mem_len"][1]:
+        raise InvalidRequestError(f"mem_len must be at most {_RANGES['mem_len'][1]}, got {mem_len}", param="mem_len")
     mems, window = tensors.get(MEMS), tensors.get(WINDOW)
     if mems is None and window is None:
         raise SessionIncompatible(f"session state has neither {MEMS!r} nor {WINDOW!r}", param="tensors")
     if mems is not None:
         _check_mems_shape(tuple(mems.shape), identity=identity, mem_len=mem_len, error=SessionIncompatible)
+        if str(mems.dtype) not in _RING_DTYPES:
+            raise SessionIncompatible(f"{MEMS} is {mems.dtype}; a memory is stored as one of "
+                                      f"{', '.join(_RING_DTYPES)}", param="tensors")
     if window is not None:
         _check_window(window, tokens_seen, error=InvalidRequestError)
 
@@ -184,14 +190,14 @@ def form_of(tensors: Mapping[str, torch.Tensor]) -> str:
     return STATE_FORM if MEMS in tensors else WINDOW_FORM
 
 
-def encode_payload(tensors: Mapping[str, torch.Tensor], *, max_bytes: int) -> bytes:
-    """safetensors bytes of the persisted tensors but ``mems`` (which go to the ring: :func:`encode_ring`);
-    CPU-bound, so callers run it in a thread."""
+def encode_payload(tensors: Mapping[str, torch.Tensor], *, max_bytes: int, ring: bool = True) -> bytes:
+    """safetensors bytes of the persisted tensors but ``mems``, which go to the ring (:func:`encode_ring`), or
+    with ``ring=False`` stay in the payload (format 1); CPU-bound, so callers run it in a thread."""
     kept = persisted(tensors)
     size = state_nbytes(kept)
     if size > max_bytes:
         raise PayloadTooLarge(f"session state is {size} bytes, over the {max_bytes}-byte limit")
-    payload = safetensors.torch.save(_for_save({name: t for name, t in kept.items() if name != MEMS}))
+    payload = safetensors.torch.save(_for_save({name: t for name, t in kept.items() if not ring or name != MEMS}))
     if len(payload) > max_bytes:
         raise PayloadTooLarge(f"session payload is {len(payload)} bytes, over the {max_bytes}-byte limit")
     return payload
@@ -211,14 +217,24 @@ def _for_save(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-_RING_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}
+def ring_held(tokens_seen: int, rows: int, mem_len: int) -> int:
+    """How many leading slots a ring holds: one per position so far until the memory wraps (a session of 10
+    tokens stores 10 rows, not ``mem_len``), every slot after that, or for a state with rows from before
+    position 0."""
+    return tokens_seen if rows <= tokens_seen < mem_len else mem_len
+
+
+def ring_size(mems: torch.Tensor, *, tokens_seen: int, mem_len: int) -> int:
+    """Bytes of the ring of ``mems [n_layer, rows, d_model]`` after ``tokens_seen`` tokens."""
+    return ring_held(tokens_seen, mems.size(1), mem_len) * mems.size(0) * mems.size(2) * mems.element_size()
 
 
 def ring_nbytes(header: Header) -> int:
     """Bytes of the record's ring (0 for a record without one)."""
     if header.form != STATE_FORM or header.format_version < RING_FORMAT or header.dtype not in _RING_DTYPES:
         return 0
-    return header.n_layer * header.mem_len * header.d_model * _RING_DTYPES[header.dtype].itemsize
+    held = ring_held(header.tokens_seen, header.mem_rows, header.mem_len)
+    return held * header.n_layer * header.d_model * _RING_DTYPES[header.dtype].itemsize
 
 
 def record_nbytes(header: Header) -> int:
@@ -237,28 +253,39 @@ def _raw(t: torch.Tensor) -> bytes:
 
 
 def encode_ring(mems: torch.Tensor, *, tokens_seen: int, mem_len: int) -> bytes:
-    """The ring bytes of ``mems [n_layer, m, d_model]`` (oldest first) after ``tokens_seen`` tokens."""
-    ring = torch.zeros(mems.size(0), mem_len, mems.size(2), dtype=mems.dtype)  # [n_layer, mem_len, d_model]
-    ring[:, ring_slots(tokens_seen, mems.size(1), mem_len)] = mems.detach().to("cpu")
+    """The ring bytes of ``mems [n_layer, rows, d_model]`` (oldest first) after ``tokens_seen`` tokens: slot by
+    slot, every layer's row of one position together, so that an append is one or two contiguous runs."""
+    rows = mems.size(1)
+    ring = torch.zeros(ring_held(tokens_seen, rows, mem_len), mems.size(0), mems.size(2),
+                       dtype=mems.dtype)  # [slots held, n_layer, d_model]
+    ring[ring_slots(tokens_seen, rows, mem_len)] = mems.detach().to("cpu").transpose(0, 1)
     return _raw(ring)
 
 
-def ring_patch(mems: torch.Tensor, *, before: int, tokens_seen: int,
-               mem_len: int) -> tuple[list[tuple[int, bytes]], int] | None:
-    """The (byte offset, bytes) runs that turn the ring of the same session after ``before`` tokens into the
-    ring of ``mems [n_layer, m, d_model]`` (oldest first) after ``tokens_seen`` (the appended tokens' rows, at
-    most two runs per layer: the ring wraps), and how many rows the stored ring must hold for them to apply.
-    None when no patch is smaller than the ring (n >= mem_len)."""
-    n = tokens_seen - before
-    if n < 0 or n >= mem_len or n > mems.size(1):
+@dataclass(frozen=True)
+class RingPatch:
+    """What turns the stored ring of a session after ``before`` tokens into the ring after more: the appended
+    positions' slots as (byte offset, bytes) runs (two when the ring wraps), and what the stored ring must be for
+    them to apply: at least ``least_rows`` rows, ``before_nbytes`` long."""
+
+    runs: list[tuple[int, bytes]]
+    least_rows: int
+    before_nbytes: int
+
+
+def ring_patch(mems: torch.Tensor, *, before: int, tokens_seen: int, mem_len: int) -> RingPatch | None:
+    """The patch from the ring after ``before`` tokens to the ring of ``mems [n_layer, m, d_model]`` (oldest
+    first, ``m = min(tokens_seen, mem_len)`` as a session's memory holds) after ``tokens_seen``; None when there is
+    no such patch (not an append, or one that rewrites every slot)."""
+    n, rows = tokens_seen - before, mems.size(1)
+    if n < 0 or n >= mem_len or rows != min(tokens_seen, mem_len):
         return None
-    row = mems.size(2) * mems.element_size()
-    new = mems.detach().to("cpu")[:, mems.size(1) - n:]  # [n_layer, n, d_model]
+    slot = mems.size(0) * mems.size(2) * mems.element_size()
+    new = mems.detach().to("cpu")[:, rows - n:].transpose(0, 1)  # [n, n_layer, d_model]
     start = before % mem_len
     first = min(n, mem_len - start)
-    runs = [(start, 0, first)] + ([(0, first, n)] if n > first else [])  # (slot, rows from, rows to)
-    return [((layer * mem_len + slot) * row, _raw(new[layer, a:b]))
-            for layer in range(new.size(0)) for slot, a, b in runs if b > a], mems.size(1) - n
+    runs = [(start * slot, _raw(new[:first]))] + ([(0, _raw(new[first:]))] if n > first else [])
+    return RingPatch([run for run in runs if run[1]], rows - n, min(before, mem_len) * slot)
 
 
 def decode_ring(raw: bytes | None, header: Header) -> torch.Tensor:
@@ -269,15 +296,16 @@ def decode_ring(raw: bytes | None, header: Header) -> torch.Tensor:
         raise SessionCorrupt(f"session header declares dtype {header.dtype!r}, which no memory is stored in")
     if len(raw) != ring_nbytes(header):
         raise SessionCorrupt(f"session memory is {len(raw)} bytes, its header declares {ring_nbytes(header)}")
-    shape = (header.n_layer, header.mem_len, header.d_model)
+    dtype = _RING_DTYPES[header.dtype]
+    shape = (ring_held(header.tokens_seen, header.mem_rows, header.mem_len), header.n_layer, header.d_model)
     if not raw:
-        ring = torch.zeros(shape, dtype=_RING_DTYPES[header.dtype])
+        ring = torch.zeros(shape, dtype=dtype)
     else:
         with warnings.catch_warnings():  # read-only bytes: the rows are copied out below, never written
             warnings.simplefilter("ignore", UserWarning)
-            ring = torch.frombuffer(raw, dtype=_RING_DTYPES[header.dtype]).view(shape)
+            ring = torch.frombuffer(raw, dtype=dtype).view(shape)  # [slots held, n_layer, d_model]
     slots = ring_slots(header.tokens_seen, header.mem_rows, header.mem_len)  # [mem_rows]
-    return ring[:, slots]  # [n_layer, mem_rows, d_model], a copy
+    return ring[slots].transpose(0, 1).contiguous()  # [n_layer, mem_rows, d_model], a copy
 
 
 def encode_header(header: Header) -> bytes:
@@ -360,6 +388,8 @@ def decode_payload(payload: bytes, header: Header, ring: bytes | None = None) ->
     if header.format_version >= RING_FORMAT:
         if MEMS in tensors:
             raise SessionCorrupt(f"a format-{header.format_version} session payload holds {MEMS!r}")
+        if ring is None and window is not None and window.numel():
+            return tensors  # its memory expired or was lost: rebuilt from its window, as a cold session is
         tensors[MEMS] = decode_ring(ring, header)
     mems = tensors.get(MEMS)
     if mems is None:

@@ -13,7 +13,8 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """``ttl_s`` is the idle TTL of every key (0: never expire); sizes are in MiB (fractions allowed)."""
+    """``ttl_s`` is the idle TTL of every key (0: never expire); sizes are in MiB (fractions allowed).
+    ``legacy_format`` writes records as servers before format 3 read them (the memory inside the payload)."""
 
     device: str | torch.device = "cpu"
     hot_cache_mb: float = 1024
@@ -22,6 +23,7 @@ class StoreConfig:
     lease_ttl_ms: int = 30_000
     op_timeout_s: float = 2.0
     max_payload_mb: float = 256
+    legacy_format: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hot_cache_mb", "ttl_s"):

@@ -25,9 +25,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import redis.asyncio
 import redis.exceptions
@@ -121,11 +120,11 @@ return {'OK', h}
 
 # Refresh an idle TTL only once a slice of it has passed: a PEXPIRE is a write,
 # and with appendfsync always every write costs an fsync, which a read must not.
-# KEYS[1] decides; every key given (a session and its ring) is refreshed alike.
+# Every key given (a session and its ring) is looked at on its own.
 _TOUCH = """
-local left = redis.call('PTTL', KEYS[1])
-if left >= 0 and left < tonumber(ARGV[1]) - tonumber(ARGV[2]) then
-  for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ARGV[1]) end
+for _, key in ipairs(KEYS) do
+  local left = redis.call('PTTL', key)
+  if left >= 0 and left < tonumber(ARGV[1]) - tonumber(ARGV[2]) then redis.call('PEXPIRE', key, ARGV[1]) end
 end
 return 0
 """
@@ -205,15 +204,6 @@ def connect(url: str, *, op_timeout_s: float, max_connections: int = 64) -> redi
         retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
     )
     return redis.asyncio.Redis.from_pool(pool)
-
-
-@dataclass(frozen=True)
-class RingPatch:
-    """The rows a commit rewrites in a stored ring, and what the stored record must be for them to apply."""
-
-    guard: tuple[int, str, str, int, int, int, int]  # format, fingerprint, dtype, mem_len, tokens_seen, least rows,
-    # ring length
-    runs: list[tuple[int, bytes]]  # (byte offset, bytes)
 
 
 class RedisTier:
@@ -309,16 +299,18 @@ class RedisTier:
 
     async def write(
         self, session_id: str, *, header: bytes, payload: bytes, expected: int | str, token: str = "",
-        release: bool = False, ring: bytes | None = None, patch: RingPatch | None = None,
+        release: bool = False, ring: bytes | None = None, guard: Sequence[str | int] | None = None,
+        runs: Sequence[tuple[int, bytes]] = (),
     ) -> str:
         """Run the compare-and-set write (and with ``release``, give the lease ``token`` back if it wrote);
-        returns OK, NOT_FOUND, CONFLICT, LEASE_LOST, CORRUPT, or for a ``patch`` RESHAPE (nothing written: the
-        stored record is not the one the patch applies to). The ring becomes ``ring``, or is patched, or (with
-        neither: a record without one) is removed."""
+        returns OK, NOT_FOUND, CONFLICT, LEASE_LOST, CORRUPT, or with a ``guard`` RESHAPE (nothing written: the
+        stored record is not the one the patch applies to). The ring becomes ``ring``; or with a ``guard`` (format,
+        fingerprint, dtype, mem_len, tokens_seen, least rows and length the stored record must have) it is
+        patched with ``runs`` of (byte offset, bytes); or with neither (a record without one) it is removed."""
         keys = [session_key(session_id), lease_key(session_id), ring_key(session_id)]
         args = [str(expected), token, header, payload, self._ttl_ms, self._lease_ttl_ms, "1" if release else "0"]
-        if patch is not None:
-            args += ["patch", *patch.guard, *(x for run in patch.runs for x in run)]
+        if guard is not None:
+            args += ["patch", *guard, *(x for run in runs for x in run)]
         else:
             args += ["del"] if ring is None else ["set", ring]
         with self._translate():

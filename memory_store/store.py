@@ -36,10 +36,11 @@ from memory_store.embedded import EmbeddedRedis
 from memory_store.hot import HotTier
 from memory_store.lease import Lease, LeaseRequest
 from memory_store.metrics import StoreMetrics
-from memory_store.redis_tier import ABSENT, ANY_VERSION, RedisTier, RingPatch, connect
+from memory_store.redis_tier import ABSENT, ANY_VERSION, RedisTier, connect
 from memory_store.session import Session, SessionInfo
 from txlserve.errors import (
     InvalidRequestError,
+    PayloadTooLarge,
     SessionBusy,
     SessionConflict,
     SessionCorrupt,
@@ -82,6 +83,7 @@ class MemoryStore:
         lease_ttl_ms: int = 30_000,
         op_timeout_s: float = 2.0,
         max_payload_mb: float = 256,
+        legacy_format: bool = False,
     ) -> MemoryStore:
         """A store over a ``redis://``, ``rediss://`` or ``unix://`` URL, a ``redis+cluster://`` node of a Redis
         Cluster, or (None) the embedded Redis.
@@ -96,6 +98,7 @@ class MemoryStore:
             lease_ttl_ms=lease_ttl_ms,
             op_timeout_s=op_timeout_s,
             max_payload_mb=max_payload_mb,
+            legacy_format=legacy_format,
         )
         return cls(url, identity=identity, config=config)
 
@@ -413,12 +416,19 @@ class MemoryStore:
                 created_at=prev.created_at,
                 ring=not appended,
             )
-            patch = self._patch(tensors, header, before=prev.tokens_seen) if appended else None
+            ringed = appended and codec.MEMS in tensors and header.format_version >= codec.RING_FORMAT
+            patch = codec.ring_patch(tensors[codec.MEMS], before=prev.tokens_seen, tokens_seen=tokens_seen,
+                                     mem_len=mem_len) if ringed else None
             write = functools.partial(self._redis.write, lease.session_id, header=codec.encode_header(header),
                                       payload=payload, expected=prev.version, token=lease.token, release=release)
-            if appended and patch is None:  # more tokens than the ring holds, or no mems: written whole
-                ring = await self._ring(tensors, tokens_seen=tokens_seen, mem_len=mem_len)
-            status = await write(ring=ring, patch=patch)
+            if patch is None:
+                if ringed:  # every slot is new, or not a session's memory: the ring is written whole
+                    ring = await self._ring(tensors, tokens_seen=tokens_seen, mem_len=mem_len)
+                status = await write(ring=ring)
+            else:
+                status = await write(guard=(header.format_version, header.fingerprint, header.dtype, mem_len,
+                                            prev.tokens_seen, patch.least_rows, patch.before_nbytes),
+                                     runs=patch.runs)
             if status == "RESHAPE":  # the stored record is not the state the rows were appended to
                 status = await write(ring=await self._ring(tensors, tokens_seen=tokens_seen, mem_len=mem_len))
             if status == "NOT_FOUND":
@@ -438,25 +448,10 @@ class MemoryStore:
 
     # -- helpers -----------------------------------------------------------
 
-    def _patch(self, tensors: Mapping[str, torch.Tensor], header: Header, *, before: int) -> RingPatch | None:
-        """The rows a commit of ``header`` appended to a stored state of ``before`` tokens, or None (no patch)."""
-        mems = tensors.get(codec.MEMS)
-        if mems is None:
-            return None
-        patch = codec.ring_patch(mems, before=before, tokens_seen=header.tokens_seen, mem_len=header.mem_len)
-        if patch is None:
-            return None
-        runs, rows = patch
-        guard = (header.format_version, header.fingerprint, header.dtype, header.mem_len, before, rows,
-                 codec.ring_nbytes(header))
-        return RingPatch(guard, runs)
-
-    async def _ring(self, tensors: Mapping[str, torch.Tensor], *, tokens_seen: int, mem_len: int) -> bytes | None:
-        """The whole ring of a state (None for a state without mems), encoded in a thread unless small."""
-        mems = tensors.get(codec.MEMS)
-        if mems is None:
-            return None
-        if mems.nbytes <= codec.INLINE_BYTES:
+    async def _ring(self, tensors: Mapping[str, torch.Tensor], *, tokens_seen: int, mem_len: int) -> bytes:
+        """The whole ring of a state's mems, encoded in a thread unless small."""
+        mems = tensors[codec.MEMS]
+        if codec.ring_size(mems, tokens_seen=tokens_seen, mem_len=mem_len) <= codec.INLINE_BYTES:
             return codec.encode_ring(mems, tokens_seen=tokens_seen, mem_len=mem_len)
         return await asyncio.to_thread(codec.encode_ring, mems, tokens_seen=tokens_seen, mem_len=mem_len)
 
@@ -535,14 +530,19 @@ class MemoryStore:
         """Validate and serialise a state (in a thread unless small: it is CPU-bound) and describe it in a
         header: (header, payload, the whole ring unless ``ring`` is False or the state has no mems)."""
         codec.check_state(tensors, identity=self.identity, mem_len=mem_len, tokens_seen=tokens_seen)
-        limit, mems = self.config.max_payload_bytes, tensors.get(codec.MEMS)
+        limit, mems, legacy = self.config.max_payload_bytes, tensors.get(codec.MEMS), self.config.legacy_format
+        ring_bytes = 0 if mems is None or legacy else codec.ring_size(mems, tokens_seen=tokens_seen, mem_len=mem_len)
+        if ring_bytes > limit:
+            raise PayloadTooLarge(f"session memory is {ring_bytes} bytes as stored, over the {limit}-byte limit")
 
         def encode() -> tuple[bytes, bytes | None]:
+            if legacy:
+                return codec.encode_payload(tensors, max_bytes=limit, ring=False), None
             whole = None if mems is None or not ring else codec.encode_ring(mems, tokens_seen=tokens_seen,
                                                                              mem_len=mem_len)
             return codec.encode_payload(tensors, max_bytes=limit), whole
 
-        if codec.state_nbytes(tensors) <= codec.INLINE_BYTES:
+        if max(codec.state_nbytes(tensors), ring_bytes) <= codec.INLINE_BYTES:
             payload, whole = encode()
         else:
             payload, whole = await asyncio.to_thread(encode)
@@ -561,11 +561,11 @@ class MemoryStore:
             updated_at=now,
             metadata=metadata,
             payload_bytes=len(payload),
-            format_version=codec.RING_FORMAT if form == codec.STATE_FORM else 2,
+            format_version=2 if form == codec.WINDOW_FORM else 1 if legacy else codec.RING_FORMAT,
             form=form,
             tokenizer=self.identity.tokenizer,
             window_tokens=0 if window is None else window.numel(),
-            mem_rows=0 if mems is None else mems.size(1),
+            mem_rows=0 if mems is None or legacy else mems.size(1),
         )
         return header, payload, whole
 

@@ -92,7 +92,8 @@ async def open_runtime(settings: Settings) -> Runtime:
     store = MemoryStore.from_url(settings.redis_url, identity=identity, device=device,
                                  hot_cache_mb=0, ttl_s=settings.session_ttl_s,  # hot sessions: HotStates
                                  data_dir=settings.data_dir, lease_ttl_ms=settings.lease_ttl_ms,
-                                 op_timeout_s=settings.store_timeout_s)
+                                 op_timeout_s=settings.store_timeout_s,
+                                 legacy_format=settings.legacy_store_format)
     await store.start()
     scheduler = Scheduler(engine, max_batch=settings.max_batch, batch_bytes=settings.batch_mb << 20,
                           prefill_chunk=engine.prefill_chunk)

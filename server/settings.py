@@ -39,6 +39,9 @@ class Settings:
                                   "updated sessions go cold; 0 no limit")
     cold_sweep_s: float = _opt(60.0, "how often the cold-tier policy runs, in seconds")
     storage_dtype: str = _opt("float32", "dtype of memories written to Redis: float32, bfloat16 or float16")
+    legacy_store_format: bool = _opt(False, "write sessions as servers before store format 3 read them (the memory "
+                                            "inside the record, every commit whole): while such servers share the "
+                                            "Redis during a rolling upgrade")
     api_keys: tuple[str, ...] = _opt((), "Bearer keys (comma-separated in the environment); each session "
                                          "belongs to the key that made it", )
     cors_origins: tuple[str, ...] = _opt((), "origins allowed to call the API from a browser (CORS), e.g. "

@@ -54,7 +54,8 @@ def test_record_round_trip_is_bit_exact(dtype: torch.dtype, rows: int, tokens_se
         state["mems"][0, 0, 0] = float("nan")
     state["extra"] = torch.arange(5, dtype=torch.int64)
     payload, ring, header = record(state, tokens_seen=tokens_seen)
-    assert len(ring) == codec.ring_nbytes(header) == N_LAYER * 8 * D_MODEL * state["mems"].element_size()
+    held = tokens_seen if rows <= tokens_seen < 8 else 8  # a memory that has not wrapped stores only its rows
+    assert len(ring) == codec.ring_nbytes(header) == held * N_LAYER * D_MODEL * state["mems"].element_size()
     assert b"mems" not in payload  # the memory lives in the ring
     assert_same(codec.decode_payload(payload, header, ring), state)
 
@@ -78,29 +79,36 @@ def test_views_and_shared_storage_encode() -> None:
     assert all(torch.equal(decoded[name], state[name]) for name in state)
 
 
-@pytest.mark.parametrize(("rows", "before", "n"), [(8, 8, 3), (8, 13, 5), (8, 15, 7), (5, 5, 2), (2, 2, 6),
-                                                   (8, 100, 0), (8, 9, 1)])
-def test_a_patch_writes_only_the_appended_rows_and_equals_the_whole_ring(rows: int, before: int, n: int) -> None:
-    """A session of ``rows`` rows after ``before`` tokens appends ``n``: the stored ring, patched, is the ring
-    of the new state written whole (wrapping at the ring's end included), and the patch is only n rows."""
-    mem_len, full = 8, make_state(rows + n, seed=3)["mems"]  # [n_layer, rows + n, d_model]
-    old, new = full[:, :rows], full[:, -min(rows + n, mem_len):]
+@pytest.mark.parametrize(("before", "n"), [(8, 3), (13, 5), (15, 7), (5, 2), (2, 6), (100, 0), (9, 1), (0, 5),
+                                          (0, 7), (3, 5), (6, 7)])
+def test_a_patch_writes_only_the_appended_rows_and_equals_the_whole_ring(before: int, n: int) -> None:
+    """A session after ``before`` tokens appends ``n``: its stored ring, patched (as SETRANGE does: past the end
+    it grows the string), is the ring of the new state written whole, wrapping at the ring's end included, and
+    the patch is only the n new rows, in at most two runs."""
+    mem_len, doc = 8, make_state(before + n, seed=3)["mems"]  # [n_layer, tokens, d_model]
+    old, new = doc[:, max(0, before - mem_len):before], doc[:, max(0, before + n - mem_len):before + n]
     ring = bytearray(codec.encode_ring(old, tokens_seen=before, mem_len=mem_len))
     patch = codec.ring_patch(new, before=before, tokens_seen=before + n, mem_len=mem_len)
     assert patch is not None
-    runs, least = patch
-    assert least == new.size(1) - n and least <= rows
-    for offset, raw in runs:
+    assert patch.before_nbytes == len(ring) and patch.least_rows == new.size(1) - n <= old.size(1)
+    for offset, raw in patch.runs:
+        ring[len(ring):offset] = bytes(max(0, offset - len(ring)))
         ring[offset:offset + len(raw)] = raw
     assert ring == codec.encode_ring(new, tokens_seen=before + n, mem_len=mem_len)
-    assert sum(len(raw) for _, raw in runs) == n * N_LAYER * D_MODEL * 4
-    assert len(runs) <= 2 * N_LAYER
+    assert sum(len(raw) for _, raw in patch.runs) == n * N_LAYER * D_MODEL * 4 and len(patch.runs) <= 2
 
 
-def test_no_patch_when_the_whole_ring_is_new() -> None:
+def test_no_patch_when_the_whole_ring_is_new_or_the_state_is_not_a_sessions() -> None:
     mems = make_state()["mems"]
     assert codec.ring_patch(mems, before=4, tokens_seen=12, mem_len=8) is None  # 8 new tokens: every slot
     assert codec.ring_patch(mems, before=12, tokens_seen=4, mem_len=8) is None  # not an append
+    assert codec.ring_patch(mems, before=3, tokens_seen=5, mem_len=8) is None  # 8 rows after 5 tokens
+
+
+def test_a_short_session_stores_only_its_rows() -> None:
+    """10 tokens of a 1600-slot memory: 10 rows stored, not 1600."""
+    mems = torch.zeros(N_LAYER, 10, D_MODEL)
+    assert len(codec.encode_ring(mems, tokens_seen=10, mem_len=1600)) == 10 * N_LAYER * D_MODEL * 4
 
 
 def test_a_ring_that_disagrees_with_its_header_is_corrupt() -> None:
@@ -120,6 +128,25 @@ def test_a_ring_that_disagrees_with_its_header_is_corrupt() -> None:
     assert "mems" in codec.decode_payload(with_mems, dataclasses.replace(header, payload_bytes=len(with_mems)), ring)
     with pytest.raises(SessionCorrupt, match="rows"):
         codec.decode_header(codec.encode_header(dataclasses.replace(header, mem_rows=9)))
+
+
+def test_a_lost_ring_leaves_the_window_to_rebuild_from() -> None:
+    window = torch.arange(8, dtype=torch.int32)
+    payload, ring, header = record({**make_state(), "window": window}, window_tokens=8)
+    assert set(codec.decode_payload(payload, header, ring)) == {"mems", "window"}
+    assert set(codec.decode_payload(payload, header, None)) == {"window"}  # rebuilt, as a cold session is
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool, torch.complex64])
+def test_a_memory_in_a_dtype_it_cannot_be_stored_in_is_refused_before_writing(dtype: torch.dtype) -> None:
+    with pytest.raises(SessionIncompatible, match="stored as one of"):
+        codec.check_state({"mems": torch.zeros(N_LAYER, 4, D_MODEL, dtype=dtype)}, identity=IDENTITY, mem_len=8,
+                          tokens_seen=4)
+
+
+def test_a_mem_len_beyond_any_model_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="mem_len"):
+        codec.check_state(make_state(), identity=IDENTITY, mem_len=(1 << 20) + 1, tokens_seen=8)
 
 
 def test_header_round_trip() -> None:

@@ -15,12 +15,13 @@ import torch
 from memory_store import MemoryStore
 from memory_store.redis_tier import ring_key, session_key
 from tests.memory_store.support import D_MODEL, IDENTITY, N_LAYER, assert_same
-from txlserve.errors import SessionCorrupt
+from txlserve.errors import PayloadTooLarge, SessionCorrupt
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
 MEM_LEN = 64
-RING_BYTES = N_LAYER * MEM_LEN * D_MODEL * 4
+ROW_BYTES = N_LAYER * D_MODEL * 4  # one position's slot: every layer's row
+RING_BYTES = MEM_LEN * ROW_BYTES
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ async def test_appending_commits_send_only_new_rows_and_read_back_exactly(
             await store.commit(lease, state_after(doc, seen + n), tokens_seen=seen + n, appended=True)
             sent = await sent_bytes(raw) - before
         seen += n
-        rows = n * N_LAYER * D_MODEL * 4
+        rows = n * ROW_BYTES
         assert rows <= sent < rows + 3000, (n, sent)  # the new rows, a header and the scores; not the ring
         got = await other_store.get(info.session_id)  # no hot copy there: read from Redis
         assert got.info.tier == "redis" and got.info.tokens_seen == seen
@@ -97,7 +98,7 @@ async def test_a_record_the_rows_do_not_apply_to_is_written_whole(
 
     async with store.lease(info.session_id, tensors=False) as lease:
         await store.commit(lease, state_after(doc, 34), tokens_seen=34, appended=True)
-    assert await raw.strlen(ring_key(info.session_id)) == RING_BYTES
+    assert await raw.strlen(ring_key(info.session_id)) == 34 * ROW_BYTES  # 34 tokens: 34 slots so far
     assert b"mems" not in await raw.hget(key, "payload")
     assert_same((await other_store.get(info.session_id)).tensors, state_after(doc, 34))
     other_store._hot.discard(info.session_id)
@@ -115,13 +116,16 @@ async def test_the_ring_lives_and_dies_with_its_session(redis_url: str, raw: red
     async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=60) as store:
         info = await store.create(tensors=state_after(doc, 20), mem_len=MEM_LEN, tokens_seen=20)
         ring = ring_key(info.session_id)
-        assert 0 < await raw.pttl(ring) <= 60_000 and await raw.strlen(ring) == RING_BYTES
+        assert 0 < await raw.pttl(ring) <= 60_000 and await raw.strlen(ring) == 20 * ROW_BYTES
         await raw.persist(ring)
         async with store.lease(info.session_id, tensors=False) as lease:  # a lease refreshes both TTLs
             assert 0 < await raw.pttl(ring) <= 60_000
             await raw.persist(ring)
             await store.commit(lease, state_after(doc, 25), tokens_seen=25, appended=True)
         assert 0 < await raw.pttl(ring) <= 60_000  # and so does a commit
+        await raw.pexpire(ring, 1000)  # a ring whose TTL lags its record's (an older replica touched only that)
+        await store.info(info.session_id)  # a use refreshes each key that needs it
+        assert await raw.pttl(ring) > 50_000
         await store.delete(info.session_id)
         assert not await raw.exists(ring, session_key(info.session_id))
 
@@ -131,7 +135,7 @@ async def test_a_missing_or_truncated_ring_is_corrupt_not_a_crash(
 ) -> None:
     info = await store.create(tensors=state_after(document(50), 20), mem_len=MEM_LEN, tokens_seen=20)
     ring = ring_key(info.session_id)
-    await raw.setrange(ring, RING_BYTES, b"\x00")  # one byte too many
+    await raw.setrange(ring, 20 * ROW_BYTES, b"\x00")  # one byte too many
     with pytest.raises(SessionCorrupt, match="declares"):
         await other_store.get(info.session_id)
     await raw.delete(ring)
@@ -148,3 +152,38 @@ async def test_a_demoted_session_drops_its_ring(redis_url: str, raw: redis.async
         assert await store.demote(info.session_id)
         assert not await raw.exists(ring_key(info.session_id))
         assert (await store.info(info.session_id)).bytes < info.bytes / 4
+
+
+async def test_a_lost_ring_is_rebuilt_from_the_window_not_refused(store: MemoryStore, other_store: MemoryStore,
+                                                                  raw: redis.asyncio.Redis) -> None:
+    window = torch.arange(30, dtype=torch.int32)
+    info = await store.create(tensors={**state_after(document(40), 30), "window": window}, mem_len=MEM_LEN,
+                              tokens_seen=30)
+    await raw.delete(ring_key(info.session_id))  # expired beside its record, say
+    got = await other_store.get(info.session_id)
+    assert set(got.tensors) == {"last_logits", "window"} and torch.equal(got.tensors["window"].cpu(), window)
+
+
+async def test_short_sessions_store_their_rows_and_the_stored_size_is_bounded(redis_url: str,
+                                                                            raw: redis.asyncio.Redis) -> None:
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, max_payload_mb=16 * ROW_BYTES / (1 << 20)) as st:
+        info = await st.create(tensors=state_after(document(10), 10), mem_len=1600, tokens_seen=10)
+        assert await raw.strlen(ring_key(info.session_id)) == 10 * ROW_BYTES  # not 1600 slots
+        one_row = {"mems": document(1)[:, :1]}  # 1 row, but 20 positions: a ring of 20 slots, over the limit
+        with pytest.raises(PayloadTooLarge, match="as stored"):
+            await st.create(tensors=one_row, mem_len=20, tokens_seen=20)
+
+
+async def test_the_legacy_format_is_what_older_servers_read(redis_url: str, other_store: MemoryStore,
+                                                            raw: redis.asyncio.Redis) -> None:
+    """During a rolling upgrade (TXLSERVE_LEGACY_STORE_FORMAT) records keep the memory in the payload, as format 1,
+    and every commit writes it whole; a format-3 server reads them."""
+    doc = document(80, seed=4)
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, legacy_format=True) as st:
+        info = await st.create(tensors=state_after(doc, 20), mem_len=MEM_LEN, tokens_seen=20)
+        async with st.lease(info.session_id, tensors=False) as lease:
+            await st.commit(lease, state_after(doc, 30), tokens_seen=30, appended=True)
+    header = json.loads(await raw.hget(session_key(info.session_id), "header"))
+    assert header["format_version"] == 1 and not await raw.exists(ring_key(info.session_id))
+    assert safetensors.torch.load(await raw.hget(session_key(info.session_id), "payload"))["mems"].shape[1] == 30
+    assert_same((await other_store.get(info.session_id)).tensors, state_after(doc, 30))

@@ -307,7 +307,7 @@ async def test_oversized_payload(redis_url: str) -> None:
         with pytest.raises(PayloadTooLarge):
             await s.create(owner=owner, tensors=make_state(), mem_len=8)
         assert await s.list(owner=owner) == ([], None)
-        small = await s.create(owner=owner, tensors=make_state(m=2), mem_len=8)
+        small = await s.create(owner=owner, tensors=make_state(m=2), mem_len=8, tokens_seen=2)
         async with s.lease(small.session_id, owner=owner) as lease:
             with pytest.raises(PayloadTooLarge):
                 await s.commit(lease, make_state(), tokens_seen=8)

@@ -18,12 +18,13 @@ model's size. Records in the window form are written as format 2, so a server
 that predates them refuses them as too new instead of misreading them.
 
 Since format 3 a state record's ``mems`` are not in the payload but in a raw
-**ring** beside it: ``[n_layer, mem_len, d_model]`` in the header's dtype,
-little-endian; its ``mem_rows`` rows are the positions before ``tokens_seen``,
-the row of position p at slot ``p % mem_len`` (other slots unused). A request
-that appended n < mem_len tokens then rewrites only their rows
-(:func:`ring_patch`), not the whole memory: the hidden states of past tokens
-never change, and a memory's size does not depend on the document's.
+**ring** beside it, in the header's dtype, little-endian, slot-major
+``[slots, n_layer, d_model]``: its ``mem_rows`` rows are the positions before
+``tokens_seen``, position p in slot ``p % mem_len``, and until the memory wraps
+the ring holds only the slots filled so far (:func:`ring_held`). A request that
+appended n < mem_len tokens then rewrites only their slots (:func:`ring_patch`),
+not the whole memory: the hidden states of past tokens never change, and a
+memory's size does not depend on the document's.
 """
 
 from __future__ import annotations
@@ -281,7 +282,7 @@ def ring_patch(mems: torch.Tensor, *, before: int, tokens_seen: int, mem_len: in
     if n < 0 or n >= mem_len or rows != min(tokens_seen, mem_len):
         return None
     slot = mems.size(0) * mems.size(2) * mems.element_size()
-    new = mems.detach().to("cpu")[:, rows - n:].transpose(0, 1)  # [n, n_layer, d_model]
+    new = mems[:, rows - n:].detach().to("cpu").transpose(0, 1)  # [n, n_layer, d_model]: only these leave the device
     start = before % mem_len
     first = min(n, mem_len - start)
     runs = [(start * slot, _raw(new[:first]))] + ([(0, _raw(new[first:]))] if n > first else [])

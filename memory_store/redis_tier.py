@@ -46,11 +46,11 @@ ABSENT = -1
 # there); ARGV[2] the lease token that must still be held ('' when the write is
 # not under a lease); ARGV[7] '1' gives the lease back with the write (a
 # request's last write: one round trip, not two). ARGV[8] says what becomes of
-# the ring: 'set' to ARGV[9]; 'del'; or 'patch': ARGV[9..15] are the format,
-# fingerprint, dtype, mem_len, tokens_seen, least rows and ring length the stored
-# record must have (the state the patch was computed against), then (offset,
-# bytes) pairs; a record that does not match is left alone: 'RESHAPE', and the
-# caller writes it whole.
+# the ring: 'set' to ARGV[9]; 'del'; or 'patch': ARGV[9..17] are the format,
+# fingerprint, n_layer, d_model, dtype, mem_len, tokens_seen, least rows and ring
+# length the stored record must have (the state the patch was computed against),
+# then (offset, bytes) pairs; a record that does not match is left alone:
+# 'RESHAPE', and the caller writes it whole.
 _WRITE = """
 local h = redis.call('HGET', KEYS[1], 'header')
 local doc
@@ -71,12 +71,13 @@ end
 if ARGV[2] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[2] then return 'LEASE_LOST' end
 if ARGV[8] == 'patch' then
   if not doc or doc.format_version ~= tonumber(ARGV[9]) or doc.form ~= 'state' or doc.fingerprint ~= ARGV[10]
-     or doc.dtype ~= ARGV[11] or doc.mem_len ~= tonumber(ARGV[12]) or doc.tokens_seen ~= tonumber(ARGV[13])
-     or type(doc.mem_rows) ~= 'number' or doc.mem_rows < tonumber(ARGV[14])
-     or redis.call('STRLEN', KEYS[3]) ~= tonumber(ARGV[15]) then
+     or doc.n_layer ~= tonumber(ARGV[11]) or doc.d_model ~= tonumber(ARGV[12]) or doc.dtype ~= ARGV[13]
+     or doc.mem_len ~= tonumber(ARGV[14]) or doc.tokens_seen ~= tonumber(ARGV[15])
+     or type(doc.mem_rows) ~= 'number' or doc.mem_rows < tonumber(ARGV[16])
+     or redis.call('STRLEN', KEYS[3]) ~= tonumber(ARGV[17]) then
     return 'RESHAPE'
   end
-  for i = 16, #ARGV, 2 do redis.call('SETRANGE', KEYS[3], tonumber(ARGV[i]), ARGV[i + 1]) end
+  for i = 18, #ARGV, 2 do redis.call('SETRANGE', KEYS[3], tonumber(ARGV[i]), ARGV[i + 1]) end
 elseif ARGV[8] == 'set' then
   redis.call('SET', KEYS[3], ARGV[9])
 else
@@ -305,8 +306,9 @@ class RedisTier:
         """Run the compare-and-set write (and with ``release``, give the lease ``token`` back if it wrote);
         returns OK, NOT_FOUND, CONFLICT, LEASE_LOST, CORRUPT, or with a ``guard`` RESHAPE (nothing written: the
         stored record is not the one the patch applies to). The ring becomes ``ring``; or with a ``guard`` (format,
-        fingerprint, dtype, mem_len, tokens_seen, least rows and length the stored record must have) it is
-        patched with ``runs`` of (byte offset, bytes); or with neither (a record without one) it is removed."""
+        fingerprint, n_layer, d_model, dtype, mem_len, tokens_seen, least rows and length the stored record must
+        have) it is patched with ``runs`` of (byte offset, bytes); or with neither (a record without one) it is
+        removed."""
         keys = [session_key(session_id), lease_key(session_id), ring_key(session_id)]
         args = [str(expected), token, header, payload, self._ttl_ms, self._lease_ttl_ms, "1" if release else "0"]
         if guard is not None:

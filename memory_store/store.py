@@ -426,9 +426,9 @@ class MemoryStore:
                     ring = await self._ring(tensors, tokens_seen=tokens_seen, mem_len=mem_len)
                 status = await write(ring=ring)
             else:
-                status = await write(guard=(header.format_version, header.fingerprint, header.dtype, mem_len,
-                                            prev.tokens_seen, patch.least_rows, patch.before_nbytes),
-                                     runs=patch.runs)
+                status = await write(guard=(header.format_version, header.fingerprint, header.n_layer,
+                                            header.d_model, header.dtype, mem_len, prev.tokens_seen,
+                                            patch.least_rows, patch.before_nbytes), runs=patch.runs)
             if status == "RESHAPE":  # the stored record is not the state the rows were appended to
                 status = await write(ring=await self._ring(tensors, tokens_seen=tokens_seen, mem_len=mem_len))
             if status == "NOT_FOUND":
@@ -471,6 +471,10 @@ class MemoryStore:
         except SessionCorrupt:
             self._hot.discard(session_id)
             raise
+        if header.form == codec.STATE_FORM and codec.MEMS not in tensors:  # its ring was lost: its window is left
+            log.warning("session %s lost its memory (the ring key is gone): it is rebuilt from its window",
+                        session_id)
+            header = dataclasses.replace(header, form=codec.WINDOW_FORM)  # what it is now: cold
         self.metrics.redis_hits += 1
         self._hot.put(session_id, header.version, tensors)
         return Session(SessionInfo.from_header(session_id, header, tier="redis"), tensors)

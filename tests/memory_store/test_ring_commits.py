@@ -162,6 +162,8 @@ async def test_a_lost_ring_is_rebuilt_from_the_window_not_refused(store: MemoryS
     await raw.delete(ring_key(info.session_id))  # expired beside its record, say
     got = await other_store.get(info.session_id)
     assert set(got.tensors) == {"last_logits", "window"} and torch.equal(got.tensors["window"].cpu(), window)
+    payload = await raw.hget(session_key(info.session_id), "payload")
+    assert (got.info.tier, got.info.bytes) == ("cold", len(payload))  # counted and shown as what it now is
 
 
 async def test_short_sessions_store_their_rows_and_the_stored_size_is_bounded(redis_url: str,
@@ -187,3 +189,4 @@ async def test_the_legacy_format_is_what_older_servers_read(redis_url: str, othe
     assert header["format_version"] == 1 and not await raw.exists(ring_key(info.session_id))
     assert safetensors.torch.load(await raw.hget(session_key(info.session_id), "payload"))["mems"].shape[1] == 30
     assert_same((await other_store.get(info.session_id)).tensors, state_after(doc, 30))
+

@@ -1,7 +1,7 @@
 """The Redis tier: key layout, the Lua scripts that make writes and leases atomic, error translation.
 
-Layout (every key carries a hash tag, so a session and its lease share one Redis
-Cluster slot and a script may touch both)::
+Layout (every key carries a hash tag, so a session, its ring and its lease share
+one Redis Cluster slot and a script may touch all three)::
 
     txl:{<session id>}          hash: header (JSON), payload (safetensors bytes)
     txl:{<session id>}:ring     string: the memory's raw ring (format 3, :mod:`memory_store.codec`)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 
 from memory_store.codec import MEMS, WINDOW_FORM, Header, record_nbytes
+from txlserve.errors import InvalidRequestError
 
 Tier = Literal["hot", "redis", "cold"]
 
@@ -71,4 +72,10 @@ class Session:
 
     @property
     def mems(self) -> torch.Tensor:
+        """The memory, where it was loaded. A cold session keeps only its token window (``tensors["window"]``)
+        and a lease taken with ``tensors=False`` loads nothing, so both say so instead of a bare ``KeyError``."""
+        if MEMS not in self.tensors:
+            why = ("its memory is not stored, only its last tokens (tensors['window']): rebuild it from them"
+                   if self.info.tier == "cold" else "no tensors were loaded (leased with tensors=False?)")
+            raise InvalidRequestError(f"session {self.session_id} has no mems here: {why}", param="mems")
         return self.tensors[MEMS]

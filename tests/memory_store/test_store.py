@@ -220,8 +220,9 @@ async def test_a_lease_refreshes_the_owner_index_in_its_round_trip(redis_url: st
         await asyncio.sleep(0.8)  # past the slack (a tenth of the TTL) after which a use refreshes it
         assert await raw.pttl(owner_key(owner)) < 3000 - 700
         leased = time.monotonic()
-        async with store.lease(info.session_id, owner=owner, tensors=False):
-            pass
+        async with store.lease(info.session_id, owner=owner, tensors=False) as lease:
+            with pytest.raises(InvalidRequestError, match="tensors=False"):
+                _ = lease.session.mems
         assert await raw.pttl(owner_key(owner)) > 3000 - 1000 * (time.monotonic() - leased) - 50
 
 
@@ -375,6 +376,8 @@ async def test_a_demoted_session_keeps_its_window_version_and_ttl(redis_server) 
         assert cold.tier == "cold" and cold.version == info.version and cold.bytes < info.bytes / 4
         got = await store.get(info.session_id)
         assert set(got.tensors) == {"window"} and torch.equal(got.tensors["window"].cpu(), state["window"])
+        with pytest.raises(InvalidRequestError, match="only its last tokens"):  # not a bare KeyError
+            _ = got.mems
         assert not await store.demote(info.session_id)  # already cold
         async with store.lease(info.session_id) as lease:  # the next commit stores it warm again
             await store.commit(lease, _with_window(21), tokens_seen=31)

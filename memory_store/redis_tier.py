@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -173,6 +174,16 @@ def owner_key(owner: str | None) -> str:
 
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
+def redact_url(url: str) -> str:
+    """A Redis URL fit for logs and error messages: scheme, host, port and path only. redis-py takes a password
+    from ``user:password@`` and from the query (``?password=``), so both the user part and the query go."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"  # unix:///path keeps its slashes
+    except ValueError:  # unparseable (a bad port, say): nothing of it is safe to show
+        return "<unparseable Redis URL>"
 
 
 def connect(url: str, *, op_timeout_s: float, max_connections: int = 64) -> redis.asyncio.Redis:

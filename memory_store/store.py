@@ -36,7 +36,7 @@ from memory_store.embedded import EmbeddedRedis
 from memory_store.hot import HotTier
 from memory_store.lease import Lease, LeaseRequest
 from memory_store.metrics import StoreMetrics
-from memory_store.redis_tier import ABSENT, ANY_VERSION, RedisTier, connect
+from memory_store.redis_tier import ABSENT, ANY_VERSION, RedisTier, connect, redact_url
 from memory_store.session import Session, SessionInfo
 from txlserve.errors import (
     InvalidRequestError,
@@ -104,6 +104,14 @@ class MemoryStore:
 
     # -- lifecycle ---------------------------------------------------------
 
+    @property
+    def where(self) -> str:
+        """Where sessions are kept, fit for a log line: the embedded Redis's directory, or the URL without
+        its credentials."""
+        if self.url is None:
+            return f"embedded Redis under {self.config.data_dir}"
+        return f"Redis at {redact_url(self.url)}"
+
     async def start(self) -> None:
         """Connect (starting or joining the embedded Redis if no URL) and check Redis answers."""
         if self._tier is not None:
@@ -114,10 +122,9 @@ class MemoryStore:
             await asyncio.to_thread(self._embedded.start)
             url = self._embedded.url
         client = connect(url, op_timeout_s=self.config.op_timeout_s)
-        where = url.split("@")[-1]  # never log a password
         self._tier = RedisTier(
             client,
-            where=where,
+            where=redact_url(url),  # never log a password
             ttl_s=self.config.ttl_s,
             lease_ttl_ms=self.config.lease_ttl_ms,
             metrics=self.metrics,

@@ -30,9 +30,10 @@ def owner_for_key(rt: Runtime, key: str | None) -> str | None:
     keys = rt.settings.api_keys
     if not keys:
         return None
-    if key is None or not any(hmac.compare_digest(key, k) for k in keys):
+    given = None if key is None else key.encode("utf-8", "surrogatepass")  # compare_digest refuses non-ASCII str
+    if given is None or not any(hmac.compare_digest(given, k.encode("utf-8", "surrogatepass")) for k in keys):
         raise AuthenticationError("invalid or missing API key (send 'Authorization: Bearer <key>')")
-    return "key:" + hashlib.sha256(key.encode()).hexdigest()[:24]
+    return "key:" + hashlib.sha256(given).hexdigest()[:24]
 
 
 def _bearer(header: str | None) -> str | None:

@@ -78,9 +78,9 @@ def install(app: FastAPI) -> None:
             404: (f"no such route: {where} (the API is described at /docs)", "not_found_error", "unknown_route"),
             405: (f"method not allowed: {where}", "invalid_request_error", "method_not_allowed"),
             # FastAPI's own 400: json.loads raised something other than a JSON syntax error (bytes that are not
-            # UTF-8, nesting deeper than the parser goes)
+            # UTF-8, nesting deeper than the parser goes, an integer longer than Python converts)
             400: ("the request body could not be read as JSON (it must be UTF-8 text, nested at most a few hundred "
-                  "levels deep)", "invalid_request_error", "invalid_value"),
+                  "levels deep, with integers of at most 4,300 digits)", "invalid_request_error", "invalid_value"),
         }.get(err.status_code, (str(err.detail), "invalid_request_error", None))
         return JSONResponse(error_body(message, type_, None, code), status_code=err.status_code,
                             headers=getattr(err, "headers", None))

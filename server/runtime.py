@@ -100,11 +100,9 @@ async def open_runtime(settings: Settings) -> Runtime:
     scheduler.start()
     hot = HotStates(settings.hot_cache_mb << 20)
     rt = Runtime(settings, engine, scheduler, store, Metrics(scheduler, store, hot), hot)
-    where = "embedded Redis under " + settings.data_dir if settings.redis_url is None else "Redis at " + (
-        settings.redis_url.split("@")[-1])
     log.info("loaded %s (%s, %d layers, d_model %d, mem_len %d) on %s, %d torch threads; sessions in %s; "
              "http://%s:%d", checkpoint, settings.model_name, engine.config.n_layer, engine.config.d_model,
-             engine.mem_len, device, torch.get_num_threads(), where, settings.host, settings.port)
+             engine.mem_len, device, torch.get_num_threads(), store.where, settings.host, settings.port)
     rt.start_sweeper()
     rt.ready = True
     return rt

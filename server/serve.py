@@ -12,6 +12,7 @@ import asyncio
 import logging
 import re
 import socket
+import urllib.parse
 
 import uvicorn
 
@@ -32,17 +33,26 @@ class _Server(uvicorn.Server):
 
 
 class Redact(logging.Filter):
-    """Masks secrets in log records: ``api_key=`` (and ``key``, ``token``) query values, and the configured keys
-    wherever they appear. Arguments keep their places, since uvicorn's access formatter unpacks them."""
+    """Masks secrets in log records: the values of query parameters named like a secret (``api_key``, ``key``,
+    ``token``, ``password``), percent-encoded or not, since Starlette decodes ``api%5Fkey`` as ``api_key``; any
+    query value that decodes to a configured key; and the configured keys wherever they appear. Arguments keep
+    their places, since uvicorn's access formatter unpacks them."""
 
-    _QUERY = re.compile(r"(?i)([?&](?:api[_-]?key|key|token|access[_-]?token)=)[^&\s\"']*")
+    _PAIR = re.compile(r"([?&])([^=&\s\"'#]+)=([^&\s\"'#]*)")
+    _SECRET_NAME = re.compile(r"(?i)(?:api[_-]?key|key|token|access[_-]?token|password|passwd|pass|auth)")
 
     def __init__(self, secrets: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.secrets = tuple(s for s in secrets if s)
 
+    def _pair(self, m: re.Match) -> str:
+        name, value = urllib.parse.unquote(m[2]), urllib.parse.unquote(m[3])
+        if self._SECRET_NAME.fullmatch(name) or any(secret in value for secret in self.secrets):
+            return f"{m[1]}{m[2]}=***"
+        return m[0]
+
     def redact(self, text: str) -> str:
-        text = self._QUERY.sub(r"\1***", text)
+        text = self._PAIR.sub(self._pair, text)
         for secret in self.secrets:
             text = text.replace(secret, "***")
         return text
@@ -55,10 +65,18 @@ class Redact(logging.Filter):
         return True
 
 
+def _not_a_denial(record: logging.LogRecord) -> bool:
+    """Drops uvicorn's "ASGI callable returned without completing handshake." Our WebSocket route always
+    answers the handshake, by accepting it or with an HTTP denial response (a refused key's 401), and
+    uvicorn's sans-I/O implementation logs that error after every denial: one ERROR line per refused key."""
+    return record.getMessage() != "ASGI callable returned without completing handshake."
+
+
 def install_redaction(settings: Settings) -> None:
     redact = Redact(settings.api_keys)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "txlserve", "txlserve.requests", ""):
         logging.getLogger(name).addFilter(redact)
+    logging.getLogger("uvicorn.error").addFilter(_not_a_denial)
 
 
 def serve(settings: Settings, sock: socket.socket) -> int:

@@ -32,10 +32,12 @@ def _free_port() -> int:
 class RedisProcess:
     """One redis-server on a loopback port with an fsync-always AOF in ``data_dir``."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, *, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, *, extra: tuple[str, ...] = (),
+                 password: str | None = None) -> None:
         self.data_dir = data_dir
         self.port = port or _free_port()
-        self.extra = extra
+        self.extra = extra + (("--requirepass", password) if password else ())
+        self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -48,7 +50,8 @@ class RedisProcess:
         args += ["--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no"]
         args += ["--logfile", str(self.data_dir / "redis.log"), *self.extra]
         self.proc = subprocess.Popen([find_redis_server(), *args], stdout=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
+        client = redis.Redis(port=self.port, password=self.password, socket_timeout=1, socket_connect_timeout=1,
+                             retry=Retry(NoBackoff(), 0))
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -77,8 +77,9 @@ def _parse(raw: str | bytes) -> tuple[dict | None, dict | None]:
         return None, _invalid("binary frames are not supported: send each message as a JSON text frame")
     try:
         msg = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError):  # RecursionError: nesting deeper than the parser goes
-        return None, _invalid("messages must be JSON objects")
+    except (ValueError, RecursionError):  # a syntax error, an integer past Python's 4,300 digits, nesting too deep
+        return None, _invalid("messages must be JSON objects (nested at most a few hundred levels deep, integers "
+                              "of at most 4,300 digits)")
     if not isinstance(msg, dict):
         return None, _invalid("messages must be JSON objects")
     return msg, None

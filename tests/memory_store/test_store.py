@@ -315,6 +315,19 @@ async def test_oversized_payload(redis_url: str) -> None:
         assert (await s.info(small.session_id, owner=owner)).version == 1
 
 
+async def test_a_position_past_what_a_header_holds_is_refused_before_writing(store: MemoryStore) -> None:
+    """A header whose tokens_seen is out of range is refused by every read, so such a commit must never land."""
+    owner, top = new_owner(), 1 << 62
+    info = await store.create(owner=owner, tensors=make_state(), mem_len=8, tokens_seen=top - 2)
+    async with store.lease(info.session_id, owner=owner) as lease:
+        with pytest.raises(InvalidRequestError, match="tokens_seen"):
+            await store.commit(lease, make_state(), tokens_seen=top + 1, appended=True)
+        assert (await store.commit(lease, make_state(), tokens_seen=top, appended=True)).tokens_seen == top
+    with pytest.raises(InvalidRequestError, match="tokens_seen"):
+        await store.create(owner=owner, tensors=make_state(), mem_len=8, tokens_seen=top + 1)
+    assert (await store.get(info.session_id, owner=owner)).info.tokens_seen == top  # readable
+
+
 async def test_put_creates_then_overwrites(store: MemoryStore, other_store: MemoryStore) -> None:
     owner = new_owner()
     first = await store.put("my-session_1", make_state(seed=1), owner=owner, mem_len=8, tokens_seen=1)

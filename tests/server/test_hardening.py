@@ -129,6 +129,22 @@ def test_ws_handler_ends_with_its_connection_after_a_binary_frame(server):
         pytest.fail("the WebSocket handler outlived its connection")
 
 
+def test_an_integer_too_long_to_convert_is_an_error_event_and_the_connection_goes_on(server):
+    """json.loads raises a plain ValueError past Python's 4,300-digit limit: it closed the socket with a
+    traceback."""
+    with connect(ws_url(server)) as conn:
+        conn.send('{"type": "completion.create", "max_tokens": ' + "9" * 4301 + "}")
+        event = recv(conn)
+        assert event["type"] == "error" and event["status"] == 400 and "4,300 digits" in event["error"]["message"]
+        conn.send(json.dumps({"type": "completion.create", **OK}))
+        while (event := recv(conn))["type"] == "completion.delta":
+            pass
+        assert event["type"] == "completion.done", event
+    r = httpx.post(server.url + "/v1/completions", content=b'{"max_tokens": ' + b"9" * 4301 + b"}",
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert "4,300 digits" in assert_openai_error(r, 400)["message"]
+
+
 def test_deeply_nested_json_is_malformed_input(server):
     nested = "[" * 100_000 + "]" * 100_000
     with connect(ws_url(server), max_size=None) as conn:
@@ -208,6 +224,12 @@ def test_no_key_in_any_log_line(keyed):
         recv(conn)
     httpx.get(keyed.url + f"/v1/models?api_key={KEYS[0]}", headers={"authorization": f"Bearer {KEYS[0]}"})
     httpx.get(keyed.url + "/v1/models?key=wrong-key-789")
+    # Starlette decodes names and values, so a percent-encoded key authenticates: its log line must not show it
+    every_byte = "".join(f"%{b:02X}" for b in KEYS[1].encode())
+    for query in (f"?api%5Fkey={KEYS[1].replace('-', '%2D')}", f"?api%5Fkey={every_byte}", f"?other={every_byte}"):
+        with connect(ws_url(keyed, query), additional_headers={"Authorization": f"Bearer {KEYS[1]}"}) as conn:
+            conn.send(json.dumps({"type": "nothing"}))
+            recv(conn)
     deadline = time.monotonic() + 10
     while '"status":401' not in keyed.log.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)  # poll: the request's line is written after the response
@@ -219,6 +241,71 @@ def test_no_key_in_any_log_line(keyed):
     assert all("?" not in str(x["route"]) for x in lines)  # a route, never a query string
     for secret in (*KEYS, "wrong-key-789"):
         assert secret not in log
+    assert every_byte not in log and KEYS[1].replace("-", "%2D") not in log
+
+
+@pytest.mark.parametrize("key", ["\u00e9", "k\u00e9y-alpha-123", "\u20ac"])
+def test_a_non_ascii_key_is_401_not_500(keyed, key):
+    """hmac.compare_digest refuses str with non-ASCII characters: such a key was a 500 and a reset connection."""
+    with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
+        for _ in range(2):  # the keep-alive connection survives the refusal
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() + b"\r\n\r\n")
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                chunk = sock.recv(4096)
+                assert chunk, reply
+                reply += chunk
+            head, _, body = reply.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 401"), reply
+            assert json.loads(body)["error"]["type"] == "authentication_error"
+    for query in ("?api_key=%C3%A9", "?api_key=%FF", "?api_key=%ED%A0%80"):
+        with pytest.raises(Exception, match="401"):
+            connect(ws_url(keyed, query)).close()
+    assert "Traceback" not in keyed.log.read_text()
+
+
+def test_a_redis_password_never_reaches_a_log_or_a_response(checkpoint, tmp_path):
+    """redis-py takes a password from the URL's query as well as from its user part; only the user part was
+    masked, so ``?password=`` showed in the start-up line, in stderr and in every 503 body, /ready's included."""
+    from tests.conftest import RedisProcess
+
+    secret = "S3cret-redis-pw"
+    r = _serve("--redis-url", f"redis://127.0.0.1:1/0?password={secret}", "--data-dir", str(tmp_path / "none"))
+    assert r.returncode == 2 and "unavailable" in r.stderr and secret not in r.stderr + r.stdout, r.stderr
+    redis_proc = RedisProcess(tmp_path / "redis", password=secret).start()
+    srv = LiveServer(checkpoint, redis_url=f"redis://127.0.0.1:{redis_proc.port}/0?db=0&password={secret}",
+                     data_dir=tmp_path / "srv")
+    try:
+        srv.start()
+        assert httpx.post(srv.url + "/v1/completions", json=OK, timeout=60).status_code == 200
+        redis_proc.stop()
+        bodies = [httpx.get(srv.url + "/ready", timeout=30), httpx.get(srv.url + "/v1/sessions", timeout=30),
+                  httpx.post(srv.url + "/v1/sessions", json={"text": "x"}, timeout=30)]
+        assert [b.status_code for b in bodies] == [503, 503, 503], [b.text for b in bodies]
+        assert all(secret not in b.text and f"127.0.0.1:{redis_proc.port}" in b.text for b in bodies[1:])
+    finally:
+        srv.stop()
+        redis_proc.stop()
+    log = srv.log.read_text()
+    assert f"Redis at redis://127.0.0.1:{redis_proc.port}/0" in log and secret not in log
+
+
+def test_redis_urls_lose_their_credentials():
+    from memory_store.redis_tier import redact_url
+
+    assert redact_url("redis://user:pw@h:1/2?password=x&db=3") == "redis://h:1/2"
+    assert redact_url("rediss://:pw@h/0") == "rediss://h/0"
+    assert redact_url("unix:///run/r.sock?db=0&password=x") == "unix:///run/r.sock"
+    assert redact_url("redis+cluster://a:b@h:7000?password=x") == "redis+cluster://h:7000"
+    assert redact_url("redis://h:notaport/0?password=x") in ("redis://h:notaport/0", "<unparseable Redis URL>")
+
+
+def test_a_refused_websocket_logs_no_error(keyed):
+    """uvicorn logs "returned without completing handshake" after every denial response: one ERROR per 401."""
+    with pytest.raises(Exception, match="401"):
+        connect(ws_url(keyed, "?api_key=nope")).close()
+    httpx.get(keyed.url + "/health")
+    assert "without completing handshake" not in keyed.log.read_text()
 
 
 def test_empty_or_whitespace_keys_never_authenticate(keyed):

@@ -55,7 +55,8 @@ class Settings:
     max_prompt_bytes: int = _opt(1_000_000, "largest prompt, in tokens (bytes for a byte model)")
     max_append_bytes: int = _opt(8_000_000, "largest appended document, in bytes")
     max_body_bytes: int = _opt(10_000_000, "largest request body, in bytes (413 beyond)")
-    body_timeout_s: float = _opt(30.0, "a request body that stops arriving for this long gets 408")
+    body_timeout_s: float = _opt(30.0, "a request whose headers take this long, or whose body stops "
+                                   "arriving for this long, gets 408")
     max_stop: int = _opt(4, "most stop strings per request")
     max_stop_bytes: int = _opt(64, "longest stop string, in bytes")
     enforce_eager: bool = _opt(False, "run decode steps op by op in eager PyTorch instead of as one traced graph "

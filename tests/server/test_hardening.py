@@ -342,6 +342,50 @@ def test_a_body_that_stops_arriving_is_408(keyed):
     assert httpx.get(keyed.url + "/health").status_code == 200
 
 
+def _read_until_closed(sock: socket.socket) -> bytes:
+    reply = b""
+    while chunk := sock.recv(4096):  # the socket's own timeout bounds each wait
+        reply += chunk
+    return reply
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"])
+def test_headers_that_never_complete_are_408_and_closed(keyed, sent):
+    """uvicorn keeps a connection that never finishes its headers open for ever (slowloris): each one now gets
+    the body's deadline (1.5 s here) to send them."""
+    with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
+        sock.sendall(sent)
+        t0 = time.monotonic()
+        reply = _read_until_closed(sock)
+        assert time.monotonic() - t0 < 25
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+def test_a_keep_alive_connection_gets_a_new_header_deadline_after_each_response(keyed):
+    request = (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
+        for _ in range(2):  # spaced by most of the deadline: each request is on time on its own
+            sock.sendall(request)
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                reply += sock.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 200"), reply
+            time.sleep(1.0)  # bounded: the pacing under test (the deadline is 1.5 s)
+        sock.sendall(b"GET /health HTTP/1.1\r\n")  # then half a request, and nothing more
+        assert _read_until_closed(sock).startswith(b"HTTP/1.1 408")
+
+
+def test_a_websocket_outlives_the_header_deadline(keyed):
+    with connect(ws_url(keyed), additional_headers={"Authorization": f"Bearer {KEYS[0]}"}) as conn:
+        time.sleep(2.5)  # bounded: past the 1.5 s deadline armed when the connection opened
+        conn.send(json.dumps({"type": "completion.create", **OK}))
+        while (event := recv(conn))["type"] == "completion.delta":
+            pass
+        assert event["type"] == "completion.done", event
+
+
 def test_a_slow_but_steady_body_is_not_cut(keyed):
     body = json.dumps({**OK}).encode()
     with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:

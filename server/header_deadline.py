@@ -1,0 +1,65 @@
+"""uvicorn's HTTP protocol with a deadline for each request's headers.
+
+uvicorn closes a keep-alive connection that stays silent after a response, but not one that
+sends part of a request's headers and stops, nor one that never sends a byte: each holds a
+socket and a file descriptor for ever (slowloris). The ASGI app cannot help, since it first
+hears of a request once its headers are complete (``BodyLimit`` bounds the body from there).
+So the protocol itself gives every connection ``timeout_s`` from its start, and from the end
+of each response, to complete the next request's headers; past that it answers 408 in
+OpenAI's error shape and closes, as nginx's ``client_header_timeout`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from server.errors import error_body
+
+_BODY = json.dumps(error_body("the request's headers did not arrive in time", "invalid_request_error", None,
+                              "request_timeout")).encode()
+TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(_BODY)).encode() + b"\r\nconnection: close\r\n\r\n" + _BODY)
+
+
+def protocol_class(timeout_s: float) -> type:
+    """The protocol uvicorn's ``http="auto"`` would pick (httptools where installed, else h11), with the
+    deadline: a class to pass as ``uvicorn.Config(http=...)``."""
+    try:
+        import httptools  # noqa: F401  (only whether it is there)
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    class HeaderDeadline(base):  # type: ignore[misc, valid-type]
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            # uvicorn makes a new request cycle once a request's headers are complete: the same cycle at the
+            # deadline means no request began since it was armed
+            self._deadline = self.loop.call_later(timeout_s, self._expire, self.cycle)
+
+        def _expire(self, cycle: object) -> None:
+            self._deadline = None
+            transport = self.transport
+            if self.cycle is not cycle or transport.is_closing() or transport.get_protocol() is not self:
+                return  # a request began (or the connection became a WebSocket, or is closing anyway)
+            transport.write(TIMEOUT_RESPONSE)
+            transport.close()
+
+    return HeaderDeadline

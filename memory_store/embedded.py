@@ -5,7 +5,8 @@ a commit that returned is on disk even if the server or the process that
 started it is killed with SIGKILL. Only one server may ever run over one data
 dir, so starting is serialised by an ``fcntl`` lock file, and a process that
 finds a live server on the socket joins it instead (and leaves it running when
-it closes). The server runs in its own session, so a Ctrl-C meant for the
+it closes). The process that started it stops it when it closes, unless others
+still use it. The server runs in its own session, so a Ctrl-C meant for the
 parent does not stop Redis under it; if the parent dies, the server lives on
 and the next process joins it.
 """
@@ -30,6 +31,7 @@ import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from memory_store.redis_tier import client_name
 from txlserve.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -92,9 +94,16 @@ class EmbeddedRedis:
             self._wait_ready(deadline)
 
     def stop(self) -> None:
-        """SIGTERM makes Redis fsync the AOF, remove its socket and pidfile, and exit."""
+        """SIGTERM makes Redis fsync the AOF, remove its socket and pidfile, and exit; unless other processes
+        joined it and still use it: then it is left running for them, as if this process had died (the next
+        process to start joins it). Stopping it under them made every request of theirs a 503 for good."""
         proc, self._proc = self._proc, None
         if proc is None:
+            return
+        others = self._other_clients()
+        if others:
+            log.info("leaving the embedded Redis of %s running: %d connection(s) of other processes use it",
+                     self.data_dir, others)
             return
         proc.terminate()
         try:
@@ -143,6 +152,20 @@ class EmbeddedRedis:
             return "loading"
         except (redis.exceptions.RedisError, OSError):
             return "dead"
+        finally:
+            client.close()
+
+    def _other_clients(self) -> int:
+        """Connections to the server other than this process's own (named by ``client_name``) and this probe's;
+        0 where it does not answer."""
+        own = client_name()
+        client = redis.Redis(unix_socket_path=str(self.socket_path), socket_timeout=1, socket_connect_timeout=1,
+                             retry=Retry(NoBackoff(), 0))
+        try:
+            me = client.client_id()
+            return sum(1 for c in client.client_list() if int(c["id"]) != me and c.get("name") != own)
+        except (redis.exceptions.RedisError, OSError):
+            return 0
         finally:
             client.close()
 

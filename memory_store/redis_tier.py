@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -186,6 +187,12 @@ def redact_url(url: str) -> str:
         return "<unparseable Redis URL>"
 
 
+def client_name() -> str:
+    """What this process's connections are called in ``CLIENT LIST``: which server holds them, and how the
+    embedded Redis's starter tells its own connections from those of the processes that joined it."""
+    return f"txlserve-{os.getpid()}"
+
+
 def connect(url: str, *, op_timeout_s: float, max_connections: int = 64) -> redis.asyncio.Redis:
     """A client that fails fast: bounded socket waits, one immediate retry, a bounded wait for a connection.
 
@@ -209,6 +216,7 @@ def connect(url: str, *, op_timeout_s: float, max_connections: int = 64) -> redi
         )
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         url,
+        client_name=client_name(),
         max_connections=max_connections,
         timeout=op_timeout_s,
         socket_timeout=op_timeout_s,

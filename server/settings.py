@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from txlserve.errors import ConfigError
+
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -68,7 +71,7 @@ class Settings:
     store_timeout_s: float = _opt(2.0, "Redis operation timeout in seconds")
     shutdown_timeout_s: float = _opt(30.0, "on SIGTERM, time in seconds for in-flight requests before they are "
                                            "cancelled")
-    log_level: str = _opt("info", "debug, info, warning or error")
+    log_level: str = _opt("info", "debug, info, warning, error or critical")
 
     def __post_init__(self) -> None:
         if self.storage_dtype not in ("float32", "bfloat16", "float16"):
@@ -86,6 +89,22 @@ class Settings:
             raise ConfigError("cold_after_s and warm_budget_mb must be >= 0, cold_sweep_s > 0")
         if not self.body_timeout_s > 0:
             raise ConfigError(f"body_timeout_s must be > 0, not {self.body_timeout_s}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        if self.log_level not in _LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, not {self.log_level!r}")
+        if not self.model_name.strip() or self.model_name != self.model_name.strip() or len(self.model_name) > 256:
+            raise ConfigError(f"model_name must be 1 to 256 characters with no surrounding white space, not "
+                              f"{self.model_name!r}")
+        for name in ("max_prompt_bytes", "max_append_bytes", "max_body_bytes", "max_stop_bytes", "lease_ttl_ms",
+                     "mem_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
+        for name in ("hot_cache_mb", "session_ttl_s", "max_stop", "clamp_len", "shutdown_timeout_s"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
+        if not self.store_timeout_s > 0:
+            raise ConfigError(f"store_timeout_s must be > 0, not {self.store_timeout_s}")
         if any(not isinstance(k, str) or not k.strip() or k != k.strip() for k in self.api_keys):
             raise ConfigError("an API key may not be empty or start or end with white space")
         if any(not isinstance(o, str) or not (o == "*" or o.startswith(("http://", "https://")))

@@ -57,6 +57,25 @@ async def test_start_join_and_stop(data_dir: Path) -> None:
         assert_same((await again.get(info.session_id)).tensors, make_state(seed=1))
 
 
+async def test_the_starter_leaves_the_server_running_for_a_process_that_joined_it(data_dir: Path) -> None:
+    """Two servers on one data dir: stopping the one that started Redis stopped it under the other, whose every
+    request was then a 503 for good."""
+    first = MemoryStore.from_url(None, identity=IDENTITY, data_dir=str(data_dir))
+    await first.start()
+    pid = int((data_dir / "redis.pid").read_text())
+    proc, report = await start_holder("--data-dir", str(data_dir))  # another process joins and holds a lease
+    try:
+        await first.aclose()
+        assert _pid_alive(pid)  # left running for the holder
+        async with MemoryStore.from_url(None, identity=IDENTITY, data_dir=str(data_dir)) as again:
+            assert int((data_dir / "redis.pid").read_text()) == pid  # joined, not restarted
+            got = await again.get(report["session_id"], owner=holder.OWNER)
+            assert_same(got.tensors, make_state(seed=holder.COMMITTED_SEED))
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
 def test_concurrent_starts_make_one_server(data_dir: Path) -> None:
     starters = [EmbeddedRedis(data_dir) for _ in range(4)]
     with ThreadPoolExecutor(len(starters)) as pool:

@@ -418,6 +418,13 @@ def _serve(*args: str, env: dict | None = None, timeout: float = 60):
     (("--checkpoint", "/nope/nothing"), {}, "/nope/nothing"),
     (("--threads", "0"), {}, "threads"),
     (("--port", "70000"), {}, "port"),
+    (("--device", "tpu"), {}, "device"),
+    (("--log-level", "verbose"), {}, "log_level"),
+    (("--hot-cache-mb", "-5"), {}, "hot_cache_mb"),
+    (("--model-name", ""), {}, "model_name"),
+    ((), {"TXLSERVE_MODEL_NAME": " padded "}, "model_name"),
+    (("--store-timeout-s", "0"), {}, "store_timeout_s"),
+    (("--max-prompt-bytes", "0"), {}, "max_prompt_bytes"),
 ])
 def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Path):
     r = _serve(*args, "--data-dir", str(tmp_path), env=env)

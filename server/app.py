@@ -216,6 +216,7 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
             await close_runtime(rt)
 
     app = FastAPI(title="txlserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  redirect_slashes=False,  # /v1/completions/ is a 404 in OpenAI's shape, not a bare 307
                   description="Transformer-XL inference with persistent per-session segment memory")
     _offline_docs(app)
     _playground(app)

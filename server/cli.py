@@ -322,7 +322,7 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
         print("txlserve: error: the terminal client needs the client package: pip install -e clients/python",
               file=sys.stderr)
         return 2
-    return chat_main(ns.args) or 0
+    return chat_main(ns.args, prog="txlserve chat") or 0
 
 
 def _add_session(sub: argparse._SubParsersAction) -> None:

@@ -87,6 +87,8 @@ async def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt") 
 
 async def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
     check_model(rt, req.model)
+    if req.stream_options is not None and not req.stream:  # OpenAI refuses it too
+        raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
     params = sampling_params(rt, req)
     ids = await prompt_ids(rt, req.prompt, rt.settings.max_prompt_bytes)
     scored = req.logprobs if req.echo and req.logprobs is not None and ids else None

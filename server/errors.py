@@ -51,6 +51,8 @@ def validation_message(err: RequestValidationError | ValidationError) -> tuple[s
         msg = f"unrecognized request argument: {param}"
     elif first.get("type") == "json_invalid":
         msg, param = "the request body is not valid JSON", None
+    elif first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+        msg = "the request body is empty: send a JSON object (with 'Content-Type: application/json')"
     elif param:
         msg = f"{param}: {msg}"
     return msg, param

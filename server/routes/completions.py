@@ -60,6 +60,7 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
     include_usage = bool(comp.req.stream_options and comp.req.stream_options.include_usage)
     last_t = None
     finished = False
+    streamed = 0
     try:
         if comp.req.echo and comp.req.prompt and run.prompt_logprobs is None:
             yield _sse(comp.chunk(comp.req.prompt).dump())
@@ -71,6 +72,7 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
                 now = time.monotonic()
                 (rt.metrics.ttft if last_t is None else rt.metrics.itl).observe(now - (last_t or t0))
                 last_t = now
+                streamed += 1
                 logprobs = comp.add(item)
                 if logprobs is not None:
                     yield _sse(comp.chunk(item.text, None, logprobs).dump())
@@ -88,7 +90,9 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
     finally:
         if not finished:  # the client went away (cancelled, or the generator closed at a yield)
             rt.metrics.disconnects.inc()
-            run.cancel()
+            run.cancel()  # its log line is written now, so it says what the client got
+            request_fields(request.scope).update(prompt_tokens=len(run.ids), completion_tokens=streamed,
+                                                 finish_reason="cancelled", session_id=run.session_id)
     yield "data: [DONE]\n\n"
 
 

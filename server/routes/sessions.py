@@ -23,7 +23,7 @@ from server.protocol import (
 from server.runtime import Runtime
 from server.scheduler import PromptScores
 from server.service import Final, Run, first_item
-from txlserve.errors import SessionIncompatible
+from txlserve.errors import InvalidRequestError, SessionIncompatible
 
 router = APIRouter(prefix="/v1/sessions")
 log = logging.getLogger("txlserve.sessions")
@@ -63,8 +63,13 @@ async def create_session(request: Request, body: SessionCreate | None = None, rt
 
 
 @router.get("", response_model=SessionList)
-async def list_sessions(limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=200),
+async def list_sessions(request: Request, limit: int = Query(20, ge=1, le=100),
+                        after: str | None = Query(None, max_length=200),
                         rt: Runtime = Depends(runtime), who: str | None = Depends(owner)) -> SessionList:
+    unknown = sorted(set(request.query_params) - {"limit", "after"})
+    if unknown:  # a pager that sends ?cursor= would get the first page for ever
+        raise InvalidRequestError(f"unknown query parameter {unknown[0]!r}: pages are asked for with 'limit' and "
+                                  "'after' (the previous page's next_cursor)", param=unknown[0])
     infos, cursor = await rt.store.list(owner=who, limit=limit, after=after)
     return SessionList(data=[session_object(rt, i) for i in infos], has_more=cursor is not None, next_cursor=cursor)
 

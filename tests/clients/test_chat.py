@@ -55,6 +55,14 @@ def test_resume_a_session_and_exit_at_eof(server: LiveServer, client: Client) ->
     assert f"session {session.id}: tokens_seen=14" in out  # an empty line continued by 5 tokens
 
 
+def test_a_model_the_server_does_not_serve_is_refused_before_a_session_is_made(server: LiveServer,
+                                                                                client: Client) -> None:
+    before = [s.id for s in client.sessions.list(limit=100).iter_all()]
+    rc, out, err = run_chat(server, "hello\n", "--model", "gpt-4")
+    assert rc == 2 and "gpt-4" in err and "not" in err and out == "", (rc, out, err)
+    assert [s.id for s in client.sessions.list(limit=100).iter_all()] == before
+
+
 def test_unknown_session_is_an_error(server: LiveServer) -> None:
     rc, _, err = run_chat(server, "", "--session", "no-such-session")
     assert rc == 1 and "404" in err and "not found" in err

@@ -191,7 +191,7 @@ def test_environment_defaults(server: LiveServer, monkeypatch: pytest.MonkeyPatc
 
 def test_connection_error() -> None:
     with Client(base_url="http://127.0.0.1:9", max_retries=0) as client:
-        with pytest.raises(APIConnectionError):
+        with pytest.raises(APIConnectionError, match="at http://127.0.0.1:9 "):  # where it tried
             client.models.list()
         with pytest.raises(APIConnectionError):
             client.ws.connect()

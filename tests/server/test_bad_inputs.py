@@ -38,6 +38,11 @@ CASES = [
     ("unknown field", "POST", "/v1/completions", {**OK, "foo": 1}, 400, "foo"),
     ("stream not bool", "POST", "/v1/completions", {**OK, "stream": "yes"}, 400, "stream"),
     ("stream_options unknown", "POST", "/v1/completions", {**OK, "stream_options": {"x": 1}}, 400, None),
+    ("stream_options without stream", "POST", "/v1/completions",
+     {**OK, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("empty body", "POST", "/v1/completions", b"", 400, None),
+    ("trailing slash", "POST", "/v1/completions/", OK, 404, None),  # was a bare 307 redirect
+    ("list unknown parameter", "GET", "/v1/sessions?cursor=abc", None, 400, "cursor"),
     ("echo string", "POST", "/v1/completions", {**OK, "echo": "true"}, 400, "echo"),
     ("seed float", "POST", "/v1/completions", {**OK, "seed": 1.5}, 400, "seed"),
     ("penalty", "POST", "/v1/completions", {**OK, "frequency_penalty": 1.0}, 400, "frequency_penalty"),
@@ -83,6 +88,8 @@ def test_bad_input(server, name, method, path, body, status, param):
     assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
     if param is not None:
         assert err["param"] == param, err
+    if name == "empty body":
+        assert "body is empty" in err["message"], err
     assert httpx.get(server.url + "/health").status_code == 200
 
 

@@ -77,6 +77,12 @@ def test_bad_cursor_is_400(server, cursor):
     assert_openai_error(httpx.get(server.url + f"/v1/sessions?after={cursor}"), 400, "after")
 
 
+@pytest.mark.parametrize("query", ["cursor=abc", "limit=5&offset=10", "page=2"])
+def test_an_unknown_list_parameter_is_400_not_the_first_page_again(server, query):
+    err = assert_openai_error(httpx.get(server.url + f"/v1/sessions?{query}"), 400)
+    assert "after" in err["message"] and err["param"] in query
+
+
 def _raw_ws_frame(srv, payload: bytes, opcode: int) -> socket.socket:
     """Open a WebSocket by hand and send one masked frame of ``opcode`` (2: binary)."""
     sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)

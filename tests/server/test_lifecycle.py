@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -102,7 +103,8 @@ async def test_stream_commits_the_generated_tokens(redis_url, tmp_path):
         assert (await rt.store.info(sid)).tokens_seen == 7
 
 
-async def test_a_client_that_leaves_cancels_its_run_which_commits_what_was_generated(redis_url, tmp_path):
+async def test_a_client_that_leaves_cancels_its_run_which_commits_what_was_generated(redis_url, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="txlserve.requests")
     async with running_app(redis_url, tmp_path, open_gate=False) as (app, rt, engine):
         async with _client(app) as c:
             sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]  # an append needs no tokens
@@ -121,6 +123,10 @@ async def test_a_client_that_leaves_cancels_its_run_which_commits_what_was_gener
         assert request.cancelled and len(request.events) == 2  # no token after the client left
         assert (await rt.store.info(sid)).tokens_seen == 2 + 2 + len(request.events)
         assert rt.metrics.disconnects._value.get() == 1
+        (line,) = [json.loads(r.getMessage()) for r in caplog.records
+                   if r.name == "txlserve.requests" and '"/v1/completions"' in r.getMessage()]
+        assert (line["prompt_tokens"], line["completion_tokens"], line["finish_reason"], line["session_id"]) == (
+            2, 2, "cancelled", sid)  # what the client got: the log line is written when it leaves
 
 
 async def test_a_failure_mid_stream_is_an_error_event_with_its_status_and_nothing_is_committed(redis_url, tmp_path):

@@ -131,9 +131,20 @@ def error_from_response(response: httpx.Response) -> APIError:
 
 
 def connection_error(err: Exception) -> APIConnectionError:
+    where = _origin(err)
     if isinstance(err, (httpx.TimeoutException, TimeoutError)):
-        return APITimeoutError(f"the request timed out ({type(err).__name__}: {err})")
-    return APIConnectionError(f"could not talk to the txlserve server ({type(err).__name__}: {err})")
+        return APITimeoutError(f"the request{where} timed out ({type(err).__name__}: {err})")
+    return APIConnectionError(f"could not talk to the txlserve server{where} ({type(err).__name__}: {err})")
+
+
+def _origin(err: Exception) -> str:
+    """`` at scheme://host:port`` of the request that failed, where httpx knows it (never its path or query,
+    which may carry a key)."""
+    try:
+        url = err.request.url  # type: ignore[attr-defined]  # httpx raises RuntimeError where it has none
+    except (AttributeError, RuntimeError):
+        return ""
+    return f" at {url.scheme}://{url.netloc.decode('ascii', 'replace')}"
 
 
 def _retry_after(response: httpx.Response) -> float | None:

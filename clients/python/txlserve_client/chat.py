@@ -26,8 +26,8 @@ HELP = "/info  the session   /fork  fork it and go on in the fork   /new  a fres
 BUSY_WAIT_S = 5.0  # after a cancel the server commits in the background; a 409 until then is worth waiting out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="txlserve-chat", description=__doc__,
+def build_parser(prog: str = "txlserve-chat") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--session", default=None, help="continue this session (default: create one)")
     p.add_argument("--url", default=None, help="server URL (default: $TXLSERVE_BASE_URL or http://127.0.0.1:8000)")
@@ -116,15 +116,19 @@ class Chat:
                 time.sleep(0.1)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "txlserve-chat") -> int:
+    args = build_parser(prog).parse_args(argv)
     try:
         with Client(base_url=args.url, api_key=args.api_key) as client:
-            model = args.model or client.models.list()[0].id
+            served = [m.id for m in client.models.list()]
+            if args.model is not None and args.model not in served:  # before a session is made for nothing
+                print(f"{prog}: this server serves {', '.join(served)}, not {args.model!r}", file=sys.stderr)
+                return 2
+            model = args.model or served[0]
             session = client.sessions.get(args.session) if args.session else client.sessions.create()
             return Chat(client, model, session, args).run()
     except APIError as err:
-        print(f"txlserve-chat: {err}", file=sys.stderr)
+        print(f"{prog}: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -101,6 +101,27 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 access_log = logging.getLogger("txlserve.requests")
 
 
+class HeadAsGet:
+    """HEAD on every GET route (RFC 9110: a general-purpose server supports both), answered as the GET is,
+    without its body; FastAPI's routes answer only the methods they declare. Plain ASGI, like the others."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(msg: Message) -> None:
+            if msg["type"] == "http.response.body":
+                if msg.get("more_body"):
+                    return
+                msg = {"type": "http.response.body", "body": b""}
+            await send(msg)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 class RequestLog:
     """Every HTTP request gets an id (the client's ``x-request-id`` when it sends a sane one), echoed in the
     ``x-request-id`` response header, and one structured (JSON) log line when it ends: id, method, route,
@@ -224,6 +245,7 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     for module in (health, completions, sessions, tokenize, ws):
         app.include_router(module.router)
 
+    app.add_middleware(HeadAsGet)  # innermost: the log and the limits still see HEAD
     app.add_middleware(RequestLog, runtime_of=lambda: getattr(app.state, "runtime", None))
     if settings.cors_origins:  # off by default: browsers on other origins may call the API only when allowed
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],

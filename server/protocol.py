@@ -201,7 +201,7 @@ class SessionExport(BaseModel):
     object: Literal["session.export"] = "session.export"
     format: Literal["txlserve.session.v1"] = SESSION_FORMAT
     tokenizer: str = Field(min_length=1, max_length=200)
-    tokens_seen: int = Field(ge=0, le=1 << 53)  # far below what a header holds (2^62), so it can keep growing
+    tokens_seen: int = Field(ge=0, le=1 << 62)  # what a header holds; an import takes at most 2^53 (sessions.py)
     window: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=1 << 20)
     metadata: Metadata = None
     model: str | None = Field(default=None, max_length=256)  # informative: the model that wrote it

@@ -18,7 +18,7 @@ import uvicorn
 
 from model.threads import set_threads
 from server.app import build_app
-from server.header_deadline import protocol_class
+from server.http_protocol import protocol_class
 from server.runtime import close_runtime, open_runtime
 from server.settings import Settings
 

@@ -13,12 +13,12 @@ from txlserve.errors import StoreUnavailable
 router = APIRouter()
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])  # probes that send HEAD (monitors, some load balancers)
+@router.get("/health")  # HEAD too (app.HeadAsGet), as monitors and some load balancers probe
 async def health() -> dict:
     return {"status": "ok"}
 
 
-@router.api_route("/ready", methods=["GET", "HEAD"])
+@router.get("/ready")
 async def ready(request: Request) -> Response:
     rt: Runtime | None = getattr(request.app.state, "runtime", None)
     if rt is None or not rt.ready:

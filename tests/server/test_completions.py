@@ -194,9 +194,12 @@ def test_memory_is_fixed_size(server):
 def test_health_ready_metrics_docs(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready").status_code == 200
-    for path in ("/health", "/ready"):  # a probe that sends HEAD gets the status without a body
-        head = httpx.head(server.url + path)
+    for path in ("/health", "/ready", "/v1/models", "/v1/sessions?limit=3", "/metrics", "/"):  # HEAD: no body
+        head, get = httpx.head(server.url + path), httpx.get(server.url + path)
         assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 0
+        assert head.headers["content-type"] == get.headers["content-type"]
+    assert httpx.head(server.url + "/v1/sessions/no-such-session").status_code == 404
+    assert httpx.head(server.url + "/v1/completions").status_code == 405
     complete(server, prompt="metrics", max_tokens=2)
     r = httpx.post(server.url + "/v1/completions", json={"model": "nope", "prompt": "x"})
     assert r.status_code == 404 and float(r.headers["x-process-time-ms"]) >= 0

@@ -369,6 +369,23 @@ def test_headers_that_never_complete_are_408_and_closed(keyed, sent):
     assert json.loads(body)["error"]["code"] == "request_timeout"
 
 
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"NOT A REQUEST LINE AT ALL\r\n\r\n",
+    b"GET /\xff HTTP/1.1\r\nHost: x\r\n\r\n",
+])
+def test_unparseable_http_is_400_in_openai_shape(keyed, request_bytes):
+    """uvicorn answers what it cannot parse itself, in text/plain: now in the same shape as every other error."""
+    with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
+        sock.sendall(request_bytes)
+        reply = _read_until_closed(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, reply
+    assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(keyed.url + "/health").status_code == 200
+
+
 def test_a_keep_alive_connection_gets_a_new_header_deadline_after_each_response(keyed):
     request = (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:

@@ -1,12 +1,13 @@
-"""uvicorn's HTTP protocol with a deadline for each request's headers.
+"""uvicorn's HTTP protocol, with a deadline for each request's headers and its own errors in OpenAI's shape.
 
 uvicorn closes a keep-alive connection that stays silent after a response, but not one that
 sends part of a request's headers and stops, nor one that never sends a byte: each holds a
 socket and a file descriptor for ever (slowloris). The ASGI app cannot help, since it first
 hears of a request once its headers are complete (``BodyLimit`` bounds the body from there).
 So the protocol itself gives every connection ``timeout_s`` from its start, and from the end
-of each response, to complete the next request's headers; past that it answers 408 in
-OpenAI's error shape and closes, as nginx's ``client_header_timeout`` does.
+of each response, to complete the next request's headers; past that it answers 408 and
+closes, as nginx's ``client_header_timeout`` does. A request uvicorn cannot parse (a bad
+Content-Length, a garbage request line) gets its 400 in OpenAI's error shape, not plain text.
 """
 
 from __future__ import annotations
@@ -16,10 +17,18 @@ import json
 
 from server.errors import error_body
 
-_BODY = json.dumps(error_body("the request's headers did not arrive in time", "invalid_request_error", None,
-                              "request_timeout")).encode()
-TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: "
-                    + str(len(_BODY)).encode() + b"\r\nconnection: close\r\n\r\n" + _BODY)
+
+def raw_response(status: int, reason: str, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 error response in OpenAI's shape, for the protocol to write before it closes."""
+    body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode() + body
+
+
+TIMEOUT_RESPONSE = raw_response(408, "Request Timeout", "the request's headers did not arrive in time",
+                                "request_timeout")
+BAD_REQUEST_RESPONSE = raw_response(400, "Bad Request", "the request is not valid HTTP/1.1 (its request line or "
+                                    "headers could not be parsed)", "invalid_http")
 
 
 def protocol_class(timeout_s: float) -> type:
@@ -31,7 +40,7 @@ def protocol_class(timeout_s: float) -> type:
     except ImportError:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
 
-    class HeaderDeadline(base):  # type: ignore[misc, valid-type]
+    class Protocol(base):  # type: ignore[misc, valid-type]
         _deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:
@@ -46,6 +55,10 @@ def protocol_class(timeout_s: float) -> type:
             if self._deadline is not None:
                 self._deadline.cancel()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:  # uvicorn's is text/plain
+            self.transport.write(BAD_REQUEST_RESPONSE)
+            self.transport.close()
 
         def _arm(self) -> None:
             if self._deadline is not None:
@@ -62,4 +75,4 @@ def protocol_class(timeout_s: float) -> type:
             transport.write(TIMEOUT_RESPONSE)
             transport.close()
 
-    return HeaderDeadline
+    return Protocol

@@ -26,7 +26,8 @@ import asyncio
 import hashlib
 import logging
 import os
-import urllib.parse
+import re
+import socket
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -179,21 +180,23 @@ CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 def redact_url(url: str) -> str:
     """A Redis URL fit for logs and error messages: scheme, host, port and path only. redis-py takes a password
-    from ``user:password@`` and from the query (``?password=``), so both the user part and the query go."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"  # unix:///path keeps its slashes
-    except ValueError:  # unparseable (a bad port, say): nothing of it is safe to show
+    from ``user:password@`` and from the query (``?password=``), so both the user part and the query go; the
+    user part up to the last ``@``, since a password written raw may hold ``/``, ``?`` or ``#``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return "<unparseable Redis URL>"
+    return f"{scheme}://{re.split(r'[?#]', rest.rpartition('@')[2], maxsplit=1)[0]}"
 
 
 def client_name() -> str:
-    """What this process's connections are called in ``CLIENT LIST``: which server holds them, and how the
-    embedded Redis's starter tells its own connections from those of the processes that joined it."""
-    return f"txlserve-{os.getpid()}"
+    """What this process's connections to the embedded Redis are called in ``CLIENT LIST``: how its starter tells
+    its own connections from those of the processes that joined it (the host name too: containers sharing a
+    data dir may have the same pid)."""
+    return f"txlserve-{socket.gethostname()}-{os.getpid()}".replace(" ", "_")
 
 
-def connect(url: str, *, op_timeout_s: float, max_connections: int = 64) -> redis.asyncio.Redis:
+def connect(url: str, *, op_timeout_s: float, max_connections: int = 64,
+            name: str | None = None) -> redis.asyncio.Redis:
     """A client that fails fast: bounded socket waits, one immediate retry, a bounded wait for a connection.
 
     The single retry, on connection errors only, lets a pooled connection that
@@ -216,7 +219,7 @@ def connect(url: str, *, op_timeout_s: float, max_connections: int = 64) -> redi
         )
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         url,
-        client_name=client_name(),
+        client_name=name,  # only where asked: an ACL user without CLIENT SETNAME could not connect at all
         max_connections=max_connections,
         timeout=op_timeout_s,
         socket_timeout=op_timeout_s,

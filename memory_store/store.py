@@ -36,9 +36,10 @@ from memory_store.embedded import EmbeddedRedis
 from memory_store.hot import HotTier
 from memory_store.lease import Lease, LeaseRequest
 from memory_store.metrics import StoreMetrics
-from memory_store.redis_tier import ABSENT, ANY_VERSION, RedisTier, connect, redact_url
+from memory_store.redis_tier import ABSENT, ANY_VERSION, RedisTier, client_name, connect, redact_url
 from memory_store.session import Session, SessionInfo
 from txlserve.errors import (
+    ConfigError,
     InvalidRequestError,
     PayloadTooLarge,
     SessionBusy,
@@ -121,7 +122,12 @@ class MemoryStore:
             self._embedded = EmbeddedRedis(self.config.data_dir)
             await asyncio.to_thread(self._embedded.start)
             url = self._embedded.url
-        client = connect(url, op_timeout_s=self.config.op_timeout_s)
+        try:  # named on the embedded Redis, whose starter counts the other processes' connections when it stops
+            client = connect(url, op_timeout_s=self.config.op_timeout_s,
+                             name=client_name() if self._embedded is not None else None)
+        except ValueError:  # redis-py's message may quote part of the password
+            raise ConfigError(f"the Redis URL {redact_url(url)} could not be parsed (percent-encode any '/', '?', "
+                              "'#' or '@' in its password)") from None
         self._tier = RedisTier(
             client,
             where=redact_url(url),  # never log a password

@@ -119,7 +119,12 @@ class HeadAsGet:
                 msg = {"type": "http.response.body", "body": b""}
             await send(msg)
 
-        await self.app({**scope, "method": "GET"}, receive, headers_only)
+        inner = {**scope, "method": "GET", "txlserve.head": True}  # errors name the method the client sent
+        try:
+            await self.app(inner, receive, headers_only)
+        finally:
+            if "route" in inner:  # the router records the route it matched in the scope it was given: the log
+                scope["route"] = inner["route"]  # line and the requests metric read it from ours
 
 
 class RequestLog:

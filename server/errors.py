@@ -75,7 +75,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
-        where = f"{request.method} {request.url.path}"
+        where = f"{'HEAD' if request.scope.get('txlserve.head') else request.method} {request.url.path}"
         message, type_, code = {
             404: (f"no such route: {where} (the API is described at /docs)", "not_found_error", "unknown_route"),
             405: (f"method not allowed: {where}", "invalid_request_error", "method_not_allowed"),

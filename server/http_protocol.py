@@ -5,8 +5,8 @@ sends part of a request's headers and stops, nor one that never sends a byte: ea
 socket and a file descriptor for ever (slowloris). The ASGI app cannot help, since it first
 hears of a request once its headers are complete (``BodyLimit`` bounds the body from there).
 So the protocol itself gives every connection ``timeout_s`` from its start, and from the end
-of each response, to complete the next request's headers; past that it answers 408 and
-closes, as nginx's ``client_header_timeout`` does. A request uvicorn cannot parse (a bad
+of each response, to complete the next request's headers; past that it closes, with a 408
+where part of a request had come (nginx's ``client_header_timeout``). A request uvicorn cannot parse (a bad
 Content-Length, a garbage request line) gets its 400 in OpenAI's error shape, not plain text.
 """
 
@@ -42,37 +42,48 @@ def protocol_class(timeout_s: float) -> type:
 
     class Protocol(base):  # type: ignore[misc, valid-type]
         _deadline: asyncio.TimerHandle | None = None
+        _heard = False  # bytes arrived since the deadline was armed
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
-            self._arm()
+            self._arm(self.cycle)
 
         def on_response_complete(self) -> None:
+            done = self.cycle  # before super(), which may already start a pipelined request's cycle
             super().on_response_complete()
-            self._arm()
+            self._arm(done)
+
+        def data_received(self, data: bytes) -> None:
+            self._heard = True
+            super().data_received(data)
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._deadline is not None:
                 self._deadline.cancel()
             super().connection_lost(exc)
 
-        def send_400_response(self, msg: str) -> None:  # uvicorn's is text/plain
-            self.transport.write(BAD_REQUEST_RESPONSE)
+        def send_400_response(self, msg: str) -> None:
+            if self.cycle is not None and not self.cycle.response_complete:
+                return super().send_400_response(msg)  # a response is under way: uvicorn's own handling
+            self.transport.write(BAD_REQUEST_RESPONSE)  # uvicorn's is text/plain
             self.transport.close()
 
-        def _arm(self) -> None:
+        def _arm(self, cycle: object) -> None:
             if self._deadline is not None:
                 self._deadline.cancel()
+            self._heard = False
             # uvicorn makes a new request cycle once a request's headers are complete: the same cycle at the
             # deadline means no request began since it was armed
-            self._deadline = self.loop.call_later(timeout_s, self._expire, self.cycle)
+            self._deadline = self.loop.call_later(timeout_s, self._expire, cycle)
 
         def _expire(self, cycle: object) -> None:
             self._deadline = None
             transport = self.transport
-            if self.cycle is not cycle or transport.is_closing() or transport.get_protocol() is not self:
-                return  # a request began (or the connection became a WebSocket, or is closing anyway)
-            transport.write(TIMEOUT_RESPONSE)
+            if (self.cycle is not cycle or (self.cycle is not None and not self.cycle.response_complete)
+                    or transport.is_closing() or transport.get_protocol() is not self):
+                return  # a request began or runs (or the connection became a WebSocket, or is closing anyway)
+            if self._heard:  # part of a request came: say why it ends; a silent connection just closes
+                transport.write(TIMEOUT_RESPONSE)
             transport.close()
 
     return Protocol

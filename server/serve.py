@@ -53,10 +53,9 @@ class Redact(logging.Filter):
         return m[0]
 
     def redact(self, text: str) -> str:
-        text = self._PAIR.sub(self._pair, text)
-        for secret in self.secrets:
+        for secret in self.secrets:  # first: a key holding a quote or '#' is cut short by the pattern below
             text = text.replace(secret, "***")
-        return text
+        return self._PAIR.sub(self._pair, text)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str):

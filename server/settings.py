@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -91,6 +92,7 @@ class Settings:
             raise ConfigError(f"body_timeout_s must be > 0, not {self.body_timeout_s}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        object.__setattr__(self, "log_level", self.log_level.lower())  # INFO, as containers often set it
         if self.log_level not in _LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, not {self.log_level!r}")
         if not self.model_name.strip() or self.model_name != self.model_name.strip() or len(self.model_name) > 256:
@@ -103,10 +105,18 @@ class Settings:
         for name in ("hot_cache_mb", "session_ttl_s", "max_stop", "clamp_len", "shutdown_timeout_s"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number, not {value}")
+        if self.mem_len is not None and self.mem_len > 1 << 20:
+            raise ConfigError(f"mem_len must be at most {1 << 20}, not {self.mem_len}")
         if not self.store_timeout_s > 0:
             raise ConfigError(f"store_timeout_s must be > 0, not {self.store_timeout_s}")
         if any(not isinstance(k, str) or not k.strip() or k != k.strip() for k in self.api_keys):
             raise ConfigError("an API key may not be empty or start or end with white space")
+        if any(not (k.isascii() and k.isprintable()) for k in self.api_keys):  # HTTP headers carry ASCII
+            raise ConfigError("an API key must be printable ASCII: a client could never send it in a header")
         if any(not isinstance(o, str) or not (o == "*" or o.startswith(("http://", "https://")))
                for o in self.cors_origins):
             raise ConfigError("each CORS origin is * or starts with http:// or https://")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -200,6 +201,16 @@ def test_health_ready_metrics_docs(server):
         assert head.headers["content-type"] == get.headers["content-type"]
     assert httpx.head(server.url + "/v1/sessions/no-such-session").status_code == 404
     assert httpx.head(server.url + "/v1/completions").status_code == 405
+
+    def counted() -> float:  # HEAD requests are counted (and logged) under their routes, not as "unmatched"
+        line = re.search(r'^txlserve_requests_total\{route="/v1/sessions/\{session_id\}",status="404"\} (\S+)$',
+                         httpx.get(server.url + "/metrics").text, re.M)
+        return float(line.group(1)) if line else 0.0
+
+    before = counted()
+    for _ in range(3):
+        httpx.head(server.url + "/v1/sessions/no-such-session")
+    assert counted() >= before + 3
     complete(server, prompt="metrics", max_tokens=2)
     r = httpx.post(server.url + "/v1/completions", json={"model": "nope", "prompt": "x"})
     assert r.status_code == 404 and float(r.headers["x-process-time-ms"]) >= 0

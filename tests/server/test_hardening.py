@@ -358,12 +358,15 @@ def _read_until_closed(sock: socket.socket) -> bytes:
 @pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"])
 def test_headers_that_never_complete_are_408_and_closed(keyed, sent):
     """uvicorn keeps a connection that never finishes its headers open for ever (slowloris): each one now gets
-    the body's deadline (1.5 s here) to send them."""
+    the body's deadline (1.5 s here) to send them; one that sent nothing is closed without a word."""
     with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
         sock.sendall(sent)
         t0 = time.monotonic()
         reply = _read_until_closed(sock)
         assert time.monotonic() - t0 < 25
+    if not sent:
+        assert reply == b""
+        return
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), reply
     assert json.loads(body)["error"]["code"] == "request_timeout"
@@ -398,6 +401,22 @@ def test_a_keep_alive_connection_gets_a_new_header_deadline_after_each_response(
             time.sleep(1.0)  # bounded: the pacing under test (the deadline is 1.5 s)
         sock.sendall(b"GET /health HTTP/1.1\r\n")  # then half a request, and nothing more
         assert _read_until_closed(sock).startswith(b"HTTP/1.1 408")
+
+
+def test_a_pipelined_request_is_not_cut_by_the_header_deadline(keyed):
+    """Two requests in one write: the second one's cycle starts as the first response completes, and must not be
+    mistaken for a connection that never sent its next headers."""
+    body = json.dumps({**OK, "max_tokens": 1000}).encode()  # runs past the first response's deadline
+    slow = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+            + KEYS[0].encode() + b"\r\nContent-Length: " + str(len(body) + 1).encode() + b"\r\n\r\n" + body)
+    with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + slow)  # the second body is one byte short
+        time.sleep(1.0)  # bounded pacing: the second body completes inside its own 1.5 s body timeout, and its
+        sock.sendall(b" ")  # completion still runs when the deadline armed as the first response ended comes
+        time.sleep(0.5)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        reply = _read_until_closed(sock)
+    assert reply.count(b"HTTP/1.1 200") == 3 and b"408" not in reply, reply
 
 
 def test_a_websocket_outlives_the_header_deadline(keyed):
@@ -448,11 +467,16 @@ def _serve(*args: str, env: dict | None = None, timeout: float = 60):
     ((), {"TXLSERVE_MODEL_NAME": " padded "}, "model_name"),
     (("--store-timeout-s", "0"), {}, "store_timeout_s"),
     (("--max-prompt-bytes", "0"), {}, "max_prompt_bytes"),
+    (("--api-keys", "k\u00e9y-123"), {}, "ASCII"),
+    ((), {"TXLSERVE_SHUTDOWN_TIMEOUT_S": "inf"}, "finite"),
+    (("--mem-len", "2000000"), {}, "mem_len"),
+    (("--redis-url", "redis://:s3cr/et@127.0.0.1:1/0"), {}, "percent-encode"),  # a raw "/" in the password
 ])
 def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Path):
     r = _serve(*args, "--data-dir", str(tmp_path), env=env)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 3, r.stderr
+    assert "s3cr" not in r.stderr + r.stdout  # no part of a password
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -470,6 +494,12 @@ def test_a_bad_setting_is_refused_before_torch_loads(argv, needle):
     assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr)
     assert r.stderr.startswith("txlserve: error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert needle in r.stderr, r.stderr
+
+
+def test_log_levels_are_read_in_any_case():
+    from server.settings import Settings
+
+    assert Settings.from_env({"TXLSERVE_LOG_LEVEL": "WARNING"}).log_level == "warning"
 
 
 def test_enforce_eager_is_a_flag_and_an_environment_variable():

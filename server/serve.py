@@ -44,7 +44,7 @@ class Redact(logging.Filter):
 
     def __init__(self, secrets: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.secrets = tuple(s for s in secrets if s)
+        self.secrets = tuple(sorted((s for s in secrets if s), key=len, reverse=True))  # one inside another
 
     def _pair(self, m: re.Match) -> str:
         name, value = urllib.parse.unquote(m[2]), urllib.parse.unquote(m[3])

@@ -140,8 +140,7 @@ def check_state(
     for name, value in (("mem_len", mem_len), ("tokens_seen", tokens_seen)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise InvalidRequestError(f"{name} must be an integer >= 0, got {value!r}", param=name)
-    for name, value in (("mem_len", mem_len), ("tokens_seen", tokens_seen)):  # a header outside is unreadable
-        if value > _RANGES[name][1]:
+        if value > _RANGES[name][1]:  # a header outside its range is unreadable
             raise InvalidRequestError(f"{name} must be at most {_RANGES[name][1]}, got {value}", param=name)
     mems, window = tensors.get(MEMS), tensors.get(WINDOW)
     if mems is None and window is None:

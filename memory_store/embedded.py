@@ -138,13 +138,13 @@ class EmbeddedRedis:
             start_new_session=True,
         )
 
+    def _client(self) -> redis.Redis:
+        """A one-off connection that gives up at once (the default retries with backoff for seconds)."""
+        return redis.Redis(unix_socket_path=str(self.socket_path), socket_timeout=1, socket_connect_timeout=1,
+                           retry=Retry(NoBackoff(), 0))
+
     def _probe(self) -> Literal["ready", "loading", "dead"]:
-        client = redis.Redis(
-            unix_socket_path=str(self.socket_path),
-            socket_timeout=1,
-            socket_connect_timeout=1,
-            retry=Retry(NoBackoff(), 0),  # the default retries with backoff for seconds
-        )
+        client = self._client()
         try:
             client.ping()
             return "ready"
@@ -159,8 +159,7 @@ class EmbeddedRedis:
         """Connections to the server other than this process's own (named by ``client_name``) and this probe's;
         0 where it does not answer."""
         own = client_name()
-        client = redis.Redis(unix_socket_path=str(self.socket_path), socket_timeout=1, socket_connect_timeout=1,
-                             retry=Retry(NoBackoff(), 0))
+        client = self._client()
         try:
             me = client.client_id()
             return sum(1 for c in client.client_list() if int(c["id"]) != me and c.get("name") != own)

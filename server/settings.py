@@ -79,9 +79,10 @@ class Settings:
             raise ConfigError(f"storage_dtype must be float32, bfloat16 or float16, not {self.storage_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
-        for name in ("max_batch", "batch_mb", "max_queue", "max_tokens_limit", "prefill_chunk"):
+        for name in ("max_batch", "batch_mb", "max_queue", "max_tokens_limit", "prefill_chunk", "max_prompt_bytes",
+                     "max_append_bytes", "max_body_bytes", "max_stop_bytes", "lease_ttl_ms", "mem_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1")
+                raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, not {self.port}")
         if self.threads is not None and self.threads < 1:
@@ -98,10 +99,6 @@ class Settings:
         if not self.model_name.strip() or self.model_name != self.model_name.strip() or len(self.model_name) > 256:
             raise ConfigError(f"model_name must be 1 to 256 characters with no surrounding white space, not "
                               f"{self.model_name!r}")
-        for name in ("max_prompt_bytes", "max_append_bytes", "max_body_bytes", "max_stop_bytes", "lease_ttl_ms",
-                     "mem_len"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
         for name in ("hot_cache_mb", "session_ttl_s", "max_stop", "clamp_len", "shutdown_timeout_s"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")

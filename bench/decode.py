@@ -26,6 +26,7 @@ import torch
 
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import TXLConfig
+from model.decode import Decoder
 from model.engine import Engine
 from model.threads import set_threads
 from model.train import pick_device
@@ -109,6 +110,13 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
     if engine.decoder.traced:
         result.update(eager_step_ms=1000 * eager_s / tokens, traced_step_ms=1000 * fast_s / tokens,
                       traced_speedup=eager_s / fast_s)
+    if engine.decoder.fused:  # the same step with the torch attention, in the same run: what the kernel is worth
+        plain = Decoder(engine.decoder.model, mem_len=mem_len, clamp_len=engine.clamp_len, fused=False)
+        plain.warm_up()
+        s = state.rows(list(range(batch)))
+        plain.step(s, steps[:, :1])
+        plain_s = _timed(lambda: [plain.step(s, steps[:, i:i + 1]) for i in range(tokens)], dev)
+        result.update(unfused_step_ms=1000 * plain_s / tokens, fused_speedup=plain_s / fast_s)
     if cuda_graph:
         from model.decode import GraphedStep
 
@@ -162,7 +170,7 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
         "threads": torch.get_num_threads(), "dtype": dtype, "checkpoint": checkpoint, "mem_len": mem_len,
         "clamp_len": engine.clamp_len, "batch": batch, "tokens": tokens, "prefill_tokens": n_prefill,
         "prefill_chunk": chunk, "n_layer": engine.config.n_layer, "d_model": engine.config.d_model,
-        "torch": torch.__version__, "compiled": compile,
+        "torch": torch.__version__, "compiled": compile, "fused": engine.decoder.fused,
     }
 
 

@@ -98,6 +98,8 @@ class LayerCache:
     r_head_k: Tensor  # [n_head, mem_len+1, d_head]
     rows: Tensor  # [batch, 1]
     slots: Tensor  # [batch, keep]: ring slots of the chunk's last `keep` tokens
+    seen: Tensor  # [batch] int64: tokens before the chunk
+    fused: bool = False  # one-token calls attend in one C call (model.fused)
 
     def store(self, h: Tensor, k: Tensor, v: Tensor) -> None:
         """Put the chunk's last ``keep`` layer inputs ``h [batch, chunk, d]`` and keys/values
@@ -107,16 +109,27 @@ class LayerCache:
         self.k[self.rows, :, self.slots] = k[:, :, -keep:].transpose(1, 2)  # [batch, keep, H, Dh]
         self.v[self.rows, :, self.slots] = v[:, :, -keep:].transpose(1, 2)
 
+    def store_hid(self, h: Tensor) -> None:
+        """Put a one-token call's layer inputs ``h [batch, 1, d]`` into the ring (its keys and values are stored
+        by the fused attention)."""
+        self.hid[self.rows, self.slots] = h
+
 
 class RingCache:
     """A batch of rings (a :class:`DecodeState`'s tensors) as one call of ``chunk`` tokens sees it."""
 
-    def __init__(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, r_head_k: Tensor, chunk: int) -> None:
+    def __init__(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, r_head_k: Tensor, chunk: int,
+                 fused: bool = False) -> None:
         self.hid, self.k, self.v, self.r_head_k = hid, k, v, r_head_k  # r_head_k [n_layer, H, mem_len+1, Dh]
+        self.seen = seen
         m, batch, dev = k.size(3), seen.numel(), seen.device
+        self.fused = fused and chunk == 1
         keep = min(chunk, m)  # only the last mem_len tokens of a chunk enter the ring
         self.rows = torch.arange(batch, device=dev)[:, None]  # [batch, 1]
         self.slots = (seen[:, None] + torch.arange(chunk - keep, chunk, device=dev)).remainder(m)  # [batch, keep]
+        self.positions: Positions | None = None  # the fused attention finds them itself
+        if self.fused:
+            return
         pos = seen[:, None] + torch.arange(chunk, device=dev)  # [batch, chunk]
         last = seen[:, None] - 1  # [batch, 1]
         p_ring = last - (last - torch.arange(m, device=dev)).remainder(m)  # [batch, mem_len] slot positions
@@ -128,7 +141,8 @@ class RingCache:
         self.positions = Positions(dist.clamp(0, m)[:, None], blocked[:, None])
 
     def layer(self, i: int) -> LayerCache:
-        return LayerCache(self.hid[i], self.k[i], self.v[i], self.r_head_k[i], self.rows, self.slots)
+        return LayerCache(self.hid[i], self.k[i], self.v[i], self.r_head_k[i], self.rows, self.slots, self.seen,
+                          self.fused)
 
 
 class SlotTable:

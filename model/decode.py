@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 
 from model.cache import DecodeState, RingCache, column_major
+from model.fused import MAX_D_HEAD
+from model.fused import available as attention_kernel_built
 from model.transformer_xl import MemTransformerLM
 from txlserve.errors import InvalidRequestError
 
@@ -51,7 +53,7 @@ class Decoder:
     """The model at a given ``mem_len``/``clamp_len`` with the position tables its cache needs."""
 
     def __init__(self, model: MemTransformerLM, *, mem_len: int, clamp_len: int = 0,
-                 traced: bool | None = None) -> None:
+                 traced: bool | None = None, fused: bool | None = None) -> None:
         if mem_len < 1:
             raise InvalidRequestError("mem_len must be at least 1 for decoding", param="mem_len")
         self.model, self.cfg = model.eval(), model.cfg
@@ -72,6 +74,9 @@ class Decoder:
         # input embedding: which of its clusters run depends on the tokens, and a trace would fix them.
         traceable = len(model.word_emb.emb_layers) == 1
         self.traced = traceable and (self.device.type == "cpu" if traced is None else traced)
+        # One-token attention in one C call (model.fused): float32 on a CPU, where the kernel builds.
+        fusable = self.device.type == "cpu" and self.dtype == torch.float32 and self.cfg.d_head <= MAX_D_HEAD
+        self.fused = fusable and (fused is None or fused) and attention_kernel_built()
         self._one_token: torch.jit.ScriptModule | None = None
         self._tracing = threading.Lock()
 
@@ -116,7 +121,7 @@ class Decoder:
     def forward(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """One call on a state's tensors, which it advances in place: the last layer's outputs [batch, chunk,
         d_model] and the next token's scores [batch, vocab] (float32). Tensors in and out, so it can be traced."""
-        cache = RingCache(hid, k, v, seen, self.r_head_k, tokens.size(1))
+        cache = RingCache(hid, k, v, seen, self.r_head_k, tokens.size(1), self.fused)
         h, _ = self.model.hidden(tokens, cache=cache)  # [batch, chunk, d_model]
         seen += tokens.size(1)
         return h, self.model.crit.logits(h[:, -1]).float()  # [batch, vocab]

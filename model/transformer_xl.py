@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model import fused
 from model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from model.cache import LayerCache, Positions, RingCache
 from model.config import TXLConfig
@@ -117,6 +118,18 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
 
     def forward(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None = None,
                 cache: LayerCache | None = None) -> Tensor:
+        if cache is not None and cache.fused and h.size(1) == 1:  # a CPU decode step: the same math in one C call
+            qkv = self.qkv_net(self.layer_norm(h) if self.pre_lnorm else h)  # [bsz, 1, 3*H*Dh]
+            vec = fused.attend_one(qkv, r_w_bias, r_r_bias, cache.k, cache.v, cache.r_head_k, cache.seen,
+                                   self.scale)  # [bsz, 1, H*Dh]; the token's key and value are in the ring now
+            cache.store_hid(h)
+        else:
+            vec = self._attend(h, pos, r_w_bias, r_r_bias, mems, cache)  # [bsz, qlen, H*Dh]
+        attn_out = self.drop(self.o_net(vec))  # [bsz, qlen, d_model]
+        return h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
+
+    def _attend(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None,
+                cache: LayerCache | None) -> Tensor:
         bsz, qlen, _ = h.shape
         q, k, v = self.project(h)  # [bsz, H, qlen, Dh]
         if cache is not None:
@@ -136,10 +149,9 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         for kb, vb in blocks:
             part = prob[..., start:start + kb.size(2)] @ vb  # [bsz, H, qlen, Dh]
             vec, start = part if vec is None else vec + part, start + kb.size(2)
-        attn_out = self.drop(self.o_net(vec.transpose(1, 2).reshape(bsz, qlen, -1)))  # [bsz, qlen, d_model]
         if cache is not None:
             cache.store(h, k, v)
-        return h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
+        return vec.transpose(1, 2).reshape(bsz, qlen, -1)  # [bsz, qlen, H*Dh]
 
 
 class PositionwiseFF(nn.Module):

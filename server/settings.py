@@ -64,8 +64,9 @@ class Settings:
     max_stop: int = _opt(4, "most stop strings per request")
     max_stop_bytes: int = _opt(64, "longest stop string, in bytes")
     enforce_eager: bool = _opt(False, "run decode steps op by op in eager PyTorch instead of as one traced graph "
-                                      "(on a CPU the graph runs a step without taking the GIL, so the event loop "
-                                      "no longer slows it); for debugging and comparison")
+                                      "with the fused C attention (on a CPU the graph runs a step without "
+                                      "taking the GIL, so the event loop no longer slows it); for debugging "
+                                      "and comparison")
     prefill_chunk: int | None = _opt(None, "tokens read per prefill slice; decode steps run between slices "
                                            "(default: chosen from mem_len and the device)")
     lease_ttl_ms: int = _opt(30_000, "a session lease's TTL in ms (renewed while its request runs)")

@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 import model.decode as decode
 from model.cache import SlotTable
 from model.decode import Decoder
+from model.fused import available as fused_available
 from model.transformer_xl import MemTransformerLM
 from tests.model.test_transformer_xl import tiny_config
 
@@ -73,7 +74,7 @@ def test_a_traced_step_is_one_python_call():
     model = _model()
     counts = {}
     for traced in (False, True):
-        decoder = Decoder(model, mem_len=6, traced=traced)
+        decoder = Decoder(model, mem_len=6, traced=traced, fused=False)  # the fused kernel's own: test_fused.py
         decoder.warm_up()
         state, tokens = decoder.empty(3), torch.zeros(3, 1, dtype=torch.long)
         with _Count() as count:
@@ -125,15 +126,18 @@ def test_a_traced_step_that_fails_fails_its_call_and_leaves_eager_steps(monkeypa
 
 
 def test_an_engine_can_be_held_to_eager_steps(tmp_path):
-    """``--enforce-eager`` reaches the decoder: no trace is made, and the steps' results are the same."""
+    """``--enforce-eager`` reaches the decoder: no trace and no fused attention, and the same results (to float
+    rounding where the other engine's attention is the fused kernel)."""
     from model.checkpoint import save_checkpoint
     from model.engine import Engine
 
     save_checkpoint(_model(), tmp_path / "ck")
     eager, traced = (Engine.from_checkpoint(tmp_path / "ck", enforce_eager=e) for e in (True, False))
     assert not eager.decoder.traced and eager.decoder.one_token_graph() is None and traced.decoder.traced
+    assert not eager.decoder.fused and traced.decoder.fused == fused_available()
     a, b = eager.new_state(), traced.new_state()
     for state, engine in ((a, eager), (b, traced)):
         engine.feed(state, engine.encode("Once upon a time"))
         engine.decoder.step(state, torch.tensor([[7]]))
-    assert torch.equal(a.last_logits, b.last_logits) and traced.decoder.one_token_graph() is not None
+    torch.testing.assert_close(a.last_logits, b.last_logits, rtol=1e-5, atol=1e-5)
+    assert traced.decoder.one_token_graph() is not None

@@ -1,0 +1,139 @@
+"""A CPU decode step's attention as one C call (``kernels/attend_one.c``), for the model's one attention.
+
+On a CPU a one-token step of a small model spent most of its time not reading weights but running some
+twenty small torch ops per layer (two products with the ring, the position product and its gather, the
+mask, the softmax, the ring stores), each costing microseconds (BENCHMARKS.md, "The one-token attention
+fused"). The kernel does a layer's attention in one pass over the ring and the position table, then stores
+the token's key and value (rows and heads split over torch's intra-op threads), as
+:class:`model.transformer_xl.RelPartialLearnableMultiHeadAttn` computes it with torch ops (tests compare the
+two to float rounding).
+
+It is the C++ torch op ``txlserve::attend_one`` (``kernels/attend_one_op.cpp``), so a traced step calls it
+without taking the GIL. Built on first use with the system compilers against the installed torch's headers
+(about 8 s) and kept in a per-user cache keyed by the sources, torch, the compilers and this CPU; where there
+is no compiler, or the build fails, :func:`available` is False and the attention runs as torch ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["MAX_D_HEAD", "attend_one", "available"]
+
+log = logging.getLogger(__name__)
+
+MAX_D_HEAD = 1024  # kernels/attend_one.c
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = (KERNELS / "attend_one.c", KERNELS / "attend_one_op.cpp")
+# -ffast-math vectorises the softmax's exp (glibc's libmvec) and the dot products' sums; the kernel never forms
+# an infinity. The library is linked without it: GCC would add crtfastmath.o, which flushes denormals to zero
+# in the whole process.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
+# -fopenmp: torch's at::parallel_for is an inline `omp parallel` in OpenMP builds, a serial loop without it. The
+# library is not linked to an OpenMP runtime of its own: its GOMP calls resolve to the one torch loaded, so they
+# share torch's threads and set_num_threads.
+CXXFLAGS = ["-O2", "-std=c++20", "-fPIC", "-fopenmp",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+
+_lock = threading.Lock()
+_loaded: bool | None = None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "txlserve" / "kernels"
+
+
+def _this_cpu() -> str:
+    """-march=native code runs only where it was built: the CPU's flags go into the cache key."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    return os.uname().machine
+
+
+def _build() -> Path | None:
+    """The op's shared library, from the cache or built now; None (logged once) where it cannot be built."""
+    cc, cxx = os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
+    missing = [c for c in (cc, cxx) if shutil.which(c) is None]
+    if missing:
+        log.info("the fused decode attention is off: no C/C++ compiler (%s) on this machine", ", ".join(missing))
+        return None
+    torch_dir = Path(torch.__file__).parent
+    try:
+        versions = [subprocess.run([c, "--version"], capture_output=True, timeout=30).stdout for c in (cc, cxx)]
+        key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES), *versions, torch.__version__.encode(),
+                                         str(torch_dir).encode(), " ".join(CFLAGS + CXXFLAGS).encode(),
+                                         _this_cpu().encode()])).hexdigest()[:24]
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("the fused decode attention is off: %s", err)
+        return None
+    cache = _cache_dir()
+    target = cache / f"txlserve_kernels-{key}.so"
+    if target.exists():
+        return target
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="txlserve-kernel-") as tmp:
+        obj_c, obj_cpp, lib = (Path(tmp) / n for n in ("attend_one.o", "attend_one_op.o", "kernels.so"))
+        steps = [[cc, *CFLAGS, "-c", str(SOURCES[0]), "-o", str(obj_c)],
+                 [cxx, *CXXFLAGS, "-I", str(torch_dir / "include"), "-c", str(SOURCES[1]), "-o", str(obj_cpp)],
+                 [cxx, "-shared", str(obj_c), str(obj_cpp), "-o", str(lib), "-L", str(torch_dir / "lib"),
+                  "-lc10", "-ltorch_cpu", "-lm", f"-Wl,-rpath,{torch_dir / 'lib'}"]]
+        try:
+            for cmd in steps:
+                subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+        except (OSError, subprocess.SubprocessError) as err:
+            detail = (getattr(err, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
+            log.warning("the fused decode attention is off: building it failed (%s)%s", type(err).__name__,
+                        f": {detail[-1][:300]}" if detail else "")
+            return None
+        try:  # another process may be doing the same: each renames its own file into place
+            cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+            staged = cache / f".{target.name}.{os.getpid()}"
+            shutil.copyfile(lib, staged)
+            os.replace(staged, target)
+        except OSError as err:  # no cache: this process loads it from a directory of its own
+            log.info("the fused decode attention is not cached (%s)", err)
+            own = Path(tempfile.mkdtemp(prefix="txlserve-kernel-")) / target.name
+            shutil.copyfile(lib, own)
+            target = own
+    log.info("built the fused decode attention in %.1f s: %s", time.monotonic() - started, target)
+    return target
+
+
+def available() -> bool:
+    """Whether ``txlserve::attend_one`` is loaded (building or loading it on the first call)."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = False
+            try:
+                path = _build()
+                if path is not None:
+                    torch.ops.load_library(str(path))
+                    _loaded = True
+            except Exception as err:  # any failure leaves the torch ops, which are exact
+                log.warning("the fused decode attention is off: loading it failed (%s: %s)", type(err).__name__, err)
+        return _loaded
+
+
+def attend_one(qkv: Tensor, u: Tensor, vb: Tensor, k: Tensor, v: Tensor, table: Tensor, seen: Tensor,
+               scale: float) -> Tensor:
+    """One token per row: ``qkv [bsz, 1, 3*H*Dh]`` (its query, key, value) attends to itself and to the rings
+    ``k``, ``v`` ``[bsz, H, mem_len, Dh]`` with biases ``u``, ``vb`` ``[H, Dh]`` and the position table
+    ``W_r R [H, mem_len+1, Dh]``; ``seen [bsz]`` tokens came before it. Stores its key and value into slot
+    ``seen % mem_len`` and returns the attention's output ``[bsz, 1, H*Dh]`` (before ``o_net``)."""
+    return torch.ops.txlserve.attend_one(qkv, u, vb, k, v, table, seen, scale)

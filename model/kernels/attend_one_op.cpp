@@ -1,0 +1,66 @@
+// The torch op txlserve::attend_one around kernels/attend_one.c: checks what the C code trusts, then calls it.
+// A C++ op (not a Python one) so that a traced decode step calls it without taking the GIL (model/fused.py).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <atomic>
+
+extern "C" int txl_attend_one(int64_t begin, int64_t end, int64_t B, int64_t H, int64_t D, int64_t M, const float *qkv, int64_t qkv_sb,
+                              const float *u, const float *vb, float *kr, float *vr, int64_t r_sb, int64_t r_sh,
+                              int64_t r_sj, int64_t r_sd, const float *tab, int64_t t_sh, int64_t t_sj,
+                              int64_t t_sd, const int64_t *seen, float scale, float *out);
+
+namespace {
+
+constexpr int64_t kMaxDHead = 1024;  // kernels/attend_one.c: MAX_D_HEAD
+
+bool is_cpu_float(const at::Tensor &t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; }
+
+at::Tensor attend_one(const at::Tensor &qkv, const at::Tensor &u, const at::Tensor &vb, at::Tensor &k,
+                      at::Tensor &v, const at::Tensor &table, const at::Tensor &seen, double scale) {
+  TORCH_CHECK_VALUE(k.dim() == 4, "txlserve::attend_one: rings must be [batch, heads, mem_len, d_head]");
+  const int64_t B = k.size(0), H = k.size(1), M = k.size(2), D = k.size(3);
+  TORCH_CHECK_VALUE(is_cpu_float(qkv) && is_cpu_float(u) && is_cpu_float(vb) && is_cpu_float(k) &&
+                        is_cpu_float(v) && is_cpu_float(table),
+                    "txlserve::attend_one: float32 CPU tensors only");
+  TORCH_CHECK_VALUE(M > 0 && D > 0 && D <= kMaxDHead, "txlserve::attend_one: mem_len ", M, " d_head ", D);
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes() && v.strides() == k.strides(),
+                    "txlserve::attend_one: the value ring must match the key ring");
+  TORCH_CHECK_VALUE(qkv.dim() == 3 && qkv.size(0) == B && qkv.size(1) == 1 && qkv.size(2) == 3 * H * D &&
+                        qkv.stride(2) == 1,
+                    "txlserve::attend_one: qkv must be [batch, 1, 3*heads*d_head], its last dim contiguous");
+  TORCH_CHECK_VALUE(u.dim() == 2 && u.size(0) == H && u.size(1) == D && u.is_contiguous() &&
+                        vb.sizes() == u.sizes() && vb.is_contiguous(),
+                    "txlserve::attend_one: biases must be contiguous [heads, d_head]");
+  TORCH_CHECK_VALUE(table.dim() == 3 && table.size(0) == H && table.size(1) == M + 1 && table.size(2) == D,
+                    "txlserve::attend_one: the position table must be [heads, mem_len+1, d_head]");
+  TORCH_CHECK_VALUE(seen.device().is_cpu() && seen.scalar_type() == at::kLong && seen.dim() == 1 &&
+                        seen.size(0) == B && seen.is_contiguous(),
+                    "txlserve::attend_one: seen must be contiguous int64 [batch]");
+  const int64_t *pos = seen.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++) TORCH_CHECK_VALUE(pos[b] >= 0, "txlserve::attend_one: seen ", pos[b], " < 0");
+  at::Tensor out = at::empty({B, 1, H * D}, qkv.options());  // [B, 1, H*D]
+  std::atomic<int> status{0};
+  // Rows (b, h) are independent: each reads and writes its own ring; torch's intra-op threads share them.
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    const int rc = txl_attend_one(
+        begin, end, B, H, D, M, qkv.data_ptr<float>(), qkv.stride(0), u.data_ptr<float>(), vb.data_ptr<float>(),
+        k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+        table.data_ptr<float>(), table.stride(0), table.stride(1), table.stride(2), pos,
+        static_cast<float>(scale), out.data_ptr<float>());
+    if (rc != 0) status.store(rc);
+  });
+  TORCH_CHECK(status.load() == 0, "txlserve::attend_one: out of memory for ", 2 * (M + 1), " scores");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(txlserve, m) {
+  m.def("attend_one(Tensor qkv, Tensor u, Tensor vb, Tensor(a!) k, Tensor(b!) v, Tensor table, Tensor seen, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(txlserve, CPU, m) { m.impl("attend_one", attend_one); }

@@ -1,0 +1,167 @@
+"""The fused one-token attention (model/fused.py): the same numbers as the model's torch ops, or not used at all."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import model.fused as fused
+from model.decode import Decoder
+from tests.model.test_traced_step import _model, _table
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="no C/C++ compilers here: the kernel is not built")
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(pre_lnorm=True, untie_r=False),
+                                 dict(n_head=3, d_head=8, d_model=24)])
+@pytest.mark.parametrize("traced", [False, True])
+def test_fused_steps_equal_the_torch_attention(cfg, traced):
+    """Rows at every stage (empty, part-filled, wrapped several times) of a slot table, 14 steps past every
+    ring's wrap: next-token scores, outputs and the stored rings match the torch ops to float rounding."""
+    model = _model(**cfg)
+    plain, fast = Decoder(model, mem_len=6, traced=traced, fused=False), Decoder(model, mem_len=6, traced=traced)
+    assert fast.fused and not plain.fused
+    lengths = [0, 1, 5, 6, 7, 13, 30]
+    a, b = _table(plain, lengths), _table(fast, lengths)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(14):
+        tokens = torch.randint(0, 256, (len(lengths), 1), generator=g)  # [batch, 1]
+        va, vb = a.active(), b.active()
+        ha, hb = plain.advance(va, tokens), fast.advance(vb, tokens)
+        a.stepped(va)
+        b.stepped(vb)
+        torch.testing.assert_close(hb, ha, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vb.last_logits, va.last_logits, rtol=1e-5, atol=1e-5)
+    for name in ("hid", "k", "v", "seen"):
+        torch.testing.assert_close(getattr(b.table, name), getattr(a.table, name), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_traced_fused_step_calls_the_kernel_once_per_layer():
+    """The trace records the registered op, so a traced step is still one graph, with one kernel call per layer."""
+    decoder = Decoder(_model(n_layer=3), mem_len=6, traced=True)
+    decoder.warm_up()
+    nodes = [n.kind() for n in decoder.one_token_graph().inlined_graph.nodes()]
+    assert nodes.count("txlserve::attend_one") == 3
+    assert "aten::softmax" not in nodes and "aten::gather" not in nodes  # the torch attention is not in it
+
+
+def test_rows_in_any_ring_layout_give_the_same_result():
+    """The kernel takes strides: a row-major ring (as on a GPU) and the CPU's column-major one agree."""
+    torch.manual_seed(0)
+    bsz, heads, m, dh = 3, 2, 7, 5
+    qkv, u, vb = torch.randn(bsz, 1, 3 * heads * dh), torch.randn(heads, dh), torch.randn(heads, dh)
+    table = torch.randn(heads, m + 1, dh)
+    k, v = torch.randn(bsz, heads, m, dh), torch.randn(bsz, heads, m, dh)
+    seen = torch.tensor([0, 4, 23])
+    k2, v2 = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (k, v))
+    out = fused.attend_one(qkv, u, vb, k, v, table, seen, 0.5)
+    out2 = fused.attend_one(qkv, u, vb, k2, v2, table.transpose(-1, -2).contiguous().transpose(-1, -2), seen, 0.5)
+    torch.testing.assert_close(out2, out, rtol=1e-6, atol=1e-6)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    _, key, value = qkv.view(bsz, 3, heads, dh).unbind(1)
+    for row, n in enumerate(seen.tolist()):  # the token's key and value went to slot seen % mem_len
+        assert torch.equal(k[row, :, n % m], key[row]) and torch.equal(v[row, :, n % m], value[row])
+
+
+def test_rows_split_across_threads_give_the_same_bits():
+    """The op splits (row, head) pairs over torch's intra-op threads: two threads give one thread's result."""
+    torch.manual_seed(1)
+    bsz, heads, m, dh = 5, 3, 9, 4
+    qkv, u, vb = torch.randn(bsz, 1, 3 * heads * dh), torch.randn(heads, dh), torch.randn(heads, dh)
+    table, seen = torch.randn(heads, m + 1, dh), torch.tensor([0, 3, 9, 10, 40])
+    rings = torch.randn(2, bsz, heads, m, dh)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            k, v = rings.clone().unbind(0)
+            results.append((fused.attend_one(qkv, u, vb, k, v, table, seen, 0.3), k, v))
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
+
+
+def test_a_row_with_nothing_before_it_attends_to_itself():
+    """An empty ring: the output is the token's own value, whatever the ring holds."""
+    heads, m, dh = 2, 4, 3
+    qkv = torch.randn(1, 1, 3 * heads * dh)
+    k, v = torch.full((1, heads, m, dh), 1e3), torch.full((1, heads, m, dh), 1e3)
+    out = fused.attend_one(qkv, torch.zeros(heads, dh), torch.zeros(heads, dh), k, v,
+                           torch.randn(heads, m + 1, dh), torch.tensor([0]), 1.0)
+    torch.testing.assert_close(out, qkv[..., 2 * heads * dh:])
+
+
+@pytest.mark.parametrize("bad", ["float64", "table", "qkv", "seen", "d_head"])
+def test_the_op_refuses_tensors_it_was_not_written_for(bad):
+    """The C code trusts pointers and strides: a mismatch is a ValueError before it runs, never a wild write."""
+    heads, m, dh = 2, 4, 3
+    args = dict(qkv=torch.randn(2, 1, 3 * heads * dh), u=torch.zeros(heads, dh), vb=torch.zeros(heads, dh),
+                k=torch.zeros(2, heads, m, dh), v=torch.zeros(2, heads, m, dh), table=torch.zeros(heads, m + 1, dh),
+                seen=torch.tensor([1, 2]))
+    if bad == "float64":
+        args["k"] = args["k"].double()
+    elif bad == "table":
+        args["table"] = torch.zeros(heads, m, dh)  # one row short: the kernel would read past it
+    elif bad == "qkv":
+        args["qkv"] = torch.randn(2, 1, 6 * heads * dh)[..., ::2]  # every other float: the kernel reads them in a row
+    elif bad == "seen":
+        args["seen"] = torch.tensor([1, 2], dtype=torch.int32)
+    else:
+        args.update(k=torch.zeros(2, heads, m, 2000), v=torch.zeros(2, heads, m, 2000),
+                    table=torch.zeros(heads, m + 1, 2000), u=torch.zeros(heads, 2000), vb=torch.zeros(heads, 2000),
+                    qkv=torch.zeros(2, 1, 3 * heads * 2000))
+    with pytest.raises(ValueError, match="attend_one"):
+        fused.attend_one(**args, scale=1.0)
+
+
+def test_decoders_use_the_kernel_only_where_it_applies():
+    """Float32 on a CPU by default; asked not to, or for another dtype, the torch ops (which are exact)."""
+    assert Decoder(_model(), mem_len=6).fused
+    assert not Decoder(_model(), mem_len=6, fused=False).fused
+    assert not Decoder(_model().double(), mem_len=6).fused
+
+
+def test_without_a_compiler_the_kernel_is_off_and_says_why(monkeypatch, caplog):
+    """No compiler, or one that fails: no kernel (the attention runs as torch ops), and one log line why."""
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.INFO, logger="model.fused"):
+        assert fused._build() is None
+    assert "no C/C++ compiler (/nonexistent/cc)" in caplog.text
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # the op's C++ half needs one too
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="model.fused"):
+        assert fused._build() is None
+    assert "no C/C++ compiler (" in caplog.text and "/nonexistent/c++)" in caplog.text
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("CC", "false")  # exists, always fails
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="model.fused"):
+        assert fused._build() is None
+    assert "building it failed" in caplog.text
+
+
+def test_the_library_is_built_once_per_machine_and_without_a_cache_still_built(monkeypatch, tmp_path, caplog):
+    """The cache is keyed by sources, torch, compilers and CPU: a second process loads the same file. Where the
+    cache cannot be written, the library goes to a directory of this process's own."""
+    cached = fused._build()
+    assert cached is not None and cached.parent == fused._cache_dir() and fused._build() == cached
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # a file: no directory can be made under it
+    with caplog.at_level(logging.INFO, logger="model.fused"):
+        own = fused._build()
+    assert own is not None and own.name == cached.name and own.parent != cached.parent
+    assert "not cached" in caplog.text and "built the fused decode attention" in caplog.text
+    own.unlink()
+    own.parent.rmdir()
+
+
+def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
+    """Built with -ffast-math but linked without it: denormals still exist for Python and torch after loading
+    (GCC links a -ffast-math shared library with code that flushes them to zero process-wide)."""
+    assert fused.available()
+    assert 5e-324 > 0.0 and (torch.tensor(1e-40) * torch.tensor(1.0)).item() > 0.0

@@ -121,7 +121,8 @@ class Decoder:
     def forward(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """One call on a state's tensors, which it advances in place: the last layer's outputs [batch, chunk,
         d_model] and the next token's scores [batch, vocab] (float32). Tensors in and out, so it can be traced."""
-        cache = RingCache(hid, k, v, seen, self.r_head_k, tokens.size(1), self.fused)
+        fused = self.fused and not self.model.training  # the kernel has no attention dropout
+        cache = RingCache(hid, k, v, seen, self.r_head_k, tokens.size(1), fused)
         h, _ = self.model.hidden(tokens, cache=cache)  # [batch, chunk, d_model]
         seen += tokens.size(1)
         return h, self.model.crit.logits(h[:, -1]).float()  # [batch, vocab]

@@ -165,3 +165,20 @@ def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
     (GCC links a -ffast-math shared library with code that flushes them to zero process-wide)."""
     assert fused.available()
     assert 5e-324 > 0.0 and (torch.tensor(1e-40) * torch.tensor(1.0)).item() > 0.0
+
+
+def test_a_model_in_training_mode_keeps_the_torch_attention(monkeypatch):
+    """The kernel has no attention dropout: a decoder whose model is put back in training mode uses the torch ops."""
+    model = _model(dropatt=0.5)
+    decoder = Decoder(model, mem_len=6, traced=False)
+    assert decoder.fused
+    state, tokens = decoder.empty(2), torch.zeros(2, 1, dtype=torch.long)
+    calls = []
+    monkeypatch.setattr(fused, "attend_one", lambda *a, **k: calls.append(1) or pytest.fail("kernel in training"))
+    model.train()
+    decoder.forward(state.hid, state.k, state.v, state.seen, tokens)
+    assert calls == []
+    model.eval()
+    with pytest.raises(pytest.fail.Exception):
+        decoder.forward(state.hid, state.k, state.v, state.seen, tokens)
+    assert calls == [1]

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -65,19 +66,27 @@ def _this_cpu() -> str:
     return os.uname().machine
 
 
+def _command(var: str, default: str) -> list[str]:
+    """``$CC``/``$CXX`` as make reads them: a command and its arguments (``CC="ccache gcc"``)."""
+    try:
+        return shlex.split(os.environ.get(var, "")) or [default]
+    except ValueError:  # an unbalanced quote: one word, which then names no compiler
+        return [os.environ[var]]
+
+
 def _build() -> Path | None:
     """The op's shared library, from the cache or built now; None (logged once) where it cannot be built."""
-    cc, cxx = os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
-    missing = [c for c in (cc, cxx) if shutil.which(c) is None]
+    cc, cxx = _command("CC", "cc"), _command("CXX", "c++")
+    missing = [" ".join(c) for c in (cc, cxx) if shutil.which(c[0]) is None]
     if missing:
         log.info("the fused decode attention is off: no C/C++ compiler (%s) on this machine", ", ".join(missing))
         return None
     torch_dir = Path(torch.__file__).parent
     try:
-        versions = [subprocess.run([c, "--version"], capture_output=True, timeout=30).stdout for c in (cc, cxx)]
-        key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES), *versions, torch.__version__.encode(),
-                                         str(torch_dir).encode(), " ".join(CFLAGS + CXXFLAGS).encode(),
-                                         _this_cpu().encode()])).hexdigest()[:24]
+        versions = [subprocess.run([*c, "--version"], capture_output=True, timeout=30).stdout for c in (cc, cxx)]
+        parts = [*(s.read_bytes() for s in SOURCES), *versions, " ".join(cc + cxx + CFLAGS + CXXFLAGS).encode(),
+                 torch.__version__.encode(), str(torch_dir).encode(), _this_cpu().encode()]
+        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
     except (OSError, subprocess.SubprocessError) as err:
         log.warning("the fused decode attention is off: %s", err)
         return None
@@ -88,9 +97,9 @@ def _build() -> Path | None:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="txlserve-kernel-") as tmp:
         obj_c, obj_cpp, lib = (Path(tmp) / n for n in ("attend_one.o", "attend_one_op.o", "kernels.so"))
-        steps = [[cc, *CFLAGS, "-c", str(SOURCES[0]), "-o", str(obj_c)],
-                 [cxx, *CXXFLAGS, "-I", str(torch_dir / "include"), "-c", str(SOURCES[1]), "-o", str(obj_cpp)],
-                 [cxx, "-shared", str(obj_c), str(obj_cpp), "-o", str(lib), "-L", str(torch_dir / "lib"),
+        steps = [[*cc, *CFLAGS, "-c", str(SOURCES[0]), "-o", str(obj_c)],
+                 [*cxx, *CXXFLAGS, "-I", str(torch_dir / "include"), "-c", str(SOURCES[1]), "-o", str(obj_cpp)],
+                 [*cxx, "-shared", str(obj_c), str(obj_cpp), "-o", str(lib), "-L", str(torch_dir / "lib"),
                   "-lc10", "-ltorch_cpu", "-lm", f"-Wl,-rpath,{torch_dir / 'lib'}"]]
         try:
             for cmd in steps:

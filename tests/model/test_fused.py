@@ -145,6 +145,19 @@ def test_without_a_compiler_the_kernel_is_off_and_says_why(monkeypatch, caplog):
     assert "building it failed" in caplog.text
 
 
+def test_compilers_are_read_as_make_reads_them(monkeypatch, tmp_path):
+    """``CC``/``CXX`` may carry arguments (``CC="ccache gcc"``); they are part of the cache key."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "cc -DTXL_TEST_ARG=1")
+    assert fused._command("CC", "cc") == ["cc", "-DTXL_TEST_ARG=1"]
+    built = fused._build()
+    assert built is not None and built.parent == tmp_path / "txlserve" / "kernels"
+    monkeypatch.delenv("CC")
+    assert fused._build().name != built.name  # another command, another library
+    monkeypatch.setenv("CC", "  ")
+    assert fused._command("CC", "cc") == ["cc"]
+
+
 def test_the_library_is_built_once_per_machine_and_without_a_cache_still_built(monkeypatch, tmp_path, caplog):
     """The cache is keyed by sources, torch, compilers and CPU: a second process loads the same file. Where the
     cache cannot be written, the library goes to a directory of this process's own."""

@@ -59,8 +59,10 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 29) -> float:
 
 
 def step_bytes(engine: Engine, batch: int) -> int:
-    """What one decode step must read at least once: weights, every session's keys and values, the position table."""
-    weights = sum(t.nbytes for t in {p.data_ptr(): p for p in engine.model.parameters()}.values())
+    """What one decode step must read at least once: the weights it uses (not ``r_net``: the position table is
+    its product with the sinusoids, made once), every session's keys and values, and that table."""
+    used = {p.data_ptr(): p for name, p in engine.model.named_parameters() if ".r_net." not in name}
+    weights = sum(t.nbytes for t in used.values())
     c, m = engine.config, engine.mem_len
     elem = torch.finfo(engine.decoder.dtype).bits // 8
     kv = 2 * c.n_layer * batch * c.n_head * m * c.d_head * elem

@@ -6,12 +6,15 @@ mask, the softmax, the ring stores), each costing microseconds (BENCHMARKS.md, "
 fused"). The kernel does a layer's attention in one pass over the ring and the position table, then stores
 the token's key and value (rows and heads split over torch's intra-op threads), as
 :class:`model.transformer_xl.RelPartialLearnableMultiHeadAttn` computes it with torch ops (tests compare the
-two to float rounding).
+two to float rounding). Its few-row products with the weights go through a second kernel,
+``kernels/linear_rows.c``: torch's read a weight at half the bandwidth for one row, and took four times as
+long for five rows as for one.
 
-It is the C++ torch op ``txlserve::attend_one`` (``kernels/attend_one_op.cpp``), so a traced step calls it
-without taking the GIL. Built on first use with the system compilers against the installed torch's headers
-(about 8 s) and kept in a per-user cache keyed by the sources, torch, the compilers and this CPU; where there
-is no compiler, or the build fails, :func:`available` is False and the attention runs as torch ops.
+They are the C++ torch ops ``txlserve::attend_one`` and ``txlserve::linear_rows`` (``kernels/ops.cpp``), so a
+traced step calls them without taking the GIL. Built on first use with the system compilers against the
+installed torch's headers (about 8 s) and kept in a per-user cache keyed by the sources, torch, the compilers
+and this CPU; where there is no compiler, or the build fails, :func:`available` is False and the step runs
+as torch ops.
 """
 
 from __future__ import annotations
@@ -31,16 +34,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_D_HEAD", "attend_one", "available"]
+__all__ = ["MAX_D_HEAD", "attend_one", "available", "linear_rows"]
 
 log = logging.getLogger(__name__)
 
 MAX_D_HEAD = 1024  # kernels/attend_one.c
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = (KERNELS / "attend_one.c", KERNELS / "attend_one_op.cpp")
-# -ffast-math vectorises the softmax's exp (glibc's libmvec) and the dot products' sums; the kernel never forms
-# an infinity. The library is linked without it: GCC would add crtfastmath.o, which flushes denormals to zero
-# in the whole process.
+C_SOURCES = (KERNELS / "attend_one.c", KERNELS / "linear_rows.c")
+SOURCES = (*C_SOURCES, KERNELS / "ops.cpp")
+HEADERS = (KERNELS / "vec.h",)
+# -ffast-math lets the sums of the dot products vectorise; the kernels never form an infinity. The library
+# is linked without it: GCC would add crtfastmath.o, which flushes denormals to zero in the whole process.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
 # -fopenmp: torch's at::parallel_for is an inline `omp parallel` in OpenMP builds, a serial loop without it. The
 # library is not linked to an OpenMP runtime of its own: its GOMP calls resolve to the one torch loaded, so they
@@ -84,8 +88,9 @@ def _build() -> Path | None:
     torch_dir = Path(torch.__file__).parent
     try:
         versions = [subprocess.run([*c, "--version"], capture_output=True, timeout=30).stdout for c in (cc, cxx)]
-        parts = [*(s.read_bytes() for s in SOURCES), *versions, " ".join(cc + cxx + CFLAGS + CXXFLAGS).encode(),
-                 torch.__version__.encode(), str(torch_dir).encode(), _this_cpu().encode()]
+        parts = [*(s.read_bytes() for s in SOURCES + HEADERS), *versions,
+                 " ".join(cc + cxx + CFLAGS + CXXFLAGS).encode(), torch.__version__.encode(), str(torch_dir).encode(),
+                 _this_cpu().encode()]
         key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
     except (OSError, subprocess.SubprocessError) as err:
         log.warning("the fused decode attention is off: %s", err)
@@ -96,11 +101,12 @@ def _build() -> Path | None:
         return target
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="txlserve-kernel-") as tmp:
-        obj_c, obj_cpp, lib = (Path(tmp) / n for n in ("attend_one.o", "attend_one_op.o", "kernels.so"))
-        steps = [[*cc, *CFLAGS, "-c", str(SOURCES[0]), "-o", str(obj_c)],
-                 [*cxx, *CXXFLAGS, "-I", str(torch_dir / "include"), "-c", str(SOURCES[1]), "-o", str(obj_cpp)],
-                 [*cxx, "-shared", str(obj_c), str(obj_cpp), "-o", str(lib), "-L", str(torch_dir / "lib"),
-                  "-lc10", "-ltorch_cpu", "-lm", f"-Wl,-rpath,{torch_dir / 'lib'}"]]
+        objects = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
+        lib = Path(tmp) / "kernels.so"
+        steps = [[*cc, *CFLAGS, "-c", str(src), "-o", str(obj)] for src, obj in zip(C_SOURCES, objects)]
+        steps += [[*cxx, *CXXFLAGS, "-I", str(torch_dir / "include"), "-c", str(SOURCES[-1]), "-o", str(objects[-1])],
+                  [*cxx, "-shared", *map(str, objects), "-o", str(lib), "-L", str(torch_dir / "lib"),
+                   "-lc10", "-ltorch_cpu", "-lm", f"-Wl,-rpath,{torch_dir / 'lib'}"]]
         try:
             for cmd in steps:
                 subprocess.run(cmd, check=True, capture_output=True, timeout=600)
@@ -146,3 +152,10 @@ def attend_one(qkv: Tensor, u: Tensor, vb: Tensor, k: Tensor, v: Tensor, table: 
     ``W_r R [H, mem_len+1, Dh]``; ``seen [bsz]`` tokens came before it. Stores its key and value into slot
     ``seen % mem_len`` and returns the attention's output ``[bsz, 1, H*Dh]`` (before ``o_net``)."""
     return torch.ops.txlserve.attend_one(qkv, u, vb, k, v, table, seen, scale)
+
+
+def linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear(x, weight, bias)``; for up to 8 rows of x (a decode step's batch) the weight is streamed once
+    by ``kernels/linear_rows.c`` (torch's few-row products read it at half the bandwidth, or slower); any other
+    product is torch's own, so a traced step may call this at every batch size."""
+    return torch.ops.txlserve.linear_rows(x, weight, bias)

@@ -78,6 +78,17 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
+def fused_step(h: Tensor, cache: LayerCache | None) -> bool:
+    """Whether this call is a one-token decode step that the C kernels (:mod:`model.fused`) compute."""
+    return cache is not None and cache.fused and h.size(1) == 1
+
+
+def linear(layer: nn.Linear, x: Tensor, step: bool = False) -> Tensor:
+    """``layer(x)``; in a fused decode step, ``txlserve::linear_rows``: the same product, its weight streamed
+    once for the step's few rows (torch's few-row products read it at half the bandwidth, or slower)."""
+    return fused.linear_rows(x, layer.weight, layer.bias) if step else layer(x)
+
+
 class RelPartialLearnableMultiHeadAttn(nn.Module):
     """score(i, j) = (q_i + u)·k_j  +  (q_i + v)·W_r R_{i-j}  — terms (a)+(c) and (b)+(d).
 
@@ -118,14 +129,15 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
 
     def forward(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None = None,
                 cache: LayerCache | None = None) -> Tensor:
-        if cache is not None and cache.fused and h.size(1) == 1:  # a CPU decode step: the same math in one C call
-            qkv = self.qkv_net(self.layer_norm(h) if self.pre_lnorm else h)  # [bsz, 1, 3*H*Dh]
+        step = fused_step(h, cache)
+        if step:  # a CPU decode step: the same math in one C call
+            qkv = linear(self.qkv_net, self.layer_norm(h) if self.pre_lnorm else h, step)  # [bsz, 1, 3*H*Dh]
             vec = fused.attend_one(qkv, r_w_bias, r_r_bias, cache.k, cache.v, cache.r_head_k, cache.seen,
                                    self.scale)  # [bsz, 1, H*Dh]; the token's key and value are in the ring now
             cache.store_hid(h)
         else:
             vec = self._attend(h, pos, r_w_bias, r_r_bias, mems, cache)  # [bsz, qlen, H*Dh]
-        attn_out = self.drop(self.o_net(vec))  # [bsz, qlen, d_model]
+        attn_out = self.drop(linear(self.o_net, vec, step))  # [bsz, qlen, d_model]
         return h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
 
     def _attend(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None,
@@ -164,10 +176,16 @@ class PositionwiseFF(nn.Module):
         )
         self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.pre_lnorm:
-            return x + self.core_net(self.layer_norm(x))
-        return self.layer_norm(x + self.core_net(x))
+    def forward(self, x: Tensor, step: bool = False) -> Tensor:
+        """``step``: a fused decode step (:func:`fused_step`), whose products go through the C kernel."""
+        core = self._core(self.layer_norm(x) if self.pre_lnorm else x, step)  # [bsz, qlen, d_model]
+        return x + core if self.pre_lnorm else self.layer_norm(x + core)
+
+    def _core(self, x: Tensor, step: bool) -> Tensor:
+        if not step:
+            return self.core_net(x)
+        inner, outer = self.core_net[0], self.core_net[3]  # its dropouts are identities outside training
+        return linear(outer, F.relu(linear(inner, x, step)), step)
 
 
 class RelPartialLearnableDecoderLayer(nn.Module):
@@ -181,7 +199,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
 
     def forward(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None = None,
                 cache: LayerCache | None = None) -> Tensor:
-        return self.pos_ff(self.dec_attn(h, pos, r_w_bias, r_r_bias, mems, cache))
+        return self.pos_ff(self.dec_attn(h, pos, r_w_bias, r_r_bias, mems, cache), fused_step(h, cache))
 
 
 class MemTransformerLM(nn.Module):

@@ -8,25 +8,19 @@ import pytest
 import torch
 
 import model.fused as fused
+from model.cache import column_major
 from model.decode import Decoder
 from tests.model.test_traced_step import _model, _table
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="no C/C++ compilers here: the kernel is not built")
 
 
-@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(pre_lnorm=True, untie_r=False),
-                                 dict(n_head=3, d_head=8, d_model=24)])
-@pytest.mark.parametrize("traced", [False, True])
-def test_fused_steps_equal_the_torch_attention(cfg, traced):
-    """Rows at every stage (empty, part-filled, wrapped several times) of a slot table, 14 steps past every
-    ring's wrap: next-token scores, outputs and the stored rings match the torch ops to float rounding."""
-    model = _model(**cfg)
-    plain, fast = Decoder(model, mem_len=6, traced=traced, fused=False), Decoder(model, mem_len=6, traced=traced)
-    assert fast.fused and not plain.fused
-    lengths = [0, 1, 5, 6, 7, 13, 30]
+def _same_steps(plain: Decoder, fast: Decoder, lengths: list[int], steps: int) -> None:
+    """Slot tables of rows prefilled to ``lengths``, stepped alike by both decoders: next-token scores, outputs
+    and every stored tensor match to float rounding."""
     a, b = _table(plain, lengths), _table(fast, lengths)
     g = torch.Generator().manual_seed(3)
-    for _ in range(14):
+    for _ in range(steps):
         tokens = torch.randint(0, 256, (len(lengths), 1), generator=g)  # [batch, 1]
         va, vb = a.active(), b.active()
         ha, hb = plain.advance(va, tokens), fast.advance(vb, tokens)
@@ -38,12 +32,34 @@ def test_fused_steps_equal_the_torch_attention(cfg, traced):
         torch.testing.assert_close(getattr(b.table, name), getattr(a.table, name), rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(pre_lnorm=True, untie_r=False),
+                                 dict(n_head=3, d_head=8, d_model=24)])
+@pytest.mark.parametrize("traced", [False, True])
+def test_fused_steps_equal_the_torch_attention(cfg, traced):
+    """Rows at every stage (empty, part-filled, wrapped several times) of a slot table, 14 steps past every
+    ring's wrap, batch 7 (the C products' rows): the kernels match the torch ops to float rounding."""
+    model = _model(**cfg)
+    plain, fast = Decoder(model, mem_len=6, traced=traced, fused=False), Decoder(model, mem_len=6, traced=traced)
+    assert fast.fused and not plain.fused
+    _same_steps(plain, fast, [0, 1, 5, 6, 7, 13, 30], steps=14)
+
+
+@pytest.mark.parametrize("mem_len", [40, 64, 150])
+def test_long_rings_are_read_in_chunks_and_prefetched_exactly(mem_len):
+    """Rings longer than the kernel's 64-slot passes (and not a multiple of them: the table has mem_len + 1
+    rows), where it prefetches along each row's keys and values and into the next row's: the same numbers."""
+    model = _model()
+    plain, fast = Decoder(model, mem_len=mem_len, fused=False), Decoder(model, mem_len=mem_len)
+    _same_steps(plain, fast, [0, 1, mem_len - 1, mem_len, mem_len + 1, 3 * mem_len + 5], steps=3)
+
+
 def test_a_traced_fused_step_calls_the_kernel_once_per_layer():
     """The trace records the registered op, so a traced step is still one graph, with one kernel call per layer."""
     decoder = Decoder(_model(n_layer=3), mem_len=6, traced=True)
     decoder.warm_up()
     nodes = [n.kind() for n in decoder.one_token_graph().inlined_graph.nodes()]
     assert nodes.count("txlserve::attend_one") == 3
+    assert nodes.count("txlserve::linear_rows") == 3 * 4  # query/key/value, output, and the two feed-forward
     assert "aten::softmax" not in nodes and "aten::gather" not in nodes  # the torch attention is not in it
 
 
@@ -79,6 +95,45 @@ def test_rows_split_across_threads_give_the_same_bits():
             torch.set_num_threads(n)
             k, v = rings.clone().unbind(0)
             results.append((fused.attend_one(qkv, u, vb, k, v, table, seen, 0.3), k, v))
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("layout", ["row-major", "column-major", "strided"])
+@pytest.mark.parametrize("shape", [(768, 256), (256, 1024), (5, 7), (130, 2)])
+def test_few_row_products_equal_torch_linear(rows, layout, shape):
+    """``linear_rows`` is ``F.linear``: the C loops up to 8 rows on either weight layout (odd sizes: a column
+    pass takes four at a time, threads split outputs in blocks of 64), torch's own product for more rows or a weight
+    with no unit stride."""
+    torch.manual_seed(rows)
+    out, inp = shape
+    w = torch.randn(out, inp) / inp ** 0.5
+    if layout == "column-major":
+        w = column_major(w)
+    elif layout == "strided":
+        w = torch.randn(out, 2 * inp)[:, ::2]
+    x, bias = torch.randn(rows, 1, inp), torch.randn(out)
+    for b in (bias, None):
+        got, want = fused.linear_rows(x, w, b), torch.nn.functional.linear(x, w, b)
+        assert got.shape == want.shape == (rows, 1, out)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused.linear_rows(x.double(), w.double(), None), torch.nn.functional.linear(x.double(),
+                                                                                              w.double()))
+
+
+def test_few_row_products_split_across_threads_give_the_same_bits():
+    """Threads split the outputs at multiples of 64, so each output is computed by the same instructions."""
+    torch.manual_seed(2)
+    w, x = column_major(torch.randn(1000, 64)), torch.randn(2, 64)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append([fused.linear_rows(x, w, None), fused.linear_rows(x, w.contiguous(), None)])
     finally:
         torch.set_num_threads(threads)
     for one, two in zip(*results):

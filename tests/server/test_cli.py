@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.checkpoint import save_checkpoint
+from model.checkpoint import load_checkpoint, save_checkpoint
 from model.transformer_xl import MemTransformerLM
 from tests.model.test_transformer_xl import tiny_config
 
@@ -65,6 +65,10 @@ def test_bench_decode_json(checkpoint):
         assert out[key] > 0
     assert out["roofline_share"] == pytest.approx(
         out["bytes_per_step"] / (out["step_ms"] / 1000) / (out["read_bandwidth_gb_s"] * 1e9), rel=1e-6)
+    model = load_checkpoint(str(checkpoint)).model  # what a step reads: not r_net, made into the table once
+    c = model.cfg
+    used = sum(p.nbytes for name, p in model.named_parameters() if ".r_net." not in name)  # embedding tied once
+    assert out["bytes_per_step"] == used + 4 * c.n_head * c.d_head * c.n_layer * (2 * 2 * 16 + 17)
     assert out["prefill_speedup"] == pytest.approx(
         out["prefill_tokens_per_s"] / out["reference_prefill_tokens_per_s"], rel=1e-6)
     # on a CPU the step is traced; the same step op by op is timed in the same run

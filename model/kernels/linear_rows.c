@@ -1,0 +1,76 @@
+/* y = x W^T + bias for a few rows of x (a decode step's batch), streaming the weight once (kernels/ops.cpp
+   checks the tensors, splits the outputs over threads and hands larger products to torch).
+
+   torch's product of one row with a 256 x 1024 weight read it at half this CPU's single-core bandwidth, and
+   of five rows four times slower than of one (BENCHMARKS.md): the weights, not the attention, were most of
+   a batch-1 step. Here each of the N rows reuses every weight line while it is in L1. The weight may be stored
+   either way (model/decode.py keeps widening weights column-major for torch's sake):
+     row-major    (w_si == 1): y[n, o] = x[n] . W[o, :], a contiguous row per output;
+     column-major (w_so == 1): y[n, :] += x[n, i] W[:, i], four contiguous columns a pass.
+   A call fills outputs [o0, o1) of every row. Float32 only. */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "vec.h"
+
+/* Software prefetch into L2, AHEAD floats (32 KB) ahead of the reads, as kernels/attend_one.c does for the
+   rings: the four interleaved columns a column-major pass reads are too short a stream for the hardware
+   prefetchers. CHUNK: outputs a column pass takes at a time (a multiple of 16, so threads' blocks of 64
+   outputs split at the same places). */
+enum { AHEAD = 8192, CHUNK = 64 };
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t len)
+{
+    float acc = 0.f;
+    for (int64_t i = 0; i < len; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+void txl_linear_rows(int64_t o0, int64_t o1, int64_t N, int64_t in, int64_t out,
+                     const float *x,                          /* [N, in], contiguous */
+                     const float *W, int64_t w_so, int64_t w_si,  /* [out, in]: W[o, i] at o * w_so + i * w_si */
+                     const float *bias,                       /* [out] or NULL */
+                     float *y)                                /* [N, out], contiguous */
+{
+    if (w_si == 1) {
+        const int64_t ahead = (AHEAD + in - 1) / in;  /* rows */
+        for (int64_t o = o0; o < o1; o++) {
+            const float *w = W + o * w_so, b = bias == NULL ? 0.f : bias[o];
+            if (o + ahead < o1) prefetch_run(w + ahead * w_so, in);
+            int64_t n = 0;
+            for (; n + 4 <= N; n += 4) {  /* four rows at once: four sums in flight */
+                float a[4] = {b, b, b, b};
+                const float *xn = x + n * in;
+                dots4(a, w, xn, xn + in, xn + 2 * in, xn + 3 * in, in);
+                for (int r = 0; r < 4; r++) y[(n + r) * out + o] = a[r];
+            }
+            for (; n < N; n++) y[n * out + o] = dot(x + n * in, w, in) + b;
+        }
+        return;
+    }
+    const int64_t len = o1 - o0, ahead = 4 * ((AHEAD + 4 * len - 1) / (4 * len));  /* columns, whole passes */
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t o = o0; o < o1; o++) y[n * out + o] = bias == NULL ? 0.f : bias[o];
+    int64_t i = 0;
+    for (; i + 4 <= in; i += 4) {
+        const float *w0 = W + i * w_si + o0 * w_so, *w1 = w0 + w_si, *w2 = w1 + w_si, *w3 = w2 + w_si;
+        const float *later = i + ahead + 4 <= in ? w0 + ahead * w_si : NULL;
+        for (int64_t c = 0; c < len; c += CHUNK) {  /* CHUNK outputs of the four columns, and of the later four */
+            const int64_t m = len - c < CHUNK ? len - c : CHUNK;
+            if (later != NULL)
+                for (int r = 0; r < 4; r++) prefetch_run(later + r * w_si + c, m);
+            for (int64_t n = 0; n < N; n++) {
+                const float *a = x + n * in + i;
+                axpy4(y + n * out + o0 + c, w0 + c, w1 + c, w2 + c, w3 + c, a[0], a[1], a[2], a[3], m);
+            }
+        }
+    }
+    for (; i < in; i++) {
+        const float *w = W + i * w_si + o0 * w_so;
+        for (int64_t n = 0; n < N; n++) {
+            const float a = x[n * in + i];
+            float *yn = y + n * out + o0;
+            for (int64_t o = 0; o < len; o++) yn[o] += a * w[o];
+        }
+    }
+}

@@ -124,6 +124,23 @@ def test_few_row_products_equal_torch_linear(rows, layout, shape):
                                                                                               w.double()))
 
 
+@pytest.mark.parametrize("bad", ["in", "bias", "weight-dims"])
+def test_few_row_products_refuse_what_torch_linear_refuses(bad):
+    """Sizes that do not fit go to torch's product, which raises its own error: never a C read out of bounds."""
+    x, w, b = torch.randn(2, 8), torch.randn(5, 8), torch.randn(5)
+    if bad == "in":
+        w = torch.randn(5, 7)
+    elif bad == "bias":
+        b = torch.randn(4)
+    else:
+        w = torch.randn(5, 8, 1)
+    with pytest.raises(RuntimeError) as want:
+        torch.nn.functional.linear(x, w, b)
+    with pytest.raises(RuntimeError) as got:
+        fused.linear_rows(x, w, b)
+    assert type(got.value) is type(want.value)
+
+
 def test_few_row_products_split_across_threads_give_the_same_bits():
     """Threads split the outputs at multiples of 64, so each output is computed by the same instructions."""
     torch.manual_seed(2)

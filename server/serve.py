@@ -9,6 +9,7 @@ traceback after a long load."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import re
 import socket
@@ -79,6 +80,16 @@ def install_redaction(settings: Settings) -> None:
     logging.getLogger("uvicorn.error").addFilter(_not_a_denial)
 
 
+def freeze_startup_objects() -> int:
+    """Move everything start-up made (modules, the model's parameters, the app) out of the garbage collector's
+    reach: they live as long as the process, yet every full collection walked them all, holding the GIL for
+    80-120 ms on the bundled checkpoint while every stream waited (CPython's ``gc.freeze``, as Instagram's
+    servers use it). Returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def serve(settings: Settings, sock: socket.socket) -> int:
     """Run the server until it is stopped, on ``sock``, bound by the caller before anything heavy was imported
     (``server.listen``); the caller closes it."""
@@ -89,6 +100,7 @@ def serve(settings: Settings, sock: socket.socket) -> int:
 async def _serve(settings: Settings, sock: socket.socket) -> int:
     rt = await open_runtime(settings)  # a bad checkpoint or unreachable Redis stops here, as one TxlError
     app = build_app(settings, runtime=rt)
+    freeze_startup_objects()
     # uvicorn's own deadline comes after ours, so cancelled streams can still say goodbye
     config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,  # RequestLog writes one JSON line
                             timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,

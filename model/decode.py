@@ -28,6 +28,11 @@ __all__ = ["Decoder", "DecodeState", "GraphedStep", "default_prefill_chunk"]
 
 log = logging.getLogger(__name__)
 
+# Calls of up to this many tokens run as traced graphs too, one per length (a request's short prompt, read as it
+# joins the batch; the tail of a chunked prefill): eagerly, dispatching a few hundred torch ops from Python
+# cost more than the arithmetic (3.2 -> 2.3 ms for 4 tokens of the bundled model).
+MAX_TRACED_CHUNK = 8
+
 
 def default_prefill_chunk(mem_len: int, device: torch.device) -> int:
     """Prefill chunk size from the shape. A chunk of C tokens costs C x (mem_len + C) in attention: on a CPU,
@@ -70,14 +75,15 @@ class Decoder:
             r = model.pos_emb(dist).to(self.dtype)  # [mem_len+1, d_model]
             self.r_head_k = self._layout(torch.stack([layer.dec_attn.position_keys(r) for layer in model.layers]))
             # [n_layer, n_head, mem_len+1, d_head]
-        # One-token steps run as one traced graph (trace_one_token); by default on a CPU. Not with an adaptive
-        # input embedding: which of its clusters run depends on the tokens, and a trace would fix them.
+        # Calls of up to MAX_TRACED_CHUNK tokens run as one traced graph each (trace_step); by default on a CPU.
+        # Not with an adaptive input embedding: which of its clusters run depends on the tokens, and a trace
+        # would fix them.
         traceable = len(model.word_emb.emb_layers) == 1
         self.traced = traceable and (self.device.type == "cpu" if traced is None else traced)
         # One-token attention in one C call (model.fused): float32 on a CPU, where the kernel builds.
         fusable = self.device.type == "cpu" and self.dtype == torch.float32 and self.cfg.d_head <= MAX_D_HEAD
         self.fused = fusable and (fused is None or fused) and attention_kernel_built()
-        self._one_token: torch.jit.ScriptModule | None = None
+        self._graphs: dict[int, torch.jit.ScriptModule] = {}  # by chunk length
         self._tracing = threading.Lock()
 
     def _layout(self, t: Tensor) -> Tensor:
@@ -105,15 +111,14 @@ class Decoder:
         """Feed ``tokens [batch, chunk]`` to every session of ``state`` (in place): the last layer's outputs
         [batch, chunk, d_model]; only the next token's scores are computed (``state.last_logits``), so a long
         prompt never builds a [tokens, vocab] table (267,735 words wide for the published WikiText-103 model)."""
-        graph = self.one_token_graph() if self.traced and tokens.size(1) == 1 else None
+        graph = self.graph(tokens.size(1)) if self.traced else None
         if graph is None:
             h, state.last_logits = self.forward(state.hid, state.k, state.v, state.seen, tokens)  # [b, c, d], [b, V]
             return h
         try:
-            h, state.last_logits = graph(state.hid, state.k, state.v, state.seen, tokens)  # [b, 1, d], [b, V]
+            h, state.last_logits = graph(state.hid, state.k, state.v, state.seen, tokens)  # [b, c, d], [b, V]
         except Exception as err:  # this call fails (its rows are the caller's to drop); later ones run eagerly
-            log.warning("one-token steps run eagerly from now on: the traced step failed (%s: %s)",
-                        type(err).__name__, err)
+            log.warning("steps run eagerly from now on: a traced step failed (%s: %s)", type(err).__name__, err)
             self.traced = False
             raise
         return h
@@ -127,17 +132,24 @@ class Decoder:
         seen += tokens.size(1)
         return h, self.model.crit.logits(h[:, -1]).float()  # [batch, vocab]
 
-    def one_token_graph(self) -> torch.jit.ScriptModule | None:
-        """:meth:`forward` for one token, traced once (on first use) by :func:`trace_one_token`; None where
-        tracing failed (TorchScript is deprecated and may go): steps then run eagerly, with the same results."""
+    def graph(self, chunk: int) -> torch.jit.ScriptModule | None:
+        """:meth:`forward` for ``chunk`` tokens, traced once per length (on first use) by :func:`trace_step`;
+        None for chunks longer than MAX_TRACED_CHUNK, or where tracing failed (TorchScript is deprecated and may
+        go): calls then run eagerly, with the same results."""
+        if not 1 <= chunk <= MAX_TRACED_CHUNK:
+            return None
         with self._tracing:
-            if self._one_token is None and self.traced:
+            if chunk not in self._graphs and self.traced:
                 try:
-                    self._one_token = trace_one_token(self)
+                    self._graphs[chunk] = trace_step(self, chunk)
                 except Exception as err:  # any failure leaves the eager path, which is exact
-                    log.warning("one-token steps run eagerly: tracing them failed (%s: %s)", type(err).__name__, err)
+                    log.warning("steps run eagerly: tracing them failed (%s: %s)", type(err).__name__, err)
                     self.traced = False
-            return self._one_token
+            return self._graphs.get(chunk) if self.traced else None
+
+    def one_token_graph(self) -> torch.jit.ScriptModule | None:
+        """The graph of a decode step (:meth:`graph` of one token)."""
+        return self.graph(1)
 
     @torch.no_grad()
     def warm_up(self) -> None:
@@ -186,14 +198,14 @@ class _Forward(torch.nn.Module):
         return self.forward_fn(hid, k, v, seen, tokens)
 
 
-def trace_one_token(decoder: Decoder) -> torch.jit.ScriptModule:
-    """A one-token step as one TorchScript graph: one Python call instead of a few hundred torch ops, each of
-    which gives the GIL up and takes it back, so a server's event loop no longer stretches every step (a 64-row
-    step took twice as long beside one in BENCHMARKS.md), and batch-1 steps lose most of their dispatch cost.
-    The batch size stays symbolic (sizes are traced as ops), so one trace serves every batch; tests check it
-    equals :meth:`Decoder.forward` at other batch sizes, ring wrap included. Traced on a scratch state."""
+def trace_step(decoder: Decoder, chunk: int) -> torch.jit.ScriptModule:
+    """A call of ``chunk`` tokens as one TorchScript graph: one Python call instead of a few hundred torch ops,
+    each of which gives the GIL up and takes it back, so a server's event loop no longer stretches every step (a
+    64-row step took twice as long beside one in BENCHMARKS.md), and batch-1 steps lose most of their dispatch
+    cost. The batch size stays symbolic (sizes are traced as ops), so one trace serves every batch; tests check
+    it equals :meth:`Decoder.forward` at other batch sizes, ring wrap included. Traced on a scratch state."""
     scratch = decoder.empty(2)
-    tokens = torch.zeros(2, 1, dtype=torch.long, device=decoder.device)  # [batch, 1]
+    tokens = torch.zeros(2, chunk, dtype=torch.long, device=decoder.device)  # [batch, chunk]
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # Python ints of sizes: checked by the tests
         warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates tracing; the fallback is eager

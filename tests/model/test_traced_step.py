@@ -69,6 +69,29 @@ def test_traced_steps_equal_eager_steps_at_every_batch_size(cfg):
     assert traced.one_token_graph() is not None and eager.one_token_graph() is None
 
 
+@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(pre_lnorm=True, untie_r=False)])
+def test_short_chunks_traced_per_length_equal_eager_calls(cfg):
+    """A request's short prompt (up to MAX_TRACED_CHUNK tokens) runs as a graph traced for its length: on rows
+    at every stage (empty, part-filled, wrapped), at batch sizes other than the trace's, with chunks shorter and
+    longer than the ring (mem_len 6), the same numbers as the eager call; longer chunks stay eager."""
+    model = _model(**cfg)
+    eager, traced = Decoder(model, mem_len=6, traced=False), Decoder(model, mem_len=6, traced=True)
+    g = torch.Generator().manual_seed(5)
+    for lengths in ([9], [0, 4, 17], [1, 2, 3, 5, 6, 7, 11]):
+        a, b = _table(eager, lengths), _table(traced, lengths)
+        for chunk in (2, 3, 7, decode.MAX_TRACED_CHUNK, decode.MAX_TRACED_CHUNK + 1, 1, 4):
+            tokens = torch.randint(0, 256, (len(lengths), chunk), generator=g)  # [batch, chunk]
+            va, vb = a.active(), b.active()
+            ha, hb = eager.step(va, tokens), traced.step(vb, tokens)
+            a.stepped(va)
+            b.stepped(vb)
+            assert torch.equal(ha, hb) and torch.equal(va.last_logits, vb.last_logits), chunk
+        for name in ("hid", "k", "v", "seen", "last_logits"):
+            assert torch.equal(getattr(a.table, name), getattr(b.table, name)), name
+    assert {2, 3, 7, decode.MAX_TRACED_CHUNK} <= set(traced._graphs)  # one graph per length (5: the prefills')
+    assert max(traced._graphs) == decode.MAX_TRACED_CHUNK and not eager._graphs  # none longer; none when eager
+
+
 def test_a_traced_step_is_one_python_call():
     """Eagerly a step dispatches hundreds of torch functions from Python; traced, none inside the step."""
     model = _model()
@@ -92,10 +115,10 @@ def test_cpu_decoders_trace_by_default_but_not_adaptive_inputs():
 
 
 def test_a_failed_trace_leaves_eager_steps_with_one_warning(monkeypatch, caplog):
-    def broken(decoder):
+    def broken(decoder, chunk):
         raise RuntimeError("no TorchScript here")
 
-    monkeypatch.setattr(decode, "trace_one_token", broken)
+    monkeypatch.setattr(decode, "trace_step", broken)
     model = _model()
     decoder, eager = Decoder(model, mem_len=6, traced=True), Decoder(model, mem_len=6, traced=False)
     with caplog.at_level(logging.WARNING, logger="model.decode"):
@@ -110,13 +133,13 @@ def test_a_traced_step_that_fails_fails_its_call_and_leaves_eager_steps(monkeypa
     def failing(*tensors):
         raise RuntimeError("graph broke")
 
-    monkeypatch.setattr(decode, "trace_one_token", lambda decoder: failing)
+    monkeypatch.setattr(decode, "trace_step", lambda decoder, chunk: failing)
     model = _model()
     decoder, eager = Decoder(model, mem_len=6, traced=True), Decoder(model, mem_len=6, traced=False)
     with caplog.at_level(logging.WARNING, logger="model.decode"):
         decoder.warm_up()  # meets the failure, logs it, does not raise
     assert not decoder.traced and "graph broke" in caplog.text
-    decoder.traced, decoder._one_token = True, failing  # a graph that breaks only later, on a real step
+    decoder.traced, decoder._graphs[1] = True, failing  # a graph that breaks only later, on a real step
     a, b, tokens = decoder.empty(2), eager.empty(2), torch.tensor([[3], [4]])
     with pytest.raises(RuntimeError, match="graph broke"):  # the failing call's rows are its caller's to drop
         decoder.step(a, tokens)

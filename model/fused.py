@@ -11,10 +11,12 @@ two to float rounding). Its few-row products with the weights go through a secon
 long for five rows as for one.
 
 They are the C++ torch ops ``txlserve::attend_one`` and ``txlserve::linear_rows`` (``kernels/ops.cpp``), so a
-traced step calls them without taking the GIL. Built on first use with the system compilers against the
-installed torch's headers (about 8 s) and kept in a per-user cache keyed by the sources, torch, the compilers
-and this CPU; where there is no compiler, or the build fails, :func:`available` is False and the step runs
-as torch ops.
+traced step calls them without taking the GIL. A third, ``txlserve::sample_rows`` (``kernels/sample_rows.c``),
+draws the next token of every plain-temperature row in one call (:func:`model.sampling.sample_rows`).
+
+Built on first use with the system compilers against the installed torch's headers (about 8 s) and kept in a
+per-user cache keyed by the sources, torch, the compilers and this CPU; where there is no compiler, or the
+build fails, :func:`available` is False and the step runs as torch ops.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_D_HEAD", "attend_one", "available", "linear_rows"]
+__all__ = ["MAX_D_HEAD", "attend_one", "available", "linear_rows", "sample_rows"]
 
 log = logging.getLogger(__name__)
 
 MAX_D_HEAD = 1024  # kernels/attend_one.c
 KERNELS = Path(__file__).with_name("kernels")
-C_SOURCES = (KERNELS / "attend_one.c", KERNELS / "linear_rows.c")
+C_SOURCES = (KERNELS / "attend_one.c", KERNELS / "linear_rows.c", KERNELS / "sample_rows.c")
 SOURCES = (*C_SOURCES, KERNELS / "ops.cpp")
 HEADERS = (KERNELS / "vec.h",)
 # -ffast-math lets the sums of the dot products vectorise; the kernels never form an infinity. The library
@@ -159,3 +161,10 @@ def linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     by ``kernels/linear_rows.c`` (torch's few-row products read it at half the bandwidth, or slower); any other
     product is torch's own, so a traced step may call this at every batch size."""
     return torch.ops.txlserve.linear_rows(x, weight, bias)
+
+
+def sample_rows(logits: Tensor, temperature: Tensor, u: Tensor, greedy_below: float) -> Tensor:
+    """One token per row of ``logits [rows, vocab]`` (float32): drawn from ``softmax(logits / temperature)`` by
+    inverse CDF with the row's ``u`` in [0, 1), or the first most likely where ``temperature < greedy_below``
+    (``temperature``, ``u``: float64 [rows]); int64 [rows]. One pass over a row in ``kernels/sample_rows.c``."""
+    return torch.ops.txlserve.sample_rows(logits, temperature, u, greedy_below)

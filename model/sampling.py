@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from model import fused
 from txlserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
@@ -64,10 +65,35 @@ class SamplingParams:
 
 def sample_rows(logits: Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random]) -> list[int]:
     """One token per row of ``logits [rows, vocab]`` (float32, CPU), each row with its own parameters and
-    generator; greedy at temperature 0. A fixed handful of batched ops whatever the number of rows: sampling row
-    by row cost ~6 ms per step at batch 64, five small ops a row, each handing the GIL back and forth with the
-    server's event loop. Row by row, the operations are the ones a row alone goes through (tested), so a seeded
-    request draws the same tokens in any batch: inverse-CDF sampling with one uniform draw per row."""
+    generator; greedy at temperature 0. Inverse-CDF sampling with one uniform draw per row, whatever the row's
+    parameters, so a seeded request draws the same tokens in any batch (tested): a row's token depends only on
+    its logits, its parameters and its draw. Rows with plain temperature (the usual case) are drawn in one C
+    call (``kernels/sample_rows.c``) where the kernels are built; rows with ``top_k`` or ``top_p``, and every row
+    where they are not, by a fixed handful of batched torch ops. Sampling row by row had cost ~6 ms per step at
+    batch 64 (five small ops a row, each handing the GIL back and forth with the server's event loop), and
+    those torch ops ~85 us for one row, an eighth of a batch-1 step of the bundled model."""
+    rows, vocab = logits.shape
+    u = [rng.random() for rng in rngs]  # [rows] in [0, 1): one draw per row, used or not
+    plain = [r for r, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
+    if not plain or not fused.available():
+        return _torch_rows(logits, params, u)
+    chosen = [0] * rows
+    temps = torch.tensor([params[r].temperature for r in plain], dtype=torch.float64)  # [n]
+    x = logits if len(plain) == rows else logits[plain]  # [n, vocab]
+    drawn = fused.sample_rows(x.contiguous(), temps, torch.tensor([u[r] for r in plain], dtype=torch.float64),
+                              GREEDY_BELOW)
+    for r, token in zip(plain, drawn.tolist()):
+        chosen[r] = token
+    if len(plain) < rows:
+        drawn_here = set(plain)
+        rest = [r for r in range(rows) if r not in drawn_here]
+        for r, token in zip(rest, _torch_rows(logits[rest], [params[r] for r in rest], [u[r] for r in rest])):
+            chosen[r] = token
+    return chosen
+
+
+def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[float]) -> list[int]:
+    """:func:`sample_rows` as torch ops, for rows of any parameters with their draws ``u``."""
     rows, vocab = logits.shape
     temps = [p.temperature for p in params]
     greedy = [t < GREEDY_BELOW for t in temps]  # dividing by ~0 would overflow to inf/NaN
@@ -87,8 +113,8 @@ def sample_rows(logits: Tensor, params: Sequence[SamplingParams], rngs: Sequence
         x[at] = x[at].masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     cdf = torch.softmax(x, -1).cumsum(-1)  # [rows, vocab]
     total = cdf[:, -1:]  # [rows, 1]
-    u = torch.tensor([rng.random() for rng in rngs], dtype=torch.float64)[:, None]  # [rows, 1] in [0, 1)
-    below = torch.minimum((u * total).float(), torch.nextafter(total, torch.zeros_like(total)))  # < total
+    draws = torch.tensor(list(u), dtype=torch.float64)[:, None]  # [rows, 1] in [0, 1)
+    below = torch.minimum((draws * total).float(), torch.nextafter(total, torch.zeros_like(total)))  # < total
     chosen = torch.searchsorted(cdf, below, right=True)[:, 0].clamp_(max=vocab - 1)  # [rows]: cdf passes there
     if any(greedy):
         chosen = torch.where(torch.tensor(greedy), torch.argmax(logits, -1), chosen)

@@ -1,5 +1,5 @@
-// The torch ops around the C kernels: txlserve::attend_one (kernels/attend_one.c) and txlserve::linear_rows
-// (kernels/linear_rows.c). Each checks what its C code trusts, then calls it. C++ ops (not Python ones), so
+// The torch ops around the C kernels: txlserve::attend_one (kernels/attend_one.c), txlserve::linear_rows
+// (kernels/linear_rows.c) and txlserve::sample_rows (kernels/sample_rows.c). Each checks what its C code trusts, then calls it. C++ ops (not Python ones), so
 // that a traced decode step calls them without taking the GIL (model/fused.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -16,6 +16,8 @@ extern "C" int txl_attend_one(int64_t begin, int64_t end, int64_t B, int64_t H, 
                               const float *u, const float *vb, float *kr, float *vr, int64_t r_sb, int64_t r_sh,
                               int64_t r_sj, int64_t r_sd, const float *tab, int64_t t_sh, int64_t t_sj,
                               int64_t t_sd, const int64_t *seen, float scale, float *out);
+extern "C" int txl_sample_rows(int64_t r0, int64_t r1, int64_t V, const float *logits, int64_t x_sr,
+                                const double *temperature, const double *u, double greedy_below, int64_t *out);
 extern "C" void txl_linear_rows(int64_t o0, int64_t o1, int64_t N, int64_t in, int64_t out, const float *x,
                                 const float *W, int64_t w_so, int64_t w_si, const float *bias, float *y);
 
@@ -92,15 +94,40 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
   return y;
 }
 
+// One token per row of float32 logits [rows, vocab]: drawn with the row's uniform u at its temperature, or the
+// first most likely token where the temperature is below greedy_below (model/sampling.py).
+at::Tensor sample_rows(const at::Tensor &logits, const at::Tensor &temperature, const at::Tensor &u,
+                       double greedy_below) {
+  TORCH_CHECK_VALUE(is_cpu_float(logits) && logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1,
+                    "txlserve::sample_rows: logits must be float32 CPU [rows, vocab], the vocab contiguous");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  for (const at::Tensor *t : {&temperature, &u})
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kDouble && t->dim() == 1 &&
+                          t->size(0) == rows && t->is_contiguous(),
+                      "txlserve::sample_rows: temperature and u must be contiguous float64 [rows]");
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));  // [rows]
+  std::atomic<int> status{0};
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    const int rc = txl_sample_rows(r0, r1, vocab, logits.data_ptr<float>(), logits.stride(0),
+                                   temperature.data_ptr<double>(), u.data_ptr<double>(), greedy_below,
+                                   out.data_ptr<int64_t>());
+    if (rc != 0) status.store(rc);
+  });
+  TORCH_CHECK(status.load() == 0, "txlserve::sample_rows: out of memory for ", vocab, " probabilities");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(txlserve, m) {
   m.def("attend_one(Tensor qkv, Tensor u, Tensor vb, Tensor(a!) k, Tensor(b!) v, Tensor table, Tensor seen, "
         "float scale) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor u, float greedy_below) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(txlserve, CPU, m) {
   m.impl("attend_one", attend_one);
   m.impl("linear_rows", linear_rows);
+  m.impl("sample_rows", sample_rows);
 }

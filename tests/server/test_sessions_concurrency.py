@@ -15,28 +15,36 @@ from tests.live import MODEL, LiveServer
 
 
 def test_second_request_on_a_busy_session_gets_409_at_once(server):
+    """The first request streams until the checks are done (4,096 tokens at most: the engine does not wait for
+    a client that reads slowly, so that is how long the session stays busy, whatever the client does)."""
     sid = httpx.post(server.url + "/v1/sessions", json={"text": "busy "}).json()["id"]
-    started = threading.Event()
+    started, checked = threading.Event(), threading.Event()
+    ended: list[float] = []
 
     def long_stream():
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
-                "model": MODEL, "prompt": "go", "max_tokens": 4000, "stream": True, "session_id": sid}) as r:
-            for i, _ in enumerate(r.iter_lines()):
+                "model": MODEL, "prompt": "go", "max_tokens": 4096, "stream": True, "session_id": sid}) as r:
+            for i, line in enumerate(r.iter_lines()):
                 if i == 2:
                     started.set()
-                if i > 400:
+                if checked.is_set() or line == "data: [DONE]":
                     break
+        ended.append(time.monotonic())
 
     t = threading.Thread(target=long_stream)
     t.start()
-    assert started.wait(30)
-    t0 = time.monotonic()
-    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "session_id": sid})
+    try:
+        assert started.wait(30)
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "session_id": sid})
+        busy = httpx.post(f"{server.url}/v1/sessions/{sid}/append", json={"text": "x"})
+        assert not ended, "the first request ended before the checks: they prove nothing"
+    finally:
+        checked.set()
+        t.join(60)
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
     assert time.monotonic() - t0 < 2
-    r = httpx.post(f"{server.url}/v1/sessions/{sid}/append", json={"text": "x"})
-    assert r.status_code == 409
-    t.join(60)
+    assert busy.status_code == 409
 
 
 @pytest.fixture(scope="module")

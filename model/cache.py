@@ -155,6 +155,7 @@ class SlotTable:
         self.new_state, self.capacity = new_state, max(1, capacity)
         self.table: DecodeState | None = None
         self.n = 0
+        self._view: DecodeState | None = None  # rows [0, n) as views, kept while n and the table stay
 
     @property
     def free(self) -> int:
@@ -171,6 +172,7 @@ class SlotTable:
             self.table = grown
         self.table.copy_row(self.n, state)
         self.n += 1
+        self._view = None
         return self.n - 1
 
     def leave(self, row: int) -> None:
@@ -179,11 +181,20 @@ class SlotTable:
         if row != last:
             self.table.copy_row(row, self.table, last)
         self.n = last
+        self._view = None
 
     def active(self, start: int = 0, end: int | None = None) -> DecodeState:
-        """Rows [start, end) (default: every row in use) as views, for one step; call :meth:`stepped` after it."""
-        return self.table.span(start, self.n if end is None else end)
+        """Rows [start, end) (default: every row in use) as views, for one step; call :meth:`stepped` after it.
+        The views of every row are made once per batch composition, not once a step (five ops each time)."""
+        end = self.n if end is None else end
+        if start != 0 or end != self.n:
+            return self.table.span(start, end)
+        if self._view is None:
+            self._view = self.table.span(0, self.n)
+        return self._view
 
     def stepped(self, view: DecodeState, start: int = 0) -> None:
         """Keep the next-token scores of a step on rows [start, start + view.batch)."""
         self.table.last_logits[start:start + view.batch] = view.last_logits
+        if view is not self._view:
+            self._view = None  # its scores of those rows are older than the table's now

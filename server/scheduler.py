@@ -380,7 +380,9 @@ class Scheduler:
         for job in [j for j in self.ready if j.cancelled]:  # left before its first token: commit the prompt
             self.ready.remove(job)
             self._finish(job, self._done(job, job.state, 0, "cancelled"))
-        self._regroup([r for r, job in enumerate(self.running) if job.cancelled])
+        cancelled = [r for r, job in enumerate(self.running) if job.cancelled]
+        if cancelled or self.ready:
+            self._regroup(cancelled)
         if not self.running:
             return
         batch = self.slots.active()  # views of rows [0, n)
@@ -400,7 +402,7 @@ class Scheduler:
             self._emit(self.running[r], event)  # one step sooner (the final one waits for the commit anyway)
         self._flush()
         tokens = torch.tensor(fed, device=self.engine.device)[:, None]  # [batch, 1]
-        self.engine.decoder.step(batch, tokens)  # [batch, 1]
+        self.engine.decoder.advance(batch, tokens)  # [batch, 1]
         self.slots.stepped(batch)
         self.steps += 1
         self._regroup([r for r, ev in events.items() if ev.finish_reason is not None], failed)

@@ -194,14 +194,16 @@ def test_short_prompts_arriving_together_are_read_in_one_pass_per_length(engine)
 def test_a_sampled_token_reaches_its_stream_before_the_step_that_feeds_it(engine, monkeypatch):
     """The token is known once sampled: its stream hears it while the batch steps, not a step later."""
     stepping, gate = threading.Event(), threading.Event()
-    real_step = engine.decoder.step
+    real_advance = engine.decoder.advance
 
     def held_step(state, tokens):
-        stepping.set()
-        gate.wait(30)  # bounded: a failing test must not hang
-        return real_step(state, tokens)
+        if tokens.size(1) == 1:  # a decode step (the prompt is read in one call of its length)
+            stepping.set()
+            gate.wait(30)  # bounded: a failing test must not hang
+        return real_advance(state, tokens)
 
-    monkeypatch.setattr(engine.decoder, "step", held_step)
+    monkeypatch.setattr(engine.decoder, "advance", held_step)
+    monkeypatch.setattr(engine.decoder, "warm_up", lambda: None)  # its steps are not the request's
 
     async def main() -> list:
         scheduler = Scheduler(engine, prefill_chunk=64)

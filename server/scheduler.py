@@ -306,7 +306,7 @@ class Scheduler:
         if job.pending:  # left while its prompt was still being fed: a partial prompt is never stored
             return Finished(None, int(state.seen[row]), reason)
         if state is not job.state:
-            own = self.engine.new_state(1)
+            own = self.engine.decoder.empty(1, zeroed=False)  # every part of it is copied over
             own.copy_row(0, state, row)
             state = own
         generated = list(job.generation.tokens) if job.generation else []

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from model.fused import MAX_CHUNK
+
 
 def column_major(t: Tensor) -> Tensor:
     """``t`` unchanged in shape and values, its last two dims stored transposed. On a CPU a product with one
@@ -99,7 +101,7 @@ class LayerCache:
     rows: Tensor  # [batch, 1]
     slots: Tensor  # [batch, keep]: ring slots of the chunk's last `keep` tokens
     seen: Tensor  # [batch] int64: tokens before the chunk
-    fused: bool = False  # one-token calls attend in one C call (model.fused)
+    fused: bool = False  # calls of up to MAX_CHUNK tokens attend in one C call (model.fused)
 
     def store(self, h: Tensor, k: Tensor, v: Tensor) -> None:
         """Put the chunk's last ``keep`` layer inputs ``h [batch, chunk, d]`` and keys/values
@@ -110,9 +112,9 @@ class LayerCache:
         self.v[self.rows, :, self.slots] = v[:, :, -keep:].transpose(1, 2)
 
     def store_hid(self, h: Tensor) -> None:
-        """Put a one-token call's layer inputs ``h [batch, 1, d]`` into the ring (its keys and values are stored
-        by the fused attention)."""
-        self.hid[self.rows, self.slots] = h
+        """Put a fused call's last ``keep`` layer inputs ``h [batch, chunk, d]`` into the ring (their keys and
+        values are stored by the fused attention)."""
+        self.hid[self.rows, self.slots] = h[:, -self.slots.size(1):]  # [batch, keep, d_model]
 
 
 class RingCache:
@@ -123,7 +125,7 @@ class RingCache:
         self.hid, self.k, self.v, self.r_head_k = hid, k, v, r_head_k  # r_head_k [n_layer, H, mem_len+1, Dh]
         self.seen = seen
         m, batch, dev = k.size(3), seen.numel(), seen.device
-        self.fused = fused and chunk == 1
+        self.fused = fused and chunk <= MAX_CHUNK  # the C kernel reads the ring once for the chunk's tokens
         keep = min(chunk, m)  # only the last mem_len tokens of a chunk enter the ring
         self.rows = torch.arange(batch, device=dev)[:, None]  # [batch, 1]
         self.slots = (seen[:, None] + torch.arange(chunk - keep, chunk, device=dev)).remainder(m)  # [batch, keep]

@@ -36,11 +36,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_D_HEAD", "attend_one", "available", "linear_rows", "sample_rows"]
+__all__ = ["MAX_CHUNK", "MAX_D_HEAD", "attend_one", "available", "linear_rows", "sample_rows"]
 
 log = logging.getLogger(__name__)
 
 MAX_D_HEAD = 1024  # kernels/attend_one.c
+MAX_CHUNK = 8  # kernels/attend_one.c: new tokens per call (a decode step's one, a short prompt's few)
 KERNELS = Path(__file__).with_name("kernels")
 C_SOURCES = (KERNELS / "attend_one.c", KERNELS / "linear_rows.c", KERNELS / "sample_rows.c")
 SOURCES = (*C_SOURCES, KERNELS / "ops.cpp")
@@ -149,10 +150,11 @@ def available() -> bool:
 
 def attend_one(qkv: Tensor, u: Tensor, vb: Tensor, k: Tensor, v: Tensor, table: Tensor, seen: Tensor,
                scale: float) -> Tensor:
-    """One token per row: ``qkv [bsz, 1, 3*H*Dh]`` (its query, key, value) attends to itself and to the rings
-    ``k``, ``v`` ``[bsz, H, mem_len, Dh]`` with biases ``u``, ``vb`` ``[H, Dh]`` and the position table
-    ``W_r R [H, mem_len+1, Dh]``; ``seen [bsz]`` tokens came before it. Stores its key and value into slot
-    ``seen % mem_len`` and returns the attention's output ``[bsz, 1, H*Dh]`` (before ``o_net``)."""
+    """Up to MAX_CHUNK new tokens per row: ``qkv [bsz, L, 3*H*Dh]`` (their queries, keys, values) attend, each
+    to itself, the row's earlier new tokens and the rings ``k``, ``v`` ``[bsz, H, mem_len, Dh]`` within its
+    window, with biases ``u``, ``vb`` ``[H, Dh]`` and the position table ``W_r R [H, mem_len+1, Dh]``; ``seen
+    [bsz]`` tokens came before them. Stores their keys and values into slots ``(seen + i) % mem_len`` and returns
+    the attention's output ``[bsz, L, H*Dh]`` (before ``o_net``)."""
     return torch.ops.txlserve.attend_one(qkv, u, vb, k, v, table, seen, scale)
 
 

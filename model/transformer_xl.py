@@ -79,8 +79,9 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def fused_step(h: Tensor, cache: LayerCache | None) -> bool:
-    """Whether this call is a one-token decode step that the C kernels (:mod:`model.fused`) compute."""
-    return cache is not None and cache.fused and h.size(1) == 1
+    """Whether this call is a decode step (or a short prompt: up to ``fused.MAX_CHUNK`` tokens) that the C
+    kernels (:mod:`model.fused`) compute."""
+    return cache is not None and cache.fused and h.size(1) <= fused.MAX_CHUNK
 
 
 def linear(layer: nn.Linear, x: Tensor, step: bool = False) -> Tensor:
@@ -130,10 +131,10 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
     def forward(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None = None,
                 cache: LayerCache | None = None) -> Tensor:
         step = fused_step(h, cache)
-        if step:  # a CPU decode step: the same math in one C call
-            qkv = linear(self.qkv_net, self.layer_norm(h) if self.pre_lnorm else h, step)  # [bsz, 1, 3*H*Dh]
+        if step:  # a CPU decode step (or a short prompt): the same math in one C call
+            qkv = linear(self.qkv_net, self.layer_norm(h) if self.pre_lnorm else h, step)  # [bsz, qlen, 3*H*Dh]
             vec = fused.attend_one(qkv, r_w_bias, r_r_bias, cache.k, cache.v, cache.r_head_k, cache.seen,
-                                   self.scale)  # [bsz, 1, H*Dh]; the token's key and value are in the ring now
+                                   self.scale)  # [bsz, qlen, H*Dh]; their keys and values are in the ring now
             cache.store_hid(h)
         else:
             vec = self._attend(h, pos, r_w_bias, r_r_bias, mems, cache)  # [bsz, qlen, H*Dh]

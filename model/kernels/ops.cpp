@@ -12,7 +12,8 @@
 #include <optional>
 #include <vector>
 
-extern "C" int txl_attend_one(int64_t begin, int64_t end, int64_t B, int64_t H, int64_t D, int64_t M, const float *qkv, int64_t qkv_sb,
+extern "C" int txl_attend_one(int64_t begin, int64_t end, int64_t B, int64_t H, int64_t D, int64_t M, int64_t L,
+                              const float *qkv, int64_t qkv_sb, int64_t qkv_sl,
                               const float *u, const float *vb, float *kr, float *vr, int64_t r_sb, int64_t r_sh,
                               int64_t r_sj, int64_t r_sd, const float *tab, int64_t t_sh, int64_t t_sj,
                               int64_t t_sd, const int64_t *seen, float scale, float *out);
@@ -24,6 +25,7 @@ extern "C" void txl_linear_rows(int64_t o0, int64_t o1, int64_t N, int64_t in, i
 namespace {
 
 constexpr int64_t kMaxDHead = 1024;  // kernels/attend_one.c: MAX_D_HEAD
+constexpr int64_t kMaxChunk = 8;     // kernels/attend_one.c: MAX_CHUNK
 
 bool is_cpu_float(const at::Tensor &t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; }
 
@@ -37,9 +39,10 @@ at::Tensor attend_one(const at::Tensor &qkv, const at::Tensor &u, const at::Tens
   TORCH_CHECK_VALUE(M > 0 && D > 0 && D <= kMaxDHead, "txlserve::attend_one: mem_len ", M, " d_head ", D);
   TORCH_CHECK_VALUE(v.sizes() == k.sizes() && v.strides() == k.strides(),
                     "txlserve::attend_one: the value ring must match the key ring");
-  TORCH_CHECK_VALUE(qkv.dim() == 3 && qkv.size(0) == B && qkv.size(1) == 1 && qkv.size(2) == 3 * H * D &&
-                        qkv.stride(2) == 1,
-                    "txlserve::attend_one: qkv must be [batch, 1, 3*heads*d_head], its last dim contiguous");
+  TORCH_CHECK_VALUE(qkv.dim() == 3 && qkv.size(0) == B && qkv.size(1) >= 1 && qkv.size(1) <= kMaxChunk &&
+                        qkv.size(2) == 3 * H * D && qkv.stride(2) == 1,
+                    "txlserve::attend_one: qkv must be [batch, 1..", kMaxChunk,
+                    ", 3*heads*d_head], its last dim contiguous");
   TORCH_CHECK_VALUE(u.dim() == 2 && u.size(0) == H && u.size(1) == D && u.is_contiguous() &&
                         vb.sizes() == u.sizes() && vb.is_contiguous(),
                     "txlserve::attend_one: biases must be contiguous [heads, d_head]");
@@ -50,18 +53,20 @@ at::Tensor attend_one(const at::Tensor &qkv, const at::Tensor &u, const at::Tens
                     "txlserve::attend_one: seen must be contiguous int64 [batch]");
   const int64_t *pos = seen.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; b++) TORCH_CHECK_VALUE(pos[b] >= 0, "txlserve::attend_one: seen ", pos[b], " < 0");
-  at::Tensor out = at::empty({B, 1, H * D}, qkv.options());  // [B, 1, H*D]
+  const int64_t L = qkv.size(1);
+  at::Tensor out = at::empty({B, L, H * D}, qkv.options());  // [B, L, H*D]
   std::atomic<int> status{0};
   // Rows (b, h) are independent: each reads and writes its own ring; torch's intra-op threads share them.
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     const int rc = txl_attend_one(
-        begin, end, B, H, D, M, qkv.data_ptr<float>(), qkv.stride(0), u.data_ptr<float>(), vb.data_ptr<float>(),
+        begin, end, B, H, D, M, L, qkv.data_ptr<float>(), qkv.stride(0), qkv.stride(1), u.data_ptr<float>(),
+        vb.data_ptr<float>(),
         k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         table.data_ptr<float>(), table.stride(0), table.stride(1), table.stride(2), pos,
         static_cast<float>(scale), out.data_ptr<float>());
     if (rc != 0) status.store(rc);
   });
-  TORCH_CHECK(status.load() == 0, "txlserve::attend_one: out of memory for ", 2 * (M + 1), " scores");
+  TORCH_CHECK(status.load() == 0, "txlserve::attend_one: out of memory for ", 2 * L * (M + 1), " scores");
   return out;
 }
 

@@ -15,13 +15,13 @@ from tests.model.test_traced_step import _model, _table
 pytestmark = pytest.mark.skipif(not fused.available(), reason="no C/C++ compilers here: the kernel is not built")
 
 
-def _same_steps(plain: Decoder, fast: Decoder, lengths: list[int], steps: int) -> None:
-    """Slot tables of rows prefilled to ``lengths``, stepped alike by both decoders: next-token scores, outputs
-    and every stored tensor match to float rounding."""
+def _same_steps(plain: Decoder, fast: Decoder, lengths: list[int], steps: int, chunk: int = 1) -> None:
+    """Slot tables of rows prefilled to ``lengths``, fed ``chunk`` tokens a call alike by both decoders: next-token
+    scores, outputs and every stored tensor match to float rounding."""
     a, b = _table(plain, lengths), _table(fast, lengths)
     g = torch.Generator().manual_seed(3)
     for _ in range(steps):
-        tokens = torch.randint(0, 256, (len(lengths), 1), generator=g)  # [batch, 1]
+        tokens = torch.randint(0, 256, (len(lengths), chunk), generator=g)  # [batch, chunk]
         va, vb = a.active(), b.active()
         ha, hb = plain.advance(va, tokens), fast.advance(vb, tokens)
         a.stepped(va)
@@ -51,6 +51,24 @@ def test_long_rings_are_read_in_chunks_and_prefetched_exactly(mem_len):
     model = _model()
     plain, fast = Decoder(model, mem_len=mem_len, fused=False), Decoder(model, mem_len=mem_len)
     _same_steps(plain, fast, [0, 1, mem_len - 1, mem_len, mem_len + 1, 3 * mem_len + 5], steps=3)
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 5, 6, 7, fused.MAX_CHUNK])
+@pytest.mark.parametrize("traced", [False, True])
+def test_short_prompts_read_in_one_kernel_call_equal_the_torch_attention(chunk, traced):
+    """A short prompt's tokens attend in one call, reading the ring once: each sees itself, the prompt's tokens
+    before it and exactly the ring slots within its window (fewer for later tokens, none for a token mem_len
+    into the chunk: chunks 6..8 with mem_len 6), on rows at every stage; the same numbers as the torch ops."""
+    model = _model(clamp_len=4) if chunk == 5 else _model()
+    plain = Decoder(model, mem_len=6, traced=traced, fused=False)
+    fast = Decoder(model, mem_len=6, traced=traced)
+    _same_steps(plain, fast, [0, 1, 4, 5, 6, 7, 13, 30], steps=4, chunk=chunk)
+
+
+def test_long_rings_read_once_for_a_short_prompt_equal_the_torch_attention():
+    model = _model()
+    plain, fast = Decoder(model, mem_len=150, fused=False), Decoder(model, mem_len=150)
+    _same_steps(plain, fast, [0, 3, 149, 150, 151, 455], steps=2, chunk=4)
 
 
 def test_a_traced_fused_step_calls_the_kernel_once_per_layer():
@@ -167,7 +185,7 @@ def test_a_row_with_nothing_before_it_attends_to_itself():
     torch.testing.assert_close(out, qkv[..., 2 * heads * dh:])
 
 
-@pytest.mark.parametrize("bad", ["float64", "table", "qkv", "seen", "d_head"])
+@pytest.mark.parametrize("bad", ["float64", "table", "qkv", "seen", "d_head", "chunk"])
 def test_the_op_refuses_tensors_it_was_not_written_for(bad):
     """The C code trusts pointers and strides: a mismatch is a ValueError before it runs, never a wild write."""
     heads, m, dh = 2, 4, 3
@@ -182,6 +200,8 @@ def test_the_op_refuses_tensors_it_was_not_written_for(bad):
         args["qkv"] = torch.randn(2, 1, 6 * heads * dh)[..., ::2]  # every other float: the kernel reads them in a row
     elif bad == "seen":
         args["seen"] = torch.tensor([1, 2], dtype=torch.int32)
+    elif bad == "chunk":
+        args["qkv"] = torch.randn(2, fused.MAX_CHUNK + 1, 3 * heads * dh)  # the kernel keeps MAX_CHUNK queries
     else:
         args.update(k=torch.zeros(2, heads, m, 2000), v=torch.zeros(2, heads, m, 2000),
                     table=torch.zeros(heads, m + 1, 2000), u=torch.zeros(heads, 2000), vb=torch.zeros(heads, 2000),

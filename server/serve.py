@@ -83,7 +83,7 @@ def install_redaction(settings: Settings) -> None:
 def freeze_startup_objects() -> int:
     """Move everything start-up made (modules, the model's parameters, the app) out of the garbage collector's
     reach: they live as long as the process, yet every full collection walked them all, holding the GIL for
-    80-120 ms on the bundled checkpoint while every stream waited (CPython's ``gc.freeze``, as Instagram's
+    160-180 ms on the bundled checkpoint while every stream waited (CPython's ``gc.freeze``, as Instagram's
     servers use it). Returns how many objects are frozen."""
     gc.collect()
     gc.freeze()

@@ -1,5 +1,6 @@
 /* A decode call's attention for a batch of Transformer-XL sessions, fused (model/fused.py builds it;
-   kernels/ops.cpp checks its tensors and calls it): L <= MAX_CHUNK new tokens per session, one at a time.
+   kernels/ops.cpp checks its tensors and calls it): L <= MAX_CHUNK new tokens per session (a decode step's
+   one, a short prompt's few).
 
    For each row b and head h, the query of the chunk's token i (position seen[b] + i) attends to itself, to
    the chunk's earlier tokens i' < i, and to the ring slots still within its window: slot j holds position

@@ -18,6 +18,10 @@ from model.transformer_xl import MemTransformerLM
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "txl-test"
+# max_tokens of a generation that a test stops (a disconnect, a cancel, a shutdown) and must never see end by
+# itself: the tiny model streams ~2,800 tokens/s on a 2-core VM, so one left running would take over a minute.
+# A 4,000-token stream ended in ~1.4 s there, which a faster machine could beat before the test's stop arrived.
+LONG = 200_000
 
 
 def free_port() -> int:
@@ -62,7 +66,8 @@ class LiveServer:
         """Start the process without waiting for it (see ``start_all``)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "server.cli", "serve", "--checkpoint", str(self.checkpoint), "--port",
-               str(self.port), "--model-name", MODEL, "--data-dir", str(self.data_dir), *self.args]
+               str(self.port), "--model-name", MODEL, "--data-dir", str(self.data_dir),
+               "--max-tokens-limit", str(LONG), *self.args]  # a test's own limit comes later, and wins
         if self.redis_url:
             cmd += ["--redis-url", self.redis_url]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}

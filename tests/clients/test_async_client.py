@@ -18,10 +18,9 @@ from txlserve_client import (
 )
 
 from tests.clients.conftest import KeyedServer
-from tests.live import MODEL
+from tests.live import LONG, MODEL
 
 pytestmark = pytest.mark.anyio
-LONG = 4000
 
 
 async def test_completion_and_stream(aclient: AsyncClient) -> None:

@@ -21,9 +21,7 @@ from txlserve_client import (
 )
 
 from tests.clients.conftest import KeyedServer
-from tests.live import MODEL, LiveServer
-
-LONG = 4000  # tokens: a generation that runs for seconds on the test model, so there is time to interrupt it
+from tests.live import LONG, MODEL, LiveServer
 
 
 def wait_for_tokens(client: Client, session_id: str, above: int, timeout: float = 120) -> Session:

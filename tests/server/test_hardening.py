@@ -14,7 +14,7 @@ import pytest
 import redis
 from websockets.sync.client import connect
 
-from tests.live import MODEL, LiveServer
+from tests.live import LONG, MODEL, LiveServer
 
 OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
@@ -109,7 +109,7 @@ def test_binary_frame_is_an_error_event_and_the_connection_goes_on(server):
 
 def test_binary_frame_during_a_completion_is_answered_and_cancel_still_works(server):
     with connect(ws_url(server)) as conn:
-        conn.send(json.dumps({"type": "completion.create", **OK, "max_tokens": 4000}))
+        conn.send(json.dumps({"type": "completion.create", **OK, "max_tokens": LONG}))
         assert recv(conn)["type"] == "completion.delta"
         conn.send(b"\x00\x01")
         while (msg := recv(conn))["type"] == "completion.delta":

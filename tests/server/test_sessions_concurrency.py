@@ -11,11 +11,11 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from tests.live import MODEL, LiveServer
+from tests.live import LONG, MODEL, LiveServer
 
 
 def test_second_request_on_a_busy_session_gets_409_at_once(server):
-    """The first request streams until the checks are done (4,096 tokens at most: the engine does not wait for
+    """The first request streams until the checks are done (LONG tokens at most: the engine does not wait for
     a client that reads slowly, so that is how long the session stays busy, whatever the client does)."""
     sid = httpx.post(server.url + "/v1/sessions", json={"text": "busy "}).json()["id"]
     started, checked = threading.Event(), threading.Event()
@@ -23,7 +23,7 @@ def test_second_request_on_a_busy_session_gets_409_at_once(server):
 
     def long_stream():
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
-                "model": MODEL, "prompt": "go", "max_tokens": 4096, "stream": True, "session_id": sid}) as r:
+                "model": MODEL, "prompt": "go", "max_tokens": LONG, "stream": True, "session_id": sid}) as r:
             for i, line in enumerate(r.iter_lines()):
                 if i == 2:
                     started.set()

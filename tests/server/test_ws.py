@@ -7,7 +7,7 @@ import json
 import httpx
 from websockets.sync.client import connect
 
-from tests.live import MODEL
+from tests.live import LONG, MODEL
 
 
 def ws_url(server, query: str = "") -> str:
@@ -56,7 +56,7 @@ def test_ws_errors_keep_the_connection(server):
 def test_ws_cancel_commits_what_was_generated(server):
     sid = httpx.post(server.url + "/v1/sessions", json={"text": "Begin: "}).json()["id"]
     with connect(ws_url(server)) as conn:
-        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "go", "max_tokens": 4000,
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "go", "max_tokens": LONG,
                               "temperature": 0, "session_id": sid}))
         got = [json.loads(conn.recv(timeout=30)) for _ in range(3)]
         assert all(m["type"] == "completion.delta" for m in got)
@@ -65,7 +65,7 @@ def test_ws_cancel_commits_what_was_generated(server):
         done = msgs[-1]
         assert done["type"] == "completion.done" and done["finish_reason"] == "cancelled"
         n = done["usage"]["completion_tokens"]
-        assert 3 <= n < 4000
+        assert 3 <= n < LONG
         assert done["session"]["tokens_seen"] == len("Begin: go") + n
         text = "".join(m["text"] for m in got + msgs[:-1])
         assert text == done["text"]

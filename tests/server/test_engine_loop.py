@@ -18,6 +18,10 @@ from tests.model.test_transformer_xl import tiny_config
 
 pytestmark = pytest.mark.timeout(120)
 
+# a request that keeps the batch busy until the test cancels (or fails) it: 400 tokens of the tiny model took
+# 0.12-0.25 s here, which a loaded machine could let end before the next request joined
+UNTIL_STOPPED = SamplingParams(max_tokens=100_000)
+
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> Engine:
@@ -42,7 +46,7 @@ def test_a_short_prompt_read_as_it_joins_a_busy_batch_generates_what_the_model_d
         scheduler = Scheduler(engine, prefill_chunk=64)
         scheduler.start()
         try:
-            busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), SamplingParams(max_tokens=400))
+            busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), UNTIL_STOPPED)
             it = busy.__aiter__()
             assert isinstance(await it.__anext__(), TokenEvent)  # generating: the batch is busy from here on
             before = scheduler.prompt_tokens_in_batch
@@ -72,7 +76,7 @@ def test_a_request_cancelled_while_its_prompt_is_fed_stores_nothing(engine):
         scheduler = Scheduler(engine, prefill_chunk=64)
         scheduler.start()
         try:
-            busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), SamplingParams(max_tokens=400))
+            busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), UNTIL_STOPPED)
             it = busy.__aiter__()
             await it.__anext__()
             request = scheduler.submit(engine.new_state(), engine.encode("abcdefg"), SamplingParams(max_tokens=5))
@@ -103,7 +107,7 @@ def test_a_row_that_fails_mid_step_costs_the_others_nothing(engine):
         scheduler = Scheduler(engine, prefill_chunk=64)
         scheduler.start()
         try:
-            bad = scheduler.submit(engine.new_state(), engine.encode("xyz"), SamplingParams(max_tokens=400))
+            bad = scheduler.submit(engine.new_state(), engine.encode("xyz"), UNTIL_STOPPED)
             bad_items = bad.__aiter__()
             await bad_items.__anext__()  # generating: the batch is busy
             before = scheduler.prompt_tokens_in_batch

@@ -1,6 +1,7 @@
 // The torch ops around the C kernels: txlserve::attend_one (kernels/attend_one.c), txlserve::linear_rows
-// (kernels/linear_rows.c) and txlserve::sample_rows (kernels/sample_rows.c). Each checks what its C code trusts, then calls it. C++ ops (not Python ones), so
-// that a traced decode step calls them without taking the GIL (model/fused.py).
+// (kernels/linear_rows.c) and txlserve::sample_rows (kernels/sample_rows.c). Each checks what its C code
+// trusts, then calls it. C++ ops (not Python ones), so that a traced decode step calls them without taking the
+// GIL (model/fused.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -119,11 +119,11 @@ def test_rows_split_across_threads_give_the_same_bits():
         assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17])
 @pytest.mark.parametrize("layout", ["row-major", "column-major", "strided"])
 @pytest.mark.parametrize("shape", [(768, 256), (256, 1024), (5, 7), (130, 2)])
 def test_few_row_products_equal_torch_linear(rows, layout, shape):
-    """``linear_rows`` is ``F.linear``: the C loops up to 8 rows on either weight layout (odd sizes: a column
+    """``linear_rows`` is ``F.linear``: the C loops up to 16 rows on either weight layout (odd sizes: a column
     pass takes four at a time, threads split outputs in blocks of 64), torch's own product for more rows or a weight
     with no unit stride."""
     torch.manual_seed(rows)

@@ -3,8 +3,9 @@
 On a CPU a one-token step of a small model spent most of its time not reading weights but running some
 twenty small torch ops per layer (two products with the ring, the position product and its gather, the
 mask, the softmax, the ring stores), each costing microseconds (BENCHMARKS.md, "The one-token attention
-fused"). The kernel does a layer's attention in one pass over the ring and the position table, then stores
-the token's key and value (rows and heads split over torch's intra-op threads), as
+fused"). The kernel does a layer's attention in one pass over the ring (and one over the position table for
+every 16 queries of a head, which the batch's rows share), then stores the token's key and value (rows and
+heads split over torch's intra-op threads), as
 :class:`model.transformer_xl.RelPartialLearnableMultiHeadAttn` computes it with torch ops (tests compare the
 two to float rounding). Its few-row products with the weights go through a second kernel,
 ``kernels/linear_rows.c``: torch's read a weight at half the bandwidth for one row, and took four times as

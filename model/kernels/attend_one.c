@@ -24,6 +24,11 @@
 
 enum { MAX_D_HEAD = 1024, MAX_CHUNK = 8 };  /* ops.cpp refuses larger heads and chunks */
 
+/* Queries whose position terms one pass over a head's table computes: the rows of one head in a batch share its
+   table, which a pass per row had re-read from L2 or L3 (at mem_len 1600 the table, 410 KB a head, does not stay
+   in L2 beside a row's 820 KB of keys and values): a third of the kernel's time at batch 16 (BENCHMARKS.md). */
+enum { GROUP = 16 };
+
 /* e^x for x <= 0 (a score minus the maximum), to about 2 ulp: Cephes' expf, written so that a loop of it
    vectorises (libm's expf is a call per element, a third of this kernel's arithmetic at mem_len 512) */
 static inline float exp_neg(float x)
@@ -42,20 +47,29 @@ static inline float exp_neg(float x)
     return p * two_n.f;
 }
 
-/* Software prefetch. A row's keys are read as 4-row blocks of 2 KB runs (mem_len 512): too short for the
-   hardware prefetchers, which left a batch-16 step reading its rings at half this core's bandwidth. Each pass
-   of CHUNK slots over four rows reads CHUNK/4 lines and asks for the CHUNK/4 lines AHEAD floats further along
-   the row's stream: its K^T, then its V^T, then the next row's K^T (the position table has a stream of its
-   own). 25 -> 13 us a row for batch 16 at mem_len 512, 55 -> 40 at 1600 (BENCHMARKS.md). */
-enum { AHEAD = 8192, CHUNK = 64 };  /* 32 KB ahead: 16-64 KB measured alike, 4 KB a third slower */
-
-/* Where the stream of regions r[0], r[1], r[2] (n floats each; NULL: none) is ``at + AHEAD`` floats in. */
-static inline const float *ahead(const float *const r[3], int64_t n, int64_t at)
+/* Y[r * ldy + j] = sum_d A[r * D + d] X[j * sj + d * sd] for r < rows, j < n: scores of `rows` queries against
+   the keys (or position table) X. Where X is stored column-major (sj == 1, model/cache.py) its rows are read in
+   blocks of columns: 64 at a time for four queries, each block once while it is in L1; 128 at a time for one
+   (eight independent sums: four left a decode step's key pass waiting on its multiply-adds); otherwise, and
+   for the last n % 16 columns, one column at a time. */
+static void project(float *Y, int64_t ldy, const float *X, int64_t sj, int64_t sd, const float *A, int64_t rows,
+                    int64_t D, int64_t n)
 {
-    at += AHEAD;
-    for (int i = 0; i < 3; i++, at -= n)
-        if (at < n) return r[i] == NULL ? NULL : r[i] + at;
-    return NULL;
+    const int64_t r4 = rows - rows % 4, n16 = sj == 1 ? n - n % 16 : 0;
+    int64_t j0 = 0;
+    for (; j0 + 64 <= n16; j0 += 64)
+        for (int64_t r = 0; r < r4; r += 4) cols_block(4, 4, Y + r * ldy, ldy, X, sd, A + r * D, D, D, j0, NULL);
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t j = r < r4 ? j0 : 0;
+        if (r >= r4)
+            for (; j + 128 <= n16; j += 128) cols_block(1, 8, Y + r * ldy, ldy, X, sd, A + r * D, D, D, j, NULL);
+        for (; j < n16; j += 16) cols_block(1, 1, Y + r * ldy, ldy, X, sd, A + r * D, D, D, j, NULL);
+        for (; j < n; j++) {
+            float acc = 0.f;
+            for (int64_t d = 0; d < D; d++) acc += A[r * D + d] * X[j * sj + d * sd];
+            Y[r * ldy + j] = acc;
+        }
+    }
 }
 
 int txl_attend_one(int64_t begin, int64_t end,                      /* rows h*B + b of this call */
@@ -70,75 +84,42 @@ int txl_attend_one(int64_t begin, int64_t end,                      /* rows h*B 
                    float *out)                                          /* [B, L, H*D] */
 {
     if (L < 1 || L > MAX_CHUNK) return -2;
-    /* per query: scores of the ring's slots, position terms for distances 0..M, (q + u) and (q + v) */
-    const size_t n = (size_t)L * (2 * (size_t)(M + 1) + 2 * (size_t)D);
+    /* the rows a group's one pass over the table serves: GROUP queries, or one row's L */
+    const int64_t per_group = GROUP / L > 0 ? GROUP / L : 1, group_q = per_group * L;
+    /* scores of the row's queries against the ring; position terms of the group's queries for distances 0..M;
+       the row's (q + u); the group's (q + v) */
+    const size_t n = (size_t)(L + group_q) * (size_t)(M + 1) + (size_t)(L + group_q) * (size_t)D;
     float *s = malloc(n * sizeof(float));
     if (s == NULL) return -1;
-    float *bd = s + L * (M + 1), *qu = bd + L * (M + 1), *qv = qu + L * D;
+    float *bd = s + L * (M + 1), *qu = bd + group_q * (M + 1), *qv = qu + L * D;
+    int64_t g0 = begin, g1 = begin;  /* the rows whose position terms bd holds */
     for (int64_t row = begin; row < end; row++) {
-        const int64_t h = row / B, b = row % B;  /* head-major: a thread's rows share a position table */
+        const int64_t h = row / B, b = row % B;  /* head-major: consecutive rows share a position table */
         if (seen[b] < 0) continue;  /* never the case; a negative slot would write before the ring */
+        if (row >= g1) {  /* the next group: up to per_group rows of this head */
+            g0 = row;
+            g1 = row + per_group;
+            g1 = g1 < end ? g1 : end;
+            g1 = g1 < (h + 1) * B ? g1 : (h + 1) * B;
+            for (int64_t r = g0; r < g1; r++)
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t d = 0; d < D; d++)
+                        qv[((r - g0) * L + i) * D + d] = qkv[(r % B) * qkv_sb + i * qkv_sl + h * D + d] + vb[h * D + d];
+            project(bd, M + 1, tab + h * t_sh, t_sj, t_sd, qv, (g1 - g0) * L, D, M + 1);  /* [(g1-g0)*L, M+1] */
+        }
+        const float *bd_row = bd + (row - g0) * L * (M + 1);  /* query i's position terms at + i (M+1) */
         const int64_t last = seen[b] - 1;
         const int64_t top = last < 0 ? -1 : last % M;  /* the slot of the newest stored token */
         const float *q0 = qkv + b * qkv_sb + h * D;  /* token i's q at q0 + i qkv_sl; its k, v H*D and 2H*D on */
         float *K = kr + b * r_sb + h * r_sh, *V = vr + b * r_sb + h * r_sh;
-        const float *T = tab + h * t_sh;
-        /* the prefetched streams, where the rings and table are column-major (model/cache.py): a row's K^T and
-           V^T, then the next row's K^T; its position table (read from memory once a head, then from L2) */
-        const int64_t nk = r_sj == 1 && r_sd == M ? D * M : 0, n_tab = t_sj == 1 && t_sd == M + 1 ? D * (M + 1) : 0;
-        const float *stream[3] = {K, V, row + 1 < end ? kr + ((row + 1) % B) * r_sb + ((row + 1) / B) * r_sh : NULL};
-        const float *tab_stream[3] = {T, NULL, NULL};
         for (int64_t i = 0; i < L; i++)
-            for (int64_t d = 0; d < D; d++) {
-                qu[i * D + d] = q0[i * qkv_sl + d] + u[h * D + d];
-                qv[i * D + d] = q0[i * qkv_sl + d] + vb[h * D + d];
-            }
-        for (int64_t j = 0; j < L * (M + 1); j++) s[j] = bd[j] = 0.f;
-        int64_t d = 0;  /* a . k_j for every slot: rows of K^T, contiguous when column-major (model/cache.py) */
-        if (r_sj == 1 && t_sj == 1)  /* four rows a pass: s and bd are read and written a quarter as often */
-            for (; d + 4 <= D; d += 4) {
-                const float *k0 = K + d * r_sd, *k1 = k0 + r_sd, *k2 = k1 + r_sd, *k3 = k2 + r_sd;
-                const float *r0 = T + d * t_sd, *r1 = r0 + t_sd, *r2 = r1 + t_sd, *r3 = r2 + t_sd;  /* W_r R rows */
-                int64_t j0 = 0;
-                for (; j0 + CHUNK <= M; j0 += CHUNK) {
-                    if (nk) prefetch_run(ahead(stream, nk, d * M + 4 * j0), 4 * CHUNK);
-                    for (int64_t i = 0; i < L; i++) {
-                        const float *a = qu + i * D + d;
-                        axpy4(s + i * (M + 1) + j0, k0 + j0, k1 + j0, k2 + j0, k3 + j0, a[0], a[1], a[2], a[3], CHUNK);
-                    }
-                }
-                for (int64_t i = 0; i < L; i++) {
-                    const float *a = qu + i * D + d;
-                    axpy4(s + i * (M + 1) + j0, k0 + j0, k1 + j0, k2 + j0, k3 + j0, a[0], a[1], a[2], a[3], M - j0);
-                }
-                int64_t t0 = 0;
-                for (; t0 + CHUNK <= M + 1; t0 += CHUNK) {
-                    if (n_tab) prefetch_run(ahead(tab_stream, n_tab, d * (M + 1) + 4 * t0), 4 * CHUNK);
-                    for (int64_t i = 0; i < L; i++) {
-                        const float *c = qv + i * D + d;
-                        axpy4(bd + i * (M + 1) + t0, r0 + t0, r1 + t0, r2 + t0, r3 + t0, c[0], c[1], c[2], c[3], CHUNK);
-                    }
-                }
-                for (int64_t i = 0; i < L; i++) {
-                    const float *c = qv + i * D + d;
-                    axpy4(bd + i * (M + 1) + t0, r0 + t0, r1 + t0, r2 + t0, r3 + t0, c[0], c[1], c[2], c[3],
-                          M + 1 - t0);
-                }
-            }
-        for (; d < D; d++) {
-            const float *kd = K + d * r_sd, *td = T + d * t_sd;
-            for (int64_t i = 0; i < L; i++) {
-                const float a = qu[i * D + d], c = qv[i * D + d];
-                float *si = s + i * (M + 1), *bi = bd + i * (M + 1);
-                for (int64_t j = 0; j < M; j++) si[j] += a * kd[j * r_sj];
-                for (int64_t t = 0; t <= M; t++) bi[t] += c * td[t * t_sj];
-            }
-        }
+            for (int64_t d = 0; d < D; d++) qu[i * D + d] = q0[i * qkv_sl + d] + u[h * D + d];
+        project(s, M + 1, K, r_sj, r_sd, qu, L, D, M);  /* (q + u) . k_j for every slot: [L, M] */
         /* per query: its window of the ring, scores, softmax; then the chunk's tokens up to itself */
         float chunk_p[MAX_CHUNK][MAX_CHUNK], inv[MAX_CHUNK];
         for (int64_t i = 0; i < L; i++) {
             float *si = s + i * (M + 1);
-            const float *bi = bd + i * (M + 1), *qi = qu + i * D;
+            const float *bi = bd_row + i * (M + 1), *qi = qu + i * D;
             /* slot j holds the token top - j steps before the newest for j <= top, and (once the ring has
                wrapped) top - j + M for j > top; query i sees those at most lim = M - 1 - i steps back */
             const int64_t lim = last < M - 1 - i ? last : M - 1 - i;
@@ -179,34 +160,18 @@ int txl_attend_one(int64_t begin, int64_t end,                      /* rows h*B 
             }
             inv[i] = 1.f / sum;
         }
+        /* out = p @ V: one row of V^T at a time (a contiguous run of M floats, column-major), read once for
+           every query while it is in L1 */
         float *o0 = out + b * L * H * D + h * D;  /* token i's output at o0 + i H*D */
-        d = 0;
-        if (r_sj == 1)  /* four value rows a pass over the probabilities */
-            for (; d + 4 <= D; d += 4) {
-                const float *v0 = V + d * r_sd, *v1 = v0 + r_sd, *v2 = v1 + r_sd, *v3 = v2 + r_sd;
-                float a[MAX_CHUNK][4] = {{0.f}};
-                int64_t j0 = 0;
-                for (; j0 + CHUNK <= M; j0 += CHUNK) {
-                    if (nk) prefetch_run(ahead(stream, nk, nk + d * M + 4 * j0), 4 * CHUNK);
-                    for (int64_t i = 0; i < L; i++)
-                        dots4(a[i], s + i * (M + 1) + j0, v0 + j0, v1 + j0, v2 + j0, v3 + j0, CHUNK);
-                }
-                for (int64_t i = 0; i < L; i++) {
-                    dots4(a[i], s + i * (M + 1) + j0, v0 + j0, v1 + j0, v2 + j0, v3 + j0, M - j0);
-                    float *o = o0 + i * H * D;
-                    for (int64_t e = 0; e < 4; e++) {
-                        float acc = a[i][e];
-                        for (int64_t c = 0; c <= i; c++) acc += chunk_p[i][c] * q0[c * qkv_sl + 2 * H * D + d + e];
-                        o[d + e] = acc * inv[i];
-                    }
-                }
-            }
-        for (; d < D; d++) {
+        for (int64_t d = 0; d < D; d++) {
             const float *vd = V + d * r_sd;
             for (int64_t i = 0; i < L; i++) {
                 const float *si = s + i * (M + 1);
                 float acc = 0.f;
-                for (int64_t j = 0; j < M; j++) acc += si[j] * vd[j * r_sj];
+                if (r_sj == 1)
+                    for (int64_t j = 0; j < M; j++) acc += si[j] * vd[j];
+                else
+                    for (int64_t j = 0; j < M; j++) acc += si[j] * vd[j * r_sj];
                 for (int64_t c = 0; c <= i; c++) acc += chunk_p[i][c] * q0[c * qkv_sl + 2 * H * D + d];
                 o0[i * H * D + d] = acc * inv[i];
             }
@@ -214,7 +179,7 @@ int txl_attend_one(int64_t begin, int64_t end,                      /* rows h*B 
         for (int64_t i = L > M ? L - M : 0; i < L; i++) {  /* the chunk's last M tokens enter the ring */
             const int64_t slot = (seen[b] + i) % M;
             const float *kn = q0 + i * qkv_sl + H * D, *vn = kn + H * D;
-            for (d = 0; d < D; d++) {
+            for (int64_t d = 0; d < D; d++) {
                 K[slot * r_sj + d * r_sd] = kn[d];
                 V[slot * r_sj + d * r_sd] = vn[d];
             }

@@ -13,11 +13,16 @@
 
 #include "vec.h"
 
-/* Software prefetch into L2, AHEAD floats (32 KB) ahead of the reads, as kernels/attend_one.c does for the
-   rings: the four interleaved columns a column-major pass reads are too short a stream for the hardware
-   prefetchers. CHUNK: outputs a column pass takes at a time (a multiple of 16, so threads' blocks of 64
+/* Software prefetch into L2, AHEAD floats (32 KB) ahead of the reads: the four interleaved columns a
+   column-major pass reads are too short a stream for the hardware prefetchers. CHUNK: outputs a column pass takes at a time (a multiple of 16, so threads' blocks of 64
    outputs split at the same places). */
 enum { AHEAD = 8192, CHUNK = 64 };
+
+/* From TILE_ROWS rows on, a product is arithmetic-bound rather than bandwidth-bound (a weight line in L1 serves
+   every row), and the rows go through register tiles instead: 4 rows x 64 outputs for a column-major weight,
+   4 rows x 4 outputs for a row-major one. 16 rows of 6 x 256: 2.26 -> 1.96 ms a step's products, 12 x 512:
+   25.3 -> 20.1 ms; below 4 rows the streaming loops are faster (BENCHMARKS.md). */
+enum { TILE_ROWS = 4 };
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t len)
 {
@@ -26,12 +31,81 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return acc;
 }
 
+/* The horizontal sum of a register: out of line, so that every tile sums its lanes in the same order. */
+static __attribute__((noinline)) float hsum(v16 v)
+{
+    float s = 0.f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* y[n][o] = bias[o] + x[n] . W[o] for R rows n and C outputs o of a row-major weight (R, C <= 4): R x C sums of
+   16 in registers along the inputs, the C weight rows read once for the R rows */
+static inline __attribute__((always_inline)) void dots_tile(int R, int C, float *restrict y, int64_t ldy,
+                                                            const float *restrict x, int64_t ldx,
+                                                            const float *restrict W, int64_t ldw, int64_t in,
+                                                            const float *restrict bias)
+{
+    v16 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = (v16){0.f};
+    int64_t i = 0;
+    for (; i + 16 <= in; i += 16)
+        for (int c = 0; c < C; c++) {
+            const v16 w = *(const v16 *)(W + c * ldw + i);
+            for (int r = 0; r < R; r++) acc[r][c] += w * *(const v16 *)(x + r * ldx + i);
+        }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float s = hsum(acc[r][c]);
+            for (int64_t k = i; k < in; k++) s += x[r * ldx + k] * W[c * ldw + k];
+            y[r * ldy + c] = s + (bias == NULL ? 0.f : bias[c]);
+        }
+}
+
+/* Outputs [o0, o1) of N >= TILE_ROWS rows in register tiles */
+static void linear_tiles(int64_t o0, int64_t o1, int64_t N, int64_t in, int64_t out, const float *x,
+                         const float *W, int64_t w_so, int64_t w_si, const float *bias, float *y)
+{
+    const int64_t n4 = N - N % 4;
+    if (w_si == 1) {
+        int64_t o = o0;
+        for (; o + 4 <= o1; o += 4) {
+            const float *w = W + o * w_so, *b = bias == NULL ? NULL : bias + o;
+            for (int64_t n = 0; n < n4; n += 4) dots_tile(4, 4, y + n * out + o, out, x + n * in, in, w, w_so, in, b);
+            for (int64_t n = n4; n < N; n++) dots_tile(1, 4, y + n * out + o, out, x + n * in, in, w, w_so, in, b);
+        }
+        for (; o < o1; o++)
+            for (int64_t n = 0; n < N; n++)
+                dots_tile(1, 1, y + n * out + o, out, x + n * in, in, W + o * w_so, w_so, in,
+                          bias == NULL ? NULL : bias + o);
+        return;
+    }
+    int64_t o = o0;  /* column-major: X[i][o] = W[o + i w_si] */
+    for (; o + 64 <= o1; o += 64) {
+        for (int64_t n = 0; n < n4; n += 4) cols_block(4, 4, y + n * out, out, W, w_si, x + n * in, in, in, o, bias);
+        for (int64_t n = n4; n < N; n++) cols_block(1, 4, y + n * out, out, W, w_si, x + n * in, in, in, o, bias);
+    }
+    for (; o + 16 <= o1; o += 16)
+        for (int64_t n = 0; n < N; n++) cols_block(1, 1, y + n * out, out, W, w_si, x + n * in, in, in, o, bias);
+    for (; o < o1; o++)
+        for (int64_t n = 0; n < N; n++) {
+            float acc = bias == NULL ? 0.f : bias[o];
+            for (int64_t i = 0; i < in; i++) acc += x[n * in + i] * W[o + i * w_si];
+            y[n * out + o] = acc;
+        }
+}
+
 void txl_linear_rows(int64_t o0, int64_t o1, int64_t N, int64_t in, int64_t out,
                      const float *x,                          /* [N, in], contiguous */
                      const float *W, int64_t w_so, int64_t w_si,  /* [out, in]: W[o, i] at o * w_so + i * w_si */
                      const float *bias,                       /* [out] or NULL */
                      float *y)                                /* [N, out], contiguous */
 {
+    if (N >= TILE_ROWS) {
+        linear_tiles(o0, o1, N, in, out, x, W, w_so, w_si, bias, y);
+        return;
+    }
     if (w_si == 1) {
         const int64_t ahead = (AHEAD + in - 1) / in;  /* rows */
         for (int64_t o = o0; o < o1; o++) {

@@ -1,5 +1,5 @@
 /* Loops shared by the kernels (kernels/attend_one.c, kernels/linear_rows.c), written so that gcc vectorises
-   them (-O3 -ffast-math, model/fused.py). Four rows a pass: the row they share is read once per four. */
+   them (-O3 -ffast-math, model/fused.py). */
 #ifndef TXL_VEC_H
 #define TXL_VEC_H
 
@@ -34,6 +34,33 @@ static inline void dots4(float a[4], const float *restrict p, const float *restr
         a3 += p[j] * v3[j];
     }
     a[0] += a0, a[1] += a1, a[2] += a2, a[3] += a3;
+}
+
+/* Sixteen floats: gcc lowers it to what the target has (one AVX-512 register, two AVX2 ones, four NEON ones).
+   may_alias and aligned(4): loaded from and stored to any float array. */
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+/* Y[r][j] = init[j] + sum_d A[r][d] X[d][j] (init NULL: 0) for rows r < R of A (R <= 4, rows lda apart) and
+   columns [j0, j0 + 16 W) of X (W <= 8; rows ldx apart, unit stride along j): R x W sums of 16 held in registers
+   while X's D rows stream past once (a product's inputs against a column-major weight, queries against a ring's
+   keys). Each output is one chain of multiply-adds in the order of d, whatever R and W: any grouping of rows
+   and columns (threads split them differently) gives the same bits. */
+static inline __attribute__((always_inline)) void cols_block(int R, int W, float *restrict Y, int64_t ldy,
+                                                             const float *restrict X, int64_t ldx,
+                                                             const float *restrict A, int64_t lda, int64_t D,
+                                                             int64_t j0, const float *restrict init)
+{
+    v16 acc[4][8];
+    for (int r = 0; r < R; r++)
+        for (int w = 0; w < W; w++) acc[r][w] = init == NULL ? (v16){0.f} : *(const v16 *)(init + j0 + 16 * w);
+    const float *x = X + j0;
+    for (int64_t d = 0; d < D; d++, x += ldx)
+        for (int r = 0; r < R; r++) {
+            const float a = A[r * lda + d];
+            for (int w = 0; w < W; w++) acc[r][w] += a * *(const v16 *)(x + 16 * w);
+        }
+    for (int r = 0; r < R; r++)
+        for (int w = 0; w < W; w++) *(v16 *)(Y + r * ldy + j0 + 16 * w) = acc[r][w];
 }
 
 #endif

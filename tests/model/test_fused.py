@@ -99,24 +99,38 @@ def test_rows_in_any_ring_layout_give_the_same_result():
         assert torch.equal(k[row, :, n % m], key[row]) and torch.equal(v[row, :, n % m], value[row])
 
 
-def test_rows_split_across_threads_give_the_same_bits():
-    """The op splits (row, head) pairs over torch's intra-op threads: two threads give one thread's result."""
+@pytest.mark.parametrize(("bsz", "heads", "m", "dh", "chunk"), [(5, 3, 9, 4, 1), (20, 3, 150, 16, 1),
+                                                                (20, 3, 150, 16, 3)])
+def test_rows_split_across_threads_give_the_same_bits(bsz, heads, m, dh, chunk):
+    """The op splits (row, head) pairs over torch's intra-op threads, which groups a head's rows differently for
+    their shared pass over the position table (60 rows: one thread groups rows 20-35 of head 1, the second of two
+    threads starts at row 30): two threads give one thread's result, bit for bit."""
     torch.manual_seed(1)
-    bsz, heads, m, dh = 5, 3, 9, 4
-    qkv, u, vb = torch.randn(bsz, 1, 3 * heads * dh), torch.randn(heads, dh), torch.randn(heads, dh)
-    table, seen = torch.randn(heads, m + 1, dh), torch.tensor([0, 3, 9, 10, 40])
+    qkv, u, vb = torch.randn(bsz, chunk, 3 * heads * dh), torch.randn(heads, dh), torch.randn(heads, dh)
+    table = column_major(torch.randn(heads, m + 1, dh))
+    seen = torch.arange(bsz) * 7 % (3 * m)
     rings = torch.randn(2, bsz, heads, m, dh)
     results = []
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            k, v = rings.clone().unbind(0)
+            k, v = (column_major(t) for t in rings.clone().unbind(0))
             results.append((fused.attend_one(qkv, u, vb, k, v, table, seen, 0.3), k, v))
     finally:
         torch.set_num_threads(threads)
     for one, two in zip(*results):
         assert torch.equal(one, two)
+
+
+def test_batches_larger_than_a_position_group_equal_the_torch_attention():
+    """A head's rows share one pass over its position table, 16 queries at a time: 19 rows (a group, then three),
+    and short prompts of 3 tokens (groups of five rows), at every ring stage, give the torch ops' numbers."""
+    model = _model()
+    plain, fast = Decoder(model, mem_len=150, fused=False), Decoder(model, mem_len=150)
+    lengths = [0, 1, 3, 70, 149, 150, 151, 299, 300, 455, 2, 5, 80, 120, 148, 160, 200, 310, 600]
+    _same_steps(plain, fast, lengths, steps=2)
+    _same_steps(plain, fast, lengths, steps=2, chunk=3)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17])
@@ -159,10 +173,12 @@ def test_few_row_products_refuse_what_torch_linear_refuses(bad):
     assert type(got.value) is type(want.value)
 
 
-def test_few_row_products_split_across_threads_give_the_same_bits():
-    """Threads split the outputs at multiples of 64, so each output is computed by the same instructions."""
+@pytest.mark.parametrize("rows", [2, 9])
+def test_few_row_products_split_across_threads_give_the_same_bits(rows):
+    """Threads split the outputs at multiples of 64, so each output is computed by the same instructions (the
+    streaming loops below 4 rows, register tiles from 4 on, with rows left over)."""
     torch.manual_seed(2)
-    w, x = column_major(torch.randn(1000, 64)), torch.randn(2, 64)
+    w, x = column_major(torch.randn(1000, 70)), torch.randn(rows, 70)
     threads = torch.get_num_threads()
     try:
         results = []

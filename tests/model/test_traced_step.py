@@ -26,7 +26,7 @@ def _model(**kw) -> MemTransformerLM:
 
 def _table(decoder: Decoder, lengths: list[int]) -> SlotTable:
     """A slot table (rows are views of a larger table, as in the server) of sessions fed ``lengths`` tokens."""
-    table = SlotTable(decoder.empty, capacity=16)
+    table = SlotTable(decoder.empty, capacity=max(16, len(lengths)))
     g = torch.Generator().manual_seed(1)
     for n in lengths:
         one = decoder.empty(1)

@@ -5,8 +5,9 @@
    of five rows four times slower than of one (BENCHMARKS.md): the weights, not the attention, were most of
    a batch-1 step. Here each of the N rows reuses every weight line while it is in L1. The weight may be stored
    either way (model/decode.py keeps widening weights column-major for torch's sake):
-     row-major    (w_si == 1): y[n, o] = x[n] . W[o, :], a contiguous row per output;
-     column-major (w_so == 1): y[n, :] += x[n, i] W[:, i], four contiguous columns a pass.
+     row-major    (w_si == 1): y[n, o] = x[n] . W[o, :], four contiguous weight rows a tile;
+     column-major (w_so == 1): y[n, :] += x[n, i] W[:, i], four contiguous columns a pass (below TILE_ROWS
+                               rows), or 64 outputs of every column a tile.
    A call fills outputs [o0, o1) of every row. Float32 only. */
 #include <stddef.h>
 #include <stdint.h>
@@ -14,22 +15,17 @@
 #include "vec.h"
 
 /* Software prefetch into L2, AHEAD floats (32 KB) ahead of the reads: the four interleaved columns a
-   column-major pass reads are too short a stream for the hardware prefetchers. CHUNK: outputs a column pass takes at a time (a multiple of 16, so threads' blocks of 64
-   outputs split at the same places). */
+   column-major pass reads are too short a stream for the hardware prefetchers. CHUNK: outputs a column pass
+   takes at a time (a multiple of 16, so threads' blocks of 64 outputs split at the same places). */
 enum { AHEAD = 8192, CHUNK = 64 };
 
 /* From TILE_ROWS rows on, a product is arithmetic-bound rather than bandwidth-bound (a weight line in L1 serves
-   every row), and the rows go through register tiles instead: 4 rows x 64 outputs for a column-major weight,
-   4 rows x 4 outputs for a row-major one. 16 rows of 6 x 256: 2.26 -> 1.96 ms a step's products, 12 x 512:
-   25.3 -> 20.1 ms; below 4 rows the streaming loops are faster (BENCHMARKS.md). */
+   every row), and the rows go through register tiles: 4 rows x 64 outputs for a column-major weight, 4 rows x 4
+   outputs for a row-major one. 16 rows of 6 x 256: 2.26 -> 1.96 ms a step's products, 12 x 512: 25.3 -> 20.1
+   ms; below 4 rows the column-major streaming loop is faster. A row-major weight always goes through tiles: one
+   row's four independent sums read a 12 x 512 step's second feed-forward weights at 44 GB/s, where a dot
+   product per output (one chain of sums) read them at 25 (BENCHMARKS.md). */
 enum { TILE_ROWS = 4 };
-
-static inline float dot(const float *restrict a, const float *restrict b, int64_t len)
-{
-    float acc = 0.f;
-    for (int64_t i = 0; i < len; i++) acc += a[i] * b[i];
-    return acc;
-}
 
 /* The horizontal sum of a register: out of line, so that every tile sums its lanes in the same order. */
 static __attribute__((noinline)) float hsum(v16 v)
@@ -102,24 +98,8 @@ void txl_linear_rows(int64_t o0, int64_t o1, int64_t N, int64_t in, int64_t out,
                      const float *bias,                       /* [out] or NULL */
                      float *y)                                /* [N, out], contiguous */
 {
-    if (N >= TILE_ROWS) {
+    if (w_si == 1 || N >= TILE_ROWS) {
         linear_tiles(o0, o1, N, in, out, x, W, w_so, w_si, bias, y);
-        return;
-    }
-    if (w_si == 1) {
-        const int64_t ahead = (AHEAD + in - 1) / in;  /* rows */
-        for (int64_t o = o0; o < o1; o++) {
-            const float *w = W + o * w_so, b = bias == NULL ? 0.f : bias[o];
-            if (o + ahead < o1) prefetch_run(w + ahead * w_so, in);
-            int64_t n = 0;
-            for (; n + 4 <= N; n += 4) {  /* four rows at once: four sums in flight */
-                float a[4] = {b, b, b, b};
-                const float *xn = x + n * in;
-                dots4(a, w, xn, xn + in, xn + 2 * in, xn + 3 * in, in);
-                for (int r = 0; r < 4; r++) y[(n + r) * out + o] = a[r];
-            }
-            for (; n < N; n++) y[n * out + o] = dot(x + n * in, w, in) + b;
-        }
         return;
     }
     const int64_t len = o1 - o0, ahead = 4 * ((AHEAD + 4 * len - 1) / (4 * len));  /* columns, whole passes */

@@ -22,20 +22,6 @@ static inline void axpy4(float *restrict y, const float *restrict w0, const floa
     for (int64_t j = 0; j < len; j++) y[j] += c0 * w0[j] + c1 * w1[j] + c2 * w2[j] + c3 * w3[j];
 }
 
-/* a[r] += p . v_r for four rows v_r: four sums in flight, p read once */
-static inline void dots4(float a[4], const float *restrict p, const float *restrict v0,
-                         const float *restrict v1, const float *restrict v2, const float *restrict v3, int64_t len)
-{
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    for (int64_t j = 0; j < len; j++) {
-        a0 += p[j] * v0[j];
-        a1 += p[j] * v1[j];
-        a2 += p[j] * v2[j];
-        a3 += p[j] * v3[j];
-    }
-    a[0] += a0, a[1] += a1, a[2] += a2, a[3] += a3;
-}
-
 /* Sixteen floats: gcc lowers it to what the target has (one AVX-512 register, two AVX2 ones, four NEON ones).
    may_alias and aligned(4): loaded from and stored to any float array. */
 typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));

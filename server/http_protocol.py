@@ -17,6 +17,11 @@ import json
 
 from server.errors import error_body
 
+# The request line and headers h11 buffers while they are incomplete. Its default, 16 KiB, made a long URL (a
+# 60,000-character session id) a 400 "not valid HTTP" or an ordinary 404 depending on whether its bytes arrived
+# in one read or two (httptools has no such limit); the header deadline above bounds how long a head may take.
+MAX_HEAD_BYTES = 1 << 20
+
 
 def raw_response(status: int, reason: str, message: str, code: str) -> bytes:
     """A whole HTTP/1.1 error response in OpenAI's shape, for the protocol to write before it closes."""

@@ -19,7 +19,7 @@ import uvicorn
 
 from model.threads import set_threads
 from server.app import build_app
-from server.http_protocol import protocol_class
+from server.http_protocol import MAX_HEAD_BYTES, protocol_class
 from server.runtime import close_runtime, open_runtime
 from server.settings import Settings
 
@@ -104,7 +104,8 @@ async def _serve(settings: Settings, sock: socket.socket) -> int:
     # uvicorn's own deadline comes after ours, so cancelled streams can still say goodbye
     config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,  # RequestLog writes one JSON line
                             timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
-                            http=protocol_class(settings.body_timeout_s))  # headers get the body's deadline
+                            http=protocol_class(settings.body_timeout_s),  # headers get the body's deadline
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     install_redaction(settings)  # after uvicorn configured its loggers
     if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without API keys: anyone who reaches this port can read every session "

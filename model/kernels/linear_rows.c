@@ -46,11 +46,18 @@ static inline __attribute__((always_inline)) void dots_tile(int R, int C, float 
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = (v16){0.f};
     int64_t i = 0;
-    for (; i + 16 <= in; i += 16)
-        for (int c = 0; c < C; c++) {
-            const v16 w = *(const v16 *)(W + c * ldw + i);
-            for (int r = 0; r < R; r++) acc[r][c] += w * *(const v16 *)(x + r * ldx + i);
+    for (; i + 16 <= in; i += 16) {
+        v16 xi[4];  /* loaded once, used by every output */
+        for (int r = 0; r < R; r++) {
+            xi[r] = *(const v16 *)(x + r * ldx + i);
+            REGISTER(xi[r]);
         }
+        for (int c = 0; c < C; c++) {
+            v16 w = *(const v16 *)(W + c * ldw + i);
+            REGISTER(w);
+            for (int r = 0; r < R; r++) acc[r][c] += w * xi[r];
+        }
+    }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             float s = hsum(acc[r][c]);

@@ -160,7 +160,7 @@ def attend_one(qkv: Tensor, u: Tensor, vb: Tensor, k: Tensor, v: Tensor, table: 
 
 
 def linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear(x, weight, bias)``; for up to 16 rows of x (a decode step's batch) the weight is streamed once
+    """``F.linear(x, weight, bias)``; for up to 64 rows of x (a decode step's batch) the weight is streamed once
     by ``kernels/linear_rows.c`` (torch's few-row products read it at half the bandwidth, or slower); any other
     product is torch's own, so a traced step may call this at every batch size."""
     return torch.ops.txlserve.linear_rows(x, weight, bias)

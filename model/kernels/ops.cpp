@@ -71,11 +71,11 @@ at::Tensor attend_one(const at::Tensor &qkv, const at::Tensor &u, const at::Tens
   return out;
 }
 
-// Up to 16 rows the C loops are faster than torch in a decode step, where the weights come from memory (1.3x at
-// 1 row, 1.6x at 4; a traced step of 6 x 256 at mem_len 512, one thread: 12 rows 8.9-9.4 -> 7.4-7.6 ms, 16 rows
-// 10.9-11.2 -> 10.2-10.3 ms, BENCHMARKS.md); from 32 rows torch's blocked product is (64 rows of the bundled
-// model: 11.3-12.8 ms a step against 12.9-13.3).
-constexpr int64_t kMaxRows = 16;
+// Up to 64 rows the C loops are faster than torch in a decode step (1.3x at 1 row, 1.6x at 4; with register tiles
+// from 4 rows, a step's products one thread: 32 rows of the bundled 4 x 256 1.2 ms against torch's 2.2, 64 rows
+// 2.4 against 3.9, 64 rows of 2 layers of 512 5.3 against 8.1 and of 1024 29.8 against 34.8; BENCHMARKS.md).
+// Larger products (a batch of short prompts) stay torch's.
+constexpr int64_t kMaxRows = 64;
 
 // x W^T + bias, as at::linear computes it: the C loops for up to kMaxRows rows of float32 x and a weight with
 // one unit stride (row- or column-major), at::linear itself for anything else, so a traced step may call it

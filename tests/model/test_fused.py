@@ -133,7 +133,7 @@ def test_batches_larger_than_a_position_group_equal_the_torch_attention():
     _same_steps(plain, fast, lengths, steps=2, chunk=3)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 64, 65])
 @pytest.mark.parametrize("layout", ["row-major", "column-major", "strided"])
 @pytest.mark.parametrize("shape", [(768, 256), (256, 1024), (5, 7), (130, 2)])
 def test_few_row_products_equal_torch_linear(rows, layout, shape):

@@ -50,11 +50,11 @@ static inline __attribute__((always_inline)) void dots_tile(int R, int C, float 
         v16 xi[4];  /* loaded once, used by every output */
         for (int r = 0; r < R; r++) {
             xi[r] = *(const v16 *)(x + r * ldx + i);
-            REGISTER(xi[r]);
+            if (C > 1 && R > 1) REGISTER(xi[r]);
         }
         for (int c = 0; c < C; c++) {
             v16 w = *(const v16 *)(W + c * ldw + i);
-            REGISTER(w);
+            if (R > 1) REGISTER(w);
             for (int r = 0; r < R; r++) acc[r][c] += w * xi[r];
         }
     }

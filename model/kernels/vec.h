@@ -29,7 +29,8 @@ typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
 /* Keeps a loaded vector in a register: gcc otherwise folds the load into each multiply-add that uses it, and a
    block's four rows then load every weight vector four times (a 16-row step's products were load-bound: 12 x 512
    20.1 -> 16.9 ms with this, the same bits). An empty asm that "changes" v, on x86 with AVX-512 (where v16 is one
-   register); elsewhere nothing. */
+   register); elsewhere nothing. Only for a vector used more than once: the barrier also keeps gcc from
+   scheduling the loads, and a one-row block (a batch-1 step) was 5-10% slower with it. */
 #if defined(__x86_64__) && defined(__AVX512F__)
 #define REGISTER(v) __asm__("" : "+v"(v))
 #else
@@ -54,7 +55,7 @@ static inline __attribute__((always_inline)) void cols_block(int R, int W, float
         v16 xd[8];  /* loaded once, used by every row */
         for (int w = 0; w < W; w++) {
             xd[w] = *(const v16 *)(x + 16 * w);
-            REGISTER(xd[w]);
+            if (R > 1) REGISTER(xd[w]);
         }
         for (int r = 0; r < R; r++) {
             const float a = A[r * lda + d];

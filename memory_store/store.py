@@ -70,6 +70,7 @@ class MemoryStore:
         self._tier: RedisTier | None = None
         self._embedded: EmbeddedRedis | None = None
         self._leases: set[Lease] = set()
+        self._last_created_ms = 0  # see _creation_time
 
     @classmethod
     def from_url(
@@ -532,6 +533,13 @@ class MemoryStore:
         await self._redis.index(owner, session_id, header.created_at)
         return self._cache(session_id, header, self._on_device(tensors))
 
+    def _creation_time(self, now: float) -> float:
+        """``now``, or a millisecond after the last session this store created: the owner index lists sessions
+        oldest first by their creation in whole milliseconds, and two made within one millisecond came out in
+        the order of their random ids."""
+        self._last_created_ms = max(int(now * 1000), self._last_created_ms + 1)
+        return (self._last_created_ms + 0.5) / 1000  # mid-millisecond: int(x * 1000) gives it back exactly
+
     async def _encode(
         self,
         tensors: Mapping[str, torch.Tensor],
@@ -564,6 +572,8 @@ class MemoryStore:
         else:
             payload, whole = await asyncio.to_thread(encode)
         now = time.time()
+        if created_at is None:  # a new session: made and last updated at the same moment
+            now = created_at = self._creation_time(now)
         form, window = codec.form_of(tensors), tensors.get(codec.WINDOW)
         header = Header(
             fingerprint=self.identity.fingerprint,
@@ -574,7 +584,7 @@ class MemoryStore:
             tokens_seen=tokens_seen,
             version=version,
             owner=owner,
-            created_at=now if created_at is None else created_at,
+            created_at=created_at,
             updated_at=now,
             metadata=metadata,
             payload_bytes=len(payload),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import types
 from collections.abc import AsyncIterator
 
 import pytest
@@ -156,6 +157,22 @@ async def test_delete(store: MemoryStore, other_store: MemoryStore) -> None:
     assert await store.list(owner=owner) == ([], None)
     with pytest.raises(SessionNotFound):
         await store.delete(info.session_id, owner=owner)
+
+
+async def test_sessions_made_within_one_millisecond_list_in_the_order_they_were_made(
+        store: MemoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner index orders by creation in whole milliseconds: sessions made within one (here, a clock that
+    stands still) are stamped a millisecond apart, so they list in the order they were made, not by their random
+    ids (the pagination test below failed once in CI on such a tie)."""
+    import memory_store.store as store_module
+
+    frozen = types.SimpleNamespace(time=lambda: 1_800_000_000.0004)
+    monkeypatch.setattr(store_module, "time", frozen)
+    owner = new_owner()
+    made = [await store.create(owner=owner, tensors=make_state(), mem_len=8) for _ in range(6)]
+    assert [info.session_id for info in (await store.list(owner=owner, limit=10))[0]] == [m.session_id for m in made]
+    stamps = [m.created_at for m in made]
+    assert stamps == sorted(set(stamps)) and stamps[-1] - stamps[0] < 0.0065  # a millisecond apart, no more
 
 
 async def test_list_by_owner_with_pagination(store: MemoryStore) -> None:

@@ -28,9 +28,9 @@ typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
 
 /* Keeps a loaded vector in a register: gcc otherwise folds the load into each multiply-add that uses it, and a
    block's four rows then load every weight vector four times (a 16-row step's products were load-bound: 12 x 512
-   20.4 -> 13.2 ms with this, 6 x 256 2.2 -> 1.0 ms, the same bits). An empty asm that "changes" v, on x86 with AVX-512 (where v16 is one
-   register); elsewhere nothing. Only for a vector used more than once: the barrier also keeps gcc from
-   scheduling the loads, and a one-row block (a batch-1 step) was 5-10% slower with it. */
+   20.4 -> 13.2 ms with this, 6 x 256 2.2 -> 1.0 ms, the same bits). An empty asm that "changes" v, on x86 with
+   AVX-512 (where v16 is one register); elsewhere nothing. Only for a vector used more than once: the barrier also
+   keeps gcc from scheduling the loads, and a one-row block (a batch-1 step) was 5-10% slower with it. */
 #if defined(__x86_64__) && defined(__AVX512F__)
 #define REGISTER(v) __asm__("" : "+v"(v))
 #else

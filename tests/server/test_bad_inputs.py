@@ -140,3 +140,17 @@ def test_a_long_request_line_arriving_in_pieces_is_read_whole(server):
             answer += chunk
     status, _, body = answer.partition(b"\r\n\r\n")
     assert status.split()[1] == b"404" and b"60000 characters" in body, answer[:300]
+
+
+def test_a_request_head_over_the_limit_is_a_400_in_openais_shape(server):
+    """Past MAX_HEAD_BYTES of request line the server stops buffering: a 400 in OpenAI's error shape, then close."""
+    from server.http_protocol import MAX_HEAD_BYTES
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        line = b"GET /v1/sessions/"  # one byte over, so the server has read every byte when it answers and closes
+        sock.sendall(line + b"s" * (MAX_HEAD_BYTES + 1 - len(line)))
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.split()[1] == b"400" and b'"code": "invalid_http"' in body, answer[:300]

@@ -102,6 +102,7 @@ class LayerCache:
     slots: Tensor  # [batch, keep]: ring slots of the chunk's last `keep` tokens
     seen: Tensor  # [batch] int64: tokens before the chunk
     fused: bool = False  # calls of up to MAX_CHUNK tokens attend in one C call (model.fused)
+    products: bool = False  # every call's products go through the C kernel (model.fused.linear_rows)
 
     def store(self, h: Tensor, k: Tensor, v: Tensor) -> None:
         """Put the chunk's last ``keep`` layer inputs ``h [batch, chunk, d]`` and keys/values
@@ -126,6 +127,7 @@ class RingCache:
         self.seen = seen
         m, batch, dev = k.size(3), seen.numel(), seen.device
         self.fused = fused and chunk <= MAX_CHUNK  # the C kernel reads the ring once for the chunk's tokens
+        self.products = fused
         keep = min(chunk, m)  # only the last mem_len tokens of a chunk enter the ring
         self.rows = torch.arange(batch, device=dev)[:, None]  # [batch, 1]
         self.slots = (seen[:, None] + torch.arange(chunk - keep, chunk, device=dev)).remainder(m)  # [batch, keep]
@@ -144,7 +146,7 @@ class RingCache:
 
     def layer(self, i: int) -> LayerCache:
         return LayerCache(self.hid[i], self.k[i], self.v[i], self.r_head_k[i], self.rows, self.slots, self.seen,
-                          self.fused)
+                          self.fused, self.products)
 
 
 class SlotTable:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_CHUNK", "MAX_D_HEAD", "attend_one", "available", "linear_rows", "sample_rows"]
+__all__ = ["MAX_CHUNK", "MAX_D_HEAD", "attend_one", "available", "linear_rows", "matmul", "sample_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,10 @@ def _build() -> Path | None:
             for cmd in steps:
                 subprocess.run(cmd, check=True, capture_output=True, timeout=600)
         except (OSError, subprocess.SubprocessError) as err:
-            detail = (getattr(err, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
+            lines = (getattr(err, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
+            detail = [line for line in lines if "error" in line.lower()] or lines  # the first error, not a caret
             log.warning("the fused decode attention is off: building it failed (%s)%s", type(err).__name__,
-                        f": {detail[-1][:300]}" if detail else "")
+                        f": {detail[0][:300]}" if detail else "")
             return None
         try:  # another process may be doing the same: each renames its own file into place
             cache.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -160,10 +161,20 @@ def attend_one(qkv: Tensor, u: Tensor, vb: Tensor, k: Tensor, v: Tensor, table: 
 
 
 def linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear(x, weight, bias)``; for up to 64 rows of x (a decode step's batch) the weight is streamed once
-    by ``kernels/linear_rows.c`` (torch's few-row products read it at half the bandwidth, or slower); any other
-    product is torch's own, so a traced step may call this at every batch size."""
+    """``F.linear(x, weight, bias)`` for float32 on a CPU, by ``kernels/linear_rows.c``: a decode step's few rows
+    stream the weight once (torch's few-row products read it at half the bandwidth, or slower), and a prefill
+    chunk's many rows go through register tiles (twice torch's multiply-adds a second on this machine's CPU). Any
+    other product is torch's own, so a traced step may call this at every batch size."""
     return torch.ops.txlserve.linear_rows(x, weight, bias)
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for ``a [..., R, K]`` and ``b [..., K, N]`` with the same leading sizes (no broadcasting): for
+    float32 on a CPU, each product by ``kernels/linear_rows.c`` with ``b`` as a column-major weight (a chunked
+    prefill's attention, twice torch's bmm on this machine's CPU); torch's bmm otherwise."""
+    lead = a.shape[:-2]
+    out = torch.ops.txlserve.bmm_rows(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))  # [B, R, N]
+    return out.view(*lead, a.size(-2), b.size(-1))
 
 
 def sample_rows(logits: Tensor, temperature: Tensor, u: Tensor, greedy_below: float) -> Tensor:

@@ -79,15 +79,22 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def fused_step(h: Tensor, cache: LayerCache | None) -> bool:
-    """Whether this call is a decode step (or a short prompt: up to ``fused.MAX_CHUNK`` tokens) that the C
-    kernels (:mod:`model.fused`) compute."""
+    """Whether this call is a decode step (or a short prompt: up to ``fused.MAX_CHUNK`` tokens) whose attention
+    the C kernel (:mod:`model.fused`) computes."""
     return cache is not None and cache.fused and h.size(1) <= fused.MAX_CHUNK
 
 
-def linear(layer: nn.Linear, x: Tensor, step: bool = False) -> Tensor:
-    """``layer(x)``; in a fused decode step, ``txlserve::linear_rows``: the same product, its weight streamed
-    once for the step's few rows (torch's few-row products read it at half the bandwidth, or slower)."""
-    return fused.linear_rows(x, layer.weight, layer.bias) if step else layer(x)
+def fused_products(cache: LayerCache | None) -> bool:
+    """Whether this call's products go through ``txlserve::linear_rows``: every call on a fused cache, a decode
+    step's few rows as a prefill chunk's many (training keeps torch's, which have a backward)."""
+    return cache is not None and cache.products
+
+
+def linear(layer: nn.Linear, x: Tensor, kernel: bool = False) -> Tensor:
+    """``layer(x)``; with ``kernel`` (:func:`fused_products`), ``txlserve::linear_rows``: the same product, its
+    weight streamed once for a step's few rows (torch's few-row products read it at half the bandwidth, or
+    slower), a chunk's rows in register tiles (twice torch's speed on this project's CPU, BENCHMARKS.md)."""
+    return fused.linear_rows(x, layer.weight, layer.bias) if kernel else layer(x)
 
 
 class RelPartialLearnableMultiHeadAttn(nn.Module):
@@ -113,9 +120,9 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         n = x.size(-1) // (self.n_head * self.d_head)  # named, not -1: a length of 0 must still split
         return x.view(x.size(0), x.size(1), n, self.n_head, self.d_head).permute(2, 0, 3, 1, 4)  # [n, b, H, len, Dh]
 
-    def project(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, h: Tensor, kernel: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v ``[batch, H, len, Dh]`` of the layer inputs ``h [batch, len, d_model]``."""
-        q, k, v = self._heads(self.qkv_net(self.layer_norm(h) if self.pre_lnorm else h))
+        q, k, v = self._heads(linear(self.qkv_net, self.layer_norm(h) if self.pre_lnorm else h, kernel))
         return q, k, v
 
     def project_kv(self, h: Tensor) -> tuple[Tensor, Tensor]:
@@ -130,37 +137,39 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
 
     def forward(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None = None,
                 cache: LayerCache | None = None) -> Tensor:
-        step = fused_step(h, cache)
-        if step:  # a CPU decode step (or a short prompt): the same math in one C call
-            qkv = linear(self.qkv_net, self.layer_norm(h) if self.pre_lnorm else h, step)  # [bsz, qlen, 3*H*Dh]
+        kernel = fused_products(cache)
+        if fused_step(h, cache):  # a CPU decode step (or a short prompt): the same math in one C call
+            qkv = linear(self.qkv_net, self.layer_norm(h) if self.pre_lnorm else h, kernel)  # [bsz, qlen, 3*H*Dh]
             vec = fused.attend_one(qkv, r_w_bias, r_r_bias, cache.k, cache.v, cache.r_head_k, cache.seen,
                                    self.scale)  # [bsz, qlen, H*Dh]; their keys and values are in the ring now
             cache.store_hid(h)
         else:
             vec = self._attend(h, pos, r_w_bias, r_r_bias, mems, cache)  # [bsz, qlen, H*Dh]
-        attn_out = self.drop(linear(self.o_net, vec, step))  # [bsz, qlen, d_model]
+        attn_out = self.drop(linear(self.o_net, vec, kernel))  # [bsz, qlen, d_model]
         return h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
 
     def _attend(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None,
                 cache: LayerCache | None) -> Tensor:
         bsz, qlen, _ = h.shape
-        q, k, v = self.project(h)  # [bsz, H, qlen, Dh]
+        kernel = fused_products(cache)
+        mm = fused.matmul if kernel else torch.matmul  # the C products for a fused cache's chunk, else torch's
+        q, k, v = self.project(h, kernel)  # [bsz, H, qlen, Dh]
         if cache is not None:
             blocks, r_head_k = [(cache.k, cache.v), (k, v)], cache.r_head_k  # ring, then the chunk
         else:
             blocks = [(k, v)] if mems is None else [self.project_kv(mems), (k, v)]
             r_head_k = self.position_keys(pos.r)  # [H, n_dist, Dh]
         q_u, q_v = q + r_w_bias[:, None], q + r_r_bias[:, None]  # [bsz, H, qlen, Dh]
-        ac = torch.cat([q_u @ kb.transpose(-1, -2) for kb, _ in blocks], -1)  # [bsz, H, qlen, klen]
+        ac = torch.cat([mm(q_u, kb.transpose(-1, -2)) for kb, _ in blocks], -1)  # [bsz, H, qlen, klen]
         # one [H, bsz*qlen, Dh] x [H, Dh, n_dist] product: broadcasting the table over the batch would copy it
-        bd = q_v.transpose(0, 1).reshape(self.n_head, -1, self.d_head) @ r_head_k.transpose(-1, -2)
+        bd = mm(q_v.transpose(0, 1).reshape(self.n_head, -1, self.d_head), r_head_k.transpose(-1, -2))
         bd = bd.view(self.n_head, bsz, qlen, -1).transpose(0, 1)  # [bsz, H, qlen, n_dist]
         bd = bd.gather(-1, pos.dist.expand(bsz, self.n_head, qlen, -1))  # [bsz, H, qlen, klen]
         score = ((ac + bd) * self.scale).masked_fill(pos.blocked, float("-inf"))  # [bsz, H, qlen, klen]
         prob = self.dropatt(F.softmax(score.to(softmax_dtype(score.dtype)), dim=-1).type_as(score))
         vec, start = None, 0
         for kb, vb in blocks:
-            part = prob[..., start:start + kb.size(2)] @ vb  # [bsz, H, qlen, Dh]
+            part = mm(prob[..., start:start + kb.size(2)], vb)  # [bsz, H, qlen, Dh]
             vec, start = part if vec is None else vec + part, start + kb.size(2)
         if cache is not None:
             cache.store(h, k, v)
@@ -177,16 +186,16 @@ class PositionwiseFF(nn.Module):
         )
         self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 
-    def forward(self, x: Tensor, step: bool = False) -> Tensor:
-        """``step``: a fused decode step (:func:`fused_step`), whose products go through the C kernel."""
-        core = self._core(self.layer_norm(x) if self.pre_lnorm else x, step)  # [bsz, qlen, d_model]
+    def forward(self, x: Tensor, kernel: bool = False) -> Tensor:
+        """``kernel``: a call on a fused cache (:func:`fused_products`), whose products go through the C kernel."""
+        core = self._core(self.layer_norm(x) if self.pre_lnorm else x, kernel)  # [bsz, qlen, d_model]
         return x + core if self.pre_lnorm else self.layer_norm(x + core)
 
-    def _core(self, x: Tensor, step: bool) -> Tensor:
-        if not step:
+    def _core(self, x: Tensor, kernel: bool) -> Tensor:
+        if not kernel:
             return self.core_net(x)
         inner, outer = self.core_net[0], self.core_net[3]  # its dropouts are identities outside training
-        return linear(outer, F.relu(linear(inner, x, step)), step)
+        return linear(outer, F.relu(linear(inner, x, kernel)), kernel)
 
 
 class RelPartialLearnableDecoderLayer(nn.Module):
@@ -200,7 +209,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
 
     def forward(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None = None,
                 cache: LayerCache | None = None) -> Tensor:
-        return self.pos_ff(self.dec_attn(h, pos, r_w_bias, r_r_bias, mems, cache), fused_step(h, cache))
+        return self.pos_ff(self.dec_attn(h, pos, r_w_bias, r_r_bias, mems, cache), fused_products(cache))
 
 
 class MemTransformerLM(nn.Module):

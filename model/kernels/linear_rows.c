@@ -1,5 +1,6 @@
-/* y = x W^T + bias for a few rows of x (a decode step's batch), streaming the weight once (kernels/ops.cpp
-   checks the tensors, splits the outputs over threads and hands larger products to torch).
+/* y = x W^T + bias for a few rows of x (a decode step's batch), streaming the weight once, or for a block of a
+   prefill chunk's rows in register tiles (kernels/ops.cpp checks the tensors, splits the outputs over threads and
+   the rows into blocks of 64).
 
    torch's product of one row with a 256 x 1024 weight read it at half this CPU's single-core bandwidth, and
    of five rows four times slower than of one (BENCHMARKS.md): the weights, not the attention, were most of

@@ -71,15 +71,15 @@ at::Tensor attend_one(const at::Tensor &qkv, const at::Tensor &u, const at::Tens
   return out;
 }
 
-// Up to 64 rows the C loops are faster than torch in a decode step (1.3x at 1 row, 1.6x at 4; with register tiles
-// from 4 rows, a step's products one thread: 32 rows of the bundled 4 x 256 1.2 ms against torch's 2.2, 64 rows
-// 2.4 against 3.9, 64 rows of 2 layers of 512 5.3 against 8.1 and of 1024 29.8 against 34.8; BENCHMARKS.md).
-// Larger products (a batch of short prompts) stay torch's.
-constexpr int64_t kMaxRows = 64;
+// The C loops against torch's product on this CPU (AMD Zen 5, one thread), BENCHMARKS.md: 1.3x at 1 row, 1.6x at
+// 4; with register tiles from 4 rows, a step's products: 32 rows of the bundled 4 x 256 1.2 ms against torch's 2.2,
+// 64 rows 2.4 against 3.9, 64 rows of 2 layers of 512 5.3 against 8.1 and of 1024 29.8 against 34.8; a prefill
+// chunk's 128 rows 90-118 GMAC/s against torch's 53-55 at every shape of 6 x 256 and 12 x 512. Rows go in blocks
+// of kRowBlock, so that a block's inputs stay in L2 while a thread's weights pass over them.
+constexpr int64_t kRowBlock = 64;
 
-// x W^T + bias, as at::linear computes it: the C loops for up to kMaxRows rows of float32 x and a weight with
-// one unit stride (row- or column-major), at::linear itself for anything else, so a traced step may call it
-// at any batch size.
+// x W^T + bias, as at::linear computes it: the C loops for float32 x and a weight with one unit stride (row- or
+// column-major), at::linear itself for anything else, so a traced step may call it at any batch size.
 at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
   const bool b_ok = !bias.has_value() || (is_cpu_float(*bias) && bias->dim() == 1 && bias->is_contiguous() &&
                                           weight.dim() == 2 && bias->size(0) == weight.size(0));
@@ -87,18 +87,49 @@ at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std:
         x.size(-1) == weight.size(1) && (weight.stride(1) == 1 || weight.stride(0) == 1)))
     return at::linear(x, weight, bias);
   const int64_t out = weight.size(0), in = weight.size(1), rows = in > 0 ? x.numel() / in : 0;
-  if (rows < 1 || rows > kMaxRows || out < 1) return at::linear(x, weight, bias);
+  if (rows < 1 || out < 1) return at::linear(x, weight, bias);
   const at::Tensor xc = x.reshape({rows, in}).contiguous();  // [rows, in]
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = out;
   at::Tensor y = at::empty(sizes, x.options());  // [..., out], contiguous
   const float *b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const float *xp = xc.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float *yp = y.data_ptr<float>();
   // Outputs are independent: torch's intra-op threads take a share of the weight each, in blocks of 64, so
   // that every output is computed by the same instructions (vector body or tail) whatever the thread count.
   constexpr int64_t kBlock = 64;
   at::parallel_for(0, (out + kBlock - 1) / kBlock, 2, [&](int64_t b0, int64_t b1) {
-    txl_linear_rows(b0 * kBlock, std::min(out, b1 * kBlock), rows, in, out, xc.data_ptr<float>(),
-                    weight.data_ptr<float>(), weight.stride(0), weight.stride(1), b, y.data_ptr<float>());
+    for (int64_t r = 0; r < rows; r += kRowBlock)
+      txl_linear_rows(b0 * kBlock, std::min(out, b1 * kBlock), std::min(kRowBlock, rows - r), in, out,
+                      xp + r * in, w, weight.stride(0), weight.stride(1), b, yp + r * out);
+  });
+  return y;
+}
+
+// a @ b for float32 a [B, R, K] and b [B, K, N], each entry's b read as a column-major [N, K] weight by the register
+// tiles: the attention's products in a chunked prefill (scores against the keys and the position table, the
+// probabilities' sum of the values), 117-119 GMAC/s one thread against torch's bmm at 53-54 for 128 queries of 640
+// keys (BENCHMARKS.md). Anything else is torch's bmm.
+at::Tensor bmm_rows(const at::Tensor &a, const at::Tensor &b) {
+  if (!(is_cpu_float(a) && is_cpu_float(b) && a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) &&
+        a.size(2) == b.size(1)))
+    return a.bmm(b);
+  const int64_t B = a.size(0), R = a.size(1), K = a.size(2), N = b.size(2);
+  if (B < 1 || R < 1 || K < 1 || N < 1) return a.bmm(b);
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();  // [B, R, K], [B, K, N]
+  at::Tensor y = at::empty({B, R, N}, a.options());           // [B, R, N]
+  const float *ap = ac.data_ptr<float>(), *bp = bc.data_ptr<float>();
+  float *yp = y.data_ptr<float>();
+  // Work items are (entry, 64 outputs): every output is computed by the same instructions whatever the threads.
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  at::parallel_for(0, B * blocks, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; w++) {
+      const int64_t i = w / blocks, o0 = (w % blocks) * kBlock;
+      for (int64_t r = 0; r < R; r += kRowBlock)
+        txl_linear_rows(o0, std::min(N, o0 + kBlock), std::min(kRowBlock, R - r), K, N, ap + (i * R + r) * K,
+                        bp + i * K * N, 1, N, nullptr, yp + (i * R + r) * N);
+    }
   });
   return y;
 }
@@ -132,11 +163,13 @@ TORCH_LIBRARY(txlserve, m) {
   m.def("attend_one(Tensor qkv, Tensor u, Tensor vb, Tensor(a!) k, Tensor(b!) v, Tensor table, Tensor seen, "
         "float scale) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("bmm_rows(Tensor a, Tensor b) -> Tensor");
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor u, float greedy_below) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(txlserve, CPU, m) {
   m.impl("attend_one", attend_one);
   m.impl("linear_rows", linear_rows);
+  m.impl("bmm_rows", bmm_rows);
   m.impl("sample_rows", sample_rows);
 }

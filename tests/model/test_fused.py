@@ -133,13 +133,13 @@ def test_batches_larger_than_a_position_group_equal_the_torch_attention():
     _same_steps(plain, fast, lengths, steps=2, chunk=3)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 64, 65])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 64, 65, 130])
 @pytest.mark.parametrize("layout", ["row-major", "column-major", "strided"])
 @pytest.mark.parametrize("shape", [(768, 256), (256, 1024), (5, 7), (130, 2)])
 def test_few_row_products_equal_torch_linear(rows, layout, shape):
-    """``linear_rows`` is ``F.linear``: the C loops up to 16 rows on either weight layout (odd sizes: a column
-    pass takes four at a time, threads split outputs in blocks of 64), torch's own product for more rows or a weight
-    with no unit stride."""
+    """``linear_rows`` is ``F.linear``: the C loops on either weight layout (odd sizes: a column pass takes four
+    at a time, threads split outputs in blocks of 64, rows go in blocks of 64 with 1 or 2 left over), torch's own
+    product for a weight with no unit stride."""
     torch.manual_seed(rows)
     out, inp = shape
     w = torch.randn(out, inp) / inp ** 0.5
@@ -154,6 +154,30 @@ def test_few_row_products_equal_torch_linear(rows, layout, shape):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(fused.linear_rows(x.double(), w.double(), None), torch.nn.functional.linear(x.double(),
                                                                                               w.double()))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 130])
+@pytest.mark.parametrize("n", [5, 64, 641])
+def test_batched_products_equal_torch_matmul(rows, n):
+    """``matmul`` (a chunked prefill's attention products) is ``a @ b`` for each leading entry, whatever b's
+    strides (the keys and the position table come transposed, a slice of the probabilities is not contiguous), and
+    gives the same bits on one thread or two; float64 and mismatched sizes are torch's own."""
+    torch.manual_seed(rows + n)
+    a, b = torch.randn(2, 3, rows, 70), torch.randn(2, 3, n, 70).transpose(-1, -2)  # b [2, 3, 70, n], strided
+    got = fused.matmul(a, b)
+    torch.testing.assert_close(got, a @ b, rtol=1e-5, atol=1e-5)
+    wide = torch.randn(2, 3, rows, n + 9)[..., 4:n + 4]  # a slice of a wider row
+    torch.testing.assert_close(fused.matmul(wide, b.transpose(-1, -2)), wide @ b.transpose(-1, -2),
+                               rtol=1e-5, atol=1e-4)  # sums of up to 641 products near 1: a few ulps of 25
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(fused.matmul(a, b), got)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(fused.matmul(a.double(), b.double()), a.double() @ b.double())
+    with pytest.raises(RuntimeError):
+        fused.matmul(a, torch.randn(2, 3, 71, n))
 
 
 @pytest.mark.parametrize("bad", ["in", "bias", "weight-dims"])

@@ -187,7 +187,8 @@ class Decoder:
     @torch.no_grad()
     def project_kv(self, hid: Tensor) -> tuple[Tensor, Tensor]:
         """The ring's keys and values for stored layer inputs ``hid [n_layer, m, d_model]``: [n_layer, H, m, Dh]."""
-        kv = [layer.dec_attn.project_kv(hid[i][None]) for i, layer in enumerate(self.model.layers)]
+        kernel = self.fused and not self.model.training  # a restored memory's products as a prefill's
+        kv = [layer.dec_attn.project_kv(hid[i][None], kernel) for i, layer in enumerate(self.model.layers)]
         return torch.stack([k[0] for k, _ in kv]), torch.stack([v[0] for _, v in kv])
 
 

@@ -125,10 +125,11 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         q, k, v = self._heads(linear(self.qkv_net, self.layer_norm(h) if self.pre_lnorm else h, kernel))
         return q, k, v
 
-    def project_kv(self, h: Tensor) -> tuple[Tensor, Tensor]:
+    def project_kv(self, h: Tensor, kernel: bool = False) -> tuple[Tensor, Tensor]:
         """Keys and values only (the memory needs no queries): ``[batch, H, len, Dh]`` each."""
         x = self.layer_norm(h) if self.pre_lnorm else h
-        k, v = self._heads(F.linear(x, self.qkv_net.weight[self.n_head * self.d_head:]))
+        w = self.qkv_net.weight[self.n_head * self.d_head:]  # [2*H*Dh, d_model]
+        k, v = self._heads(fused.linear_rows(x, w, None) if kernel else F.linear(x, w))
         return k, v
 
     def position_keys(self, r: Tensor) -> Tensor:

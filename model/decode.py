@@ -129,11 +129,15 @@ class Decoder:
             raise
         return h
 
+    @property
+    def kernels(self) -> bool:
+        """Whether calls go through the C kernels now: not while training (they have no attention dropout)."""
+        return self.fused and not self.model.training
+
     def forward(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """One call on a state's tensors, which it advances in place: the last layer's outputs [batch, chunk,
         d_model] and the next token's scores [batch, vocab] (float32). Tensors in and out, so it can be traced."""
-        fused = self.fused and not self.model.training  # the kernel has no attention dropout
-        cache = RingCache(hid, k, v, seen, self.r_head_k, tokens.size(1), fused)
+        cache = RingCache(hid, k, v, seen, self.r_head_k, tokens.size(1), self.kernels)
         h, _ = self.model.hidden(tokens, cache=cache)  # [batch, chunk, d_model]
         seen += tokens.size(1)
         return h, self.model.crit.logits(h[:, -1]).float()  # [batch, vocab]
@@ -187,8 +191,7 @@ class Decoder:
     @torch.no_grad()
     def project_kv(self, hid: Tensor) -> tuple[Tensor, Tensor]:
         """The ring's keys and values for stored layer inputs ``hid [n_layer, m, d_model]``: [n_layer, H, m, Dh]."""
-        kernel = self.fused and not self.model.training  # a restored memory's products as a prefill's
-        kv = [layer.dec_attn.project_kv(hid[i][None], kernel) for i, layer in enumerate(self.model.layers)]
+        kv = [layer.dec_attn.project_kv(hid[i][None], self.kernels) for i, layer in enumerate(self.model.layers)]
         return torch.stack([k[0] for k, _ in kv]), torch.stack([v[0] for _, v in kv])
 
 

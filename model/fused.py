@@ -169,10 +169,13 @@ def linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for ``a [..., R, K]`` and ``b [..., K, N]`` with the same leading sizes (no broadcasting): for
-    float32 on a CPU, each product by ``kernels/linear_rows.c`` with ``b`` as a column-major weight (a chunked
-    prefill's attention, twice torch's bmm on this machine's CPU); torch's bmm otherwise."""
+    """``a @ b`` for ``a [..., R, K]`` and ``b [..., K, N]``: with the same leading sizes, float32 on a CPU, each
+    product by ``kernels/linear_rows.c`` with ``b`` as a column-major weight (a chunked prefill's attention, twice
+    torch's bmm on this machine's CPU) or torch's bmm; other leading sizes are torch.matmul's (it broadcasts them
+    or refuses them, where flattening both would pair entries up silently)."""
     lead = a.shape[:-2]
+    if b.shape[:-2] != lead:
+        return torch.matmul(a, b)
     out = torch.ops.txlserve.bmm_rows(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))  # [B, R, N]
     return out.view(*lead, a.size(-2), b.size(-1))
 

@@ -90,11 +90,13 @@ def fused_products(cache: LayerCache | None) -> bool:
     return cache is not None and cache.products
 
 
-def linear(layer: nn.Linear, x: Tensor, kernel: bool = False) -> Tensor:
-    """``layer(x)``; with ``kernel`` (:func:`fused_products`), ``txlserve::linear_rows``: the same product, its
-    weight streamed once for a step's few rows (torch's few-row products read it at half the bandwidth, or
-    slower), a chunk's rows in register tiles (twice torch's speed on this project's CPU, BENCHMARKS.md)."""
-    return fused.linear_rows(x, layer.weight, layer.bias) if kernel else layer(x)
+def linear(layer: nn.Linear, x: Tensor, kernel: bool = False, weight: Tensor | None = None) -> Tensor:
+    """``layer(x)``, or by ``weight`` (rows of the layer's: the memory's keys and values only); with ``kernel``
+    (:func:`fused_products`), ``txlserve::linear_rows``: the same product, its weight streamed once for a step's
+    few rows (torch's few-row products read it at half the bandwidth, or slower), a chunk's rows in register
+    tiles (twice torch's speed on this project's CPU, BENCHMARKS.md)."""
+    w, b = (layer.weight, layer.bias) if weight is None else (weight, None)
+    return fused.linear_rows(x, w, b) if kernel else F.linear(x, w, b)
 
 
 class RelPartialLearnableMultiHeadAttn(nn.Module):
@@ -128,8 +130,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
     def project_kv(self, h: Tensor, kernel: bool = False) -> tuple[Tensor, Tensor]:
         """Keys and values only (the memory needs no queries): ``[batch, H, len, Dh]`` each."""
         x = self.layer_norm(h) if self.pre_lnorm else h
-        w = self.qkv_net.weight[self.n_head * self.d_head:]  # [2*H*Dh, d_model]
-        k, v = self._heads(fused.linear_rows(x, w, None) if kernel else F.linear(x, w))
+        kv = self.qkv_net.weight[self.n_head * self.d_head:]  # [2*H*Dh, d_model]
+        k, v = self._heads(linear(self.qkv_net, x, kernel, weight=kv))
         return k, v
 
     def position_keys(self, r: Tensor) -> Tensor:
@@ -145,14 +147,13 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
                                    self.scale)  # [bsz, qlen, H*Dh]; their keys and values are in the ring now
             cache.store_hid(h)
         else:
-            vec = self._attend(h, pos, r_w_bias, r_r_bias, mems, cache)  # [bsz, qlen, H*Dh]
+            vec = self._attend(h, pos, r_w_bias, r_r_bias, mems, cache, kernel)  # [bsz, qlen, H*Dh]
         attn_out = self.drop(linear(self.o_net, vec, kernel))  # [bsz, qlen, d_model]
         return h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
 
     def _attend(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None,
-                cache: LayerCache | None) -> Tensor:
+                cache: LayerCache | None, kernel: bool) -> Tensor:
         bsz, qlen, _ = h.shape
-        kernel = fused_products(cache)
         mm = fused.matmul if kernel else torch.matmul  # the C products for a fused cache's chunk, else torch's
         q, k, v = self.project(h, kernel)  # [bsz, H, qlen, Dh]
         if cache is not None:

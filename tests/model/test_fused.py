@@ -176,8 +176,12 @@ def test_batched_products_equal_torch_matmul(rows, n):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(fused.matmul(a.double(), b.double()), a.double() @ b.double())
+    shared = torch.randn(3, 70, n)  # broadcast over a's first size, as torch.matmul does
+    assert torch.equal(fused.matmul(a, shared), a @ shared)
     with pytest.raises(RuntimeError):
         fused.matmul(a, torch.randn(2, 3, 71, n))
+    with pytest.raises(RuntimeError):  # six entries, but not a's [2, 3]: never paired up by flattening
+        fused.matmul(a, torch.randn(6, 70, n))
 
 
 @pytest.mark.parametrize("bad", ["in", "bias", "weight-dims"])

@@ -3,7 +3,10 @@
 For each concurrency N, N clients stream completions, each continuing its own session,
 for T seconds; in the same run the engine alone (same checkpoint, same thread count, no
 HTTP) generates at batch N with full memories, and the ratio of the two is the server's
-share of its engine. Then the product's reason to exist: time to first token when
+share of its engine. Between them, the engine loop alone (the server's scheduler thread fed
+in-process: no HTTP, no store) splits that share into the engine loop's and the request
+path's. The three alternate in rounds (``--rounds``), so that all see the same state of a
+machine whose speed wanders. Then the product's reason to exist: time to first token when
 continuing a long document from its session vs re-sending the whole document.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -28,6 +32,7 @@ from typing import Any
 import httpx
 
 MODEL = "bench-model"  # the name a spawned server gets; with --url, read from /v1/models
+PROMPT = " and"  # every request's prompt: each continues its own session
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -224,29 +229,104 @@ class EngineAlone:
         return self.generated / self.elapsed
 
 
-async def _load(url: str, model: str, concurrency: int, duration: float, max_tokens: int) -> dict[str, Any]:
+class EngineLoop:
+    """The server's engine loop (:class:`server.scheduler.Scheduler`, its own thread) fed from this process's
+    event loop: ``batch`` clients each continuing its own full-memory session with the load's requests (the same
+    prompt and ``max_tokens``), every token handed to its client as the server hands it to a stream, but no HTTP,
+    no store and no hot states. It sits between the engine alone and the server, so the gap between those two
+    splits into the engine loop's share (threads, the hand-off of every token to the event loop, joining and
+    leaving the batch, reading each prompt) and the request path's (HTTP, leases, commits, SSE)."""
+
+    def __init__(self, alone: EngineAlone, prompt: str) -> None:
+        from server.scheduler import Scheduler
+
+        self.engine, self.tokens, self.prompt = alone.engine, alone.tokens, alone.engine.encode(prompt)
+        self.states = [alone.state.rows([r]) for r in range(alone.batch)]  # each client's own session
+        self.scheduler = Scheduler(self.engine, prefill_chunk=self.engine.prefill_chunk)  # the server's defaults
+        self.scheduler.start()
+        self.generated, self.elapsed = 0, 0.0
+
+    def run(self, seconds: float) -> None:
+        asyncio.run(self._run(seconds))
+
+    async def _run(self, seconds: float) -> None:
+        from model.sampling import SamplingParams
+        from server.scheduler import Finished
+
+        params = SamplingParams(max_tokens=self.tokens, temperature=0.8)
+        t0 = time.perf_counter()
+        end, counted = t0 + seconds, 0
+
+        async def client(i: int) -> None:
+            nonlocal counted
+            while time.perf_counter() < end:
+                stream: asyncio.Queue = asyncio.Queue()  # every token but the last, as a run hands them to SSE
+                reader = asyncio.create_task(_drain(stream))
+                async for item in self.scheduler.submit(self.states[i], self.prompt, params, stream=stream):
+                    if isinstance(item, Finished):  # after the last token: the session to continue
+                        self.states[i] = item.state
+                        counted += item.completion_tokens
+                reader.cancel()
+
+        await asyncio.gather(*(client(i) for i in range(len(self.states))))
+        self.generated += counted
+        self.elapsed += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.scheduler.stop()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.elapsed
+
+
+async def _drain(stream: asyncio.Queue) -> None:
+    while True:
+        await stream.get()
+
+
+@dataclasses.dataclass
+class _Window:
+    """What one timed window of load saw, kept raw so that windows (rounds) add up."""
+
+    duration: float
+    tokens: int = 0  # token events that arrived inside the window
+    reported: int = 0  # completion tokens of the requests that ran in it, as the server counted them
+    errors: int = 0
+    samples: list[str] = dataclasses.field(default_factory=list)
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+    gaps: list[float] = dataclasses.field(default_factory=list)
+    cpu: float = 0.0
+
+
+async def _sessions(url: str, concurrency: int) -> list[str]:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as setup:
+        return [(await setup.post("/v1/sessions", json={"text": f"Client {i} writes: "})).json()["id"]
+                for i in range(concurrency)]
+
+
+async def _load(url: str, model: str, sessions: list[str], duration: float, max_tokens: int) -> _Window:
     """Steady state: every stream first completes one unmeasured request (sessions, connections and the
     server's batch warm up), then all start together, and for ``duration`` seconds the tokens that arrive
     are counted. A request still running at the end is finished but counts only its tokens that arrived in
-    the window, so the figure is the rate while all ``concurrency`` streams run, as the engine's is."""
-    ttfts, gaps, tokens, reported, errors, samples = [], [], 0, 0, 0, []
+    the window, so the figure is the rate while all ``len(sessions)`` streams run, as the engine's is."""
+    out = _Window(duration)
     async with contextlib.AsyncExitStack() as stack:
-        async with httpx.AsyncClient(base_url=url, timeout=120) as setup:
-            sessions = [(await setup.post("/v1/sessions", json={"text": f"Client {i} writes: "})).json()["id"]
-                        for i in range(concurrency)]
-        clients = [await stack.enter_async_context(_Connection(url, model)) for _ in range(concurrency)]
-        body = {"prompt": " and", "max_tokens": max_tokens, "temperature": 0.8}
+        clients = [await stack.enter_async_context(_Connection(url, model)) for _ in sessions]
+        body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.8}
         warm, go = asyncio.Semaphore(0), asyncio.Event()
         window: list[float] = []
 
+        def failed(err: Exception, when: str = "") -> None:
+            out.errors += 1
+            if len(out.samples) < 3:
+                out.samples.append(f"{when}{str(err)[:200]}")
+
         async def worker(c: _Connection, sid: str) -> None:
-            nonlocal tokens, reported, errors
             try:
                 await _stream(c, {**body, "session_id": sid})
             except Exception as err:
-                errors += 1
-                if len(samples) < 3:
-                    samples.append(f"warm-up: {str(err)[:200]}")
+                failed(err, "warm-up: ")
             finally:
                 warm.release()
             await go.wait()
@@ -254,14 +334,12 @@ async def _load(url: str, model: str, concurrency: int, duration: float, max_tok
                 try:
                     ttft, g, n, arrivals = await _stream(c, {**body, "session_id": sid})
                 except Exception as err:
-                    errors += 1
-                    if len(samples) < 3:
-                        samples.append(str(err)[:200])
+                    failed(err)
                     continue
-                ttfts.append(ttft)
-                gaps.extend(g)
-                reported += n
-                tokens += sum(window[0] <= t <= window[1] for t in arrivals)
+                out.ttfts.append(ttft)
+                out.gaps.extend(g)
+                out.reported += n
+                out.tokens += sum(window[0] <= t <= window[1] for t in arrivals)
 
         tasks = [asyncio.create_task(worker(c, s)) for c, s in zip(clients, sessions)]
         for _ in sessions:
@@ -270,11 +348,56 @@ async def _load(url: str, model: str, concurrency: int, duration: float, max_tok
         cpu0 = time.process_time()
         go.set()
         await asyncio.gather(*tasks)
-        cpu = time.process_time() - cpu0  # this process: the load generator alone while the load runs
+        out.cpu = time.process_time() - cpu0  # this process: the load generator alone while the load runs
+    return out
+
+
+def _summary(concurrency: int, windows: list[_Window]) -> dict[str, Any]:
+    duration = sum(w.duration for w in windows)
+    ttfts = [t for w in windows for t in w.ttfts]
+    gaps = [g for w in windows for g in w.gaps]
+    tokens = sum(w.tokens for w in windows)
     return {"concurrency": concurrency, "duration_s": duration, "tokens": tokens, "tokens_per_s": tokens / duration,
-            "requests": len(ttfts), "completion_tokens": reported, "errors": errors, "error_samples": samples,
+            "requests": len(ttfts), "completion_tokens": sum(w.reported for w in windows),
+            "errors": sum(w.errors for w in windows), "error_samples": [s for w in windows for s in w.samples][:3],
             "ttft_p50_ms": _pct(ttfts, 0.5), "ttft_p99_ms": _pct(ttfts, 0.99),
-            "itl_p50_ms": _pct(gaps, 0.5), "itl_p99_ms": _pct(gaps, 0.99), "client_cpu_s": cpu}
+            "itl_p50_ms": _pct(gaps, 0.5), "itl_p99_ms": _pct(gaps, 0.99),
+            "client_cpu_s": sum(w.cpu for w in windows)}
+
+
+def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, duration: float, max_tokens: int,
+                    rounds: int) -> dict[str, Any]:
+    """The load, the engine alone and the engine loop alone in ``rounds`` alternations (engine, engine loop,
+    load, engine loop, engine; the next round...), each round's load compared with the slices on either side of
+    it: on a machine whose speed wanders (a shared host's neighbours), a ratio of two figures taken seconds apart
+    is steadier than of two taken a minute apart, and the rounds' spread shows how steady it was."""
+    sessions = asyncio.run(_sessions(url, concurrency))
+    engine_loop = EngineLoop(alone, PROMPT)
+    try:
+        windows, ratios, loop_ratios = [], [], []
+        for _ in range(rounds):
+            before = (alone.generated, alone.elapsed, engine_loop.generated, engine_loop.elapsed)
+            alone.run(duration / rounds / 4)
+            engine_loop.run(duration / rounds / 4)
+            windows.append(asyncio.run(_load(url, model, sessions, duration / rounds, max_tokens)))
+            engine_loop.run(duration / rounds / 4)
+            alone.run(duration / rounds / 4)
+            engine = (alone.generated - before[0]) / (alone.elapsed - before[1])
+            looped = (engine_loop.generated - before[2]) / (engine_loop.elapsed - before[3])
+            ratios.append(windows[-1].tokens / windows[-1].duration / engine)
+            loop_ratios.append(looped / engine)
+    finally:
+        engine_loop.close()
+    load = _summary(concurrency, windows)
+    load["engine_tokens_per_s"] = alone.tokens_per_s
+    load["server_over_engine"] = load["tokens_per_s"] / load["engine_tokens_per_s"]
+    load["server_over_engine_rounds"] = ratios
+    load["server_over_engine_median"] = statistics.median(ratios)
+    load["engine_loop_tokens_per_s"] = engine_loop.tokens_per_s
+    load["engine_loop_over_engine"] = engine_loop.tokens_per_s / alone.tokens_per_s
+    load["engine_loop_over_engine_rounds"] = loop_ratios
+    load["server_over_engine_loop"] = load["tokens_per_s"] / engine_loop.tokens_per_s
+    return load
 
 
 async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int) -> dict[str, Any]:
@@ -291,7 +414,8 @@ async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int) -> d
 
 
 def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration: float = 10, max_tokens: int = 64,
-        doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto") -> dict[str, Any]:
+        doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
+        rounds: int = 3) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
 
@@ -305,19 +429,14 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
         try:
             for n in concurrency:
                 alone = EngineAlone(checkpoint, n, max_tokens, device)
-                alone.run(duration / 2)
-                load = asyncio.run(_load(target, model, n, duration, max_tokens))
-                alone.run(duration / 2)
-                load["engine_tokens_per_s"] = alone.tokens_per_s
-                load["server_over_engine"] = load["tokens_per_s"] / load["engine_tokens_per_s"]
-                loads.append(load)
+                loads.append(_against_engine(target, model, alone, n, duration, max_tokens, rounds))
             result: dict[str, Any] = {"loads": loads}
             result.update(asyncio.run(_continue_vs_resend(target, model, doc, repeats)))
         finally:
             if server is not None:
                 server.stop()
-    result.update({"checkpoint": checkpoint, "model": model, "max_tokens": max_tokens, "url": url or "spawned",
-                   "engine_device": str(alone.engine.device)})
+    result.update({"checkpoint": checkpoint, "model": model, "max_tokens": max_tokens, "rounds": rounds,
+                   "url": url or "spawned", "engine_device": str(alone.engine.device)})
     return result
 
 
@@ -328,11 +447,24 @@ def _counts(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, help="default: the bundled checkpoint (the engine alone runs it too)")
     p.add_argument("--url", default=None, help="an already running server (default: start one)")
     p.add_argument("--concurrency", type=_counts, default=(1, 16, 64), help="streams, e.g. 1,16,64")
     p.add_argument("--duration", type=float, default=10, help="seconds of load per concurrency")
+    p.add_argument("--rounds", type=_positive, default=3,
+                   help="alternations of the engine alone and the load per concurrency, the duration split among "
+                        "them (each round's ratio is reported, and their median)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--doc-kb", type=float, default=50)
     p.add_argument("--device", default="auto", help="the spawned server's and the engine's (auto: cuda when present)")
@@ -343,5 +475,6 @@ def main(ns: argparse.Namespace) -> int:
     from model.bundled import resolve_checkpoint
 
     print(json.dumps(run(resolve_checkpoint(ns.checkpoint), concurrency=ns.concurrency, duration=ns.duration,
-                         max_tokens=ns.max_tokens, doc_kb=ns.doc_kb, url=ns.url, device=ns.device)))
+                         max_tokens=ns.max_tokens, doc_kb=ns.doc_kb, url=ns.url, device=ns.device,
+                         rounds=ns.rounds)))
     return 0

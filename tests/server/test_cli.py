@@ -100,18 +100,30 @@ def test_bench_store_json(checkpoint):
 
 
 def test_bench_serve_json(checkpoint):
-    r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "1,2", "--duration", "1",
-                 "--max-tokens", "8", "--doc-kb", "1", timeout=180)
+    r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "1,2", "--duration", "2",
+                 "--rounds", "2", "--max-tokens", "8", "--doc-kb", "1", timeout=180)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [load["concurrency"] for load in out["loads"]] == [1, 2] and out["model"] == "bench-model"
+    assert out["rounds"] == 2
     for load in out["loads"]:
         assert load["errors"] == 0 and load["requests"] >= load["concurrency"] and load["tokens_per_s"] > 0
         assert load["completion_tokens"] == 8 * load["requests"]  # the usage the server reports
         assert 0 < load["tokens"] <= load["completion_tokens"]  # the events that arrived within the window
         assert load["ttft_p50_ms"] > 0 and load["server_over_engine"] == pytest.approx(
             load["tokens_per_s"] / load["engine_tokens_per_s"])
+        rounds = load["server_over_engine_rounds"]  # each round's load against the engine slices beside it
+        assert len(rounds) == 2 and all(x > 0 for x in rounds) and load["duration_s"] == pytest.approx(2)
+        assert load["server_over_engine_median"] == pytest.approx(sum(rounds) / 2)
+        # the engine loop alone (no HTTP, no store) sits between the two: its figure splits the ratio in two
+        assert len(load["engine_loop_over_engine_rounds"]) == 2 and load["engine_loop_tokens_per_s"] > 0
+        assert load["engine_loop_over_engine"] == pytest.approx(
+            load["engine_loop_tokens_per_s"] / load["engine_tokens_per_s"])
+        assert load["server_over_engine_loop"] * load["engine_loop_over_engine"] == pytest.approx(
+            load["server_over_engine"])
     assert out["continue_speedup"] > 0
+    bad = txlserve("bench", "serve", "--rounds", "0", timeout=60)
+    assert bad.returncode == 2 and "positive integer" in bad.stderr
 
 
 def test_chat_subcommand_hands_every_flag_to_the_client():

@@ -365,6 +365,11 @@ def _summary(concurrency: int, windows: list[_Window]) -> dict[str, Any]:
             "client_cpu_s": sum(w.cpu for w in windows)}
 
 
+def _rate_since(timer: EngineAlone | EngineLoop, generated: int, elapsed: float) -> float:
+    """Tokens/s of an engine-alone or engine-loop timer since it stood at (``generated``, ``elapsed``)."""
+    return (timer.generated - generated) / (timer.elapsed - elapsed)
+
+
 def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, duration: float, max_tokens: int,
                     rounds: int) -> dict[str, Any]:
     """The load, the engine alone and the engine loop alone in ``rounds`` alternations (engine, engine loop,
@@ -376,14 +381,13 @@ def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, 
     try:
         windows, ratios, loop_ratios = [], [], []
         for _ in range(rounds):
-            before = (alone.generated, alone.elapsed, engine_loop.generated, engine_loop.elapsed)
+            before = {timer: (timer.generated, timer.elapsed) for timer in (alone, engine_loop)}
             alone.run(duration / rounds / 4)
             engine_loop.run(duration / rounds / 4)
             windows.append(asyncio.run(_load(url, model, sessions, duration / rounds, max_tokens)))
             engine_loop.run(duration / rounds / 4)
             alone.run(duration / rounds / 4)
-            engine = (alone.generated - before[0]) / (alone.elapsed - before[1])
-            looped = (engine_loop.generated - before[2]) / (engine_loop.elapsed - before[3])
+            engine, looped = (_rate_since(timer, *before[timer]) for timer in (alone, engine_loop))
             ratios.append(windows[-1].tokens / windows[-1].duration / engine)
             loop_ratios.append(looped / engine)
     finally:
@@ -463,8 +467,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_counts, default=(1, 16, 64), help="streams, e.g. 1,16,64")
     p.add_argument("--duration", type=float, default=10, help="seconds of load per concurrency")
     p.add_argument("--rounds", type=_positive, default=3,
-                   help="alternations of the engine alone and the load per concurrency, the duration split among "
-                        "them (each round's ratio is reported, and their median)")
+                   help="alternations of the engine alone, the engine loop alone and the load per concurrency, the "
+                        "duration split among them (each round's ratios are reported, and their median)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--doc-kb", type=float, default=50)
     p.add_argument("--device", default="auto", help="the spawned server's and the engine's (auto: cuda when present)")

@@ -72,6 +72,33 @@ static void project(float *Y, int64_t ldy, const float *X, int64_t sj, int64_t s
     }
 }
 
+/* out = p @ V for a row's L queries: one row of V^T at a time (a contiguous run of M floats, column-major),
+   read once for every query while it is in L1. With Kn, Vn (another row's keys and values, column-major), a run
+   of each is prefetched into L2 per d, so that the next row's rings arrive while this one computes. Inlined
+   twice, with and without them, so that a batch-1 call carries no prefetch test in its loop. */
+static inline __attribute__((always_inline)) void values(float *o0, int64_t ldo, const float *V, int64_t r_sj,
+                                                         int64_t r_sd, const float *s, int64_t M, int64_t D,
+                                                         int64_t L, float chunk_p[][MAX_CHUNK], const float *inv,
+                                                         const float *v0, int64_t qkv_sl, const float *Kn,
+                                                         const float *Vn)
+{
+    for (int64_t d = 0; d < D; d++) {
+        prefetch_run(Kn == NULL ? NULL : Kn + d * r_sd, M);
+        prefetch_run(Vn == NULL ? NULL : Vn + d * r_sd, M);
+        const float *vd = V + d * r_sd;
+        for (int64_t i = 0; i < L; i++) {
+            const float *si = s + i * (M + 1);
+            float acc = 0.f;
+            if (r_sj == 1)
+                for (int64_t j = 0; j < M; j++) acc += si[j] * vd[j];
+            else
+                for (int64_t j = 0; j < M; j++) acc += si[j] * vd[j * r_sj];
+            for (int64_t c = 0; c <= i; c++) acc += chunk_p[i][c] * v0[c * qkv_sl + d];
+            o0[i * ldo + d] = acc * inv[i];
+        }
+    }
+}
+
 int txl_attend_one(int64_t begin, int64_t end,                      /* rows h*B + b of this call */
                    int64_t B, int64_t H, int64_t D, int64_t M, int64_t L,
                    const float *qkv, int64_t qkv_sb, int64_t qkv_sl,   /* [B, L, 3*H*D]: the tokens' q, k, v */
@@ -160,22 +187,16 @@ int txl_attend_one(int64_t begin, int64_t end,                      /* rows h*B 
             }
             inv[i] = 1.f / sum;
         }
-        /* out = p @ V: one row of V^T at a time (a contiguous run of M floats, column-major), read once for
-           every query while it is in L1 */
+        /* the next row's keys and values go into L2 meanwhile: in a batch it is another session's (rows are
+           head-major), whose rings the hardware prefetcher only finds a run at a time; with one session it is
+           the next head's, adjacent, which it finds unaided */
+        const int64_t next = row + 1 < end && B > 1 && r_sj == 1 ? row + 1 : -1;
         float *o0 = out + b * L * H * D + h * D;  /* token i's output at o0 + i H*D */
-        for (int64_t d = 0; d < D; d++) {
-            const float *vd = V + d * r_sd;
-            for (int64_t i = 0; i < L; i++) {
-                const float *si = s + i * (M + 1);
-                float acc = 0.f;
-                if (r_sj == 1)
-                    for (int64_t j = 0; j < M; j++) acc += si[j] * vd[j];
-                else
-                    for (int64_t j = 0; j < M; j++) acc += si[j] * vd[j * r_sj];
-                for (int64_t c = 0; c <= i; c++) acc += chunk_p[i][c] * q0[c * qkv_sl + 2 * H * D + d];
-                o0[i * H * D + d] = acc * inv[i];
-            }
-        }
+        if (next < 0)
+            values(o0, H * D, V, r_sj, r_sd, s, M, D, L, chunk_p, inv, q0 + 2 * H * D, qkv_sl, NULL, NULL);
+        else
+            values(o0, H * D, V, r_sj, r_sd, s, M, D, L, chunk_p, inv, q0 + 2 * H * D, qkv_sl,
+                   kr + (next % B) * r_sb + (next / B) * r_sh, vr + (next % B) * r_sb + (next / B) * r_sh);
         for (int64_t i = L > M ? L - M : 0; i < L; i++) {  /* the chunk's last M tokens enter the ring */
             const int64_t slot = (seen[b] + i) % M;
             const float *kn = q0 + i * qkv_sl + H * D, *vn = kn + H * D;

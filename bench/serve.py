@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -25,7 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,29 @@ import httpx
 
 MODEL = "bench-model"  # the name a spawned server gets; with --url, read from /v1/models
 PROMPT = " and"  # every request's prompt: each continues its own session
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """Each request's ``max_tokens``: ``mean``, or with ``ratio`` r > 0 uniform over [mean (1 - r), mean (1 + r)]
+    (vLLM's ``--random-range-ratio``). Requests of one length that start together end on the same step, so the
+    bench's streams turn around in herds, all committing and asking again at once while the engine runs small
+    batches; spread lengths do not stay in step, as a real load's do not. Each stream draws from its own seeded
+    generator, so a run repeats."""
+
+    mean: int
+    ratio: float = 0.0
+    seed: int = 0
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        return max(1, round(self.mean * (1 - self.ratio))), max(1, round(self.mean * (1 + self.ratio)))
+
+    def stream(self, i: int) -> Callable[[], int]:
+        """Stream ``i``'s lengths, one per call."""
+        lo, hi = self.bounds
+        rng = random.Random(f"{self.seed}:{i}")
+        return lambda: rng.randint(lo, hi)
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -232,15 +256,16 @@ class EngineAlone:
 class EngineLoop:
     """The server's engine loop (:class:`server.scheduler.Scheduler`, its own thread) fed from this process's
     event loop: ``batch`` clients each continuing its own full-memory session with the load's requests (the same
-    prompt and ``max_tokens``), every token handed to its client as the server hands it to a stream, but no HTTP,
+    prompt and lengths), every token handed to its client as the server hands it to a stream, but no HTTP,
     no store and no hot states. It sits between the engine alone and the server, so the gap between those two
     splits into the engine loop's share (threads, the hand-off of every token to the event loop, joining and
     leaving the batch, reading each prompt) and the request path's (HTTP, leases, commits, SSE)."""
 
-    def __init__(self, alone: EngineAlone, prompt: str) -> None:
+    def __init__(self, alone: EngineAlone, prompt: str, lengths: Lengths | None = None) -> None:
         from server.scheduler import Scheduler
 
-        self.engine, self.tokens, self.prompt = alone.engine, alone.tokens, alone.engine.encode(prompt)
+        self.engine, self.prompt = alone.engine, alone.engine.encode(prompt)
+        self.lengths = lengths or Lengths(alone.tokens)
         self.states = [alone.state.rows([r]) for r in range(alone.batch)]  # each client's own session
         self.scheduler = Scheduler(self.engine, prefill_chunk=self.engine.prefill_chunk)  # the server's defaults
         self.scheduler.start()
@@ -253,13 +278,14 @@ class EngineLoop:
         from model.sampling import SamplingParams
         from server.scheduler import Finished
 
-        params = SamplingParams(max_tokens=self.tokens, temperature=0.8)
         t0 = time.perf_counter()
         end, counted = t0 + seconds, 0
 
         async def client(i: int) -> None:
             nonlocal counted
+            draw = self.lengths.stream(i)
             while time.perf_counter() < end:
+                params = SamplingParams(max_tokens=draw(), temperature=0.8)
                 stream: asyncio.Queue = asyncio.Queue()  # every token but the last, as a run hands them to SSE
                 reader = asyncio.create_task(_drain(stream))
                 async for item in self.scheduler.submit(self.states[i], self.prompt, params, stream=stream):
@@ -292,6 +318,7 @@ class _Window:
     duration: float
     tokens: int = 0  # token events that arrived inside the window
     reported: int = 0  # completion tokens of the requests that ran in it, as the server counted them
+    requested: int = 0  # the max_tokens those requests asked for
     errors: int = 0
     samples: list[str] = dataclasses.field(default_factory=list)
     ttfts: list[float] = dataclasses.field(default_factory=list)
@@ -305,7 +332,7 @@ async def _sessions(url: str, concurrency: int) -> list[str]:
                 for i in range(concurrency)]
 
 
-async def _load(url: str, model: str, sessions: list[str], duration: float, max_tokens: int) -> _Window:
+async def _load(url: str, model: str, sessions: list[str], duration: float, lengths: Lengths) -> _Window:
     """Steady state: every stream first completes one unmeasured request (sessions, connections and the
     server's batch warm up), then all start together, and for ``duration`` seconds the tokens that arrive
     are counted. A request still running at the end is finished but counts only its tokens that arrived in
@@ -313,7 +340,7 @@ async def _load(url: str, model: str, sessions: list[str], duration: float, max_
     out = _Window(duration)
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(_Connection(url, model)) for _ in sessions]
-        body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.8}
+        body = {"prompt": PROMPT, "max_tokens": lengths.mean, "temperature": 0.8}
         warm, go = asyncio.Semaphore(0), asyncio.Event()
         window: list[float] = []
 
@@ -322,7 +349,8 @@ async def _load(url: str, model: str, sessions: list[str], duration: float, max_
             if len(out.samples) < 3:
                 out.samples.append(f"{when}{str(err)[:200]}")
 
-        async def worker(c: _Connection, sid: str) -> None:
+        async def worker(i: int, c: _Connection, sid: str) -> None:
+            draw = lengths.stream(i)
             try:
                 await _stream(c, {**body, "session_id": sid})
             except Exception as err:
@@ -331,17 +359,19 @@ async def _load(url: str, model: str, sessions: list[str], duration: float, max_
                 warm.release()
             await go.wait()
             while time.perf_counter() < window[1]:
+                asked = draw()
                 try:
-                    ttft, g, n, arrivals = await _stream(c, {**body, "session_id": sid})
+                    ttft, g, n, arrivals = await _stream(c, {**body, "session_id": sid, "max_tokens": asked})
                 except Exception as err:
                     failed(err)
                     continue
                 out.ttfts.append(ttft)
                 out.gaps.extend(g)
                 out.reported += n
+                out.requested += asked
                 out.tokens += sum(window[0] <= t <= window[1] for t in arrivals)
 
-        tasks = [asyncio.create_task(worker(c, s)) for c, s in zip(clients, sessions)]
+        tasks = [asyncio.create_task(worker(i, c, s)) for i, (c, s) in enumerate(zip(clients, sessions))]
         for _ in sessions:
             await warm.acquire()
         window.extend([time.perf_counter(), time.perf_counter() + duration])
@@ -359,6 +389,7 @@ def _summary(concurrency: int, windows: list[_Window]) -> dict[str, Any]:
     tokens = sum(w.tokens for w in windows)
     return {"concurrency": concurrency, "duration_s": duration, "tokens": tokens, "tokens_per_s": tokens / duration,
             "requests": len(ttfts), "completion_tokens": sum(w.reported for w in windows),
+            "requested_tokens": sum(w.requested for w in windows),
             "errors": sum(w.errors for w in windows), "error_samples": [s for w in windows for s in w.samples][:3],
             "ttft_p50_ms": _pct(ttfts, 0.5), "ttft_p99_ms": _pct(ttfts, 0.99),
             "itl_p50_ms": _pct(gaps, 0.5), "itl_p99_ms": _pct(gaps, 0.99),
@@ -370,21 +401,21 @@ def _rate_since(timer: EngineAlone | EngineLoop, generated: int, elapsed: float)
     return (timer.generated - generated) / (timer.elapsed - elapsed)
 
 
-def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, duration: float, max_tokens: int,
+def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, duration: float, lengths: Lengths,
                     rounds: int) -> dict[str, Any]:
     """The load, the engine alone and the engine loop alone in ``rounds`` alternations (engine, engine loop,
     load, engine loop, engine; the next round...), each round's load compared with the slices on either side of
     it: on a machine whose speed wanders (a shared host's neighbours), a ratio of two figures taken seconds apart
     is steadier than of two taken a minute apart, and the rounds' spread shows how steady it was."""
     sessions = asyncio.run(_sessions(url, concurrency))
-    engine_loop = EngineLoop(alone, PROMPT)
+    engine_loop = EngineLoop(alone, PROMPT, lengths)
     try:
         windows, ratios, loop_ratios = [], [], []
         for _ in range(rounds):
             before = {timer: (timer.generated, timer.elapsed) for timer in (alone, engine_loop)}
             alone.run(duration / rounds / 4)
             engine_loop.run(duration / rounds / 4)
-            windows.append(asyncio.run(_load(url, model, sessions, duration / rounds, max_tokens)))
+            windows.append(asyncio.run(_load(url, model, sessions, duration / rounds, lengths)))
             engine_loop.run(duration / rounds / 4)
             alone.run(duration / rounds / 4)
             engine, looped = (_rate_since(timer, *before[timer]) for timer in (alone, engine_loop))
@@ -419,12 +450,13 @@ async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int) -> d
 
 def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration: float = 10, max_tokens: int = 64,
         doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
-        rounds: int = 3) -> dict[str, Any]:
+        rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
 
     set_threads(None)  # the server's default thread count, for the engine measured here
     doc = _document(int(doc_kb * 1000)).decode("utf-8", errors="replace")
+    lengths = Lengths(max_tokens, random_range_ratio, seed)
     loads = []
     with tempfile.TemporaryDirectory(prefix="txl-bench-serve-") as data_dir:
         server = None if url else _Server(checkpoint, data_dir, ["--device", device])
@@ -433,13 +465,14 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
         try:
             for n in concurrency:
                 alone = EngineAlone(checkpoint, n, max_tokens, device)
-                loads.append(_against_engine(target, model, alone, n, duration, max_tokens, rounds))
+                loads.append(_against_engine(target, model, alone, n, duration, lengths, rounds))
             result: dict[str, Any] = {"loads": loads}
             result.update(asyncio.run(_continue_vs_resend(target, model, doc, repeats)))
         finally:
             if server is not None:
                 server.stop()
     result.update({"checkpoint": checkpoint, "model": model, "max_tokens": max_tokens, "rounds": rounds,
+                   "random_range_ratio": random_range_ratio, "max_tokens_range": list(lengths.bounds), "seed": seed,
                    "url": url or "spawned", "engine_device": str(alone.engine.device)})
     return result
 
@@ -461,6 +494,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, help="default: the bundled checkpoint (the engine alone runs it too)")
     p.add_argument("--url", default=None, help="an already running server (default: start one)")
@@ -469,7 +512,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=_positive, default=3,
                    help="alternations of the engine alone, the engine loop alone and the load per concurrency, the "
                         "duration split among them (each round's ratios are reported, and their median)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="each request's (its mean with --random-range-ratio)")
+    p.add_argument("--random-range-ratio", type=_ratio, default=0.0,
+                   help="spread each request's max_tokens uniformly over max-tokens x [1 - r, 1 + r] (as vLLM's "
+                        "bench does); 0: every request the same length, so the streams end together and turn "
+                        "around in herds")
+    p.add_argument("--seed", type=int, default=0, help="seed of the lengths --random-range-ratio draws")
     p.add_argument("--doc-kb", type=float, default=50)
     p.add_argument("--device", default="auto", help="the spawned server's and the engine's (auto: cuda when present)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
@@ -480,5 +528,5 @@ def main(ns: argparse.Namespace) -> int:
 
     print(json.dumps(run(resolve_checkpoint(ns.checkpoint), concurrency=ns.concurrency, duration=ns.duration,
                          max_tokens=ns.max_tokens, doc_kb=ns.doc_kb, url=ns.url, device=ns.device,
-                         rounds=ns.rounds)))
+                         rounds=ns.rounds, random_range_ratio=ns.random_range_ratio, seed=ns.seed)))
     return 0

@@ -2,9 +2,11 @@
 
 Each iteration reads up to one prefill chunk of prompt tokens across the waiting
 requests (round robin, so a long document never stalls the streams and many short
-prompts are read at once), then runs one decode step for every generating request
-(continuous batching over a slot table: requests join and leave at any step).
-Results go back to the asyncio side once per iteration, one wake-up per event loop.
+prompts are read at once), then runs one decode step for every request in the batch
+(continuous batching over a slot table: requests join and leave at any step; a short
+prompt joining a busy batch is fed through those steps, a token a step, as vLLM mixes
+prompt tokens into decode batches). Results go back to the asyncio side once per
+iteration, one wake-up per event loop.
 """
 
 from __future__ import annotations
@@ -243,9 +245,10 @@ class Scheduler:
             pass
 
     def _admit(self, job: Job) -> None:
-        """A short prompt joins the decode batch directly and is read there, in one forward pass with every
-        other prompt of its length that joins in the same iteration (:meth:`_read_prompts`); a longer one is
-        prefilled in chunks first. Many requests arriving at once then cost one batched pass, not one each."""
+        """A short prompt joins the decode batch directly and is read there: into an empty batch in one forward
+        pass with every other prompt of its length that joins in the same iteration (:meth:`_read_prompts`),
+        into a busy one a token a decode step (:meth:`_regroup`); a longer one is prefilled in chunks first.
+        Many requests arriving at once then cost one batched pass, not one each."""
         if job.params is not None and len(job.pending) <= self.SHORT_PROMPT and job.prompt_logprobs is None:
             job.generation = Generation(job.params, self.engine.tokenizer, job.prev)
             self.ready.append(job)
@@ -317,7 +320,11 @@ class Scheduler:
 
     def _regroup(self, leaving: list[int], failed: dict[int, BaseException] | None = None) -> None:
         """Finished (or failed) rows leave the slot table and waiting requests join it while it has rows; each
-        move copies only the session that moves. Joining short prompts are then read in place."""
+        move copies only the session that moves. Joining short prompts are then read in place, in one pass,
+        when the batch was empty; otherwise they ride along in the decode steps, one token a step
+        (:meth:`_decode_step`): a pass of their own would hold every generating row up, and requests that end at
+        different steps join a few at a time, so a load of mixed lengths had such a pass almost every step
+        (BENCHMARKS.md: the engine loop at 16 streams 0.82 -> 0.87 of the engine alone)."""
         failed = failed or {}
         for r in leaving:
             job = self.running[r]
@@ -336,7 +343,8 @@ class Scheduler:
             job.start()
             job.state = None  # the row is its state now
             self.running.append(job)
-        self._drop(set(), self._read_prompts(first))
+        if first == 0:  # no other row to hold up
+            self._drop(set(), self._read_prompts(first))
 
     def _read_prompts(self, first: int) -> dict[int, BaseException]:
         """Feed the prompts of rows [first, n) that joined with tokens to read, one forward pass per run of
@@ -388,16 +396,17 @@ class Scheduler:
         batch = self.slots.active()  # views of rows [0, n)
         logits = batch.last_logits.float().cpu()  # [batch, vocab]
         events: dict[int, TokenEvent] = {}
-        fed: list[int] = []
         failed: dict[int, BaseException] = {}
-        chosen = Generation.choose([job.generation for job in self.running], logits)  # sampled together
-        for r, job in enumerate(self.running):
+        fed = [job.pending[0] if job.pending else 0 for job in self.running]  # a prompt still read: its next token
+        sampling = [r for r, job in enumerate(self.running) if not job.pending]
+        rows = logits if len(sampling) == len(self.running) else logits[sampling]  # [sampling, vocab]
+        chosen = Generation.choose([self.running[r].generation for r in sampling], rows) if sampling else []
+        for r, token in zip(sampling, chosen):  # sampled together
             try:
-                events[r] = job.generation.accept(chosen[r], logits[r])
-                fed.append(events[r].token)
+                events[r] = self.running[r].generation.accept(token, logits[r])
+                fed[r] = events[r].token
             except Exception as err:  # one request's bad luck is not the batch's: its row steps on a filler
                 failed[r] = err  # token and leaves after the step; every other row advances as planned
-                fed.append(0)
         for r, event in events.items():  # sent before the step that feeds them: a token reaches its stream
             self._emit(self.running[r], event)  # one step sooner (the final one waits for the commit anyway)
         self._flush()
@@ -405,4 +414,10 @@ class Scheduler:
         self.engine.decoder.advance(batch, tokens)  # [batch, 1]
         self.slots.stepped(batch)
         self.steps += 1
+        for job in self.running:
+            if job.pending:  # one more prompt token read in the batch's step
+                del job.pending[0]
+                self.prompt_tokens_in_batch += 1
+                if not job.pending:
+                    job.prompt_read()
         self._regroup([r for r, ev in events.items() if ev.finish_reason is not None], failed)

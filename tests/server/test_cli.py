@@ -101,14 +101,16 @@ def test_bench_store_json(checkpoint):
 
 def test_bench_serve_json(checkpoint):
     r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "1,2", "--duration", "2",
-                 "--rounds", "2", "--max-tokens", "8", "--doc-kb", "1", timeout=180)
+                 "--rounds", "2", "--max-tokens", "8", "--random-range-ratio", "0.5", "--doc-kb", "1", timeout=180)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [load["concurrency"] for load in out["loads"]] == [1, 2] and out["model"] == "bench-model"
-    assert out["rounds"] == 2
+    assert out["rounds"] == 2 and out["random_range_ratio"] == 0.5 and out["max_tokens_range"] == [4, 12]
     for load in out["loads"]:
         assert load["errors"] == 0 and load["requests"] >= load["concurrency"] and load["tokens_per_s"] > 0
-        assert load["completion_tokens"] == 8 * load["requests"]  # the usage the server reports
+        # each request asked for its own length within the range, and the server's usage says it got it
+        assert 4 * load["requests"] <= load["requested_tokens"] <= 12 * load["requests"]
+        assert load["completion_tokens"] == load["requested_tokens"]
         assert 0 < load["tokens"] <= load["completion_tokens"]  # the events that arrived within the window
         assert load["ttft_p50_ms"] > 0 and load["server_over_engine"] == pytest.approx(
             load["tokens_per_s"] / load["engine_tokens_per_s"])
@@ -124,6 +126,26 @@ def test_bench_serve_json(checkpoint):
     assert out["continue_speedup"] > 0
     bad = txlserve("bench", "serve", "--rounds", "0", timeout=60)
     assert bad.returncode == 2 and "positive integer" in bad.stderr
+    for ratio in ("1", "-0.1", "x"):
+        bad = txlserve("bench", "serve", "--random-range-ratio", ratio, timeout=60)
+        assert bad.returncode == 2 and "expected a number in [0, 1)" in bad.stderr
+
+
+def test_bench_serve_lengths_spread_and_repeat():
+    """Equal lengths keep the bench's streams in step (they end on one step and turn around as a herd): the
+    spread ones differ between requests and streams, stay in range, and repeat with the seed."""
+    from bench.serve import Lengths
+
+    same = Lengths(64).stream(0)
+    assert {same() for _ in range(50)} == {64}
+    spread = Lengths(64, 0.5, seed=3)
+    assert spread.bounds == (32, 96)
+    a, b = spread.stream(0), spread.stream(1)
+    drawn_a, drawn_b = [a() for _ in range(200)], [b() for _ in range(200)]
+    assert all(32 <= n <= 96 for n in drawn_a + drawn_b) and len(set(drawn_a)) > 20 and drawn_a != drawn_b
+    again = spread.stream(0)
+    assert [again() for _ in range(200)] == drawn_a
+    assert Lengths(1, 0.9).bounds == (1, 2)  # never a length of 0
 
 
 def test_chat_subcommand_hands_every_flag_to_the_client():

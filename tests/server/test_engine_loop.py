@@ -34,6 +34,20 @@ def engine(tmp_path_factory) -> Engine:
     return Engine.from_checkpoint(path)
 
 
+def _counting_passes(engine):
+    """The decoder's ``advance``, recording the shape of every call that reads more than one token a row (a
+    prompt's pass of its own), and the list it records into."""
+    passes: list[tuple[int, int]] = []
+    advance = engine.decoder.advance
+
+    def counted(state, tokens):
+        if tokens.size(1) > 1:
+            passes.append(tuple(tokens.shape))
+        return advance(state, tokens)
+
+    return passes, counted
+
+
 def test_a_short_prompt_read_as_it_joins_a_busy_batch_generates_what_the_model_does_alone(engine):
     greedy = SamplingParams(max_tokens=20, temperature=0)
     prompt = engine.encode(" and")
@@ -69,6 +83,44 @@ def test_a_short_prompt_read_as_it_joins_a_busy_batch_generates_what_the_model_d
     got, done = asyncio.run(main())
     assert got == want
     assert done.tokens_seen == len(history) + len(prompt) + 20
+
+
+def test_a_short_prompt_joining_a_busy_batch_rides_along_in_its_steps(engine):
+    """With rows generating, a joining prompt is fed one token a decode step, with the batch, and not read in a
+    pass of its own that would hold every generating row up (a load whose requests end at different steps had
+    such a pass almost every step); it still generates what the model does alone."""
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    history, prompts = engine.encode("Once upon a time"), [engine.encode(" and"), engine.encode(" so it")]
+    want = _alone(engine, [history, history], prompts, greedy)
+    states = [engine.new_state() for _ in prompts]
+    for state in states:
+        engine.feed(state, history)
+    passes, counted = _counting_passes(engine)
+
+    async def main() -> list[list[int]]:
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        engine.decoder.advance = counted
+        scheduler.start()
+        try:
+            busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), UNTIL_STOPPED)
+            it = busy.__aiter__()
+            assert isinstance(await it.__anext__(), TokenEvent)  # generating: the batch is busy from here on
+            assert passes == [(1, 3)]  # its own prompt, read in one pass: the batch was empty
+            got = []
+            for state, prompt in zip(states, prompts):
+                got.append([item.token async for item in scheduler.submit(state, prompt, greedy)
+                            if isinstance(item, TokenEvent)])
+            busy.cancel()
+            async for _ in it:
+                pass
+            return got
+        finally:
+            scheduler.stop()
+            del engine.decoder.advance  # the class's method again
+
+    got = asyncio.run(main())
+    assert got == want
+    assert passes == [(1, 3)]  # the joining prompts (4 and 6 tokens) never had a pass of their own
 
 
 def test_a_request_cancelled_while_its_prompt_is_fed_stores_nothing(engine):
@@ -182,13 +234,7 @@ def test_short_prompts_arriving_together_are_read_in_one_pass_per_length(engine)
     greedy = SamplingParams(max_tokens=6, temperature=0)
     histories = [engine.encode(f"Speaker {i} says") for i in range(6)]
     prompts = [engine.encode(p) for p in (" and", " but", " so", " yes", " nor", " or")]  # lengths 4,4,3,4,4,3
-    passes: list[tuple[int, int]] = []
-    advance = engine.decoder.advance
-
-    def counted(state, tokens):
-        if tokens.size(1) > 1:
-            passes.append(tuple(tokens.shape))
-        return advance(state, tokens)
+    passes, counted = _counting_passes(engine)
 
     got = _arriving_together(engine, histories, prompts, greedy, counted)
     assert got == _alone(engine, histories, prompts, greedy)

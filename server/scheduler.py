@@ -399,7 +399,8 @@ class Scheduler:
         failed: dict[int, BaseException] = {}
         fed = [job.pending[0] if job.pending else 0 for job in self.running]  # a prompt still read: its next token
         sampling = [r for r, job in enumerate(self.running) if not job.pending]
-        rows = logits if len(sampling) == len(self.running) else logits[sampling]  # [sampling, vocab]
+        riding = len(sampling) < len(self.running)  # some rows still read their prompts
+        rows = logits[sampling] if riding else logits  # [sampling, vocab]
         chosen = Generation.choose([self.running[r].generation for r in sampling], rows) if sampling else []
         for r, token in zip(sampling, chosen):  # sampled together
             try:
@@ -414,7 +415,7 @@ class Scheduler:
         self.engine.decoder.advance(batch, tokens)  # [batch, 1]
         self.slots.stepped(batch)
         self.steps += 1
-        for job in self.running:
+        for job in self.running if riding else ():
             if job.pending:  # one more prompt token read in the batch's step
                 del job.pending[0]
                 self.prompt_tokens_in_batch += 1

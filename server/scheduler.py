@@ -343,6 +343,8 @@ class Scheduler:
             job.start()
             job.state = None  # the row is its state now
             self.running.append(job)
+            if not job.pending:  # nothing to read (a session continued from its memory alone)
+                job.prompt_read()
         if first == 0:  # no other row to hold up
             self._drop(set(), self._read_prompts(first))
 

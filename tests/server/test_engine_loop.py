@@ -106,10 +106,12 @@ def test_a_short_prompt_joining_a_busy_batch_rides_along_in_its_steps(engine):
             it = busy.__aiter__()
             assert isinstance(await it.__anext__(), TokenEvent)  # generating: the batch is busy from here on
             assert passes == [(1, 3)]  # its own prompt, read in one pass: the batch was empty
-            got = []
-            for state, prompt in zip(states, prompts):
-                got.append([item.token async for item in scheduler.submit(state, prompt, greedy)
-                            if isinstance(item, TokenEvent)])
+            async def tokens(state, prompt):
+                return [item.token async for item in scheduler.submit(state, prompt, greedy)
+                        if isinstance(item, TokenEvent)]
+
+            # together: prompts of two lengths ride at once, and the shorter one samples beside a row still reading
+            got = list(await asyncio.gather(*(tokens(s, p) for s, p in zip(states, prompts))))
             busy.cancel()
             async for _ in it:
                 pass

@@ -106,6 +106,7 @@ def test_a_short_prompt_joining_a_busy_batch_rides_along_in_its_steps(engine):
             it = busy.__aiter__()
             assert isinstance(await it.__anext__(), TokenEvent)  # generating: the batch is busy from here on
             assert passes == [(1, 3)]  # its own prompt, read in one pass: the batch was empty
+
             async def tokens(state, prompt):
                 return [item.token async for item in scheduler.submit(state, prompt, greedy)
                         if isinstance(item, TokenEvent)]

@@ -261,13 +261,15 @@ class EngineLoop:
     splits into the engine loop's share (threads, the hand-off of every token to the event loop, joining and
     leaving the batch, reading each prompt) and the request path's (HTTP, leases, commits, SSE)."""
 
-    def __init__(self, alone: EngineAlone, prompt: str, lengths: Lengths | None = None) -> None:
+    def __init__(self, alone: EngineAlone, prompt: str, lengths: Lengths | None = None,
+                 stream_interval: int = 1) -> None:
         from server.scheduler import Scheduler
 
         self.engine, self.prompt = alone.engine, alone.engine.encode(prompt)
         self.lengths = lengths or Lengths(alone.tokens)
         self.states = [alone.state.rows([r]) for r in range(alone.batch)]  # each client's own session
-        self.scheduler = Scheduler(self.engine, prefill_chunk=self.engine.prefill_chunk)  # the server's defaults
+        self.scheduler = Scheduler(self.engine, prefill_chunk=self.engine.prefill_chunk,  # the server's defaults
+                                   stream_interval=stream_interval)
         self.scheduler.start()
         self.generated, self.elapsed = 0, 0.0
 
@@ -402,13 +404,13 @@ def _rate_since(timer: EngineAlone | EngineLoop, generated: int, elapsed: float)
 
 
 def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, duration: float, lengths: Lengths,
-                    rounds: int) -> dict[str, Any]:
+                    rounds: int, stream_interval: int = 1) -> dict[str, Any]:
     """The load, the engine alone and the engine loop alone in ``rounds`` alternations (engine, engine loop,
     load, engine loop, engine; the next round...), each round's load compared with the slices on either side of
     it: on a machine whose speed wanders (a shared host's neighbours), a ratio of two figures taken seconds apart
     is steadier than of two taken a minute apart, and the rounds' spread shows how steady it was."""
     sessions = asyncio.run(_sessions(url, concurrency))
-    engine_loop = EngineLoop(alone, PROMPT, lengths)
+    engine_loop = EngineLoop(alone, PROMPT, lengths, stream_interval)
     try:
         windows, ratios, loop_ratios = [], [], []
         for _ in range(rounds):
@@ -450,7 +452,7 @@ async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int) -> d
 
 def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration: float = 10, max_tokens: int = 64,
         doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
-        rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0) -> dict[str, Any]:
+        rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0, stream_interval: int = 1) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
 
@@ -459,13 +461,14 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
     lengths = Lengths(max_tokens, random_range_ratio, seed)
     loads = []
     with tempfile.TemporaryDirectory(prefix="txl-bench-serve-") as data_dir:
-        server = None if url else _Server(checkpoint, data_dir, ["--device", device])
+        server = None if url else _Server(checkpoint, data_dir, ["--device", device,
+                                                                 "--stream-interval", str(stream_interval)])
         target = url or server.url
         model = served_model(target)
         try:
             for n in concurrency:
                 alone = EngineAlone(checkpoint, n, max_tokens, device)
-                loads.append(_against_engine(target, model, alone, n, duration, lengths, rounds))
+                loads.append(_against_engine(target, model, alone, n, duration, lengths, rounds, stream_interval))
             result: dict[str, Any] = {"loads": loads}
             result.update(asyncio.run(_continue_vs_resend(target, model, doc, repeats)))
         finally:
@@ -473,7 +476,8 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                 server.stop()
     result.update({"checkpoint": checkpoint, "model": model, "max_tokens": max_tokens, "rounds": rounds,
                    "random_range_ratio": random_range_ratio, "max_tokens_range": list(lengths.bounds), "seed": seed,
-                   "url": url or "spawned", "engine_device": str(alone.engine.device)})
+                   "url": url or "spawned", "engine_device": str(alone.engine.device),
+                   "stream_interval": stream_interval})
     return result
 
 
@@ -518,6 +522,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "bench does); 0: every request the same length, so the streams end together and turn "
                         "around in herds")
     p.add_argument("--seed", type=int, default=0, help="seed of the lengths --random-range-ratio draws")
+    p.add_argument("--stream-interval", type=_positive, default=1,
+                   help="the spawned server's and the engine loop's --stream-interval (with --url: the engine "
+                        "loop's only; give the server the same)")
     p.add_argument("--doc-kb", type=float, default=50)
     p.add_argument("--device", default="auto", help="the spawned server's and the engine's (auto: cuda when present)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
@@ -528,5 +535,6 @@ def main(ns: argparse.Namespace) -> int:
 
     print(json.dumps(run(resolve_checkpoint(ns.checkpoint), concurrency=ns.concurrency, duration=ns.duration,
                          max_tokens=ns.max_tokens, doc_kb=ns.doc_kb, url=ns.url, device=ns.device,
-                         rounds=ns.rounds, random_range_ratio=ns.random_range_ratio, seed=ns.seed)))
+                         rounds=ns.rounds, random_range_ratio=ns.random_range_ratio, seed=ns.seed,
+                         stream_interval=ns.stream_interval)))
     return 0

@@ -96,7 +96,7 @@ async def open_runtime(settings: Settings) -> Runtime:
                                  legacy_format=settings.legacy_store_format)
     await store.start()
     scheduler = Scheduler(engine, max_batch=settings.max_batch, batch_bytes=settings.batch_mb << 20,
-                          prefill_chunk=engine.prefill_chunk)
+                          prefill_chunk=engine.prefill_chunk, stream_interval=settings.stream_interval)
     scheduler.start()
     hot = HotStates(settings.hot_cache_mb << 20)
     rt = Runtime(settings, engine, scheduler, store, Metrics(scheduler, store, hot), hot)

@@ -6,7 +6,10 @@ prompts are read at once), then runs one decode step for every request in the ba
 (continuous batching over a slot table: requests join and leave at any step; a short
 prompt joining a busy batch is fed through those steps, a token a step, as vLLM mixes
 prompt tokens into decode batches). Results go back to the asyncio side once per
-iteration, one wake-up per event loop.
+iteration, one wake-up per event loop; with ``stream_interval`` N > 1 (vLLM's setting), a
+request's generated tokens after its first go in groups of N, so a stream wakes its
+event loop once every N steps (each wake-up cost one stream about 8% of its tokens/s:
+BENCHMARKS.md, "What a token's hand-off costs").
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ class Job:
     read: float | None = None  # its prompt completely read
     generation: Generation | None = None
     score: Score = field(default_factory=lambda: Score(0, 0.0))
+    held: list[TokenEvent] = field(default_factory=list)  # generated tokens not yet handed over (stream_interval)
+    handed: int = 0  # generated tokens handed over so far
 
     def start(self) -> None:
         if self.started is None:
@@ -129,8 +134,10 @@ class Scheduler:
     SHORT_PROMPT = 8  # prompt tokens a request may bring straight into the decode batch
 
     def __init__(self, engine: Engine, *, max_batch: int = 256, batch_bytes: int = 1 << 30,
-                 prefill_chunk: int = 512) -> None:
-        self.engine, self.prefill_chunk = engine, prefill_chunk
+                 prefill_chunk: int = 512, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, not {stream_interval}")
+        self.engine, self.prefill_chunk, self.stream_interval = engine, prefill_chunk, stream_interval
         self.capacity = batch_capacity(engine, max_batch=max_batch, batch_bytes=batch_bytes)
         self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.prefilling: deque[Job] = deque()
@@ -184,6 +191,20 @@ class Scheduler:
         return EngineRequest(job)
 
     def _emit(self, job: Job, item: Any) -> None:
+        """Queue ``item`` for its request. With ``stream_interval`` N > 1 a generated token after the first waits
+        until N are waiting; whatever ends the request (its last token, Finished, a failure) takes the waiting
+        ones with it, in order."""
+        if isinstance(item, TokenEvent) and item.finish_reason is None and self.stream_interval > 1:
+            job.held.append(item)
+            if job.handed and len(job.held) < self.stream_interval:
+                return
+            item = None
+        held, job.held = job.held, []
+        job.handed += len(held)
+        for each in held if item is None else [*held, item]:
+            self._queue(job, each)
+
+    def _queue(self, job: Job, item: Any) -> None:
         streamed = isinstance(item, PromptScores) or (isinstance(item, TokenEvent) and item.finish_reason is None)
         self._outbox.append((job, job.stream if streamed and job.stream is not None else job.inbox, item))
 

@@ -65,6 +65,10 @@ def test_bench_decode_json(checkpoint):
         assert out[key] > 0
     assert out["roofline_share"] == pytest.approx(
         out["bytes_per_step"] / (out["step_ms"] / 1000) / (out["read_bandwidth_gb_s"] * 1e9), rel=1e-6)
+    # and against a buffer of the step's own size read again and again (the limit where those bytes fit a cache)
+    assert out["warm_read_bandwidth_gb_s"] > 0
+    assert out["warm_roofline_share"] == pytest.approx(
+        out["bytes_per_step"] / (out["step_ms"] / 1000) / (out["warm_read_bandwidth_gb_s"] * 1e9), rel=1e-6)
     model = load_checkpoint(str(checkpoint)).model  # what a step reads: not r_net, made into the table once
     c = model.cfg
     used = sum(p.nbytes for name, p in model.named_parameters() if ".r_net." not in name)  # embedding tied once
@@ -101,10 +105,12 @@ def test_bench_store_json(checkpoint):
 
 def test_bench_serve_json(checkpoint):
     r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "1,2", "--duration", "2",
-                 "--rounds", "2", "--max-tokens", "8", "--random-range-ratio", "0.5", "--doc-kb", "1", timeout=180)
+                 "--rounds", "2", "--max-tokens", "8", "--random-range-ratio", "0.5", "--doc-kb", "1",
+                 "--stream-interval", "3", timeout=180)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [load["concurrency"] for load in out["loads"]] == [1, 2] and out["model"] == "bench-model"
+    assert out["stream_interval"] == 3  # given to the spawned server and the engine loop
     assert out["rounds"] == 2 and out["random_range_ratio"] == 0.5 and out["max_tokens_range"] == [4, 12]
     for load in out["loads"]:
         assert load["errors"] == 0 and load["requests"] >= load["concurrency"] and load["tokens_per_s"] > 0

@@ -318,3 +318,82 @@ def test_with_a_stream_every_token_but_the_last_goes_straight_to_it(engine):
     assert [type(item) for item in items] == [TokenEvent, Finished]
     assert all(ev.finish_reason is None for ev in streamed) and items[0].finish_reason == "length"
     assert [ev.token for ev in streamed] + [items[0].token] == want
+
+
+def _deliveries(monkeypatch) -> list[list]:
+    """Every hand-over from the engine thread to the event loop, as the list of items it carried."""
+    import server.scheduler as scheduler_module
+
+    calls: list[list] = []
+    deliver = scheduler_module._deliver
+
+    def recorded(items):
+        calls.append([item for _, item in items])
+        deliver(items)
+
+    monkeypatch.setattr(scheduler_module, "_deliver", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_stream_interval_hands_tokens_over_in_groups_after_the_first(engine, monkeypatch, interval):
+    """With ``stream_interval`` N, the first token is handed over at once and the rest N at a time (one wake-up
+    of the event loop per N steps); the token that ends the request takes the waiting ones with it. The stream
+    gets the same tokens, in order, whatever N."""
+    greedy = SamplingParams(max_tokens=11, temperature=0)
+    prompt = engine.encode(" and")
+    want = [e.token for e in engine.generate(engine.new_state(), prompt, greedy)]
+    calls = _deliveries(monkeypatch)
+
+    async def main() -> tuple[list[int], list[int]]:
+        scheduler = Scheduler(engine, prefill_chunk=64, stream_interval=interval)
+        scheduler.start()
+        try:
+            stream: asyncio.Queue = asyncio.Queue()
+            last = []
+            async for item in scheduler.submit(engine.new_state(), prompt, greedy, stream=stream):
+                if isinstance(item, TokenEvent):
+                    last.append(item.token)
+            streamed = [stream.get_nowait().token for _ in range(stream.qsize())]
+            return streamed, last
+        finally:
+            scheduler.stop()
+
+    streamed, last = asyncio.run(main())
+    assert streamed + last == want and len(last) == 1
+    groups = [sum(isinstance(item, TokenEvent) for item in call) for call in calls]
+    groups = [g for g in groups if g]
+    assert groups == ([1] * 11 if interval == 1 else [1, 4, 4, 2])  # the last group: the 10th token and the 11th
+
+
+def test_stream_interval_a_cancelled_request_hands_over_every_token_before_it_ends(engine):
+    """Tokens still waiting for their group when a request is cancelled reach its stream before its Finished,
+    so the client has everything the stored session holds."""
+
+    async def main() -> tuple[int, Finished]:
+        scheduler = Scheduler(engine, prefill_chunk=64, stream_interval=1000)
+        scheduler.start()
+        try:
+            stream: asyncio.Queue = asyncio.Queue()
+            request = scheduler.submit(engine.new_state(), engine.encode("xyz"), UNTIL_STOPPED, stream=stream)
+            await stream.get()  # the first token comes at once; the next thousand would wait for their group
+            steps = scheduler.steps
+            while scheduler.steps < steps + 5:  # a few more are made and held (bounded by the test's timeout)
+                await asyncio.sleep(0.001)
+            assert stream.empty()
+            request.cancel()
+            done = None
+            async for item in request:
+                done = item
+            return 1 + stream.qsize(), done
+        finally:
+            scheduler.stop()
+
+    streamed, done = asyncio.run(main())
+    assert done.finish_reason == "cancelled"
+    assert streamed == done.completion_tokens >= 6
+
+
+def test_stream_interval_must_be_positive(engine):
+    with pytest.raises(ValueError, match="stream_interval"):
+        Scheduler(engine, stream_interval=0)

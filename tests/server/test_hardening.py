@@ -484,6 +484,7 @@ def _serve(*args: str, env: dict | None = None, timeout: float = 60):
     ((), {"TXLSERVE_MODEL_NAME": " padded "}, "model_name"),
     (("--store-timeout-s", "0"), {}, "store_timeout_s"),
     (("--max-prompt-bytes", "0"), {}, "max_prompt_bytes"),
+    ((), {"TXLSERVE_STREAM_INTERVAL": "0"}, "stream_interval"),
     (("--api-keys", "k\u00e9y-123"), {}, "ASCII"),
     ((), {"TXLSERVE_SHUTDOWN_TIMEOUT_S": "inf"}, "finite"),
     (("--mem-len", "2000000"), {}, "mem_len"),

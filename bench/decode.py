@@ -10,7 +10,8 @@ Three measurements share one run and one set of weights:
   of a small model on a host with hundreds of MB of L3), that share can pass 1, since the step reads from the
   cache and the roofline from memory: ``warm_read_bandwidth_gb_s`` is the rate at which this machine reads a
   buffer of the step's own size again and again (from wherever it stays), and ``warm_roofline_share`` the step
-  against that, a limit no step can beat on any host.
+  against that: the limit for those bytes on any host, where a step is long against one call's overhead (a
+  tiny model's few KB are summed in about the time of the call itself, so its warm share can pass 1).
 * **naive decode**: the reference model fed one token at a time with its mems, which re-projects every
   memory token's keys, values and positions at every step (what HF transformers' TransfoXL does).
 * **prefill**: the reference model's segment-by-segment forward with mems at the same ``mem_len``

@@ -477,7 +477,8 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
     result.update({"checkpoint": checkpoint, "model": model, "max_tokens": max_tokens, "rounds": rounds,
                    "random_range_ratio": random_range_ratio, "max_tokens_range": list(lengths.bounds), "seed": seed,
                    "url": url or "spawned", "engine_device": str(alone.engine.device),
-                   "stream_interval": stream_interval})
+                   "stream_interval": stream_interval,  # the engine loop's, and the spawned server's
+                   "server_stream_interval": None if url else stream_interval})  # a running server's: unknown
     return result
 
 

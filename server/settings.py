@@ -67,8 +67,8 @@ class Settings:
                                       "with the fused C attention (on a CPU the graph runs a step without "
                                       "taking the GIL, so the event loop no longer slows it); for debugging "
                                       "and comparison")
-    stream_interval: int = _opt(1, "a streamed request's tokens after its first are handed to the server's event "
-                                   "loop, and so sent, in groups of this many (as vLLM's --stream-interval): "
+    stream_interval: int = _opt(1, "a request's generated tokens after its first are handed to the server's "
+                                   "event loop, and so sent, in groups of this many (as vLLM's --stream-interval): "
                                    "fewer wake-ups, more tokens/s, burstier streams; 1 sends every token as it "
                                    "is made")
     prefill_chunk: int | None = _opt(None, "tokens read per prefill slice; decode steps run between slices "

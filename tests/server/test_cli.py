@@ -110,7 +110,7 @@ def test_bench_serve_json(checkpoint):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [load["concurrency"] for load in out["loads"]] == [1, 2] and out["model"] == "bench-model"
-    assert out["stream_interval"] == 3  # given to the spawned server and the engine loop
+    assert out["stream_interval"] == out["server_stream_interval"] == 3  # the engine loop's and the server's
     assert out["rounds"] == 2 and out["random_range_ratio"] == 0.5 and out["max_tokens_range"] == [4, 12]
     for load in out["loads"]:
         assert load["errors"] == 0 and load["requests"] >= load["concurrency"] and load["tokens_per_s"] > 0

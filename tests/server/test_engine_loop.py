@@ -391,7 +391,7 @@ def test_stream_interval_a_cancelled_request_hands_over_every_token_before_it_en
 
     streamed, done = asyncio.run(main())
     assert done.finish_reason == "cancelled"
-    assert streamed == done.completion_tokens >= 6
+    assert streamed == done.completion_tokens >= 5  # the first, and at least the four held after it
 
 
 def test_stream_interval_must_be_positive(engine):

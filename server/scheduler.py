@@ -199,10 +199,13 @@ class Scheduler:
             if job.handed and len(job.held) < self.stream_interval:
                 return
             item = None
-        held, job.held = job.held, []
-        job.handed += len(held)
-        for each in held if item is None else [*held, item]:
-            self._queue(job, each)
+        if job.held:
+            held, job.held = job.held, []
+            job.handed += len(held)
+            for each in held:
+                self._queue(job, each)
+        if item is not None:
+            self._queue(job, item)
 
     def _queue(self, job: Job, item: Any) -> None:
         streamed = isinstance(item, PromptScores) or (isinstance(item, TokenEvent) and item.finish_reason is None)

@@ -132,6 +132,8 @@ def test_bench_serve_json(checkpoint):
     assert out["continue_speedup"] > 0
     bad = txlserve("bench", "serve", "--rounds", "0", timeout=60)
     assert bad.returncode == 2 and "positive integer" in bad.stderr
+    bad = txlserve("bench", "serve", "--stream-interval", "0", timeout=60)
+    assert bad.returncode == 2 and "positive integer" in bad.stderr
     for ratio in ("1", "-0.1", "x"):
         bad = txlserve("bench", "serve", "--random-range-ratio", ratio, timeout=60)
         assert bad.returncode == 2 and "expected a number in [0, 1)" in bad.stderr

@@ -251,9 +251,11 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
         app.include_router(module.router)
 
     app.add_middleware(HeadAsGet)  # innermost: the log and the limits still see HEAD
-    app.add_middleware(RequestLog, runtime_of=lambda: getattr(app.state, "runtime", None))
     if settings.cors_origins:  # off by default: browsers on other origins may call the API only when allowed
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id", "x-process-time-ms"])
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    # outermost: the log line and the requests metric carry the status the client got, a 408 or 413 included
+    # (inside the limits, they saw the app's answer to a body cut short, which the limits drop)
+    app.add_middleware(RequestLog, runtime_of=lambda: getattr(app.state, "runtime", None))
     return app

@@ -69,8 +69,10 @@ def install(app: FastAPI) -> None:
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         msg, param = validation_message(err)
         content_type = request.headers.get("content-type", "")
-        if param is None and content_type and "json" not in content_type.split(";")[0].lower():  # curl -d's form type
-            msg = f"send the body as JSON with 'Content-Type: application/json' (this request's is {content_type!r})"
+        not_json = "json" not in content_type.split(";")[0].lower()  # curl -d's form type, or none at all
+        if param is None and not_json and "body is empty" not in msg:  # the body was never parsed as JSON
+            msg = ("send the body as JSON with 'Content-Type: application/json' "
+                   + (f"(this request's is {content_type!r})" if content_type else "(this request has none)"))
         return JSONResponse(error_body(msg, "invalid_request_error", param, "invalid_value"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

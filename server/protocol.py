@@ -6,7 +6,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-STRICT = ConfigDict(extra="forbid", strict=True)
+# Request bodies: no unknown fields, no coercion, and no NaN or infinity (JSON parsers accept ``NaN``; it failed
+# the bounds checks with a message about the bounds)
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 def _utf8_text(metadata: dict[str, str] | None) -> dict[str, str] | None:

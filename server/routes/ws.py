@@ -94,7 +94,8 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
     if kind == "cancel":
         return  # nothing running: a late cancel is harmless
     if kind != "completion.create":
-        await ws.send_json(_invalid(f"unknown message type {kind!r}", "type"))
+        said = "no \"type\"" if kind is None else f"unknown message type {json.dumps(kind)}"
+        await ws.send_json(_invalid(f"{said}: a message's type is \"completion.create\" or \"cancel\"", "type"))
         return
     rt = ws.app.state.runtime
     try:

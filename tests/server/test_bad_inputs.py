@@ -28,6 +28,10 @@ CASES = [
     ("temperature negative", "POST", "/v1/completions", {**OK, "temperature": -1}, 400, "temperature"),
     ("temperature too high", "POST", "/v1/completions", {**OK, "temperature": 3}, 400, "temperature"),
     ("temperature string", "POST", "/v1/completions", {**OK, "temperature": "hot"}, 400, "temperature"),
+    ("temperature NaN", "POST", "/v1/completions", b'{"model": "txl-test", "prompt": "a", "temperature": NaN}', 400,
+     "temperature"),
+    ("top_p Infinity", "POST", "/v1/completions", b'{"model": "txl-test", "prompt": "a", "top_p": Infinity}', 400,
+     "top_p"),
     ("top_p zero", "POST", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p"),
     ("top_p above one", "POST", "/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p"),
     ("top_k below -1", "POST", "/v1/completions", {**OK, "top_k": -5}, 400, "top_k"),
@@ -93,6 +97,8 @@ def test_bad_input(server, name, method, path, body, status, param):
         assert err["param"] == param, err
     if name == "empty body":
         assert "body is empty" in err["message"], err
+    if "NaN" in name or "Infinity" in name:  # not "less than or equal to 2": the bounds are not what is wrong
+        assert "finite number" in err["message"], err
     assert httpx.get(server.url + "/health").status_code == 200
 
 
@@ -119,6 +125,9 @@ def test_unparseable_bodies_and_huge_ids_get_messages_that_say_what_to_do(server
     err = r.json()["error"]
     assert r.status_code == 400 and "Content-Type: application/json" in err["message"], err
     assert "X-WWW-Form-URLEncoded" in err["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "txl-test", "prompt": "a"}')  # no type
+    err = r.json()["error"]
+    assert r.status_code == 400 and "Content-Type: application/json" in err["message"] and "has none" in err["message"]
     r = httpx.post(server.url + "/v1/completions", content=b"[1]", headers={"content-type": "Application/JSON"})
     assert r.status_code == 400 and "Content-Type" not in r.json()["error"]["message"], r.text  # it is JSON
     r = httpx.get(server.url + "/v1/sessions/" + "s" * 60_000)

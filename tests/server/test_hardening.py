@@ -345,10 +345,22 @@ def test_empty_or_whitespace_keys_never_authenticate(keyed):
         connect(ws_url(keyed, "?api_key=")).close()
 
 
+def _log_line(srv, request_id: str) -> dict:
+    """The request log's line for ``request_id``, waited for (it is written when the request's handling ends)."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for line in srv.log.read_text().splitlines():
+            if f'"request_id":"{request_id}"' in line:
+                return json.loads(line[line.index("{"):])
+        time.sleep(0.05)  # poll the file
+    pytest.fail(f"no log line for request {request_id}")
+
+
 def test_a_body_that_stops_arriving_is_408(keyed):
     sock = socket.create_connection(("127.0.0.1", keyed.port), timeout=30)
     try:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Request-Id: stalled-body-408\r\n"
                      b"Authorization: Bearer " + KEYS[0].encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"model\":")
         t0 = time.monotonic()
         reply = b""
@@ -364,6 +376,23 @@ def test_a_body_that_stops_arriving_is_408(keyed):
     assert head.startswith(b"HTTP/1.1 408"), reply
     assert json.loads(body)["error"]["code"] == "request_timeout"
     assert httpx.get(keyed.url + "/health").status_code == 200
+    # the log line and the requests metric say what the client got (they said 400: the app's answer to a body
+    # cut short, which the limit dropped)
+    assert _log_line(keyed, "stalled-body-408")["status"] == 408
+    metrics = httpx.get(keyed.url + "/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
+    assert re.search(r'^txlserve_requests_total\{route="/v1/completions",status="408"\} [1-9]', metrics, re.M)
+
+
+def test_a_body_declared_too_large_is_logged_as_413(keyed):
+    """Refused before any route runs: it had no log line at all."""
+    with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Request-Id: declared-too-large\r\nConnection: close\r\n"
+                     b"Authorization: Bearer " + KEYS[0].encode() + b"\r\nContent-Length: 1099511627776\r\n\r\n")
+        reply = _read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 413") and b"x-request-id: declared-too-large" in reply.lower(), reply
+    line = _log_line(keyed, "declared-too-large")
+    assert line["status"] == 413 and line["method"] == "POST"
 
 
 def _read_until_closed(sock: socket.socket) -> bytes:

@@ -46,7 +46,15 @@ def test_ws_errors_keep_the_connection(server):
         err = json.loads(conn.recv(timeout=10))
         assert err["type"] == "error" and err["error"]["param"] == "temperature"
         conn.send(json.dumps({"type": "dance"}))
-        assert json.loads(conn.recv(timeout=10))["error"]["param"] == "type"
+        err = json.loads(conn.recv(timeout=10))["error"]
+        assert err["param"] == "type" and 'unknown message type "dance"' in err["message"], err
+        assert '"completion.create" or "cancel"' in err["message"], err
+        conn.send(json.dumps({"model": MODEL, "prompt": "x"}))  # no type at all: said so, not "None"
+        err = json.loads(conn.recv(timeout=10))["error"]
+        assert err["param"] == "type" and err["message"].startswith('no "type"') and "None" not in err["message"]
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x", "top_p": 1e999}))
+        err = json.loads(conn.recv(timeout=10))["error"]  # JSON's 1e999 is infinity: as HTTP words it
+        assert err["param"] == "top_p" and "finite" in err["message"], err
         conn.send(json.dumps({"type": "completion.create", "model": "nope", "prompt": "x"}))
         assert json.loads(conn.recv(timeout=10))["error"]["type"] == "not_found_error"
         conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "ok", "max_tokens": 2}))

@@ -5,8 +5,10 @@ for T seconds; in the same run the engine alone (same checkpoint, same thread co
 HTTP) generates at batch N with full memories, and the ratio of the two is the server's
 share of its engine. Between them, the engine loop alone (the server's scheduler thread fed
 in-process: no HTTP, no store) splits that share into the engine loop's and the request
-path's. The three alternate in rounds (``--rounds``), so that all see the same state of a
-machine whose speed wanders. Then the product's reason to exist: time to first token when
+path's, and the engine alone waking a waiting thread once a step bounds the engine loop's
+share on this host (what handing tokens to another thread or process costs at the least).
+All alternate in rounds (``--rounds``), so that all see the same state of a machine whose
+speed wanders. Then the product's reason to exist: time to first token when
 continuing a long document from its session vs re-sending the whole document.
 """
 
@@ -227,13 +229,16 @@ class EngineAlone:
         self.engine.decoder.prefill(self.state, ids, chunk_size=self.engine.prefill_chunk)
         self.generated, self.elapsed = 0, 0.0
 
-    def run(self, seconds: float) -> None:
+    def run(self, seconds: float, wake: Callable[[], None] | None = None) -> tuple[int, float]:
+        """Generate for at least ``seconds``; the tokens and seconds it took (also added to the totals). With
+        ``wake``, it is called once a step where the server's loop hands the step's tokens over (after sampling,
+        before the step)."""
         import torch
 
         from model.engine import Generation
         from model.sampling import SamplingParams
 
-        t0 = time.perf_counter()
+        t0, generated = time.perf_counter(), 0
         while True:
             gens = [Generation(SamplingParams(max_tokens=self.tokens, temperature=0.8), self.engine.tokenizer)
                     for _ in range(self.batch)]
@@ -242,11 +247,54 @@ class EngineAlone:
                 chosen = Generation.choose(gens, logits)  # as the server's loop samples
                 for r, g in enumerate(gens):
                     g.accept(chosen[r], logits[r])
+                if wake is not None:
+                    wake()
                 self.engine.decoder.step(self.state, torch.tensor(chosen, device=self.engine.device)[:, None])
-            self.generated += self.batch * self.tokens
+            generated += self.batch * self.tokens
             if time.perf_counter() - t0 >= seconds:
                 break
-        self.elapsed += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.generated += generated
+        self.elapsed += elapsed
+        return generated, elapsed
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.elapsed
+
+
+class EngineWakeup:
+    """The engine alone waking a thread that waits on a pipe once a step, as the server's loop wakes its event loop
+    to hand each step's tokens over: the least any hand-off to another thread or process can cost, so its ratio to
+    the engine alone bounds the engine loop's. The waiting thread does nothing when it wakes. On a host where waking
+    an idle CPU is dear (a VM whose idle vCPUs halt at once) this alone took 6-7% off a batch-1 step, whether the
+    reader was a thread or another process (BENCHMARKS.md, "What a token's hand-off costs")."""
+
+    def __init__(self, alone: EngineAlone) -> None:
+        self.alone = alone
+        self.generated, self.elapsed = 0, 0.0
+
+    def run(self, seconds: float) -> None:
+        import threading
+
+        read_end, write_end = os.pipe()
+
+        def wait() -> None:
+            while os.read(read_end, 4096):  # blocks (GIL released) until the engine writes; b"" once closed
+                pass
+
+        reader = threading.Thread(target=wait, name="bench-wakeup-reader", daemon=True)
+        reader.start()
+        try:
+            generated, elapsed = self.alone.run(seconds, wake=lambda: os.write(write_end, b"t"))
+        finally:
+            os.close(write_end)
+            reader.join(10)
+            os.close(read_end)
+        self.alone.generated -= generated  # the engine alone's own figure stays the engine's without wake-ups
+        self.alone.elapsed -= elapsed
+        self.generated += generated
+        self.elapsed += elapsed
 
     @property
     def tokens_per_s(self) -> float:
@@ -398,8 +446,8 @@ def _summary(concurrency: int, windows: list[_Window]) -> dict[str, Any]:
             "client_cpu_s": sum(w.cpu for w in windows)}
 
 
-def _rate_since(timer: EngineAlone | EngineLoop, generated: int, elapsed: float) -> float:
-    """Tokens/s of an engine-alone or engine-loop timer since it stood at (``generated``, ``elapsed``)."""
+def _rate_since(timer: EngineAlone | EngineLoop | EngineWakeup, generated: int, elapsed: float) -> float:
+    """Tokens/s of an engine-alone, engine-loop or wake-up timer since it stood at (``generated``, ``elapsed``)."""
     return (timer.generated - generated) / (timer.elapsed - elapsed)
 
 
@@ -411,18 +459,22 @@ def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, 
     is steadier than of two taken a minute apart, and the rounds' spread shows how steady it was."""
     sessions = asyncio.run(_sessions(url, concurrency))
     engine_loop = EngineLoop(alone, PROMPT, lengths, stream_interval)
+    wakeup = EngineWakeup(alone)
     try:
-        windows, ratios, loop_ratios = [], [], []
+        windows, ratios, loop_ratios, wakeup_ratios = [], [], [], []
         for _ in range(rounds):
-            before = {timer: (timer.generated, timer.elapsed) for timer in (alone, engine_loop)}
+            before = {timer: (timer.generated, timer.elapsed) for timer in (alone, engine_loop, wakeup)}
             alone.run(duration / rounds / 4)
+            wakeup.run(duration / rounds / 8)
             engine_loop.run(duration / rounds / 4)
             windows.append(asyncio.run(_load(url, model, sessions, duration / rounds, lengths)))
             engine_loop.run(duration / rounds / 4)
+            wakeup.run(duration / rounds / 8)
             alone.run(duration / rounds / 4)
-            engine, looped = (_rate_since(timer, *before[timer]) for timer in (alone, engine_loop))
+            engine, looped, woken = (_rate_since(timer, *before[timer]) for timer in (alone, engine_loop, wakeup))
             ratios.append(windows[-1].tokens / windows[-1].duration / engine)
             loop_ratios.append(looped / engine)
+            wakeup_ratios.append(woken / engine)
     finally:
         engine_loop.close()
     load = _summary(concurrency, windows)
@@ -434,6 +486,9 @@ def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, 
     load["engine_loop_over_engine"] = engine_loop.tokens_per_s / alone.tokens_per_s
     load["engine_loop_over_engine_rounds"] = loop_ratios
     load["server_over_engine_loop"] = load["tokens_per_s"] / engine_loop.tokens_per_s
+    load["engine_wakeup_tokens_per_s"] = wakeup.tokens_per_s  # the engine waking a waiting thread once a step
+    load["engine_wakeup_over_engine"] = wakeup.tokens_per_s / alone.tokens_per_s  # bounds engine_loop_over_engine
+    load["engine_wakeup_over_engine_rounds"] = wakeup_ratios
     return load
 
 
@@ -515,8 +570,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_counts, default=(1, 16, 64), help="streams, e.g. 1,16,64")
     p.add_argument("--duration", type=float, default=10, help="seconds of load per concurrency")
     p.add_argument("--rounds", type=_positive, default=3,
-                   help="alternations of the engine alone, the engine loop alone and the load per concurrency, the "
-                        "duration split among them (each round's ratios are reported, and their median)")
+                   help="alternations of the engine alone, the engine waking a thread once a step, the engine loop "
+                        "alone and the load per concurrency, the duration split among them (each round's ratios "
+                        "are reported, and their median)")
     p.add_argument("--max-tokens", type=int, default=64, help="each request's (its mean with --random-range-ratio)")
     p.add_argument("--random-range-ratio", type=_ratio, default=0.0,
                    help="spread each request's max_tokens uniformly over max-tokens x [1 - r, 1 + r] (as vLLM's "

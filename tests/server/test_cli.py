@@ -129,6 +129,10 @@ def test_bench_serve_json(checkpoint):
             load["engine_loop_tokens_per_s"] / load["engine_tokens_per_s"])
         assert load["server_over_engine_loop"] * load["engine_loop_over_engine"] == pytest.approx(
             load["server_over_engine"])
+        # the engine waking a waiting thread once a step: the floor of any hand-off, timed in the same rounds
+        assert len(load["engine_wakeup_over_engine_rounds"]) == 2 and load["engine_wakeup_tokens_per_s"] > 0
+        assert load["engine_wakeup_over_engine"] == pytest.approx(
+            load["engine_wakeup_tokens_per_s"] / load["engine_tokens_per_s"])
     assert out["continue_speedup"] > 0
     bad = txlserve("bench", "serve", "--rounds", "0", timeout=60)
     assert bad.returncode == 2 and "positive integer" in bad.stderr

@@ -85,12 +85,43 @@ async def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt") 
     return ids
 
 
+def the_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a request, as text or token ids: OpenAI's ``prompt`` may also be a batch (a list of
+    texts or of token lists), which this server takes with one prompt in it."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return prompt
+    if len(prompt) != 1:
+        raise InvalidRequestError(f"prompt: a list of {len(prompt)} prompts; this server completes one prompt per "
+                                  "request (send each as its own request, or token ids as one list of integers)",
+                                  param="prompt")
+    return prompt[0]
+
+
+def prompt_text(rt: Runtime, req: CompletionRequest, ids: list[int]) -> str:
+    """What ``echo`` gives back: the prompt's text, or its token ids' text."""
+    prompt = the_prompt(req)
+    return prompt if isinstance(prompt, str) else rt.engine.tokenizer.decode(ids)
+
+
+def checked_ids(rt: Runtime, ids: list[int], limit: int) -> list[int]:
+    vocab = rt.engine.tokenizer.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt: token id {bad} is not in this model's vocabulary [0, {vocab})",
+                                  param="prompt")
+    if len(ids) > limit:
+        raise PayloadTooLarge(f"prompt is {len(ids)} tokens; the limit is {limit}", param="prompt")
+    return list(ids)
+
+
 async def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
     check_model(rt, req.model)
     if req.stream_options is not None and not req.stream:  # OpenAI refuses it too
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
     params = sampling_params(rt, req)
-    ids = await prompt_ids(rt, req.prompt, rt.settings.max_prompt_bytes)
+    prompt, limit = the_prompt(req), rt.settings.max_prompt_bytes
+    ids = await prompt_ids(rt, prompt, limit) if isinstance(prompt, str) else checked_ids(rt, prompt, limit)
     scored = req.logprobs if req.echo and req.logprobs is not None and ids else None
     return Run(rt, ids=ids, params=params, owner=owner, session_id=req.session_id, prompt_logprobs=scored)
 
@@ -124,6 +155,7 @@ class Completion:
     id: str = field(default_factory=lambda: "cmpl-" + secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
     text: str = ""
+    echoed: str = ""  # the prompt's text, given back first with ``echo``
     tokens: list[int] = field(default_factory=list)
     lps: list[float] = field(default_factory=list)
     tops: list[dict[str, float]] = field(default_factory=list)

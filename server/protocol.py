@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 # Request bodies: no unknown fields, no coercion, and no NaN or infinity (JSON parsers accept ``NaN``; it failed
 # the bounds checks with a message about the bounds)
@@ -35,7 +44,8 @@ class CompletionRequest(BaseModel):
 
     model_config = STRICT
     model: str
-    prompt: str = ""
+    # OpenAI's four forms: text, token ids, or a list of either (a batch); one prompt per request here
+    prompt: str | list[int] | list[str] | list[list[int]] = ""
     max_tokens: int | None = Field(default=16)
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
@@ -55,6 +65,17 @@ class CompletionRequest(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_of_openais_forms(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """One message for a prompt of none of the four forms (pydantic's first is "a valid string", whatever
+        was sent)."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("prompt_type", "must be text, token ids (a list of integers), or a list "
+                                      "holding one of those") from None
 
 
 class SessionCreate(BaseModel):

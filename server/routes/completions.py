@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from model.engine import TokenEvent
-from server.completion import Completion, cancel_on_disconnect, events, open_run
+from server.completion import Completion, cancel_on_disconnect, events, open_run, prompt_text
 from server.deps import owner, request_fields, runtime
 from server.errors import stream_error
 from server.protocol import CompletionRequest
@@ -38,10 +38,10 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                             who: str | None = Depends(owner)) -> dict | StreamingResponse:
     t0 = time.monotonic()
     comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
-    if req.echo:
-        comp.text = req.prompt
     async with cancel_on_disconnect(request.receive, rt.metrics.disconnects.inc) as attach:
         run, first = await open_run(rt, req, who, attach)
+        if req.echo:
+            comp.echoed = comp.text = prompt_text(rt, req, run.ids)
         if not req.stream:
             async for item in events(run, first):
                 if isinstance(item, TokenEvent):
@@ -62,11 +62,11 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
     finished = False
     streamed = 0
     try:
-        if comp.req.echo and comp.req.prompt and run.prompt_logprobs is None:
-            yield _sse(comp.chunk(comp.req.prompt).dump())
+        if comp.req.echo and comp.echoed and run.prompt_logprobs is None:
+            yield _sse(comp.chunk(comp.echoed).dump())
         async for item in events(run, first):
             if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores come first
-                yield _sse(comp.chunk(comp.req.prompt, None, comp.add_prompt(run.ids, item)).dump())
+                yield _sse(comp.chunk(comp.echoed, None, comp.add_prompt(run.ids, item)).dump())
                 continue
             if isinstance(item, TokenEvent):
                 now = time.monotonic()

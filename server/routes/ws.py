@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from model.engine import TokenEvent
-from server.completion import Completion, events, start
+from server.completion import Completion, events, prompt_text, start
 from server.deps import ws_owner
 from server.errors import classify, error_body, stream_error, validation_message
 from server.protocol import CompletionRequest
@@ -108,9 +108,9 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
         await ws.send_json({"type": "error", **stream_error(err)})
         return
     comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
-    echo = req.echo and run.prompt_logprobs is None and bool(req.prompt)  # sent with the first event, not before
     if req.echo:
-        comp.text = req.prompt
+        comp.echoed = comp.text = prompt_text(rt, req, run.ids)
+    echo = req.echo and run.prompt_logprobs is None and bool(comp.echoed)  # sent with the first event, not before
     answered = False
     # the inbox is read from the start: a cancel (or a client that leaves) while the prompt is being read stops
     # it there, and nothing is stored, as over HTTP
@@ -143,10 +143,10 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
                 await ws.send_json({"type": "error", **stream_error(err)})
                 return
             if echo:
-                await ws.send_json(comp.delta(req.prompt, None).dump())
+                await ws.send_json(comp.delta(comp.echoed, None).dump())
                 echo = False
             if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores first
-                await ws.send_json(comp.delta(req.prompt, comp.add_prompt(run.ids, item)).dump())
+                await ws.send_json(comp.delta(comp.echoed, comp.add_prompt(run.ids, item)).dump())
             elif isinstance(item, TokenEvent):
                 logprobs = comp.add(item)
                 if item.text or logprobs is not None:

@@ -43,6 +43,8 @@ def test_completion(client: Client) -> None:
     assert all(len(top) in (2, 3) for top in done.logprobs.top_logprobs)
     again = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, seed=3, logprobs=2)
     assert again.text == done.text  # same seed, same text
+    as_ids = client.completions.create(model=MODEL, prompt=list(b"Hello"), max_tokens=8, seed=3)  # byte model
+    assert as_ids.text == done.text and as_ids.usage.prompt_tokens == 5
 
 
 def test_streaming_completion(client: Client) -> None:

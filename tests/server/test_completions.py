@@ -102,6 +102,28 @@ def test_stop_and_echo(server):
     assert echoed["choices"][0]["text"].startswith("The")
 
 
+def test_openais_four_prompt_forms(server):
+    """Text, token ids, and a batch of one of either (what LangChain and the OpenAI SDK send) read the same; a
+    batch of several, ids outside the vocabulary and lists of other things are refused by name."""
+    ids = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello"}).json()["tokens"]
+    want = complete(server, prompt="Hello", max_tokens=8, temperature=0, logprobs=1)["choices"][0]
+    for form in (ids, ["Hello"], [ids]):
+        got = complete(server, prompt=form, max_tokens=8, temperature=0, logprobs=1)
+        assert got["choices"][0]["text"] == want["text"] and got["usage"]["prompt_tokens"] == len(ids), form
+        assert got["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+            want["logprobs"]["token_logprobs"], abs=1e-5)
+    echoed = complete(server, prompt=ids, max_tokens=3, temperature=0, echo=True)["choices"][0]["text"]
+    assert echoed == "Hello" + want["text"][:3]
+    events = sse_events(server, prompt=[0xE2, 0x98], max_tokens=2, temperature=0, echo=True)  # half a character
+    assert events[0]["choices"][0]["text"] == "\ufffd"  # echoed as the decoder reads those bytes
+    for bad, said in (([[1], [2]], "2 prompts"), ([["a"]], "token ids"), (["a", "b"], "2 prompts"), ([], "0 prompts"),
+                      ([256], "token id 256"), ([-1], "token id -1"), ([True], "token ids"), ([1.5], "token ids"),
+                      (["a", [1]], "token ids"), (7, "token ids")):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": bad}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "prompt" and said in err["message"], (bad, err)
+
+
 def test_openai_sdk_plain_and_streaming(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")

@@ -36,6 +36,11 @@ def test_ws_streams_same_text_as_http_and_serves_many_in_turn(server):
             assert "".join(m["text"] for m in deltas) == want == done["text"]
             assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 9
             assert len({m["id"] for m in msgs}) == 1
+        ids = list(b"Hello")  # the bundled model reads bytes: its token ids are the prompt's bytes
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": ids, "max_tokens": 9,
+                              "temperature": 0, "echo": True}))
+        done = collect(conn)[-1]
+        assert done["type"] == "completion.done" and done["text"] == "Hello" + want, done
 
 
 def test_ws_errors_keep_the_connection(server):

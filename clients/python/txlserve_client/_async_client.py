@@ -76,7 +76,7 @@ class AsyncCompletions:
         self._client = client
 
     @overload
-    async def create(self, *, model: str, prompt: str = "", max_tokens: int | None = None,
+    async def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                      stop: str | Sequence[str] | None = None, seed: int | None = None, logprobs: int | None = None,
                      echo: bool | None = None, n: int | None = None, user: str | None = None,
@@ -84,14 +84,14 @@ class AsyncCompletions:
                      stream: Literal[False] = False) -> Completion: ...
 
     @overload
-    async def create(self, *, model: str, prompt: str = "", max_tokens: int | None = None,
+    async def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                      stop: str | Sequence[str] | None = None, seed: int | None = None, logprobs: int | None = None,
                      echo: bool | None = None, n: int | None = None, user: str | None = None,
                      session_id: str | None = None, stream_options: Mapping[str, bool] | None = None,
                      stream: Literal[True]) -> AsyncStream: ...
 
-    async def create(self, *, model: str, prompt: str = "", max_tokens: int | None = None,
+    async def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                      stop: str | Sequence[str] | None = None, seed: int | None = None, logprobs: int | None = None,
                      echo: bool | None = None, n: int | None = None, user: str | None = None,
@@ -158,7 +158,7 @@ class AsyncWebSocket:
         """``async with client.ws.connect() as conn`` (or ``conn = await client.ws.connect()``)."""
         return AsyncConnect(self._client)
 
-    def stream(self, *, model: str, prompt: str = "", **options: Any) -> AsyncWebSocketStream:
+    def stream(self, *, model: str, prompt: api.Prompt = "", **options: Any) -> AsyncWebSocketStream:
         """One completion on a connection of its own, opened when the stream is first read, closed with it."""
         body = api.completion_body(model, prompt, False, options)
         return AsyncWebSocketStream({"type": "completion.create", **body},

@@ -54,7 +54,11 @@ class Call(Generic[T]):
     headers: Mapping[str, str] | None = None
 
 
-def completion_body(model: str, prompt: str, stream: bool, options: Mapping[str, Any]) -> dict[str, Any]:
+# OpenAI's four forms of a prompt: text, token ids, or a batch of one of either (the server takes one prompt)
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+def completion_body(model: str, prompt: Prompt, stream: bool, options: Mapping[str, Any]) -> dict[str, Any]:
     """The request body: unset options are left out, so the server's defaults apply."""
     body = {"model": model, "prompt": prompt, **{k: v for k, v in options.items() if v is not None}}
     if stream:

@@ -80,21 +80,24 @@ class Completions:
         self._client = client
 
     @overload
-    def create(self, *, model: str, prompt: str = "", max_tokens: int | None = None, temperature: float | None = None,
-               top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
+    def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               stop: str | Sequence[str] | None = None,
                seed: int | None = None, logprobs: int | None = None, echo: bool | None = None, n: int | None = None,
                user: str | None = None, session_id: str | None = None,
                stream_options: Mapping[str, bool] | None = None, stream: Literal[False] = False) -> Completion: ...
 
     @overload
-    def create(self, *, model: str, prompt: str = "", max_tokens: int | None = None, temperature: float | None = None,
-               top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
+    def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               stop: str | Sequence[str] | None = None,
                seed: int | None = None, logprobs: int | None = None, echo: bool | None = None, n: int | None = None,
                user: str | None = None, session_id: str | None = None,
                stream_options: Mapping[str, bool] | None = None, stream: Literal[True]) -> Stream: ...
 
-    def create(self, *, model: str, prompt: str = "", max_tokens: int | None = None, temperature: float | None = None,
-               top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
+    def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               stop: str | Sequence[str] | None = None,
                seed: int | None = None, logprobs: int | None = None, echo: bool | None = None, n: int | None = None,
                user: str | None = None, session_id: str | None = None,
                stream_options: Mapping[str, bool] | None = None, stream: bool = False) -> Completion | Stream:
@@ -165,7 +168,7 @@ class WebSocket:
     def connect(self) -> WebSocketConnection:
         return WebSocketConnection.open(self._client)
 
-    def stream(self, *, model: str, prompt: str = "", **options: Any) -> WebSocketStream:
+    def stream(self, *, model: str, prompt: api.Prompt = "", **options: Any) -> WebSocketStream:
         """One completion on a connection of its own, closed with the stream."""
         conn = self.connect()
         try:

@@ -25,7 +25,7 @@ import websockets.asyncio.client
 import websockets.exceptions
 import websockets.sync.client
 
-from txlserve_client._base import BaseClient, completion_body, connection_error
+from txlserve_client._base import BaseClient, Prompt, completion_body, connection_error
 from txlserve_client._exceptions import APIConnectionError, APIError, AuthenticationError, error_from_body
 from txlserve_client._types import CompletionChunk
 
@@ -92,7 +92,7 @@ class WebSocketConnection:
             raise connect_error(err) from err
         return cls(ws, client.timeout.read, stack)
 
-    def completion(self, *, model: str, prompt: str = "", **options: Any) -> WebSocketStream:
+    def completion(self, *, model: str, prompt: Prompt = "", **options: Any) -> WebSocketStream:
         return self._start(completion_body(model, prompt, False, options))
 
     def _start(self, body: dict[str, Any], *, owns_connection: bool = False) -> WebSocketStream:
@@ -191,7 +191,7 @@ class AsyncWebSocketConnection:
             raise connect_error(err) from err
         return cls(ws, client.timeout.read)
 
-    def completion(self, *, model: str, prompt: str = "", **options: Any) -> AsyncWebSocketStream:
+    def completion(self, *, model: str, prompt: Prompt = "", **options: Any) -> AsyncWebSocketStream:
         """The request is sent when the stream is first read (or entered with ``async with``)."""
         body = completion_body(model, prompt, False, options)
         return AsyncWebSocketStream({"type": "completion.create", **body}, conn=self)

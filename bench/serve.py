@@ -267,8 +267,8 @@ class EngineWakeup:
     """The engine alone waking a thread that waits on a pipe once a step, as the server's loop wakes its event loop
     to hand each step's tokens over: the least any hand-off to another thread or process can cost, so its ratio to
     the engine alone bounds the engine loop's. The waiting thread does nothing when it wakes. On a host where waking
-    an idle CPU is dear (a VM whose idle vCPUs halt at once) this alone took 6-7% off a batch-1 step, whether the
-    reader was a thread or another process (BENCHMARKS.md, "What a token's hand-off costs")."""
+    an idle CPU is dear (a VM whose idle vCPUs halt at once) this read 0.90-0.91 of the engine at batch 1, and a
+    reader in another process cost as much as a thread (BENCHMARKS.md, "The hand-off's floor")."""
 
     def __init__(self, alone: EngineAlone) -> None:
         self.alone = alone

@@ -98,10 +98,14 @@ def the_prompt(req: CompletionRequest) -> str | list[int]:
     return prompt[0]
 
 
-def prompt_text(rt: Runtime, req: CompletionRequest, ids: list[int]) -> str:
-    """What ``echo`` gives back: the prompt's text, or its token ids' text."""
+async def prompt_text(rt: Runtime, req: CompletionRequest) -> str:
+    """What ``echo`` gives back: the prompt's text, or its token ids' text (decoded off the event loop when
+    long, as long texts are tokenized). Called before the run starts, so that nothing can fail once it runs."""
     prompt = the_prompt(req)
-    return prompt if isinstance(prompt, str) else rt.engine.tokenizer.decode(ids)
+    if isinstance(prompt, str):
+        return prompt
+    ids, decode = checked_ids(rt, prompt, rt.settings.max_prompt_bytes), rt.engine.tokenizer.decode
+    return decode(ids) if len(ids) <= _ENCODE_INLINE else await asyncio.to_thread(decode, ids)
 
 
 def checked_ids(rt: Runtime, ids: list[int], limit: int) -> list[int]:

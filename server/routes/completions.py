@@ -38,10 +38,10 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                             who: str | None = Depends(owner)) -> dict | StreamingResponse:
     t0 = time.monotonic()
     comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
+    if req.echo:
+        comp.echoed = comp.text = await prompt_text(rt, req)
     async with cancel_on_disconnect(request.receive, rt.metrics.disconnects.inc) as attach:
         run, first = await open_run(rt, req, who, attach)
-        if req.echo:
-            comp.echoed = comp.text = prompt_text(rt, req, run.ids)
         if not req.stream:
             async for item in events(run, first):
                 if isinstance(item, TokenEvent):

@@ -100,6 +100,9 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
     rt = ws.app.state.runtime
     try:
         req = CompletionRequest.model_validate({**msg, "stream": True})
+        comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
+        if req.echo:
+            comp.echoed = comp.text = await prompt_text(rt, req)
         run = await start(rt, req, who)
     except ValidationError as err:
         await ws.send_json(_invalid(*validation_message(err)))
@@ -107,9 +110,6 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
     except Exception as err:
         await ws.send_json({"type": "error", **stream_error(err)})
         return
-    comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
-    if req.echo:
-        comp.echoed = comp.text = prompt_text(rt, req, run.ids)
     echo = req.echo and run.prompt_logprobs is None and bool(comp.echoed)  # sent with the first event, not before
     answered = False
     # the inbox is read from the start: a cancel (or a client that leaves) while the prompt is being read stops

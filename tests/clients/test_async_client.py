@@ -33,6 +33,8 @@ async def test_completion_and_stream(aclient: AsyncClient) -> None:
         chunks = [c async for c in stream]
     assert "".join(c.text for c in chunks) == done.text
     assert chunks[-1].usage == done.usage
+    as_ids = await aclient.completions.create(model=MODEL, prompt=[list(b"Hello")], max_tokens=10, temperature=0)
+    assert as_ids.text == done.text  # a batch of one token-id prompt (the bundled model's ids are bytes)
 
 
 async def test_sessions(aclient: AsyncClient) -> None:

@@ -75,6 +75,7 @@ async def test_cors_is_off_by_default_and_allows_only_the_configured_origins(red
             _client(app) as c:
         r = await c.options("/v1/completions", headers=preflight)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example.com"
+        assert r.headers["x-request-id"]  # a preflight is a request like any other: logged, counted, with an id
         r = await c.get("/v1/models", headers={"origin": "https://app.example.com"})
         assert r.headers["access-control-allow-origin"] == "https://app.example.com"
         assert "x-request-id" in r.headers["access-control-expose-headers"]

@@ -67,6 +67,20 @@ def test_completion_speaks_words(word_server):
     assert choice["text"] == tok.decode_bytes([tok.index[t] for t in lp["tokens"]], prev=None).decode()
 
 
+def test_token_id_prompts_read_as_their_words(word_server):
+    """OpenAI's token-id prompt on a word vocabulary: the ids /tokenize gives read as the text did, and echo
+    gives their words back."""
+    text = "the cat saw a dog."
+    ids = _post(word_server, "/tokenize", model=MODEL, prompt=text)["tokens"]
+    want = _post(word_server, "/v1/completions", model=MODEL, prompt=text, max_tokens=6, temperature=0)
+    got = _post(word_server, "/v1/completions", model=MODEL, prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert got["usage"]["prompt_tokens"] == len(ids) == 6
+    echoed = got["choices"][0]["text"]
+    assert echoed.endswith(want["choices"][0]["text"]) and echoed[:-len(want["choices"][0]["text"])].strip() == text
+    r = httpx.post(word_server.url + "/v1/completions", json={"model": MODEL, "prompt": [len(VOCAB) + 5]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
 def test_sse_and_websocket_stream_the_same_words(word_server):
     body = dict(model=MODEL, prompt="a dog ran home", max_tokens=8, temperature=0)
     want = _post(word_server, "/v1/completions", **body)["choices"][0]["text"]

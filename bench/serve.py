@@ -532,9 +532,21 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
     result.update({"checkpoint": checkpoint, "model": model, "max_tokens": max_tokens, "rounds": rounds,
                    "random_range_ratio": random_range_ratio, "max_tokens_range": list(lengths.bounds), "seed": seed,
                    "url": url or "spawned", "engine_device": str(alone.engine.device),
+                   "guest_halt_poll_ns": guest_halt_poll_ns(),
                    "stream_interval": stream_interval,  # the engine loop's, and the spawned server's
                    "server_stream_interval": None if url else stream_interval})  # a running server's: unknown
     return result
+
+
+def guest_halt_poll_ns() -> int | None:
+    """How long this machine's idle CPUs poll before halting, where it is a KVM guest that says (Linux's haltpoll
+    driver; None elsewhere). With 0, every hand-off of a token to a waiting thread wakes a halted CPU, which cost a
+    batch-1 step ~9% on a VM measured here; polling longer than a step took one stream from 0.74 to 0.83 of the
+    engine (BENCHMARKS.md, "The hand-off's floor")."""
+    try:
+        return int(Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _counts(text: str) -> tuple[int, ...]:

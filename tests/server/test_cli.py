@@ -134,6 +134,8 @@ def test_bench_serve_json(checkpoint):
         assert load["engine_wakeup_over_engine"] == pytest.approx(
             load["engine_wakeup_tokens_per_s"] / load["engine_tokens_per_s"])
     assert out["continue_speedup"] > 0
+    poll = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")  # the host's idle polling, where it says
+    assert out["guest_halt_poll_ns"] == (int(poll.read_text()) if poll.exists() else None)
     bad = txlserve("bench", "serve", "--rounds", "0", timeout=60)
     assert bad.returncode == 2 and "positive integer" in bad.stderr
     bad = txlserve("bench", "serve", "--stream-interval", "0", timeout=60)

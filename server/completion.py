@@ -109,6 +109,7 @@ async def prompt_text(rt: Runtime, req: CompletionRequest) -> str:
 
 
 def checked_ids(rt: Runtime, ids: list[int], limit: int) -> list[int]:
+    """A token-id prompt the model can read: an id outside the vocabulary would index past the embedding."""
     vocab = rt.engine.tokenizer.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:

@@ -229,10 +229,15 @@ class EngineAlone:
         self.engine.decoder.prefill(self.state, ids, chunk_size=self.engine.prefill_chunk)
         self.generated, self.elapsed = 0, 0.0
 
-    def run(self, seconds: float, wake: Callable[[], None] | None = None) -> tuple[int, float]:
-        """Generate for at least ``seconds``; the tokens and seconds it took (also added to the totals). With
-        ``wake``, it is called once a step where the server's loop hands the step's tokens over (after sampling,
-        before the step)."""
+    def run(self, seconds: float) -> None:
+        generated, elapsed = self.generate(seconds)
+        self.generated += generated
+        self.elapsed += elapsed
+
+    def generate(self, seconds: float, wake: Callable[[], None] | None = None) -> tuple[int, float]:
+        """Generate for at least ``seconds``; the tokens and seconds it took (not added to this timer's totals).
+        With ``wake``, it is called once a step where the server's loop hands the step's tokens over (after
+        sampling, before the step)."""
         import torch
 
         from model.engine import Generation
@@ -253,10 +258,7 @@ class EngineAlone:
             generated += self.batch * self.tokens
             if time.perf_counter() - t0 >= seconds:
                 break
-        elapsed = time.perf_counter() - t0
-        self.generated += generated
-        self.elapsed += elapsed
-        return generated, elapsed
+        return generated, time.perf_counter() - t0
 
     @property
     def tokens_per_s(self) -> float:
@@ -286,13 +288,11 @@ class EngineWakeup:
         reader = threading.Thread(target=wait, name="bench-wakeup-reader", daemon=True)
         reader.start()
         try:
-            generated, elapsed = self.alone.run(seconds, wake=lambda: os.write(write_end, b"t"))
+            generated, elapsed = self.alone.generate(seconds, wake=lambda: os.write(write_end, b"t"))
         finally:
             os.close(write_end)
             reader.join(10)
             os.close(read_end)
-        self.alone.generated -= generated  # the engine alone's own figure stays the engine's without wake-ups
-        self.alone.elapsed -= elapsed
         self.generated += generated
         self.elapsed += elapsed
 

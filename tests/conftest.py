@@ -195,3 +195,13 @@ def server(checkpoint: Path, redis_url: str, tmp_path_factory: pytest.TempPathFa
     srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("srv")).start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(checkpoint: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A server for the fuzzers (HTTP and WebSocket), one per module: short generations, so that their time goes
+    to many cases rather than a few long ones."""
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("fuzz"),
+                     args=("--max-tokens-limit", "32")).start()
+    yield srv
+    srv.stop()

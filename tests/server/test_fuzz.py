@@ -19,15 +19,6 @@ from tests.live import LiveServer
 pytest.importorskip("schemathesis")
 
 
-@pytest.fixture(scope="module")
-def fuzz_server(checkpoint, redis_url, tmp_path_factory):
-    # short generations, so the time goes to many cases rather than a few long ones
-    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("fuzz"),
-                     args=("--max-tokens-limit", "32")).start()
-    yield srv
-    srv.stop()
-
-
 SECONDS = os.environ.get("TXLSERVE_FUZZ_SECONDS", "25")
 
 

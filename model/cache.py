@@ -8,6 +8,10 @@ the one attention); nothing here computes attention.
 
 Every query attends to itself and exactly the ``mem_len`` tokens before it, so a
 ring of ``mem_len`` slots plus the chunk being fed is all a call ever needs.
+
+A server's decode batch is a table of rows: a :class:`RowTable` decodes each session
+where it lies, by the addresses of its own rings (the fused attention's way), and a
+:class:`SlotTable` copies sessions into rows of one batch tensor (every other way).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from model import fused
 from model.fused import MAX_CHUNK
 
 
@@ -90,19 +95,45 @@ class DecodeState:
 
 
 @dataclass
+class RowBatch:
+    """Sessions decoded together where they lie (a :class:`RowTable`'s rows): each keeps its rings in its own
+    batch-1 :class:`DecodeState`, which a call reads and advances through their addresses."""
+
+    rows: Tensor  # [3, n_layer, batch] int64: where each session's layer inputs, keys and values of each layer are
+    seen: Tensor  # [batch] int64: tokens seen
+    last_logits: Tensor  # [batch, vocab]: the prediction after the last token seen
+
+    @property
+    def batch(self) -> int:
+        return self.seen.numel()
+
+
+@dataclass
 class LayerCache:
     """One layer's ring during one call: the keys/values to attend over before the chunk's own, the
     position table ``W_r R_d`` (d = 0..mem_len) projected once, and where the chunk's last tokens go."""
 
-    hid: Tensor  # [batch, mem_len, d_model]
-    k: Tensor  # [batch, n_head, mem_len, d_head]
-    v: Tensor  # [batch, n_head, mem_len, d_head]
+    hid: Tensor | None  # [batch, mem_len, d_model]; None: the rings are at ``addr``
+    k: Tensor | None  # [batch, n_head, mem_len, d_head]
+    v: Tensor | None  # [batch, n_head, mem_len, d_head]
     r_head_k: Tensor  # [n_head, mem_len+1, d_head]
-    rows: Tensor  # [batch, 1]
-    slots: Tensor  # [batch, keep]: ring slots of the chunk's last `keep` tokens
+    rows: Tensor | None  # [batch, 1]
+    slots: Tensor | None  # [batch, keep]: ring slots of the chunk's last `keep` tokens
     seen: Tensor  # [batch] int64: tokens before the chunk
     fused: bool = False  # calls of up to MAX_CHUNK tokens attend in one C call (model.fused)
     products: bool = False  # every call's products go through the C kernel (model.fused.linear_rows)
+    addr: Tensor | None = None  # [3, batch] int64: each session's rings of this layer (a RowBatch's call)
+    ring: tuple[int, int, int] = (0, 0, 0)  # with addr: a ring's element strides (head, slot, d_head)
+
+    def attend(self, qkv: Tensor, h: Tensor, u: Tensor, vb: Tensor, scale: float) -> Tensor:
+        """The fused attention (:mod:`model.fused`) of a call of up to MAX_CHUNK tokens with queries, keys and
+        values ``qkv [batch, chunk, 3*H*Dh]`` and layer inputs ``h [batch, chunk, d]``: [batch, chunk, H*Dh], before
+        ``o_net``. Their keys, values and inputs are in the rings afterwards."""
+        if self.addr is not None:
+            return fused.attend_rows(qkv, u, vb, self.addr, h, self.r_head_k, self.seen, scale, self.ring)
+        out = fused.attend_one(qkv, u, vb, self.k, self.v, self.r_head_k, self.seen, scale)
+        self.store_hid(h)
+        return out
 
     def store(self, h: Tensor, k: Tensor, v: Tensor) -> None:
         """Put the chunk's last ``keep`` layer inputs ``h [batch, chunk, d]`` and keys/values
@@ -121,13 +152,20 @@ class LayerCache:
 class RingCache:
     """A batch of rings (a :class:`DecodeState`'s tensors) as one call of ``chunk`` tokens sees it."""
 
-    def __init__(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, r_head_k: Tensor, chunk: int,
-                 fused: bool = False) -> None:
+    def __init__(self, hid: Tensor | None, k: Tensor | None, v: Tensor | None, seen: Tensor, r_head_k: Tensor,
+                 chunk: int, fused: bool = False, *, addr: Tensor | None = None,
+                 ring: tuple[int, int, int] = (0, 0, 0)) -> None:
         self.hid, self.k, self.v, self.r_head_k = hid, k, v, r_head_k  # r_head_k [n_layer, H, mem_len+1, Dh]
-        self.seen = seen
-        m, batch, dev = k.size(3), seen.numel(), seen.device
+        self.seen, self.addr, self.ring = seen, addr, ring  # addr [3, n_layer, batch]: a RowBatch's rings
+        m, batch, dev = r_head_k.size(2) - 1, seen.numel(), seen.device
         self.fused = fused and chunk <= MAX_CHUNK  # the C kernel reads the ring once for the chunk's tokens
         self.products = fused
+        if addr is not None:  # only the C kernel reads rings by address
+            if not self.fused:
+                raise ValueError(f"sessions decoded where they lie need the fused attention and at most {MAX_CHUNK} "
+                                 f"tokens a call, not {chunk}")
+            self.rows = self.slots = self.positions = None
+            return
         keep = min(chunk, m)  # only the last mem_len tokens of a chunk enter the ring
         self.rows = torch.arange(batch, device=dev)[:, None]  # [batch, 1]
         self.slots = (seen[:, None] + torch.arange(chunk - keep, chunk, device=dev)).remainder(m)  # [batch, keep]
@@ -145,6 +183,9 @@ class RingCache:
         self.positions = Positions(dist.clamp(0, m)[:, None], blocked[:, None])
 
     def layer(self, i: int) -> LayerCache:
+        if self.addr is not None:
+            return LayerCache(None, None, None, self.r_head_k[i], None, None, self.seen, self.fused, self.products,
+                              self.addr[:, i], self.ring)
         return LayerCache(self.hid[i], self.k[i], self.v[i], self.r_head_k[i], self.rows, self.slots, self.seen,
                           self.fused, self.products)
 
@@ -152,11 +193,12 @@ class RingCache:
 class SlotTable:
     """The decode batch as a fixed-capacity table of rows (as static key/value caches are): rows [0, n) are
     the sessions generating now. A session joins by copying its own state into row n and leaves by moving the
-    last row into its place, so joins and leaves never copy the other sessions' rings. The table grows by
+    last row into its place, so joins and leaves never copy the other sessions' rings. For decoders without the
+    fused attention (a GPU, or no C compiler); with it, :class:`RowTable` copies no ring at all. The table grows by
     doubling up to ``capacity`` (a byte budget's worth of rows), which is the only time rows move together."""
 
-    def __init__(self, new_state: Callable[[int], DecodeState], capacity: int) -> None:
-        self.new_state, self.capacity = new_state, max(1, capacity)
+    def __init__(self, new_state: Callable[..., DecodeState], capacity: int) -> None:
+        self.new_state, self.capacity = new_state, max(1, capacity)  # new_state: a Decoder's ``empty``
         self.table: DecodeState | None = None
         self.n = 0
         self._view: DecodeState | None = None  # rows [0, n) as views, kept while n and the table stay
@@ -178,6 +220,15 @@ class SlotTable:
         self.n += 1
         self._view = None
         return self.n - 1
+
+    def seen_at(self, row: int) -> int:
+        return int(self.table.seen[row])
+
+    def export(self, row: int) -> DecodeState:
+        """``row``'s session as a batch-1 state of its own: a copy (the one a session pays to leave the batch)."""
+        own = self.new_state(1, zeroed=False)  # every part of it is copied over
+        own.copy_row(0, self.table, row)
+        return own
 
     def leave(self, row: int) -> None:
         """Free ``row`` (export it first): the last row moves into its place."""
@@ -202,3 +253,107 @@ class SlotTable:
         self.table.last_logits[start:start + view.batch] = view.last_logits
         if view is not self._view:
             self._view = None  # its scores of those rows are older than the table's now
+
+
+class RowTable:
+    """The decode batch as rows that point at the sessions' own batch-1 states, decoded where they lie (as paged
+    key/value caches are, a session's rings being its page): a session joins and leaves the batch by its
+    addresses alone and comes out as the very state it went in as, so a request copies none of its rings (a
+    :class:`SlotTable` copies each session in and out: 9% of the engine loop's tokens/s at 64 streams,
+    BENCHMARKS.md). Same interface as :class:`SlotTable`; only the fused attention reads rings by address
+    (``Decoder.table`` picks the table). A row's scores and count of tokens live in the table while it is in the
+    batch, and go back into the session's state when it is exported."""
+
+    def __init__(self, new_state: Callable[..., DecodeState], capacity: int) -> None:
+        self.new_state, self.capacity = new_state, max(1, capacity)  # new_state: a Decoder's ``empty``
+        self.like = new_state(1, meta=True)  # the layout a session must have to be read in place (no memory)
+        self.ring = tuple(self.like.k.stride()[2:])  # a ring's element strides (head, slot, d_head)
+        self.states: list[DecodeState] = []  # the session of each row
+        self.rows = torch.zeros(3, self.like.k.size(0), 0, dtype=torch.long)  # [3, n_layer, rows]: addresses
+        self.seen = torch.zeros(0, dtype=torch.long)  # [rows]
+        self.last_logits = torch.zeros(0, self.like.last_logits.size(1))  # [rows, vocab]
+        self._in = set()  # the sessions' key rings, by address: a session is never in two rows
+        self._view: RowBatch | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.states)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.n
+
+    def _fits(self, state: DecodeState) -> bool:
+        """Whether ``state`` can be read in place: one session on this CPU, laid out as the decoder lays it out."""
+        def same(t: Tensor, like: Tensor, layer_dims: int) -> bool:
+            return (t.device.type == "cpu" and t.dtype == like.dtype and t.shape == like.shape
+                    and t.stride()[-layer_dims:] == like.stride()[-layer_dims:])
+
+        like = self.like
+        return (same(state.hid, like.hid, 2) and same(state.k, like.k, 3) and same(state.v, like.v, 3)
+                and same(state.seen, like.seen, 1) and same(state.last_logits, like.last_logits, 1))
+
+    def join(self, state: DecodeState) -> int:
+        """Add a batch-1 ``state`` as the next row (by reference; a state laid out otherwise is copied once into
+        one that is not); its row index. The table owns the state until :meth:`export`."""
+        if self.n >= self.capacity:
+            raise RuntimeError("the slot table is full")
+        if not self._fits(state):
+            own = self.new_state(1, zeroed=False)
+            own.copy_row(0, state)
+            state = own
+        key = state.k.data_ptr()
+        if key in self._in:
+            raise RuntimeError("this session is already in the batch")
+        r = self.n
+        if r == self.seen.numel():  # grow the small tensors; the sessions stay where they are
+            size = min(self.capacity, max(4, 2 * r))
+            rows, seen = torch.zeros(3, self.rows.size(1), size, dtype=torch.long), torch.zeros(size, dtype=torch.long)
+            logits = torch.zeros(size, self.last_logits.size(1))
+            rows[:, :, :r], seen[:r], logits[:r] = self.rows, self.seen, self.last_logits
+            self.rows, self.seen, self.last_logits = rows, seen, logits
+        layers = torch.arange(self.rows.size(1))  # [n_layer]
+        for j, t in enumerate((state.hid, state.k, state.v)):
+            self.rows[j, :, r] = t.data_ptr() + t.element_size() * t.stride(0) * layers
+        self.seen[r], self.last_logits[r] = state.seen[0], state.last_logits[0]
+        self.states.append(state)
+        self._in.add(key)
+        self._view = None
+        return r
+
+    def seen_at(self, row: int) -> int:
+        return int(self.seen[row])
+
+    def export(self, row: int) -> DecodeState:
+        """``row``'s session: the state that joined, its scores and count of tokens brought up to date (no copy
+        of its rings). Call :meth:`leave` next: the table no longer writes it."""
+        state = self.states[row]
+        state.seen[0], state.last_logits[0] = self.seen[row], self.last_logits[row]
+        return state
+
+    def leave(self, row: int) -> None:
+        """Free ``row`` (export it first): the last row's addresses move into its place."""
+        last = self.n - 1
+        self._in.discard(self.states[row].k.data_ptr())
+        if row != last:
+            self.rows[:, :, row], self.seen[row] = self.rows[:, :, last], self.seen[last]
+            self.last_logits[row] = self.last_logits[last]
+            self.states[row] = self.states[last]
+        self.states.pop()
+        self._view = None
+
+    def active(self, start: int = 0, end: int | None = None) -> RowBatch:
+        """Rows [start, end) (default: every row in use), for one step; call :meth:`stepped` after it."""
+        end = self.n if end is None else end
+        if start == 0 and end == self.n and self._view is not None:
+            return self._view
+        view = RowBatch(self.rows[:, :, start:end], self.seen[start:end], self.last_logits[start:end])
+        if start == 0 and end == self.n:
+            self._view = view
+        return view
+
+    def stepped(self, view: RowBatch, start: int = 0) -> None:
+        """Keep the next-token scores of a step on rows [start, start + view.batch)."""
+        self.last_logits[start:start + view.batch] = view.last_logits
+        if view is not self._view:
+            self._view = None

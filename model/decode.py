@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from model.cache import DecodeState, RingCache, column_major
+from model.cache import DecodeState, RingCache, RowBatch, RowTable, SlotTable, column_major
 from model.fused import MAX_D_HEAD
 from model.fused import available as attention_kernel_built
 from model.transformer_xl import MemTransformerLM
@@ -85,44 +85,53 @@ class Decoder:
         # where the kernels build.
         fusable = self.device.type == "cpu" and self.dtype == torch.float32 and self.cfg.d_head <= MAX_D_HEAD
         self.fused = fusable and (fused is None or fused) and attention_kernel_built()
-        self._graphs: dict[int, torch.jit.ScriptModule] = {}  # by chunk length
+        self.ring = tuple(self.empty(1, meta=True).k.stride()[2:])  # a session's ring's strides (head, slot, d)
+        self._graphs: dict[tuple[int, bool], torch.jit.ScriptModule] = {}  # by chunk length, and rows or not
         self._tracing = threading.Lock()
 
     def _layout(self, t: Tensor) -> Tensor:
         return column_major(t) if self.columns else t
 
-    def _ring(self, batch: int, new: Callable[..., Tensor]) -> Tensor:
+    def _ring(self, batch: int, new: Callable[..., Tensor], device: torch.device | str) -> Tensor:
         """A ring [n_layer, batch, H, mem_len, Dh] made by ``new`` (zeros, empty), in its layout (no copy)."""
-        c, kw = self.cfg, dict(device=self.device, dtype=self.dtype)
+        c, kw = self.cfg, dict(device=device, dtype=self.dtype)
         if self.columns:
             return new(c.n_layer, batch, c.n_head, c.d_head, self.mem_len, **kw).transpose(-1, -2)
         return new(c.n_layer, batch, c.n_head, self.mem_len, c.d_head, **kw)
 
-    def empty(self, batch: int = 1, *, zeroed: bool = True) -> DecodeState:
+    def empty(self, batch: int = 1, *, zeroed: bool = True, meta: bool = False) -> DecodeState:
         """``batch`` sessions with nothing seen. ``zeroed=False`` leaves the memory unwritten, for a state every
         row of which is about to be copied over (a session leaving the batch: 1.5 MB of zeros saved per request
-        on the bundled checkpoint)."""
-        c, m, kw = self.cfg, self.mem_len, dict(device=self.device, dtype=self.dtype)
+        on the bundled checkpoint); ``meta=True`` gives the shapes and layouts alone, with no memory."""
+        c, m, dev = self.cfg, self.mem_len, "meta" if meta else self.device
         new = torch.zeros if zeroed else torch.empty
         return DecodeState(
-            hid=new(c.n_layer, batch, m, c.d_model, **kw),
-            k=self._ring(batch, new),
-            v=self._ring(batch, new),
-            seen=torch.zeros(batch, dtype=torch.long, device=self.device),
-            last_logits=torch.zeros(batch, c.vocab_size, device=self.device, dtype=torch.float32),
+            hid=new(c.n_layer, batch, m, c.d_model, device=dev, dtype=self.dtype),
+            k=self._ring(batch, new, dev),
+            v=self._ring(batch, new, dev),
+            seen=torch.zeros(batch, dtype=torch.long, device=dev),
+            last_logits=torch.zeros(batch, c.vocab_size, device=dev, dtype=torch.float32),
         )
 
+    def table(self, capacity: int) -> SlotTable | RowTable:
+        """The decode batch of a server's engine loop: sessions decoded where they lie when the fused attention
+        reads their rings (no copy as they join and leave), else a table of rows they are copied into."""
+        return RowTable(self.empty, capacity) if self.kernels else SlotTable(self.empty, capacity)
+
     @torch.no_grad()
-    def advance(self, state: DecodeState, tokens: Tensor) -> Tensor:
+    def advance(self, state: DecodeState | RowBatch, tokens: Tensor) -> Tensor:
         """Feed ``tokens [batch, chunk]`` to every session of ``state`` (in place): the last layer's outputs
         [batch, chunk, d_model]; only the next token's scores are computed (``state.last_logits``), so a long
-        prompt never builds a [tokens, vocab] table (267,735 words wide for the published WikiText-103 model)."""
-        graph = self.graph(tokens.size(1)) if self.traced else None
+        prompt never builds a [tokens, vocab] table (267,735 words wide for the published WikiText-103 model).
+        A :class:`RowBatch` (sessions where they lie) takes calls of up to ``fused.MAX_CHUNK`` tokens."""
+        rows = isinstance(state, RowBatch)
+        graph = self.graph(tokens.size(1), rows) if self.traced else None
+        args = (state.rows, state.seen, tokens) if rows else (state.hid, state.k, state.v, state.seen, tokens)
         if graph is None:
-            h, state.last_logits = self.forward(state.hid, state.k, state.v, state.seen, tokens)  # [b, c, d], [b, V]
+            h, state.last_logits = (self.forward_rows if rows else self.forward)(*args)  # [b, c, d], [b, V]
             return h
         try:
-            h, state.last_logits = graph(state.hid, state.k, state.v, state.seen, tokens)  # [b, c, d], [b, V]
+            h, state.last_logits = graph(*args)  # [b, c, d], [b, V]
         except Exception as err:  # this call fails (its rows are the caller's to drop); later ones run eagerly
             log.warning("steps run eagerly from now on: a traced step failed (%s: %s)", type(err).__name__, err)
             self.traced = False
@@ -137,25 +146,33 @@ class Decoder:
     def forward(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """One call on a state's tensors, which it advances in place: the last layer's outputs [batch, chunk,
         d_model] and the next token's scores [batch, vocab] (float32). Tensors in and out, so it can be traced."""
-        cache = RingCache(hid, k, v, seen, self.r_head_k, tokens.size(1), self.kernels)
+        return self._call(RingCache(hid, k, v, seen, self.r_head_k, tokens.size(1), self.kernels), tokens)
+
+    def forward_rows(self, rows: Tensor, seen: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` on sessions where they lie: a :class:`RowBatch`'s addresses ``rows [3, n_layer,
+        batch]`` and ``seen``, which it advances in place."""
+        return self._call(RingCache(None, None, None, seen, self.r_head_k, tokens.size(1), self.kernels,
+                                    addr=rows, ring=self.ring), tokens)
+
+    def _call(self, cache: RingCache, tokens: Tensor) -> tuple[Tensor, Tensor]:
         h, _ = self.model.hidden(tokens, cache=cache)  # [batch, chunk, d_model]
-        seen += tokens.size(1)
+        cache.seen += tokens.size(1)
         return h, self.model.crit.logits(h[:, -1]).float()  # [batch, vocab]
 
-    def graph(self, chunk: int) -> torch.jit.ScriptModule | None:
-        """:meth:`forward` for ``chunk`` tokens, traced once per length (on first use) by :func:`trace_step`;
-        None for chunks longer than MAX_TRACED_CHUNK, or where tracing failed (TorchScript is deprecated and may
-        go): calls then run eagerly, with the same results."""
+    def graph(self, chunk: int, rows: bool = False) -> torch.jit.ScriptModule | None:
+        """:meth:`forward` (``rows``: :meth:`forward_rows`) for ``chunk`` tokens, traced once per length (on first
+        use) by :func:`trace_step`; None for chunks longer than MAX_TRACED_CHUNK, or where tracing failed
+        (TorchScript is deprecated and may go): calls then run eagerly, with the same results."""
         if not 1 <= chunk <= MAX_TRACED_CHUNK:
             return None
         with self._tracing:
-            if chunk not in self._graphs and self.traced:
+            if (chunk, rows) not in self._graphs and self.traced:
                 try:
-                    self._graphs[chunk] = trace_step(self, chunk)
+                    self._graphs[chunk, rows] = trace_step(self, chunk, rows)
                 except Exception as err:  # any failure leaves the eager path, which is exact
                     log.warning("steps run eagerly: tracing them failed (%s: %s)", type(err).__name__, err)
                     self.traced = False
-            return self._graphs.get(chunk) if self.traced else None
+            return self._graphs.get((chunk, rows)) if self.traced else None
 
     def one_token_graph(self) -> torch.jit.ScriptModule | None:
         """The graph of a decode step (:meth:`graph` of one token)."""
@@ -163,13 +180,17 @@ class Decoder:
 
     @torch.no_grad()
     def warm_up(self) -> None:
-        """Trace the one-token step and run it twice on a scratch state, so that the first request does not
-        pay for it (about 0.3 s for the bundled model: the trace, then TorchScript's profiling runs)."""
+        """Trace the one-token step (of a :meth:`table`'s batch, and of a state's) and run it twice on a scratch
+        state, so that the first request does not pay for it (about 0.3 s each for the bundled model: the trace,
+        then TorchScript's profiling runs)."""
         if self.traced and self.one_token_graph() is not None:
             s, tokens = self.empty(1), torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
+            table = self.table(1)
+            table.join(self.empty(1))
             with contextlib.suppress(Exception):  # a failure has been logged, and steps run eagerly
                 for _ in range(2):
                     self.advance(s, tokens)
+                    self.advance(table.active(), tokens)
 
     def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
         """:meth:`advance`, with every token's scores: logits [batch, chunk, vocab] (float32)."""
@@ -196,31 +217,39 @@ class Decoder:
 
 
 class _Forward(torch.nn.Module):
-    """:meth:`Decoder.forward` as a module holding the model, so that a trace reads the weights from the
-    model (shared, as they are) instead of freezing copies of them as constants."""
+    """:meth:`Decoder.forward` (or ``forward_rows``) as a module holding the model, so that a trace reads the
+    weights from the model (shared, as they are) instead of freezing copies of them as constants."""
 
-    def __init__(self, decoder: Decoder) -> None:
+    def __init__(self, decoder: Decoder, rows: bool) -> None:
         super().__init__()
-        self.model, self.forward_fn = decoder.model, decoder.forward
+        self.model, self.forward_fn = decoder.model, decoder.forward_rows if rows else decoder.forward
         self.register_buffer("r_head_k", decoder.r_head_k, persistent=False)
 
-    def forward(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        return self.forward_fn(hid, k, v, seen, tokens)
+    def forward(self, *state: Tensor) -> tuple[Tensor, Tensor]:
+        return self.forward_fn(*state)
 
 
-def trace_step(decoder: Decoder, chunk: int) -> torch.jit.ScriptModule:
+def trace_step(decoder: Decoder, chunk: int, rows: bool = False) -> torch.jit.ScriptModule:
     """A call of ``chunk`` tokens as one TorchScript graph: one Python call instead of a few hundred torch ops,
     each of which gives the GIL up and takes it back, so a server's event loop no longer stretches every step (a
     64-row step took twice as long beside one in BENCHMARKS.md), and batch-1 steps lose most of their dispatch
     cost. The batch size stays symbolic (sizes are traced as ops), so one trace serves every batch; tests check
-    it equals :meth:`Decoder.forward` at other batch sizes, ring wrap included. Traced on a scratch state."""
-    scratch = decoder.empty(2)
+    it equals :meth:`Decoder.forward` at other batch sizes, ring wrap included. Traced on a scratch state (with
+    ``rows``, two scratch sessions read where they lie, whose addresses are the graph's input, not constants)."""
     tokens = torch.zeros(2, chunk, dtype=torch.long, device=decoder.device)  # [batch, chunk]
+    if rows:
+        table = RowTable(decoder.empty, 2)
+        for _ in range(2):
+            table.join(decoder.empty(1))
+        view = table.active()
+        inputs = (view.rows, view.seen, tokens)
+    else:
+        scratch = decoder.empty(2)
+        inputs = (scratch.hid, scratch.k, scratch.v, scratch.seen, tokens)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # Python ints of sizes: checked by the tests
         warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates tracing; the fallback is eager
-        return torch.jit.trace(_Forward(decoder), (scratch.hid, scratch.k, scratch.v, scratch.seen, tokens),
-                               check_trace=False)
+        return torch.jit.trace(_Forward(decoder, rows), inputs, check_trace=False)
 
 
 class GraphedStep:

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_CHUNK", "MAX_D_HEAD", "attend_one", "available", "linear_rows", "matmul", "sample_rows"]
+__all__ = ["MAX_CHUNK", "MAX_D_HEAD", "attend_one", "attend_rows", "available", "linear_rows", "matmul",
+           "sample_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,16 @@ def attend_one(qkv: Tensor, u: Tensor, vb: Tensor, k: Tensor, v: Tensor, table: 
     [bsz]`` tokens came before them. Stores their keys and values into slots ``(seen + i) % mem_len`` and returns
     the attention's output ``[bsz, L, H*Dh]`` (before ``o_net``)."""
     return torch.ops.txlserve.attend_one(qkv, u, vb, k, v, table, seen, scale)
+
+
+def attend_rows(qkv: Tensor, u: Tensor, vb: Tensor, rows: Tensor, h: Tensor, table: Tensor, seen: Tensor,
+                scale: float, ring: tuple[int, int, int]) -> Tensor:
+    """:func:`attend_one` for sessions decoded where they lie (:class:`model.cache.RowTable`): row ``b``'s layer
+    input ring ``[mem_len, d_model]`` and key and value rings ``[H, mem_len, Dh]`` (element strides ``ring``) are
+    at the addresses ``rows[:, b]`` (int64 ``[3, bsz]``). Also stores the chunk's last layer inputs ``h [bsz, L,
+    d_model]``. The addresses are trusted: the table keeps every session alive and checked its layout as it
+    joined."""
+    return torch.ops.txlserve.attend_rows(qkv, u, vb, rows, h, table, seen, scale, list(ring))
 
 
 def linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -143,9 +143,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         kernel = fused_products(cache)
         if fused_step(h, cache):  # a CPU decode step (or a short prompt): the same math in one C call
             qkv = linear(self.qkv_net, self.layer_norm(h) if self.pre_lnorm else h, kernel)  # [bsz, qlen, 3*H*Dh]
-            vec = fused.attend_one(qkv, r_w_bias, r_r_bias, cache.k, cache.v, cache.r_head_k, cache.seen,
-                                   self.scale)  # [bsz, qlen, H*Dh]; their keys and values are in the ring now
-            cache.store_hid(h)
+            vec = cache.attend(qkv, h, r_w_bias, r_r_bias, self.scale)  # [bsz, qlen, H*Dh]; h, k, v in the ring now
         else:
             vec = self._attend(h, pos, r_w_bias, r_r_bias, mems, cache, kernel)  # [bsz, qlen, H*Dh]
         attn_out = self.drop(linear(self.o_net, vec, kernel))  # [bsz, qlen, d_model]

@@ -3,7 +3,9 @@
 Each iteration reads up to one prefill chunk of prompt tokens across the waiting
 requests (round robin, so a long document never stalls the streams and many short
 prompts are read at once), then runs one decode step for every request in the batch
-(continuous batching over a slot table: requests join and leave at any step; a short
+(continuous batching over a table of rows, ``Decoder.table``: requests join and leave at
+any step, and on a CPU with the fused attention a session is decoded where it lies, so
+joining and leaving copy none of its rings; a short
 prompt joining a busy batch is fed through those steps, a token a step, as vLLM mixes
 prompt tokens into decode batches). Results go back to the asyncio side once per
 iteration, one wake-up per event loop; with ``stream_interval`` N > 1 (vLLM's setting), a
@@ -27,7 +29,6 @@ from typing import Any
 
 import torch
 
-from model.cache import SlotTable
 from model.decode import DecodeState
 from model.engine import Engine, Generation, Score, TokenEvent
 from model.sampling import SamplingParams
@@ -40,7 +41,8 @@ log = logging.getLogger("txlserve.scheduler")
 class Finished:
     """The last item of a request: the state to commit, why it ended, and (appends) the score."""
 
-    state: DecodeState | None  # the session after this request (batch 1, its own copy); None: nothing was read
+    state: DecodeState | None  # the session after this request (batch 1: the state submitted, advanced in place,
+    # where the fused attention decoded it where it lay; else a copy); None: nothing was read
     tokens_seen: int
     finish_reason: str | None  # "stop" | "length" | "cancelled" | None (append)
     completion_tokens: int = 0
@@ -66,7 +68,7 @@ class JobFailed:
 
 @dataclass(eq=False)  # identity semantics: jobs live in sets
 class Job:
-    state: DecodeState | None  # batch-1 state while prefilling; None once copied into a row of the slot table
+    state: DecodeState | None  # batch-1 state while prefilling; None once it joined the decode batch (which holds it)
     pending: list[int]  # tokens still to feed
     params: SamplingParams | None  # None: feed only (append), no generation
     loop: asyncio.AbstractEventLoop  # where the request waits: its items are put into ``inbox`` on that loop
@@ -142,7 +144,7 @@ class Scheduler:
         self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.prefilling: deque[Job] = deque()
         self.ready: deque[Job] = deque()  # prompt read, waiting for a row of the slot table
-        self.slots = SlotTable(engine.new_state, self.capacity)
+        self.slots = engine.decoder.table(self.capacity)  # the decode batch (model.cache: RowTable or SlotTable)
         self.running: list[Job] = []  # the job of each active row
         self.active: set[Job] = set()  # accepted and not yet answered
         self.steps = 0
@@ -252,7 +254,7 @@ class Scheduler:
                 log.exception("engine step failed")
                 for job in list(self.active):
                     self._finish(job, JobFailed(err))
-                self.running, self.slots = [], SlotTable(self.engine.new_state, self.capacity)
+                self.running, self.slots = [], self.engine.decoder.table(self.capacity)
                 self.prefilling.clear()
                 self.ready.clear()
                 self._flush()
@@ -320,22 +322,19 @@ class Scheduler:
         if job.prompt_logprobs is not None:
             self._emit(job, PromptScores(job.prompt_scores))
         if job.params is None:
-            self._finish(job, self._done(job, job.state, 0, None))
+            self._finish(job, self._done(job, None, None))
         else:
             job.generation = Generation(job.params, self.engine.tokenizer, job.prev)
             self.ready.append(job)
         self.prefilling.popleft()
         return max(1, len(chunk))
 
-    def _done(self, job: Job, state: DecodeState, row: int, reason: str | None) -> Finished:
-        """The request's session as a batch-1 state of its own: the job's, or its row of the slot table copied
-        out (the one copy a generating session pays to leave the batch)."""
+    def _done(self, job: Job, row: int | None, reason: str | None) -> Finished:
+        """The request's session as a batch-1 state of its own: the job's, or its ``row`` of the slot table,
+        exported (the session that joined; a copy where the table copies sessions in)."""
         if job.pending:  # left while its prompt was still being fed: a partial prompt is never stored
-            return Finished(None, int(state.seen[row]), reason)
-        if state is not job.state:
-            own = self.engine.decoder.empty(1, zeroed=False)  # every part of it is copied over
-            own.copy_row(0, state, row)
-            state = own
+            return Finished(None, int(job.state.seen[0]) if row is None else self.slots.seen_at(row), reason)
+        state = job.state if row is None else self.slots.export(row)
         generated = list(job.generation.tokens) if job.generation else []
         queue_s = None if job.started is None else job.started - job.submitted
         prefill_s = None if job.read is None or job.started is None else job.read - job.started
@@ -343,22 +342,22 @@ class Scheduler:
                         job.score if job.params is None else None, generated, queue_s, prefill_s)
 
     def _regroup(self, leaving: list[int], failed: dict[int, BaseException] | None = None) -> None:
-        """Finished (or failed) rows leave the slot table and waiting requests join it while it has rows; each
-        move copies only the session that moves. Joining short prompts are then read in place, in one pass,
-        when the batch was empty; otherwise they ride along in the decode steps, one token a step
-        (:meth:`_decode_step`): a pass of their own would hold every generating row up, and requests that end at
+        """Finished (or failed) rows leave the decode table and waiting requests join it while it has rows; no
+        move copies another session (and with the fused attention none copies any ring at all). Joining short
+        prompts are then read in place, in one pass, when the batch was empty; otherwise they ride along in the
+        decode steps, one token a step (:meth:`_decode_step`): a pass of their own would hold every generating row up, and requests that end at
         different steps join a few at a time, so a load of mixed lengths had such a pass almost every step
         (BENCHMARKS.md: the engine loop at 16 streams 0.82 -> 0.87 of the engine alone)."""
         failed = failed or {}
         for r in leaving:
             job = self.running[r]
-            self._finish(job, self._done(job, self.slots.table, r, job.generation.finish_reason or "cancelled"))
+            self._finish(job, self._done(job, r, job.generation.finish_reason or "cancelled"))
         self._drop(set(leaving), failed)
         joining = []
         while self.ready and len(joining) < self.slots.free:
             job = self.ready.popleft()
             if job.cancelled:  # left before its first token: commit the prompt
-                self._finish(job, self._done(job, job.state, 0, "cancelled"))
+                self._finish(job, self._done(job, None, "cancelled"))
                 continue
             joining.append(job)
         first = len(self.running)
@@ -413,7 +412,7 @@ class Scheduler:
     def _decode_step(self) -> None:
         for job in [j for j in self.ready if j.cancelled]:  # left before its first token: commit the prompt
             self.ready.remove(job)
-            self._finish(job, self._done(job, job.state, 0, "cancelled"))
+            self._finish(job, self._done(job, None, "cancelled"))
         cancelled = [r for r, job in enumerate(self.running) if job.cancelled]
         if cancelled or self.ready:
             self._regroup(cancelled)

@@ -15,7 +15,9 @@
    the ring in the same pass, so a short prompt costs one pass, as a decode step does. A call handles the rows
    h*B + b in [begin, end), so the op can split a batch's rows across threads. Float32 only; every tensor is
    passed as a pointer with its element strides, so column-major rings (model/cache.py) stream contiguous
-   rows. */
+   rows. Each row's rings are their own pointers (krows[b], vrows[b]): one batch tensor's rows, or sessions'
+   own states decoded together where they lie (model/cache.RowTable), so that joining and leaving a batch
+   copies no ring. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -103,8 +105,8 @@ int txl_attend_one(int64_t begin, int64_t end,                      /* rows h*B 
                    int64_t B, int64_t H, int64_t D, int64_t M, int64_t L,
                    const float *qkv, int64_t qkv_sb, int64_t qkv_sl,   /* [B, L, 3*H*D]: the tokens' q, k, v */
                    const float *u, const float *vb,                     /* [H, D] each: r_w_bias, r_r_bias */
-                   float *kr, float *vr,                                /* rings [B, H, M, D], these strides: */
-                   int64_t r_sb, int64_t r_sh, int64_t r_sj, int64_t r_sd,
+                   float *const *krows, float *const *vrows,            /* row b's rings [H, M, D], strides: */
+                   int64_t r_sh, int64_t r_sj, int64_t r_sd,
                    const float *tab,                                    /* W_r R [H, M+1, D], these strides: */
                    int64_t t_sh, int64_t t_sj, int64_t t_sd,
                    const int64_t *seen, float scale,
@@ -138,7 +140,7 @@ int txl_attend_one(int64_t begin, int64_t end,                      /* rows h*B 
         const int64_t last = seen[b] - 1;
         const int64_t top = last < 0 ? -1 : last % M;  /* the slot of the newest stored token */
         const float *q0 = qkv + b * qkv_sb + h * D;  /* token i's q at q0 + i qkv_sl; its k, v H*D and 2H*D on */
-        float *K = kr + b * r_sb + h * r_sh, *V = vr + b * r_sb + h * r_sh;
+        float *K = krows[b] + h * r_sh, *V = vrows[b] + h * r_sh;
         for (int64_t i = 0; i < L; i++)
             for (int64_t d = 0; d < D; d++) qu[i * D + d] = q0[i * qkv_sl + d] + u[h * D + d];
         project(s, M + 1, K, r_sj, r_sd, qu, L, D, M);  /* (q + u) . k_j for every slot: [L, M] */
@@ -196,7 +198,7 @@ int txl_attend_one(int64_t begin, int64_t end,                      /* rows h*B 
             values(o0, H * D, V, r_sj, r_sd, s, M, D, L, chunk_p, inv, q0 + 2 * H * D, qkv_sl, NULL, NULL);
         else
             values(o0, H * D, V, r_sj, r_sd, s, M, D, L, chunk_p, inv, q0 + 2 * H * D, qkv_sl,
-                   kr + (next % B) * r_sb + (next / B) * r_sh, vr + (next % B) * r_sb + (next / B) * r_sh);
+                   krows[next % B] + (next / B) * r_sh, vrows[next % B] + (next / B) * r_sh);
         for (int64_t i = L > M ? L - M : 0; i < L; i++) {  /* the chunk's last M tokens enter the ring */
             const int64_t slot = (seen[b] + i) % M;
             const float *kn = q0 + i * qkv_sl + H * D, *vn = kn + H * D;

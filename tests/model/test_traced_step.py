@@ -9,7 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import model.decode as decode
-from model.cache import SlotTable
+from model.cache import DecodeState, RowTable, SlotTable
 from model.decode import Decoder
 from model.fused import available as fused_available
 from model.transformer_xl import MemTransformerLM
@@ -24,15 +24,32 @@ def _model(**kw) -> MemTransformerLM:
     return model
 
 
-def _table(decoder: Decoder, lengths: list[int]) -> SlotTable:
-    """A slot table (rows are views of a larger table, as in the server) of sessions fed ``lengths`` tokens."""
-    table = SlotTable(decoder.empty, capacity=max(16, len(lengths)))
+TABLES = [SlotTable, pytest.param(RowTable, marks=pytest.mark.skipif(not fused_available(), reason="no C compiler"))]
+
+
+def _table(decoder: Decoder, lengths: list[int], kind: type = SlotTable) -> SlotTable | RowTable:
+    """A decode table as the server's (a slot table's rows are views of a larger table; a row table's are the
+    sessions' own states) of sessions fed ``lengths`` tokens."""
+    table = kind(decoder.empty, capacity=max(16, len(lengths)))
     g = torch.Generator().manual_seed(1)
     for n in lengths:
         one = decoder.empty(1)
         decoder.prefill(one, torch.randint(0, 256, (1, n), generator=g), chunk_size=5)
         table.join(one)
     return table
+
+
+def _sessions(table: SlotTable | RowTable) -> DecodeState:
+    """Every row's session, as one state."""
+    if isinstance(table, SlotTable):
+        return table.table.span(0, table.n)
+    return DecodeState.cat([table.export(r) for r in range(table.n)])
+
+
+def _same_sessions(a: SlotTable | RowTable, b: SlotTable | RowTable) -> None:
+    sa, sb = _sessions(a), _sessions(b)
+    for name in ("hid", "k", "v", "seen", "last_logits"):
+        assert torch.equal(getattr(sa, name), getattr(sb, name)), name
 
 
 class _Count(TorchFunctionMode):
@@ -47,15 +64,17 @@ class _Count(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("kind", TABLES)
 @pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(pre_lnorm=True, untie_r=False),
                                  dict(vocab_size=300, cutoffs=(100, 200), div_val=1, d_embed=32)])  # adaptive softmax
-def test_traced_steps_equal_eager_steps_at_every_batch_size(cfg):
+def test_traced_steps_equal_eager_steps_at_every_batch_size(cfg, kind):
     """Traced once on a batch of 2, the graph serves batches of 1, 3 and 9 (sizes stay symbolic), on rows of a
-    slot table, with rings wrapped (mem_len 6) and not yet full, exactly as the eager step does."""
+    slot table (or sessions where they lie, whose addresses are the graph's input), with rings wrapped (mem_len
+    6) and not yet full, exactly as the eager step does."""
     model = _model(**cfg)
     eager, traced = Decoder(model, mem_len=6, traced=False), Decoder(model, mem_len=6, traced=True)
     for lengths in ([9], [0, 4, 17], [1, 2, 3, 5, 6, 7, 11, 30, 2]):
-        a, b = _table(eager, lengths), _table(traced, lengths)
+        a, b = _table(eager, lengths, kind), _table(traced, lengths, kind)
         g = torch.Generator().manual_seed(len(lengths))
         for _ in range(8):  # past a wrap of every ring
             tokens = torch.randint(0, 256, (len(lengths), 1), generator=g)  # [batch, 1]
@@ -64,8 +83,7 @@ def test_traced_steps_equal_eager_steps_at_every_batch_size(cfg):
             a.stepped(va)
             b.stepped(vb)
             assert torch.equal(ha, hb) and torch.equal(va.last_logits, vb.last_logits)
-        for name in ("hid", "k", "v", "seen", "last_logits"):
-            assert torch.equal(getattr(a.table, name), getattr(b.table, name)), name
+        _same_sessions(a, b)
     assert traced.one_token_graph() is not None and eager.one_token_graph() is None
 
 
@@ -86,10 +104,10 @@ def test_short_chunks_traced_per_length_equal_eager_calls(cfg):
             a.stepped(va)
             b.stepped(vb)
             assert torch.equal(ha, hb) and torch.equal(va.last_logits, vb.last_logits), chunk
-        for name in ("hid", "k", "v", "seen", "last_logits"):
-            assert torch.equal(getattr(a.table, name), getattr(b.table, name)), name
-    assert {2, 3, 7, decode.MAX_TRACED_CHUNK} <= set(traced._graphs)  # one graph per length (5: the prefills')
-    assert max(traced._graphs) == decode.MAX_TRACED_CHUNK and not eager._graphs  # none longer; none when eager
+        _same_sessions(a, b)
+    lengths = {n for n, _ in traced._graphs}
+    assert {2, 3, 7, decode.MAX_TRACED_CHUNK} <= lengths  # one graph per length (5: the prefills')
+    assert max(lengths) == decode.MAX_TRACED_CHUNK and not eager._graphs  # none longer; none when eager
 
 
 def test_a_traced_step_is_one_python_call():
@@ -115,7 +133,7 @@ def test_cpu_decoders_trace_by_default_but_not_adaptive_inputs():
 
 
 def test_a_failed_trace_leaves_eager_steps_with_one_warning(monkeypatch, caplog):
-    def broken(decoder, chunk):
+    def broken(decoder, chunk, rows=False):
         raise RuntimeError("no TorchScript here")
 
     monkeypatch.setattr(decode, "trace_step", broken)
@@ -133,13 +151,13 @@ def test_a_traced_step_that_fails_fails_its_call_and_leaves_eager_steps(monkeypa
     def failing(*tensors):
         raise RuntimeError("graph broke")
 
-    monkeypatch.setattr(decode, "trace_step", lambda decoder, chunk: failing)
+    monkeypatch.setattr(decode, "trace_step", lambda decoder, chunk, rows=False: failing)
     model = _model()
     decoder, eager = Decoder(model, mem_len=6, traced=True), Decoder(model, mem_len=6, traced=False)
     with caplog.at_level(logging.WARNING, logger="model.decode"):
         decoder.warm_up()  # meets the failure, logs it, does not raise
     assert not decoder.traced and "graph broke" in caplog.text
-    decoder.traced, decoder._graphs[1] = True, failing  # a graph that breaks only later, on a real step
+    decoder.traced, decoder._graphs[1, False] = True, failing  # a graph that breaks only later, on a real step
     a, b, tokens = decoder.empty(2), eager.empty(2), torch.tensor([[3], [4]])
     with pytest.raises(RuntimeError, match="graph broke"):  # the failing call's rows are its caller's to drop
         decoder.step(a, tokens)

@@ -11,6 +11,7 @@ import torch
 
 from model.checkpoint import save_checkpoint
 from model.engine import Engine, TokenEvent
+from model.fused import available as fused_available
 from model.sampling import SamplingParams
 from model.transformer_xl import MemTransformerLM
 from server.scheduler import Finished, Scheduler
@@ -83,6 +84,45 @@ def test_a_short_prompt_read_as_it_joins_a_busy_batch_generates_what_the_model_d
     got, done = asyncio.run(main())
     assert got == want
     assert done.tokens_seen == len(history) + len(prompt) + 20
+
+
+@pytest.mark.skipif(not fused_available(), reason="no C/C++ compilers here: sessions are copied into a slot table")
+def test_a_session_leaves_the_batch_as_the_state_it_joined_as(engine):
+    """With the fused attention the engine loop decodes sessions where they lie: a request's Finished holds the
+    very state it was given (none of its rings copied in or out), advanced by its prompt and every generated
+    token, beside another request in the batch; and it continues exactly as the model alone does."""
+    greedy = SamplingParams(max_tokens=9, temperature=0)
+    history, prompt = engine.encode("Once upon a time"), engine.encode(" and")
+    alone = engine.new_state()
+    engine.feed(alone, history)
+    want = [e.token for e in engine.generate(alone, prompt, greedy)]
+    want += [e.token for e in engine.generate(alone, prompt, greedy)]
+
+    async def main() -> tuple[object, list[Finished], list[int]]:
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        scheduler.start()
+        try:
+            busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), UNTIL_STOPPED)
+            it = busy.__aiter__()
+            await it.__anext__()  # generating: the batch is busy
+            state = engine.new_state()
+            engine.feed(state, history)
+            ptr, dones, got = state.k.data_ptr(), [], []
+            for _ in range(2):  # the next request continues the state the first handed back
+                async for item in scheduler.submit(dones[-1].state if dones else state, prompt, greedy):
+                    (got.append(item.token) if isinstance(item, TokenEvent) else dones.append(item))
+            busy.cancel()
+            async for _ in it:
+                pass
+            return (state, ptr), dones, got
+        finally:
+            scheduler.stop()
+
+    (state, ptr), dones, got = asyncio.run(main())
+    assert all(d.state is state for d in dones) and state.k.data_ptr() == ptr
+    assert [d.tokens_seen for d in dones] == [len(history) + len(prompt) + 9, len(history) + 2 * len(prompt) + 18]
+    assert int(state.seen[0]) == dones[-1].tokens_seen
+    assert got == want
 
 
 def test_a_short_prompt_joining_a_busy_batch_rides_along_in_its_steps(engine):

@@ -124,13 +124,14 @@ class LayerCache:
     products: bool = False  # every call's products go through the C kernel (model.fused.linear_rows)
     addr: Tensor | None = None  # [3, batch] int64: each session's rings of this layer (a RowBatch's call)
     ring: tuple[int, int, int] = (0, 0, 0)  # with addr: a ring's element strides (head, slot, d_head)
+    start: Tensor | None = None  # with addr: [batch+1] int64, row b's tokens are [start[b], start[b+1]) of the call
 
     def attend(self, qkv: Tensor, h: Tensor, u: Tensor, vb: Tensor, scale: float) -> Tensor:
         """The fused attention (:mod:`model.fused`) of a call of up to MAX_CHUNK tokens with queries, keys and
         values ``qkv [batch, chunk, 3*H*Dh]`` and layer inputs ``h [batch, chunk, d]``: [batch, chunk, H*Dh], before
         ``o_net``. Their keys, values and inputs are in the rings afterwards."""
-        if self.addr is not None:
-            return fused.attend_rows(qkv, u, vb, self.addr, h, self.r_head_k, self.seen, scale, self.ring)
+        if self.addr is not None:  # the rows' tokens packed: qkv [N, L, 3*H*Dh], h [N, L, d] (N*L tokens)
+            return fused.attend_rows(qkv, self.start, u, vb, self.addr, h, self.r_head_k, self.seen, scale, self.ring)
         out = fused.attend_one(qkv, u, vb, self.k, self.v, self.r_head_k, self.seen, scale)
         self.store_hid(h)
         return out
@@ -154,16 +155,15 @@ class RingCache:
 
     def __init__(self, hid: Tensor | None, k: Tensor | None, v: Tensor | None, seen: Tensor, r_head_k: Tensor,
                  chunk: int, fused: bool = False, *, addr: Tensor | None = None,
-                 ring: tuple[int, int, int] = (0, 0, 0)) -> None:
+                 ring: tuple[int, int, int] = (0, 0, 0), start: Tensor | None = None) -> None:
         self.hid, self.k, self.v, self.r_head_k = hid, k, v, r_head_k  # r_head_k [n_layer, H, mem_len+1, Dh]
-        self.seen, self.addr, self.ring = seen, addr, ring  # addr [3, n_layer, batch]: a RowBatch's rings
+        self.seen, self.addr, self.ring, self.start = seen, addr, ring, start  # addr [3, n_layer, batch]
         m, batch, dev = r_head_k.size(2) - 1, seen.numel(), seen.device
-        self.fused = fused and chunk <= MAX_CHUNK  # the C kernel reads the ring once for the chunk's tokens
+        self.fused = fused and (chunk <= MAX_CHUNK or addr is not None)  # the C kernel reads the ring once a call
         self.products = fused
-        if addr is not None:  # only the C kernel reads rings by address
-            if not self.fused:
-                raise ValueError(f"sessions decoded where they lie need the fused attention and at most {MAX_CHUNK} "
-                                 f"tokens a call, not {chunk}")
+        if addr is not None:  # a RowBatch's rows, tokens packed (``start``); the kernel checks each row's count
+            if not fused:
+                raise ValueError("sessions decoded where they lie need the fused attention")
             self.rows = self.slots = self.positions = None
             return
         keep = min(chunk, m)  # only the last mem_len tokens of a chunk enter the ring
@@ -185,7 +185,7 @@ class RingCache:
     def layer(self, i: int) -> LayerCache:
         if self.addr is not None:
             return LayerCache(None, None, None, self.r_head_k[i], None, None, self.seen, self.fused, self.products,
-                              self.addr[:, i], self.ring)
+                              self.addr[:, i], self.ring, self.start)
         return LayerCache(self.hid[i], self.k[i], self.v[i], self.r_head_k[i], self.rows, self.slots, self.seen,
                           self.fused, self.products)
 
@@ -196,6 +196,8 @@ class SlotTable:
     last row into its place, so joins and leaves never copy the other sessions' rings. For decoders without the
     fused attention (a GPU, or no C compiler); with it, :class:`RowTable` copies no ring at all. The table grows by
     doubling up to ``capacity`` (a byte budget's worth of rows), which is the only time rows move together."""
+
+    ragged = False  # every row of a call is fed as many tokens
 
     def __init__(self, new_state: Callable[..., DecodeState], capacity: int) -> None:
         self.new_state, self.capacity = new_state, max(1, capacity)  # new_state: a Decoder's ``empty``
@@ -263,6 +265,8 @@ class RowTable:
     BENCHMARKS.md). Same interface as :class:`SlotTable`; only the fused attention reads rings by address
     (``Decoder.table`` picks the table). A row's scores and count of tokens live in the table while it is in the
     batch, and go back into the session's state when it is exported."""
+
+    ragged = True  # a call may feed each row its own number of tokens (Decoder.advance_rows)
 
     def __init__(self, new_state: Callable[..., DecodeState], capacity: int) -> None:
         self.new_state, self.capacity = new_state, max(1, capacity)  # new_state: a Decoder's ``empty``

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from model.cache import DecodeState, RingCache, RowBatch, RowTable, SlotTable, column_major
-from model.fused import MAX_D_HEAD
+from model.fused import MAX_CHUNK, MAX_D_HEAD
 from model.fused import available as attention_kernel_built
 from model.transformer_xl import MemTransformerLM
 from txlserve.errors import InvalidRequestError
@@ -86,6 +86,7 @@ class Decoder:
         fusable = self.device.type == "cpu" and self.dtype == torch.float32 and self.cfg.d_head <= MAX_D_HEAD
         self.fused = fusable and (fused is None or fused) and attention_kernel_built()
         self.ring = tuple(self.empty(1, meta=True).k.stride()[2:])  # a session's ring's strides (head, slot, d)
+        self._packings: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}  # a row batch's, by shape
         self._graphs: dict[tuple[int, bool], torch.jit.ScriptModule] = {}  # by chunk length, and rows or not
         self._tracing = threading.Lock()
 
@@ -124,19 +125,44 @@ class Decoder:
         [batch, chunk, d_model]; only the next token's scores are computed (``state.last_logits``), so a long
         prompt never builds a [tokens, vocab] table (267,735 words wide for the published WikiText-103 model).
         A :class:`RowBatch` (sessions where they lie) takes calls of up to ``fused.MAX_CHUNK`` tokens."""
-        rows = isinstance(state, RowBatch)
-        graph = self.graph(tokens.size(1), rows) if self.traced else None
-        args = (state.rows, state.seen, tokens) if rows else (state.hid, state.k, state.v, state.seen, tokens)
+        if isinstance(state, RowBatch):
+            batch, chunk = tokens.shape
+            if not 1 <= chunk <= MAX_CHUNK:  # what the kernel takes a row (checked before a graph could fail)
+                raise ValueError(f"sessions decoded where they lie take 1 to {MAX_CHUNK} tokens a call, not {chunk}")
+            packing = self._packings.get((batch, chunk))
+            if packing is None:  # [batch+1], [batch], [batch]: made once per shape, not once a step
+                start = torch.arange(0, batch * chunk + 1, chunk, device=tokens.device)
+                packing = self._packings[batch, chunk] = (start, start.diff(), start[1:] - 1)
+            return self._rows(state, tokens, *packing)
+        graph = self.graph(tokens.size(1)) if self.traced else None
+        args = (state.hid, state.k, state.v, state.seen, tokens)
+        h, state.last_logits = self._run(graph, self.forward, args)  # [b, c, d], [b, V]
+        return h
+
+    @torch.no_grad()
+    def advance_rows(self, state: RowBatch, tokens: Tensor, start: Tensor) -> Tensor:
+        """Feed each session of ``state`` its own tokens, packed: row ``b``'s are ``tokens[0, start[b]:start[b+1]]``
+        (1 to ``fused.MAX_CHUNK`` of them; ``tokens [1, T]``, ``start`` int64 [batch+1]), in one call, so that a
+        prompt joining a batch is read in the step that advances the others (vLLM's mixed prefill and decode
+        batches). The last layer's outputs [1, T, d_model]; ``state.last_logits`` after each row's last token."""
+        return self._rows(state, tokens, start, start.diff(), start[1:] - 1)
+
+    def _rows(self, state: RowBatch, tokens: Tensor, start: Tensor, counts: Tensor, last: Tensor) -> Tensor:
+        graph = self.graph(0, rows=True) if self.traced else None
+        h, state.last_logits = self._run(graph, self.forward_rows, (state.rows, state.seen, tokens, start, counts,
+                                                                     last))
+        return h
+
+    def _run(self, graph: torch.jit.ScriptModule | None, eager: Callable[..., tuple[Tensor, Tensor]],
+             args: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
         if graph is None:
-            h, state.last_logits = (self.forward_rows if rows else self.forward)(*args)  # [b, c, d], [b, V]
-            return h
+            return eager(*args)
         try:
-            h, state.last_logits = graph(*args)  # [b, c, d], [b, V]
+            return graph(*args)
         except Exception as err:  # this call fails (its rows are the caller's to drop); later ones run eagerly
             log.warning("steps run eagerly from now on: a traced step failed (%s: %s)", type(err).__name__, err)
             self.traced = False
             raise
-        return h
 
     @property
     def kernels(self) -> bool:
@@ -146,25 +172,30 @@ class Decoder:
     def forward(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """One call on a state's tensors, which it advances in place: the last layer's outputs [batch, chunk,
         d_model] and the next token's scores [batch, vocab] (float32). Tensors in and out, so it can be traced."""
-        return self._call(RingCache(hid, k, v, seen, self.r_head_k, tokens.size(1), self.kernels), tokens)
-
-    def forward_rows(self, rows: Tensor, seen: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """:meth:`forward` on sessions where they lie: a :class:`RowBatch`'s addresses ``rows [3, n_layer,
-        batch]`` and ``seen``, which it advances in place."""
-        return self._call(RingCache(None, None, None, seen, self.r_head_k, tokens.size(1), self.kernels,
-                                    addr=rows, ring=self.ring), tokens)
-
-    def _call(self, cache: RingCache, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        cache = RingCache(hid, k, v, seen, self.r_head_k, tokens.size(1), self.kernels)
         h, _ = self.model.hidden(tokens, cache=cache)  # [batch, chunk, d_model]
-        cache.seen += tokens.size(1)
+        seen += tokens.size(1)
         return h, self.model.crit.logits(h[:, -1]).float()  # [batch, vocab]
 
+    def forward_rows(self, rows: Tensor, seen: Tensor, tokens: Tensor, start: Tensor, counts: Tensor,
+                     last: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` on sessions where they lie (a :class:`RowBatch`'s addresses ``rows [3, n_layer, batch]``
+        and ``seen``, which it advances in place), the tokens of ``tokens [N, L]`` read in order, row ``b`` fed
+        ``counts[b]`` of them from ``start[b]`` (``last[b]``: its last): the last layer's outputs [N, L, d_model]
+        and the scores after each row's last token [batch, vocab]."""
+        cache = RingCache(None, None, None, seen, self.r_head_k, 0, self.kernels, addr=rows, ring=self.ring,
+                          start=start)
+        h, _ = self.model.hidden(tokens, cache=cache)  # [N, L, d_model]
+        seen += counts
+        return h, self.model.crit.logits(h.flatten(0, 1).index_select(0, last)).float()  # [batch, vocab]
+
     def graph(self, chunk: int, rows: bool = False) -> torch.jit.ScriptModule | None:
-        """:meth:`forward` (``rows``: :meth:`forward_rows`) for ``chunk`` tokens, traced once per length (on first
-        use) by :func:`trace_step`; None for chunks longer than MAX_TRACED_CHUNK, or where tracing failed
+        """:meth:`forward` for ``chunk`` tokens (``rows``: :meth:`forward_rows`, any tokens), traced once per length
+        (on first use) by :func:`trace_step`; None for chunks longer than MAX_TRACED_CHUNK, or where tracing failed
         (TorchScript is deprecated and may go): calls then run eagerly, with the same results."""
-        if not 1 <= chunk <= MAX_TRACED_CHUNK:
+        if not rows and not 1 <= chunk <= MAX_TRACED_CHUNK:
             return None
+        chunk = 0 if rows else chunk  # one graph serves every packing of a row batch (its sizes stay symbolic)
         with self._tracing:
             if (chunk, rows) not in self._graphs and self.traced:
                 try:
@@ -236,15 +267,16 @@ def trace_step(decoder: Decoder, chunk: int, rows: bool = False) -> torch.jit.Sc
     cost. The batch size stays symbolic (sizes are traced as ops), so one trace serves every batch; tests check
     it equals :meth:`Decoder.forward` at other batch sizes, ring wrap included. Traced on a scratch state (with
     ``rows``, two scratch sessions read where they lie, whose addresses are the graph's input, not constants)."""
-    tokens = torch.zeros(2, chunk, dtype=torch.long, device=decoder.device)  # [batch, chunk]
-    if rows:
+    if rows:  # two sessions fed 1 and 2 tokens
         table = RowTable(decoder.empty, 2)
         for _ in range(2):
             table.join(decoder.empty(1))
-        view = table.active()
-        inputs = (view.rows, view.seen, tokens)
+        view, start = table.active(), torch.tensor([0, 1, 3], device=decoder.device)  # [batch+1]
+        inputs = (view.rows, view.seen, torch.zeros(1, 3, dtype=torch.long, device=decoder.device), start,
+                  start.diff(), start[1:] - 1)
     else:
         scratch = decoder.empty(2)
+        tokens = torch.zeros(2, chunk, dtype=torch.long, device=decoder.device)  # [batch, chunk]
         inputs = (scratch.hid, scratch.k, scratch.v, scratch.seen, tokens)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # Python ints of sizes: checked by the tests

@@ -161,14 +161,16 @@ def attend_one(qkv: Tensor, u: Tensor, vb: Tensor, k: Tensor, v: Tensor, table: 
     return torch.ops.txlserve.attend_one(qkv, u, vb, k, v, table, seen, scale)
 
 
-def attend_rows(qkv: Tensor, u: Tensor, vb: Tensor, rows: Tensor, h: Tensor, table: Tensor, seen: Tensor,
-                scale: float, ring: tuple[int, int, int]) -> Tensor:
-    """:func:`attend_one` for sessions decoded where they lie (:class:`model.cache.RowTable`): row ``b``'s layer
-    input ring ``[mem_len, d_model]`` and key and value rings ``[H, mem_len, Dh]`` (element strides ``ring``) are
-    at the addresses ``rows[:, b]`` (int64 ``[3, bsz]``). Also stores the chunk's last layer inputs ``h [bsz, L,
-    d_model]``. The addresses are trusted: the table keeps every session alive and checked its layout as it
-    joined."""
-    return torch.ops.txlserve.attend_rows(qkv, u, vb, rows, h, table, seen, scale, list(ring))
+def attend_rows(qkv: Tensor, start: Tensor, u: Tensor, vb: Tensor, rows: Tensor, h: Tensor, table: Tensor,
+                seen: Tensor, scale: float, ring: tuple[int, int, int]) -> Tensor:
+    """:func:`attend_one` for sessions decoded where they lie (:class:`model.cache.RowTable`), each with its own
+    number of new tokens (1 to MAX_CHUNK: a decode step's one beside a joining prompt's few, in one call): row
+    ``b``'s are tokens ``start[b]`` to ``start[b+1]`` of ``qkv [N, L, 3*H*Dh]`` read as ``[N*L, 3*H*Dh]``
+    (``start``: int64 ``[bsz+1]``), its layer input ring ``[mem_len, d_model]`` and key and value rings ``[H,
+    mem_len, Dh]`` (element strides ``ring``) are at the addresses ``rows[:, b]`` (int64 ``[3, bsz]``). Also
+    stores each row's last layer inputs of ``h [N, L, d_model]``; returns ``[N, L, H*Dh]``. The addresses are
+    trusted: the table keeps every session alive and checked its layout as it joined."""
+    return torch.ops.txlserve.attend_rows(qkv, start, u, vb, rows, h, table, seen, scale, list(ring))
 
 
 def linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -79,9 +79,10 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def fused_step(h: Tensor, cache: LayerCache | None) -> bool:
-    """Whether this call is a decode step (or a short prompt: up to ``fused.MAX_CHUNK`` tokens) whose attention
-    the C kernel (:mod:`model.fused`) computes."""
-    return cache is not None and cache.fused and h.size(1) <= fused.MAX_CHUNK
+    """Whether this call is a decode step (or a short prompt: up to ``fused.MAX_CHUNK`` tokens), or a call on
+    sessions where they lie (up to as many a row, packed), whose attention the C kernel (:mod:`model.fused`)
+    computes."""
+    return cache is not None and cache.fused and (cache.addr is not None or h.size(1) <= fused.MAX_CHUNK)
 
 
 def fused_products(cache: LayerCache | None) -> bool:

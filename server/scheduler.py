@@ -31,6 +31,7 @@ import torch
 
 from model.decode import DecodeState
 from model.engine import Engine, Generation, Score, TokenEvent
+from model.fused import MAX_CHUNK
 from model.sampling import SamplingParams
 from txlserve.errors import InvalidRequestError, Unavailable
 
@@ -133,7 +134,8 @@ def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
 
 
 class Scheduler:
-    SHORT_PROMPT = 8  # prompt tokens a request may bring straight into the decode batch
+    SHORT_PROMPT = MAX_CHUNK  # prompt tokens a request may bring straight into the decode batch (read whole in a
+    # step of a row table: at most what the fused attention takes a row)
 
     def __init__(self, engine: Engine, *, max_batch: int = 256, batch_bytes: int = 1 << 30,
                  prefill_chunk: int = 512, stream_interval: int = 1) -> None:
@@ -345,9 +347,10 @@ class Scheduler:
         """Finished (or failed) rows leave the decode table and waiting requests join it while it has rows; no
         move copies another session (and with the fused attention none copies any ring at all). Joining short
         prompts are then read in place, in one pass, when the batch was empty; otherwise they ride along in the
-        decode steps, one token a step (:meth:`_decode_step`): a pass of their own would hold every generating row up, and requests that end at
-        different steps join a few at a time, so a load of mixed lengths had such a pass almost every step
-        (BENCHMARKS.md: the engine loop at 16 streams 0.82 -> 0.87 of the engine alone)."""
+        next decode step (:meth:`_decode_step`: whole, in a row table; else a token a step): a pass of their own
+        would hold every generating row up, and requests that end at different steps join a few at a time, so a
+        load of mixed lengths had such a pass almost every step (BENCHMARKS.md: the engine loop at 16 streams
+        0.82 -> 0.87 of the engine alone)."""
         failed = failed or {}
         for r in leaving:
             job = self.running[r]
@@ -436,14 +439,22 @@ class Scheduler:
         for r, event in events.items():  # sent before the step that feeds them: a token reaches its stream
             self._emit(self.running[r], event)  # one step sooner (the final one waits for the commit anyway)
         self._flush()
-        tokens = torch.tensor(fed, device=self.engine.device)[:, None]  # [batch, 1]
-        self.engine.decoder.advance(batch, tokens)  # [batch, 1]
+        whole = riding and self.slots.ragged  # a joining prompt is read whole in this step, else a token of it
+        if whole:
+            feeds = [job.pending or [fed[r]] for r, job in enumerate(self.running)]
+            lengths = torch.tensor([0] + [len(f) for f in feeds], device=self.engine.device)
+            tokens = torch.tensor([t for f in feeds for t in f], device=self.engine.device)[None]  # [1, T]
+            self.engine.decoder.advance_rows(batch, tokens, lengths.cumsum(0))  # [1, T]
+        else:
+            tokens = torch.tensor(fed, device=self.engine.device)[:, None]  # [batch, 1]
+            self.engine.decoder.advance(batch, tokens)  # [batch, 1]
         self.slots.stepped(batch)
         self.steps += 1
         for job in self.running if riding else ():
-            if job.pending:  # one more prompt token read in the batch's step
-                del job.pending[0]
-                self.prompt_tokens_in_batch += 1
+            if job.pending:  # prompt tokens read in the batch's step
+                n = len(job.pending) if whole else 1
+                del job.pending[:n]
+                self.prompt_tokens_in_batch += n
                 if not job.pending:
                     job.prompt_read()
         self._regroup([r for r, ev in events.items() if ev.finish_reason is not None], failed)

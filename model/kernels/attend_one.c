@@ -1,6 +1,6 @@
 /* A decode call's attention for a batch of Transformer-XL sessions, fused (model/fused.py builds it;
-   kernels/ops.cpp checks its tensors and calls it): L <= MAX_CHUNK new tokens per session (a decode step's
-   one, a short prompt's few).
+   kernels/ops.cpp checks its tensors and calls it): 1 to MAX_CHUNK new tokens per session, as many as each
+   row has (a decode step's one, a short prompt's few: the rows' tokens packed, row b's from start[b]).
 
    For each row b and head h, the query of the chunk's token i (position seen[b] + i) attends to itself, to
    the chunk's earlier tokens i' < i, and to the ring slots still within its window: slot j holds position
@@ -102,44 +102,50 @@ static inline __attribute__((always_inline)) void values(float *o0, int64_t ldo,
 }
 
 int txl_attend_one(int64_t begin, int64_t end,                      /* rows h*B + b of this call */
-                   int64_t B, int64_t H, int64_t D, int64_t M, int64_t L,
-                   const float *qkv, int64_t qkv_sb, int64_t qkv_sl,   /* [B, L, 3*H*D]: the tokens' q, k, v */
+                   int64_t B, int64_t H, int64_t D, int64_t M,
+                   const float *qkv, int64_t qkv_sl,                    /* [T, 3*H*D]: the tokens' q, k, v */
+                   const int64_t *start,                                /* row b's tokens: [start[b], start[b+1]) */
                    const float *u, const float *vb,                     /* [H, D] each: r_w_bias, r_r_bias */
                    float *const *krows, float *const *vrows,            /* row b's rings [H, M, D], strides: */
                    int64_t r_sh, int64_t r_sj, int64_t r_sd,
                    const float *tab,                                    /* W_r R [H, M+1, D], these strides: */
                    int64_t t_sh, int64_t t_sj, int64_t t_sd,
                    const int64_t *seen, float scale,
-                   float *out)                                          /* [B, L, H*D] */
+                   float *out)                                          /* [T, H*D] */
 {
-    if (L < 1 || L > MAX_CHUNK) return -2;
-    /* the rows a group's one pass over the table serves: GROUP queries, or one row's L */
-    const int64_t per_group = GROUP / L > 0 ? GROUP / L : 1, group_q = per_group * L;
-    /* scores of the row's queries against the ring; position terms of the group's queries for distances 0..M;
-       the row's (q + u); the group's (q + v) */
-    const size_t n = (size_t)(L + group_q) * (size_t)(M + 1) + (size_t)(L + group_q) * (size_t)D;
+    for (int64_t b = 0; b < B; b++)
+        if (start[b + 1] - start[b] < 1 || start[b + 1] - start[b] > MAX_CHUNK) return -2;
+    /* scores of a row's queries against the ring; position terms of a group's queries (up to GROUP, or one row's
+       MAX_CHUNK) for distances 0..M; the row's (q + u); the group's (q + v) */
+    enum { GROUP_Q = GROUP > MAX_CHUNK ? GROUP : MAX_CHUNK };
+    const size_t n = (size_t)(MAX_CHUNK + GROUP_Q) * (size_t)(M + 1) + (size_t)(MAX_CHUNK + GROUP_Q) * (size_t)D;
     float *s = malloc(n * sizeof(float));
     if (s == NULL) return -1;
-    float *bd = s + L * (M + 1), *qu = bd + group_q * (M + 1), *qv = qu + L * D;
+    float *bd = s + MAX_CHUNK * (M + 1), *qu = bd + GROUP_Q * (M + 1), *qv = qu + MAX_CHUNK * D;
     int64_t g0 = begin, g1 = begin;  /* the rows whose position terms bd holds */
+    int64_t goff[GROUP_Q];  /* row g0 + r's first query in bd (a row has at least one) */
     for (int64_t row = begin; row < end; row++) {
         const int64_t h = row / B, b = row % B;  /* head-major: consecutive rows share a position table */
+        const int64_t L = start[b + 1] - start[b];  /* this row's new tokens */
         if (seen[b] < 0) continue;  /* never the case; a negative slot would write before the ring */
-        if (row >= g1) {  /* the next group: up to per_group rows of this head */
-            g0 = row;
-            g1 = row + per_group;
-            g1 = g1 < end ? g1 : end;
-            g1 = g1 < (h + 1) * B ? g1 : (h + 1) * B;
-            for (int64_t r = g0; r < g1; r++)
-                for (int64_t i = 0; i < L; i++)
+        if (row >= g1) {  /* the next group: rows of this head while their queries fit in GROUP (one at least) */
+            const int64_t last_row = end < (h + 1) * B ? end : (h + 1) * B;
+            int64_t nq = 0;
+            for (g0 = g1 = row; g1 < last_row; g1++) {
+                const int64_t lr = start[g1 % B + 1] - start[g1 % B];
+                if (g1 > g0 && nq + lr > GROUP) break;
+                goff[g1 - g0] = nq;
+                for (int64_t i = 0; i < lr; i++)
                     for (int64_t d = 0; d < D; d++)
-                        qv[((r - g0) * L + i) * D + d] = qkv[(r % B) * qkv_sb + i * qkv_sl + h * D + d] + vb[h * D + d];
-            project(bd, M + 1, tab + h * t_sh, t_sj, t_sd, qv, (g1 - g0) * L, D, M + 1);  /* [(g1-g0)*L, M+1] */
+                        qv[(nq + i) * D + d] = qkv[(start[g1 % B] + i) * qkv_sl + h * D + d] + vb[h * D + d];
+                nq += lr;
+            }
+            project(bd, M + 1, tab + h * t_sh, t_sj, t_sd, qv, nq, D, M + 1);  /* [nq, M+1] */
         }
-        const float *bd_row = bd + (row - g0) * L * (M + 1);  /* query i's position terms at + i (M+1) */
+        const float *bd_row = bd + goff[row - g0] * (M + 1);  /* query i's position terms at + i (M+1) */
         const int64_t last = seen[b] - 1;
         const int64_t top = last < 0 ? -1 : last % M;  /* the slot of the newest stored token */
-        const float *q0 = qkv + b * qkv_sb + h * D;  /* token i's q at q0 + i qkv_sl; its k, v H*D and 2H*D on */
+        const float *q0 = qkv + start[b] * qkv_sl + h * D;  /* token i's q at q0 + i qkv_sl; its k, v H*D, 2H*D on */
         float *K = krows[b] + h * r_sh, *V = vrows[b] + h * r_sh;
         for (int64_t i = 0; i < L; i++)
             for (int64_t d = 0; d < D; d++) qu[i * D + d] = q0[i * qkv_sl + d] + u[h * D + d];
@@ -193,7 +199,7 @@ int txl_attend_one(int64_t begin, int64_t end,                      /* rows h*B 
            head-major), whose rings the hardware prefetcher only finds a run at a time; with one session it is
            the next head's, adjacent, which it finds unaided */
         const int64_t next = row + 1 < end && B > 1 && r_sj == 1 ? row + 1 : -1;
-        float *o0 = out + b * L * H * D + h * D;  /* token i's output at o0 + i H*D */
+        float *o0 = out + start[b] * H * D + h * D;  /* token i's output at o0 + i H*D */
         if (next < 0)
             values(o0, H * D, V, r_sj, r_sd, s, M, D, L, chunk_p, inv, q0 + 2 * H * D, qkv_sl, NULL, NULL);
         else

@@ -13,9 +13,8 @@
 #include <optional>
 #include <vector>
 
-extern "C" int txl_attend_one(int64_t begin, int64_t end, int64_t B, int64_t H, int64_t D, int64_t M, int64_t L,
-                              const float *qkv, int64_t qkv_sb, int64_t qkv_sl,
-                              const float *u, const float *vb, float *const *krows, float *const *vrows,
+extern "C" int txl_attend_one(int64_t begin, int64_t end, int64_t B, int64_t H, int64_t D, int64_t M,
+                              const float *qkv, int64_t qkv_sl, const int64_t *start, const float *u, const float *vb, float *const *krows, float *const *vrows,
                               int64_t r_sh, int64_t r_sj, int64_t r_sd, const float *tab, int64_t t_sh,
                               int64_t t_sj, int64_t t_sd, const int64_t *seen, float scale, float *out);
 extern "C" int txl_sample_rows(int64_t r0, int64_t r1, int64_t V, const float *logits, int64_t x_sr,
@@ -30,16 +29,16 @@ constexpr int64_t kMaxChunk = 8;     // kernels/attend_one.c: MAX_CHUNK
 
 bool is_cpu_float(const at::Tensor &t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; }
 
-// What both attention ops check of the tensors they share: the chunk's q, k, v, the biases, the position table,
-// the tokens seen. B rows, H heads of D, rings of M slots.
+// What both attention ops check of the tensors they share: the tokens' q, k, v `qkv [N, L, 3*H*D]` (read as the
+// packed [T = N*L, 3*H*D]), the biases, the position table, the tokens seen, and where each row's tokens start
+// (`st`, B+1 entries from 0 to T, 1 to kMaxChunk tokens a row). B rows, H heads of D, rings of M slots.
 void check_step(const char *op, const at::Tensor &qkv, const at::Tensor &u, const at::Tensor &vb,
-                const at::Tensor &table, const at::Tensor &seen, int64_t B, int64_t H, int64_t M, int64_t D) {
+                const at::Tensor &table, const at::Tensor &seen, const int64_t *st, int64_t B, int64_t H, int64_t M,
+                int64_t D) {
   TORCH_CHECK_VALUE(is_cpu_float(qkv) && is_cpu_float(u) && is_cpu_float(vb) && is_cpu_float(table), op,
                     ": float32 CPU tensors only");
   TORCH_CHECK_VALUE(M > 0 && D > 0 && D <= kMaxDHead, op, ": mem_len ", M, " d_head ", D);
-  TORCH_CHECK_VALUE(qkv.dim() == 3 && qkv.size(0) == B && qkv.size(1) >= 1 && qkv.size(1) <= kMaxChunk &&
-                        qkv.size(2) == 3 * H * D && qkv.stride(2) == 1,
-                    op, ": qkv must be [batch, 1..", kMaxChunk, ", 3*heads*d_head], its last dim contiguous");
+  TORCH_CHECK_VALUE(qkv.dim() == 3 && qkv.size(2) == 3 * H * D, op, ": qkv must be [.., tokens, 3*heads*d_head]");
   TORCH_CHECK_VALUE(u.dim() == 2 && u.size(0) == H && u.size(1) == D && u.is_contiguous() &&
                         vb.sizes() == u.sizes() && vb.is_contiguous(),
                     op, ": biases must be contiguous [heads, d_head]");
@@ -50,25 +49,30 @@ void check_step(const char *op, const at::Tensor &qkv, const at::Tensor &u, cons
                     op, ": seen must be contiguous int64 [batch]");
   const int64_t *pos = seen.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; b++) TORCH_CHECK_VALUE(pos[b] >= 0, op, ": seen ", pos[b], " < 0");
+  const int64_t T = qkv.size(0) * qkv.size(1);
+  TORCH_CHECK_VALUE(st[0] == 0 && st[B] == T, op, ": start must run from 0 to the ", T, " tokens");
+  for (int64_t b = 0; b < B; b++)
+    TORCH_CHECK_VALUE(st[b + 1] - st[b] >= 1 && st[b + 1] - st[b] <= kMaxChunk, op, ": row ", b, " has ",
+                      st[b + 1] - st[b], " tokens, not 1..", kMaxChunk);
 }
 
-// The kernel over every (head, row), rows' rings at krows[b], vrows[b] with element strides rs (head, slot, d).
-at::Tensor run_attend(const char *op, const at::Tensor &qkv, const at::Tensor &u, const at::Tensor &vb,
-                      const std::vector<float *> &krows, const std::vector<float *> &vrows, const int64_t rs[3],
-                      const at::Tensor &table, const at::Tensor &seen, double scale, int64_t H, int64_t M,
-                      int64_t D) {
-  const int64_t B = qkv.size(0), L = qkv.size(1);
-  at::Tensor out = at::empty({B, L, H * D}, qkv.options());  // [B, L, H*D]
+// The kernel over every (head, row) of contiguous `qkv [N, L, 3*H*D]`, rows' tokens from st, rings at krows[b],
+// vrows[b] with element strides rs (head, slot, d): the attention's output [N, L, H*D].
+at::Tensor run_attend(const char *op, const at::Tensor &qkv, const int64_t *st, int64_t B, const at::Tensor &u,
+                      const at::Tensor &vb, const std::vector<float *> &krows, const std::vector<float *> &vrows,
+                      const int64_t rs[3], const at::Tensor &table, const at::Tensor &seen, double scale, int64_t H,
+                      int64_t M, int64_t D) {
+  at::Tensor out = at::empty({qkv.size(0), qkv.size(1), H * D}, qkv.options());  // [N, L, H*D]
   std::atomic<int> status{0};
   // Rows (b, h) are independent: each reads and writes its own ring; torch's intra-op threads share them.
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    const int rc = txl_attend_one(begin, end, B, H, D, M, L, qkv.data_ptr<float>(), qkv.stride(0), qkv.stride(1),
+    const int rc = txl_attend_one(begin, end, B, H, D, M, qkv.data_ptr<float>(), 3 * H * D, st,
                                   u.data_ptr<float>(), vb.data_ptr<float>(), krows.data(), vrows.data(), rs[0], rs[1],
                                   rs[2], table.data_ptr<float>(), table.stride(0), table.stride(1), table.stride(2),
                                   seen.data_ptr<int64_t>(), static_cast<float>(scale), out.data_ptr<float>());
     if (rc != 0) status.store(rc);
   });
-  TORCH_CHECK(status.load() == 0, op, ": out of memory for ", 2 * L * (M + 1), " scores");
+  TORCH_CHECK(status.load() == 0, op, ": out of memory for ", 2 * kMaxChunk * (M + 1), " scores");
   return out;
 }
 
@@ -80,37 +84,49 @@ at::Tensor attend_one(const at::Tensor &qkv, const at::Tensor &u, const at::Tens
   TORCH_CHECK_VALUE(is_cpu_float(k) && is_cpu_float(v), op, ": float32 CPU tensors only");
   TORCH_CHECK_VALUE(v.sizes() == k.sizes() && v.strides() == k.strides(), op,
                     ": the value ring must match the key ring");
-  check_step(op, qkv, u, vb, table, seen, B, H, M, D);
+  TORCH_CHECK_VALUE(qkv.dim() == 3 && qkv.size(0) == B && qkv.size(1) >= 1 && qkv.size(1) <= kMaxChunk &&
+                        qkv.size(2) == 3 * H * D && qkv.stride(2) == 1,
+                    op, ": qkv must be [batch, 1..", kMaxChunk, ", 3*heads*d_head], its last dim contiguous");
+  const at::Tensor q = qkv.contiguous();  // row b's L tokens from b*L
+  const int64_t L = q.size(1);
+  std::vector<int64_t> st(B + 1);
+  for (int64_t b = 0; b <= B; b++) st[b] = b * L;
+  check_step(op, q, u, vb, table, seen, st.data(), B, H, M, D);
   std::vector<float *> krows(B), vrows(B);
   for (int64_t b = 0; b < B; b++) {
     krows[b] = k.data_ptr<float>() + b * k.stride(0);
     vrows[b] = v.data_ptr<float>() + b * v.stride(0);
   }
   const int64_t rs[3] = {k.stride(1), k.stride(2), k.stride(3)};
-  return run_attend(op, qkv, u, vb, krows, vrows, rs, table, seen, scale, H, M, D);
+  return run_attend(op, q, st.data(), B, u, vb, krows, vrows, rs, table, seen, scale, H, M, D);
 }
 
-// attend_one for sessions decoded where they lie (model/cache.RowTable): row b's layer input ring [M, d_model]
-// (row-major), key and value rings [H, M, D] (strides `ring`) start at the addresses rows[0][b], rows[1][b],
-// rows[2][b]. The chunk's last min(L, M) layer inputs `h [B, L, d_model]` are stored too (the keys and values by
-// the kernel). The addresses are trusted: the caller keeps every session alive and checked its layout as it
-// joined; this checks their form and the layout's, as far as numbers can be checked.
-at::Tensor attend_rows(const at::Tensor &qkv, const at::Tensor &u, const at::Tensor &vb, const at::Tensor &rows,
-                       const at::Tensor &h, const at::Tensor &table, const at::Tensor &seen, double scale,
-                       at::IntArrayRef ring) {
+// attend_one for sessions decoded where they lie (model/cache.RowTable), each with as many new tokens as it has:
+// the tokens of `qkv [N, L, 3*H*D]` packed (T = N*L), row b's from start[b] to start[b+1]; its layer input ring
+// [M, d_model] (row-major), key and value rings [H, M, D] (strides `ring`) start at the addresses rows[0][b],
+// rows[1][b], rows[2][b]. Each row's last min(its tokens, M) layer inputs of `h [N, L, d_model]` are stored too (the
+// keys and values by the kernel). The addresses are trusted: the caller keeps every session alive and checked its
+// layout as it joined; this checks their form and the layout's, as far as numbers can be checked.
+at::Tensor attend_rows(const at::Tensor &qkv, const at::Tensor &start, const at::Tensor &u, const at::Tensor &vb,
+                       const at::Tensor &rows, const at::Tensor &h, const at::Tensor &table, const at::Tensor &seen,
+                       double scale, at::IntArrayRef ring) {
   constexpr const char *op = "txlserve::attend_rows";
   TORCH_CHECK_VALUE(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 2 &&
                         rows.size(0) == 3 && rows.stride(1) == 1,
                     op, ": rows must be int64 [3, batch] (layer inputs, keys, values), the batch contiguous");
   TORCH_CHECK_VALUE(table.dim() == 3, op, ": the position table must be [heads, mem_len+1, d_head]");
   const int64_t B = rows.size(1), H = table.size(0), M = table.size(1) - 1, D = table.size(2);
-  check_step(op, qkv, u, vb, table, seen, B, H, M, D);
+  TORCH_CHECK_VALUE(start.device().is_cpu() && start.scalar_type() == at::kLong && start.dim() == 1 &&
+                        start.size(0) == B + 1 && start.is_contiguous(),
+                    op, ": start must be contiguous int64 [batch + 1]");
+  const at::Tensor q = qkv.contiguous();
+  check_step(op, q, u, vb, table, seen, start.data_ptr<int64_t>(), B, H, M, D);
   TORCH_CHECK_VALUE(ring.size() == 3 && ring[0] > 0 && ring[1] > 0 && ring[2] > 0 &&
                         (H - 1) * ring[0] + (M - 1) * ring[1] + (D - 1) * ring[2] == H * M * D - 1,
                     op, ": ring strides must lay out [heads, mem_len, d_head] densely");
-  TORCH_CHECK_VALUE(is_cpu_float(h) && h.dim() == 3 && h.size(0) == B && h.size(1) == qkv.size(1) &&
-                        h.stride(2) == 1,
-                    op, ": h must be float32 [batch, chunk, d_model], its last dim contiguous");
+  TORCH_CHECK_VALUE(is_cpu_float(h) && h.dim() == 3 && h.size(0) == q.size(0) && h.size(1) == q.size(1),
+                    op, ": h must be float32 [.., tokens, d_model], as qkv");
+  const at::Tensor hc = h.contiguous();
   const int64_t *addr = rows.data_ptr<int64_t>(), sr = rows.stride(0);
   std::vector<float *> hrows(B), krows(B), vrows(B);
   for (int64_t b = 0; b < B; b++) {
@@ -119,14 +135,15 @@ at::Tensor attend_rows(const at::Tensor &qkv, const at::Tensor &u, const at::Ten
     krows[b] = reinterpret_cast<float *>(addr[sr + b]);
     vrows[b] = reinterpret_cast<float *>(addr[2 * sr + b]);
   }
-  const int64_t rs[3] = {ring[0], ring[1], ring[2]};
-  at::Tensor out = run_attend(op, qkv, u, vb, krows, vrows, rs, table, seen, scale, H, M, D);
-  const int64_t L = h.size(1), dm = h.size(2), keep = std::min(L, M);
-  const int64_t *pos = seen.data_ptr<int64_t>();
-  const float *hp = h.data_ptr<float>();
-  for (int64_t b = 0; b < B; b++)  // the chunk's last `keep` layer inputs enter the row's ring (seen: before it)
-    for (int64_t i = L - keep; i < L; i++)
-      std::copy_n(hp + b * h.stride(0) + i * h.stride(1), dm, hrows[b] + ((pos[b] + i) % M) * dm);
+  const int64_t rs[3] = {ring[0], ring[1], ring[2]}, *st = start.data_ptr<int64_t>();
+  at::Tensor out = run_attend(op, q, st, B, u, vb, krows, vrows, rs, table, seen, scale, H, M, D);
+  const int64_t dm = hc.size(2), *pos = seen.data_ptr<int64_t>();
+  const float *hp = hc.data_ptr<float>();
+  for (int64_t b = 0; b < B; b++) {  // each row's last tokens' layer inputs enter its ring (seen: before them)
+    const int64_t L = st[b + 1] - st[b];
+    for (int64_t i = L > M ? L - M : 0; i < L; i++)
+      std::copy_n(hp + (st[b] + i) * dm, dm, hrows[b] + ((pos[b] + i) % M) * dm);
+  }
   return out;
 }
 
@@ -221,8 +238,8 @@ at::Tensor sample_rows(const at::Tensor &logits, const at::Tensor &temperature, 
 TORCH_LIBRARY(txlserve, m) {
   m.def("attend_one(Tensor qkv, Tensor u, Tensor vb, Tensor(a!) k, Tensor(b!) v, Tensor table, Tensor seen, "
         "float scale) -> Tensor");
-  m.def("attend_rows(Tensor qkv, Tensor u, Tensor vb, Tensor rows, Tensor h, Tensor table, Tensor seen, "
-        "float scale, int[] ring) -> Tensor");
+  m.def("attend_rows(Tensor qkv, Tensor start, Tensor u, Tensor vb, Tensor rows, Tensor h, Tensor table, "
+        "Tensor seen, float scale, int[] ring) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("bmm_rows(Tensor a, Tensor b) -> Tensor");
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor u, float greedy_below) -> Tensor");

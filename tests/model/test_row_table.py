@@ -82,8 +82,8 @@ def test_a_session_leaves_as_the_state_it_joined_as_and_no_ring_is_copied():
 
 def test_a_session_alone_and_in_a_row_table_compute_the_same():
     """A session stepped alone (its own batch-1 state) and the same session stepped in a row table beside others:
-    the same rings to the bit (the C products sum in one order at any row count), the same scores to float
-    rounding (torch's output layer blocks a batch of 3 otherwise than one row)."""
+    the same rings to the bit (below four rows the C products run the one-row loops, as alone), the same scores
+    to float rounding (torch's output layer blocks a batch of 3 otherwise than one row)."""
     decoder = Decoder(_model(), mem_len=6)
     alone, joined = _session(decoder, 11, 3), _session(decoder, 11, 3)
     table = RowTable(decoder.empty, 4)
@@ -137,25 +137,28 @@ def test_rows_take_only_what_the_kernel_reads():
     decoder = Decoder(_model(), mem_len=6)
     table = RowTable(decoder.empty, 2)
     table.join(_session(decoder, 3, 0))
-    with pytest.raises(ValueError, match="fused attention"):
+    with pytest.raises(ValueError, match=f"1 to {fused.MAX_CHUNK} tokens"):
         decoder.advance(table.active(), torch.zeros(1, fused.MAX_CHUNK + 1, dtype=torch.long))
+    assert decoder.traced  # refused before any graph ran
     assert isinstance(Decoder(_model(), mem_len=6, fused=False).table(4), SlotTable)
     assert isinstance(table.active(), RowBatch)
 
 
-@pytest.mark.parametrize("bad", ["dtype", "shape", "null", "strides", "h"])
+@pytest.mark.parametrize("bad", ["dtype", "shape", "null", "strides", "h", "start", "long_row", "empty_row"])
 def test_the_rows_op_refuses_what_it_was_not_written_for(bad):
     """The op trusts addresses (the table checked each session as it joined) but checks every number it can:
     a ValueError before it runs, never a wild write."""
     decoder = Decoder(_model(), mem_len=6)
     table = RowTable(decoder.empty, 2)
-    s = _session(decoder, 3, 0)
-    table.join(s)
+    for n in (3, 5):
+        table.join(_session(decoder, n, n))
     layer = decoder.model.layers[0].dec_attn
     heads, dh, d = layer.n_head, layer.d_head, decoder.cfg.d_model
-    args = dict(qkv=torch.randn(1, 1, 3 * heads * dh), u=torch.zeros(heads, dh), vb=torch.zeros(heads, dh),
-                rows=table.active().rows[:, 0], h=torch.randn(1, 1, d), table=decoder.r_head_k[0],
-                seen=s.seen.clone(), scale=1.0, ring=decoder.ring)
+    view = table.active()
+    args = dict(qkv=torch.randn(1, 3, 3 * heads * dh), start=torch.tensor([0, 1, 3]), u=torch.zeros(heads, dh),
+                vb=torch.zeros(heads, dh), rows=view.rows[:, 0], h=torch.randn(1, 3, d), table=decoder.r_head_k[0],
+                seen=view.seen.clone(), scale=1.0, ring=decoder.ring)
+    assert fused.attend_rows(**args).shape == (1, 3, heads * dh)  # as they are, the op runs
     if bad == "dtype":
         args["rows"] = args["rows"].int()
     elif bad == "shape":
@@ -164,7 +167,46 @@ def test_the_rows_op_refuses_what_it_was_not_written_for(bad):
         args["rows"] = torch.zeros_like(args["rows"])
     elif bad == "strides":
         args["ring"] = (1, 1, 1)  # overlapping: not a ring of [heads, mem_len, d_head]
+    elif bad == "h":
+        args["h"] = torch.randn(1, 2, d)  # two tokens' inputs for three tokens' queries
+    elif bad == "start":
+        args["start"] = torch.tensor([0, 1, 4])  # past the last token
+    elif bad == "long_row":
+        n = fused.MAX_CHUNK + 1
+        args.update(qkv=torch.randn(1, n + 1, 3 * heads * dh), h=torch.randn(1, n + 1, d),
+                    start=torch.tensor([0, 1, n + 1]))
     else:
-        args["h"] = torch.randn(1, 2, d)  # two tokens' inputs for one token's queries
+        args["start"] = torch.tensor([0, 0, 3])  # a row with no token
     with pytest.raises(ValueError, match="attend_rows"):
         fused.attend_rows(**args)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(pre_lnorm=True, untie_r=False)])
+def test_rows_fed_their_own_number_of_tokens_in_one_call_equal_each_fed_alone(cfg, traced):
+    """One packed call feeds each session of a row table its own tokens (a generating row's one beside joining
+    prompts of up to MAX_CHUNK, rings empty, part-filled and wrapped, mem_len 6): every session ends as it does
+    fed the same tokens alone (to float rounding: the products tile many rows otherwise than one), and the
+    outputs are each row's, in order."""
+    decoder = Decoder(_model(**cfg), mem_len=6, traced=traced)
+    alone_dec = Decoder(decoder.model, mem_len=6, traced=False)
+    g = torch.Generator().manual_seed(11)
+    history = [0, 3, 9, 17, 5]
+    for counts in ([1, 4, fused.MAX_CHUNK, 2, 1], [3, 1, 1, 7, 6], [1, 1, 1, 1, 1]):
+        table, alone = RowTable(decoder.empty, 8), []
+        for i, n in enumerate(history):
+            table.join(_session(decoder, n, i))
+            alone.append(_session(alone_dec, n, i))
+        feeds = [torch.randint(0, 256, (n,), generator=g) for n in counts]
+        start = torch.tensor([0, *counts]).cumsum(0)  # [batch+1]
+        view = table.active()
+        h = decoder.advance_rows(view, torch.cat(feeds)[None], start)  # [1, T, d]
+        table.stepped(view)
+        for r, (state, feed) in enumerate(zip(alone, feeds)):
+            want = alone_dec.advance(state, feed[None])  # [1, n, d]
+            torch.testing.assert_close(h[0, start[r]:start[r + 1]], want[0], rtol=1e-5, atol=1e-5)
+            out = table.export(r)
+            assert int(out.seen[0]) == int(state.seen[0]) == history[r] + counts[r]
+            for name in ("hid", "k", "v", "last_logits"):
+                torch.testing.assert_close(getattr(out, name), getattr(state, name), rtol=1e-5, atol=1e-5,
+                                           msg=f"{counts} row {r} {name}")

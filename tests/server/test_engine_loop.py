@@ -126,9 +126,10 @@ def test_a_session_leaves_the_batch_as_the_state_it_joined_as(engine):
 
 
 def test_a_short_prompt_joining_a_busy_batch_rides_along_in_its_steps(engine):
-    """With rows generating, a joining prompt is fed one token a decode step, with the batch, and not read in a
-    pass of its own that would hold every generating row up (a load whose requests end at different steps had
-    such a pass almost every step); it still generates what the model does alone."""
+    """With rows generating, a joining prompt is fed in the decode steps, with the batch (whole, in the next
+    step, where sessions are decoded where they lie; else a token a step), and not read in a pass of its own
+    that would hold every generating row up (a load whose requests end at different steps had such a pass
+    almost every step); it still generates what the model does alone."""
     greedy = SamplingParams(max_tokens=8, temperature=0)
     history, prompts = engine.encode("Once upon a time"), [engine.encode(" and"), engine.encode(" so it")]
     want = _alone(engine, [history, history], prompts, greedy)
@@ -136,10 +137,16 @@ def test_a_short_prompt_joining_a_busy_batch_rides_along_in_its_steps(engine):
     for state in states:
         engine.feed(state, history)
     passes, counted = _counting_passes(engine)
+    packed: list[list[int]] = []  # each row's tokens in every step of sessions where they lie
+    advance_rows = engine.decoder.advance_rows
+
+    def counted_rows(state, tokens, start):
+        packed.append(start.diff().tolist())
+        return advance_rows(state, tokens, start)
 
     async def main() -> list[list[int]]:
         scheduler = Scheduler(engine, prefill_chunk=64)
-        engine.decoder.advance = counted
+        engine.decoder.advance, engine.decoder.advance_rows = counted, counted_rows
         scheduler.start()
         try:
             busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), UNTIL_STOPPED)
@@ -159,11 +166,14 @@ def test_a_short_prompt_joining_a_busy_batch_rides_along_in_its_steps(engine):
             return got
         finally:
             scheduler.stop()
-            del engine.decoder.advance  # the class's method again
+            del engine.decoder.advance, engine.decoder.advance_rows  # the class's methods again
 
     got = asyncio.run(main())
     assert got == want
     assert passes == [(1, 3)]  # the joining prompts (4 and 6 tokens) never had a pass of their own
+    if engine.decoder.table(1).ragged:  # each read whole in one step beside the generating rows
+        counts = sorted(n for step in packed if len(step) > 1 for n in step if n > 1)  # beside the busy row
+        assert counts == sorted(len(p) for p in prompts), packed
 
 
 def test_a_request_cancelled_while_its_prompt_is_fed_stores_nothing(engine):

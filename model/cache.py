@@ -261,9 +261,10 @@ class RowTable:
     """The decode batch as rows that point at the sessions' own batch-1 states, decoded where they lie (as paged
     key/value caches are, a session's rings being its page): a session joins and leaves the batch by its
     addresses alone and comes out as the very state it went in as, so a request copies none of its rings (a
-    :class:`SlotTable` copies each session in and out: 9% of the engine loop's tokens/s at 64 streams,
-    BENCHMARKS.md). Same interface as :class:`SlotTable`; only the fused attention reads rings by address
-    (``Decoder.table`` picks the table). A row's scores and count of tokens live in the table while it is in the
+    :class:`SlotTable` copies each session in and out: the engine loop alone at 64 streams read 0.83 of the
+    engine with those copies and 1.00 without, BENCHMARKS.md, "Sessions decoded where they lie"). Same
+    interface as :class:`SlotTable`; only the fused attention reads rings by address (``Decoder.table`` picks
+    the table). A row's scores and count of tokens live in the table while it is in the
     batch, and go back into the session's state when it is exported."""
 
     ragged = True  # a call may feed each row its own number of tokens (Decoder.advance_rows)
@@ -273,10 +274,11 @@ class RowTable:
         self.like = new_state(1, meta=True)  # the layout a session must have to be read in place (no memory)
         self.ring = tuple(self.like.k.stride()[2:])  # a ring's element strides (head, slot, d_head)
         self.states: list[DecodeState] = []  # the session of each row
+        self.held: list[tuple[Tensor, Tensor, Tensor]] = []  # the tensors behind each row's addresses, kept alive
         self.rows = torch.zeros(3, self.like.k.size(0), 0, dtype=torch.long)  # [3, n_layer, rows]: addresses
         self.seen = torch.zeros(0, dtype=torch.long)  # [rows]
         self.last_logits = torch.zeros(0, self.like.last_logits.size(1))  # [rows, vocab]
-        self._in = set()  # the sessions' key rings, by address: a session is never in two rows
+        self._in = set()  # the sessions' key rings, by address: a session read in place is never in two rows
         self._view: RowBatch | None = None
 
     @property
@@ -293,9 +295,20 @@ class RowTable:
             return (t.device.type == "cpu" and t.dtype == like.dtype and t.shape == like.shape
                     and t.stride()[-layer_dims:] == like.stride()[-layer_dims:])
 
+        def span(t: Tensor) -> tuple[int, int]:  # the bytes a tensor reaches (strides of a session's are >= 0)
+            return t.data_ptr(), t.data_ptr() + t.element_size() * (1 + sum((n - 1) * st for n, st in
+                                                                           zip(t.shape, t.stride())))
+
+        def layers_apart(t: Tensor) -> bool:  # each layer's ring its own memory: no layer writes over another
+            return t.stride(0) >= 1 + sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:]))
+
         like = self.like
-        return (same(state.hid, like.hid, 2) and same(state.k, like.k, 3) and same(state.v, like.v, 3)
-                and same(state.seen, like.seen, 1) and same(state.last_logits, like.last_logits, 1))
+        if not (same(state.hid, like.hid, 2) and same(state.k, like.k, 3) and same(state.v, like.v, 3)
+                and same(state.seen, like.seen, 1) and same(state.last_logits, like.last_logits, 1)):
+            return False
+        (a0, a1), (b0, b1), (c0, c1) = (span(t) for t in (state.hid, state.k, state.v))
+        apart = a1 <= b0 or b1 <= a0, a1 <= c0 or c1 <= a0, b1 <= c0 or c1 <= b0  # hid, k, v never overlap
+        return all(apart) and all(layers_apart(t) for t in (state.hid, state.k, state.v))
 
     def join(self, state: DecodeState) -> int:
         """Add a batch-1 ``state`` as the next row (by reference; a state laid out otherwise is copied once into
@@ -321,6 +334,7 @@ class RowTable:
             self.rows[j, :, r] = t.data_ptr() + t.element_size() * t.stride(0) * layers
         self.seen[r], self.last_logits[r] = state.seen[0], state.last_logits[0]
         self.states.append(state)
+        self.held.append((state.hid, state.k, state.v))
         self._in.add(key)
         self._view = None
         return r
@@ -338,17 +352,21 @@ class RowTable:
     def leave(self, row: int) -> None:
         """Free ``row`` (export it first): the last row's addresses move into its place."""
         last = self.n - 1
-        self._in.discard(self.states[row].k.data_ptr())
+        self._in.discard(self.held[row][1].data_ptr())
         if row != last:
             self.rows[:, :, row], self.seen[row] = self.rows[:, :, last], self.seen[last]
             self.last_logits[row] = self.last_logits[last]
-            self.states[row] = self.states[last]
+            self.states[row], self.held[row] = self.states[last], self.held[last]
+        self.rows[:, :, last] = 0  # no address outlives its row (the op refuses 0)
         self.states.pop()
+        self.held.pop()
         self._view = None
 
     def active(self, start: int = 0, end: int | None = None) -> RowBatch:
         """Rows [start, end) (default: every row in use), for one step; call :meth:`stepped` after it."""
         end = self.n if end is None else end
+        if not 0 <= start <= end <= self.n:
+            raise IndexError(f"rows [{start}, {end}) of a table of {self.n}")
         if start == 0 and end == self.n and self._view is not None:
             return self._view
         view = RowBatch(self.rows[:, :, start:end], self.seen[start:end], self.last_logits[start:end])

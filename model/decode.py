@@ -145,7 +145,11 @@ class Decoder:
         (1 to ``fused.MAX_CHUNK`` of them; ``tokens [1, T]``, ``start`` int64 [batch+1]), in one call, so that a
         prompt joining a batch is read in the step that advances the others (vLLM's mixed prefill and decode
         batches). The last layer's outputs [1, T, d_model]; ``state.last_logits`` after each row's last token."""
-        return self._rows(state, tokens, start, start.diff(), start[1:] - 1)
+        counts = start.diff()  # [batch]
+        if counts.numel() and not 1 <= int(counts.min()) <= int(counts.max()) <= MAX_CHUNK:  # before a graph fails
+            raise ValueError(f"sessions decoded where they lie take 1 to {MAX_CHUNK} tokens a call, not "
+                             f"{counts.tolist()}")
+        return self._rows(state, tokens, start, counts, start[1:] - 1)
 
     def _rows(self, state: RowBatch, tokens: Tensor, start: Tensor, counts: Tensor, last: Tensor) -> Tensor:
         graph = self.graph(0, rows=True) if self.traced else None

@@ -6,8 +6,9 @@ prompts are read at once), then runs one decode step for every request in the ba
 (continuous batching over a table of rows, ``Decoder.table``: requests join and leave at
 any step, and on a CPU with the fused attention a session is decoded where it lies, so
 joining and leaving copy none of its rings; a short
-prompt joining a busy batch is fed through those steps, a token a step, as vLLM mixes
-prompt tokens into decode batches). Results go back to the asyncio side once per
+prompt joining a busy batch is fed in those steps, whole in the next one where sessions
+are decoded where they lie and a token a step otherwise, as vLLM mixes prompt tokens
+into decode batches). Results go back to the asyncio side once per
 iteration, one wake-up per event loop; with ``stream_interval`` N > 1 (vLLM's setting), a
 request's generated tokens after its first go in groups of N, so a stream wakes its
 event loop once every N steps (each wake-up cost one stream about 8% of its tokens/s:
@@ -145,12 +146,12 @@ class Scheduler:
         self.capacity = batch_capacity(engine, max_batch=max_batch, batch_bytes=batch_bytes)
         self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.prefilling: deque[Job] = deque()
-        self.ready: deque[Job] = deque()  # prompt read, waiting for a row of the slot table
+        self.ready: deque[Job] = deque()  # prompt read (or short), waiting for a row of the decode table
         self.slots = engine.decoder.table(self.capacity)  # the decode batch (model.cache: RowTable or SlotTable)
         self.running: list[Job] = []  # the job of each active row
         self.active: set[Job] = set()  # accepted and not yet answered
         self.steps = 0
-        self.prompt_tokens_in_batch = 0  # prompt tokens read in the slot table as rows joined, not by prefill
+        self.prompt_tokens_in_batch = 0  # prompt tokens read in the decode table as rows joined, not by prefill
         self._outbox: list[tuple[Job, asyncio.Queue, Any]] = []  # items and their queues, handed over per iteration
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="txlserve-engine", daemon=True)
@@ -275,7 +276,7 @@ class Scheduler:
     def _admit(self, job: Job) -> None:
         """A short prompt joins the decode batch directly and is read there: into an empty batch in one forward
         pass with every other prompt of its length that joins in the same iteration (:meth:`_read_prompts`),
-        into a busy one a token a decode step (:meth:`_regroup`); a longer one is prefilled in chunks first.
+        into a busy one in the decode steps (:meth:`_regroup`); a longer one is prefilled in chunks first.
         Many requests arriving at once then cost one batched pass, not one each."""
         if job.params is not None and len(job.pending) <= self.SHORT_PROMPT and job.prompt_logprobs is None:
             job.generation = Generation(job.params, self.engine.tokenizer, job.prev)
@@ -332,7 +333,7 @@ class Scheduler:
         return max(1, len(chunk))
 
     def _done(self, job: Job, row: int | None, reason: str | None) -> Finished:
-        """The request's session as a batch-1 state of its own: the job's, or its ``row`` of the slot table,
+        """The request's session as a batch-1 state of its own: the job's, or its ``row`` of the decode table,
         exported (the session that joined; a copy where the table copies sessions in)."""
         if job.pending:  # left while its prompt was still being fed: a partial prompt is never stored
             return Finished(None, int(job.state.seen[0]) if row is None else self.slots.seen_at(row), reason)
@@ -376,7 +377,7 @@ class Scheduler:
 
     def _read_prompts(self, first: int) -> dict[int, BaseException]:
         """Feed the prompts of rows [first, n) that joined with tokens to read, one forward pass per run of
-        equal lengths, on the slot table's rows in place; the rows whose pass failed, with the error."""
+        equal lengths, on the decode table's rows in place; the rows whose pass failed, with the error."""
         failed: dict[int, BaseException] = {}
         r = first
         while r < len(self.running):

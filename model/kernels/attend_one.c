@@ -158,8 +158,10 @@ int txl_attend_one(int64_t begin, int64_t end,                      /* rows h*B 
             /* slot j holds the token top - j steps before the newest for j <= top, and (once the ring has
                wrapped) top - j + M for j > top; query i sees those at most lim = M - 1 - i steps back */
             const int64_t lim = last < M - 1 - i ? last : M - 1 - i;
-            const int64_t a0 = top - lim > 0 ? top - lim : 0;  /* [a0, top]: the newer slots it sees */
-            const int64_t w0 = top + M - lim > top + 1 ? top + M - lim : top + 1;  /* [w0, M): the wrapped ones */
+            int64_t a0 = top - lim > 0 ? top - lim : 0;  /* [a0, top]: the newer slots it sees */
+            int64_t w0 = top + M - lim > top + 1 ? top + M - lim : top + 1;  /* [w0, M): the wrapped ones */
+            a0 = a0 < top + 1 ? a0 : top + 1;  /* none, for a query M or more tokens into the chunk (lim < 0) */
+            w0 = w0 < M ? w0 : M;  /* so that the loops below stay in this query's row of scores */
             const int64_t c0 = i - M > 0 ? i - M : 0;  /* the chunk's tokens within M of it, itself included */
             float mx = 0.f;
             for (int64_t c = i; c >= c0; c--) {  /* itself first: the maximum starts at a score */

@@ -72,7 +72,8 @@ at::Tensor run_attend(const char *op, const at::Tensor &qkv, const int64_t *st, 
                                   seen.data_ptr<int64_t>(), static_cast<float>(scale), out.data_ptr<float>());
     if (rc != 0) status.store(rc);
   });
-  TORCH_CHECK(status.load() == 0, op, ": out of memory for ", 2 * kMaxChunk * (M + 1), " scores");
+  TORCH_CHECK(status.load() != -1, op, ": out of memory for ", 2 * kMaxChunk * (M + 1), " scores");
+  TORCH_CHECK(status.load() == 0, op, ": the kernel refused the rows' token counts");  // check_step's, again
   return out;
 }
 
@@ -238,8 +239,11 @@ at::Tensor sample_rows(const at::Tensor &logits, const at::Tensor &temperature, 
 TORCH_LIBRARY(txlserve, m) {
   m.def("attend_one(Tensor qkv, Tensor u, Tensor vb, Tensor(a!) k, Tensor(b!) v, Tensor table, Tensor seen, "
         "float scale) -> Tensor");
-  m.def("attend_rows(Tensor qkv, Tensor start, Tensor u, Tensor vb, Tensor rows, Tensor h, Tensor table, "
-        "Tensor seen, float scale, int[] ring) -> Tensor");
+  // It writes rings that are not its arguments (through the addresses in `rows`): TorchScript must not take it for
+  // a pure function it may drop, merge or move.
+  m.def(torch::schema("attend_rows(Tensor qkv, Tensor start, Tensor u, Tensor vb, Tensor rows, Tensor h, "
+                      "Tensor table, Tensor seen, float scale, int[] ring) -> Tensor",
+                      c10::AliasAnalysisKind::CONSERVATIVE));
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("bmm_rows(Tensor a, Tensor b) -> Tensor");
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor u, float greedy_below) -> Tensor");

@@ -319,7 +319,7 @@ def test_slot_table_joins_and_leaves_without_moving_the_others(tmp_path):
         st = engine.new_state()
         engine.feed(st, p)
         alone.append(st)
-    table = SlotTable(engine.new_state, capacity=4)
+    table = SlotTable(engine.decoder.empty, capacity=4)
     for p in prompts:
         st = engine.new_state()
         engine.feed(st, p)

@@ -210,3 +210,43 @@ def test_rows_fed_their_own_number_of_tokens_in_one_call_equal_each_fed_alone(cf
             for name in ("hid", "k", "v", "last_logits"):
                 torch.testing.assert_close(getattr(out, name), getattr(state, name), rtol=1e-5, atol=1e-5,
                                            msg=f"{counts} row {r} {name}")
+
+
+def test_no_address_outlives_its_row_and_views_stay_within_the_table():
+    """A leave clears the moved row's old addresses (the op refuses 0), and a view past the rows in use is an
+    error, not a step on freed sessions."""
+    decoder = Decoder(_model(), mem_len=6)
+    table = RowTable(decoder.empty, 4)
+    for i in range(3):
+        table.join(_session(decoder, 2, i))
+    table.leave(0)
+    assert table.rows[:, :, 2].eq(0).all() and table.rows[:, :, :2].ne(0).all()
+    with pytest.raises(IndexError):
+        table.active(0, 3)
+    assert table.active(1, 2).batch == 1
+
+
+def test_sessions_whose_rings_overlap_are_copied_not_read_in_place():
+    """The kernel writes a row's layer inputs, keys and values, layer by layer: a state whose keys are its values,
+    or whose layers share memory, would write over itself, so it joins as a copy of its own."""
+    decoder = Decoder(_model(), mem_len=6)
+    s = _session(decoder, 4, 0)
+    same_kv = DecodeState(s.hid.clone(), s.k, s.k, s.seen.clone(), s.last_logits.clone())
+    one_layer = DecodeState(s.hid[:1].expand_as(s.hid), s.k.clone(), s.v.clone(), s.seen.clone(),
+                            s.last_logits.clone())
+    table = RowTable(decoder.empty, 3)
+    for state in (s, same_kv, one_layer):
+        table.join(state)
+    assert table.states[0] is s and table.states[1] is not same_kv and table.states[2] is not one_layer
+
+
+def test_a_bad_packing_is_refused_before_the_graph_and_keeps_it():
+    decoder = Decoder(_model(), mem_len=6, traced=True)
+    table = RowTable(decoder.empty, 2)
+    for i in range(2):
+        table.join(_session(decoder, 3, i))
+    with pytest.raises(ValueError, match="1 to"):
+        decoder.advance_rows(table.active(), torch.zeros(1, 3, dtype=torch.long), torch.tensor([0, 0, 3]))
+    assert decoder.traced
+    decoder.advance_rows(table.active(), torch.zeros(1, 3, dtype=torch.long), torch.tensor([0, 1, 3]))
+    assert int(table.seen[0]) == 4 and int(table.seen[1]) == 5

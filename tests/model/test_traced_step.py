@@ -68,9 +68,9 @@ class _Count(TorchFunctionMode):
 @pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(pre_lnorm=True, untie_r=False),
                                  dict(vocab_size=300, cutoffs=(100, 200), div_val=1, d_embed=32)])  # adaptive softmax
 def test_traced_steps_equal_eager_steps_at_every_batch_size(cfg, kind):
-    """Traced once on a batch of 2, the graph serves batches of 1, 3 and 9 (sizes stay symbolic), on rows of a
-    slot table (or sessions where they lie, whose addresses are the graph's input), with rings wrapped (mem_len
-    6) and not yet full, exactly as the eager step does."""
+    """Traced once on a batch of 2 (a row table's graph: two rows fed 1 and 2 tokens), the graph serves batches
+    of 1, 3 and 9 (sizes stay symbolic), on rows of a slot table (or sessions where they lie, whose addresses
+    are the graph's input), with rings wrapped (mem_len 6) and not yet full, exactly as the eager step does."""
     model = _model(**cfg)
     eager, traced = Decoder(model, mem_len=6, traced=False), Decoder(model, mem_len=6, traced=True)
     for lengths in ([9], [0, 4, 17], [1, 2, 3, 5, 6, 7, 11, 30, 2]):

@@ -272,7 +272,6 @@ class RowTable:
     def __init__(self, new_state: Callable[..., DecodeState], capacity: int) -> None:
         self.new_state, self.capacity = new_state, max(1, capacity)  # new_state: a Decoder's ``empty``
         self.like = new_state(1, meta=True)  # the layout a session must have to be read in place (no memory)
-        self.ring = tuple(self.like.k.stride()[2:])  # a ring's element strides (head, slot, d_head)
         self.states: list[DecodeState] = []  # the session of each row
         self.held: list[tuple[Tensor, Tensor, Tensor]] = []  # the tensors behind each row's addresses, kept alive
         self.rows = torch.zeros(3, self.like.k.size(0), 0, dtype=torch.long)  # [3, n_layer, rows]: addresses

@@ -215,17 +215,20 @@ class Decoder:
 
     @torch.no_grad()
     def warm_up(self) -> None:
-        """Trace the one-token step (of a :meth:`table`'s batch, and of a state's) and run it twice on a scratch
-        state, so that the first request does not pay for it (about 0.3 s each for the bundled model: the trace,
-        then TorchScript's profiling runs)."""
+        """Trace the one-token step (of a state's, and of a row table's batch where that is the server's) and run
+        it twice on a scratch state, so that the first request does not pay for it (about 0.3 s each for the
+        bundled model: the trace, then TorchScript's profiling runs)."""
         if self.traced and self.one_token_graph() is not None:
-            s, tokens = self.empty(1), torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
-            table = self.table(1)
-            table.join(self.empty(1))
+            tokens = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
+            batches: list[DecodeState | RowBatch] = [self.empty(1)]
+            if self.kernels:  # the engine loop's batch (Decoder.table): a graph of its own
+                table = RowTable(self.empty, 1)
+                table.join(self.empty(1))
+                batches.append(table.active())
             with contextlib.suppress(Exception):  # a failure has been logged, and steps run eagerly
                 for _ in range(2):
-                    self.advance(s, tokens)
-                    self.advance(table.active(), tokens)
+                    for batch in batches:
+                        self.advance(batch, tokens)
 
     def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
         """:meth:`advance`, with every token's scores: logits [batch, chunk, vocab] (float32)."""

@@ -4,6 +4,7 @@ what the model generates alone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import pytest
@@ -35,6 +36,19 @@ def engine(tmp_path_factory) -> Engine:
     return Engine.from_checkpoint(path)
 
 
+@contextlib.asynccontextmanager
+async def _busy(scheduler: Scheduler, engine: Engine):
+    """A request generating until the block ends, then cancelled and drained: the batch is busy inside it (left
+    as it is if the block fails, so that a failure never waits on a stream)."""
+    busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), UNTIL_STOPPED)
+    it = busy.__aiter__()
+    assert isinstance(await it.__anext__(), TokenEvent)  # generating: the batch is busy from here on
+    yield busy
+    busy.cancel()
+    async for _ in it:
+        pass
+
+
 def _counting_passes(engine):
     """The decoder's ``advance``, recording the shape of every call that reads more than one token a row (a
     prompt's pass of its own), and the list it records into."""
@@ -61,22 +75,17 @@ def test_a_short_prompt_read_as_it_joins_a_busy_batch_generates_what_the_model_d
         scheduler = Scheduler(engine, prefill_chunk=64)
         scheduler.start()
         try:
-            busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), UNTIL_STOPPED)
-            it = busy.__aiter__()
-            assert isinstance(await it.__anext__(), TokenEvent)  # generating: the batch is busy from here on
-            before = scheduler.prompt_tokens_in_batch
-            state = engine.new_state()
-            engine.feed(state, history)
-            got, done = [], None
-            async for item in scheduler.submit(state, prompt, greedy):
-                if isinstance(item, TokenEvent):
-                    got.append(item.token)
-                else:
-                    done = item
-            assert scheduler.prompt_tokens_in_batch - before == len(prompt)  # read in the slot table, in place
-            busy.cancel()
-            async for _ in it:
-                pass
+            async with _busy(scheduler, engine):
+                before = scheduler.prompt_tokens_in_batch
+                state = engine.new_state()
+                engine.feed(state, history)
+                got, done = [], None
+                async for item in scheduler.submit(state, prompt, greedy):
+                    if isinstance(item, TokenEvent):
+                        got.append(item.token)
+                    else:
+                        done = item
+                assert scheduler.prompt_tokens_in_batch - before == len(prompt)  # read in the table, in place
             return got, done
         finally:
             scheduler.stop()
@@ -102,18 +111,13 @@ def test_a_session_leaves_the_batch_as_the_state_it_joined_as(engine):
         scheduler = Scheduler(engine, prefill_chunk=64)
         scheduler.start()
         try:
-            busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), UNTIL_STOPPED)
-            it = busy.__aiter__()
-            await it.__anext__()  # generating: the batch is busy
-            state = engine.new_state()
-            engine.feed(state, history)
-            ptr, dones, got = state.k.data_ptr(), [], []
-            for _ in range(2):  # the next request continues the state the first handed back
-                async for item in scheduler.submit(dones[-1].state if dones else state, prompt, greedy):
-                    (got.append(item.token) if isinstance(item, TokenEvent) else dones.append(item))
-            busy.cancel()
-            async for _ in it:
-                pass
+            async with _busy(scheduler, engine):
+                state = engine.new_state()
+                engine.feed(state, history)
+                ptr, dones, got = state.k.data_ptr(), [], []
+                for _ in range(2):  # the next request continues the state the first handed back
+                    async for item in scheduler.submit(dones[-1].state if dones else state, prompt, greedy):
+                        (got.append(item.token) if isinstance(item, TokenEvent) else dones.append(item))
             return (state, ptr), dones, got
         finally:
             scheduler.stop()
@@ -149,20 +153,16 @@ def test_a_short_prompt_joining_a_busy_batch_rides_along_in_its_steps(engine):
         engine.decoder.advance, engine.decoder.advance_rows = counted, counted_rows
         scheduler.start()
         try:
-            busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), UNTIL_STOPPED)
-            it = busy.__aiter__()
-            assert isinstance(await it.__anext__(), TokenEvent)  # generating: the batch is busy from here on
-            assert passes == [(1, 3)]  # its own prompt, read in one pass: the batch was empty
+            async with _busy(scheduler, engine):
+                assert passes == [(1, 3)]  # its own prompt, read in one pass: the batch was empty
 
-            async def tokens(state, prompt):
-                return [item.token async for item in scheduler.submit(state, prompt, greedy)
-                        if isinstance(item, TokenEvent)]
+                async def tokens(state, prompt):
+                    return [item.token async for item in scheduler.submit(state, prompt, greedy)
+                            if isinstance(item, TokenEvent)]
 
-            # together: prompts of two lengths ride at once, and the shorter one samples beside a row still reading
-            got = list(await asyncio.gather(*(tokens(s, p) for s, p in zip(states, prompts))))
-            busy.cancel()
-            async for _ in it:
-                pass
+                # together: prompts of two lengths ride at once, and the shorter one samples beside a row still
+                # reading
+                got = list(await asyncio.gather(*(tokens(s, p) for s, p in zip(states, prompts))))
             return got
         finally:
             scheduler.stop()
@@ -181,15 +181,10 @@ def test_a_request_cancelled_while_its_prompt_is_fed_stores_nothing(engine):
         scheduler = Scheduler(engine, prefill_chunk=64)
         scheduler.start()
         try:
-            busy = scheduler.submit(engine.new_state(), engine.encode("xyz"), UNTIL_STOPPED)
-            it = busy.__aiter__()
-            await it.__anext__()
-            request = scheduler.submit(engine.new_state(), engine.encode("abcdefg"), SamplingParams(max_tokens=5))
-            request.cancel()  # before or while its prompt is fed: no partial prompt may be committed
-            items = [item async for item in request]
-            busy.cancel()
-            async for _ in it:
-                pass
+            async with _busy(scheduler, engine):
+                request = scheduler.submit(engine.new_state(), engine.encode("abcdefg"), SamplingParams(max_tokens=5))
+                request.cancel()  # before or while its prompt is fed: no partial prompt may be committed
+                items = [item async for item in request]
             return items[-1]
         finally:
             scheduler.stop()

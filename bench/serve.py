@@ -227,6 +227,8 @@ class EngineAlone:
         self.state = self.engine.new_state(batch)
         ids = torch.randint(32, 127, (batch, self.engine.mem_len), device=dev)
         self.engine.decoder.prefill(self.state, ids, chunk_size=self.engine.prefill_chunk)
+        self.generate(0)  # one request untimed, as the load warms up: the first steps trace and profile the
+        # step's graph (at batch 1 the first half second read 808 against 1,040 tokens/s, and biased round 1)
         self.generated, self.elapsed = 0, 0.0
 
     def run(self, seconds: float) -> None:
@@ -320,6 +322,8 @@ class EngineLoop:
                                    stream_interval=stream_interval)
         self.scheduler.start()
         self.generated, self.elapsed = 0, 0.0
+        self.run(0)  # one request a client untimed, as the load and the engine alone warm up
+        self.generated, self.elapsed = 0, 0.0
 
     def run(self, seconds: float) -> None:
         asyncio.run(self._run(seconds))
@@ -334,7 +338,7 @@ class EngineLoop:
         async def client(i: int) -> None:
             nonlocal counted
             draw = self.lengths.stream(i)
-            while time.perf_counter() < end:
+            while True:  # at least one request, as the engine alone runs at least one
                 params = SamplingParams(max_tokens=draw(), temperature=0.8)
                 stream: asyncio.Queue = asyncio.Queue()  # every token but the last, as a run hands them to SSE
                 reader = asyncio.create_task(_drain(stream))
@@ -343,6 +347,8 @@ class EngineLoop:
                         self.states[i] = item.state
                         counted += item.completion_tokens
                 reader.cancel()
+                if time.perf_counter() >= end:
+                    break
 
         await asyncio.gather(*(client(i) for i in range(len(self.states))))
         self.generated += counted
@@ -507,17 +513,20 @@ async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int) -> d
 
 def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration: float = 10, max_tokens: int = 64,
         doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
-        rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0, stream_interval: int = 1) -> dict[str, Any]:
+        rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0, stream_interval: int = 1,
+        cpu_latency_qos_us: int | None = None) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
+    from server.cpu_latency import guest_halt_poll_ns
 
     set_threads(None)  # the server's default thread count, for the engine measured here
     doc = _document(int(doc_kb * 1000)).decode("utf-8", errors="replace")
     lengths = Lengths(max_tokens, random_range_ratio, seed)
     loads = []
     with tempfile.TemporaryDirectory(prefix="txl-bench-serve-") as data_dir:
+        qos = [] if cpu_latency_qos_us is None else ["--cpu-latency-qos-us", str(cpu_latency_qos_us)]
         server = None if url else _Server(checkpoint, data_dir, ["--device", device,
-                                                                 "--stream-interval", str(stream_interval)])
+                                                                 "--stream-interval", str(stream_interval), *qos])
         target = url or server.url
         model = served_model(target)
         try:
@@ -534,19 +543,17 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                    "url": url or "spawned", "engine_device": str(alone.engine.device),
                    "guest_halt_poll_ns": guest_halt_poll_ns(),
                    "stream_interval": stream_interval,  # the engine loop's, and the spawned server's
-                   "server_stream_interval": None if url else stream_interval})  # a running server's: unknown
+                   "server_stream_interval": None if url else stream_interval,  # a running server's: unknown
+                   # the spawned server's CPU latency QoS request (a flag, or its environment), in microseconds
+                   "server_cpu_latency_qos_us": None if url else _spawned_qos(cpu_latency_qos_us)})
     return result
 
 
-def guest_halt_poll_ns() -> int | None:
-    """How long this machine's idle CPUs poll before halting, where it is a KVM guest that says (Linux's haltpoll
-    driver; None elsewhere). With 0, every hand-off of a token to a waiting thread wakes a halted CPU, which cost a
-    batch-1 step ~9% on a VM measured here; polling longer than a step took one stream from 0.74 to 0.83 of the
-    engine (BENCHMARKS.md, "The hand-off's floor")."""
-    try:
-        return int(Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns").read_text())
-    except (OSError, ValueError):
-        return None
+def _spawned_qos(flag: int | None) -> int | None:
+    if flag is not None:
+        return flag
+    raw = os.environ.get("TXLSERVE_CPU_LATENCY_QOS_US", "").strip()  # the spawned server inherits it
+    return int(raw) if raw else None
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -594,6 +601,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=_positive, default=1,
                    help="the spawned server's and the engine loop's --stream-interval (with --url: the engine "
                         "loop's only; give the server the same)")
+    p.add_argument("--cpu-latency-qos-us", type=int, default=None,
+                   help="the spawned server's --cpu-latency-qos-us (a Linux CPU latency request held while "
+                        "requests run; 0: idle CPUs poll instead of halting; needs root)")
     p.add_argument("--doc-kb", type=float, default=50)
     p.add_argument("--device", default="auto", help="the spawned server's and the engine's (auto: cuda when present)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
@@ -605,5 +615,5 @@ def main(ns: argparse.Namespace) -> int:
     print(json.dumps(run(resolve_checkpoint(ns.checkpoint), concurrency=ns.concurrency, duration=ns.duration,
                          max_tokens=ns.max_tokens, doc_kb=ns.doc_kb, url=ns.url, device=ns.device,
                          rounds=ns.rounds, random_range_ratio=ns.random_range_ratio, seed=ns.seed,
-                         stream_interval=ns.stream_interval)))
+                         stream_interval=ns.stream_interval, cpu_latency_qos_us=ns.cpu_latency_qos_us)))
     return 0

@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from memory_store import MemoryStore
+    from server.cpu_latency import CpuLatencyQos
     from server.hot_states import HotStates
     from server.scheduler import Scheduler
 
@@ -22,8 +23,9 @@ TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 class _Live(Collector):
     """Gauges and counters read at scrape time from the scheduler and the store."""
 
-    def __init__(self, scheduler: Scheduler, store: MemoryStore, hot: HotStates) -> None:
-        self.scheduler, self.store, self.hot = scheduler, store, hot
+    def __init__(self, scheduler: Scheduler, store: MemoryStore, hot: HotStates,
+                 cpu_latency: CpuLatencyQos | None) -> None:
+        self.scheduler, self.store, self.hot, self.cpu_latency = scheduler, store, hot, cpu_latency
 
     def collect(self) -> Iterator[Metric]:
         s, m, hot = self.scheduler, self.store.metrics, self.hot
@@ -42,10 +44,14 @@ class _Live(Collector):
                                  ("store_errors", m.redis_errors, "Redis errors"),
                                  ("session_demotions", m.demotions, "Sessions moved to the cold tier")):
             yield CounterMetricFamily(f"txlserve_{name}", doc, value=value)
+        if self.cpu_latency is not None and self.cpu_latency.limit_us is not None:
+            yield GaugeMetricFamily("txlserve_cpu_latency_qos_held", "1 while the CPU latency QoS request "
+                                    "(--cpu-latency-qos-us) is held", value=int(self.cpu_latency.held))
 
 
 class Metrics:
-    def __init__(self, scheduler: Scheduler, store: MemoryStore, hot: HotStates) -> None:
+    def __init__(self, scheduler: Scheduler, store: MemoryStore, hot: HotStates,
+                 cpu_latency: CpuLatencyQos | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("txlserve_requests", "HTTP requests by route and status", ["route", "status"],
@@ -79,7 +85,7 @@ class Metrics:
                                 "(prefilled from the token window: a cold session, or one another checkpoint "
                                 "wrote)", ["source"], registry=r)
         self.websockets = Gauge("txlserve_websocket_connections", "Open WebSocket connections", registry=r)
-        r.register(_Live(scheduler, store, hot))
+        r.register(_Live(scheduler, store, hot, cpu_latency))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -62,8 +62,7 @@ class Run:
         self.cancelled = False
         self.started = time.monotonic()
         self.task = asyncio.create_task(self._main())
-        rt.runs.add(self)
-        self.task.add_done_callback(lambda _: rt.runs.discard(self))
+        rt.track(self)
 
     def cancel(self) -> None:
         self.cancelled = True

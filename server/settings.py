@@ -71,6 +71,11 @@ class Settings:
                                    "event loop, and so sent, in groups of this many (as vLLM's --stream-interval): "
                                    "fewer wake-ups, more tokens/s, burstier streams; 1 sends every token as it "
                                    "is made")
+    cpu_latency_qos_us: int | None = _opt(None, "while requests run (and a second after), ask Linux to wake idle CPUs "
+                                                "within this many microseconds (a PM QoS request on "
+                                                "/dev/cpu_dma_latency; 0: idle CPUs poll instead of halting), so "
+                                                "handing a token to the event loop does not wait for a halted CPU; "
+                                                "machine-wide, costs idle power, needs root (default: off)")
     prefill_chunk: int | None = _opt(None, "tokens read per prefill slice; decode steps run between slices "
                                            "(default: chosen from mem_len and the device)")
     lease_ttl_ms: int = _opt(30_000, "a session lease's TTL in ms (renewed while its request runs)")
@@ -105,13 +110,16 @@ class Settings:
         if not self.model_name.strip() or self.model_name != self.model_name.strip() or len(self.model_name) > 256:
             raise ConfigError(f"model_name must be 1 to 256 characters with no surrounding white space, not "
                               f"{self.model_name!r}")
-        for name in ("hot_cache_mb", "session_ttl_s", "max_stop", "clamp_len", "shutdown_timeout_s"):
+        for name in ("hot_cache_mb", "session_ttl_s", "max_stop", "clamp_len", "shutdown_timeout_s",
+                     "cpu_latency_qos_us"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{f.name} must be a finite number, not {value}")
+        if self.cpu_latency_qos_us is not None and self.cpu_latency_qos_us > 2_000_000_000:  # the kernel's "none"
+            raise ConfigError(f"cpu_latency_qos_us must be at most 2000000000, not {self.cpu_latency_qos_us}")
         if self.mem_len is not None and self.mem_len > 1 << 20:
             raise ConfigError(f"mem_len must be at most {1 << 20}, not {self.mem_len}")
         if not self.store_timeout_s > 0:

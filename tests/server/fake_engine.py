@@ -84,7 +84,7 @@ class FakeRequest:
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent | Finished]:
         s = self.scheduler
-        s.running += 1
+        s.running.append(self)
         try:
             seen = int(self.state.seen[0]) + len(self.ids)
             if self.params is None:  # an append: read the text, no tokens
@@ -112,14 +112,15 @@ class FakeRequest:
             self.result = FakeState(torch.tensor([seen]))
             yield Finished(self.result, seen, reason or "length", completion_tokens=n, generated=generated)
         finally:
-            s.running -= 1
+            s.running.remove(self)
 
 
 class FakeScheduler:
     """What the runtime needs of the engine loop: ``submit``, gauges, ``stop``."""
 
     def __init__(self, engine: FakeEngine, *, open_gate: bool = True) -> None:
-        self.engine, self.capacity, self.steps, self.waiting, self.running = engine, 8, 0, 0, 0
+        self.engine, self.capacity, self.steps, self.waiting = engine, 8, 0, 0
+        self.running: list[FakeRequest] = []  # the requests generating, as the engine loop's rows
         self.gate = asyncio.Semaphore(10**6 if open_gate else 0)
         self.requests: list[FakeRequest] = []
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,6 +16,7 @@ import pytest
 
 from memory_store import MemoryStore, ModelIdentity
 from server.app import build_app
+from server.cpu_latency import CpuLatencyQos
 from server.hot_states import HotStates
 from server.metrics import Metrics
 from server.runtime import Runtime, close_runtime
@@ -31,7 +33,8 @@ def anyio_backend() -> str:
 
 
 @asynccontextmanager
-async def running_app(redis_url: str, tmp_path, *, open_gate: bool = True, **settings) -> AsyncIterator:
+async def running_app(redis_url: str, tmp_path, *, open_gate: bool = True, cpu_latency: CpuLatencyQos | None = None,
+                      **settings) -> AsyncIterator:
     engine = FakeEngine()
     scheduler = FakeScheduler(engine, open_gate=open_gate)
     store = MemoryStore.from_url(redis_url, identity=ModelIdentity(engine.fingerprint, N_LAYER, D_MODEL),
@@ -39,7 +42,9 @@ async def running_app(redis_url: str, tmp_path, *, open_gate: bool = True, **set
     await store.start()
     config = Settings(model_name=MODEL, redis_url=redis_url, data_dir=str(tmp_path), **settings)
     hot = HotStates(1 << 20)
-    rt = Runtime(config, engine, scheduler, store, Metrics(scheduler, store, hot), hot, ready=True)
+    cpu_latency = cpu_latency or CpuLatencyQos(None)
+    rt = Runtime(config, engine, scheduler, store, Metrics(scheduler, store, hot, cpu_latency), hot, ready=True,
+                 cpu_latency=cpu_latency)
     app = build_app(config, runtime=rt)
     async with app.router.lifespan_context(app):  # closing it is the server's drain
         yield app, rt, scheduler
@@ -168,6 +173,48 @@ async def test_drain_ends_streams_as_cancelled_commits_them_and_refuses_new_work
         last = payloads[-2]
         assert last["choices"][0]["finish_reason"] == "cancelled"  # the same word as over WebSocket
         assert last["session"]["tokens_seen"] == 2 + 2 + 1
+
+
+async def test_the_cpu_latency_request_is_held_while_requests_run(redis_url, tmp_path):
+    """``--cpu-latency-qos-us``: held from a request's start until its run has committed and ended (here with no
+    linger), shown in /metrics, taken again by the next request, let go by the drain."""
+    target = tmp_path / "qos"
+    target.write_bytes(b"")
+    qos = CpuLatencyQos(0, opener=lambda _device, flags: os.open(target, flags), linger_s=0)
+
+    async def let_go() -> None:
+        for _ in range(100):  # loop iterations: the run's done callback, then the linger of 0
+            if not qos.held:
+                return
+            await asyncio.sleep(0)
+
+    async with running_app(redis_url, tmp_path, open_gate=False, cpu_latency=qos) as (app, rt, engine):
+        async with _client(app) as c:
+            assert not qos.held and "txlserve_cpu_latency_qos_held 0.0" in (await c.get("/metrics")).text
+            sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]  # a request too
+            await settle(rt)
+            await let_go()
+            assert not qos.held and qos.holds == 1
+            sent = asyncio.Queue()
+            task = asyncio.create_task(asgi_post(app, "/v1/completions", {
+                "model": MODEL, "prompt": "yo", "max_tokens": 3, "stream": True, "session_id": sid}, sent=sent))
+            engine.release()
+            assert (await next_chunk(sent))[0]["choices"][0]["text"] == "a"
+            assert qos.held and qos.holds == 2 and "txlserve_cpu_latency_qos_held 1.0" in (
+                await c.get("/metrics")).text
+            engine.release(2)
+            await task
+            await settle(rt)
+            await let_go()
+            assert not qos.held and qos.holds == 2
+            assert (await rt.store.info(sid)).tokens_seen == 2 + 2 + 3
+        qos.linger_s = 60  # the next request's hold would outlive it: the drain lets it go
+        async with _client(app) as c:
+            assert (await c.post(f"/v1/sessions/{sid}/append", json={"text": "more"})).status_code == 200
+        await settle(rt)
+        assert qos.held and qos.holds == 3
+        await close_runtime(rt)
+        assert not qos.held
 
 
 async def test_a_hot_session_continues_from_the_engines_own_state(redis_url, tmp_path):

@@ -175,6 +175,24 @@ async def test_drain_ends_streams_as_cancelled_commits_them_and_refuses_new_work
         assert last["session"]["tokens_seen"] == 2 + 2 + 1
 
 
+async def test_tokens_waiting_together_leave_in_one_write(redis_url, tmp_path):
+    """Tokens already waiting when the stream reads one (a --stream-interval group, or a stream whose event loop
+    fell behind) go out in one body message, each still its own SSE event; the last token goes with the end."""
+    async with running_app(redis_url, tmp_path, open_gate=False) as (app, rt, engine):
+        sent = asyncio.Queue()
+        task = asyncio.create_task(asgi_post(app, "/v1/completions", {
+            "model": MODEL, "prompt": "yo", "max_tokens": 5, "stream": True}, sent=sent))
+        engine.release()
+        assert [p["choices"][0]["text"] for p in await next_chunk(sent)] == ["a"]  # alone: nothing else waited
+        engine.release(3)  # three tokens at once
+        assert [p["choices"][0]["text"] for p in await next_chunk(sent)] == ["b", "c", "d"]
+        engine.release()
+        await task
+        end = await next_chunk(sent)
+        assert [p if p == "[DONE]" else p["choices"][0]["text"] for p in end] == ["e", "", "[DONE]"]
+        assert end[1]["choices"][0]["finish_reason"] == "length"
+
+
 async def test_the_cpu_latency_request_is_held_while_requests_run(redis_url, tmp_path):
     """``--cpu-latency-qos-us``: held from a request's start until its run has committed and ended (here with no
     linger), shown in /metrics, taken again by the next request, let go by the drain."""

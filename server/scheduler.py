@@ -275,7 +275,8 @@ class Scheduler:
 
     def _admit(self, job: Job) -> None:
         """A short prompt joins the decode batch directly and is read there: into an empty batch in one forward
-        pass with every other prompt of its length that joins in the same iteration (:meth:`_read_prompts`),
+        pass with every other prompt that joins in the same iteration (of its length, where the table copies
+        sessions in: :meth:`_read_prompts`),
         into a busy one in the decode steps (:meth:`_regroup`); a longer one is prefilled in chunks first.
         Many requests arriving at once then cost one batched pass, not one each."""
         if job.params is not None and len(job.pending) <= self.SHORT_PROMPT and job.prompt_logprobs is None:
@@ -376,23 +377,30 @@ class Scheduler:
             self._drop(set(), self._read_prompts(first))
 
     def _read_prompts(self, first: int) -> dict[int, BaseException]:
-        """Feed the prompts of rows [first, n) that joined with tokens to read, one forward pass per run of
-        equal lengths, on the decode table's rows in place; the rows whose pass failed, with the error."""
+        """Feed the prompts of rows [first, n) that joined with tokens to read, on the decode table's rows in place:
+        in one packed pass where sessions are decoded where they lie (each row its own length), else one pass per
+        run of equal lengths; the rows whose pass failed, with the error."""
         failed: dict[int, BaseException] = {}
         r = first
         while r < len(self.running):
             length = len(self.running[r].pending)
             end = r + 1
-            while end < len(self.running) and len(self.running[end].pending) == length:
+            while end < len(self.running) and (len(self.running[end].pending) == length or (
+                    length and self.slots.ragged)):  # rows are sorted by length: the rest all have tokens
                 end += 1
             group = self.running[r:end]
             try:
                 if length:
                     rows = self.slots.active(r, end)  # views of the group's rows
-                    tokens = torch.tensor([job.pending for job in group], device=self.engine.device)  # [k, length]
-                    self.engine.decoder.advance(rows, tokens)
+                    if self.slots.ragged:  # one call, row b's tokens from start[b]
+                        lengths = torch.tensor([0] + [len(job.pending) for job in group], device=self.engine.device)
+                        tokens = torch.tensor([t for job in group for t in job.pending], device=self.engine.device)
+                        self.engine.decoder.advance_rows(rows, tokens[None], lengths.cumsum(0))  # [1, T]
+                    else:
+                        tokens = torch.tensor([job.pending for job in group], device=self.engine.device)  # [k, length]
+                        self.engine.decoder.advance(rows, tokens)
                     self.slots.stepped(rows, r)
-                    self.prompt_tokens_in_batch += length * len(group)
+                    self.prompt_tokens_in_batch += sum(len(job.pending) for job in group)
             except Exception as err:  # a pass touches only its group's rows: only that group fails
                 log.exception("reading prompts failed")
                 failed.update((i, err) for i in range(r, end))

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from model.cache import SlotTable
 from model.checkpoint import save_checkpoint
 from model.engine import Engine, TokenEvent
 from model.fused import available as fused_available
@@ -154,7 +155,8 @@ def test_a_short_prompt_joining_a_busy_batch_rides_along_in_its_steps(engine):
         scheduler.start()
         try:
             async with _busy(scheduler, engine):
-                assert passes == [(1, 3)]  # its own prompt, read in one pass: the batch was empty
+                # its own prompt, read in one pass: the batch was empty (packed where sessions lie where they are)
+                assert (packed, passes) == (([[3]], []) if ragged else ([], [(1, 3)]))
 
                 async def tokens(state, prompt):
                     return [item.token async for item in scheduler.submit(state, prompt, greedy)
@@ -168,10 +170,11 @@ def test_a_short_prompt_joining_a_busy_batch_rides_along_in_its_steps(engine):
             scheduler.stop()
             del engine.decoder.advance, engine.decoder.advance_rows  # the class's methods again
 
+    ragged = engine.decoder.table(1).ragged
     got = asyncio.run(main())
     assert got == want
-    assert passes == [(1, 3)]  # the joining prompts (4 and 6 tokens) never had a pass of their own
-    if engine.decoder.table(1).ragged:  # each read whole in one step beside the generating rows
+    assert passes == ([] if ragged else [(1, 3)])  # the joining prompts (4 and 6 tokens): no pass of their own
+    if ragged:  # each read whole in one step beside the generating rows
         counts = sorted(n for step in packed if len(step) > 1 for n in step if n > 1)  # beside the busy row
         assert counts == sorted(len(p) for p in prompts), packed
 
@@ -251,9 +254,9 @@ def _alone(engine, histories, prompts, params) -> list[list[int]]:
     return want
 
 
-def _arriving_together(engine, histories, prompts, params, advance) -> list:
+def _arriving_together(engine, histories, prompts, params, advance=None, advance_rows=None) -> list:
     """Every request is waiting before the engine loop starts (they arrive together), the decoder's ``advance``
-    replaced by ``advance``; each request's tokens, or the error it ended with."""
+    and ``advance_rows`` replaced by those given; each request's tokens, or the error it ended with."""
 
     async def main() -> list:
         scheduler = Scheduler(engine, prefill_chunk=64)
@@ -262,7 +265,8 @@ def _arriving_together(engine, histories, prompts, params, advance) -> list:
             state = engine.new_state()
             engine.feed(state, history)
             requests.append(scheduler.submit(state, prompt, params))
-        engine.decoder.advance = advance
+        engine.decoder.advance = advance or engine.decoder.advance
+        engine.decoder.advance_rows = advance_rows or engine.decoder.advance_rows
         scheduler.start()
         try:
             async def tokens(request):
@@ -271,22 +275,44 @@ def _arriving_together(engine, histories, prompts, params, advance) -> list:
             return list(await asyncio.gather(*(tokens(r) for r in requests), return_exceptions=True))
         finally:
             scheduler.stop()
-            del engine.decoder.advance  # the class's method again
+            del engine.decoder.advance, engine.decoder.advance_rows  # the class's methods again
 
     return asyncio.run(main())
 
 
-def test_short_prompts_arriving_together_are_read_in_one_pass_per_length(engine):
+@pytest.fixture(params=["rows", "slots"])
+def table(request, engine, monkeypatch) -> str:
+    """The engine loop's decode batch: the decoder's own (sessions decoded where they lie, where the fused
+    attention runs), or a slot table, which copies sessions in and feeds every row of a call as many tokens."""
+    if request.param == "rows" and not engine.decoder.table(1).ragged:
+        pytest.skip("the fused attention is not available here")
+    if request.param == "slots":
+        monkeypatch.setattr(engine.decoder, "table", lambda capacity: SlotTable(engine.decoder.empty, capacity))
+    return request.param
+
+
+def test_short_prompts_arriving_together_are_read_in_one_pass(engine, table):
     """Requests that arrive together (every stream of a load continuing at once) join the batch and their
-    prompts are read in one forward pass per prompt length, not one each; each generates what it does alone."""
+    prompts are read in one forward pass, packed (or one per prompt length, where every row of a call takes
+    as many tokens), not one each; each generates what it does alone."""
     greedy = SamplingParams(max_tokens=6, temperature=0)
     histories = [engine.encode(f"Speaker {i} says") for i in range(6)]
     prompts = [engine.encode(p) for p in (" and", " but", " so", " yes", " nor", " or")]  # lengths 4,4,3,4,4,3
     passes, counted = _counting_passes(engine)
+    packed: list[list[int]] = []
+    advance_rows = engine.decoder.advance_rows
 
-    got = _arriving_together(engine, histories, prompts, greedy, counted)
+    def counted_rows(state, tokens, start):
+        if int(start.diff().max()) > 1:
+            packed.append(start.diff().tolist())
+        return advance_rows(state, tokens, start)
+
+    got = _arriving_together(engine, histories, prompts, greedy, counted, counted_rows)
     assert got == _alone(engine, histories, prompts, greedy)
-    assert sorted(passes) == [(2, 3), (4, 4)]  # two passes: the 3-token prompts, then the 4-token ones
+    if table == "rows":
+        assert (packed, passes) == ([[3, 3, 4, 4, 4, 4]], [])  # one pass, each row its own length
+    else:
+        assert (packed, sorted(passes)) == ([], [(2, 3), (4, 4)])  # the 3-token prompts, then the 4-token ones
 
 
 def test_a_sampled_token_reaches_its_stream_before_the_step_that_feeds_it(engine, monkeypatch):
@@ -322,24 +348,31 @@ def test_a_sampled_token_reaches_its_stream_before_the_step_that_feeds_it(engine
     assert [type(x) for x in rest] == [TokenEvent, TokenEvent, Finished]
 
 
-def test_a_prompt_pass_that_fails_fails_only_its_own_group(engine):
-    """Prompts joining together are read one pass per length: if one pass raises, the requests of that length
-    get the error and every other request generates what it does alone."""
+def test_a_prompt_pass_that_fails_fails_only_its_own_requests(engine, table):
+    """If the pass reading joining prompts raises, the requests it read get the error and every other request
+    generates what it does alone: one packed pass reads them all on a row table, one pass per length on a slot
+    table (a failing 3-token pass there spares the 4-token prompts)."""
     greedy = SamplingParams(max_tokens=5, temperature=0)
     histories = [engine.encode(f"Speaker {i} says") for i in range(4)]
     prompts = [engine.encode(p) for p in (" and", " so", " but", " or")]  # lengths 4, 3, 4, 3
-    advance = engine.decoder.advance
+    advance, advance_rows = engine.decoder.advance, engine.decoder.advance_rows
 
     def failing(state, tokens):
         if tokens.size(1) == 3:
             raise RuntimeError("the 3-token pass failed")
         return advance(state, tokens)
 
-    got = _arriving_together(engine, histories, prompts, greedy, failing)
+    def failing_rows(state, tokens, start):
+        if 3 in start.diff().tolist():
+            raise RuntimeError("the packed pass failed")
+        return advance_rows(state, tokens, start)
+
+    got = _arriving_together(engine, histories, prompts, greedy, failing, failing_rows)
     want = _alone(engine, histories, prompts, greedy)
-    assert got[0] == want[0] and got[2] == want[2]
-    for failed in (got[1], got[3]):
-        assert isinstance(failed, RuntimeError) and "3-token pass failed" in str(failed)
+    spared, failed = ([], got) if table == "rows" else ([0, 2], [got[1], got[3]])
+    assert all(got[i] == want[i] for i in spared)
+    for error in failed:
+        assert isinstance(error, RuntimeError) and "pass failed" in str(error)
 
 
 def test_with_a_stream_every_token_but_the_last_goes_straight_to_it(engine):

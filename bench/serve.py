@@ -34,6 +34,8 @@ from typing import Any
 
 import httpx
 
+from txlserve.errors import ConfigError
+
 MODEL = "bench-model"  # the name a spawned server gets; with --url, read from /v1/models
 PROMPT = " and"  # every request's prompt: each continues its own session
 
@@ -322,7 +324,11 @@ class EngineLoop:
                                    stream_interval=stream_interval)
         self.scheduler.start()
         self.generated, self.elapsed = 0, 0.0
-        self.run(0)  # one request a client untimed, as the load and the engine alone warm up
+        try:
+            self.run(0)  # one request a client untimed, as the load and the engine alone warm up
+        except BaseException:
+            self.scheduler.stop()
+            raise
         self.generated, self.elapsed = 0, 0.0
 
     def run(self, seconds: float) -> None:
@@ -520,6 +526,7 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
     from server.cpu_latency import guest_halt_poll_ns
 
     set_threads(None)  # the server's default thread count, for the engine measured here
+    qos_us = None if url else _spawned_qos(cpu_latency_qos_us)  # a bad value fails now, not after the run
     doc = _document(int(doc_kb * 1000)).decode("utf-8", errors="replace")
     lengths = Lengths(max_tokens, random_range_ratio, seed)
     loads = []
@@ -545,15 +552,19 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                    "stream_interval": stream_interval,  # the engine loop's, and the spawned server's
                    "server_stream_interval": None if url else stream_interval,  # a running server's: unknown
                    # the spawned server's CPU latency QoS request (a flag, or its environment), in microseconds
-                   "server_cpu_latency_qos_us": None if url else _spawned_qos(cpu_latency_qos_us)})
+                   "server_cpu_latency_qos_us": qos_us})
     return result
 
 
 def _spawned_qos(flag: int | None) -> int | None:
+    """What the spawned server will hold: the flag, else the environment it inherits."""
     if flag is not None:
         return flag
-    raw = os.environ.get("TXLSERVE_CPU_LATENCY_QOS_US", "").strip()  # the spawned server inherits it
-    return int(raw) if raw else None
+    raw = os.environ.get("TXLSERVE_CPU_LATENCY_QOS_US", "").strip()
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        raise ConfigError(f"TXLSERVE_CPU_LATENCY_QOS_US={raw!r} is not a whole number") from None
 
 
 def _counts(text: str) -> tuple[int, ...]:

@@ -12,8 +12,9 @@ microseconds to ``/dev/cpu_dma_latency`` and the bound holds while the file stay
 the kernel drops it when the process exits, however it exits). With 0 idle CPUs poll
 instead of halting. It is machine-wide and costs the idle CPUs' power, so the server holds
 it only while requests run and for ``LINGER_S`` after the last one ends (a client's next
-request on the same stream finds it still held), and only when asked: writing to that file
-needs root. llama.cpp's server polls its own threads for the same reason (``--poll``).
+request on the same stream finds it still held), and only when asked: the file is root's
+(a udev rule can give the service's group write access instead). llama.cpp's server polls
+its own threads for the same reason (``--poll``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from txlserve.errors import ConfigError
 log = logging.getLogger("txlserve")
 
 DEVICE = "/dev/cpu_dma_latency"
+NO_BOUND = 2_000_000_000  # the kernel's value for "no bound" (PM_QOS_CPU_LATENCY_DEFAULT_VALUE), in microseconds
 HALT_POLL = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
 LINGER_S = 1.0  # held this long after the last request ends: one stream's requests come back within milliseconds
 
@@ -55,6 +57,7 @@ class CpuLatencyQos:
         self.fd: int | None = None  # the open request, while held
         self.holds = 0  # times a request was opened (a metric, and what the tests count)
         self._release: asyncio.TimerHandle | None = None
+        self._warned = False  # a failure to hold is logged once until a hold succeeds again
 
     @property
     def held(self) -> bool:
@@ -62,36 +65,47 @@ class CpuLatencyQos:
 
     def check(self) -> None:
         """At start-up, before the model loads: a setting that cannot be honoured is one line, not a surprise later.
-        Opening the file places a request for the kernel's default (no bound), dropped as it closes."""
+        It writes the kernel's "no bound", a request that changes nothing and is dropped as the file closes."""
         if self.limit_us is None:
             return
         try:
-            os.close(self._open(self.path, os.O_WRONLY))
+            self._write(NO_BOUND)
         except OSError as err:
-            why = "run the server as root, or leave it unset" if err.errno in (errno.EACCES, errno.EPERM) else (
+            why = ("run the server as root or give its user write access to the file (a udev rule), or leave the "
+                   "setting unset") if err.errno in (errno.EACCES, errno.EPERM) else (
                 "it must be Linux's CPU latency QoS device, writable here; leave the setting unset elsewhere")
             raise ConfigError(f"cpu_latency_qos_us needs to write {self.path} ({err.strerror}): {why}") from None
 
+    def _write(self, limit_us: int) -> int:
+        """The open file holding ``limit_us``, or OSError with nothing left open."""
+        fd = self._open(self.path, os.O_WRONLY)
+        try:
+            os.write(fd, struct.pack("i", limit_us))  # the kernel reads a native int32 of microseconds
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
     def busy(self) -> None:
-        """A request started."""
+        """A request started: every hand-off it makes from now on should find the CPUs awake. Pair each call with
+        one :meth:`idle`, or the request is held for good."""
         self.users += 1
         if self._release is not None:
             self._release.cancel()
             self._release = None
         if self.limit_us is not None and self.fd is None:
-            fd = None
             try:
-                fd = self._open(self.path, os.O_WRONLY)
-                os.write(fd, struct.pack("i", self.limit_us))  # the kernel reads a native int32 of microseconds
+                fd = self._write(self.limit_us)
             except OSError as err:  # checked at start-up; if it fails now, requests run as they would without it
-                if fd is not None:
-                    os.close(fd)
-                log.warning("could not hold the CPU latency QoS request on %s: %s", self.path, err)
+                if not self._warned:
+                    log.warning("could not hold the CPU latency QoS request on %s: %s", self.path, err)
+                    self._warned = True
                 return
-            self.fd, self.holds = fd, self.holds + 1
+            self.fd, self.holds, self._warned = fd, self.holds + 1, False
 
     def idle(self) -> None:
-        """A request ended: the last one lets the request go ``linger_s`` later, unless another starts first."""
+        """A request ended. The last one lets the request go ``linger_s`` later rather than at once: one stream's
+        next request comes back within milliseconds, and should not find the CPUs halted again."""
         self.users = max(0, self.users - 1)
         if self.users == 0 and self.fd is not None and self._release is None:
             self._release = asyncio.get_running_loop().call_later(self.linger_s, self._let_go)

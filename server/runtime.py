@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from server.hot_states import HotStates
 from server.metrics import Metrics
 from server.scheduler import Scheduler
 from server.settings import Settings
+
+if TYPE_CHECKING:
+    from server.service import Run
 
 log = logging.getLogger("txlserve")
 
@@ -37,14 +41,14 @@ class Runtime:
     _draining: asyncio.Task | None = field(default=None, repr=False)
     sweeper: asyncio.Task | None = field(default=None, repr=False)
 
-    def track(self, run) -> None:
+    def track(self, run: Run) -> None:
         """A request's run is in flight until its task ends: awaited by the drain, and the CPU latency request
         (``cpu_latency_qos_us``) held meanwhile."""
         self.runs.add(run)
         self.cpu_latency.busy()
         run.task.add_done_callback(lambda _: self._untrack(run))
 
-    def _untrack(self, run) -> None:
+    def _untrack(self, run: Run) -> None:
         self.runs.discard(run)
         self.cpu_latency.idle()
 

@@ -75,7 +75,8 @@ class Settings:
                                                 "within this many microseconds (a PM QoS request on "
                                                 "/dev/cpu_dma_latency; 0: idle CPUs poll instead of halting), so "
                                                 "handing a token to the event loop does not wait for a halted CPU; "
-                                                "machine-wide, costs idle power, needs root (default: off)")
+                                                "machine-wide, costs idle power, needs write access to that file, "
+                                                "root's by default (default: off)")
     prefill_chunk: int | None = _opt(None, "tokens read per prefill slice; decode steps run between slices "
                                            "(default: chosen from mem_len and the device)")
     lease_ttl_ms: int = _opt(30_000, "a session lease's TTL in ms (renewed while its request runs)")

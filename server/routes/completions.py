@@ -66,33 +66,35 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
     streamed = 0
     out: list[str] = []  # events not yet written: written once nothing else is waiting
     try:
-        if comp.req.echo and comp.echoed and run.prompt_logprobs is None:
-            yield _sse(comp.chunk(comp.echoed).dump())
-        async for item in events(run, first):
-            if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores come first
-                yield _sse(comp.chunk(comp.echoed, None, comp.add_prompt(run.ids, item)).dump())
-                continue
-            if isinstance(item, TokenEvent):
-                now = time.monotonic()
-                (rt.metrics.ttft if last_t is None else rt.metrics.itl).observe(now - (last_t or t0))
-                last_t = now
-                streamed += 1
-                logprobs = comp.add(item)
-                if logprobs is not None:
-                    out.append(_sse(comp.chunk(item.text, None, logprobs).dump()))
-                elif item.text:
-                    out.append(comp.text_event(item.text))
-                if out and item.finish_reason is None and run.events.empty():  # the last token waits for the end
-                    yield "".join(out)
-                    out.clear()
-                continue
-            out.append(_sse(comp.chunk("", comp.finish(item), session=comp.session(item)).dump()))
-            if include_usage:
-                out.append(_sse(comp.usage_chunk(item, len(run.ids)).dump()))
-            _observe(rt, run, item, t0, request)
-        finished = True
-    except Exception as err:  # mid-stream: the tokens read so far, an error event, then [DONE]
-        out.append(_sse(stream_error(err)))
+        try:
+            if comp.req.echo and comp.echoed and run.prompt_logprobs is None:
+                yield _sse(comp.chunk(comp.echoed).dump())
+            async for item in events(run, first):
+                if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores come first
+                    yield _sse(comp.chunk(comp.echoed, None, comp.add_prompt(run.ids, item)).dump())
+                    continue
+                if isinstance(item, TokenEvent):
+                    now = time.monotonic()
+                    (rt.metrics.ttft if last_t is None else rt.metrics.itl).observe(now - (last_t or t0))
+                    last_t = now
+                    streamed += 1
+                    logprobs = comp.add(item)
+                    if logprobs is not None:
+                        out.append(_sse(comp.chunk(item.text, None, logprobs).dump()))
+                    elif item.text:
+                        out.append(comp.text_event(item.text))
+                    if out and item.finish_reason is None and run.events.empty():  # the last waits for the end
+                        yield "".join(out)
+                        out.clear()
+                    continue
+                out.append(_sse(comp.chunk("", comp.finish(item), session=comp.session(item)).dump()))
+                if include_usage:
+                    out.append(_sse(comp.usage_chunk(item, len(run.ids)).dump()))
+                _observe(rt, run, item, t0, request)
+        except Exception as err:  # mid-stream: the tokens read so far, an error event, then [DONE]
+            out.append(_sse(stream_error(err)))
+            finished = True
+        yield "".join(out) + "data: [DONE]\n\n"  # a client that leaves before this write did not get the end
         finished = True
     finally:
         if not finished:  # the client went away (cancelled, or the generator closed at a yield)
@@ -100,7 +102,6 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
             run.cancel()  # its log line is written now, so it says what the client got
             request_fields(request.scope).update(prompt_tokens=len(run.ids), completion_tokens=streamed,
                                                  finish_reason="cancelled", session_id=run.session_id)
-    yield "".join(out) + "data: [DONE]\n\n"
 
 
 def _observe(rt: Runtime, run: Run, final: Final, t0: float, request: Request) -> None:

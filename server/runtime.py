@@ -126,7 +126,7 @@ async def open_runtime(settings: Settings) -> Runtime:
     if settings.cpu_latency_qos_us is None and device.type == "cpu" and guest_halt_poll_ns() == 0:
         log.info("this VM's idle CPUs halt at once (guest_halt_poll_ns 0), so every token handed to the event loop "
                  "wakes one: --cpu-latency-qos-us 0 keeps them polling while requests run (one stream on a 2-vCPU "
-                 "VM: 0.77 of the engine's tokens/s without it, 0.87 with it; README, Deployment)")
+                 "VM: 0.75-0.77 of the engine's tokens/s without it, 0.85-0.88 with it; README, Deployment)")
     rt.start_sweeper()
     rt.ready = True
     return rt

@@ -614,7 +614,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "loop's only; give the server the same)")
     p.add_argument("--cpu-latency-qos-us", type=int, default=None,
                    help="the spawned server's --cpu-latency-qos-us (a Linux CPU latency request held while "
-                        "requests run; 0: idle CPUs poll instead of halting; needs root)")
+                        "requests run; 0: idle CPUs poll instead of halting; needs write access to "
+                        "/dev/cpu_dma_latency)")
     p.add_argument("--doc-kb", type=float, default=50)
     p.add_argument("--device", default="auto", help="the spawned server's and the engine's (auto: cuda when present)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from model.cache import RowBatch
 from model.decode import DecodeState
 from model.engine import Engine, Generation, Score, TokenEvent
 from model.fused import MAX_CHUNK
@@ -392,10 +393,8 @@ class Scheduler:
             try:
                 if length:
                     rows = self.slots.active(r, end)  # views of the group's rows
-                    if self.slots.ragged:  # one call, row b's tokens from start[b]
-                        lengths = torch.tensor([0] + [len(job.pending) for job in group], device=self.engine.device)
-                        tokens = torch.tensor([t for job in group for t in job.pending], device=self.engine.device)
-                        self.engine.decoder.advance_rows(rows, tokens[None], lengths.cumsum(0))  # [1, T]
+                    if self.slots.ragged:
+                        self._advance_packed(rows, [job.pending for job in group])
                     else:
                         tokens = torch.tensor([job.pending for job in group], device=self.engine.device)  # [k, length]
                         self.engine.decoder.advance(rows, tokens)
@@ -410,6 +409,13 @@ class Scheduler:
                     job.prompt_read()
             r = end
         return failed
+
+    def _advance_packed(self, rows: RowBatch, feeds: list[list[int]]) -> None:
+        """Feed row ``b`` of ``rows`` the tokens ``feeds[b]`` (1 to MAX_CHUNK of them), all in one call."""
+        dev = self.engine.device
+        start = torch.tensor([0] + [len(f) for f in feeds], device=dev).cumsum(0)  # [batch+1]
+        tokens = torch.tensor([t for f in feeds for t in f], device=dev)[None]  # [1, T]
+        self.engine.decoder.advance_rows(rows, tokens, start)
 
     def _drop(self, rows: set[int], failed: dict[int, BaseException]) -> None:
         """Answer the failed rows' requests, then free ``rows`` and those rows (highest first: the last row,
@@ -450,10 +456,7 @@ class Scheduler:
         self._flush()
         whole = riding and self.slots.ragged  # a joining prompt is read whole in this step, else a token of it
         if whole:
-            feeds = [job.pending or [fed[r]] for r, job in enumerate(self.running)]
-            lengths = torch.tensor([0] + [len(f) for f in feeds], device=self.engine.device)
-            tokens = torch.tensor([t for f in feeds for t in f], device=self.engine.device)[None]  # [1, T]
-            self.engine.decoder.advance_rows(batch, tokens, lengths.cumsum(0))  # [1, T]
+            self._advance_packed(batch, [job.pending or [fed[r]] for r, job in enumerate(self.running)])
         else:
             tokens = torch.tensor(fed, device=self.engine.device)[:, None]  # [batch, 1]
             self.engine.decoder.advance(batch, tokens)  # [batch, 1]

@@ -24,7 +24,8 @@ def _file_opener(path):
     return lambda _device, flags: os.open(path, flags)
 
 
-async def _turns(qos: CpuLatencyQos, held: bool) -> None:
+async def turns_until(qos: CpuLatencyQos, held: bool) -> None:
+    """Loop iterations (not time) until ``qos.held`` is ``held``: a run's done callback, then a linger of 0."""
     for _ in range(100):  # loop iterations, not time: a linger of 0 fires on the next one
         if qos.held == held:
             return
@@ -62,7 +63,7 @@ def test_held_while_requests_run_and_a_linger_after(tmp_path):
         await asyncio.sleep(0)
         assert qos.held  # one request still runs
         qos.idle()
-        await _turns(qos, held=False)
+        await turns_until(qos, held=False)
         assert not qos.held and qos.holds == 1
         qos.busy()  # the next request holds it again
         assert qos.held and qos.holds == 2

@@ -22,6 +22,7 @@ from server.metrics import Metrics
 from server.runtime import Runtime, close_runtime
 from server.settings import Settings
 from tests.server.fake_engine import D_MODEL, N_LAYER, FakeEngine, FakeScheduler
+from tests.server.test_cpu_latency import turns_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 MODEL = "fake"
@@ -200,18 +201,12 @@ async def test_the_cpu_latency_request_is_held_while_requests_run(redis_url, tmp
     target.write_bytes(b"")
     qos = CpuLatencyQos(0, opener=lambda _device, flags: os.open(target, flags), linger_s=0)
 
-    async def let_go() -> None:
-        for _ in range(100):  # loop iterations: the run's done callback, then the linger of 0
-            if not qos.held:
-                return
-            await asyncio.sleep(0)
-
     async with running_app(redis_url, tmp_path, open_gate=False, cpu_latency=qos) as (app, rt, engine):
         async with _client(app) as c:
             assert not qos.held and "txlserve_cpu_latency_qos_held 0.0" in (await c.get("/metrics")).text
             sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]  # a request too
             await settle(rt)
-            await let_go()
+            await turns_until(qos, held=False)
             assert not qos.held and qos.holds == 1
             sent = asyncio.Queue()
             task = asyncio.create_task(asgi_post(app, "/v1/completions", {
@@ -223,7 +218,7 @@ async def test_the_cpu_latency_request_is_held_while_requests_run(redis_url, tmp
             engine.release(2)
             await task
             await settle(rt)
-            await let_go()
+            await turns_until(qos, held=False)
             assert not qos.held and qos.holds == 2
             assert (await rt.store.info(sid)).tokens_seen == 2 + 2 + 3
         qos.linger_s = 60  # the next request's hold would outlive it: the drain lets it go

@@ -43,6 +43,7 @@ class TrainArgs:
     eval_every: int | None = None
     eval_tokens: int = 200_000
     save_every: int = 0
+    save_best: bool = False  # each evaluation that lowers valid bpc writes the model to OUT/best (overfit guard)
     grad_accum: int = 1
     clip: float | None = None
     weight_decay: float = 0.0
@@ -138,7 +139,7 @@ def train(args: TrainArgs) -> dict[str, Any]:
     micro = opt["batch_size"] // args.grad_accum
     batches = OrderedIterator(corpus.train, opt["batch_size"], cfg.tgt_len, rank=rank, world_size=world,
                               device=device)
-    step, tokens_seen, mems, last_eval = 0, 0, None, {}
+    step, tokens_seen, mems, last_eval, best_bpc = 0, 0, None, {}, math.inf
     if args.resume:
         ckpt = load_checkpoint(out, device=device)
         if ckpt.config != cfg.replace(dropout=0.0, dropatt=0.0):
@@ -152,6 +153,7 @@ def train(args: TrainArgs) -> dict[str, Any]:
         mems = tensors["mems"].to(device) if "mems" in tensors else None
         batches.load_state_dict(info["data"])
         step, tokens_seen, last_eval = info["step"], info["tokens_seen"], info.get("last_eval", {})
+        best_bpc = math.inf if info.get("best_valid_bpc") is None else info["best_valid_bpc"]
     ddp = model
     if world > 1 or "RANK" in os.environ:
         from torch.nn.parallel import DistributedDataParallel
@@ -168,7 +170,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
             save_checkpoint(model, out, training=meta(), tokenizer=tokenizer)
             save_train_state(out, optimizer=optimizer, mems=mems,
                              info={"step": step, "tokens_seen": tokens_seen, "data": batches.state_dict(),
-                                   "last_eval": last_eval, "args": asdict(args)})
+                                   "last_eval": last_eval, "args": asdict(args),
+                                   "best_valid_bpc": None if math.isinf(best_bpc) else best_bpc})
 
     def log(record: dict[str, Any]) -> None:
         if rank == 0:
@@ -218,6 +221,9 @@ def train(args: TrainArgs) -> dict[str, Any]:
             last_eval = {"valid_bpc": ev["bpc"], "valid_ppl": ev["ppl"], "valid_tokens": ev["tokens"],
                          "valid_step": step}
             record.update(last_eval)
+            if args.save_best and ev["bpc"] < best_bpc and rank == 0:
+                save_checkpoint(model, out / "best", training=meta(), tokenizer=tokenizer)
+            best_bpc = min(best_bpc, ev["bpc"])
             model.train()
         log(record)
         if bar is not None:

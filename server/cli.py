@@ -45,6 +45,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, type=typ, default=None)
     p.add_argument("--eval-tokens", type=int, default=200_000, help="valid bytes per evaluation")
     p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--save-best", action="store_true",
+                   help="also write the model to OUT/best at each evaluation that lowers the valid bpc (long runs "
+                        "on small corpora overfit: keep the best weights, as nanoGPT does)")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=1111)
@@ -80,6 +83,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         data=ns.data, out=ns.out, preset=ns.preset, steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr,
         warmup_steps=ns.warmup_steps, tgt_len=ns.tgt_len, mem_len=ns.mem_len, n_layer=ns.n_layer,
         d_model=ns.d_model, eval_every=ns.eval_every, eval_tokens=ns.eval_tokens, save_every=ns.save_every,
+        save_best=ns.save_best,
         grad_accum=ns.grad_accum, clip=ns.clip, weight_decay=ns.weight_decay, seed=ns.seed, device=ns.device,
         resume=ns.resume, stop_at=ns.stop_at, progress=not ns.no_progress, command="txlserve " + shlex.join(ns.argv),
         tokenizer=ns.tokenizer, max_vocab=ns.max_vocab, min_freq=ns.min_freq,

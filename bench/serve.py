@@ -82,21 +82,27 @@ class _Server:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "server.cli", "serve", "--checkpoint", checkpoint, "--port", str(self.port),
                "--data-dir", data_dir, "--model-name", MODEL, "--log-level", "warning", *extra]
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (the server's stderr while it runs; shown if it fails)
         self.proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, env={**os.environ})
+                                     stderr=self.log, env={**os.environ})
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/ready", timeout=1, trust_env=False).status_code == 200:
                     return
             except httpx.HTTPError:
                 time.sleep(0.2)
+        code = self.proc.poll()
+        self.log.seek(0)
+        tail = self.log.read().decode(errors="replace").strip().splitlines()[-20:]
         self.stop()
-        raise RuntimeError("the server did not start")
+        state = f"exited with {code}" if code is not None else "was not ready within 120 s"
+        raise RuntimeError(f"the server {state}: {' '.join(cmd)}\n" + "\n".join(tail))
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+        self.log.close()
 
 
 class _Connection:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from model import fused
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.decode import Decoder, DecodeState, default_prefill_chunk
 from model.sampling import SamplingParams, sample_rows, token_logprobs
@@ -102,6 +103,9 @@ class Engine:
         self.decoder = Decoder(ckpt.model, mem_len=self.mem_len, clamp_len=self.clamp_len,
                                traced=False if enforce_eager else None, fused=False if enforce_eager else None)
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.mem_len, self.decoder.device)
+        # Tokens are drawn on the CPU by a C kernel on every device, and building it takes seconds: build (or
+        # load) it with the model, not inside the first request (a CUDA server's first request took 9 s).
+        fused.available()
         # what a stored state must match: the weights and the attention window it was built with
         self.fingerprint = f"{ckpt.fingerprint}:m{self.mem_len}:c{self.clamp_len}"
         self.tokenizer_id = tokenizer_id(self.tokenizer)

@@ -370,3 +370,15 @@ def test_cpu_decoding_keeps_its_column_major_layouts(tmp_path):
     save_checkpoint(engine.model, tmp_path / "again")  # safetensors needs contiguous tensors: the saver makes them
     again = load_checkpoint(tmp_path / "again").model
     torch.testing.assert_close(again.layers[0].dec_attn.qkv_net.weight, qkv, atol=0, rtol=0)
+
+
+def test_the_sampling_kernel_is_built_with_the_model_not_in_the_first_request(tmp_path, monkeypatch):
+    # An engine whose decode uses no C kernel (a GPU's, here one that enforces eager) still samples with one;
+    # building it lazily put seconds of compiling into a CUDA server's first request.
+    from model import fused
+
+    save_checkpoint(MemTransformerLM(tiny_config()), tmp_path / "ck")
+    monkeypatch.setattr(fused, "_loaded", None)
+    engine = Engine.from_checkpoint(tmp_path / "ck", enforce_eager=True)
+    assert not engine.decoder.fused
+    assert fused._loaded is not None  # built or loaded (or found unbuildable) before any request

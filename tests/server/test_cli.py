@@ -145,6 +145,17 @@ def test_bench_serve_json(checkpoint):
         assert bad.returncode == 2 and "expected a number in [0, 1)" in bad.stderr
 
 
+def test_bench_serve_says_why_its_server_did_not_start(checkpoint, tmp_path):
+    """A spawned server that exits shows its status and its own last lines (on a GPU machine it was a missing
+    package), at once rather than after the start-up deadline."""
+    from bench.serve import _Server
+
+    with pytest.raises(RuntimeError) as err:
+        _Server(str(checkpoint), str(tmp_path), ["--max-batch", "0"])
+    message = str(err.value)
+    assert "the server exited with 2" in message and "max_batch must be >= 1" in message.splitlines()[-1]
+
+
 def test_bench_serve_lengths_spread_and_repeat():
     """Equal lengths keep the bench's streams in step (they end on one step and turn around as a herd): the
     spread ones differ between requests and streams, stay in range, and repeat with the seed."""

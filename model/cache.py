@@ -155,12 +155,13 @@ class RingCache:
 
     def __init__(self, hid: Tensor | None, k: Tensor | None, v: Tensor | None, seen: Tensor, r_head_k: Tensor,
                  chunk: int, fused: bool = False, *, addr: Tensor | None = None,
-                 ring: tuple[int, int, int] = (0, 0, 0), start: Tensor | None = None) -> None:
+                 ring: tuple[int, int, int] = (0, 0, 0), start: Tensor | None = None,
+                 products: bool | None = None) -> None:
         self.hid, self.k, self.v, self.r_head_k = hid, k, v, r_head_k  # r_head_k [n_layer, H, mem_len+1, Dh]
         self.seen, self.addr, self.ring, self.start = seen, addr, ring, start  # addr [3, n_layer, batch]
         m, batch, dev = r_head_k.size(2) - 1, seen.numel(), seen.device
         self.fused = fused and (chunk <= MAX_CHUNK or addr is not None)  # the C kernel reads the ring once a call
-        self.products = fused
+        self.products = fused if products is None else products  # the C products (fused.linear_rows, matmul)
         if addr is not None:  # a RowBatch's rows, tokens packed (``start``); the kernel checks each row's count
             if not fused:
                 raise ValueError("sessions decoded where they lie need the fused attention")

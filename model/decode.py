@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Callable
 
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 # joins the batch; the tail of a chunked prefill): eagerly, dispatching a few hundred torch ops from Python
 # cost more than the arithmetic (3.2 -> 2.3 ms for 4 tokens of the bundled model; 1.4 ms with the fused attention).
 MAX_TRACED_CHUNK = 8
+
+# Decoder.tune_products's measurements, by shape and thread count: one decision per process.
+_TUNED: dict[tuple[int | bool, ...], dict[str, float]] = {}
 
 
 def default_prefill_chunk(mem_len: int, device: torch.device) -> int:
@@ -85,6 +89,9 @@ class Decoder:
         # where the kernels build.
         fusable = self.device.type == "cpu" and self.dtype == torch.float32 and self.cfg.d_head <= MAX_D_HEAD
         self.fused = fusable and (fused is None or fused) and attention_kernel_built()
+        # Calls of more than MAX_CHUNK tokens a row (a prefill's chunks): their products in the C tiles, or in
+        # torch's where tune_products measured those faster on this host.
+        self.chunk_kernels = True
         self.ring = tuple(self.empty(1, meta=True).k.stride()[2:])  # a session's ring's strides (head, slot, d)
         self._packings: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}  # a row batch's, by shape
         self._graphs: dict[tuple[int, bool], torch.jit.ScriptModule] = {}  # by chunk length, and rows or not
@@ -176,9 +183,11 @@ class Decoder:
     def forward(self, hid: Tensor, k: Tensor, v: Tensor, seen: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """One call on a state's tensors, which it advances in place: the last layer's outputs [batch, chunk,
         d_model] and the next token's scores [batch, vocab] (float32). Tensors in and out, so it can be traced."""
-        cache = RingCache(hid, k, v, seen, self.r_head_k, tokens.size(1), self.kernels)
+        chunk = tokens.size(1)
+        cache = RingCache(hid, k, v, seen, self.r_head_k, chunk, self.kernels,
+                          products=self.kernels and (chunk <= MAX_CHUNK or self.chunk_kernels))
         h, _ = self.model.hidden(tokens, cache=cache)  # [batch, chunk, d_model]
-        seen += tokens.size(1)
+        seen += chunk
         return h, self.model.crit.logits(h[:, -1]).float()  # [batch, vocab]
 
     def forward_rows(self, rows: Tensor, seen: Tensor, tokens: Tensor, start: Tensor, counts: Tensor,
@@ -230,6 +239,46 @@ class Decoder:
                     for batch in batches:
                         self.advance(batch, tokens)
 
+    @torch.no_grad()
+    def tune_products(self, chunk: int, rounds: int = 3) -> dict[str, float] | None:
+        """Time a layer on a ``chunk``-token call against a full ring, its products in the C tiles and in
+        torch's, alternated, and keep the faster for every call of more than MAX_CHUNK tokens a row. Hosts
+        differ: on the AMD hosts the tiles ran a chunk's products about twice as fast as torch's, on an Intel
+        host with AVX-512 torch's won by 15-25% (prefill 1.31x -> 1.59x the reference, BENCHMARKS.md). One
+        decision per shape and thread count in a process (:data:`_TUNED`), so engines in one process agree to
+        the last bit. The milliseconds a layer each way, or None where there is nothing to choose."""
+        if not self.kernels or chunk <= MAX_CHUNK:
+            return None
+        c = self.cfg
+        key = (c.d_model, c.n_head, c.d_head, c.d_inner, c.pre_lnorm, self.mem_len, chunk, torch.get_num_threads())
+        if key not in _TUNED:
+            state = self.empty(1)
+            state.seen.fill_(self.mem_len)  # a full ring: the chunk attends to all of it, as a prefill's later ones
+            rng = torch.Generator(self.device).manual_seed(0)  # not the global one: loading draws nothing
+            h = torch.randn(1, chunk, c.d_model, dtype=self.dtype, device=self.device, generator=rng)
+            # [1, chunk, d_model]
+
+            def seconds(kernels: bool, i: int) -> float:
+                cache = RingCache(state.hid, state.k, state.v, state.seen, self.r_head_k, chunk, True,
+                                  products=kernels)
+                u, v = self.model.biases(i)
+                t0 = time.perf_counter()
+                self.model.layers[i](h, cache.positions, u, v, None, cache.layer(i))
+                return time.perf_counter() - t0
+
+            seconds(True, 0), seconds(False, 0)  # untimed: the first of each allocates
+            best = {True: float("inf"), False: float("inf")}
+            for r in range(rounds):  # a round's layer and order change: neither way always finds it warm
+                for kernels in ((True, False) if r % 2 else (False, True)):
+                    best[kernels] = min(best[kernels], seconds(kernels, (r + 1) % c.n_layer))
+            _TUNED[key] = {"kernel_ms": 1e3 * best[True], "torch_ms": 1e3 * best[False]}
+            log.info("a prefill chunk's products (%d tokens): %s, %.2f ms a layer against %.2f ms",
+                     chunk, *(("the C tiles", 1e3 * best[True], 1e3 * best[False]) if best[True] <= best[False]
+                              else ("torch's", 1e3 * best[False], 1e3 * best[True])))
+        tuned = _TUNED[key]
+        self.chunk_kernels = tuned["kernel_ms"] <= tuned["torch_ms"]
+        return tuned
+
     def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
         """:meth:`advance`, with every token's scores: logits [batch, chunk, vocab] (float32)."""
         h = self.advance(state, tokens)
@@ -250,7 +299,8 @@ class Decoder:
     @torch.no_grad()
     def project_kv(self, hid: Tensor) -> tuple[Tensor, Tensor]:
         """The ring's keys and values for stored layer inputs ``hid [n_layer, m, d_model]``: [n_layer, H, m, Dh]."""
-        kv = [layer.dec_attn.project_kv(hid[i][None], self.kernels) for i, layer in enumerate(self.model.layers)]
+        kernel = self.kernels and (hid.size(1) <= MAX_CHUNK or self.chunk_kernels)  # as a chunk's products
+        kv = [layer.dec_attn.project_kv(hid[i][None], kernel) for i, layer in enumerate(self.model.layers)]
         return torch.stack([k[0] for k, _ in kv]), torch.stack([v[0] for _, v in kv])
 
 

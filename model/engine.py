@@ -103,6 +103,7 @@ class Engine:
         self.decoder = Decoder(ckpt.model, mem_len=self.mem_len, clamp_len=self.clamp_len,
                                traced=False if enforce_eager else None, fused=False if enforce_eager else None)
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.mem_len, self.decoder.device)
+        self.decoder.tune_products(self.prefill_chunk)
         # Tokens are drawn on the CPU by a C kernel on every device, and building it takes seconds: build (or
         # load) it with the model, not inside the first request (a CUDA server's first request took 9 s).
         fused.available()

@@ -331,3 +331,44 @@ def test_a_model_in_training_mode_keeps_the_torch_attention(monkeypatch):
     with pytest.raises(pytest.fail.Exception):
         decoder.forward(state.hid, state.k, state.v, state.seen, tokens)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("chunk_kernels", [True, False])
+def test_long_calls_equal_the_torch_decoder_with_either_products(chunk_kernels, monkeypatch):
+    """Calls longer than MAX_CHUNK tokens (a prefill's chunks) take their products from the C tiles or from
+    torch, as tune_products chose: the same numbers either way, and the choice is the one taken."""
+    model = _model()
+    plain, fast = Decoder(model, mem_len=6, fused=False), Decoder(model, mem_len=6, traced=False)  # eager: seen
+    fast.chunk_kernels = chunk_kernels
+    calls = []
+    real = fused.linear_rows
+    monkeypatch.setattr(fused, "linear_rows", lambda *a: calls.append(a[0].shape) or real(*a))
+    _same_steps(plain, fast, [0, 1, 5, 13], steps=3, chunk=fused.MAX_CHUNK + 3)
+    long_calls = [s for s in calls if s[-2] == fused.MAX_CHUNK + 3]
+    assert bool(long_calls) == chunk_kernels
+    calls.clear()
+    fast.advance(fast.empty(2), torch.zeros(2, 1, dtype=torch.long))  # a decode step: the tiles either way
+    assert calls
+
+
+def test_tune_products_keeps_the_faster_and_decides_once_per_shape(monkeypatch, caplog):
+    from model import decode
+
+    monkeypatch.setattr(decode, "_TUNED", {})
+    model = _model()
+    first = Decoder(model, mem_len=6)
+    with caplog.at_level(logging.INFO, logger="model.decode"):
+        tuned = first.tune_products(32)
+    assert tuned["kernel_ms"] > 0 and tuned["torch_ms"] > 0
+    assert first.chunk_kernels == (tuned["kernel_ms"] <= tuned["torch_ms"])
+    assert "a prefill chunk's products (32 tokens)" in caplog.text
+    # a second decoder of the same shape and threads reuses the decision (engines in a process agree)
+    (key,) = decode._TUNED
+    decode._TUNED[key] = {"kernel_ms": 2.0, "torch_ms": 1.0}
+    second = Decoder(model, mem_len=6)
+    assert second.tune_products(32) == {"kernel_ms": 2.0, "torch_ms": 1.0} and not second.chunk_kernels
+    decode._TUNED[key] = {"kernel_ms": 1.0, "torch_ms": 2.0}
+    assert second.tune_products(32) and second.chunk_kernels
+    assert second.tune_products(fused.MAX_CHUNK) is None  # calls that short always use the tiles
+    assert Decoder(model, mem_len=6, fused=False).tune_products(32) is None  # no kernels, nothing to choose
+    assert len(decode._TUNED) == 1

@@ -189,7 +189,8 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "threads": torch.get_num_threads(), "dtype": dtype, "checkpoint": checkpoint, "mem_len": mem_len,
         "clamp_len": engine.clamp_len, "batch": batch, "tokens": tokens, "prefill_tokens": n_prefill,
-        "prefill_chunk": chunk, "prefill_products": "c" if engine.decoder.chunk_kernels else "torch",
+        "prefill_chunk": chunk,
+        "prefill_products": "kernel" if engine.decoder.kernels and engine.decoder.chunk_kernels else "torch",
         "n_layer": engine.config.n_layer, "d_model": engine.config.d_model,
         "torch": torch.__version__, "compiled": compile, "fused": engine.decoder.fused,
     }

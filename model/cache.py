@@ -121,7 +121,7 @@ class LayerCache:
     slots: Tensor | None  # [batch, keep]: ring slots of the chunk's last `keep` tokens
     seen: Tensor  # [batch] int64: tokens before the chunk
     fused: bool = False  # calls of up to MAX_CHUNK tokens attend in one C call (model.fused)
-    products: bool = False  # every call's products go through the C kernel (model.fused.linear_rows)
+    products: bool = False  # this call's products go through the C kernels (model.fused.linear_rows, matmul)
     addr: Tensor | None = None  # [3, batch] int64: each session's rings of this layer (a RowBatch's call)
     ring: tuple[int, int, int] = (0, 0, 0)  # with addr: a ring's element strides (head, slot, d_head)
     start: Tensor | None = None  # with addr: [batch+1] int64, row b's tokens are [start[b], start[b+1]) of the call

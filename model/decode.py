@@ -37,6 +37,8 @@ MAX_TRACED_CHUNK = 8
 
 # Decoder.tune_products's measurements, by shape and thread count: one decision per process.
 _TUNED: dict[tuple[int | bool, ...], dict[str, float]] = {}
+_TUNING = threading.Lock()
+TORCH_MARGIN = 0.95  # torch's products are kept only when they take less than this share of the tiles' time
 
 
 def default_prefill_chunk(mem_len: int, device: torch.device) -> int:
@@ -240,44 +242,51 @@ class Decoder:
                         self.advance(batch, tokens)
 
     @torch.no_grad()
-    def tune_products(self, chunk: int, rounds: int = 3) -> dict[str, float] | None:
+    def tune_products(self, chunk: int, rounds: int = 4) -> dict[str, float] | None:
         """Time a layer on a ``chunk``-token call against a full ring, its products in the C tiles and in
-        torch's, alternated, and keep the faster for every call of more than MAX_CHUNK tokens a row. Hosts
-        differ: on the AMD hosts the tiles ran a chunk's products about twice as fast as torch's, on an Intel
-        host with AVX-512 torch's won by 15-25% (prefill 1.31x -> 1.59x the reference, BENCHMARKS.md). One
-        decision per shape and thread count in a process (:data:`_TUNED`), so engines in one process agree to
-        the last bit. The milliseconds a layer each way, or None where there is nothing to choose."""
+        torch's, and keep torch's for every call of more than MAX_CHUNK tokens a row only where they are at
+        least 5% faster (:data:`TORCH_MARGIN`: the tiles give the same bits at any thread count). Hosts differ:
+        on the AMD hosts the tiles ran a chunk's products about twice as fast as torch's; on an Intel host with
+        AVX-512 torch's made a whole prefill 1.14-1.23x faster (BENCHMARKS.md, "A prefill chunk's products").
+        Rounds alternate which goes first and which layer they run, so neither always finds it warm. One
+        decision per shape and thread count in a process (:data:`_TUNED`, under a lock), so engines in one
+        process agree to the last bit. The milliseconds a layer each way, or None where there is nothing to
+        choose."""
         if not self.kernels or chunk <= MAX_CHUNK:
             return None
         c = self.cfg
         key = (c.d_model, c.n_head, c.d_head, c.d_inner, c.pre_lnorm, self.mem_len, chunk, torch.get_num_threads())
-        if key not in _TUNED:
-            state = self.empty(1)
-            state.seen.fill_(self.mem_len)  # a full ring: the chunk attends to all of it, as a prefill's later ones
-            rng = torch.Generator(self.device).manual_seed(0)  # not the global one: loading draws nothing
-            h = torch.randn(1, chunk, c.d_model, dtype=self.dtype, device=self.device, generator=rng)
-            # [1, chunk, d_model]
-
-            def seconds(kernels: bool, i: int) -> float:
-                cache = RingCache(state.hid, state.k, state.v, state.seen, self.r_head_k, chunk, True,
-                                  products=kernels)
-                u, v = self.model.biases(i)
-                t0 = time.perf_counter()
-                self.model.layers[i](h, cache.positions, u, v, None, cache.layer(i))
-                return time.perf_counter() - t0
-
-            seconds(True, 0), seconds(False, 0)  # untimed: the first of each allocates
-            best = {True: float("inf"), False: float("inf")}
-            for r in range(rounds):  # a round's layer and order change: neither way always finds it warm
-                for kernels in ((True, False) if r % 2 else (False, True)):
-                    best[kernels] = min(best[kernels], seconds(kernels, (r + 1) % c.n_layer))
-            _TUNED[key] = {"kernel_ms": 1e3 * best[True], "torch_ms": 1e3 * best[False]}
-            log.info("a prefill chunk's products (%d tokens): %s, %.2f ms a layer against %.2f ms",
-                     chunk, *(("the C tiles", 1e3 * best[True], 1e3 * best[False]) if best[True] <= best[False]
-                              else ("torch's", 1e3 * best[False], 1e3 * best[True])))
+        with _TUNING:
+            if key not in _TUNED:
+                _TUNED[key] = self._time_products(chunk, rounds)
         tuned = _TUNED[key]
-        self.chunk_kernels = tuned["kernel_ms"] <= tuned["torch_ms"]
+        self.chunk_kernels = not tuned["torch_ms"] < TORCH_MARGIN * tuned["kernel_ms"]
         return tuned
+
+    def _time_products(self, chunk: int, rounds: int) -> dict[str, float]:
+        c = self.cfg
+        state = self.empty(1)
+        state.seen.fill_(self.mem_len)  # a full ring: the chunk attends to all of it, as a prefill's later ones
+        rng = torch.Generator(self.device).manual_seed(0)  # not the global one: loading draws nothing
+        h = torch.randn(1, chunk, c.d_model, dtype=self.dtype, device=self.device, generator=rng)
+        # [1, chunk, d_model]
+
+        def seconds(kernels: bool, i: int) -> float:
+            cache = RingCache(state.hid, state.k, state.v, state.seen, self.r_head_k, chunk, True, products=kernels)
+            u, v = self.model.biases(i)
+            t0 = time.perf_counter()
+            self.model.layers[i](h, cache.positions, u, v, None, cache.layer(i))
+            return time.perf_counter() - t0
+
+        seconds(True, 0), seconds(False, 0)  # untimed: the first of each allocates
+        best = {True: float("inf"), False: float("inf")}
+        for r in range(rounds):
+            for kernels in ((True, False) if r % 2 else (False, True)):
+                best[kernels] = min(best[kernels], seconds(kernels, (r + 1) % c.n_layer))
+        kernel_ms, torch_ms = 1e3 * best[True], 1e3 * best[False]
+        log.info("a prefill chunk's products (%d tokens): %s (a layer: the C tiles %.2f ms, torch's %.2f ms)", chunk,
+                 "torch's" if torch_ms < TORCH_MARGIN * kernel_ms else "the C tiles", kernel_ms, torch_ms)
+        return {"kernel_ms": kernel_ms, "torch_ms": torch_ms}
 
     def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
         """:meth:`advance`, with every token's scores: logits [batch, chunk, vocab] (float32)."""

@@ -21,7 +21,7 @@ from model.decode import Decoder, DecodeState, default_prefill_chunk
 from model.sampling import SamplingParams, sample_rows, token_logprobs
 from model.streaming import TextStreamer
 from model.tokenizer import ByteTokenizer, Tokenizer, tokenizer_id
-from txlserve.errors import InvalidRequestError, SessionIncompatible, StateIncompatible
+from txlserve.errors import ConfigError, InvalidRequestError, SessionIncompatible, StateIncompatible
 
 
 @dataclass
@@ -96,14 +96,20 @@ class Engine:
     """Loads once; feeds text into session states and generates from them."""
 
     def __init__(self, ckpt: Checkpoint, *, mem_len: int | None = None, clamp_len: int | None = None,
-                 prefill_chunk: int | None = None, enforce_eager: bool = False) -> None:
+                 prefill_chunk: int | None = None, enforce_eager: bool = False,
+                 prefill_products: str = "auto") -> None:
         self.ckpt, self.model, self.tokenizer, self.config = ckpt, ckpt.model, ckpt.tokenizer, ckpt.config
         self.mem_len = ckpt.config.mem_len if mem_len is None else mem_len
         self.clamp_len = ckpt.config.clamp_len if clamp_len is None else clamp_len
         self.decoder = Decoder(ckpt.model, mem_len=self.mem_len, clamp_len=self.clamp_len,
                                traced=False if enforce_eager else None, fused=False if enforce_eager else None)
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.mem_len, self.decoder.device)
-        self.decoder.tune_products(self.prefill_chunk)
+        if prefill_products not in ("auto", "kernel", "torch"):
+            raise ConfigError(f"prefill_products must be auto, kernel or torch, not {prefill_products!r}")
+        if prefill_products == "auto":
+            self.decoder.tune_products(self.prefill_chunk)
+        else:
+            self.decoder.chunk_kernels = prefill_products == "kernel"
         # Tokens are drawn on the CPU by a C kernel on every device, and building it takes seconds: build (or
         # load) it with the model, not inside the first request (a CUDA server's first request took 9 s).
         fused.available()
@@ -116,7 +122,7 @@ class Engine:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | None = None, **kw: int | bool | None) -> Engine:
+                        dtype: torch.dtype | None = None, **kw: int | bool | str | None) -> Engine:
         return cls(load_checkpoint(path, device=device, dtype=dtype), **kw)
 
     @property

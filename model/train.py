@@ -126,6 +126,16 @@ def load_training_corpus(args: TrainArgs) -> tuple[Corpus, Tokenizer]:
     return load_word_corpus(args.data, known, max_vocab=args.max_vocab, min_freq=args.min_freq)
 
 
+def _best_so_far(best: Path) -> float:
+    """The valid bpc of the weights in ``best`` (what a resumed ``--save-best`` run must beat): the directory is
+    the record, so a run that stopped between writing it and its training state, or that first ran without the
+    flag, compares with what is there."""
+    try:
+        return float(json.loads((best / "config.json").read_text())["training"]["valid_bpc"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return math.inf
+
+
 def train(args: TrainArgs) -> dict[str, Any]:
     from model.data import OrderedIterator
 
@@ -139,7 +149,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
     micro = opt["batch_size"] // args.grad_accum
     batches = OrderedIterator(corpus.train, opt["batch_size"], cfg.tgt_len, rank=rank, world_size=world,
                               device=device)
-    step, tokens_seen, mems, last_eval, best_bpc = 0, 0, None, {}, math.inf
+    step, tokens_seen, mems, last_eval = 0, 0, None, {}
+    best_bpc = _best_so_far(out / "best") if args.resume and args.save_best else math.inf
     if args.resume:
         ckpt = load_checkpoint(out, device=device)
         if ckpt.config != cfg.replace(dropout=0.0, dropatt=0.0):
@@ -153,7 +164,6 @@ def train(args: TrainArgs) -> dict[str, Any]:
         mems = tensors["mems"].to(device) if "mems" in tensors else None
         batches.load_state_dict(info["data"])
         step, tokens_seen, last_eval = info["step"], info["tokens_seen"], info.get("last_eval", {})
-        best_bpc = math.inf if info.get("best_valid_bpc") is None else info["best_valid_bpc"]
     ddp = model
     if world > 1 or "RANK" in os.environ:
         from torch.nn.parallel import DistributedDataParallel
@@ -170,8 +180,7 @@ def train(args: TrainArgs) -> dict[str, Any]:
             save_checkpoint(model, out, training=meta(), tokenizer=tokenizer)
             save_train_state(out, optimizer=optimizer, mems=mems,
                              info={"step": step, "tokens_seen": tokens_seen, "data": batches.state_dict(),
-                                   "last_eval": last_eval, "args": asdict(args),
-                                   "best_valid_bpc": None if math.isinf(best_bpc) else best_bpc})
+                                   "last_eval": last_eval, "args": asdict(args)})
 
     def log(record: dict[str, Any]) -> None:
         if rank == 0:
@@ -221,9 +230,10 @@ def train(args: TrainArgs) -> dict[str, Any]:
             last_eval = {"valid_bpc": ev["bpc"], "valid_ppl": ev["ppl"], "valid_tokens": ev["tokens"],
                          "valid_step": step}
             record.update(last_eval)
-            if args.save_best and ev["bpc"] < best_bpc and rank == 0:
-                save_checkpoint(model, out / "best", training=meta(), tokenizer=tokenizer)
-            best_bpc = min(best_bpc, ev["bpc"])
+            if args.save_best and ev["bpc"] < best_bpc:
+                best_bpc = ev["bpc"]
+                if rank == 0:
+                    save_checkpoint(model, out / "best", training=meta(), tokenizer=tokenizer)
             model.train()
         log(record)
         if bar is not None:

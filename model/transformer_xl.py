@@ -86,8 +86,9 @@ def fused_step(h: Tensor, cache: LayerCache | None) -> bool:
 
 
 def fused_products(cache: LayerCache | None) -> bool:
-    """Whether this call's products go through ``txlserve::linear_rows``: every call on a fused cache, a decode
-    step's few rows as a prefill chunk's many (training keeps torch's, which have a backward)."""
+    """Whether this call's products go through ``txlserve::linear_rows``: a fused cache's calls, a decode step's
+    few rows, and a prefill chunk's many where ``Decoder.tune_products`` found the tiles the faster on this host
+    (training keeps torch's, which have a backward)."""
     return cache is not None and cache.products
 
 
@@ -95,7 +96,8 @@ def linear(layer: nn.Linear, x: Tensor, kernel: bool = False, weight: Tensor | N
     """``layer(x)``, or by ``weight`` (rows of the layer's: the memory's keys and values only); with ``kernel``
     (:func:`fused_products`), ``txlserve::linear_rows``: the same product, its weight streamed once for a step's
     few rows (torch's few-row products read it at half the bandwidth, or slower), a chunk's rows in register
-    tiles (twice torch's speed on this project's CPU, BENCHMARKS.md)."""
+    tiles (twice torch's speed on the AMD hosts; slower than torch's on an AVX-512 host, where
+    ``Decoder.tune_products`` keeps torch's for chunks, BENCHMARKS.md)."""
     w, b = (layer.weight, layer.bias) if weight is None else (weight, None)
     return fused.linear_rows(x, w, b) if kernel else F.linear(x, w, b)
 
@@ -153,7 +155,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
     def _attend(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None,
                 cache: LayerCache | None, kernel: bool) -> Tensor:
         bsz, qlen, _ = h.shape
-        mm = fused.matmul if kernel else torch.matmul  # the C products for a fused cache's chunk, else torch's
+        mm = fused.matmul if kernel else torch.matmul  # the C products where the cache takes them, else torch's
         q, k, v = self.project(h, kernel)  # [bsz, H, qlen, Dh]
         if cache is not None:
             blocks, r_head_k = [(cache.k, cache.v), (k, v)], cache.r_head_k  # ring, then the chunk

@@ -105,7 +105,8 @@ async def open_runtime(settings: Settings) -> Runtime:
     checkpoint = resolve_checkpoint(settings.checkpoint)
     engine = await asyncio.to_thread(Engine.from_checkpoint, checkpoint, device=device, dtype=dtype,
                                      mem_len=settings.mem_len, clamp_len=settings.clamp_len,
-                                     prefill_chunk=settings.prefill_chunk, enforce_eager=settings.enforce_eager)
+                                     prefill_chunk=settings.prefill_chunk, enforce_eager=settings.enforce_eager,
+                                     prefill_products=settings.prefill_products)
     identity = ModelIdentity(fingerprint=engine.fingerprint, n_layer=engine.config.n_layer,
                              d_model=engine.config.d_model, tokenizer=engine.tokenizer_id)
     store = MemoryStore.from_url(settings.redis_url, identity=identity, device=device,

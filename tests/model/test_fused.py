@@ -335,23 +335,30 @@ def test_a_model_in_training_mode_keeps_the_torch_attention(monkeypatch):
 
 @pytest.mark.parametrize("chunk_kernels", [True, False])
 def test_long_calls_equal_the_torch_decoder_with_either_products(chunk_kernels, monkeypatch):
-    """Calls longer than MAX_CHUNK tokens (a prefill's chunks) take their products from the C tiles or from
-    torch, as tune_products chose: the same numbers either way, and the choice is the one taken."""
+    """Calls longer than MAX_CHUNK tokens (a prefill's chunks, a restored session's keys and values) take their
+    products from the C tiles or from torch, as tune_products chose: the same numbers either way, and the choice
+    is the one taken, by the projections and the attention's products alike."""
     model = _model()
     plain, fast = Decoder(model, mem_len=6, fused=False), Decoder(model, mem_len=6, traced=False)  # eager: seen
     fast.chunk_kernels = chunk_kernels
-    calls = []
-    real = fused.linear_rows
-    monkeypatch.setattr(fused, "linear_rows", lambda *a: calls.append(a[0].shape) or real(*a))
-    _same_steps(plain, fast, [0, 1, 5, 13], steps=3, chunk=fused.MAX_CHUNK + 3)
-    long_calls = [s for s in calls if s[-2] == fused.MAX_CHUNK + 3]
-    assert bool(long_calls) == chunk_kernels
+    calls: list[tuple[str, torch.Size]] = []
+    for name in ("linear_rows", "matmul"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, name=name, real=real: calls.append((name, a[0].shape)) or real(*a))
+    long = fused.MAX_CHUNK + 3
+    _same_steps(plain, fast, [0, 1, 5, 13], steps=3, chunk=long)
+    assert {n for n, shape in calls if long in shape} == ({"linear_rows", "matmul"} if chunk_kernels else set())
+    calls.clear()
+    hid = torch.randn(model.cfg.n_layer, long, model.cfg.d_model)  # [n_layer, m, d_model]
+    for got, want in zip(fast.project_kv(hid), plain.project_kv(hid)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert bool(calls) == chunk_kernels
     calls.clear()
     fast.advance(fast.empty(2), torch.zeros(2, 1, dtype=torch.long))  # a decode step: the tiles either way
     assert calls
 
 
-def test_tune_products_keeps_the_faster_and_decides_once_per_shape(monkeypatch, caplog):
+def test_tune_products_keeps_torch_only_where_clearly_faster_and_decides_once(monkeypatch, caplog):
     from model import decode
 
     monkeypatch.setattr(decode, "_TUNED", {})
@@ -360,15 +367,31 @@ def test_tune_products_keeps_the_faster_and_decides_once_per_shape(monkeypatch, 
     with caplog.at_level(logging.INFO, logger="model.decode"):
         tuned = first.tune_products(32)
     assert tuned["kernel_ms"] > 0 and tuned["torch_ms"] > 0
-    assert first.chunk_kernels == (tuned["kernel_ms"] <= tuned["torch_ms"])
+    assert first.chunk_kernels == (not tuned["torch_ms"] < decode.TORCH_MARGIN * tuned["kernel_ms"])
     assert "a prefill chunk's products (32 tokens)" in caplog.text
     # a second decoder of the same shape and threads reuses the decision (engines in a process agree)
     (key,) = decode._TUNED
-    decode._TUNED[key] = {"kernel_ms": 2.0, "torch_ms": 1.0}
     second = Decoder(model, mem_len=6)
-    assert second.tune_products(32) == {"kernel_ms": 2.0, "torch_ms": 1.0} and not second.chunk_kernels
-    decode._TUNED[key] = {"kernel_ms": 1.0, "torch_ms": 2.0}
-    assert second.tune_products(32) and second.chunk_kernels
+    for kernel_ms, torch_ms, kernels in ((2.0, 1.0, False), (1.0, 2.0, True), (1.0, 0.97, True)):
+        decode._TUNED[key] = {"kernel_ms": kernel_ms, "torch_ms": torch_ms}
+        assert second.tune_products(32) == decode._TUNED[key] and second.chunk_kernels == kernels
     assert second.tune_products(fused.MAX_CHUNK) is None  # calls that short always use the tiles
     assert Decoder(model, mem_len=6, fused=False).tune_products(32) is None  # no kernels, nothing to choose
     assert len(decode._TUNED) == 1
+
+
+def test_engine_prefill_products_setting(tmp_path, monkeypatch):
+    from model import decode
+    from model.checkpoint import save_checkpoint
+    from model.engine import Engine
+    from txlserve.errors import ConfigError
+
+    monkeypatch.setattr(decode, "_TUNED", {})
+    save_checkpoint(_model(), tmp_path / "ck")
+    assert not Engine.from_checkpoint(tmp_path / "ck", prefill_products="torch").decoder.chunk_kernels
+    assert Engine.from_checkpoint(tmp_path / "ck", prefill_products="kernel").decoder.chunk_kernels
+    assert not decode._TUNED  # fixed: nothing timed
+    Engine.from_checkpoint(tmp_path / "ck")
+    assert len(decode._TUNED) == 1  # auto: timed at load
+    with pytest.raises(ConfigError, match="prefill_products"):
+        Engine.from_checkpoint(tmp_path / "ck", prefill_products="mkl")

@@ -194,3 +194,16 @@ def test_save_best_keeps_the_lowest_valid_bpc(corpus, tmp_path):
     assert last["valid_step"] == 4 and last["valid_bpc"] == curve[4]
     first = next(load_checkpoint(tmp_path / "best").model.parameters())
     assert not torch.equal(first, next(load_checkpoint(tmp_path).model.parameters()))
+
+
+def test_save_best_resumed_keeps_the_best_of_both_runs(corpus, tmp_path):
+    # the same curve in two runs (step 2 lowest, steps 3-4 higher): the resumed run must not replace best/
+    kw = dict(data=str(corpus), out=str(tmp_path), preset="tiny", steps=12, lr=0.06, warmup_steps=0, eval_every=1,
+              eval_tokens=2000, save_best=True, progress=False)
+    train(TrainArgs(**kw, stop_at=2))
+    first = json.loads((tmp_path / "best" / "config.json").read_text())["training"]
+    train(TrainArgs(**kw, stop_at=4, resume=True))
+    curve = {r["step"]: r["valid_bpc"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(curve) == [1, 2, 3, 4] and min(curve, key=curve.get) == 2
+    best = json.loads((tmp_path / "best" / "config.json").read_text())["training"]
+    assert best["valid_step"] == first["valid_step"] == 2 and best["valid_bpc"] == curve[2]

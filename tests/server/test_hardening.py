@@ -517,6 +517,7 @@ def _serve(*args: str, env: dict | None = None, timeout: float = 60):
     (("--api-keys", "k\u00e9y-123"), {}, "ASCII"),
     ((), {"TXLSERVE_SHUTDOWN_TIMEOUT_S": "inf"}, "finite"),
     (("--mem-len", "2000000"), {}, "mem_len"),
+    (("--prefill-products", "mkl"), {}, "prefill_products"),
     (("--redis-url", "redis://:s3cr/et@127.0.0.1:1/0"), {}, "percent-encode"),  # a raw "/" in the password
 ])
 def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Path):

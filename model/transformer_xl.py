@@ -162,13 +162,15 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         else:
             blocks = [(k, v)] if mems is None else [self.project_kv(mems), (k, v)]
             r_head_k = self.position_keys(pos.r)  # [H, n_dist, Dh]
-        q_u, q_v = q + r_w_bias[:, None], q + r_r_bias[:, None]  # [bsz, H, qlen, Dh]
+        # the scale applied to the queries, not to the scores: one pass over [bsz, H, qlen, Dh] instead of
+        # [bsz, H, qlen, klen] (exact for power-of-two d_head, where the scale is too)
+        q_u, q_v = (q + r_w_bias[:, None]) * self.scale, (q + r_r_bias[:, None]) * self.scale  # [bsz, H, qlen, Dh]
         ac = torch.cat([mm(q_u, kb.transpose(-1, -2)) for kb, _ in blocks], -1)  # [bsz, H, qlen, klen]
         # one [H, bsz*qlen, Dh] x [H, Dh, n_dist] product: broadcasting the table over the batch would copy it
         bd = mm(q_v.transpose(0, 1).reshape(self.n_head, -1, self.d_head), r_head_k.transpose(-1, -2))
         bd = bd.view(self.n_head, bsz, qlen, -1).transpose(0, 1)  # [bsz, H, qlen, n_dist]
         bd = bd.gather(-1, pos.dist.expand(bsz, self.n_head, qlen, -1))  # [bsz, H, qlen, klen]
-        score = ((ac + bd) * self.scale).masked_fill(pos.blocked, float("-inf"))  # [bsz, H, qlen, klen]
+        score = ac.add_(bd).masked_fill_(pos.blocked, float("-inf"))  # [bsz, H, qlen, klen], in place
         prob = self.dropatt(F.softmax(score.to(softmax_dtype(score.dtype)), dim=-1).type_as(score))
         vec, start = None, 0
         for kb, vb in blocks:

@@ -190,7 +190,7 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
         "threads": torch.get_num_threads(), "dtype": dtype, "checkpoint": checkpoint, "mem_len": mem_len,
         "clamp_len": engine.clamp_len, "batch": batch, "tokens": tokens, "prefill_tokens": n_prefill,
         "prefill_chunk": chunk,
-        "prefill_products": "kernel" if engine.decoder.kernels and engine.decoder.chunk_kernels else "torch",
+        "prefill_products": "kernel" if engine.decoder.kernel_products(chunk) else "torch",
         "n_layer": engine.config.n_layer, "d_model": engine.config.d_model,
         "torch": torch.__version__, "compiled": compile, "fused": engine.decoder.fused,
     }

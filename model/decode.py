@@ -186,8 +186,7 @@ class Decoder:
         """One call on a state's tensors, which it advances in place: the last layer's outputs [batch, chunk,
         d_model] and the next token's scores [batch, vocab] (float32). Tensors in and out, so it can be traced."""
         chunk = tokens.size(1)
-        cache = RingCache(hid, k, v, seen, self.r_head_k, chunk, self.kernels,
-                          products=self.kernels and (chunk <= MAX_CHUNK or self.chunk_kernels))
+        cache = RingCache(hid, k, v, seen, self.r_head_k, chunk, self.kernels, products=self.kernel_products(chunk))
         h, _ = self.model.hidden(tokens, cache=cache)  # [batch, chunk, d_model]
         seen += chunk
         return h, self.model.crit.logits(h[:, -1]).float()  # [batch, vocab]
@@ -240,6 +239,11 @@ class Decoder:
                 for _ in range(2):
                     for batch in batches:
                         self.advance(batch, tokens)
+
+    def kernel_products(self, tokens: int) -> bool:
+        """Whether a call of ``tokens`` a row takes its products from the C tiles: with the kernels, always for
+        a step's few tokens, and for longer calls where :meth:`tune_products` kept them."""
+        return self.kernels and (tokens <= MAX_CHUNK or self.chunk_kernels)
 
     @torch.no_grad()
     def tune_products(self, chunk: int, rounds: int = 4) -> dict[str, float] | None:
@@ -308,7 +312,7 @@ class Decoder:
     @torch.no_grad()
     def project_kv(self, hid: Tensor) -> tuple[Tensor, Tensor]:
         """The ring's keys and values for stored layer inputs ``hid [n_layer, m, d_model]``: [n_layer, H, m, Dh]."""
-        kernel = self.kernels and (hid.size(1) <= MAX_CHUNK or self.chunk_kernels)  # as a chunk's products
+        kernel = self.kernel_products(hid.size(1))
         kv = [layer.dec_attn.project_kv(hid[i][None], kernel) for i, layer in enumerate(self.model.layers)]
         return torch.stack([k[0] for k, _ in kv]), torch.stack([v[0] for _, v in kv])
 

@@ -181,11 +181,16 @@ def test_ddp_with_gloo_on_cpu(corpus, tmp_path):
     assert load_checkpoint(out).fingerprint
 
 
+def _valid_curve(out: Path) -> dict[int, float]:
+    """Valid bpc by step, from a run's metrics.jsonl."""
+    return {r["step"]: r["valid_bpc"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
 def test_save_best_keeps_the_lowest_valid_bpc(corpus, tmp_path):
     # lr 0.06 overshoots after its second step (valid bpc ~5.2, 4.5, 4.9, 4.9): the best is not the last
     train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=12, stop_at=4, lr=0.06,
                     warmup_steps=0, eval_every=1, eval_tokens=2000, save_best=True, progress=False))
-    curve = {r["step"]: r["valid_bpc"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    curve = _valid_curve(tmp_path)
     best_step = min(curve, key=curve.get)
     assert best_step != max(curve), "the curve did not rise again; pick an lr that diverges"
     best = json.loads((tmp_path / "best" / "config.json").read_text())["training"]
@@ -203,7 +208,18 @@ def test_save_best_resumed_keeps_the_best_of_both_runs(corpus, tmp_path):
     train(TrainArgs(**kw, stop_at=2))
     first = json.loads((tmp_path / "best" / "config.json").read_text())["training"]
     train(TrainArgs(**kw, stop_at=4, resume=True))
-    curve = {r["step"]: r["valid_bpc"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    curve = _valid_curve(tmp_path)
     assert sorted(curve) == [1, 2, 3, 4] and min(curve, key=curve.get) == 2
     best = json.loads((tmp_path / "best" / "config.json").read_text())["training"]
     assert best["valid_step"] == first["valid_step"] == 2 and best["valid_bpc"] == curve[2]
+
+
+def test_best_so_far_reads_best_and_treats_a_missing_or_damaged_one_as_none(tmp_path):
+    from model.train import _best_so_far
+
+    assert _best_so_far(tmp_path / "best") == float("inf")
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "config.json").write_text("{not json")
+    assert _best_so_far(tmp_path / "best") == float("inf")
+    (tmp_path / "best" / "config.json").write_text(json.dumps({"training": {"valid_bpc": 1.25}}))
+    assert _best_so_far(tmp_path / "best") == 1.25

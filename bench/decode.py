@@ -131,7 +131,7 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
         plain_s = _timed(lambda: [plain.step(s, steps[:, i:i + 1]) for i in range(tokens)], dev, STEP_REPEATS)
         result.update(unfused_step_ms=1000 * plain_s / tokens, fused_speedup=plain_s / fast_s)
     if cuda_graph:
-        from model.decode import GraphedStep
+        from model.graphs import GraphedStep
 
         graphed = GraphedStep(engine.decoder, state)
         graphed(steps[:, :1])  # the first replay

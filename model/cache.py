@@ -253,7 +253,9 @@ class SlotTable:
 
     def stepped(self, view: DecodeState, start: int = 0) -> None:
         """Keep the next-token scores of a step on rows [start, start + view.batch)."""
-        self.table.last_logits[start:start + view.batch] = view.last_logits
+        rows = self.table.last_logits[start:start + view.batch]
+        if view.last_logits.data_ptr() != rows.data_ptr():  # a graphed step wrote them there already
+            rows.copy_(view.last_logits)
         if view is not self._view:
             self._view = None  # its scores of those rows are older than the table's now
 

@@ -23,10 +23,11 @@ from torch import Tensor
 from model.cache import DecodeState, RingCache, RowBatch, RowTable, SlotTable, column_major
 from model.fused import MAX_CHUNK, MAX_D_HEAD
 from model.fused import available as attention_kernel_built
+from model.graphs import GraphedTable
 from model.transformer_xl import MemTransformerLM
 from txlserve.errors import InvalidRequestError
 
-__all__ = ["Decoder", "DecodeState", "GraphedStep", "default_prefill_chunk"]
+__all__ = ["Decoder", "DecodeState", "default_prefill_chunk"]
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,12 @@ TORCH_MARGIN = 0.95  # torch's products are kept only when they take less than t
 def default_prefill_chunk(mem_len: int, device: torch.device) -> int:
     """Prefill chunk size from the shape. A chunk of C tokens costs C x (mem_len + C) in attention: on a CPU,
     chunks near mem_len/4 keep those scores small while the projections still see wide matrices (1.3-1.9x
-    the reference forward in BENCHMARKS.md, where 512-token chunks were slower than it); on a GPU the launches
-    per chunk dominate, so chunks are as long as the memory."""
+    the reference forward in BENCHMARKS.md, where 512-token chunks were slower than it). On a GPU a chunk's
+    kernel launches cost as much as its arithmetic: 2,048 tokens for a memory under 1,024 (the bundled model on
+    an H200: 83k tokens/s in chunks of 256, 648k in chunks of 2,048, 675k of 4,096), else as long as the memory,
+    up to 2,048 (12 layers / 512 at mem_len 1,600: 131k tokens/s in chunks of 1,600, 92k of 4,096)."""
     if device.type == "cuda":
-        return max(256, min(2048, mem_len))
+        return 2048 if mem_len < 1024 else min(2048, mem_len)
     return max(128, min(512, mem_len // 4))
 
 
@@ -65,7 +68,7 @@ class Decoder:
     """The model at a given ``mem_len``/``clamp_len`` with the position tables its cache needs."""
 
     def __init__(self, model: MemTransformerLM, *, mem_len: int, clamp_len: int = 0,
-                 traced: bool | None = None, fused: bool | None = None) -> None:
+                 traced: bool | None = None, fused: bool | None = None, cuda_graphs: bool | None = None) -> None:
         if mem_len < 1:
             raise InvalidRequestError("mem_len must be at least 1 for decoding", param="mem_len")
         self.model, self.cfg = model.eval(), model.cfg
@@ -91,6 +94,8 @@ class Decoder:
         # where the kernels build.
         fusable = self.device.type == "cpu" and self.dtype == torch.float32 and self.cfg.d_head <= MAX_D_HEAD
         self.fused = fusable and (fused is None or fused) and attention_kernel_built()
+        # A server's decode steps replayed as CUDA graphs (model.graphs.GraphedTable): by default on a GPU.
+        self.cuda_graphs = self.device.type == "cuda" and (cuda_graphs is None or cuda_graphs)
         # Calls of more than MAX_CHUNK tokens a row (a prefill's chunks): their products in the C tiles, or in
         # torch's where tune_products measured those faster on this host.
         self.chunk_kernels = True
@@ -125,8 +130,11 @@ class Decoder:
 
     def table(self, capacity: int) -> SlotTable | RowTable:
         """The decode batch of a server's engine loop: sessions decoded where they lie when the fused attention
-        reads their rings (no copy as they join and leave), else a table of rows they are copied into."""
-        return RowTable(self.empty, capacity) if self.kernels else SlotTable(self.empty, capacity)
+        reads their rings (no copy as they join and leave), else a table of rows they are copied into, whose
+        steps replay CUDA graphs on a GPU."""
+        if self.kernels:
+            return RowTable(self.empty, capacity)
+        return GraphedTable(self, capacity) if self.cuda_graphs else SlotTable(self.empty, capacity)
 
     @torch.no_grad()
     def advance(self, state: DecodeState | RowBatch, tokens: Tensor) -> Tensor:
@@ -352,32 +360,3 @@ def trace_step(decoder: Decoder, chunk: int, rows: bool = False) -> torch.jit.Sc
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # Python ints of sizes: checked by the tests
         warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates tracing; the fallback is eager
         return torch.jit.trace(_Forward(decoder, rows), inputs, check_trace=False)
-
-
-class GraphedStep:
-    """One decode step for a fixed batch, captured as a CUDA graph: a replay launches the whole step at
-    once instead of a few hundred small kernels (static shapes: one capture per batch size).
-
-    The capture records the step on ``state`` without running it; every :meth:`__call__` copies the
-    tokens in, replays, and leaves ``state`` advanced exactly as :meth:`Decoder.step` would, with
-    ``state.last_logits`` a view of the graph's output."""
-
-    def __init__(self, decoder: Decoder, state: DecodeState, warmup: int = 2) -> None:
-        if decoder.device.type != "cuda":
-            raise InvalidRequestError("CUDA graphs need a CUDA device", param="device")
-        self.tokens = torch.zeros(state.batch, 1, dtype=torch.long, device=decoder.device)  # [batch, 1]
-        side = torch.cuda.Stream(decoder.device)
-        side.wait_stream(torch.cuda.current_stream(decoder.device))
-        with torch.cuda.stream(side):  # warm-up (allocator, kernels) on a copy, so state is not advanced
-            scratch = state.rows(list(range(state.batch)))
-            for _ in range(warmup):
-                decoder.step(scratch, self.tokens)
-        torch.cuda.current_stream(decoder.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = decoder.step(state, self.tokens)  # [batch, 1, vocab], refreshed by each replay
-
-    def __call__(self, tokens: Tensor) -> Tensor:
-        self.tokens.copy_(tokens)
-        self.graph.replay()
-        return self.logits

@@ -102,7 +102,8 @@ class Engine:
         self.mem_len = ckpt.config.mem_len if mem_len is None else mem_len
         self.clamp_len = ckpt.config.clamp_len if clamp_len is None else clamp_len
         self.decoder = Decoder(ckpt.model, mem_len=self.mem_len, clamp_len=self.clamp_len,
-                               traced=False if enforce_eager else None, fused=False if enforce_eager else None)
+                               traced=False if enforce_eager else None, fused=False if enforce_eager else None,
+                               cuda_graphs=False if enforce_eager else None)
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.mem_len, self.decoder.device)
         if prefill_products not in ("auto", "kernel", "torch"):
             raise ConfigError(f"prefill_products must be auto, kernel or torch, not {prefill_products!r}")

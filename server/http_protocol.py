@@ -16,6 +16,7 @@ import asyncio
 import json
 
 from server.errors import error_body
+from txlserve.errors import ConfigError
 
 # The request line and headers h11 buffers while they are incomplete. Its default, 16 KiB, made a long URL (a
 # 60,000-character session id) a 400 "not valid HTTP" or an ordinary 404 depending on whether its bytes arrived
@@ -36,22 +37,41 @@ BAD_REQUEST_RESPONSE = raw_response(400, "Bad Request", "the request is not vali
                                     "headers could not be parsed)", "invalid_http")
 
 
-def protocol_class(timeout_s: float) -> type:
-    """The protocol uvicorn's ``http="auto"`` would pick (httptools where installed, else h11), with the
-    deadline: a class to pass as ``uvicorn.Config(http=...)``."""
+def protocol_class(timeout_s: float, http: str = "auto") -> type:
+    """The protocol uvicorn's ``http`` setting picks (``auto``: httptools where installed, else h11), with the
+    deadline: a class to pass as ``uvicorn.Config(http=...)``. httptools parses in C: with a fast engine (a GPU,
+    or a small model) one stream's tokens/s rose 22% with it and uvloop (BENCHMARKS.md, "The server's steps as
+    CUDA graphs")."""
     try:
+        if http == "h11":
+            raise ImportError
         import httptools  # noqa: F401  (only whether it is there)
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:
+        if http == "httptools":
+            raise ConfigError("http is httptools, but httptools is not installed (pip install httptools)") from None
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
 
     class Protocol(base):  # type: ignore[misc, valid-type]
         _deadline: asyncio.TimerHandle | None = None
         _heard = False  # bytes arrived since the deadline was armed
+        # h11 bounds a request's head itself (MAX_HEAD_BYTES, given to uvicorn); httptools has no bound, and
+        # uvicorn keeps appending a request line's pieces, so a client could fill the memory before the deadline
+        _count_head = not hasattr(base, "handle_events")
+        _head_bytes = 0  # bytes received since the current request began, while its headers are incomplete
+        _head_done = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._arm(self.cycle)
+
+        def on_message_begin(self) -> None:
+            self._head_bytes, self._head_done = 0, False
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._head_done = True
+            super().on_headers_complete()
 
         def on_response_complete(self) -> None:
             done = self.cycle  # before super(), which may already start a pipelined request's cycle
@@ -61,6 +81,12 @@ def protocol_class(timeout_s: float) -> type:
         def data_received(self, data: bytes) -> None:
             self._heard = True
             super().data_received(data)
+            if self._count_head and not self._head_done and not self.transport.is_closing():
+                self._head_bytes += len(data)  # after the parse: a request that began in this piece has reset it
+                if self._head_bytes > MAX_HEAD_BYTES:  # as h11 answers a head past its bound
+                    if self.cycle is None or self.cycle.response_complete:  # not inside a response under way
+                        self.transport.write(BAD_REQUEST_RESPONSE)
+                    self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._deadline is not None:

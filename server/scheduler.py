@@ -34,6 +34,7 @@ from model.cache import RowBatch
 from model.decode import DecodeState
 from model.engine import Engine, Generation, Score, TokenEvent
 from model.fused import MAX_CHUNK
+from model.graphs import GraphedTable
 from model.sampling import SamplingParams
 from txlserve.errors import InvalidRequestError, Unavailable
 
@@ -240,6 +241,8 @@ class Scheduler:
         try:
             try:
                 self.engine.decoder.warm_up()  # before the first request, not during it
+                if isinstance(self.slots, GraphedTable):
+                    self.slots.capture_all()
             except Exception:  # a warm-up is an optimisation: the loop must run whatever it met
                 log.exception("the engine's warm-up failed")
             self._loop()
@@ -459,7 +462,10 @@ class Scheduler:
             self._advance_packed(batch, [job.pending or [fed[r]] for r, job in enumerate(self.running)])
         else:
             tokens = torch.tensor(fed, device=self.engine.device)[:, None]  # [batch, 1]
-            self.engine.decoder.advance(batch, tokens)  # [batch, 1]
+            if isinstance(self.slots, GraphedTable):
+                self.slots.advance(batch, tokens)  # a CUDA graph's replay
+            else:
+                self.engine.decoder.advance(batch, tokens)
         self.slots.stepped(batch)
         self.steps += 1
         for job in self.running if riding else ():

@@ -14,6 +14,8 @@ import logging
 import re
 import socket
 import urllib.parse
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import uvicorn
 
@@ -22,6 +24,7 @@ from server.app import build_app
 from server.http_protocol import MAX_HEAD_BYTES, protocol_class
 from server.runtime import close_runtime, open_runtime
 from server.settings import Settings
+from txlserve.errors import ConfigError
 
 log = logging.getLogger("txlserve")
 
@@ -94,19 +97,37 @@ def serve(settings: Settings, sock: socket.socket) -> int:
     """Run the server until it is stopped, on ``sock``, bound by the caller before anything heavy was imported
     (``server.listen``); the caller closes it."""
     set_threads(settings.threads)
-    return asyncio.run(_serve(settings, sock))
+    protocol = protocol_class(settings.body_timeout_s, settings.http)  # a missing parser fails before the load
+    return runner(settings.loop)(_serve(settings, sock, protocol))
 
 
-async def _serve(settings: Settings, sock: socket.socket) -> int:
+def runner(loop: str) -> Callable[[Coroutine[Any, Any, int]], int]:
+    """What runs the server's event loop: uvloop's where installed (``auto``, as uvicorn's ``--loop auto``), else
+    asyncio's. uvloop's loop is libuv's, in C: with a fast engine it and httptools together raised one stream's
+    tokens/s by 22% and 64 streams' by 12% (BENCHMARKS.md, "The server's steps as CUDA graphs")."""
+    if loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if loop == "uvloop":
+                raise ConfigError("loop is uvloop, but uvloop is not installed (pip install uvloop)") from None
+        else:
+            return uvloop.run
+    return asyncio.run
+
+
+async def _serve(settings: Settings, sock: socket.socket, protocol: type) -> int:
     rt = await open_runtime(settings)  # a bad checkpoint or unreachable Redis stops here, as one TxlError
     app = build_app(settings, runtime=rt)
     freeze_startup_objects()
     # uvicorn's own deadline comes after ours, so cancelled streams can still say goodbye
     config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,  # RequestLog writes one JSON line
                             timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
-                            http=protocol_class(settings.body_timeout_s),  # headers get the body's deadline
+                            http=protocol,  # headers get the body's deadline
                             h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     install_redaction(settings)  # after uvicorn configured its loggers
+    log.info("event loop: %s; HTTP parser: %s", type(asyncio.get_running_loop()).__module__.split(".")[0],
+             "httptools" if "HttpTools" in protocol.__mro__[1].__name__ else "h11")
     if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without API keys: anyone who reaches this port can read every session "
                     "(set TXLSERVE_API_KEYS)", settings.host)

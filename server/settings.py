@@ -64,9 +64,10 @@ class Settings:
     max_stop: int = _opt(4, "most stop strings per request")
     max_stop_bytes: int = _opt(64, "longest stop string, in bytes")
     enforce_eager: bool = _opt(False, "run decode steps op by op in eager PyTorch instead of as one traced graph "
-                                      "with the fused C attention (on a CPU the graph runs a step without "
-                                      "taking the GIL, so the event loop no longer slows it); for debugging "
-                                      "and comparison")
+                                      "with the fused C attention on a CPU (the graph runs a step without "
+                                      "taking the GIL, so the event loop no longer slows it) or as CUDA graphs "
+                                      "on a GPU (one per batch size 1, 2, 4, 8, 16, 24, ..., captured at "
+                                      "start-up); for debugging and comparison")
     stream_interval: int = _opt(1, "a request's generated tokens after its first are handed to the server's "
                                    "event loop, and so sent, in groups of this many (as vLLM's --stream-interval): "
                                    "fewer wake-ups, more tokens/s, burstier streams; 1 sends every token as it "
@@ -87,8 +88,16 @@ class Settings:
     shutdown_timeout_s: float = _opt(30.0, "on SIGTERM, time in seconds for in-flight requests before they are "
                                            "cancelled")
     log_level: str = _opt("info", "debug, info, warning, error or critical")
+    loop: str = _opt("auto", "event loop, as uvicorn's --loop: auto (uvloop where installed, else asyncio's), "
+                             "asyncio or uvloop")
+    http: str = _opt("auto", "HTTP/1.1 parser, as uvicorn's --http: auto (httptools where installed, else h11), "
+                             "h11 or httptools")
 
     def __post_init__(self) -> None:
+        if self.loop not in ("auto", "asyncio", "uvloop"):
+            raise ConfigError(f"loop must be auto, asyncio or uvloop, not {self.loop!r}")
+        if self.http not in ("auto", "h11", "httptools"):
+            raise ConfigError(f"http must be auto, h11 or httptools, not {self.http!r}")
         if self.storage_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"storage_dtype must be float32, bfloat16 or float16, not {self.storage_dtype!r}")
         if self.prefill_products not in ("auto", "kernel", "torch"):

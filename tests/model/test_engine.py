@@ -383,3 +383,11 @@ def test_the_sampling_kernel_is_built_with_the_model_not_in_the_first_request(tm
     engine = Engine.from_checkpoint(tmp_path / "ck", enforce_eager=True)
     assert not engine.decoder.fused
     assert calls  # built or loaded (or found unbuildable) before any request
+
+
+def test_a_gpus_prefill_chunk_is_long_and_a_cpus_follows_the_memory():
+    from model.decode import default_prefill_chunk
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [default_prefill_chunk(m, gpu) for m in (128, 512, 1600, 4096)] == [2048, 2048, 1600, 2048]
+    assert [default_prefill_chunk(m, cpu) for m in (128, 512, 1600, 4096)] == [128, 128, 400, 512]

@@ -47,7 +47,7 @@ def test_cuda_fp32_matches_reference(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_replay_equals_eager_decode(tmp_path, dtype):
-    from model.decode import GraphedStep
+    from model.graphs import GraphedStep
 
     make_engine(tmp_path)
     engine = Engine.from_checkpoint(tmp_path / "ck", device="cuda", dtype=dtype)

@@ -14,6 +14,7 @@ from model.cache import SlotTable
 from model.checkpoint import save_checkpoint
 from model.engine import Engine, TokenEvent
 from model.fused import available as fused_available
+from model.graphs import GraphedTable
 from model.sampling import SamplingParams
 from model.transformer_xl import MemTransformerLM
 from server.scheduler import Finished, Scheduler
@@ -280,14 +281,18 @@ def _arriving_together(engine, histories, prompts, params, advance=None, advance
     return asyncio.run(main())
 
 
-@pytest.fixture(params=["rows", "slots"])
+@pytest.fixture(params=["rows", "slots", "graphed"])
 def table(request, engine, monkeypatch) -> str:
     """The engine loop's decode batch: the decoder's own (sessions decoded where they lie, where the fused
-    attention runs), or a slot table, which copies sessions in and feeds every row of a call as many tokens."""
+    attention runs), a slot table, which copies sessions in and feeds every row of a call as many tokens, or a
+    GPU's slot table, whose one-token steps run the captured batch size above theirs (eagerly here)."""
     if request.param == "rows" and not engine.decoder.table(1).ragged:
         pytest.skip("the fused attention is not available here")
     if request.param == "slots":
         monkeypatch.setattr(engine.decoder, "table", lambda capacity: SlotTable(engine.decoder.empty, capacity))
+    if request.param == "graphed":
+        monkeypatch.setattr(engine.decoder, "table", lambda capacity: GraphedTable(engine.decoder, capacity,
+                                                                                   capture=False))
     return request.param
 
 
@@ -475,3 +480,55 @@ def test_stream_interval_a_cancelled_request_hands_over_every_token_before_it_en
 def test_stream_interval_must_be_positive(engine):
     with pytest.raises(ValueError, match="stream_interval"):
         Scheduler(engine, stream_interval=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_engine_loop_replays_cuda_graphs_and_generates_what_the_model_does_alone(tmp_path):
+    """Six requests arriving together, then leaving at different steps (3 to 6 rows: sizes 4 and 8), each
+    generating what it does alone, eagerly; every size was captured before the first request."""
+    torch.manual_seed(0)
+    model = MemTransformerLM(tiny_config(mem_len=12))
+    for p in model.parameters():
+        p.data.normal_(0, 0.3) if p.dim() > 1 else None
+    save_checkpoint(model, tmp_path)
+    engine = Engine.from_checkpoint(tmp_path, device="cuda")
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counted(graph):
+        replays.append(graph)
+        return replay(graph)
+
+    histories = [engine.encode(f"Speaker {i} says") for i in range(6)]
+    prompts = [engine.encode(p) for p in (" and", " but", " so", " yes", " nor", " or")]
+    torch.cuda.CUDAGraph.replay = counted
+    try:
+        async def main() -> list:
+            scheduler = Scheduler(engine, prefill_chunk=64, max_batch=16)
+            assert isinstance(scheduler.slots, GraphedTable)
+            scheduler.start()
+            try:
+                requests = []
+                for i, (history, prompt) in enumerate(zip(histories, prompts)):
+                    state = engine.new_state()
+                    engine.feed(state, history)
+                    requests.append(scheduler.submit(state, prompt, SamplingParams(max_tokens=4 + i,
+                                                                                   temperature=0)))
+
+                async def tokens(request):
+                    return [item.token async for item in request if isinstance(item, TokenEvent)]
+
+                out = list(await asyncio.gather(*(tokens(r) for r in requests)))
+                assert sorted(scheduler.slots.graphs) == [1, 2, 4, 8, 16]
+                return out
+            finally:
+                scheduler.stop()
+
+        got = asyncio.run(main())
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+    want = [_alone(engine, [h], [p], SamplingParams(max_tokens=4 + i, temperature=0))[0]
+            for i, (h, p) in enumerate(zip(histories, prompts))]
+    assert got == want
+    assert len(replays) >= 5  # the steps ran as graphs

@@ -518,6 +518,8 @@ def _serve(*args: str, env: dict | None = None, timeout: float = 60):
     ((), {"TXLSERVE_SHUTDOWN_TIMEOUT_S": "inf"}, "finite"),
     (("--mem-len", "2000000"), {}, "mem_len"),
     (("--prefill-products", "mkl"), {}, "prefill_products"),
+    (("--loop", "trio"), {}, "loop"),
+    ((), {"TXLSERVE_HTTP": "h2"}, "http"),
     (("--redis-url", "redis://:s3cr/et@127.0.0.1:1/0"), {}, "percent-encode"),  # a raw "/" in the password
 ])
 def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Path):
@@ -661,3 +663,23 @@ def test_bench_load_generator_streams_over_one_connection_and_reports_errors(ser
     assert second[2] == 3 and reused and dropped and third[2] == 2 and fourth[2] == 2
     with pytest.raises(ValueError, match="http://"):
         _Connection("https://example.com", MODEL)
+
+
+def test_asking_for_a_loop_or_parser_that_is_not_installed_is_a_config_error(monkeypatch):
+    """``--loop uvloop`` / ``--http httptools`` without the package: a ConfigError naming it (one line from the
+    CLI); ``auto`` falls back to asyncio's loop and h11."""
+    import asyncio
+    import sys
+
+    from server.http_protocol import protocol_class
+    from server.serve import runner
+    from txlserve.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now raises ImportError
+    monkeypatch.setitem(sys.modules, "httptools", None)
+    with pytest.raises(ConfigError, match="pip install uvloop"):
+        runner("uvloop")
+    with pytest.raises(ConfigError, match="pip install httptools"):
+        protocol_class(1.0, "httptools")
+    assert runner("auto") is asyncio.run
+    assert protocol_class(1.0, "auto").__mro__[1].__name__ == "H11Protocol"

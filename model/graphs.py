@@ -1,0 +1,133 @@
+"""Decode steps as CUDA graphs: a replay launches a whole step at once instead of a few hundred small kernels.
+
+On a GPU a small model's eager step is bound by those launches, not by its arithmetic (the bundled model's took
+about 3 ms on an H200, slower than a 2-core CPU's). A graph fixes shapes and addresses, so a server's batch runs
+on a table of rows allocated once, and each step replays the graph of the smallest captured batch size that holds
+its rows (vLLM's ``cudagraph_capture_sizes``): 1, 2, 4, then every multiple of 8.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from model.cache import DecodeState, SlotTable
+from txlserve.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from model.decode import Decoder
+
+__all__ = ["GraphedStep", "GraphedTable", "capture_sizes"]
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(capacity: int) -> list[int]:
+    """The batch sizes captured for a table of ``capacity`` rows: 1, 2, 4, every multiple of 8 below it, and it."""
+    return sorted({s for s in (1, 2, 4) if s < capacity} | set(range(8, capacity, 8)) | {max(1, capacity)})
+
+
+def _warm_up(decoder: Decoder, state: DecodeState, tokens: Tensor, steps: int) -> None:
+    """Eager steps on a copy of ``state``, on a side stream, before a capture: lazy initialisation (cuBLAS
+    handles, the allocator) must not happen inside one, and ``state`` must not advance."""
+    dev = decoder.device
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        scratch = state.rows(list(range(state.batch)))
+        for _ in range(steps):
+            decoder.advance(scratch, tokens)
+    torch.cuda.current_stream(dev).wait_stream(side)
+
+
+class GraphedStep:
+    """One decode step for a fixed batch, captured as a CUDA graph.
+
+    The capture records the step on ``state`` without running it; every :meth:`__call__` copies the
+    tokens in, replays, and leaves ``state`` advanced exactly as :meth:`Decoder.step` would, with
+    ``state.last_logits`` a view of the graph's output."""
+
+    def __init__(self, decoder: Decoder, state: DecodeState, warmup: int = 2) -> None:
+        if decoder.device.type != "cuda":
+            raise InvalidRequestError("CUDA graphs need a CUDA device", param="device")
+        self.tokens = torch.zeros(state.batch, 1, dtype=torch.long, device=decoder.device)  # [batch, 1]
+        _warm_up(decoder, state, self.tokens, warmup)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.logits = decoder.step(state, self.tokens)  # [batch, 1, vocab], refreshed by each replay
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.logits
+
+
+class GraphedTable(SlotTable):
+    """A :class:`SlotTable` on a GPU whose one-token steps replay CUDA graphs (``Decoder.table`` gives it where
+    ``Decoder.cuda_graphs``). Its rows are allocated once, at full capacity, since a graph reads and writes fixed
+    addresses; a step of ``n`` rows replays the graph of the smallest captured size >= ``n``, and the rows beyond
+    ``n`` step too, on whatever token they last had: no session is in them, and a session that joins copies over
+    all of its row. Each graph writes its next-token scores into the table's own rows, so no graph's output is
+    read after another replays (they share one memory pool). Calls of several tokens (prompts read in the
+    batch) run eagerly; so does every step if a capture fails (logged): the results are the same.
+
+    ``capture=False`` runs the same padded steps eagerly: how the padding is tested without a GPU."""
+
+    def __init__(self, decoder: Decoder, capacity: int, *, capture: bool = True) -> None:
+        super().__init__(decoder.empty, capacity)
+        self.decoder, self.capture = decoder, capture
+        self.table = decoder.empty(self.capacity)  # every row now: never grows, never moves
+        self.sizes = capture_sizes(self.capacity)
+        self.tokens = torch.zeros(self.capacity, 1, dtype=torch.long, device=decoder.device)  # [capacity, 1]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = None  # the captures' shared memory pool
+
+    def size(self, n: int) -> int:
+        """The rows a step of ``n`` rows runs: the smallest captured size that holds them."""
+        return next(s for s in self.sizes if s >= n)
+
+    def capture_all(self) -> None:
+        """Capture every size, largest first (the smaller ones then fit in the memory it took), before the
+        first request: a capture takes tens of milliseconds, and must not run while other threads use the GPU."""
+        for s in reversed(self.sizes):
+            if self._graph(s) is None:
+                return
+
+    def _graph(self, s: int) -> torch.cuda.CUDAGraph | None:
+        if s not in self.graphs and self.capture:
+            try:
+                state = self.table.span(0, s)
+                _warm_up(self.decoder, state, self.tokens[:s], 1)
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    self.decoder.advance(state, self.tokens[:s])
+                    self.table.last_logits[:s].copy_(state.last_logits)  # [s, vocab] into the table's rows
+                self.graphs[s] = graph
+            except Exception as err:  # the eager step is exact: run it from now on
+                log.warning("decode steps run eagerly: capturing a CUDA graph of %d rows failed (%s: %s)", s,
+                            type(err).__name__, err)
+                self.capture, self.graphs = False, {}
+        return self.graphs.get(s)
+
+    def advance(self, view: DecodeState, tokens: Tensor) -> None:
+        """Feed ``tokens [n, chunk]`` to rows [0, n) (``view``, from :meth:`active`); scores land in the table."""
+        n, at_top = view.batch, view.seen.data_ptr() == self.table.seen.data_ptr()
+        if tokens.size(1) != 1 or not at_top or n == 0:
+            self.decoder.advance(view, tokens)
+            return
+        s = self.size(n)
+        self.tokens[:n].copy_(tokens, non_blocking=True)  # rows n.. keep earlier (valid) tokens
+        graph = self._graph(s)
+        if graph is not None:
+            graph.replay()
+            view.last_logits = self.table.last_logits[:n]
+            return
+        padded = self.table.span(0, s)
+        self.decoder.advance(padded, self.tokens[:s])
+        self.table.last_logits[:s] = padded.last_logits
+        view.last_logits = self.table.last_logits[:n]

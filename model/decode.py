@@ -48,7 +48,9 @@ def default_prefill_chunk(mem_len: int, device: torch.device) -> int:
     the reference forward in BENCHMARKS.md, where 512-token chunks were slower than it). On a GPU a chunk's
     kernel launches cost as much as its arithmetic: 2,048 tokens for a memory under 1,024 (the bundled model on
     an H200: 83k tokens/s in chunks of 256, 648k in chunks of 2,048, 675k of 4,096), else as long as the memory,
-    up to 2,048 (12 layers / 512 at mem_len 1,600: 131k tokens/s in chunks of 1,600, 92k of 4,096)."""
+    up to 2,048 (12 layers / 512 at mem_len 1,600: 131k tokens/s in chunks of 1,600, 92k of 4,096). The engine
+    loop reads this many prompt tokens between decode steps, so a long prompt holds the streams up for one
+    chunk at a time (about 3 ms for the bundled model's 2,048 on that GPU)."""
     if device.type == "cuda":
         return 2048 if mem_len < 1024 else min(2048, mem_len)
     return max(128, min(512, mem_len // 4))
@@ -94,8 +96,9 @@ class Decoder:
         # where the kernels build.
         fusable = self.device.type == "cpu" and self.dtype == torch.float32 and self.cfg.d_head <= MAX_D_HEAD
         self.fused = fusable and (fused is None or fused) and attention_kernel_built()
-        # A server's decode steps replayed as CUDA graphs (model.graphs.GraphedTable): by default on a GPU.
-        self.cuda_graphs = self.device.type == "cuda" and (cuda_graphs is None or cuda_graphs)
+        # A server's decode steps replayed as CUDA graphs (model.graphs.GraphedTable): by default on a GPU; not
+        # with an adaptive input embedding either (it reads which clusters its tokens fall in back to the host).
+        self.cuda_graphs = traceable and self.device.type == "cuda" and (cuda_graphs is None or cuda_graphs)
         # Calls of more than MAX_CHUNK tokens a row (a prefill's chunks): their products in the C tiles, or in
         # torch's where tune_products measured those faster on this host.
         self.chunk_kernels = True

@@ -30,14 +30,14 @@ def capture_sizes(capacity: int) -> list[int]:
     return sorted({s for s in (1, 2, 4) if s < capacity} | set(range(8, capacity, 8)) | {max(1, capacity)})
 
 
-def _warm_up(decoder: Decoder, state: DecodeState, tokens: Tensor, steps: int) -> None:
-    """Eager steps on a copy of ``state``, on a side stream, before a capture: lazy initialisation (cuBLAS
-    handles, the allocator) must not happen inside one, and ``state`` must not advance."""
+def _warm_up(decoder: Decoder, state: DecodeState, tokens: Tensor, steps: int, *, in_place: bool = False) -> None:
+    """Eager steps on a copy of ``state`` (on ``state`` itself where ``in_place``: rows nobody uses), on a side
+    stream, before a capture: lazy initialisation (cuBLAS handles, the allocator) must not happen inside one."""
     dev = decoder.device
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
-        scratch = state.rows(list(range(state.batch)))
+        scratch = state if in_place else state.rows(list(range(state.batch)))
         for _ in range(steps):
             decoder.advance(scratch, tokens)
     torch.cuda.current_stream(dev).wait_stream(side)
@@ -48,20 +48,25 @@ class GraphedStep:
 
     The capture records the step on ``state`` without running it; every :meth:`__call__` copies the
     tokens in, replays, and leaves ``state`` advanced exactly as :meth:`Decoder.step` would, with
-    ``state.last_logits`` a view of the graph's output."""
+    ``state.last_logits`` a view of the graph's output (holding the state's scores until the first replay)."""
 
     def __init__(self, decoder: Decoder, state: DecodeState, warmup: int = 2) -> None:
         if decoder.device.type != "cuda":
             raise InvalidRequestError("CUDA graphs need a CUDA device", param="device")
+        self.device = decoder.device
         self.tokens = torch.zeros(state.batch, 1, dtype=torch.long, device=decoder.device)  # [batch, 1]
-        _warm_up(decoder, state, self.tokens, warmup)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.logits = decoder.step(state, self.tokens)  # [batch, 1, vocab], refreshed by each replay
+        before = state.last_logits  # [batch, vocab]
+        with torch.cuda.device(self.device):  # a capture records on the current device's streams: the model's
+            _warm_up(decoder, state, self.tokens, warmup)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.logits = decoder.step(state, self.tokens)  # [batch, 1, vocab], refreshed by each replay
+        state.last_logits.copy_(before)  # the graph's output, not yet computed: the scores the state had
 
     def __call__(self, tokens: Tensor) -> Tensor:
         self.tokens.copy_(tokens)
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.graph.replay()
         return self.logits
 
 
@@ -72,7 +77,8 @@ class GraphedTable(SlotTable):
     ``n`` step too, on whatever token they last had: no session is in them, and a session that joins copies over
     all of its row. Each graph writes its next-token scores into the table's own rows, so no graph's output is
     read after another replays (they share one memory pool). Calls of several tokens (prompts read in the
-    batch) run eagerly; so does every step if a capture fails (logged): the results are the same.
+    batch), or on some of the rows, run eagerly; so does every step if a capture fails (logged): the results are
+    the same.
 
     ``capture=False`` runs the same padded steps eagerly: how the padding is tested without a GPU."""
 
@@ -89,9 +95,15 @@ class GraphedTable(SlotTable):
         """The rows a step of ``n`` rows runs: the smallest captured size that holds them."""
         return next(s for s in self.sizes if s >= n)
 
+    def clear(self) -> None:
+        """Every row free again (the engine loop's reset after a failed step): rows and graphs stay, where a new
+        table would first take a second capacity's worth of memory."""
+        self.n, self._view = 0, None
+
     def capture_all(self) -> None:
         """Capture every size, largest first (the smaller ones then fit in the memory it took), before the
-        first request: a capture takes tens of milliseconds, and must not run while other threads use the GPU."""
+        first request: a capture takes tens of milliseconds. With no session in the table yet, each warms up on
+        the table's own rows, not on a copy of them."""
         for s in reversed(self.sizes):
             if self._graph(s) is None:
                 return
@@ -99,14 +111,15 @@ class GraphedTable(SlotTable):
     def _graph(self, s: int) -> torch.cuda.CUDAGraph | None:
         if s not in self.graphs and self.capture:
             try:
-                state = self.table.span(0, s)
-                _warm_up(self.decoder, state, self.tokens[:s], 1)
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                    self.decoder.advance(state, self.tokens[:s])
-                    self.table.last_logits[:s].copy_(state.last_logits)  # [s, vocab] into the table's rows
+                state = self.table.span(0, s)  # rows [0, s) as views
+                with torch.cuda.device(self.decoder.device):  # captures record on the current device's streams
+                    _warm_up(self.decoder, state, self.tokens[:s], 1, in_place=self.n == 0)
+                    if self._pool is None:
+                        self._pool = torch.cuda.graph_pool_handle()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                        self.decoder.advance(state, self.tokens[:s])
+                        self.table.last_logits[:s].copy_(state.last_logits)  # [s, vocab] into the table's rows
                 self.graphs[s] = graph
             except Exception as err:  # the eager step is exact: run it from now on
                 log.warning("decode steps run eagerly: capturing a CUDA graph of %d rows failed (%s: %s)", s,
@@ -115,19 +128,21 @@ class GraphedTable(SlotTable):
         return self.graphs.get(s)
 
     def advance(self, view: DecodeState, tokens: Tensor) -> None:
-        """Feed ``tokens [n, chunk]`` to rows [0, n) (``view``, from :meth:`active`); scores land in the table."""
-        n, at_top = view.batch, view.seen.data_ptr() == self.table.seen.data_ptr()
-        if tokens.size(1) != 1 or not at_top or n == 0:
+        """Feed ``tokens [n, chunk]`` to ``view``, from :meth:`active`: every row in use replays a graph where the
+        call is one token a row; scores land in the table."""
+        n = view.batch
+        whole = n == self.n and view.seen.data_ptr() == self.table.seen.data_ptr()  # rows [0, n): all of them
+        if tokens.size(1) != 1 or not whole or n == 0:
             self.decoder.advance(view, tokens)
             return
         s = self.size(n)
-        self.tokens[:n].copy_(tokens, non_blocking=True)  # rows n.. keep earlier (valid) tokens
+        self.tokens[:n].copy_(tokens, non_blocking=True)  # [n, 1]; rows n.. keep earlier (valid) tokens
         graph = self._graph(s)
         if graph is not None:
-            graph.replay()
-            view.last_logits = self.table.last_logits[:n]
-            return
-        padded = self.table.span(0, s)
-        self.decoder.advance(padded, self.tokens[:s])
-        self.table.last_logits[:s] = padded.last_logits
-        view.last_logits = self.table.last_logits[:n]
+            with torch.cuda.device(self.decoder.device):
+                graph.replay()
+        else:
+            padded = self.table.span(0, s)
+            self.decoder.advance(padded, self.tokens[:s])
+            self.table.last_logits[:s] = padded.last_logits  # [s, vocab]
+        view.last_logits = self.table.last_logits[:n]  # [n, vocab]

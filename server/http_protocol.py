@@ -73,6 +73,15 @@ def protocol_class(timeout_s: float, http: str = "auto") -> type:
             self._head_done = True
             super().on_headers_complete()
 
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if not self._head_done:
+                return super().on_header(name, value)
+            # a trailer field after a chunked body: uvicorn would append it to headers the app has already read,
+            # without bound; it is dropped (RFC 9110 lets a recipient discard trailers), and its bytes count
+            self._head_bytes += len(name) + len(value)
+            if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self.transport.close()
+
         def on_response_complete(self) -> None:
             done = self.cycle  # before super(), which may already start a pipelined request's cycle
             super().on_response_complete()
@@ -80,6 +89,8 @@ def protocol_class(timeout_s: float, http: str = "auto") -> type:
 
         def data_received(self, data: bytes) -> None:
             self._heard = True
+            if self.transport.is_closing():  # a trailer past the bound closed it: nothing more is parsed
+                return
             super().data_received(data)
             if self._count_head and not self._head_done and not self.transport.is_closing():
                 self._head_bytes += len(data)  # after the parse: a request that began in this piece has reset it

@@ -97,6 +97,9 @@ class Runtime:
         return getattr(torch, self.settings.storage_dtype)
 
 
+WARM_UP_TIMEOUT_S = 300.0
+
+
 async def open_runtime(settings: Settings) -> Runtime:
     cpu_latency = CpuLatencyQos(settings.cpu_latency_qos_us)
     cpu_latency.check()  # before the model loads
@@ -118,6 +121,10 @@ async def open_runtime(settings: Settings) -> Runtime:
     scheduler = Scheduler(engine, max_batch=settings.max_batch, batch_bytes=settings.batch_mb << 20,
                           prefill_chunk=engine.prefill_chunk, stream_interval=settings.stream_interval)
     scheduler.start()
+    # the engine thread traces (CPU) or captures (GPU) its steps before the server listens: a capture must not
+    # meet other threads' work on the GPU, and the first requests must not wait for them
+    if not await asyncio.to_thread(scheduler.warmed.wait, WARM_UP_TIMEOUT_S):
+        log.warning("the engine's warm-up took over %.0f s; serving meanwhile", WARM_UP_TIMEOUT_S)
     hot = HotStates(settings.hot_cache_mb << 20)
     rt = Runtime(settings, engine, scheduler, store, Metrics(scheduler, store, hot, cpu_latency), hot,
                  cpu_latency=cpu_latency)
@@ -127,7 +134,8 @@ async def open_runtime(settings: Settings) -> Runtime:
     if settings.cpu_latency_qos_us is None and device.type == "cpu" and guest_halt_poll_ns() == 0:
         log.info("this VM's idle CPUs halt at once (guest_halt_poll_ns 0), so every token handed to the event loop "
                  "wakes one: --cpu-latency-qos-us 0 keeps them polling while requests run (one stream on a 2-vCPU "
-                 "VM: 0.75-0.77 of the engine's tokens/s without it, 0.85-0.88 with it; README, Deployment)")
+                 "VM, asyncio's loop: 0.75-0.77 of the engine's tokens/s without it, 0.85-0.88 with it; README, "
+                 "Deployment)")
     rt.start_sweeper()
     rt.ready = True
     return rt

@@ -156,6 +156,7 @@ class Scheduler:
         self.prompt_tokens_in_batch = 0  # prompt tokens read in the decode table as rows joined, not by prefill
         self._outbox: list[tuple[Job, asyncio.Queue, Any]] = []  # items and their queues, handed over per iteration
         self._stop = threading.Event()
+        self.warmed = threading.Event()  # set once the engine thread has traced or captured its steps
         self._thread = threading.Thread(target=self._run, name="txlserve-engine", daemon=True)
 
     @property
@@ -245,6 +246,8 @@ class Scheduler:
                     self.slots.capture_all()
             except Exception:  # a warm-up is an optimisation: the loop must run whatever it met
                 log.exception("the engine's warm-up failed")
+            finally:
+                self.warmed.set()
             self._loop()
         finally:
             self._fail_all()  # whatever is still active when the loop ends is answered by this thread
@@ -261,7 +264,11 @@ class Scheduler:
                 log.exception("engine step failed")
                 for job in list(self.active):
                     self._finish(job, JobFailed(err))
-                self.running, self.slots = [], self.engine.decoder.table(self.capacity)
+                self.running = []
+                if isinstance(self.slots, GraphedTable):
+                    self.slots.clear()  # its rows and graphs stay: a new one would take a second capacity first
+                else:
+                    self.slots = self.engine.decoder.table(self.capacity)
                 self.prefilling.clear()
                 self.ready.clear()
                 self._flush()

@@ -53,7 +53,8 @@ class Settings:
     model_name: str = _opt("txl-shakespeare-small", "the model name clients send")
     max_batch: int = _opt(256, "sessions advanced together per decode step, at most (fewer if --batch-mb is reached)")
     batch_mb: int = _opt(1024, "memory for the sessions generating together (their key/value rings), in MiB: "
-                               "every waiting request joins the decode batch while it fits")
+                               "every waiting request joins the decode batch while it fits (on a GPU it is taken "
+                               "whole at start-up: CUDA graphs read fixed addresses)")
     max_queue: int = _opt(256, "requests waiting beyond the batch before 429")
     max_tokens_limit: int = _opt(4096, "the largest max_tokens a request may ask for")
     max_prompt_bytes: int = _opt(1_000_000, "largest prompt, in tokens (bytes for a byte model)")

@@ -56,6 +56,7 @@ def test_cuda_graph_replay_equals_eager_decode(tmp_path, dtype):
     engine.decoder.prefill(state, x[:, :20], chunk_size=8)
     eager = state.rows([0, 1, 2, 3])
     graphed = GraphedStep(engine.decoder, state)
+    assert torch.equal(state.last_logits, eager.last_logits)  # before any replay: the scores it had
     for i in range(20, 40):  # past mem_len: the ring wraps under the graph too
         want = engine.decoder.step(eager, x[:, i:i + 1])
         got = graphed(x[:, i:i + 1])

@@ -100,12 +100,28 @@ def test_capture_all_captures_every_size_and_a_failed_capture_falls_back_to_eage
     table = GraphedTable(decoder, 10)
     table.capture_all()
     assert sorted(table.graphs) == [1, 2, 4, 8, 10]
+    assert int(table.table.seen.max()) > 0  # warmed up on its own rows, nobody's yet
+    table.join(_session(decoder, 4, 0))
+    assert int(table.table.seen[0]) == 4  # a joining session's row is all its own
 
-    broken = GraphedTable(decoder, 10)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (_ for _ in ()).throw(RuntimeError("no pool")))
-    broken.join(_session(decoder, 4, 0))
-    view = broken.active()
-    broken.advance(view, torch.zeros(1, 1, dtype=torch.long, device="cuda"))  # eager: the same step
+    plain, broken = SlotTable(decoder.empty, 10), GraphedTable(decoder, 10)
+    advance = decoder.advance
+
+    def host_read(state, tokens):  # reads a value back to the host: not allowed while a graph is captured
+        int(tokens.sum())
+        return advance(state, tokens)
+
+    monkeypatch.setattr(decoder, "advance", host_read)
+    for t in (plain, broken):
+        t.join(_session(decoder, 4, 0))
+        t.join(_session(decoder, 9, 1))
+    for i in range(3):
+        tokens = torch.full((2, 1), 65 + i, device="cuda")
+        a, b = plain.active(), broken.active()
+        decoder.advance(a, tokens)
+        broken.advance(b, tokens)  # the capture fails inside the step; it runs eagerly, the same step
+        plain.stepped(a)
+        broken.stepped(b)
+        _close(b.last_logits, a.last_logits)
     assert not broken.capture and broken.graphs == {}
-    assert int(broken.table.seen[0]) == 5
-
+    assert broken.table.seen[:2].tolist() == [7, 12]

@@ -186,3 +186,36 @@ def test_a_request_head_over_the_limit_is_a_400_in_openais_shape(request, parser
             answer += chunk
     status, _, body = answer.partition(b"\r\n\r\n")
     assert status.split()[1] == b"400" and b'"code": "invalid_http"' in body, answer[:300]
+
+
+def _chunked_with_trailers(port: int, trailers: bytes) -> bytes:
+    """A completion whose body comes chunked, followed by ``trailers``: what the server answers (b"" if it
+    closed the connection without a word)."""
+    import json
+
+    body = json.dumps(OK).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        try:
+            sock.sendall(head + b"%x\r\n" % len(body) + body + b"\r\n0\r\n" + trailers + b"\r\n")
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # closed while the trailers were still arriving
+    return answer
+
+
+@pytest.mark.parametrize("parser", ["default", "h11"])
+def test_trailers_are_bounded_like_a_head(request, parser):
+    """A chunked request's trailer fields: a few are harmless (the completion runs); more than MAX_HEAD_BYTES of
+    them end the connection (httptools would otherwise append them, without bound, to headers the app has read)."""
+    from server.http_protocol import MAX_HEAD_BYTES
+
+    server = request.getfixturevalue("server" if parser == "default" else "h11_server")
+    answer = _chunked_with_trailers(server.port, b"X-Checksum: abc\r\n")
+    assert answer.split(b"\r\n", 1)[0].split()[1] == b"200" and b'"completion_tokens":2' in answer, answer[:300]
+    line = b"X-Pad: " + b"a" * 1000 + b"\r\n"
+    answer = _chunked_with_trailers(server.port, line * (2 * MAX_HEAD_BYTES // len(line)))  # twice the bound
+    assert answer == b"" or answer.split()[1] == b"400", answer[:300]

@@ -485,7 +485,7 @@ def test_stream_interval_must_be_positive(engine):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_the_engine_loop_replays_cuda_graphs_and_generates_what_the_model_does_alone(tmp_path):
-    """Six requests arriving together, then leaving at different steps (3 to 6 rows: sizes 4 and 8), each
+    """Six requests arriving together, then leaving at different steps (6 to 1 rows: sizes 8, 4, 2 and 1), each
     generating what it does alone, eagerly; every size was captured before the first request."""
     torch.manual_seed(0)
     model = MemTransformerLM(tiny_config(mem_len=12))
@@ -508,7 +508,9 @@ def test_on_a_gpu_the_engine_loop_replays_cuda_graphs_and_generates_what_the_mod
             scheduler = Scheduler(engine, prefill_chunk=64, max_batch=16)
             assert isinstance(scheduler.slots, GraphedTable)
             scheduler.start()
-            try:
+            try:  # as the server does, nothing else runs on the GPU while the engine thread captures its steps
+                assert await asyncio.to_thread(scheduler.warmed.wait, 120)  # (a copy to it during one raises)
+                assert sorted(scheduler.slots.graphs) == [1, 2, 4, 8, 16]
                 requests = []
                 for i, (history, prompt) in enumerate(zip(histories, prompts)):
                     state = engine.new_state()
@@ -519,9 +521,7 @@ def test_on_a_gpu_the_engine_loop_replays_cuda_graphs_and_generates_what_the_mod
                 async def tokens(request):
                     return [item.token async for item in request if isinstance(item, TokenEvent)]
 
-                out = list(await asyncio.gather(*(tokens(r) for r in requests)))
-                assert sorted(scheduler.slots.graphs) == [1, 2, 4, 8, 16]
-                return out
+                return list(await asyncio.gather(*(tokens(r) for r in requests)))
             finally:
                 scheduler.stop()
 
@@ -532,3 +532,45 @@ def test_on_a_gpu_the_engine_loop_replays_cuda_graphs_and_generates_what_the_mod
             for i, (h, p) in enumerate(zip(histories, prompts))]
     assert got == want
     assert len(replays) >= 5  # the steps ran as graphs
+
+
+def test_a_failed_step_fails_its_requests_and_the_loop_serves_the_next_ones(engine, table):
+    """A step that raises fails every request in the batch (the loop survives it); the decode table is emptied
+    (a GPU's graphed table kept, with its rows and graphs, a new one of the others), and the next request
+    generates what the model does alone."""
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    history, prompt = engine.encode("Speaker 0 says"), engine.encode(" and")
+    advance = engine.decoder.advance
+    fail = threading.Event()
+
+    def failing(state, tokens):
+        if fail.is_set() and tokens.size(1) == 1:
+            fail.clear()
+            raise RuntimeError("the step failed")
+        return advance(state, tokens)
+
+    async def main():
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        engine.decoder.advance = failing
+        scheduler.start()
+        try:
+            async def run():
+                state = engine.new_state()
+                engine.feed(state, history)
+                return [item.token async for item in scheduler.submit(state, prompt, greedy)
+                        if isinstance(item, TokenEvent)]
+
+            assert await asyncio.to_thread(scheduler.warmed.wait, 60)  # its warm-up steps are not the one to fail
+            first_table = scheduler.slots
+            fail.set()
+            with pytest.raises(RuntimeError, match="the step failed"):
+                await run()
+            kept = scheduler.slots is first_table
+            return kept, scheduler.slots.n, await run()
+        finally:
+            scheduler.stop()
+            del engine.decoder.advance
+
+    kept, rows, tokens = asyncio.run(main())
+    assert kept == (table == "graphed") and rows == 0
+    assert tokens == _alone(engine, [history], [prompt], greedy)[0]

@@ -54,7 +54,8 @@ round(l['tokens_per_s']), round(l['engine_tokens_per_s']), round(l['server_over_
 round(l['engine_loop_over_engine'], 3), l.get('ttft_p99_ms')) for l in r['loads']]" "$out/serve-$mode.json" $mode
     done
 fi
-[[ -s $out/decode.jsonl ]] && python3 - "$out/decode.jsonl" <<'EOF'
+[[ -s $out/decode.jsonl ]] || exit 0  # no decode rows to tabulate
+python3 - "$out/decode.jsonl" <<'EOF'
 import json, sys
 print("shape     mem  batch  eager_ms  graph_ms  tok/s      roofline  share  prefill_x")
 for line in open(sys.argv[1]):

@@ -574,3 +574,24 @@ def test_a_failed_step_fails_its_requests_and_the_loop_serves_the_next_ones(engi
     kept, rows, tokens = asyncio.run(main())
     assert kept == (table == "graphed") and rows == 0
     assert tokens == _alone(engine, [history], [prompt], greedy)[0]
+
+
+def test_warmed_is_set_once_the_engine_thread_has_warmed_up_even_if_that_failed(engine, monkeypatch):
+    """The server listens once ``Scheduler.warmed`` is set (runtime.open_runtime): only after the warm-up (on a
+    GPU, the captures) has run, and also when it failed, since the loop then runs eagerly."""
+    release = threading.Event()
+
+    def blocked_then_failing():
+        assert release.wait(30)
+        raise RuntimeError("warm-up failed")
+
+    monkeypatch.setattr(engine.decoder, "warm_up", blocked_then_failing)
+    scheduler = Scheduler(engine, prefill_chunk=64)
+    scheduler.start()
+    try:
+        assert not scheduler.warmed.wait(0.2)  # the warm-up is blocked: not warmed, however long one waits
+        release.set()
+        assert scheduler.warmed.wait(30)
+    finally:
+        release.set()
+        scheduler.stop()

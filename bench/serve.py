@@ -266,7 +266,7 @@ class EngineAlone:
                 logits = self.state.last_logits.float().cpu()  # [batch, vocab]
                 chosen = Generation.choose(gens, logits)  # as the server's loop samples
                 for r, g in enumerate(gens):
-                    g.accept(chosen[r], logits[r])
+                    g.accept(chosen[r], logits, r)
                 if wake is not None:
                     wake()
                 self.step(torch.tensor(chosen, device=self.engine.device)[:, None])

@@ -457,7 +457,7 @@ class Scheduler:
         chosen = Generation.choose([self.running[r].generation for r in sampling], rows) if sampling else []
         for r, token in zip(sampling, chosen):  # sampled together
             try:
-                events[r] = self.running[r].generation.accept(token, logits[r])
+                events[r] = self.running[r].generation.accept(token, logits, r)
                 fed[r] = events[r].token
             except Exception as err:  # one request's bad luck is not the batch's: its row steps on a filler
                 failed[r] = err  # token and leaves after the step; every other row advances as planned

@@ -218,10 +218,10 @@ def test_a_row_that_fails_mid_step_costs_the_others_nothing(engine):
             long_run = scheduler.submit(engine.new_state(), engine.encode("a longer prompt"), greedy)
             accept = bad.job.generation.accept
 
-            def fail_while_a_prompt_is_fed(token, logits):  # runs on the engine thread, inside one decode step
+            def fail_while_a_prompt_is_fed(token, logits, row=None):  # on the engine thread, inside a decode step
                 if scheduler.prompt_tokens_in_batch > before:  # the short prompt joined, in this step
                     raise RuntimeError("sampling failed")
-                return accept(token, logits)
+                return accept(token, logits, row)
 
             bad.job.generation.accept = fail_while_a_prompt_is_fed
             state = engine.new_state()

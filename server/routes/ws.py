@@ -151,9 +151,10 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
                 logprobs = comp.add(item)
                 if item.text or logprobs is not None:
                     await ws.send_json(comp.delta(item.text, logprobs).dump())
-            else:
-                await ws.send_json(comp.done(item, len(run.ids)).dump())
-                answered = True
+            else:  # the Final is the run's last item: the next message is the next request's, never "in progress"
+                await ws.send_json(comp.done(item, len(run.ids)).dump())  # (a client that sends it as soon as it
+                answered = True  # reads this could otherwise be seen before the stream's end, and refused)
+                return
             next_item = asyncio.ensure_future(stream.__anext__())
     finally:
         if not answered:  # cancelled, failed, or the socket broke under a send: stop within a step

@@ -88,3 +88,19 @@ def test_ws_cancel_commits_what_was_generated(server):
     once = httpx.post(server.url + "/v1/completions", json={
         "model": MODEL, "prompt": "Begin: go" + done["text"] + " more", "max_tokens": 12, "temperature": 0}).json()
     assert cont["choices"][0]["text"] == once["choices"][0]["text"]
+
+
+def test_ws_a_request_sent_as_soon_as_the_last_one_is_done_is_served(server):
+    """The next completion.create sent the moment completion.done arrives (after a cancel, as the client library
+    does when a stream is left early) is the next request, never "a completion is in progress": the server ends a
+    request with its done event (it once looked at the connection once more first, and could read the next
+    request there: seen in CI on uvloop)."""
+    with connect(ws_url(server)) as conn:
+        for i in range(30):
+            conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": f"r{i}", "max_tokens": LONG}))
+            assert json.loads(conn.recv(timeout=60))["type"] == "completion.delta"
+            conn.send(json.dumps({"type": "cancel"}))
+            assert collect(conn)[-1]["finish_reason"] == "cancelled"
+            conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x", "max_tokens": 1}))
+            msgs = collect(conn)
+            assert msgs[-1]["type"] == "completion.done", (i, msgs[-1])

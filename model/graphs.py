@@ -9,6 +9,7 @@ its rows (vLLM's ``cudagraph_capture_sizes``): 1, 2, 4, then every multiple of 8
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +44,18 @@ def _warm_up(decoder: Decoder, state: DecodeState, tokens: Tensor, steps: int, *
     torch.cuda.current_stream(dev).wait_stream(side)
 
 
+def _capture(decoder: Decoder, state: DecodeState, tokens: Tensor, record: Callable[[], None], *, warmup: int,
+             in_place: bool = False, pool: tuple[int, int] | None = None) -> torch.cuda.CUDAGraph:
+    """``record()`` (a step on ``state`` fed ``tokens``) captured as a graph after ``warmup`` eager steps, under
+    the model's device: a capture records on the current device's streams, so on ``cuda:N`` it must be N's."""
+    with torch.cuda.device(decoder.device):
+        _warm_up(decoder, state, tokens, warmup, in_place=in_place)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            record()
+    return graph
+
+
 class GraphedStep:
     """One decode step for a fixed batch, captured as a CUDA graph.
 
@@ -56,11 +69,11 @@ class GraphedStep:
         self.device = decoder.device
         self.tokens = torch.zeros(state.batch, 1, dtype=torch.long, device=decoder.device)  # [batch, 1]
         before = state.last_logits  # [batch, vocab]
-        with torch.cuda.device(self.device):  # a capture records on the current device's streams: the model's
-            _warm_up(decoder, state, self.tokens, warmup)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.logits = decoder.step(state, self.tokens)  # [batch, 1, vocab], refreshed by each replay
+
+        def record() -> None:
+            self.logits = decoder.step(state, self.tokens)  # [batch, 1, vocab], refreshed by each replay
+
+        self.graph = _capture(decoder, state, self.tokens, record, warmup=warmup)
         state.last_logits.copy_(before)  # the graph's output, not yet computed: the scores the state had
 
     def __call__(self, tokens: Tensor) -> Tensor:
@@ -111,16 +124,17 @@ class GraphedTable(SlotTable):
     def _graph(self, s: int) -> torch.cuda.CUDAGraph | None:
         if s not in self.graphs and self.capture:
             try:
-                state = self.table.span(0, s)  # rows [0, s) as views
-                with torch.cuda.device(self.decoder.device):  # captures record on the current device's streams
-                    _warm_up(self.decoder, state, self.tokens[:s], 1, in_place=self.n == 0)
-                    if self._pool is None:
+                state, tokens = self.table.span(0, s), self.tokens[:s]  # rows [0, s) as views; [s, 1]
+
+                def record() -> None:
+                    self.decoder.advance(state, tokens)
+                    self.table.last_logits[:s].copy_(state.last_logits)  # [s, vocab] into the table's rows
+
+                if self._pool is None:
+                    with torch.cuda.device(self.decoder.device):
                         self._pool = torch.cuda.graph_pool_handle()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                        self.decoder.advance(state, self.tokens[:s])
-                        self.table.last_logits[:s].copy_(state.last_logits)  # [s, vocab] into the table's rows
-                self.graphs[s] = graph
+                self.graphs[s] = _capture(self.decoder, state, tokens, record, warmup=1, in_place=self.n == 0,
+                                          pool=self._pool)
             except Exception as err:  # the eager step is exact: run it from now on
                 log.warning("decode steps run eagerly: capturing a CUDA graph of %d rows failed (%s: %s)", s,
                             type(err).__name__, err)

@@ -47,17 +47,20 @@ def protocol_class(timeout_s: float, http: str = "auto") -> type:
             raise ImportError
         import httptools  # noqa: F401  (only whether it is there)
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        parser = "httptools"
     except ImportError:
         if http == "httptools":
             raise ConfigError("http is httptools, but httptools is not installed (pip install httptools)") from None
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
+        parser = "h11"
 
     class Protocol(base):  # type: ignore[misc, valid-type]
+        parser_name = parser  # the parser it runs, for the start-up log
         _deadline: asyncio.TimerHandle | None = None
         _heard = False  # bytes arrived since the deadline was armed
         # h11 bounds a request's head itself (MAX_HEAD_BYTES, given to uvicorn); httptools has no bound, and
         # uvicorn keeps appending a request line's pieces, so a client could fill the memory before the deadline
-        _count_head = not hasattr(base, "handle_events")
+        _count_head = parser == "httptools"
         _head_bytes = 0  # bytes received since the current request began, while its headers are incomplete
         _head_done = False
 

@@ -127,7 +127,7 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type) -> int
                             h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     install_redaction(settings)  # after uvicorn configured its loggers
     log.info("event loop: %s; HTTP parser: %s", type(asyncio.get_running_loop()).__module__.split(".")[0],
-             "httptools" if "HttpTools" in protocol.__mro__[1].__name__ else "h11")
+             protocol.parser_name)
     if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without API keys: anyone who reaches this port can read every session "
                     "(set TXLSERVE_API_KEYS)", settings.host)

@@ -12,6 +12,13 @@ from typing import Any
 from txlserve.errors import ConfigError
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_CHOICES = {  # settings that take one of a few words
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "storage_dtype": ("float32", "bfloat16", "float16"),
+    "prefill_products": ("auto", "kernel", "torch"),
+    "loop": ("auto", "asyncio", "uvloop"),
+    "http": ("auto", "h11", "httptools"),
+}
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -95,16 +102,10 @@ class Settings:
                              "h11 or httptools")
 
     def __post_init__(self) -> None:
-        if self.loop not in ("auto", "asyncio", "uvloop"):
-            raise ConfigError(f"loop must be auto, asyncio or uvloop, not {self.loop!r}")
-        if self.http not in ("auto", "h11", "httptools"):
-            raise ConfigError(f"http must be auto, h11 or httptools, not {self.http!r}")
-        if self.storage_dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"storage_dtype must be float32, bfloat16 or float16, not {self.storage_dtype!r}")
-        if self.prefill_products not in ("auto", "kernel", "torch"):
-            raise ConfigError(f"prefill_products must be auto, kernel or torch, not {self.prefill_products!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, not "
+                                  f"{getattr(self, name)!r}")
         for name in ("max_batch", "batch_mb", "max_queue", "max_tokens_limit", "prefill_chunk", "max_prompt_bytes",
                      "max_append_bytes", "max_body_bytes", "max_stop_bytes", "lease_ttl_ms", "mem_len",
                      "stream_interval"):

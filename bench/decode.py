@@ -138,6 +138,12 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
         graph_s = _timed(lambda: [graphed(steps[:, i:i + 1]) for i in range(tokens)], dev)
         result.update(eager_step_ms=1000 * fast_s / tokens, graph_step_ms=1000 * graph_s / tokens,
                       graph_speedup=fast_s / graph_s)
+        if engine.decoder.gpu_fused:  # the same graph with the torch attention, in the same run
+            plain = Decoder(engine.decoder.model, mem_len=mem_len, clamp_len=engine.clamp_len, fused=False)
+            plain_graph = GraphedStep(plain, state.rows(list(range(batch))))
+            plain_graph(steps[:, :1])
+            plain_s = _timed(lambda: [plain_graph(steps[:, i:i + 1]) for i in range(tokens)], dev)
+            result.update(unfused_step_ms=1000 * plain_s / tokens, fused_speedup=plain_s / graph_s)
         fast_s = min(fast_s, graph_s)
     bandwidth = read_bandwidth(dev)
     nbytes = step_bytes(engine, batch)
@@ -192,7 +198,7 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
         "prefill_chunk": chunk,
         "prefill_products": "kernel" if engine.decoder.kernel_products(chunk) else "torch",
         "n_layer": engine.config.n_layer, "d_model": engine.config.d_model,
-        "torch": torch.__version__, "compiled": compile, "fused": engine.decoder.fused,
+        "torch": torch.__version__, "compiled": compile, "fused": engine.decoder.fused or engine.decoder.gpu_fused,
     }
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from model import fused
+from model import fused, gpu_attention
 from model.fused import MAX_CHUNK
 
 
@@ -132,7 +132,10 @@ class LayerCache:
         ``o_net``. Their keys, values and inputs are in the rings afterwards."""
         if self.addr is not None:  # the rows' tokens packed: qkv [N, L, 3*H*Dh], h [N, L, d] (N*L tokens)
             return fused.attend_rows(qkv, self.start, u, vb, self.addr, h, self.r_head_k, self.seen, scale, self.ring)
-        out = fused.attend_one(qkv, u, vb, self.k, self.v, self.r_head_k, self.seen, scale)
+        if qkv.is_cuda:  # one token a row (RingCache makes such a call fused only then): Triton's kernels
+            out = gpu_attention.attend_step(qkv, u, vb, self.k, self.v, self.r_head_k, self.seen, scale)
+        else:
+            out = fused.attend_one(qkv, u, vb, self.k, self.v, self.r_head_k, self.seen, scale)
         self.store_hid(h)
         return out
 
@@ -160,7 +163,8 @@ class RingCache:
         self.hid, self.k, self.v, self.r_head_k = hid, k, v, r_head_k  # r_head_k [n_layer, H, mem_len+1, Dh]
         self.seen, self.addr, self.ring, self.start = seen, addr, ring, start  # addr [3, n_layer, batch]
         m, batch, dev = r_head_k.size(2) - 1, seen.numel(), seen.device
-        self.fused = fused and (chunk <= MAX_CHUNK or addr is not None)  # the C kernel reads the ring once a call
+        # the C kernel reads the ring once for up to MAX_CHUNK tokens a row; the GPU's, once for a decode step's one
+        self.fused = fused and (chunk <= (MAX_CHUNK if dev.type == "cpu" else 1) or addr is not None)
         self.products = fused if products is None else products  # the C products (fused.linear_rows, matmul)
         if addr is not None:  # a RowBatch's rows, tokens packed (``start``); the kernel checks each row's count
             if not fused:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from model import gpu_attention
 from model.cache import DecodeState, RingCache, RowBatch, RowTable, SlotTable, column_major
 from model.fused import MAX_CHUNK, MAX_D_HEAD
 from model.fused import available as attention_kernel_built
@@ -96,6 +97,9 @@ class Decoder:
         # where the kernels build.
         fusable = self.device.type == "cpu" and self.dtype == torch.float32 and self.cfg.d_head <= MAX_D_HEAD
         self.fused = fusable and (fused is None or fused) and attention_kernel_built()
+        # A decode step's attention in Triton's kernels on a GPU (model.gpu_attention), where Triton is installed.
+        heads = (self.cfg.n_head, self.cfg.d_head)
+        self.gpu_fused = (fused is None or fused) and gpu_attention.available(self.device, self.dtype, *heads)
         # A server's decode steps replayed as CUDA graphs (model.graphs.GraphedTable): by default on a GPU; not
         # with an adaptive input embedding either (it reads which clusters its tokens fall in back to the host).
         self.cuda_graphs = traceable and self.device.type == "cuda" and (cuda_graphs is None or cuda_graphs)
@@ -197,7 +201,8 @@ class Decoder:
         """One call on a state's tensors, which it advances in place: the last layer's outputs [batch, chunk,
         d_model] and the next token's scores [batch, vocab] (float32). Tensors in and out, so it can be traced."""
         chunk = tokens.size(1)
-        cache = RingCache(hid, k, v, seen, self.r_head_k, chunk, self.kernels, products=self.kernel_products(chunk))
+        fused = self.kernels or (self.gpu_fused and not self.model.training)
+        cache = RingCache(hid, k, v, seen, self.r_head_k, chunk, fused, products=self.kernel_products(chunk))
         h, _ = self.model.hidden(tokens, cache=cache)  # [batch, chunk, d_model]
         seen += chunk
         return h, self.model.crit.logits(h[:, -1]).float()  # [batch, vocab]

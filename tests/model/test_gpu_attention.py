@@ -1,0 +1,162 @@
+"""A GPU decode step's attention in Triton's kernels (model.gpu_attention): the same scores and the same rings as
+the model's torch ops, with rows at different points of their rings, as eager steps and replayed as CUDA graphs.
+The kernels' arithmetic is also checked off a GPU by Triton's interpreter, where Triton is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import gpu_attention
+from model.cache import SlotTable
+from model.decode import Decoder
+from tests.model.test_traced_step import _model
+
+ROOT = Path(__file__).resolve().parents[2]
+no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_off_without_a_gpu_or_triton():
+    """A CPU decoder never takes the GPU kernels (its steps are the C kernels' or torch's)."""
+    assert not gpu_attention.available(torch.device("cpu"), torch.float32, 4, 64)
+    assert not Decoder(_model(), mem_len=6).gpu_fused
+
+
+def _sessions(decoder: Decoder, lengths: list[int]) -> SlotTable:
+    """A table whose rows saw ``lengths`` tokens: empty rings, half-full ones and wrapped ones side by side."""
+    table = SlotTable(decoder.empty, len(lengths))
+    g = torch.Generator().manual_seed(3)
+    for n in lengths:
+        one = decoder.empty(1)
+        decoder.prefill(one, torch.randint(0, 256, (1, n), generator=g).to(decoder.device), chunk_size=4)
+        table.join(one)
+    return table
+
+
+def _steps(decoder: Decoder, lengths: list[int], steps: int = 9) -> tuple[list[torch.Tensor], SlotTable]:
+    """Every row's scores over ``steps`` one-token steps (every row past its ring's wrap), and the table after."""
+    table = _sessions(decoder, lengths)
+    g = torch.Generator().manual_seed(5)
+    scores = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 256, (len(lengths), 1), generator=g).to(decoder.device)
+        view = table.active()
+        decoder.advance(view, tokens)
+        table.stepped(view)
+        scores.append(view.last_logits.float())
+    return scores, table
+
+
+LENGTHS = [0, 1, 5, 6, 7, 23]  # empty rings, half-full ones and wrapped ones side by side
+
+
+@pytest.mark.cuda
+@no_cuda
+@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3)])
+def test_steps_equal_the_torch_attention(cfg):
+    model = _model(**cfg).cuda()
+    fast, plain = Decoder(model, mem_len=6), Decoder(model, mem_len=6, fused=False)
+    assert fast.gpu_fused and not plain.gpu_fused
+    (a, ta), (b, tb) = _steps(fast, LENGTHS), _steps(plain, LENGTHS)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    for r in range(len(LENGTHS)):
+        x, y = ta.export(r), tb.export(r)
+        assert torch.equal(x.seen, y.seen)
+        for name in ("hid", "k", "v"):
+            torch.testing.assert_close(getattr(x, name), getattr(y, name), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@no_cuda
+def test_bf16_steps_are_as_close_to_float32_as_the_torch_attentions():
+    """In bf16 the kernels score in float32 where the torch ops round the scores to bf16: both are compared
+    with the float32 model, and the kernels' error may not be the larger (beyond rounding's own noise)."""
+    model = _model().cuda()
+    want, _ = _steps(Decoder(model, mem_len=6), LENGTHS)
+    half = _model().to("cuda", torch.bfloat16)
+    fast, plain = Decoder(half, mem_len=6), Decoder(half, mem_len=6, fused=False)
+    assert fast.gpu_fused
+    (a, _), (b, _) = _steps(fast, LENGTHS), _steps(plain, LENGTHS)
+    err_fast = max(float((x - w).abs().max()) for x, w in zip(a, want))
+    err_plain = max(float((x - w).abs().max()) for x, w in zip(b, want))
+    assert 0 < err_fast <= 1.25 * err_plain + 1e-2, (err_fast, err_plain)
+
+
+@pytest.mark.cuda
+@no_cuda
+def test_a_graphed_step_replays_the_kernels():
+    from model.graphs import GraphedStep
+
+    model = _model().cuda()
+    fast, plain = Decoder(model, mem_len=6), Decoder(model, mem_len=6, fused=False)
+    a, b = _sessions(fast, [3, 11]).table.rows([0, 1]), _sessions(plain, [3, 11]).table.rows([0, 1])
+    graphed = GraphedStep(fast, a)
+    g = torch.Generator().manual_seed(9)
+    for _ in range(8):
+        tokens = torch.randint(0, 256, (2, 1), generator=g).cuda()
+        got = graphed(tokens)
+        want = plain.step(b, tokens)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.k, b.k, atol=1e-5, rtol=1e-5)
+
+
+INTERPRETED = textwrap.dedent("""
+    import torch
+    from model import gpu_attention
+
+    def reference(qkv, u, vb, k, v, tab, seen, scale):  # the window written out, slot by slot
+        B, H, M, D = k.shape
+        out = torch.empty(B, 1, H * D)
+        for b in range(B):
+            q, kn, vn = qkv[b, 0].view(3, H, D)
+            last = int(seen[b]) - 1
+            back = (last - torch.arange(M)) % M
+            ring = ((q + u)[:, None] * k[b]).sum(-1) + ((q + vb)[:, None] * tab[:, back + 1]).sum(-1)
+            own = ((q + u) * kn).sum(-1) + ((q + vb) * tab[:, 0]).sum(-1)
+            p = (torch.cat([ring.masked_fill(back > last, float("-inf")), own[:, None]], 1) * scale).softmax(-1)
+            out[b, 0] = (p[:, :, None] * torch.cat([v[b], vn[:, None]], 1)).sum(1).reshape(-1)
+        return out
+
+    torch.manual_seed(0)
+    B, H, M, D = 5, 3, 333, 48  # spans of several blocks, a head narrower than its block
+    qkv, u, vb = torch.randn(B, 1, 3 * H * D), torch.randn(H, D), torch.randn(H, D)
+    k, v, tab = torch.randn(B, H, M, D), torch.randn(B, H, M, D), torch.randn(H, M + 1, D)
+    seen = torch.tensor([0, 1, 200, 333, 1000])  # empty, one token, part full, just full, wrapped
+    want = reference(qkv, u, vb, k, v, tab, seen, 0.125)
+    k2, v2 = k.clone(), v.clone()
+    got = gpu_attention.attend_step(qkv, u, vb, k2, v2, tab, seen, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for b in range(B):
+        slot = int(seen[b]) % M
+        assert torch.equal(k2[b, :, slot], qkv[b, 0].view(3, H, D)[1])
+        assert torch.equal(v2[b, :, slot], qkv[b, 0].view(3, H, D)[2])
+        k2[b, :, slot], v2[b, :, slot] = k[b, :, slot], v[b, :, slot]
+    assert torch.equal(k2, k) and torch.equal(v2, v)  # no other slot written
+    print("ok")
+""")
+
+
+def _interpretable() -> bool:
+    """Triton's interpreter runs these kernels from 3.9 (3.6's cannot take a loop bound made from a program id)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from importlib.metadata import version
+
+    return tuple(int(x) for x in version("triton").split(".")[:2]) >= (3, 9)
+
+
+@pytest.mark.skipif(not _interpretable(), reason="needs Triton 3.9 or later")
+def test_kernels_interpreted_on_the_cpu_equal_the_window_written_out():
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -203,7 +203,8 @@ class Engine:
         state in the server, see ``server/hot_states.py``)."""
         slots = self._ring_slots(int(state.seen[row]))
         cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-        return {"mems": cast(state.hid[:, row, slots]).contiguous(),  # [n_layer, m, d_model]
+        # index_select, not hid[:, row, slots]: a third of the advanced index's time (a commit's every request)
+        return {"mems": cast(state.hid[:, row].index_select(1, slots)).contiguous(),  # [n_layer, m, d_model]
                 "last_logits": state.last_logits[row].float().clone()}  # [vocab], not a view of the step's logits
 
     def import_state(self, tensors: dict[str, Tensor], *, tokens_seen: int, fingerprint: str) -> DecodeState:

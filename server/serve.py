@@ -13,6 +13,7 @@ import gc
 import logging
 import re
 import socket
+import sys
 import urllib.parse
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -97,6 +98,10 @@ def serve(settings: Settings, sock: socket.socket) -> int:
     """Run the server until it is stopped, on ``sock``, bound by the caller before anything heavy was imported
     (``server.listen``); the caller closes it."""
     set_threads(settings.threads)
+    # The engine thread, back from a decode step (which runs without the GIL), waits for the interpreter while
+    # the event loop holds it, up to Python's 5 ms switch interval: 1.6-2.0 ms a step at 64 streams on the bundled
+    # checkpoint, 0.5-1.1 ms at 0.5 (BENCHMARKS.md, "A shorter GIL switch interval").
+    sys.setswitchinterval(settings.switch_interval_ms / 1000)
     protocol = protocol_class(settings.body_timeout_s, settings.http)  # a missing parser fails before the load
     return runner(settings.loop)(_serve(settings, sock, protocol))
 

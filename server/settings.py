@@ -86,6 +86,10 @@ class Settings:
                                                 "handing a token to the event loop does not wait for a halted CPU; "
                                                 "machine-wide, costs idle power, needs write access to that file, "
                                                 "root's by default (default: off)")
+    switch_interval_ms: float = _opt(0.5, "the server process's GIL switch interval (Python's "
+                                          "sys.setswitchinterval, 5 ms by default): the longest the event loop "
+                                          "keeps the interpreter while the engine thread, back from a decode "
+                                          "step, waits for it")
     prefill_chunk: int | None = _opt(None, "tokens read per prefill slice; decode steps run between slices "
                                            "(default: chosen from mem_len and the device)")
     prefill_products: str = _opt("auto", "a prefill slice's matrix products on a CPU: auto (both timed at load, "
@@ -139,6 +143,8 @@ class Settings:
             raise ConfigError(f"cpu_latency_qos_us must be at most 2000000000, not {self.cpu_latency_qos_us}")
         if self.mem_len is not None and self.mem_len > 1 << 20:
             raise ConfigError(f"mem_len must be at most {1 << 20}, not {self.mem_len}")
+        if not 0 < self.switch_interval_ms <= 1000:
+            raise ConfigError(f"switch_interval_ms must be in (0, 1000], not {self.switch_interval_ms}")
         if not self.store_timeout_s > 0:
             raise ConfigError(f"store_timeout_s must be > 0, not {self.store_timeout_s}")
         if any(not isinstance(k, str) or not k.strip() or k != k.strip() for k in self.api_keys):

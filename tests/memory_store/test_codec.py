@@ -263,3 +263,26 @@ def test_which_sessions_another_model_can_use() -> None:
         codec.check_compatible(state, dataclasses.replace(upgraded, tokenizer="word:b"))
     with pytest.raises(SessionIncompatible, match="no token window"):
         codec.check_compatible(dataclasses.replace(state, window_tokens=0), upgraded)
+
+
+def test_safetensors_bytes_read_back_by_safetensors_for_every_dtype_and_layout():
+    """The payload writer of the commit path: strided views, empty and 0-d tensors, every dtype a state holds
+    (bf16 too, which numpy cannot name), read back exactly by the safetensors library."""
+    tensors = {
+        "last_logits": torch.randn(256),
+        "window": torch.arange(300, dtype=torch.int32),
+        "strided": torch.randn(3, 4).to(torch.bfloat16).t(),  # a transposed view: copied in row-major order
+        "empty": torch.zeros(0, 5, dtype=torch.float16),
+        "scalar": torch.tensor(7),
+        "mask": torch.tensor([True, False, True]),
+        "wide": torch.randn(2, 3, dtype=torch.float64)[:, ::2],
+    }
+    back = safetensors.torch.load(codec.safetensors_bytes(tensors))
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
+
+
+def test_a_commits_payload_is_byte_for_byte_what_safetensors_writes():
+    payload = {"last_logits": torch.randn(256), "window": torch.arange(40, dtype=torch.int32)}
+    assert codec.safetensors_bytes(payload) == safetensors.torch.save(payload)

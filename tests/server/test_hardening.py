@@ -520,6 +520,7 @@ def _serve(*args: str, env: dict | None = None, timeout: float = 60):
     (("--prefill-products", "mkl"), {}, "prefill_products"),
     (("--loop", "trio"), {}, "loop"),
     ((), {"TXLSERVE_HTTP": "h2"}, "http"),
+    ((), {"TXLSERVE_SWITCH_INTERVAL_MS": "0"}, "switch_interval_ms"),
     (("--redis-url", "redis://:s3cr/et@127.0.0.1:1/0"), {}, "percent-encode"),  # a raw "/" in the password
 ])
 def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Path):
@@ -683,3 +684,22 @@ def test_asking_for_a_loop_or_parser_that_is_not_installed_is_a_config_error(mon
         protocol_class(1.0, "httptools")
     assert runner("auto") is asyncio.run
     assert protocol_class(1.0, "auto").__mro__[1].__name__ == "H11Protocol"
+
+
+def test_the_server_process_takes_its_gil_switch_interval(tmp_path: Path):
+    """Applied first thing in serve(), before the model loads (here a missing checkpoint stops it)."""
+    import socket
+    import sys
+
+    from server.serve import serve
+    from server.settings import Settings
+    from txlserve.errors import CheckpointError
+
+    before = sys.getswitchinterval()
+    try:
+        with socket.socket() as sock, pytest.raises(CheckpointError):
+            serve(Settings(checkpoint=str(tmp_path / "none"), data_dir=str(tmp_path), switch_interval_ms=0.25), sock)
+        assert sys.getswitchinterval() == pytest.approx(0.00025)
+    finally:
+        sys.setswitchinterval(before)
+    assert Settings().switch_interval_ms == 0.5

@@ -90,6 +90,32 @@ def random_checkpoint(shape: str, out: str, mem_len: int) -> str:
     return out
 
 
+def prefill_macs(cfg: TXLConfig, mem_len: int, n: int, chunk: int) -> tuple[int, int] | None:
+    """Multiply-adds of a prefill of ``n`` tokens: (the decoder's in ``chunk``-token calls, the reference's in
+    ``mem_len``-token segments with mems), per layer summed over the calls, plus the scores over the vocabulary
+    (the decoder's for each call's last token, the reference's for every token). Their ratio bounds the prefill
+    speedup where both run their products at the same speed: the decoder saves projecting the memory's keys,
+    values and positions again each segment, and attends over ``mem_len + chunk`` keys where the reference
+    attends over ``2 * mem_len``. None for an adaptive softmax (its cost depends on the tokens)."""
+    if cfg.cutoffs:
+        return None
+    d, hd, ff = cfg.d_model, cfg.n_head * cfg.d_head, cfg.d_inner
+
+    def layer(q: int, keys: int, dists: int, memory: int, positions: int) -> int:
+        return (q * d * 3 * hd + memory * d * 2 * hd + positions * d * hd  # q, k, v; the memory's k, v; W_r R
+                + q * (2 * keys + dists) * hd  # (q + u) k, (q + v) W_r R, the values
+                + q * hd * d + 2 * q * d * ff)  # o_net, the feed-forward
+    ours = sum(cfg.n_layer * layer(q, mem_len + q, mem_len + 1, 0, 0) + d * cfg.vocab_size
+               for q in (min(chunk, n - s) for s in range(0, n, chunk)))
+    ref, seen = 0, 0
+    for s in range(0, n, mem_len):
+        q = min(mem_len, n - s)
+        mlen = min(seen, mem_len)
+        ref += cfg.n_layer * layer(q, mlen + q, mlen + q, mlen, mlen + q) + q * d * cfg.vocab_size
+        seen += q
+    return ours, ref
+
+
 @torch.no_grad()
 def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: int | None = None,
         device: str = "auto", dtype: str = "float32", prefill_tokens: int | None = None,
@@ -179,6 +205,7 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
                                           dev))
         ref_prefill_s = min(ref_prefill_s, _timed(segments, dev))
     step_s = fast_s / tokens
+    macs = prefill_macs(engine.config, mem_len, n_prefill, chunk)
     return {
         "tokens_per_s": batch * tokens / fast_s,
         "step_ms": 1000 * step_s,
@@ -192,6 +219,7 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
         "prefill_tokens_per_s": n_prefill / prefill_s,
         "reference_prefill_tokens_per_s": n_prefill / ref_prefill_s,
         "prefill_speedup": ref_prefill_s / prefill_s,
+        "prefill_macs_ratio": None if macs is None else macs[1] / macs[0],  # the speedup at equal speed per MAC
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "threads": torch.get_num_threads(), "dtype": dtype, "checkpoint": checkpoint, "mem_len": mem_len,
         "clamp_len": engine.clamp_len, "batch": batch, "tokens": tokens, "prefill_tokens": n_prefill,

@@ -46,7 +46,10 @@ TORCH_MARGIN = 0.95  # torch's products are kept only when they take less than t
 def default_prefill_chunk(mem_len: int, device: torch.device) -> int:
     """Prefill chunk size from the shape. A chunk of C tokens costs C x (mem_len + C) in attention: on a CPU,
     chunks near mem_len/4 keep those scores small while the projections still see wide matrices (1.3-1.9x
-    the reference forward in BENCHMARKS.md, where 512-token chunks were slower than it). On a GPU a chunk's
+    the reference forward in BENCHMARKS.md, where 512-token chunks were slower than it), but not under 256: on an
+    AVX-512 host, where torch's products run a chunk's rows, 128-row chunks ran them at a lower rate, and 256 read
+    6 x 256 / 512's prefill at 1.25x the reference against 1.16x, the bundled model's at 1.21x against 1.16x
+    ("A prefill's multiply-adds"). On a GPU a chunk's
     kernel launches cost as much as its arithmetic: 2,048 tokens for a memory under 1,024 (the bundled model on
     an H200: 83k tokens/s in chunks of 256, 648k in chunks of 2,048, 675k of 4,096), else as long as the memory,
     up to 2,048 (12 layers / 512 at mem_len 1,600: 131k tokens/s in chunks of 1,600, 92k of 4,096). The engine
@@ -54,7 +57,7 @@ def default_prefill_chunk(mem_len: int, device: torch.device) -> int:
     chunk at a time (about 3 ms for the bundled model's 2,048 on that GPU)."""
     if device.type == "cuda":
         return 2048 if mem_len < 1024 else min(2048, mem_len)
-    return max(128, min(512, mem_len // 4))
+    return max(256, min(512, mem_len // 4))
 
 
 def widen_layout(model: MemTransformerLM) -> None:

@@ -390,4 +390,4 @@ def test_a_gpus_prefill_chunk_is_long_and_a_cpus_follows_the_memory():
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     assert [default_prefill_chunk(m, gpu) for m in (128, 512, 1600, 4096)] == [2048, 2048, 1600, 2048]
-    assert [default_prefill_chunk(m, cpu) for m in (128, 512, 1600, 4096)] == [128, 128, 400, 512]
+    assert [default_prefill_chunk(m, cpu) for m in (128, 512, 1600, 4096)] == [256, 256, 400, 512]

@@ -80,13 +80,36 @@ def test_bench_decode_json(checkpoint):
     assert out["traced_speedup"] == pytest.approx(out["eager_step_ms"] / out["traced_step_ms"], rel=1e-6)
 
 
+def test_prefill_macs_count_what_each_forward_multiplies():
+    """By hand for one layer (d_model 2, one head of 1), mem_len 2, a 2-token document in one call: the decoder's
+    call attends over the 2-slot ring and itself (4 keys, 3 distances) and scores its last token; the reference's
+    segment has no memory yet (2 keys and distances), projects its 2 positions and scores every token."""
+    from bench.decode import prefill_macs
+    from model.config import TXLConfig
+
+    cfg = TXLConfig(n_layer=1, d_model=2, n_head=1, d_head=1, d_inner=1, tgt_len=2, mem_len=2, vocab_size=1)
+    qkv, o_net, ff = 2 * 2 * 3, 2 * 2, 2 * 2 * 2
+    assert prefill_macs(cfg, 2, 2, 2) == (qkv + 2 * (2 * 4 + 3) + o_net + ff + 2,
+                                          qkv + 2 * 2 + 2 * (2 * 2 + 2) + o_net + ff + 2 * 2)
+    paper = TXLConfig(n_layer=6, d_model=256, n_head=4, d_head=64, d_inner=1024, tgt_len=512, mem_len=512)
+    ours, ref = prefill_macs(paper, 512, 2048, 128)
+    assert 1.3 < ref / ours < 1.45  # the bound on 6 x 256 / 512's prefill speedup at equal speed per MAC
+    assert prefill_macs(TXLConfig(cutoffs=[100], vocab_size=300), 8, 16, 4) is None
+
+
 def test_bench_decode_random_shape():
     r = txlserve("bench", "decode", "--shape", "2x64", "--mem-len", "32", "--batch", "2", "--tokens", "3",
                  "--no-naive", "--threads", "1", "--prefill-tokens", "64")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert (out["n_layer"], out["d_model"], out["checkpoint"]) == (2, 64, "random 2x64")
-    assert "speedup" not in out and out["prefill_chunk"] == 128
+    assert "speedup" not in out and out["prefill_chunk"] == 256
+    from bench.decode import prefill_macs
+    from model.config import TXLConfig
+
+    cfg = TXLConfig(n_layer=2, d_model=64, n_head=1, d_head=64, d_inner=256, tgt_len=32, mem_len=32)
+    ours, ref = prefill_macs(cfg, 32, 64, 256)  # one 64-token call against two 32-token segments
+    assert out["prefill_macs_ratio"] == pytest.approx(ref / ours)
 
 
 def test_bench_store_json(checkpoint):

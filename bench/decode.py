@@ -164,7 +164,7 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
         graph_s = _timed(lambda: [graphed(steps[:, i:i + 1]) for i in range(tokens)], dev)
         result.update(eager_step_ms=1000 * fast_s / tokens, graph_step_ms=1000 * graph_s / tokens,
                       graph_speedup=fast_s / graph_s)
-        if engine.decoder.gpu_fused:  # the same graph with the torch attention, in the same run
+        if engine.decoder.gpu_fused:  # the same graph with the torch attention, same run (a CPU times both eagerly)
             plain = Decoder(engine.decoder.model, mem_len=mem_len, clamp_len=engine.clamp_len, fused=False)
             plain_graph = GraphedStep(plain, state.rows(list(range(batch))))
             plain_graph(steps[:, :1])

@@ -120,16 +120,17 @@ class LayerCache:
     rows: Tensor | None  # [batch, 1]
     slots: Tensor | None  # [batch, keep]: ring slots of the chunk's last `keep` tokens
     seen: Tensor  # [batch] int64: tokens before the chunk
-    fused: bool = False  # calls of up to MAX_CHUNK tokens attend in one C call (model.fused)
+    fused: bool = False  # this call attends in one kernel call: C on a CPU (model.fused), Triton on a GPU
     products: bool = False  # this call's products go through the C kernels (model.fused.linear_rows, matmul)
     addr: Tensor | None = None  # [3, batch] int64: each session's rings of this layer (a RowBatch's call)
     ring: tuple[int, int, int] = (0, 0, 0)  # with addr: a ring's element strides (head, slot, d_head)
     start: Tensor | None = None  # with addr: [batch+1] int64, row b's tokens are [start[b], start[b+1]) of the call
 
     def attend(self, qkv: Tensor, h: Tensor, u: Tensor, vb: Tensor, scale: float) -> Tensor:
-        """The fused attention (:mod:`model.fused`) of a call of up to MAX_CHUNK tokens with queries, keys and
-        values ``qkv [batch, chunk, 3*H*Dh]`` and layer inputs ``h [batch, chunk, d]``: [batch, chunk, H*Dh], before
-        ``o_net``. Their keys, values and inputs are in the rings afterwards."""
+        """The fused attention of a call (:mod:`model.fused`: up to MAX_CHUNK tokens a row on a CPU;
+        :mod:`model.gpu_attention`: one a row on a GPU) with queries, keys and values ``qkv [batch, chunk,
+        3*H*Dh]`` and layer inputs ``h [batch, chunk, d]``: [batch, chunk, H*Dh], before ``o_net``. Their keys,
+        values and inputs are in the rings afterwards."""
         if self.addr is not None:  # the rows' tokens packed: qkv [N, L, 3*H*Dh], h [N, L, d] (N*L tokens)
             return fused.attend_rows(qkv, self.start, u, vb, self.addr, h, self.r_head_k, self.seen, scale, self.ring)
         if qkv.is_cuda:  # one token a row (RingCache makes such a call fused only then): Triton's kernels

@@ -100,9 +100,11 @@ class Decoder:
         # where the kernels build.
         fusable = self.device.type == "cpu" and self.dtype == torch.float32 and self.cfg.d_head <= MAX_D_HEAD
         self.fused = fusable and (fused is None or fused) and attention_kernel_built()
-        # A decode step's attention in Triton's kernels on a GPU (model.gpu_attention), where Triton is installed.
-        heads = (self.cfg.n_head, self.cfg.d_head)
-        self.gpu_fused = (fused is None or fused) and gpu_attention.available(self.device, self.dtype, *heads)
+        # A decode step's attention in Triton's kernels on a GPU (model.gpu_attention), where Triton is installed;
+        # not in a TorchScript trace, which would record their outputs' allocation and not their launches.
+        shape = (self.cfg.n_head, self.cfg.d_head, mem_len)
+        self.gpu_fused = ((fused is None or fused) and not self.traced
+                          and gpu_attention.available(self.device, self.dtype, *shape))
         # A server's decode steps replayed as CUDA graphs (model.graphs.GraphedTable): by default on a GPU; not
         # with an adaptive input embedding either (it reads which clusters its tokens fall in back to the host).
         self.cuda_graphs = traceable and self.device.type == "cuda" and (cuda_graphs is None or cuda_graphs)
@@ -204,7 +206,7 @@ class Decoder:
         """One call on a state's tensors, which it advances in place: the last layer's outputs [batch, chunk,
         d_model] and the next token's scores [batch, vocab] (float32). Tensors in and out, so it can be traced."""
         chunk = tokens.size(1)
-        fused = self.kernels or (self.gpu_fused and not self.model.training)
+        fused = self.kernels or (self.gpu_fused and not self.model.training and gpu_attention.usable())
         cache = RingCache(hid, k, v, seen, self.r_head_k, chunk, fused, products=self.kernel_products(chunk))
         h, _ = self.model.hidden(tokens, cache=cache)  # [batch, chunk, d_model]
         seen += chunk

@@ -79,9 +79,10 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def fused_step(h: Tensor, cache: LayerCache | None) -> bool:
-    """Whether this call is a decode step (or a short prompt: up to ``fused.MAX_CHUNK`` tokens), or a call on
-    sessions where they lie (up to as many a row, packed), whose attention the C kernel (:mod:`model.fused`)
-    computes."""
+    """Whether this call's attention is one kernel call: on a CPU a decode step, a short prompt (up to
+    ``fused.MAX_CHUNK`` tokens) or sessions where they lie (up to as many a row, packed), in C
+    (:mod:`model.fused`); on a GPU a decode step's one token a row, in Triton (:mod:`model.gpu_attention`). The
+    cache says which (``RingCache.fused``)."""
     return cache is not None and cache.fused and (cache.addr is not None or h.size(1) <= fused.MAX_CHUNK)
 
 
@@ -144,7 +145,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
     def forward(self, h: Tensor, pos: Positions, r_w_bias: Tensor, r_r_bias: Tensor, mems: Tensor | None = None,
                 cache: LayerCache | None = None) -> Tensor:
         kernel = fused_products(cache)
-        if fused_step(h, cache):  # a CPU decode step (or a short prompt): the same math in one C call
+        if fused_step(h, cache):  # a decode step (a CPU's short prompt too): the same math in one kernel call
             qkv = linear(self.qkv_net, self.layer_norm(h) if self.pre_lnorm else h, kernel)  # [bsz, qlen, 3*H*Dh]
             vec = cache.attend(qkv, h, r_w_bias, r_r_bias, self.scale)  # [bsz, qlen, H*Dh]; h, k, v in the ring now
         else:

@@ -22,14 +22,16 @@ import triton.language as tl
 NEG = tl.constexpr(-1.0e30)  # a running maximum's start: finite, so an empty span rescales by exp(0 - ...) = 0, not nan
 
 
-@triton.jit
+# Sizes that change with the batch or the memory are not specialised on (Triton compiles a variant per value
+# class of each integer argument): a new batch size never compiles a new variant in the middle of serving.
+@triton.jit(do_not_specialize=["M", "H", "S", "span"])
 def spans(qkv, q_sb, u, vb, k, v, k_sb, k_sh, k_sj, k_sd, v_sb, v_sh, v_sj, v_sd, tab, t_sh, t_sj, t_sd, seen,
           m_out, l_out, acc_out, scale, M, H, S, span,
           D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (b * H + h, s): slots [s * span, (s + 1) * span) of row b's ring of head h."""
     bh = tl.program_id(0)
     s = tl.program_id(1)
-    b = bh // H
+    b = (bh // H).to(tl.int64)  # row offsets b * k_sb pass 2**31 for large rings and batches
     h = bh % H
     d = tl.arange(0, BLOCK_D)
     dm = d < D
@@ -45,8 +47,8 @@ def spans(qkv, q_sb, u, vb, k, v, k_sb, k_sh, k_sj, k_sd, v_sb, v_sh, v_sj, v_sd
         j = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] ring slots
         jm = j < M
         back = (last - j + M) % M  # last >= -1 and j < M: never negative
-        ok = jm & (back <= last)
-        lm = jm[:, None] & dm[None, :]
+        ok = jm & (back <= last)  # a slot of the ring still empty is never read
+        lm = ok[:, None] & dm[None, :]
         kj = tl.load(k + b * k_sb + h * k_sh + j[:, None] * k_sj + d[None, :] * k_sd, mask=lm, other=0.0)
         rj = tl.load(tab + h * t_sh + (back + 1)[:, None] * t_sj + d[None, :] * t_sd, mask=lm, other=0.0)
         score = tl.sum(kj.to(tl.float32) * q_u[None, :], 1) + tl.sum(rj.to(tl.float32) * q_v[None, :], 1)
@@ -64,14 +66,14 @@ def spans(qkv, q_sb, u, vb, k, v, k_sb, k_sh, k_sj, k_sd, v_sb, v_sh, v_sj, v_sd
     tl.store(acc_out + (bh * S + s) * BLOCK_D + d, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "H", "S"])
 def join(qkv, q_sb, u, vb, k, v, k_sb, k_sh, k_sj, k_sd, v_sb, v_sh, v_sj, v_sd, tab, t_sh, t_sj, t_sd, seen,
          m_in, l_in, acc_in, out, o_sb, scale, M, H, S,
          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Program b * H + h: its spans and the token itself, softmax-weighted; then the token's key and value into
     slot seen % M."""
     bh = tl.program_id(0)
-    b = bh // H
+    b = (bh // H).to(tl.int64)
     h = bh % H
     d = tl.arange(0, BLOCK_D)
     dm = d < D

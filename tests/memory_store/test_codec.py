@@ -286,3 +286,10 @@ def test_safetensors_bytes_read_back_by_safetensors_for_every_dtype_and_layout()
 def test_a_commits_payload_is_byte_for_byte_what_safetensors_writes():
     payload = {"last_logits": torch.randn(256), "window": torch.arange(40, dtype=torch.int32)}
     assert codec.safetensors_bytes(payload) == safetensors.torch.save(payload)
+    legacy = {"mems": torch.randn(2, 3, 4).to(torch.bfloat16), **payload}  # format 1: mems in the payload
+    raw = codec.safetensors_bytes(legacy)
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    for name, entry in header.items():  # widest elements first: every tensor aligned to its element size
+        assert entry["data_offsets"][0] % legacy[name].element_size() == 0, name
+    with pytest.raises(InvalidRequestError, match="uint16"):
+        codec.safetensors_bytes({"odd": torch.zeros(2, dtype=torch.uint16)})

@@ -25,8 +25,24 @@ no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 def test_off_without_a_gpu_or_triton():
     """A CPU decoder never takes the GPU kernels (its steps are the C kernels' or torch's)."""
-    assert not gpu_attention.available(torch.device("cpu"), torch.float32, 4, 64)
+    assert not gpu_attention.available(torch.device("cpu"), torch.float32, 4, 64, 6)
     assert not Decoder(_model(), mem_len=6).gpu_fused
+
+
+def test_kernels_that_fail_in_a_step_are_not_used_again(monkeypatch):
+    """The call fails with KernelFailed (its rows are the engine loop's to fail) and usable() turns False, which
+    every later decode step reads before taking the kernels."""
+    class Broken:
+        def __getattr__(self, name):
+            raise RuntimeError("no compiler for this variant")
+
+    monkeypatch.setattr(gpu_attention, "_failed", [])
+    monkeypatch.setattr(gpu_attention, "_kernels", lambda: Broken())
+    k = torch.zeros(2, 1, 8, 4)
+    with pytest.raises(gpu_attention.KernelFailed, match="no compiler"):
+        gpu_attention.attend_step(torch.zeros(2, 1, 12), torch.zeros(1, 4), torch.zeros(1, 4), k, k.clone(),
+                                  torch.zeros(1, 9, 4), torch.tensor([0, 3]), 0.5)
+    assert not gpu_attention.usable()
 
 
 def _sessions(decoder: Decoder, lengths: list[int]) -> SlotTable:
@@ -59,15 +75,19 @@ LENGTHS = [0, 1, 5, 6, 7, 23]  # empty rings, half-full ones and wrapped ones si
 
 @pytest.mark.cuda
 @no_cuda
-@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3)])
-def test_steps_equal_the_torch_attention(cfg):
+@pytest.mark.parametrize("cfg,mem_len,lengths", [
+    (dict(), 6, LENGTHS), (dict(clamp_len=3), 6, LENGTHS),
+    (dict(), 200, [0, 150, 437]),  # rings of several spans a row, joined by the second kernel
+    (dict(), 200, [437]),  # batch 1: as many spans as blocks of the ring
+])
+def test_steps_equal_the_torch_attention(cfg, mem_len, lengths):
     model = _model(**cfg).cuda()
-    fast, plain = Decoder(model, mem_len=6), Decoder(model, mem_len=6, fused=False)
+    fast, plain = Decoder(model, mem_len=mem_len), Decoder(model, mem_len=mem_len, fused=False)
     assert fast.gpu_fused and not plain.gpu_fused
-    (a, ta), (b, tb) = _steps(fast, LENGTHS), _steps(plain, LENGTHS)
+    (a, ta), (b, tb) = _steps(fast, lengths), _steps(plain, lengths)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
-    for r in range(len(LENGTHS)):
+    for r in range(len(lengths)):
         x, y = ta.export(r), tb.export(r)
         assert torch.equal(x.seen, y.seen)
         for name in ("hid", "k", "v"):
@@ -88,6 +108,26 @@ def test_bf16_steps_are_as_close_to_float32_as_the_torch_attentions():
     err_fast = max(float((x - w).abs().max()) for x, w in zip(a, want))
     err_plain = max(float((x - w).abs().max()) for x, w in zip(b, want))
     assert 0 < err_fast <= 1.25 * err_plain + 1e-2, (err_fast, err_plain)
+
+
+@pytest.mark.cuda
+@no_cuda
+def test_a_step_whose_kernels_fail_fails_and_the_next_runs_the_torch_ops(monkeypatch):
+    model = _model().cuda()
+    fast, plain = Decoder(model, mem_len=6), Decoder(model, mem_len=6, fused=False)
+    assert fast.gpu_fused
+    a, b = _sessions(fast, [3, 11]).table.rows([0, 1]), _sessions(plain, [3, 11]).table.rows([0, 1])
+    tokens = torch.tensor([[5], [7]]).cuda()
+
+    class Broken:
+        def __getattr__(self, name):
+            raise RuntimeError("no compiler for this variant")
+
+    monkeypatch.setattr(gpu_attention, "_failed", [])
+    monkeypatch.setattr(gpu_attention, "_kernels", lambda: Broken())
+    with pytest.raises(gpu_attention.KernelFailed):
+        fast.step(a.rows([0, 1]), tokens)  # on a copy: the engine loop drops a failed step's rows
+    torch.testing.assert_close(fast.step(a, tokens), plain.step(b, tokens), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.cuda
@@ -125,6 +165,7 @@ INTERPRETED = textwrap.dedent("""
             out[b, 0] = (p[:, :, None] * torch.cat([v[b], vn[:, None]], 1)).sum(1).reshape(-1)
         return out
 
+    gpu_attention._programs = lambda device: 64  # as a GPU would: several spans a row (3 of 128 slots here)
     torch.manual_seed(0)
     B, H, M, D = 5, 3, 333, 48  # spans of several blocks, a head narrower than its block
     qkv, u, vb = torch.randn(B, 1, 3 * H * D), torch.randn(H, D), torch.randn(H, D)

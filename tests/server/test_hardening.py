@@ -691,15 +691,18 @@ def test_the_server_process_takes_its_gil_switch_interval(tmp_path: Path):
     import socket
     import sys
 
+    import torch
+
     from server.serve import serve
     from server.settings import Settings
     from txlserve.errors import CheckpointError
 
-    before = sys.getswitchinterval()
+    before, threads = sys.getswitchinterval(), torch.get_num_threads()
     try:
         with socket.socket() as sock, pytest.raises(CheckpointError):
             serve(Settings(checkpoint=str(tmp_path / "none"), data_dir=str(tmp_path), switch_interval_ms=0.25), sock)
         assert sys.getswitchinterval() == pytest.approx(0.00025)
-    finally:
+    finally:  # serve() sets the process's interval and torch's threads: the tests after this one keep theirs
         sys.setswitchinterval(before)
+        torch.set_num_threads(threads)
     assert Settings().switch_interval_ms == 0.5

@@ -76,7 +76,7 @@ def _runs(device: torch.device, dtype: torch.dtype, n_head: int, d_head: int, me
                         for _ in range(2))
                 qkv = torch.randn(batch, 1, 3 * n_head * d_head, generator=g, device=device).to(dtype)
                 seen = torch.arange(batch, device=device) * 7 + m // 2
-                out = attend_step(qkv, u, u, k, v, table, seen, 0.125)
+                out = _launch(qkv, u, u, k, v, table, seen, 0.125)
                 if not bool(out.isfinite().all()):
                     raise RuntimeError("non-finite output")
     except Exception as err:
@@ -110,7 +110,19 @@ def attend_step(qkv: Tensor, u: Tensor, vb: Tensor, k: Tensor, v: Tensor, table:
     ``k``, ``v`` ``[bsz, H, mem_len, Dh]`` within its window, with biases ``u``, ``vb`` ``[H, Dh]`` and the position
     table ``W_r R [H, mem_len+1, Dh]``; ``seen [bsz]`` (int64) tokens came before it. Stores its key and value into
     slot ``seen % mem_len`` and returns the attention's output ``[bsz, 1, H*Dh]`` (before ``o_net``), as
-    :func:`model.fused.attend_one` does on a CPU. Launched on the tensors' device, whichever is current."""
+    :func:`model.fused.attend_one` does on a CPU. A failure here is a step's: it turns the kernels off for the
+    process (:func:`usable`) and raises :class:`KernelFailed`."""
+    try:
+        return _launch(qkv, u, vb, k, v, table, seen, scale)
+    except Exception as err:
+        _failed.append(f"{type(err).__name__}: {err}")
+        log.warning("the GPU decode attention is off from now on: it failed in a step (%s)", _failed[0])
+        raise KernelFailed(_failed[0]) from err
+
+
+def _launch(qkv: Tensor, u: Tensor, vb: Tensor, k: Tensor, v: Tensor, table: Tensor, seen: Tensor,
+            scale: float) -> Tensor:
+    """The two launches of :func:`attend_step`, on the tensors' device, whichever is current."""
     kern = _kernels()
     bsz, H, M, D = k.shape
     if qkv.shape != (bsz, 1, 3 * H * D) or qkv.stride(2) != 1:
@@ -129,14 +141,10 @@ def attend_step(qkv: Tensor, u: Tensor, vb: Tensor, k: Tensor, v: Tensor, table:
     l_s = torch.empty_like(m_s)  # its sum of exponentials,
     acc_s = torch.empty(bsz * H * spans * block_d, device=dev, dtype=torch.float32)  # its weighted values [.., Dh]
     rings = (k, v, *k.stride(), *v.stride(), table, *table.stride(), seen)
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # Triton launches on the
-        try:  # current device: on cuda:N it must be N's
-            kern.spans[(bsz * H, spans)](qkv, qkv.stride(0), u, vb, *rings, m_s, l_s, acc_s, scale, M, H, spans,
-                                         span, D=D, BLOCK_N=BLOCK_N, BLOCK_D=block_d, num_warps=NUM_WARPS)
-            kern.join[(bsz * H,)](qkv, qkv.stride(0), u, vb, *rings, m_s, l_s, acc_s, out, out.stride(0), scale, M,
-                                  H, spans, D=D, BLOCK_D=block_d, BLOCK_S=_pow2(_cdiv(M, BLOCK_N)))
-        except Exception as err:
-            _failed.append(f"{type(err).__name__}: {err}")
-            log.warning("the GPU decode attention is off from now on: it failed in a step (%s)", _failed[0])
-            raise KernelFailed(_failed[0]) from err
+    # Triton launches on the current device: on cuda:N it must be N's
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        kern.spans[(bsz * H, spans)](qkv, qkv.stride(0), u, vb, *rings, m_s, l_s, acc_s, scale, M, H, spans, span,
+                                     D=D, BLOCK_N=BLOCK_N, BLOCK_D=block_d, num_warps=NUM_WARPS)
+        kern.join[(bsz * H,)](qkv, qkv.stride(0), u, vb, *rings, m_s, l_s, acc_s, out, out.stride(0), scale, M, H,
+                              spans, D=D, BLOCK_D=block_d, BLOCK_S=_pow2(_cdiv(M, BLOCK_N)))
     return out

@@ -100,7 +100,7 @@ def serve(settings: Settings, sock: socket.socket) -> int:
     set_threads(settings.threads)
     # The engine thread, back from a decode step (which runs without the GIL), waits for the interpreter while
     # the event loop holds it, up to Python's 5 ms switch interval: 1.6-2.0 ms a step at 64 streams on the bundled
-    # checkpoint, 0.5-1.1 ms at 0.5 (BENCHMARKS.md, "A shorter GIL switch interval").
+    # checkpoint, 0.5-1.1 ms at 0.5 (BENCHMARKS.md, "Where 64 streams lose now").
     sys.setswitchinterval(settings.switch_interval_ms / 1000)
     protocol = protocol_class(settings.body_timeout_s, settings.http)  # a missing parser fails before the load
     return runner(settings.loop)(_serve(settings, sock, protocol))

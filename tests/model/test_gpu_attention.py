@@ -4,6 +4,7 @@ The kernels' arithmetic is also checked off a GPU by Triton's interpreter, where
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -43,6 +44,22 @@ def test_kernels_that_fail_in_a_step_are_not_used_again(monkeypatch):
         gpu_attention.attend_step(torch.zeros(2, 1, 12), torch.zeros(1, 4), torch.zeros(1, 4), k, k.clone(),
                                   torch.zeros(1, 9, 4), torch.tensor([0, 3]), 0.5)
     assert not gpu_attention.usable()
+
+
+def test_a_failed_trial_at_load_only_declines_that_shape(monkeypatch, caplog):
+    """A trial whose kernels fail says so and answers False, without turning the kernels off for the process as
+    a failure inside a step does (run off a GPU: the trial's device switch is made a no-op)."""
+    class Broken:
+        def __getattr__(self, name):
+            raise RuntimeError("no compiler for this variant")
+
+    monkeypatch.setattr(gpu_attention, "_failed", [])
+    monkeypatch.setattr(gpu_attention, "_kernels", lambda: Broken())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    with caplog.at_level("WARNING", logger="model.gpu_attention"):
+        assert not gpu_attention._runs.__wrapped__(torch.device("cpu"), torch.float32, 2, 4, 8)
+    assert "no compiler" in caplog.text and "in a step" not in caplog.text
+    assert gpu_attention.usable()
 
 
 def _sessions(decoder: Decoder, lengths: list[int]) -> SlotTable:

@@ -21,14 +21,16 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_threads() -> int:
-    """Half the usable cores, shared among the processes torchrun started on this machine."""
-    return max(1, usable_cores() // 2 // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+def default_threads(processes: int | None = None) -> int:
+    """Half the usable cores, shared among ``processes`` (a server's ``--workers``; by default the processes
+    torchrun started on this machine)."""
+    share = processes or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, usable_cores() // 2 // share)
 
 
-def set_threads(threads: int | None) -> int:
-    """Set torch's intra-op threads (``None``: the default above); returns the number in force."""
-    n = default_threads() if threads is None else threads
+def set_threads(threads: int | None, processes: int | None = None) -> int:
+    """Set torch's intra-op threads (``None``: :func:`default_threads` of ``processes``); the number in force."""
+    n = default_threads(processes) if threads is None else threads
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
     torch.set_num_threads(n)

@@ -308,7 +308,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     import logging
 
     from model.bundled import resolve_checkpoint
-    from server.listen import bind
+    from server.listen import REUSE_PORT, bind, claim_port
     from server.settings import Settings
 
     overrides = {k: getattr(ns, k) for k in Settings.__dataclass_fields__ if getattr(ns, k, None) is not None}
@@ -317,16 +317,25 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             overrides[name] = tuple(overrides[name])
     settings = Settings.from_env(**overrides)
     # a bad setting, a port in use or a missing checkpoint is one line at once, before torch is imported
-    sock = bind(settings.host, settings.port)
+    group = settings.workers > 1 and REUSE_PORT  # each worker listens on a socket of its own (server.workers)
+    sock = bind(settings.host, settings.port, group=group, listen=not group)
+    claim = None
     try:
+        claim = claim_port(settings.host, sock.getsockname()[1]) if group else None
         resolve_checkpoint(settings.checkpoint)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if settings.workers > 1:  # this process supervises; each worker loads the model
+            from server.workers import serve_workers
+
+            return serve_workers(settings, sock)
         from server.serve import serve
 
         return serve(settings, sock)
     finally:
         sock.close()
+        if claim is not None:
+            claim.close()
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:

@@ -4,22 +4,48 @@ so a port in use is one line at once rather than after the model loads."""
 from __future__ import annotations
 
 import socket
+import sys
 
 from txlserve.errors import ConfigError
 
+REUSE_PORT = hasattr(socket, "SO_REUSEPORT") and sys.platform == "linux"  # where the kernel spreads connections
 
-def bind(host: str, port: int) -> socket.socket:
+
+def bind(host: str, port: int, *, group: bool = False, listen: bool = True) -> socket.socket:
     """The listening socket, bound before the model loads. Its protocol is named (IPPROTO_TCP, not 0): asyncio
     turns Nagle's algorithm off only on connections accepted from such a socket, and with it on, every response
-    after the first on a kept-alive connection waited ~40 ms for the client's delayed ACK."""
+    after the first on a kept-alive connection waited ~40 ms for the client's delayed ACK.
+
+    ``group``: one of several sockets on the port (``SO_REUSEPORT``, Linux), each worker's own, among which the
+    kernel spreads new connections evenly; ``listen=False`` holds the port for the group without taking any
+    (the supervisor's). One shared socket instead let the worker that woke first take a whole burst of
+    connections: libuv accepts until none is left."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if group:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err} (choose another --port)") from None
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.set_inheritable(True)
+    return sock
+
+
+def claim_port(host: str, port: int) -> socket.socket:
+    """A Linux abstract unix socket named after ``host:port``, held by a supervisor of ``--workers`` while it
+    runs: the sockets of a group share their port with any process of the same user that asks as they do, so
+    without it a second ``txlserve serve --workers`` on the port would join the first's group and take some
+    of its connections rather than fail as a port in use does. The kernel drops it when the process exits."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(f"\0txlserve-workers-{host}-{port}")
+    except OSError:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: another txlserve serve --workers is using it (choose "
+                          "another --port)") from None
     return sock

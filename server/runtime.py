@@ -38,6 +38,7 @@ class Runtime:
     closed: bool = False
     runs: set = field(default_factory=set)  # in-flight request runs, awaited at shutdown
     cpu_latency: CpuLatencyQos = field(default_factory=lambda: CpuLatencyQos(None))  # held while runs run
+    worker: int | None = None  # this process's index among --workers (server.workers); None: the only one
     _draining: asyncio.Task | None = field(default=None, repr=False)
     sweeper: asyncio.Task | None = field(default=None, repr=False)
 

@@ -94,16 +94,16 @@ def freeze_startup_objects() -> int:
     return gc.get_freeze_count()
 
 
-def serve(settings: Settings, sock: socket.socket) -> int:
+def serve(settings: Settings, sock: socket.socket, worker: int | None = None) -> int:
     """Run the server until it is stopped, on ``sock``, bound by the caller before anything heavy was imported
-    (``server.listen``); the caller closes it."""
-    set_threads(settings.threads)
+    (``server.listen``); the caller closes it. ``worker``: this process's index among ``--workers``."""
+    set_threads(settings.threads, processes=settings.workers)  # each worker its share of the cores
     # The engine thread, back from a decode step (which runs without the GIL), waits for the interpreter while
     # the event loop holds it, up to Python's 5 ms switch interval: 1.6-2.0 ms a step at 64 streams on the bundled
     # checkpoint, 0.5-1.1 ms at 0.5 (BENCHMARKS.md, "Where 64 streams lose now").
     sys.setswitchinterval(settings.switch_interval_ms / 1000)
     protocol = protocol_class(settings.body_timeout_s, settings.http)  # a missing parser fails before the load
-    return runner(settings.loop)(_serve(settings, sock, protocol))
+    return runner(settings.loop)(_serve(settings, sock, protocol, worker))
 
 
 def runner(loop: str) -> Callable[[Coroutine[Any, Any, int]], int]:
@@ -121,8 +121,9 @@ def runner(loop: str) -> Callable[[Coroutine[Any, Any, int]], int]:
     return asyncio.run
 
 
-async def _serve(settings: Settings, sock: socket.socket, protocol: type) -> int:
+async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker: int | None) -> int:
     rt = await open_runtime(settings)  # a bad checkpoint or unreachable Redis stops here, as one TxlError
+    rt.worker = worker
     app = build_app(settings, runtime=rt)
     freeze_startup_objects()
     # uvicorn's own deadline comes after ours, so cancelled streams can still say goodbye

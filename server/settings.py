@@ -34,8 +34,13 @@ class Settings:
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = _opt("auto", "weights and memory dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, "
                               "bfloat16, float16")
-    threads: int | None = _opt(None, "torch CPU threads (default: half the usable cores, at least 1: more "
-                                     "threads collapse when other processes share the cores)")
+    threads: int | None = _opt(None, "torch CPU threads of each worker (default: half the usable cores shared among "
+                                     "the workers, at least 1: more threads collapse when other processes share "
+                                     "the cores)")
+    workers: int = _opt(1, "server processes sharing the port and the store, each with its own engine, event loop "
+                           "and hot sessions (as uvicorn's --workers): for a host where one process's event loop "
+                           "runs out before its engine, as on a GPU; a session moves between them through Redis. "
+                           "--hot-cache-mb and --batch-mb are per worker; /metrics answers for one worker")
     mem_len: int | None = _opt(None, "attention window at inference (default: the checkpoint's)")
     clamp_len: int | None = _opt(None, "largest relative distance (default: the checkpoint's)")
     redis_url: str | None = _opt(None, "redis://, rediss:// or unix:// URL, or redis+cluster://host:port "
@@ -112,7 +117,7 @@ class Settings:
                                   f"{getattr(self, name)!r}")
         for name in ("max_batch", "batch_mb", "max_queue", "max_tokens_limit", "prefill_chunk", "max_prompt_bytes",
                      "max_append_bytes", "max_body_bytes", "max_stop_bytes", "lease_ttl_ms", "mem_len",
-                     "stream_interval"):
+                     "stream_interval", "workers"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
         if not 0 <= self.port <= 65535:

@@ -28,7 +28,10 @@ async def ready(request: Request) -> Response:
         await rt.store.ping()
     except StoreUnavailable as err:
         return JSONResponse(error_body(f"not ready: {err}", "service_unavailable_error", None, err.code), 503)
-    return JSONResponse({"status": "ready", "model": rt.settings.model_name})
+    body = {"status": "ready", "model": rt.settings.model_name}
+    if rt.worker is not None:  # which of the --workers answered (each connection stays with one)
+        body["worker"] = rt.worker
+    return JSONResponse(body)
 
 
 @router.get("/metrics")

@@ -1,0 +1,218 @@
+"""``txlserve serve --workers N``: N server processes on one port, sharing one store.
+
+One process's event loop streams ~16,000 tokens/s at most (BENCHMARKS.md, "Fifth lease"): on a GPU the bundled
+model's engine alone makes ~170,000 at batch 64, so one process serves a tenth of it. Workers are uvicorn's and
+gunicorn's answer (``--workers``): each worker is a whole server (its engine, its event loop, its hot sessions)
+and they share the store as replicas behind a load balancer do, so a session moves between them through Redis
+under its lease and compare-and-set commits, and a hot copy in one worker is never used once another committed
+a newer version (hot sessions are keyed by version).
+
+The supervisor (this module, in the process ``txlserve serve`` started) holds the port, starts the embedded
+Redis when no ``--redis-url`` is given (so that it outlives every worker and stops after the last), spawns the
+workers, each with a listening socket of its own in the port's ``SO_REUSEPORT`` group (one shared socket where
+there is none) and its settings, and passes SIGTERM and SIGINT on to them. A worker that exits on
+its own stops the rest, and the supervisor exits non-zero, as vLLM's API server does when its engine dies: an
+orchestrator restarts the whole server. A worker whose supervisor dies drains and exits (its stdin, the
+supervisor's pipe, reaches its end).
+
+Each connection stays with the worker that accepted it; the kernel spreads new connections over the workers'
+sockets by their addresses.
+``/metrics``, ``/ready`` and ``/health`` answer for the worker that got the connection."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from types import FrameType
+
+from server.listen import REUSE_PORT, bind
+from server.settings import Settings
+from txlserve.errors import ConfigError, TxlError
+
+log = logging.getLogger("txlserve")
+
+STOP_MARGIN_S = 15.0  # beyond a worker's own drain (shutdown_timeout_s), before it is killed
+
+
+def worker_settings(settings: Settings, redis_url: str | None) -> dict:
+    """The settings a worker runs with, as JSON: the supervisor's, on the shared Redis."""
+    return asdict(settings.replace(redis_url=redis_url or settings.redis_url))
+
+
+def serve_workers(settings: Settings, sock: socket.socket) -> int:
+    """Supervise ``settings.workers`` workers on ``sock`` until they stop; the exit status."""
+    from memory_store.embedded import EmbeddedRedis
+
+    embedded = None if settings.redis_url else EmbeddedRedis(settings.data_dir)
+    if embedded is not None:
+        embedded.start()  # the workers join it; it stops when this process does, after them
+    try:
+        return _Supervisor(settings, sock, embedded.url if embedded else None).run()
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+class _Supervisor:
+    def __init__(self, settings: Settings, sock: socket.socket, redis_url: str | None) -> None:
+        self.settings, self.sock = settings, sock
+        self.config = json.dumps(worker_settings(settings, redis_url)).encode() + b"\n"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.stopping = threading.Event()
+        self.signalled: set[int] = set()  # workers already asked to stop
+
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for index in range(self.settings.workers):
+                if not self.stopping.is_set():
+                    self.procs.append(self._spawn(index))
+            if not self.procs:  # stopped before the first started
+                return 0
+            log.info("started %d workers on %s:%d (pids %s)", len(self.procs), *self.sock.getsockname()[:2],
+                     ", ".join(str(p.pid) for p in self.procs))
+            index, code = self._wait_first_exit()
+            if not self.stopping.is_set():
+                log.error("worker %d (pid %d) exited with status %s; stopping the others", index,
+                          self.procs[index].pid, code)
+                self._stop_all()
+                return code if code > 0 else 1  # a worker's own status (2: its one-line error), else 1
+            self._stop_all()
+            clean = (0, -signal.SIGTERM, 130)  # uvicorn raises the signal it stopped on again once it has drained
+            return 0 if all(p.returncode in clean for p in self.procs) else 1
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._stop_all()
+
+    def _spawn(self, index: int) -> subprocess.Popen[bytes]:
+        own = None
+        if REUSE_PORT:  # a listening socket of its own in the port's group: the kernel spreads connections
+            own = bind(*self.sock.getsockname()[:2], group=True)
+        fd = (own or self.sock).fileno()
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "server.workers", str(fd), str(index)],
+                                    stdin=subprocess.PIPE, pass_fds=(fd,),
+                                    start_new_session=True)  # Ctrl-C reaches this process only
+        finally:
+            if own is not None:  # the worker has its copy
+                own.close()
+        assert proc.stdin is not None
+        proc.stdin.write(self.config)  # never on a command line or in the environment: it may hold API keys
+        proc.stdin.flush()  # and kept open: the worker drains and exits when it reaches its end (we died)
+        return proc
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        """Pass the signal on, as if each worker were the one server: SIGTERM or a first Ctrl-C drains, a second
+        Ctrl-C stops without waiting (uvicorn's rule)."""
+        if not self.stopping.is_set():
+            log.info("stopping %d workers (%s)", len(self.procs), signal.Signals(sig).name)
+        self.stopping.set()
+        for proc in self.procs:
+            self._signal(proc, sig)
+
+    def _signal(self, proc: subprocess.Popen[bytes], sig: int) -> None:
+        self.signalled.add(proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+
+    def _wait_first_exit(self) -> tuple[int, int]:
+        """Block until a worker exits: its index and status."""
+        fds = {}
+        if hasattr(os, "pidfd_open"):
+            for i, proc in enumerate(self.procs):
+                with contextlib.suppress(OSError):
+                    fds[os.pidfd_open(proc.pid)] = i
+        try:
+            while True:
+                for i, proc in enumerate(self.procs):
+                    if proc.poll() is not None:
+                        return i, proc.returncode
+                if fds:
+                    select.select(list(fds), [], [], 5.0)  # a pidfd turns readable when its process exits
+                else:
+                    time.sleep(0.2)  # no pidfds (not Linux): look again shortly
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _stop_all(self) -> None:
+        """SIGTERM every live worker (each drains its requests), wait for them, then kill what is left."""
+        live = [p for p in self.procs if p.poll() is None]
+        for proc in live:
+            if proc.pid not in self.signalled:  # a second SIGTERM would make it drain no faster
+                self._signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.shutdown_timeout_s + STOP_MARGIN_S
+        for proc in live:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker pid %d did not stop within %.0f s; killing it", proc.pid,
+                            self.settings.shutdown_timeout_s + STOP_MARGIN_S)
+                proc.kill()
+                proc.wait()
+        for proc in self.procs:
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+
+
+def _read_settings(fd: int) -> Settings:
+    """The supervisor's one JSON line, read from the descriptor itself: a buffered ``sys.stdin`` that a thread
+    still blocks in aborts the interpreter at exit."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(fd, 1)
+        if not chunk:
+            raise ConfigError("a worker's settings ended early: start workers with txlserve serve --workers N")
+        line += chunk
+    values = json.loads(line)
+    for name in ("api_keys", "cors_origins"):
+        values[name] = tuple(values[name])
+    return Settings(**values)
+
+
+def _watch_supervisor(fd: int) -> None:
+    """Drain and exit once the supervisor is gone (its pipe at its end), even if it was killed."""
+    def watch() -> None:
+        while os.read(fd, 4096):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful exit, as the supervisor would ask
+
+    threading.Thread(target=watch, name="txlserve-supervisor-watch", daemon=True).start()
+
+
+def main(argv: list[str]) -> int:
+    """A worker: ``python -m server.workers FD INDEX``, its settings as one JSON line on stdin."""
+    fd, index = int(argv[0]), int(argv[1])
+    sock = None
+    try:
+        settings = _read_settings(sys.stdin.fileno())
+        sock = socket.socket(fileno=fd)
+        logging.basicConfig(level=settings.log_level.upper(),
+                            format=f"%(asctime)s %(levelname)s %(name)s [worker {index}]: %(message)s")
+        _watch_supervisor(sys.stdin.fileno())
+        from server.serve import serve
+
+        return serve(settings, sock, worker=index)
+    except (TxlError, OSError) as err:  # a bad checkpoint, an unreachable Redis: one line, as `txlserve serve`
+        print(f"txlserve: error: [worker {index}] {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if sock is not None:
+            sock.close()
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,170 @@
+"""`txlserve serve --workers N`: real server processes on one port, sharing one store (server.workers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.live import MODEL, LiveServer
+
+WORKERS = ("--workers", "2", "--threads", "1")
+
+
+def _children(pid: int) -> set[int]:
+    """The live processes whose parent is ``pid`` (from /proc: no psutil)."""
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.add(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+
+
+def _gone_within(pids: set[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.05)  # bounded by the deadline
+    return False
+
+
+def _workers_of(srv: LiveServer, timeout: float = 30) -> set[int]:
+    """The worker pids of ``srv``'s supervisor, once all have started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = {p for p in _children(srv.proc.pid) if "server.workers" in Path(f"/proc/{p}/cmdline").read_text()}
+        if len(pids) == 2:
+            return pids
+        time.sleep(0.05)
+    raise AssertionError(f"the supervisor's workers: {_children(srv.proc.pid)}")
+
+
+def _answered_by(url: str, path: str, timeout: float = 60) -> set[int]:
+    """Ask ``path`` on fresh connections until both workers have answered (each connection stays with the one
+    that accepted it, and the kernel hands new ones to either)."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(seen) < 2 and time.monotonic() < deadline:
+        seen.add(httpx.get(url + path, timeout=10).json()["worker"])
+    return seen
+
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+
+
+def test_workers_share_the_port_the_sessions_and_the_embedded_redis(checkpoint: Path, tmp_path: Path):
+    srv = LiveServer(checkpoint, redis_url=None, data_dir=tmp_path / "data", args=WORKERS).start(timeout=120)
+    try:
+        workers = _workers_of(srv)
+        assert _answered_by(srv.url, "/ready") == {0, 1}
+        sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Once"}, timeout=30).json()["id"]
+        seen, texts = 4, []
+        for i in range(60):  # each request on a new connection: the session goes from worker to worker
+            r = httpx.post(srv.url + "/v1/completions", timeout=30, json={
+                "model": MODEL, "prompt": " and", "max_tokens": 3, "temperature": 0, "session_id": sid})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            seen += 4 + body["usage"]["completion_tokens"]
+            assert body["session"]["tokens_seen"] == seen  # no request lost or repeated another's tokens
+            texts.append(body["choices"][0]["text"])
+            served = {w for w in (0, 1) for line in srv.log.read_text().splitlines()
+                      if f"[worker {w}]" in line and "/v1/completions" in line and sid in line}
+            if served == {0, 1} and i >= 3:
+                break
+        assert served == {0, 1}, "one worker served every continuation"
+        info = httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=30).json()
+        assert info["tokens_seen"] == seen
+        redis_pid = int((tmp_path / "data" / "redis.pid").read_text())
+        assert srv.terminate(timeout=60) == 0
+        assert _gone_within(workers | {redis_pid}, 30), "a worker or the embedded Redis outlived the supervisor"
+    finally:
+        srv.stop()
+
+
+def test_ctrl_c_drains_every_worker_and_a_second_server_cannot_join_the_port(checkpoint: Path, redis_url: str,
+                                                                               tmp_path: Path):
+    import subprocess
+    import sys
+
+    from tests.live import REPO
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=WORKERS).start(timeout=120)
+    try:
+        workers = _workers_of(srv)
+        assert _answered_by(srv.url, "/ready") == {0, 1}
+        for extra in (WORKERS, ()):  # a second supervisor, or one server, on the same port: refused at once
+            r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", str(srv.port), "--checkpoint",
+                                str(checkpoint), "--data-dir", str(tmp_path / "other"), *extra], cwd=REPO,
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and "cannot listen" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(60) == 0
+        assert _gone_within(workers, 30)
+        assert srv.log.read_text().count("Finished server process") == 2
+    finally:
+        srv.stop()
+
+
+def test_a_worker_that_dies_stops_the_server(checkpoint: Path, redis_url: str, tmp_path: Path):
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=WORKERS).start(timeout=120)
+    try:
+        first, *rest = sorted(_workers_of(srv))
+        assert _answered_by(srv.url, "/ready") == {0, 1}
+        os.kill(first, signal.SIGKILL)
+        assert srv.proc.wait(60) == 1
+        assert _gone_within(set(rest), 30)
+        assert "exited with status -9; stopping the others" in srv.log.read_text()
+    finally:
+        srv.stop()
+
+
+def test_workers_drain_and_exit_when_their_supervisor_is_killed(checkpoint: Path, redis_url: str, tmp_path: Path):
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=WORKERS).start(timeout=120)
+    workers = _workers_of(srv)
+    assert _answered_by(srv.url, "/ready") == {0, 1}  # both serving: a worker still loading has nothing to drain
+    srv.kill()
+    assert _gone_within(workers, 60), "orphaned workers kept serving"
+    assert srv.log.read_text().count("Finished server process") == 2  # each drained (uvicorn's last line)
+
+
+def test_a_worker_refuses_settings_not_from_a_supervisor():
+    import subprocess
+    import sys
+
+    from tests.live import REPO
+    r = subprocess.run([sys.executable, "-m", "server.workers", "0", "0"], cwd=REPO, input=b"", capture_output=True,
+                       timeout=60)
+    assert r.returncode == 2 and b"Traceback" not in r.stderr, r.stderr
+    assert b"--workers" in r.stderr
+
+
+def test_each_worker_gets_its_share_of_the_cores():
+    from model.threads import default_threads, usable_cores
+
+    assert default_threads(processes=2) == max(1, usable_cores() // 2 // 2)
+    from server.settings import Settings
+    from txlserve.errors import ConfigError
+    with pytest.raises(ConfigError, match="workers"):
+        Settings(workers=0)
+
+
+def test_a_lone_server_names_no_worker(server: LiveServer):
+    assert httpx.get(server.url + "/ready", timeout=30).json() == {"status": "ready", "model": MODEL}

@@ -321,7 +321,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     sock = bind(settings.host, settings.port, group=group, listen=not group)
     claim = None
     try:
-        claim = claim_port(settings.host, sock.getsockname()[1]) if group else None
+        claim = claim_port(sock.getsockname()[1]) if group else None
         resolve_checkpoint(settings.checkpoint)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -9,6 +9,7 @@ import sys
 from txlserve.errors import ConfigError
 
 REUSE_PORT = hasattr(socket, "SO_REUSEPORT") and sys.platform == "linux"  # where the kernel spreads connections
+BACKLOG = 2048
 
 
 def bind(host: str, port: int, *, group: bool = False, listen: bool = True) -> socket.socket:
@@ -18,8 +19,8 @@ def bind(host: str, port: int, *, group: bool = False, listen: bool = True) -> s
 
     ``group``: one of several sockets on the port (``SO_REUSEPORT``, Linux), each worker's own, among which the
     kernel spreads new connections evenly; ``listen=False`` holds the port for the group without taking any
-    (the supervisor's). One shared socket instead let the worker that woke first take a whole burst of
-    connections: libuv accepts until none is left."""
+    (the supervisor's, and a worker's until it can serve: :func:`start_listening`). One shared socket instead let
+    the worker that woke first take a whole burst of connections: libuv accepts until none is left."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -31,21 +32,29 @@ def bind(host: str, port: int, *, group: bool = False, listen: bool = True) -> s
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err} (choose another --port)") from None
     if listen:
-        sock.listen(2048)
+        sock.listen(BACKLOG)
     sock.set_inheritable(True)
     return sock
 
 
-def claim_port(host: str, port: int) -> socket.socket:
-    """A Linux abstract unix socket named after ``host:port``, held by a supervisor of ``--workers`` while it
-    runs: the sockets of a group share their port with any process of the same user that asks as they do, so
-    without it a second ``txlserve serve --workers`` on the port would join the first's group and take some
-    of its connections rather than fail as a port in use does. The kernel drops it when the process exits."""
+def start_listening(sock: socket.socket) -> None:
+    """Take connections from now on: a worker's socket in the port's group joins the kernel's share of
+    connections only once the worker can serve them (a loading worker would hold its share unanswered while
+    another's /ready says 200). On a socket already listening it only sets the backlog again."""
+    sock.listen(BACKLOG)
+
+
+def claim_port(port: int) -> socket.socket:
+    """A Linux abstract unix socket named after ``port``, held by a supervisor of ``--workers`` while it runs: the
+    sockets of a group share their port with any process of the same user that asks as they do, so without it a
+    second ``txlserve serve --workers`` on the port would join the first's group and take some of its connections
+    rather than fail as a port in use does. Named after the port alone: ``localhost`` and ``127.0.0.1`` are one
+    address. The kernel drops it when the process exits."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(f"\0txlserve-workers-{host}-{port}")
+        sock.bind(f"\0txlserve-workers-port-{port}")
     except OSError:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: another txlserve serve --workers is using it (choose "
+        raise ConfigError(f"cannot listen on port {port}: another txlserve serve --workers is using it (choose "
                           "another --port)") from None
     return sock

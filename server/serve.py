@@ -23,6 +23,7 @@ import uvicorn
 from model.threads import set_threads
 from server.app import build_app
 from server.http_protocol import MAX_HEAD_BYTES, protocol_class
+from server.listen import start_listening
 from server.runtime import close_runtime, open_runtime
 from server.settings import Settings
 from txlserve.errors import ConfigError
@@ -97,7 +98,7 @@ def freeze_startup_objects() -> int:
 def serve(settings: Settings, sock: socket.socket, worker: int | None = None) -> int:
     """Run the server until it is stopped, on ``sock``, bound by the caller before anything heavy was imported
     (``server.listen``); the caller closes it. ``worker``: this process's index among ``--workers``."""
-    set_threads(settings.threads, processes=settings.workers)  # each worker its share of the cores
+    set_threads(settings.threads, processes=settings.workers if settings.workers > 1 else None)  # a worker's share
     # The engine thread, back from a decode step (which runs without the GIL), waits for the interpreter while
     # the event loop holds it, up to Python's 5 ms switch interval: 1.6-2.0 ms a step at 64 streams on the bundled
     # checkpoint, 0.5-1.1 ms at 0.5 (BENCHMARKS.md, "Where 64 streams lose now").
@@ -124,6 +125,7 @@ def runner(loop: str) -> Callable[[Coroutine[Any, Any, int]], int]:
 async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker: int | None) -> int:
     rt = await open_runtime(settings)  # a bad checkpoint or unreachable Redis stops here, as one TxlError
     rt.worker = worker
+    start_listening(sock)  # a worker's socket takes connections once it can serve them (server.listen)
     app = build_app(settings, runtime=rt)
     freeze_startup_objects()
     # uvicorn's own deadline comes after ours, so cancelled streams can still say goodbye

@@ -34,9 +34,9 @@ class Settings:
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = _opt("auto", "weights and memory dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, "
                               "bfloat16, float16")
-    threads: int | None = _opt(None, "torch CPU threads of each worker (default: half the usable cores shared among "
-                                     "the workers, at least 1: more threads collapse when other processes share "
-                                     "the cores)")
+    threads: int | None = _opt(None, "torch CPU threads of each worker (default: half the usable cores divided "
+                                     "among the workers, at least 1 each: more threads collapse when other "
+                                     "processes share the cores)")
     workers: int = _opt(1, "server processes sharing the port and the store, each with its own engine, event loop "
                            "and hot sessions (as uvicorn's --workers): for a host where one process's event loop "
                            "runs out before its engine, as on a GPU; a session moves between them through Redis. "

@@ -32,8 +32,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
+from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from server.listen import REUSE_PORT, bind
 from server.settings import Settings
@@ -42,75 +45,91 @@ from txlserve.errors import ConfigError, TxlError
 log = logging.getLogger("txlserve")
 
 STOP_MARGIN_S = 15.0  # beyond a worker's own drain (shutdown_timeout_s), before it is killed
+ROOT = Path(__file__).resolve().parents[1]  # the folder holding this ``server`` package
+# a worker imports the supervisor's own code: ``python -m`` would put the current directory first on its path,
+# where a folder named ``server`` or ``model`` would replace ours in the workers alone
+WORKER = f"import sys; sys.path[0] = {str(ROOT)!r}; from server.workers import main; sys.exit(main(sys.argv[1:]))"
 
 
-def worker_settings(settings: Settings, redis_url: str | None) -> dict:
-    """The settings a worker runs with, as JSON: the supervisor's, on the shared Redis."""
+def worker_settings(settings: Settings, redis_url: str | None) -> dict[str, Any]:
+    """As JSON, for the worker's stdin: the supervisor's settings, on the Redis it started for them all."""
     return asdict(settings.replace(redis_url=redis_url or settings.redis_url))
 
 
 def serve_workers(settings: Settings, sock: socket.socket) -> int:
-    """Supervise ``settings.workers`` workers on ``sock`` until they stop; the exit status."""
+    """Supervise ``settings.workers`` workers on ``sock`` (the port, held) until they stop; the exit status.
+    The signal handlers cover the embedded Redis's start and stop too: a SIGTERM then must not orphan it."""
     from memory_store.embedded import EmbeddedRedis
 
-    embedded = None if settings.redis_url else EmbeddedRedis(settings.data_dir)
-    if embedded is not None:
-        embedded.start()  # the workers join it; it stops when this process does, after them
-    try:
-        return _Supervisor(settings, sock, embedded.url if embedded else None).run()
-    finally:
-        if embedded is not None:
-            embedded.stop()
+    supervisor = _Supervisor(settings, sock)
+    with supervisor.handling_signals():
+        embedded = None if settings.redis_url else EmbeddedRedis(settings.data_dir)
+        try:
+            if embedded is not None:
+                embedded.start()  # the workers join it; it stops after them
+            return supervisor.run(embedded.url if embedded else None)
+        finally:
+            supervisor.stop_all()
+            if embedded is not None:
+                embedded.stop()
 
 
 class _Supervisor:
-    def __init__(self, settings: Settings, sock: socket.socket, redis_url: str | None) -> None:
+    def __init__(self, settings: Settings, sock: socket.socket) -> None:
         self.settings, self.sock = settings, sock
-        self.config = json.dumps(worker_settings(settings, redis_url)).encode() + b"\n"
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stopping = threading.Event()
         self.signalled: set[int] = set()  # workers already asked to stop
 
-    def run(self) -> int:
+    @contextlib.contextmanager
+    def handling_signals(self) -> Iterator[None]:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            for index in range(self.settings.workers):
-                if not self.stopping.is_set():
-                    self.procs.append(self._spawn(index))
-            if not self.procs:  # stopped before the first started
-                return 0
-            log.info("started %d workers on %s:%d (pids %s)", len(self.procs), *self.sock.getsockname()[:2],
-                     ", ".join(str(p.pid) for p in self.procs))
-            index, code = self._wait_first_exit()
-            if not self.stopping.is_set():
-                log.error("worker %d (pid %d) exited with status %s; stopping the others", index,
-                          self.procs[index].pid, code)
-                self._stop_all()
-                return code if code > 0 else 1  # a worker's own status (2: its one-line error), else 1
-            self._stop_all()
-            clean = (0, -signal.SIGTERM, 130)  # uvicorn raises the signal it stopped on again once it has drained
-            return 0 if all(p.returncode in clean for p in self.procs) else 1
+            yield
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            self._stop_all()
 
-    def _spawn(self, index: int) -> subprocess.Popen[bytes]:
+    def run(self, redis_url: str | None) -> int:
+        config = json.dumps(worker_settings(self.settings, redis_url)).encode() + b"\n"
+        for index in range(self.settings.workers):
+            if not self.stopping.is_set():
+                self._spawn(index, config)
+        for proc in self.procs:  # a signal that came while one was starting did not reach it
+            if self.stopping.is_set() and proc.pid not in self.signalled:
+                self._signal(proc, signal.SIGTERM)
+        if not self.procs:  # stopped before the first started
+            return 0
+        log.info("started %d workers on port %d (pids %s)", len(self.procs), self.sock.getsockname()[1],
+                 ", ".join(str(p.pid) for p in self.procs))
+        index, code = self._wait_first_exit()
+        if not self.stopping.is_set():
+            log.error("worker %d (pid %d) exited with status %s; stopping the others", index, self.procs[index].pid,
+                      code)
+            self.stop_all()
+            return code if code > 0 else 1  # a worker's own status (2: its one-line error), else 1
+        self.stop_all()
+        clean = (0, -signal.SIGTERM, 130)  # uvicorn raises the signal it stopped on again once it has drained
+        return 0 if all(p.returncode in clean for p in self.procs) else 1
+
+    def _spawn(self, index: int, config: bytes) -> None:
         own = None
-        if REUSE_PORT:  # a listening socket of its own in the port's group: the kernel spreads connections
-            own = bind(*self.sock.getsockname()[:2], group=True)
+        if REUSE_PORT:  # a socket of its own in the port's group, listened on once the worker can serve
+            own = bind(self.settings.host, self.sock.getsockname()[1], group=True, listen=False)
         fd = (own or self.sock).fileno()
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "server.workers", str(fd), str(index)],
-                                    stdin=subprocess.PIPE, pass_fds=(fd,),
-                                    start_new_session=True)  # Ctrl-C reaches this process only
+            proc = subprocess.Popen([sys.executable, "-c", WORKER, str(fd), str(index)], stdin=subprocess.PIPE,
+                                    pass_fds=(fd,), start_new_session=True)  # Ctrl-C reaches this process only
         finally:
             if own is not None:  # the worker has its copy
                 own.close()
+        self.procs.append(proc)
         assert proc.stdin is not None
-        proc.stdin.write(self.config)  # never on a command line or in the environment: it may hold API keys
-        proc.stdin.flush()  # and kept open: the worker drains and exits when it reaches its end (we died)
-        return proc
+        try:
+            proc.stdin.write(config)  # never on a command line or in the environment: it may hold API keys
+            proc.stdin.flush()  # and kept open: the worker drains and exits when it reaches its end (we died)
+        except BrokenPipeError:  # it died at once; waiting for it says how
+            pass
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         """Pass the signal on, as if each worker were the one server: SIGTERM or a first Ctrl-C drains, a second
@@ -127,7 +146,7 @@ class _Supervisor:
             proc.send_signal(sig)
 
     def _wait_first_exit(self) -> tuple[int, int]:
-        """Block until a worker exits: its index and status."""
+        """Block until a worker exits, on pidfds where the kernel has them (no polling); its index and status."""
         fds = {}
         if hasattr(os, "pidfd_open"):
             for i, proc in enumerate(self.procs):
@@ -146,8 +165,9 @@ class _Supervisor:
             for fd in fds:
                 os.close(fd)
 
-    def _stop_all(self) -> None:
-        """SIGTERM every live worker (each drains its requests), wait for them, then kill what is left."""
+    def stop_all(self) -> None:
+        """SIGTERM every live worker not yet asked (each drains its requests), wait for them, then kill what is
+        left: every worker is reaped before the embedded Redis stops."""
         live = [p for p in self.procs if p.poll() is None]
         for proc in live:
             if proc.pid not in self.signalled:  # a second SIGTERM would make it drain no faster
@@ -193,7 +213,7 @@ def _watch_supervisor(fd: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """A worker: ``python -m server.workers FD INDEX``, its settings as one JSON line on stdin."""
+    """A worker (:data:`WORKER`, arguments FD INDEX), its settings as one JSON line on stdin."""
     fd, index = int(argv[0]), int(argv[1])
     sock = None
     try:
@@ -207,6 +227,10 @@ def main(argv: list[str]) -> int:
         return serve(settings, sock, worker=index)
     except (TxlError, OSError) as err:  # a bad checkpoint, an unreachable Redis: one line, as `txlserve serve`
         print(f"txlserve: error: [worker {index}] {err}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as err:  # settings that no supervisor wrote
+        print(f"txlserve: error: [worker {index}] unreadable settings ({err}): start workers with txlserve serve "
+              "--workers N", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -51,7 +51,13 @@ def _workers_of(srv: LiveServer, timeout: float = 30) -> set[int]:
     """The worker pids of ``srv``'s supervisor, once all have started."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pids = {p for p in _children(srv.proc.pid) if "server.workers" in Path(f"/proc/{p}/cmdline").read_text()}
+        pids = set()
+        for p in _children(srv.proc.pid):
+            try:
+                if "server.workers" in Path(f"/proc/{p}/cmdline").read_text():
+                    pids.add(p)
+            except OSError:  # gone meanwhile
+                pass
         if len(pids) == 2:
             return pids
         time.sleep(0.05)
@@ -64,7 +70,10 @@ def _answered_by(url: str, path: str, timeout: float = 60) -> set[int]:
     seen: set[int] = set()
     deadline = time.monotonic() + timeout
     while len(seen) < 2 and time.monotonic() < deadline:
-        seen.add(httpx.get(url + path, timeout=10).json()["worker"])
+        try:
+            seen.add(httpx.get(url + path, timeout=10).json()["worker"])
+        except httpx.HTTPError:  # refused while no worker listens yet: ask again, within the deadline
+            time.sleep(0.05)
     return seen
 
 
@@ -139,10 +148,15 @@ def test_a_worker_that_dies_stops_the_server(checkpoint: Path, redis_url: str, t
 def test_workers_drain_and_exit_when_their_supervisor_is_killed(checkpoint: Path, redis_url: str, tmp_path: Path):
     srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=WORKERS).start(timeout=120)
     workers = _workers_of(srv)
-    assert _answered_by(srv.url, "/ready") == {0, 1}  # both serving: a worker still loading has nothing to drain
-    srv.kill()
-    assert _gone_within(workers, 60), "orphaned workers kept serving"
-    assert srv.log.read_text().count("Finished server process") == 2  # each drained (uvicorn's last line)
+    try:
+        assert _answered_by(srv.url, "/ready") == {0, 1}  # both serving: a loading worker has nothing to drain
+        srv.kill()
+        assert _gone_within(workers, 60), "orphaned workers kept serving"
+        assert srv.log.read_text().count("Finished server process") == 2  # each drained (uvicorn's last line)
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_worker_refuses_settings_not_from_a_supervisor():

@@ -77,19 +77,23 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, checkpoint: str, data_dir: str, extra: list[str]) -> None:
+    def __init__(self, checkpoint: str, data_dir: str, extra: list[str], workers: int = 1) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "server.cli", "serve", "--checkpoint", checkpoint, "--port", str(self.port),
-               "--data-dir", data_dir, "--model-name", MODEL, "--log-level", "warning", *extra]
+               "--data-dir", data_dir, "--model-name", MODEL, "--log-level", "warning", "--workers", str(workers),
+               *extra]
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (the server's stderr while it runs; shown if it fails)
         self.proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
                                      stderr=self.log, env={**os.environ})
-        deadline = time.monotonic() + 120
+        deadline, ready = time.monotonic() + 120, set()
         while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(self.url + "/ready", timeout=1, trust_env=False).status_code == 200:
-                    return
+            try:  # each connection is one worker's: ask on new ones until every worker has answered
+                r = httpx.get(self.url + "/ready", timeout=1, trust_env=False)
+                if r.status_code == 200:
+                    ready.add(r.json().get("worker"))
+                    if len(ready) == workers:
+                        return
             except httpx.HTTPError:
                 time.sleep(0.2)
         code = self.proc.poll()
@@ -531,7 +535,7 @@ async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int) -> d
 def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration: float = 10, max_tokens: int = 64,
         doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
         rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0, stream_interval: int = 1,
-        cpu_latency_qos_us: int | None = None, enforce_eager: bool = False) -> dict[str, Any]:
+        cpu_latency_qos_us: int | None = None, enforce_eager: bool = False, workers: int = 1) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
     from server.cpu_latency import guest_halt_poll_ns
@@ -545,7 +549,8 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
         qos = [] if cpu_latency_qos_us is None else ["--cpu-latency-qos-us", str(cpu_latency_qos_us)]
         qos += ["--enforce-eager"] if enforce_eager else []
         server = None if url else _Server(checkpoint, data_dir, ["--device", device,
-                                                                 "--stream-interval", str(stream_interval), *qos])
+                                                                 "--stream-interval", str(stream_interval), *qos],
+                                          workers)
         target = url or server.url
         model = served_model(target)
         try:
@@ -565,7 +570,8 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                    "enforce_eager": enforce_eager,  # the engine's and the spawned server's (no CUDA graphs)
                    "server_stream_interval": None if url else stream_interval,  # a running server's: unknown
                    # the spawned server's CPU latency QoS request (a flag, or its environment), in microseconds
-                   "server_cpu_latency_qos_us": qos_us})
+                   "server_cpu_latency_qos_us": qos_us,
+                   "server_workers": None if url else workers})  # the engine alone is always one process
     return result
 
 
@@ -634,6 +640,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="the engine alone, the engine loop and the spawned server run their steps op by op (as "
                         "the server's --enforce-eager): no CUDA graphs, no traced graphs, no C kernels")
+    p.add_argument("--workers", type=_positive, default=1,
+                   help="the spawned server's --workers (its threads default to each worker's share); the engine "
+                        "alone stays one process, so with N > 1 the ratios compare N engines with one")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
 
 
@@ -644,5 +653,5 @@ def main(ns: argparse.Namespace) -> int:
                          max_tokens=ns.max_tokens, doc_kb=ns.doc_kb, url=ns.url, device=ns.device,
                          rounds=ns.rounds, random_range_ratio=ns.random_range_ratio, seed=ns.seed,
                          stream_interval=ns.stream_interval, cpu_latency_qos_us=ns.cpu_latency_qos_us,
-                         enforce_eager=ns.enforce_eager)))
+                         enforce_eager=ns.enforce_eager, workers=ns.workers)))
     return 0

@@ -129,10 +129,11 @@ def test_bench_store_json(checkpoint):
 def test_bench_serve_json(checkpoint):
     r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "1,2", "--duration", "2",
                  "--rounds", "2", "--max-tokens", "8", "--random-range-ratio", "0.5", "--doc-kb", "1",
-                 "--stream-interval", "3", timeout=180)
+                 "--stream-interval", "3", "--workers", "2", timeout=180)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [load["concurrency"] for load in out["loads"]] == [1, 2] and out["model"] == "bench-model"
+    assert out["server_workers"] == 2  # a spawned server of two workers, both answering before the load began
     assert out["stream_interval"] == out["server_stream_interval"] == 3  # the engine loop's and the server's
     assert out["rounds"] == 2 and out["random_range_ratio"] == 0.5 and out["max_tokens_range"] == [4, 12]
     for load in out["loads"]:
@@ -161,8 +162,9 @@ def test_bench_serve_json(checkpoint):
     assert out["guest_halt_poll_ns"] == (int(poll.read_text()) if poll.exists() else None)
     bad = txlserve("bench", "serve", "--rounds", "0", timeout=60)
     assert bad.returncode == 2 and "positive integer" in bad.stderr
-    bad = txlserve("bench", "serve", "--stream-interval", "0", timeout=60)
-    assert bad.returncode == 2 and "positive integer" in bad.stderr
+    for flag in ("--stream-interval", "--workers"):
+        bad = txlserve("bench", "serve", flag, "0", timeout=60)
+        assert bad.returncode == 2 and "positive integer" in bad.stderr
     for ratio in ("1", "-0.1", "x"):
         bad = txlserve("bench", "serve", "--random-range-ratio", ratio, timeout=60)
         assert bad.returncode == 2 and "expected a number in [0, 1)" in bad.stderr

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -89,3 +90,28 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families
+
+
+def merge_workers(expositions: dict[int, str]) -> bytes:
+    """One exposition of every worker's metrics (``--workers``), each sample labelled with its ``worker``: a scrape
+    reaches whichever worker took its connection, and one worker's series alone would come and go between
+    scrapes (Prometheus marks a series that a scrape lacks stale). Families appear once, as the text format
+    requires, with every worker's samples."""
+    families: dict[str, Metric] = {}
+    for worker, text in sorted(expositions.items()):
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            merged.samples.extend(s._replace(labels={**s.labels, "worker": str(worker)}) for s in family.samples)
+    registry = CollectorRegistry()
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)

@@ -39,6 +39,7 @@ class Runtime:
     runs: set = field(default_factory=set)  # in-flight request runs, awaited at shutdown
     cpu_latency: CpuLatencyQos = field(default_factory=lambda: CpuLatencyQos(None))  # held while runs run
     worker: int | None = None  # this process's index among --workers (server.workers); None: the only one
+    peers: str | None = None  # with workers: the directory of their metrics sockets (server.workers.all_metrics)
     _draining: asyncio.Task | None = field(default=None, repr=False)
     sweeper: asyncio.Task | None = field(default=None, repr=False)
 

@@ -26,6 +26,7 @@ from server.http_protocol import MAX_HEAD_BYTES, protocol_class
 from server.listen import start_listening
 from server.runtime import close_runtime, open_runtime
 from server.settings import Settings
+from server.workers import share_metrics
 from txlserve.errors import ConfigError
 
 log = logging.getLogger("txlserve")
@@ -95,16 +96,17 @@ def freeze_startup_objects() -> int:
     return gc.get_freeze_count()
 
 
-def serve(settings: Settings, sock: socket.socket, worker: int | None = None) -> int:
+def serve(settings: Settings, sock: socket.socket, worker: int | None = None, peers: str | None = None) -> int:
     """Run the server until it is stopped, on ``sock``, bound by the caller before anything heavy was imported
-    (``server.listen``); the caller closes it. ``worker``: this process's index among ``--workers``."""
+    (``server.listen``); the caller closes it. ``worker``: this process's index among ``--workers``; ``peers``:
+    the directory where the workers share their metrics."""
     set_threads(settings.threads, processes=settings.workers if settings.workers > 1 else None)  # a worker's share
     # The engine thread, back from a decode step (which runs without the GIL), waits for the interpreter while
     # the event loop holds it, up to Python's 5 ms switch interval: 1.6-2.0 ms a step at 64 streams on the bundled
     # checkpoint, 0.5-1.1 ms at 0.5 (BENCHMARKS.md, "Where 64 streams lose now").
     sys.setswitchinterval(settings.switch_interval_ms / 1000)
     protocol = protocol_class(settings.body_timeout_s, settings.http)  # a missing parser fails before the load
-    return runner(settings.loop)(_serve(settings, sock, protocol, worker))
+    return runner(settings.loop)(_serve(settings, sock, protocol, worker, peers))
 
 
 def runner(loop: str) -> Callable[[Coroutine[Any, Any, int]], int]:
@@ -122,9 +124,11 @@ def runner(loop: str) -> Callable[[Coroutine[Any, Any, int]], int]:
     return asyncio.run
 
 
-async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker: int | None) -> int:
+async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker: int | None,
+                 peers: str | None) -> int:
     rt = await open_runtime(settings)  # a bad checkpoint or unreachable Redis stops here, as one TxlError
-    rt.worker = worker
+    rt.worker, rt.peers = worker, peers
+    shared = await share_metrics(rt, peers) if peers else None  # the other workers' /metrics read this one's
     start_listening(sock)  # a worker's socket takes connections once it can serve them (server.listen)
     app = build_app(settings, runtime=rt)
     freeze_startup_objects()
@@ -142,5 +146,7 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
     try:
         await _Server(config).serve(sockets=[sock])
     finally:
+        if shared is not None:
+            shared.close()
         await close_runtime(rt)  # already closed by the app's lifespan, unless uvicorn never started it
     return 0

@@ -40,7 +40,7 @@ class Settings:
     workers: int = _opt(1, "server processes sharing the port and the store, each with its own engine, event loop "
                            "and hot sessions (as uvicorn's --workers): for a host where one process's event loop "
                            "runs out before its engine, as on a GPU; a session moves between them through Redis. "
-                           "--hot-cache-mb and --batch-mb are per worker; /metrics answers for one worker")
+                           "--hot-cache-mb and --batch-mb are per worker; /metrics labels each worker's samples")
     mem_len: int | None = _opt(None, "attention window at inference (default: the checkpoint's)")
     clamp_len: int | None = _opt(None, "largest relative distance (default: the checkpoint's)")
     redis_url: str | None = _opt(None, "redis://, rediss:// or unix:// URL, or redis+cluster://host:port "

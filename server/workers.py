@@ -16,11 +16,13 @@ orchestrator restarts the whole server. A worker whose supervisor dies drains an
 supervisor's pipe, reaches its end).
 
 Each connection stays with the worker that accepted it; the kernel spreads new connections over the workers'
-sockets by their addresses.
-``/metrics``, ``/ready`` and ``/health`` answer for the worker that got the connection."""
+sockets by their addresses. ``/ready`` and ``/health`` answer for the worker that got the connection;
+``/metrics`` for all of them: each worker shares its metrics on a unix socket in a directory of the supervisor's,
+and the one scraped reads the others' and labels every sample with its ``worker``."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -30,17 +32,22 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.listen import REUSE_PORT, bind
+from server.metrics import merge_workers
 from server.settings import Settings
 from txlserve.errors import ConfigError, TxlError
+
+if TYPE_CHECKING:
+    from server.runtime import Runtime
 
 log = logging.getLogger("txlserve")
 
@@ -62,12 +69,12 @@ def serve_workers(settings: Settings, sock: socket.socket) -> int:
     from memory_store.embedded import EmbeddedRedis
 
     supervisor = _Supervisor(settings, sock)
-    with supervisor.handling_signals():
+    with supervisor.handling_signals(), tempfile.TemporaryDirectory(prefix="txlserve-metrics-") as metrics:
         embedded = None if settings.redis_url else EmbeddedRedis(settings.data_dir)
         try:
             if embedded is not None:
                 embedded.start()  # the workers join it; it stops after them
-            return supervisor.run(embedded.url if embedded else None)
+            return supervisor.run(embedded.url if embedded else None, metrics)
         finally:
             supervisor.stop_all()
             if embedded is not None:
@@ -90,11 +97,12 @@ class _Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def run(self, redis_url: str | None) -> int:
+    def run(self, redis_url: str | None, metrics: str) -> int:
+        """Start the workers (``metrics``: the directory of their metrics sockets) and wait; the exit status."""
         config = json.dumps(worker_settings(self.settings, redis_url)).encode() + b"\n"
         for index in range(self.settings.workers):
             if not self.stopping.is_set():
-                self._spawn(index, config)
+                self._spawn(index, config, metrics)
         for proc in self.procs:  # a signal that came while one was starting did not reach it
             if self.stopping.is_set() and proc.pid not in self.signalled:
                 self._signal(proc, signal.SIGTERM)
@@ -112,14 +120,15 @@ class _Supervisor:
         clean = (0, -signal.SIGTERM, 130)  # uvicorn raises the signal it stopped on again once it has drained
         return 0 if all(p.returncode in clean for p in self.procs) else 1
 
-    def _spawn(self, index: int, config: bytes) -> None:
+    def _spawn(self, index: int, config: bytes, metrics: str) -> None:
         own = None
         if REUSE_PORT:  # a socket of its own in the port's group, listened on once the worker can serve
             own = bind(self.settings.host, self.sock.getsockname()[1], group=True, listen=False)
         fd = (own or self.sock).fileno()
         try:
-            proc = subprocess.Popen([sys.executable, "-c", WORKER, str(fd), str(index)], stdin=subprocess.PIPE,
-                                    pass_fds=(fd,), start_new_session=True)  # Ctrl-C reaches this process only
+            proc = subprocess.Popen([sys.executable, "-c", WORKER, str(fd), str(index), metrics],
+                                    stdin=subprocess.PIPE, pass_fds=(fd,),
+                                    start_new_session=True)  # Ctrl-C reaches this process only
         finally:
             if own is not None:  # the worker has its copy
                 own.close()
@@ -187,6 +196,43 @@ class _Supervisor:
                     proc.stdin.close()
 
 
+def _metrics_socket(directory: str, index: int) -> str:
+    return os.path.join(directory, f"worker-{index}.sock")
+
+
+async def share_metrics(rt: Runtime, directory: str) -> asyncio.AbstractServer:
+    """This worker's metrics on a unix socket in the supervisor's private directory, for the others' /metrics."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.write(rt.metrics.render())
+            await writer.drain()
+        finally:
+            writer.close()
+
+    return await asyncio.start_unix_server(answer, path=_metrics_socket(directory, rt.worker or 0))
+
+
+async def all_metrics(rt: Runtime, directory: str, timeout_s: float = 2.0) -> bytes:
+    """Every worker's metrics, each sample labelled with its worker (:func:`server.metrics.merge_workers`), so
+    that a scrape through the port counts them all whichever worker it reaches. A worker still loading, or
+    gone, is left out of this scrape."""
+    async def read(index: int) -> str:
+        reader, writer = await asyncio.open_unix_connection(_metrics_socket(directory, index))
+        try:
+            return (await reader.read()).decode()  # to its end: the worker closes after writing
+        finally:
+            writer.close()
+
+    parts = {rt.worker or 0: rt.metrics.render().decode()}
+    for index in range(rt.settings.workers):
+        if index not in parts:
+            try:
+                parts[index] = await asyncio.wait_for(read(index), timeout_s)
+            except (OSError, asyncio.TimeoutError):
+                continue
+    return merge_workers(parts)
+
+
 def _read_settings(fd: int) -> Settings:
     """The supervisor's one JSON line, read from the descriptor itself: a buffered ``sys.stdin`` that a thread
     still blocks in aborts the interpreter at exit."""
@@ -213,8 +259,8 @@ def _watch_supervisor(fd: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """A worker (:data:`WORKER`, arguments FD INDEX), its settings as one JSON line on stdin."""
-    fd, index = int(argv[0]), int(argv[1])
+    """A worker (:data:`WORKER`, arguments FD INDEX METRICS_DIR), its settings as one JSON line on stdin."""
+    fd, index, metrics = int(argv[0]), int(argv[1]), argv[2] if len(argv) > 2 else None
     sock = None
     try:
         settings = _read_settings(sys.stdin.fileno())
@@ -224,7 +270,7 @@ def main(argv: list[str]) -> int:
         _watch_supervisor(sys.stdin.fileno())
         from server.serve import serve
 
-        return serve(settings, sock, worker=index)
+        return serve(settings, sock, worker=index, peers=metrics)
     except (TxlError, OSError) as err:  # a bad checkpoint, an unreachable Redis: one line, as `txlserve serve`
         print(f"txlserve: error: [worker {index}] {err}", file=sys.stderr)
         return 2

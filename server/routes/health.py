@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from server.deps import owner, runtime
 from server.errors import error_body
 from server.runtime import Runtime
+from server.workers import all_metrics
 from txlserve.errors import StoreUnavailable
 
 router = APIRouter()
@@ -36,7 +37,8 @@ async def ready(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(rt: Runtime = Depends(runtime)) -> Response:
-    return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    body = await all_metrics(rt, rt.peers) if rt.peers else rt.metrics.render()  # --workers: every worker's
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.get("/v1/models")

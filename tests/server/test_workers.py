@@ -86,13 +86,14 @@ def test_workers_share_the_port_the_sessions_and_the_embedded_redis(checkpoint: 
         workers = _workers_of(srv)
         assert _answered_by(srv.url, "/ready") == {0, 1}
         sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Once"}, timeout=30).json()["id"]
-        seen, texts = 4, []
+        seen, texts, generated = 4, [], 0
         for i in range(60):  # each request on a new connection: the session goes from worker to worker
             r = httpx.post(srv.url + "/v1/completions", timeout=30, json={
                 "model": MODEL, "prompt": " and", "max_tokens": 3, "temperature": 0, "session_id": sid})
             assert r.status_code == 200, r.text
             body = r.json()
             seen += 4 + body["usage"]["completion_tokens"]
+            generated += body["usage"]["completion_tokens"]
             assert body["session"]["tokens_seen"] == seen  # no request lost or repeated another's tokens
             texts.append(body["choices"][0]["text"])
             served = {w for w in (0, 1) for line in srv.log.read_text().splitlines()
@@ -102,6 +103,12 @@ def test_workers_share_the_port_the_sessions_and_the_embedded_redis(checkpoint: 
         assert served == {0, 1}, "one worker served every continuation"
         info = httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=30).json()
         assert info["tokens_seen"] == seen
+        for _ in range(4):  # whichever worker a scrape reaches, it counts every worker's tokens, each labelled
+            text = httpx.get(srv.url + "/metrics", timeout=30).text
+            assert text.count("# TYPE txlserve_generation_tokens_total counter") == 1  # one family, both workers'
+            counts = {line.split('worker="')[1][0]: float(line.split()[-1]) for line in text.splitlines()
+                      if line.startswith("txlserve_generation_tokens_total{")}
+            assert set(counts) == {"0", "1"} and sum(counts.values()) == generated
         redis_pid = int((tmp_path / "data" / "redis.pid").read_text())
         assert srv.terminate(timeout=60) == 0
         assert _gone_within(workers | {redis_pid}, 30), "a worker or the embedded Redis outlived the supervisor"

@@ -4,10 +4,52 @@ cannot deadlock (the process is killed before its pipes are closed, so no reader
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import select
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import pytest
+
+
+def pid_alive(pid: int) -> bool:
+    """Running, and not a zombie: an orphan's exit is reaped by whatever init this machine has."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_exit(pids: Iterable[int], timeout: float) -> bool:
+    """Wait until every process of ``pids`` has exited (children or not: the kernel makes a pidfd readable when
+    its process ends), at most ``timeout`` seconds; whether they all did."""
+    fds = []
+    try:
+        for pid in pids:
+            try:
+                fds.append(os.pidfd_open(pid))
+            except ProcessLookupError:  # gone and reaped already
+                continue
+            except OSError as err:
+                if err.errno == errno.ENOSYS:
+                    pytest.skip("this kernel has no pidfd_open")
+                raise
+        deadline, pending = time.monotonic() + timeout, set(fds)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready, _, _ = select.select(list(pending), [], [], left)
+            pending -= set(ready)
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 class Streamed:

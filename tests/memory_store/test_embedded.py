@@ -17,18 +17,10 @@ from memory_store import MemoryStore
 from memory_store.embedded import EmbeddedRedis
 from tests.memory_store import holder
 from tests.memory_store.support import IDENTITY, assert_same, make_state, start_holder
+from tests.procs import pid_alive
 from txlserve.errors import SessionBusy, StoreUnavailable
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
-
-
-def _pid_alive(pid: int) -> bool:
-    """Running, and not a zombie: an orphan's exit is reaped by whatever init this machine has."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture
@@ -38,7 +30,7 @@ def data_dir(tmp_path: Path) -> Iterator[Path]:
     pidfile = tmp_path / "redis.pid"
     if pidfile.exists():
         pid = int(pidfile.read_text())
-        if _pid_alive(pid):
+        if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -51,7 +43,7 @@ async def test_start_join_and_stop(data_dir: Path) -> None:
             assert_same((await second.get(info.session_id)).tensors, make_state(seed=1))
         await first.ping()  # the joiner did not stop the server it did not start
         pid = int((data_dir / "redis.pid").read_text())
-    assert not _pid_alive(pid) and not (data_dir / "redis.sock").exists()
+    assert not pid_alive(pid) and not (data_dir / "redis.sock").exists()
 
     async with MemoryStore.from_url(None, identity=IDENTITY, data_dir=str(data_dir)) as again:
         assert_same((await again.get(info.session_id)).tensors, make_state(seed=1))
@@ -66,7 +58,7 @@ async def test_the_starter_leaves_the_server_running_for_a_process_that_joined_i
     proc, report = await start_holder("--data-dir", str(data_dir))  # another process joins and holds a lease
     try:
         await first.aclose()
-        assert _pid_alive(pid)  # left running for the holder
+        assert pid_alive(pid)  # left running for the holder
         async with MemoryStore.from_url(None, identity=IDENTITY, data_dir=str(data_dir)) as again:
             assert int((data_dir / "redis.pid").read_text()) == pid  # joined, not restarted
             got = await again.get(report["session_id"], owner=holder.OWNER)
@@ -140,7 +132,7 @@ async def test_commits_survive_kill_9_of_the_starting_process(data_dir: Path) ->
     # Now kill -9 the orphaned server too: the next store starts a new one from the AOF.
     orphan = int((data_dir / "redis.pid").read_text())
     os.kill(orphan, signal.SIGKILL)
-    while _pid_alive(orphan):
+    while pid_alive(orphan):
         await asyncio.sleep(0.01)
     async with MemoryStore.from_url(None, identity=IDENTITY, data_dir=str(data_dir)) as store:
         got = await store.get(session_id, owner=holder.OWNER)

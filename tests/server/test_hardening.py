@@ -521,6 +521,7 @@ def _serve(*args: str, env: dict | None = None, timeout: float = 60):
     (("--loop", "trio"), {}, "loop"),
     ((), {"TXLSERVE_HTTP": "h2"}, "http"),
     ((), {"TXLSERVE_SWITCH_INTERVAL_MS": "0"}, "switch_interval_ms"),
+    (("--workers", "0"), {}, "workers"),
     (("--redis-url", "redis://:s3cr/et@127.0.0.1:1/0"), {}, "percent-encode"),  # a raw "/" in the password
 ])
 def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Path):

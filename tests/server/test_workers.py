@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from tests.live import MODEL, LiveServer
+from tests.procs import pid_alive, wait_exit
 
 WORKERS = ("--workers", "2", "--threads", "1")
 
@@ -30,61 +32,38 @@ def _children(pid: int) -> set[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
-
-
-def _gone_within(pids: set[int], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.05)  # bounded by the deadline
-    return False
-
-
-def _workers_of(srv: LiveServer, timeout: float = 30) -> set[int]:
-    """The worker pids of ``srv``'s supervisor, once all have started."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pids = set()
-        for p in _children(srv.proc.pid):
-            try:
-                if "server.workers" in Path(f"/proc/{p}/cmdline").read_text():
-                    pids.add(p)
-            except OSError:  # gone meanwhile
-                pass
-        if len(pids) == 2:
-            return pids
-        time.sleep(0.05)
-    raise AssertionError(f"the supervisor's workers: {_children(srv.proc.pid)}")
+def _workers_of(srv: LiveServer) -> set[int]:
+    """The worker pids of ``srv``'s supervisor: read once both have answered /ready, so both exist."""
+    pids = set()
+    for p in _children(srv.proc.pid):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if "server.workers" in Path(f"/proc/{p}/cmdline").read_text():
+                pids.add(p)
+    assert len(pids) == 2, f"the supervisor's children: {_children(srv.proc.pid)}"
+    return pids
 
 
 def _answered_by(url: str, path: str, timeout: float = 60) -> set[int]:
     """Ask ``path`` on fresh connections until both workers have answered (each connection stays with the one
-    that accepted it, and the kernel hands new ones to either)."""
+    that accepted it, and the kernel hands new ones to either). Called once ``srv.start()`` saw one answer, so a
+    worker listens and no connection is refused; a request that times out is asked again."""
     seen: set[int] = set()
     deadline = time.monotonic() + timeout
     while len(seen) < 2 and time.monotonic() < deadline:
-        try:
+        with contextlib.suppress(httpx.TimeoutException):
             seen.add(httpx.get(url + path, timeout=10).json()["worker"])
-        except httpx.HTTPError:  # refused while no worker listens yet: ask again, within the deadline
-            time.sleep(0.05)
     return seen
 
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists() or not hasattr(os, "pidfd_open"),
+                                reason="reads /proc, waits on pidfds")
 
 
 def test_workers_share_the_port_the_sessions_and_the_embedded_redis(checkpoint: Path, tmp_path: Path):
     srv = LiveServer(checkpoint, redis_url=None, data_dir=tmp_path / "data", args=WORKERS).start(timeout=120)
     try:
-        workers = _workers_of(srv)
         assert _answered_by(srv.url, "/ready") == {0, 1}
+        workers = _workers_of(srv)
         sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Once"}, timeout=30).json()["id"]
         seen, texts, generated = 4, [], 0
         for i in range(60):  # each request on a new connection: the session goes from worker to worker
@@ -111,7 +90,7 @@ def test_workers_share_the_port_the_sessions_and_the_embedded_redis(checkpoint: 
             assert set(counts) == {"0", "1"} and sum(counts.values()) == generated
         redis_pid = int((tmp_path / "data" / "redis.pid").read_text())
         assert srv.terminate(timeout=60) == 0
-        assert _gone_within(workers | {redis_pid}, 30), "a worker or the embedded Redis outlived the supervisor"
+        assert wait_exit(workers | {redis_pid}, 30), "a worker or the embedded Redis outlived the supervisor"
     finally:
         srv.stop()
 
@@ -124,8 +103,8 @@ def test_ctrl_c_drains_every_worker_and_a_second_server_cannot_join_the_port(che
     from tests.live import REPO
     srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=WORKERS).start(timeout=120)
     try:
-        workers = _workers_of(srv)
         assert _answered_by(srv.url, "/ready") == {0, 1}
+        workers = _workers_of(srv)
         for extra in (WORKERS, ()):  # a second supervisor, or one server, on the same port: refused at once
             r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", str(srv.port), "--checkpoint",
                                 str(checkpoint), "--data-dir", str(tmp_path / "other"), *extra], cwd=REPO,
@@ -133,7 +112,7 @@ def test_ctrl_c_drains_every_worker_and_a_second_server_cannot_join_the_port(che
             assert r.returncode == 2 and "cannot listen" in r.stderr and "Traceback" not in r.stderr, r.stderr
         srv.proc.send_signal(signal.SIGINT)
         assert srv.proc.wait(60) == 0
-        assert _gone_within(workers, 30)
+        assert wait_exit(workers, 30)
         assert srv.log.read_text().count("Finished server process") == 2
     finally:
         srv.stop()
@@ -142,11 +121,11 @@ def test_ctrl_c_drains_every_worker_and_a_second_server_cannot_join_the_port(che
 def test_a_worker_that_dies_stops_the_server(checkpoint: Path, redis_url: str, tmp_path: Path):
     srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=WORKERS).start(timeout=120)
     try:
-        first, *rest = sorted(_workers_of(srv))
         assert _answered_by(srv.url, "/ready") == {0, 1}
+        first, *rest = sorted(_workers_of(srv))
         os.kill(first, signal.SIGKILL)
         assert srv.proc.wait(60) == 1
-        assert _gone_within(set(rest), 30)
+        assert wait_exit(set(rest), 30)
         assert "exited with status -9; stopping the others" in srv.log.read_text()
     finally:
         srv.stop()
@@ -154,15 +133,16 @@ def test_a_worker_that_dies_stops_the_server(checkpoint: Path, redis_url: str, t
 
 def test_workers_drain_and_exit_when_their_supervisor_is_killed(checkpoint: Path, redis_url: str, tmp_path: Path):
     srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=WORKERS).start(timeout=120)
-    workers = _workers_of(srv)
+    workers: set[int] = set()
     try:
         assert _answered_by(srv.url, "/ready") == {0, 1}  # both serving: a loading worker has nothing to drain
+        workers = _workers_of(srv)
         srv.kill()
-        assert _gone_within(workers, 60), "orphaned workers kept serving"
+        assert wait_exit(workers, 60), "orphaned workers kept serving"
         assert srv.log.read_text().count("Finished server process") == 2  # each drained (uvicorn's last line)
     finally:
         for pid in workers:
-            if _alive(pid):
+            if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

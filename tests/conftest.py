@@ -128,6 +128,11 @@ class RedisClusterProcesses:
         try:
             per = self.SLOTS // len(self.nodes)
             for i, client in enumerate(clients):
+                # distinct config epochs before the nodes meet, as redis-cli --cluster create sets them: nodes
+                # that meet at epoch 0 settle their collisions by gossip, and a slot migrated while two still
+                # share the highest epoch can be claimed back by its old owner (each then sends MOVED to the
+                # other, and a client gives up: "TTL exhausted")
+                client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
                 hi = self.SLOTS if i == len(clients) - 1 else (i + 1) * per
                 client.execute_command("CLUSTER", "ADDSLOTS", *range(i * per, hi))
                 if i:

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
 
-from memory_store.redis_tier import RedisTier
+from memory_store.redis_tier import RedisClock, RedisTier
 from memory_store.session import Session
 from txlserve.errors import StoreUnavailable
 
@@ -35,9 +35,11 @@ class Lease:
         tier: RedisTier,
         lease_ttl_ms: int,
         on_release: Callable[[Lease], None],
+        clock: RedisClock | None = None,
     ) -> None:
         self.session = session
         self.token = token
+        self.clock = clock  # Redis's clock as the lease was taken: its commits' deadlines
         self.lost = False
         self._tier = tier
         self._on_release = on_release

@@ -23,11 +23,13 @@ them meaning. Any Redis or socket failure leaves here as ``StoreUnavailable``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import os
 import re
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -48,13 +50,20 @@ ABSENT = -1
 # version the caller read ('-1': must not exist, '*': overwrite whatever is
 # there); ARGV[2] the lease token that must still be held ('' when the write is
 # not under a lease); ARGV[7] '1' gives the lease back with the write (a
-# request's last write: one round trip, not two). ARGV[8] says what becomes of
-# the ring: 'set' to ARGV[9]; 'del'; or 'patch': ARGV[9..17] are the format,
+# request's last write: one round trip, not two). ARGV[8] is a deadline on this
+# Redis's clock in ms ('' for none): a write that runs later is refused, 'EXPIRED'
+# (its sender gave up on it by then: a Redis that stalls and resumes must not
+# apply a commit behind a reported failure). ARGV[9] says what becomes of the
+# ring: 'set' to ARGV[10]; 'del'; or 'patch': ARGV[10..18] are the format,
 # fingerprint, n_layer, d_model, dtype, mem_len, tokens_seen, least rows and ring
 # length the stored record must have (the state the patch was computed against),
 # then (offset, bytes) pairs; a record that does not match is left alone:
 # 'RESHAPE', and the caller writes it whole.
 _WRITE = """
+if ARGV[8] ~= '' then
+  local t = redis.call('TIME')
+  if tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000 > tonumber(ARGV[8]) then return 'EXPIRED' end
+end
 local h = redis.call('HGET', KEYS[1], 'header')
 local doc
 if h then
@@ -72,17 +81,17 @@ if ARGV[1] ~= '*' then
   end
 end
 if ARGV[2] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[2] then return 'LEASE_LOST' end
-if ARGV[8] == 'patch' then
-  if not doc or doc.format_version ~= tonumber(ARGV[9]) or doc.form ~= 'state' or doc.fingerprint ~= ARGV[10]
-     or doc.n_layer ~= tonumber(ARGV[11]) or doc.d_model ~= tonumber(ARGV[12]) or doc.dtype ~= ARGV[13]
-     or doc.mem_len ~= tonumber(ARGV[14]) or doc.tokens_seen ~= tonumber(ARGV[15])
-     or type(doc.mem_rows) ~= 'number' or doc.mem_rows < tonumber(ARGV[16])
-     or redis.call('STRLEN', KEYS[3]) ~= tonumber(ARGV[17]) then
+if ARGV[9] == 'patch' then
+  if not doc or doc.format_version ~= tonumber(ARGV[10]) or doc.form ~= 'state' or doc.fingerprint ~= ARGV[11]
+     or doc.n_layer ~= tonumber(ARGV[12]) or doc.d_model ~= tonumber(ARGV[13]) or doc.dtype ~= ARGV[14]
+     or doc.mem_len ~= tonumber(ARGV[15]) or doc.tokens_seen ~= tonumber(ARGV[16])
+     or type(doc.mem_rows) ~= 'number' or doc.mem_rows < tonumber(ARGV[17])
+     or redis.call('STRLEN', KEYS[3]) ~= tonumber(ARGV[18]) then
     return 'RESHAPE'
   end
-  for i = 18, #ARGV, 2 do redis.call('SETRANGE', KEYS[3], tonumber(ARGV[i]), ARGV[i + 1]) end
-elseif ARGV[8] == 'set' then
-  redis.call('SET', KEYS[3], ARGV[9])
+  for i = 19, #ARGV, 2 do redis.call('SETRANGE', KEYS[3], tonumber(ARGV[i]), ARGV[i + 1]) end
+elseif ARGV[9] == 'set' then
+  redis.call('SET', KEYS[3], ARGV[10])
 else
   redis.call('DEL', KEYS[3])
 end
@@ -103,8 +112,9 @@ return {h[1], h[2], redis.call('GET', KEYS[2])}
 """
 
 # Take the lease only on an existing session of this owner, so that another
-# owner learns 'not found' rather than 'busy'. Returns {status} or {'OK', header}:
-# the holder reads the header it leased in the same round trip.
+# owner learns 'not found' rather than 'busy'. Returns {status} or {'OK', header,
+# seconds, microseconds}: the holder reads the header it leased, and this Redis's
+# clock (for its commits' deadlines), in the same round trip.
 _ACQUIRE = """
 local h = redis.call('HGET', KEYS[1], 'header')
 if not h then return 'NOT_FOUND' end
@@ -119,7 +129,8 @@ end
 if not mine then return 'NOT_FOUND' end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'BUSY' end
 if ARGV[5] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[5]); redis.call('PEXPIRE', KEYS[3], ARGV[5]) end
-return {'OK', h}
+local t = redis.call('TIME')
+return {'OK', h, t[1], t[2]}
 """
 
 # Refresh an idle TTL only once a slice of it has passed: a PEXPIRE is a write,
@@ -155,6 +166,20 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class RedisClock:
+    """A lower bound on a Redis server's clock: its TIME as a lease was taken, and this process's monotonic clock
+    once that reply was in (Redis read its clock before then). A commit's deadline is set on it, so that Redis
+    refuses a commit that reaches it after this process stopped waiting for it."""
+
+    redis_ms: float
+    at: float  # time.monotonic() when the reply arrived
+
+    def now_ms(self) -> float:
+        """At most what Redis's clock reads now (the clocks assumed to run at one rate)."""
+        return self.redis_ms + (time.monotonic() - self.at) * 1000
 
 
 def session_key(session_id: str) -> str:
@@ -323,16 +348,18 @@ class RedisTier:
     async def write(
         self, session_id: str, *, header: bytes, payload: bytes, expected: int | str, token: str = "",
         release: bool = False, ring: bytes | None = None, guard: Sequence[str | int] | None = None,
-        runs: Sequence[tuple[int, bytes]] = (),
+        runs: Sequence[tuple[int, bytes]] = (), deadline_ms: float | None = None,
     ) -> str:
         """Run the compare-and-set write (and with ``release``, give the lease ``token`` back if it wrote);
-        returns OK, NOT_FOUND, CONFLICT, LEASE_LOST, CORRUPT, or with a ``guard`` RESHAPE (nothing written: the
+        returns OK, NOT_FOUND, CONFLICT, LEASE_LOST, CORRUPT, EXPIRED (it ran after ``deadline_ms`` on Redis's
+        clock: nothing written), or with a ``guard`` RESHAPE (nothing written: the
         stored record is not the one the patch applies to). The ring becomes ``ring``; or with a ``guard`` (format,
         fingerprint, n_layer, d_model, dtype, mem_len, tokens_seen, least rows and length the stored record must
         have) it is patched with ``runs`` of (byte offset, bytes); or with neither (a record without one) it is
         removed."""
         keys = [session_key(session_id), lease_key(session_id), ring_key(session_id)]
-        args = [str(expected), token, header, payload, self._ttl_ms, self._lease_ttl_ms, "1" if release else "0"]
+        args = [str(expected), token, header, payload, self._ttl_ms, self._lease_ttl_ms, "1" if release else "0",
+                "" if deadline_ms is None else str(int(deadline_ms))]
         if guard is not None:
             args += ["patch", *guard, *(x for run in runs for x in run)]
         else:
@@ -419,9 +446,10 @@ class RedisTier:
             await self._client.zrem(owner_key(owner), session_id)
         return removed > 0
 
-    async def acquire(self, session_id: str, owner: str | None, token: str) -> tuple[str, bytes | None]:
-        """Try to take the lease: (OK, the session's header), or (BUSY, NOT_FOUND or CORRUPT, None). The owner's
-        index TTL is refreshed in the same round trip, as a read refreshes it."""
+    async def acquire(self, session_id: str, owner: str | None,
+                      token: str) -> tuple[str, bytes | None, RedisClock | None]:
+        """Try to take the lease: (OK, the session's header, Redis's clock), or (BUSY, NOT_FOUND or CORRUPT, None,
+        None). The owner's index TTL is refreshed in the same round trip, as a read refreshes it."""
         keys = [session_key(session_id), lease_key(session_id), ring_key(session_id)]
         args = [token, self._lease_ttl_ms, "1" if owner is None else "0", owner or "", self._ttl_ms]
         with self._translate():
@@ -435,9 +463,10 @@ class RedisTier:
                     self._touch(pipe, owner_key(owner))
 
                 reply = (await self._pipeline(build))[0]
+        arrived = time.monotonic()
         if isinstance(reply, bytes):
-            return reply.decode(), None
-        return reply[0].decode(), reply[1]
+            return reply.decode(), None, None
+        return reply[0].decode(), reply[1], RedisClock(int(reply[2]) * 1000 + int(reply[3]) / 1000, arrived)
 
     async def renew(self, session_id: str, token: str) -> bool:
         """Extend the lease if ``token`` still holds it."""

@@ -18,12 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import re
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -364,7 +363,7 @@ class MemoryStore:
     async def _acquire(self, session_id: str, owner: str | None, tensors: bool = True) -> Lease:
         with self.metrics.timed("lease"):
             token = secrets.token_hex(16)
-            status, raw = await self._redis.acquire(session_id, owner, token)
+            status, raw, clock = await self._redis.acquire(session_id, owner, token)
             if status == "NOT_FOUND":
                 raise SessionNotFound(f"session {session_id!r} not found")
             if status == "BUSY":
@@ -383,7 +382,8 @@ class MemoryStore:
                     await asyncio.shield(self._redis.release(session_id, token))
                 raise
             lease = Lease(
-                session, token, tier=self._redis, lease_ttl_ms=self.config.lease_ttl_ms, on_release=self._on_release
+                session, token, tier=self._redis, lease_ttl_ms=self.config.lease_ttl_ms, on_release=self._on_release,
+                clock=clock,
             )
             self._leases.add(lease)
             return lease
@@ -433,8 +433,15 @@ class MemoryStore:
             ringed = appended and codec.MEMS in tensors and header.format_version >= codec.RING_FORMAT
             patch = codec.ring_patch(tensors[codec.MEMS], before=prev.tokens_seen, tokens_seen=tokens_seen,
                                      mem_len=mem_len) if ringed else None
-            write = functools.partial(self._redis.write, lease.session_id, header=codec.encode_header(header),
-                                      payload=payload, expected=prev.version, token=lease.token, release=release)
+            encoded = codec.encode_header(header)
+
+            def write(**ring: Any) -> Awaitable[str]:
+                # Redis refuses it once this process stops waiting for it (one op timeout after it is sent, on
+                # Redis's clock): a stalled Redis that resumes must not apply a commit whose request failed
+                deadline = None if lease.clock is None else lease.clock.now_ms() + self.config.op_timeout_s * 1000
+                return self._redis.write(lease.session_id, header=encoded, payload=payload, expected=prev.version,
+                                         token=lease.token, release=release, deadline_ms=deadline, **ring)
+
             if patch is None:
                 if ringed:  # every slot is new, or not a session's memory: the ring is written whole
                     ring = await self._ring(tensors, tokens_seen=tokens_seen, mem_len=mem_len)
@@ -447,6 +454,9 @@ class MemoryStore:
                 status = await write(ring=await self._ring(tensors, tokens_seen=tokens_seen, mem_len=mem_len))
             if status == "NOT_FOUND":
                 raise SessionNotFound(f"session {lease.session_id!r} was deleted")
+            if status == "EXPIRED":
+                raise StoreUnavailable(f"Redis at {self._redis.where} took longer than the store timeout to commit "
+                                       f"session {lease.session_id!r}; nothing was written")
             if status == "LEASE_LOST":
                 raise SessionConflict(f"the lease on session {lease.session_id!r} expired or was taken")
             if status != "OK":

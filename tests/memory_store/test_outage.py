@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+import redis
 
 from memory_store import MemoryStore
 from tests.conftest import RedisProcess
@@ -63,6 +64,46 @@ async def test_hung_redis_times_out(redis_server: Callable[..., RedisProcess]) -
         finally:
             server.resume()
         assert (await store.get(info.session_id)).version == 1
+
+
+def _scripts_run(server: RedisProcess) -> int:
+    client = redis.Redis(port=server.port, socket_timeout=5)
+    try:
+        return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+    finally:
+        client.close()
+
+
+async def test_a_commit_that_timed_out_is_refused_when_redis_resumes(
+    redis_server: Callable[..., RedisProcess]
+) -> None:
+    """A commit sent to a Redis that stalls reaches it all the same once it resumes; the request that made it
+    failed (503) by then, so Redis must refuse it (the commit's deadline, on Redis's clock), or a client that
+    retries writes its text twice."""
+    server = redis_server()
+    async with (
+        MemoryStore.from_url(server.url, identity=IDENTITY, op_timeout_s=OP_TIMEOUT_S, lease_ttl_ms=60_000) as store,
+        MemoryStore.from_url(server.url, identity=IDENTITY, hot_cache_mb=0) as reader,
+    ):
+        info = await store.create(tensors=make_state(seed=1), mem_len=8, tokens_seen=8)
+        async with store.lease(info.session_id) as lease:
+            await store.commit(lease, make_state(seed=2), tokens_seen=16)  # the script is loaded: one EVALSHA next
+            before = _scripts_run(server)
+            server.pause()
+            try:
+                await fails_fast(lambda: store.commit(lease, make_state(seed=3), tokens_seen=24), within_s=3)
+            finally:
+                server.resume()
+            deadline = time.monotonic() + 10
+            while _scripts_run(server) == before:  # Redis runs the commit it had buffered as it resumes
+                assert time.monotonic() < deadline, "the buffered commit never ran"
+                time.sleep(0.01)  # poll, bounded by the deadline
+        got = await reader.get(info.session_id)
+        assert got.version == 2 and got.info.tokens_seen == 16  # the failed commit did not land
+        assert_same(got.tensors, make_state(seed=2))
+        async with store.lease(info.session_id) as lease:  # and the session goes on from there
+            await store.commit(lease, make_state(seed=4), tokens_seen=24)
+        assert (await reader.get(info.session_id)).version == 3
 
 
 async def test_unreachable_redis_at_start(redis_server: Callable[..., RedisProcess]) -> None:

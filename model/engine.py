@@ -75,6 +75,12 @@ class Generation:
         event.finish_reason = self.finish_reason
         return event
 
+    def release(self) -> str:
+        """The text still held back (the start of a possible stop string, an incomplete character) when the
+        request ends before its generation does (cancelled): its tokens are in the session, so the client gets
+        their text too, or its copy of the document and the session's would differ."""
+        return self.streamer.flush()
+
 
 @dataclass
 class Score:

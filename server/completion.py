@@ -182,6 +182,10 @@ class Completion:
         return CompletionLogprobs(tokens=[name(ev.token)], token_logprobs=[ev.logprob], top_logprobs=[top],
                                   text_offset=[start])
 
+    def add_text(self, text: str) -> None:
+        """Text released without a token of its own (what a cancelled generation held back)."""
+        self.text += text
+
     def add_prompt(self, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
         """The echoed prompt's logprobs, first in the choice; the piece for a stream chunk."""
         piece = prompt_logprobs(self.tokenizer, ids, scores)
@@ -246,9 +250,9 @@ class Completion:
                               usage=self.usage(final, prompt_tokens), session=self.session(final))
 
 
-async def events(run: Run, first: Any) -> AsyncIterator[PromptScores | TokenEvent | Final]:
-    """The run's (PromptScores, then) TokenEvents, then its Final (with the last token folded in); raises a
-    Failed's error."""
+async def events(run: Run, first: Any) -> AsyncIterator[PromptScores | TokenEvent | str | Final]:
+    """The run's (PromptScores, then) TokenEvents, then (a cancelled run) the text its generation still held
+    back, as a str, then its Final (with the last token folded in); raises a Failed's error."""
     item = first
     while True:
         if isinstance(item, Failed):
@@ -256,6 +260,8 @@ async def events(run: Run, first: Any) -> AsyncIterator[PromptScores | TokenEven
         if isinstance(item, Final):
             if item.last is not None:
                 yield item.last
+            if item.done.text:
+                yield item.done.text
             yield item
             return
         yield item

@@ -54,6 +54,7 @@ class Finished:
     generated: list[int] = field(default_factory=list)  # every generated token, all of them fed to the state
     queue_s: float | None = None  # submitted until the engine first worked on it
     prefill_s: float | None = None  # from then until its prompt was read
+    text: str = ""  # text the generation still held back as it was cancelled, released after its last token
 
 
 @dataclass
@@ -353,8 +354,9 @@ class Scheduler:
         generated = list(job.generation.tokens) if job.generation else []
         queue_s = None if job.started is None else job.started - job.submitted
         prefill_s = None if job.read is None or job.started is None else job.read - job.started
+        held = job.generation.release() if job.generation and reason == "cancelled" else ""
         return Finished(state, int(state.seen[0]), reason, len(generated),
-                        job.score if job.params is None else None, generated, queue_s, prefill_s)
+                        job.score if job.params is None else None, generated, queue_s, prefill_s, held)
 
     def _regroup(self, leaving: list[int], failed: dict[int, BaseException] | None = None) -> None:
         """Finished (or failed) rows leave the decode table and waiting requests join it while it has rows; no

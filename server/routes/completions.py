@@ -46,6 +46,8 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
             async for item in events(run, first):
                 if isinstance(item, TokenEvent):
                     comp.add(item)
+                elif isinstance(item, str):
+                    comp.add_text(item)
                 elif isinstance(item, PromptScores):
                     comp.add_prompt(run.ids, item)
                 else:
@@ -86,6 +88,10 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
                     if out and item.finish_reason is None and run.events.empty():  # the last waits for the end
                         yield "".join(out)
                         out.clear()
+                    continue
+                if isinstance(item, str):  # held back until the run was cancelled
+                    comp.add_text(item)
+                    out.append(comp.text_event(item))
                     continue
                 out.append(_sse(comp.chunk("", comp.finish(item), session=comp.session(item)).dump()))
                 if include_usage:

@@ -65,7 +65,7 @@ async def completions_ws(ws: WebSocket) -> None:
         gauge.dec()
 
 
-async def _items(run: Run) -> AsyncIterator[PromptScores | TokenEvent | Final]:
+async def _items(run: Run) -> AsyncIterator[PromptScores | TokenEvent | str | Final]:
     """The run's events from its first one on (an error it ends with raised here)."""
     async for item in events(run, await run.events.get()):
         yield item
@@ -151,6 +151,9 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
                 logprobs = comp.add(item)
                 if item.text or logprobs is not None:
                     await ws.send_json(comp.delta(item.text, logprobs).dump())
+            elif isinstance(item, str):  # held back until the run was cancelled
+                comp.add_text(item)
+                await ws.send_json(comp.delta(item, None).dump())
             else:  # the Final is the run's last item: the next message is the next request's, never "in progress"
                 await ws.send_json(comp.done(item, len(run.ids)).dump())  # (a client that sends it as soon as it
                 answered = True  # reads this could otherwise be seen before the stream's end, and refused)

@@ -477,6 +477,43 @@ def test_stream_interval_a_cancelled_request_hands_over_every_token_before_it_en
     assert streamed == done.completion_tokens >= 5  # the first, and at least the four held after it
 
 
+def test_a_cancelled_request_releases_the_text_its_stop_strings_held_back(engine):
+    """Text held back because it could still grow into a stop string belongs to tokens already in the session;
+    a request cancelled then hands it over with its Finished, so the text a client got is the session's."""
+    stops = tuple(chr(c) + "\x00\x01\x02" for c in range(1, 128))  # every ASCII byte may start one: it is held
+
+    async def main(seed: int) -> tuple[list[str], Finished]:
+        stream: asyncio.Queue = asyncio.Queue()
+        params = SamplingParams(max_tokens=100_000, temperature=1.0, seed=seed, stop=stops)
+        request = scheduler.submit(engine.new_state(), engine.encode("xyz"), params, stream=stream)
+        texts = []
+        while len(texts) < 8:  # bounded by the test's timeout
+            texts.append((await stream.get()).text)
+        request.cancel()
+        done = None
+        async for item in request:
+            if isinstance(item, TokenEvent):
+                texts.append(item.text)
+            done = item
+        while not stream.empty():
+            texts.append(stream.get_nowait().text)
+        return texts, done
+
+    scheduler = Scheduler(engine, prefill_chunk=64)
+    scheduler.start()
+    try:
+        held = []
+        for seed in range(12):  # whether the last byte is held depends on it (ASCII: held); some of these are
+            texts, done = asyncio.run(main(seed))
+            assert done.finish_reason == "cancelled"
+            generated = b"".join(engine.tokenizer.token_bytes(t, None) for t in done.generated)
+            assert "".join(texts) + done.text == generated.decode("utf-8", errors="replace"), seed
+            held.append(done.text)
+    finally:
+        scheduler.stop()
+    assert any(held), held
+
+
 def test_stream_interval_must_be_positive(engine):
     with pytest.raises(ValueError, match="stream_interval"):
         Scheduler(engine, stream_interval=0)

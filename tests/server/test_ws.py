@@ -90,6 +90,28 @@ def test_ws_cancel_commits_what_was_generated(server):
     assert cont["choices"][0]["text"] == once["choices"][0]["text"]
 
 
+def test_ws_cancel_hands_over_the_text_held_back(server):
+    """Bytes held back (the start of a possible stop string, or of a character: a UTF-8 lead byte) are in the
+    session once generated: a cancel sends them, so the client's text is what the session stored (a helper found
+    them missing). Whether a run ends on such a byte depends on when the cancel lands; the engine loop's test
+    makes it certain (test_a_cancelled_request_releases_the_text_its_stop_strings_held_back)."""
+    stops = [c + "\x00\x01" for c in " ea\n"]
+    with connect(ws_url(server)) as conn:
+        for seed in range(12):
+            sid = httpx.post(server.url + "/v1/sessions", json={"text": "Begin: "}).json()["id"]
+            conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "", "max_tokens": LONG,
+                                  "temperature": 1.0, "seed": seed, "stop": stops, "session_id": sid}))
+            got = [json.loads(conn.recv(timeout=30))]
+            conn.send(json.dumps({"type": "cancel"}))
+            msgs = collect(conn)
+            done = msgs[-1]
+            assert done["finish_reason"] == "cancelled", done
+            assert "".join(m["text"] for m in got + msgs[:-1]) == done["text"]
+            n = done["usage"]["completion_tokens"]
+            doc = httpx.get(f"{server.url}/v1/sessions/{sid}/export", timeout=10).json()
+            assert bytes(doc["window"][-n:]).decode("utf-8", errors="replace") == done["text"], seed
+
+
 def test_ws_a_request_sent_as_soon_as_the_last_one_is_done_is_served(server):
     """The next completion.create sent the moment completion.done arrives (after a cancel, as the client library
     does when a stream is left early) is the next request, never "a completion is in progress": the server ends a

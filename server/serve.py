@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import re
 import socket
 import sys
@@ -79,11 +80,20 @@ def _not_a_denial(record: logging.LogRecord) -> bool:
     return record.getMessage() != "ASGI callable returned without completing handshake."
 
 
+def _no_frames(record: logging.LogRecord) -> bool:
+    """Drops the websockets library's DEBUG lines: it logs every frame, a prompt's or a completion's text with
+    it, through the logger uvicorn gives it (``uvicorn.error``), so ``--log-level debug`` wrote them all."""
+    return record.levelno >= logging.INFO or f"{os.sep}websockets{os.sep}" not in record.pathname
+
+
 def install_redaction(settings: Settings) -> None:
     redact = Redact(settings.api_keys)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "txlserve", "txlserve.requests", ""):
         logging.getLogger(name).addFilter(redact)
     logging.getLogger("uvicorn.error").addFilter(_not_a_denial)
+    logging.getLogger("uvicorn.error").addFilter(_no_frames)
+    websockets = logging.getLogger("websockets")  # its own loggers, where it is given none: never below INFO
+    websockets.setLevel(max(logging.INFO, logging.getLogger().getEffectiveLevel()))
 
 
 def freeze_startup_objects() -> int:

@@ -8,8 +8,9 @@ import time
 
 import httpx
 import pytest
+from websockets.sync.client import connect
 
-from tests.live import MODEL
+from tests.live import MODEL, LiveServer
 from tests.server.test_lifecycle import _client, running_app
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,6 +62,28 @@ def test_every_response_has_a_request_id_and_one_log_line_without_the_prompt(ser
     assert line["prompt_tokens"] == len(secret_prompt) and line["completion_tokens"] == 5
     assert line["cached_tokens"] == 4 and line["total_ms"] >= line["start_ms"] >= 0
     assert secret_prompt not in server.log.read_text()
+
+
+def test_debug_logs_hold_no_prompt_or_completion_text(checkpoint, redis_url, tmp_path):
+    """At --log-level debug the websockets library logged every frame (through uvicorn's logger): a prompt's
+    and a completion's text in the log (found by a helper trying the product)."""
+    secret = "a-ws-prompt-that-must-never-be-logged"
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=("--log-level", "debug")).start()
+    try:
+        with connect(srv.url.replace("http", "ws", 1) + "/v1/ws") as conn:
+            conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": secret, "max_tokens": 8}))
+            msgs = []
+            while not msgs or msgs[-1]["type"] not in ("completion.done", "error"):
+                msgs.append(json.loads(conn.recv(timeout=30)))
+        assert msgs[-1]["type"] == "completion.done"
+        r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": secret + "-http", "max_tokens": 8})
+        assert r.status_code == 200
+    finally:
+        srv.stop()
+    log = srv.log.read_text()
+    assert " DEBUG " in log  # debug lines are written: it is the frames that are not
+    assert secret not in log and "completion.create" not in log and "completion.delta" not in log
 
 
 @pytest.mark.anyio

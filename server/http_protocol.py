@@ -108,9 +108,11 @@ def protocol_class(timeout_s: float, http: str = "auto") -> type:
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
-            if self.cycle is not None and not self.cycle.response_complete:
+            if self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
                 return super().send_400_response(msg)  # a response is under way: uvicorn's own handling
-            self.transport.write(BAD_REQUEST_RESPONSE)  # uvicorn's is text/plain
+            # uvicorn's is text/plain; where the app waits on the body (a bad chunk, more bytes than the
+            # Content-Length said) nothing of its answer went out yet, and the connection closes after this
+            self.transport.write(BAD_REQUEST_RESPONSE)
             self.transport.close()
 
         def _arm(self, cycle: object) -> None:

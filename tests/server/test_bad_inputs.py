@@ -188,6 +188,26 @@ def test_a_request_head_over_the_limit_is_a_400_in_openais_shape(request, parser
     assert status.split()[1] == b"400" and b'"code": "invalid_http"' in body, answer[:300]
 
 
+@pytest.mark.parametrize("parser", ["default", "h11"])
+@pytest.mark.parametrize("body", [
+    b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",  # a chunk size that is no hex number
+    b"Content-Length: 5\r\n\r\n{\"model\": 1, \"prompt\": \"x\"}",  # more bytes than it said
+], ids=["bad-chunk", "longer-than-content-length"])
+def test_a_body_that_is_not_valid_http_is_a_400_in_openais_shape(request, parser, body):
+    """Errors in a body's framing come while the app waits for the body: uvicorn answered them in plain text."""
+    server = request.getfixturevalue("server" if parser == "default" else "h11_server")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + body)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status, _, body = answer.partition(b"\r\n\r\n")  # (the 5 bytes alone, read by h11, are no JSON: also a 400)
+    assert status.split()[1] == b"400" and body.startswith(b'{"error":'), answer[:300]
+    assert b"text/plain" not in answer, answer  # nor a second answer in plain text for the bytes past the body
+    assert httpx.post(server.url + "/v1/completions", json=OK, timeout=60).status_code == 200  # and it serves on
+
+
 def _chunked_with_trailers(port: int, trailers: bytes) -> bytes:
     """A completion whose body comes chunked, followed by ``trailers``: what the server answers (b"" if it
     closed the connection without a word)."""

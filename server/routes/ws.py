@@ -99,7 +99,11 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
         return
     rt = ws.app.state.runtime
     try:
-        req = CompletionRequest.model_validate({**msg, "stream": True})
+        req = CompletionRequest.model_validate({"stream": True, **msg})  # a bad ``stream`` is refused as over HTTP
+        if req.stream is not True:
+            await ws.send_json(_invalid("a WebSocket completion always streams: leave stream out or set it true",
+                                        "stream"))
+            return
         comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
         if req.echo:
             comp.echoed = comp.text = await prompt_text(rt, req)

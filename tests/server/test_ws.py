@@ -54,6 +54,10 @@ def test_ws_errors_keep_the_connection(server):
         err = json.loads(conn.recv(timeout=10))["error"]
         assert err["param"] == "type" and 'unknown message type "dance"' in err["message"], err
         assert '"completion.create" or "cancel"' in err["message"], err
+        for stream in ([], {}, -1, "yes", False):  # validated as over HTTP; and a WebSocket always streams
+            conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x", "stream": stream}))
+            err = json.loads(conn.recv(timeout=10))
+            assert err["type"] == "error" and err["status"] == 400 and err["error"]["param"] == "stream", err
         conn.send(json.dumps({"model": MODEL, "prompt": "x"}))  # no type at all: said so, not "None"
         err = json.loads(conn.recv(timeout=10))["error"]
         assert err["param"] == "type" and err["message"].startswith('no "type"') and "None" not in err["message"]
@@ -99,16 +103,17 @@ def test_ws_cancel_hands_over_the_text_held_back(server):
     with connect(ws_url(server)) as conn:
         for seed in range(12):
             sid = httpx.post(server.url + "/v1/sessions", json={"text": "Begin: "}).json()["id"]
-            conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "", "max_tokens": LONG,
+            conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "", "max_tokens": 40,
                                   "temperature": 1.0, "seed": seed, "stop": stops, "session_id": sid}))
             got = [json.loads(conn.recv(timeout=30))]
-            conn.send(json.dumps({"type": "cancel"}))
+            conn.send(json.dumps({"type": "cancel"}))  # (a loaded machine may see all 40 first: "length")
             msgs = collect(conn)
             done = msgs[-1]
-            assert done["finish_reason"] == "cancelled", done
+            assert done["finish_reason"] in ("cancelled", "length"), done  # its model writes no "\x00\x01"
             assert "".join(m["text"] for m in got + msgs[:-1]) == done["text"]
             n = done["usage"]["completion_tokens"]
             doc = httpx.get(f"{server.url}/v1/sessions/{sid}/export", timeout=10).json()
+            assert len(doc["window"]) == len("Begin: ") + n  # the whole document: 47 tokens at most, under 2 * 24 + 1
             assert bytes(doc["window"][-n:]).decode("utf-8", errors="replace") == done["text"], seed
 
 

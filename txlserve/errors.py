@@ -15,6 +15,7 @@ are translated into these at the package boundary that meets them. This module i
     │   └── StateIncompatible       a state built by another model      400  invalid_request_error
     │       └── SessionIncompatible stored session of another model     422  invalid_request_error
     ├── AuthenticationError         missing or wrong API key            401  authentication_error
+    ├── PermissionDenied            a WebSocket from a foreign origin   403  permission_error
     ├── SessionNotFound             no such session (or not yours)      404  not_found_error
     ├── ModelNotFound               a model this server does not serve  404  not_found_error
     ├── UnsupportedEndpoint         an OpenAI route a base model lacks  404  invalid_request_error
@@ -78,6 +79,10 @@ class SessionIncompatible(StateIncompatible):
 
 class AuthenticationError(TxlError):
     status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class PermissionDenied(TxlError):
+    status, type, code = 403, "permission_error", "origin_not_allowed"
 
 
 class SessionNotFound(TxlError, KeyError):

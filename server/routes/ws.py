@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from model.engine import TokenEvent
 from server.completion import Completion, events, prompt_text, start
-from server.deps import ws_owner
+from server.deps import ws_origin, ws_owner
 from server.errors import classify, error_body, stream_error, validation_message
 from server.protocol import CompletionRequest
 from server.scheduler import PromptScores
@@ -33,8 +33,9 @@ def _invalid(message: str, param: str | None = None) -> dict:
 @router.websocket("/v1/ws")
 async def completions_ws(ws: WebSocket) -> None:
     try:
+        ws_origin(ws)
         who = ws_owner(ws)
-    except Exception as err:  # refuse the handshake: an HTTP 401 in OpenAI's shape where the server can
+    except Exception as err:  # refuse the handshake: an HTTP 403 or 401 in OpenAI's shape where the server can
         status, body = classify(err)
         try:
             await ws.send_denial_response(JSONResponse(body, status_code=status))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from tests.live import LONG, MODEL
@@ -41,6 +43,22 @@ def test_ws_streams_same_text_as_http_and_serves_many_in_turn(server):
                               "temperature": 0, "echo": True}))
         done = collect(conn)[-1]
         assert done["type"] == "completion.done" and done["text"] == "Hello" + want, done
+
+
+def test_ws_a_browser_page_of_another_origin_is_refused(server):
+    """Browsers open WebSockets for any page without a preflight: a handshake from a foreign origin is a 403 (with
+    no API keys any site could otherwise drive a local server); the server's own origin (its playground) and
+    clients that send no Origin are served."""
+    for origin in ("http://evil.example", "null", "http://[::1", "https://127.0.0.1:1"):
+        with pytest.raises(InvalidStatus) as refused:
+            connect(ws_url(server), origin=origin, open_timeout=10)
+        response = refused.value.response
+        assert response.status_code == 403, origin
+        assert json.loads(response.body)["error"]["code"] == "origin_not_allowed"
+    for origin in (server.url, None):
+        with connect(ws_url(server), origin=origin, open_timeout=10) as conn:
+            conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x", "max_tokens": 2}))
+            assert collect(conn)[-1]["type"] == "completion.done"
 
 
 def test_ws_errors_keep_the_connection(server):

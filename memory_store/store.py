@@ -35,7 +35,15 @@ from memory_store.embedded import EmbeddedRedis
 from memory_store.hot import HotTier
 from memory_store.lease import Lease, LeaseRequest
 from memory_store.metrics import StoreMetrics
-from memory_store.redis_tier import ABSENT, ANY_VERSION, RedisTier, client_name, connect, redact_url
+from memory_store.redis_tier import (
+    ABSENT,
+    ANY_VERSION,
+    CLUSTER_SCHEMES,
+    RedisTier,
+    client_name,
+    connect,
+    redact_url,
+)
 from memory_store.session import Session, SessionInfo
 from txlserve.errors import (
     ConfigError,
@@ -126,8 +134,13 @@ class MemoryStore:
             client = connect(url, op_timeout_s=self.config.op_timeout_s,
                              name=client_name() if self._embedded is not None else None)
         except ValueError:  # redis-py's message may quote part of the password
-            raise ConfigError(f"the Redis URL {redact_url(url)} could not be parsed (percent-encode any '/', '?', "
-                              "'#' or '@' in its password)") from None
+            scheme = url.split("://", 1)[0] if "://" in url else ""
+            if scheme not in ("redis", "rediss", "unix", *(s.removesuffix("://") for s in CLUSTER_SCHEMES)):
+                raise ConfigError(f"the Redis URL {redact_url(url)} must start with redis://, rediss://, unix:// or "
+                                  "redis+cluster://") from None
+            raise ConfigError(f"the Redis URL {redact_url(url)} could not be parsed: its port must be a number "
+                              "from 1 to 65535, and any '/', '?', '#' or '@' in its password percent-encoded"
+                              ) from None
         self._tier = RedisTier(
             client,
             where=redact_url(url),  # never log a password

@@ -8,6 +8,7 @@ run still collects the engine's final state and commits what was generated.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,8 @@ from model.sampling import SamplingParams
 from server.runtime import Runtime
 from server.scheduler import EngineRequest, Finished, PromptScores
 from txlserve.errors import Overloaded, RequestCancelled, Unavailable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -124,6 +127,10 @@ class Run:
         """Prefill the window from an empty state (through the engine loop, batched with everything else),
         then place its rings at the session's positions."""
         window = self.rt.engine.check_window(window, tokens_seen)
+        if len(window) < min(tokens_seen, self.rt.engine.window_len):  # written by a model that reads less context
+            log.info("session %s is rebuilt from a window of %d tokens, shorter than this model's %d: it continues "
+                     "close to, not exactly as, the whole document would", self.session_id, len(window),
+                     self.rt.engine.window_len)
         done = None
         async for item in self.rt.scheduler.submit(self.rt.engine.new_state(), window, None, scored=False):
             done = item

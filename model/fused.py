@@ -105,6 +105,7 @@ def _build() -> Path | None:
     if target.exists():
         return target
     started = time.monotonic()
+    log.info("building the fused decode attention for this CPU (seconds, once: it is cached in %s)", cache)
     with tempfile.TemporaryDirectory(prefix="txlserve-kernel-") as tmp:
         objects = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
         lib = Path(tmp) / "kernels.so"

@@ -63,6 +63,8 @@ def install(app: FastAPI) -> None:
     async def _txl(_: Request, err: e.TxlError) -> JSONResponse:
         status, body = classify(err)
         headers = {"Retry-After": "1"} if status in (429, 503) else None
+        if status == 401:  # RFC 9110: a 401 names the scheme it wants
+            headers = {"WWW-Authenticate": 'Bearer realm="txlserve"'}
         return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)

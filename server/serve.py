@@ -146,7 +146,8 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
     config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,  # RequestLog writes one JSON line
                             timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
                             http=protocol,  # headers get the body's deadline
-                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                            ws_max_size=settings.max_body_bytes)  # a message's limit is a body's (uvicorn: 16 MiB)
     install_redaction(settings)  # after uvicorn configured its loggers
     log.info("event loop: %s; HTTP parser: %s", type(asyncio.get_running_loop()).__module__.split(".")[0],
              protocol.parser_name)

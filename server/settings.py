@@ -71,7 +71,8 @@ class Settings:
     max_tokens_limit: int = _opt(4096, "the largest max_tokens a request may ask for")
     max_prompt_bytes: int = _opt(1_000_000, "largest prompt, in tokens (bytes for a byte model)")
     max_append_bytes: int = _opt(8_000_000, "largest appended document, in tokens (bytes for a byte model)")
-    max_body_bytes: int = _opt(10_000_000, "largest request body, in bytes (413 beyond)")
+    max_body_bytes: int = _opt(10_000_000, "largest request body, in bytes (413 beyond), and WebSocket message "
+                                           "(closed with 1009 beyond)")
     body_timeout_s: float = _opt(30.0, "a request whose headers take this long, or whose body stops "
                                    "arriving for this long, gets 408")
     max_stop: int = _opt(4, "most stop strings per request")

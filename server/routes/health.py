@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
+from server.completion import check_model
 from server.deps import owner, runtime
 from server.errors import error_body
 from server.runtime import Runtime
@@ -41,10 +42,19 @@ async def metrics(rt: Runtime = Depends(runtime)) -> Response:
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def _served(rt: Runtime) -> dict:
+    cfg = rt.engine.config
+    return {"id": rt.settings.model_name, "object": "model", "created": 0, "owned_by": "txlserve",
+            "n_layer": cfg.n_layer, "d_model": cfg.d_model, "mem_len": rt.engine.mem_len,
+            "clamp_len": rt.engine.clamp_len, "fingerprint": rt.engine.fingerprint}
+
+
 @router.get("/v1/models")
 async def models(rt: Runtime = Depends(runtime), _owner: str | None = Depends(owner)) -> dict:
-    cfg = rt.engine.config
-    return {"object": "list", "data": [{
-        "id": rt.settings.model_name, "object": "model", "created": 0, "owned_by": "txlserve",
-        "n_layer": cfg.n_layer, "d_model": cfg.d_model, "mem_len": rt.engine.mem_len,
-        "clamp_len": rt.engine.clamp_len, "fingerprint": rt.engine.fingerprint}]}
+    return {"object": "list", "data": [_served(rt)]}
+
+
+@router.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); a name may hold '/'
+async def model(model: str, rt: Runtime = Depends(runtime), _owner: str | None = Depends(owner)) -> dict:
+    check_model(rt, model)
+    return _served(rt)

@@ -214,6 +214,14 @@ def test_memory_is_fixed_size(server):
     assert later["tokens_seen"] == 10030 and later["bytes"] == info["bytes"] and later["window_tokens"] == window
 
 
+def test_a_model_is_retrieved_by_name_as_openais_models_retrieve_does(server):
+    listed = httpx.get(server.url + "/v1/models").json()["data"]
+    got = httpx.get(f"{server.url}/v1/models/{MODEL}")
+    assert got.status_code == 200 and [got.json()] == listed
+    missing = httpx.get(server.url + "/v1/models/org/other-model")  # a name may hold '/': still this route
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
 def test_health_ready_metrics_docs(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready").status_code == 200

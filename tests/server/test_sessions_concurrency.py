@@ -70,6 +70,7 @@ def test_api_keys_isolate_sessions(keyed):
     assert httpx.get(keyed.url + "/v1/models").status_code == 401
     r = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert r.headers["www-authenticate"].startswith("Bearer")  # RFC 9110: the scheme a 401 wants
     assert httpx.get(keyed.url + "/health").status_code == 200  # probes stay open
     sid = httpx.post(keyed.url + "/v1/sessions", json={"text": "mine"}, headers=one).json()["id"]
     assert httpx.get(f"{keyed.url}/v1/sessions/{sid}", headers=one).status_code == 200

@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from tests.live import LONG, MODEL
@@ -59,6 +59,18 @@ def test_ws_a_browser_page_of_another_origin_is_refused(server):
         with connect(ws_url(server), origin=origin, open_timeout=10) as conn:
             conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x", "max_tokens": 2}))
             assert collect(conn)[-1]["type"] == "completion.done"
+
+
+def test_ws_a_message_over_the_body_limit_closes_the_connection_with_1009(server):
+    """A WebSocket message is held to --max-body-bytes as an HTTP body is (uvicorn's own limit was 16 MiB)."""
+    from server.settings import Settings
+
+    limit = Settings().max_body_bytes
+    with connect(ws_url(server), max_size=None) as conn:
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x" * limit}))
+        with pytest.raises(ConnectionClosed) as closed:
+            conn.recv(timeout=30)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009  # "message too big"
 
 
 def test_ws_errors_keep_the_connection(server):

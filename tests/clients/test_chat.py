@@ -40,7 +40,7 @@ def test_lines_info_fork_new_quit(server: LiveServer, client: Client) -> None:
     fork = re.search(rf"forked {first} -> ({ID})", out).group(1)
     assert infos == [(first, "14"), (fork, "14")]  # "hello\n" + 8 generated, then the fork's copy
     fresh = re.search(rf"new session ({ID})", out).group(1)
-    assert "/info" in out.split(f"new session {fresh}")[1]  # /bogus: the help line
+    assert "unknown command /bogus: /info" in out.split(f"new session {fresh}")[1]  # and the help line
     assert out.rstrip().endswith(f"session {fresh}: resume with --session {fresh}")
     assert client.sessions.get(first).tokens_seen == 14
     assert client.sessions.get(fork).tokens_seen == 14 + 6 + 8  # "world\n" went on in the fork
@@ -60,6 +60,21 @@ def test_a_model_the_server_does_not_serve_is_refused_before_a_session_is_made(s
     before = [s.id for s in client.sessions.list(limit=100).iter_all()]
     rc, out, err = run_chat(server, "hello\n", "--model", "gpt-4")
     assert rc == 2 and "gpt-4" in err and "not" in err and out == "", (rc, out, err)
+    assert [s.id for s in client.sessions.list(limit=100).iter_all()] == before
+
+
+def test_a_line_that_starts_with_a_slash_is_sent_after_a_second_one(server: LiveServer, client: Client) -> None:
+    session = client.sessions.create(text="x")
+    rc, _, err = run_chat(server, "//etc/passwd\n", "--session", session.id, "--max-tokens", "3")
+    assert rc == 0, err
+    assert client.sessions.get(session.id).tokens_seen == 1 + len("/etc/passwd\n") + 3
+
+
+def test_bad_sampling_flags_are_refused_before_a_session_is_made(server: LiveServer, client: Client) -> None:
+    before = [s.id for s in client.sessions.list(limit=100).iter_all()]
+    for flag, value in (("--temperature", "5"), ("--temperature", "nan"), ("--max-tokens", "0")):
+        rc, out, err = run_chat(server, "hello\n", flag, value)
+        assert rc == 2 and flag in err and out == "", (rc, out, err)
     assert [s.id for s in client.sessions.list(limit=100).iter_all()] == before
 
 

@@ -22,7 +22,8 @@ from txlserve_client._types import Session
 
 # a model's output must not drive the terminal: C0 controls (ESC above all) but newline and tab are dropped
 _CONTROLS = dict.fromkeys(c for c in range(32) if c not in (9, 10)) | {127: None}
-HELP = "/info  the session   /fork  fork it and go on in the fork   /new  a fresh session   /quit  leave"
+HELP = ("/info  the session   /fork  fork it and go on in the fork   /new  a fresh session   /quit  leave   "
+        "//...  a line that starts with /")
 BUSY_WAIT_S = 5.0  # after a cancel the server commits in the background; a 409 until then is worth waiting out
 
 
@@ -33,9 +34,23 @@ def build_parser(prog: str = "txlserve-chat") -> argparse.ArgumentParser:
     p.add_argument("--url", default=None, help="server URL (default: $TXLSERVE_BASE_URL or http://127.0.0.1:8000)")
     p.add_argument("--api-key", default=None, help="default: $TXLSERVE_API_KEY")
     p.add_argument("--model", default=None, help="default: the server's model")
-    p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--max-tokens", type=_bounded(int, 1, None), default=200, help="per line (default: 200)")
+    p.add_argument("--temperature", type=_bounded(float, 0.0, 2.0), default=0.8, help="0 to 2 (default: 0.8)")
     return p
+
+
+def _bounded(kind: type, lo: float, hi: float | None):  # noqa: ANN202 (an argparse type)
+    """Refused when the command starts, not at the first line typed (the server would refuse it then)."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (lo <= value and (hi is None or value <= hi)):  # NaN fails too
+            raise argparse.ArgumentTypeError(f"{text} is not from {lo:g} to {hi:g}" if hi is not None else
+                                             f"{text} is less than {lo:g}")
+        return value
+    return parse
 
 
 class Chat:
@@ -61,10 +76,11 @@ class Chat:
             if command in ("/quit", "/exit"):
                 break
             try:
-                if command.startswith("/"):
+                if command.startswith("/") and not command.startswith("//"):
                     self.command(command)
-                else:
-                    self.generate(line + "\n" if line else "")
+                else:  # "//..." sends the line from its second slash on
+                    text = line.lstrip()[1:] if command.startswith("//") else line
+                    self.generate(text + "\n" if text else "")
             except APIConnectionError:
                 raise  # the server is gone: main() reports it and leaves
             except APIError as err:
@@ -85,7 +101,7 @@ class Chat:
             self.session = self.client.sessions.create()
             self.say(f"new session {self.session.id}")
         else:
-            self.say(HELP)
+            self.say(f"unknown command {command.split()[0]}: {HELP}")
 
     def generate(self, prompt: str) -> None:
         at_line_start = True

@@ -33,8 +33,9 @@ class BodyLimit:
     """413 for bodies over the limit, counted as they arrive (Content-Length may be absent or lie), and 408
     for a body that stops arriving for ``timeout_s``, so a slow sender cannot pin a request forever.
 
-    Before a 413 the rest of the body is read and discarded (up to ``DRAIN_FACTOR`` times the limit), so
-    that a client still uploading reads its answer instead of a reset connection. Past either limit the
+    A body whose Content-Length is over the limit is refused before it is read. One found too large as it
+    arrives is read and discarded to its end first (up to ``DRAIN_FACTOR`` times the limit), so that a client
+    still uploading reads its answer instead of a reset connection. Past either limit the
     app sees the client gone, so no framework layer can turn the refusal into another status. Once the
     body is complete, reads (the app waiting for a disconnect) are no longer timed."""
 
@@ -58,8 +59,9 @@ class BodyLimit:
         too_large = f"request body exceeds {self.limit} bytes"
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            if int(declared) <= self.DRAIN_FACTOR * self.limit:
-                await self._drain(receive, 0)
+            # at once: a client whose Content-Length lies (a short body, or none) must not wait out the body
+            # timeout for its answer; the HTTP protocol reads and drops whatever of the body still comes, so a
+            # client still uploading reads this answer, not a reset connection
             return await _refuse(send, 413, too_large, "payload_too_large")
         seen, started, refused, complete = 0, False, False, False
 

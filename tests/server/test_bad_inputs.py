@@ -208,6 +208,25 @@ def test_a_body_that_is_not_valid_http_is_a_400_in_openais_shape(request, parser
     assert httpx.post(server.url + "/v1/completions", json=OK, timeout=60).status_code == 200  # and it serves on
 
 
+@pytest.mark.parametrize("parser", ["default", "h11"])
+def test_a_declared_length_over_the_limit_is_refused_before_the_body_comes(request, parser):
+    """A Content-Length over --max-body-bytes is a 413 at once, whatever of the body follows: a client whose
+    header lies (a short body) had waited out the body timeout (30 s) for it. One still uploading its whole body
+    reads the same answer, not a reset connection."""
+    from server.settings import Settings
+
+    server = request.getfixturevalue("server" if parser == "default" else "h11_server")
+    declared = 2 * Settings().max_body_bytes  # under the 4x the server once read before answering
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:  # << the 30 s body timeout
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(declared).encode() + b"\r\n\r\n{}")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 413")
+    body = b"{" + b" " * (declared - 2) + b"}"  # the whole body, sent as it is read
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+
+
 def _chunked_with_trailers(port: int, trailers: bytes) -> bytes:
     """A completion whose body comes chunked, followed by ``trailers``: what the server answers (b"" if it
     closed the connection without a word)."""

@@ -4,6 +4,7 @@ routings are printed (``-s`` shows them)."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -98,3 +99,16 @@ def test_routing_by_session_keeps_sessions_hot_and_never_changes_answers(balance
     assert all(a == answers["routed"][0] for a in answers["routed"] + answers["random"])
     # routed: the 2nd and 3rd continuation of each session always find it hot on the replica the 1st reached
     assert rates["routed"] >= 2 / 3
+
+
+def test_the_playground_opens_its_websocket_through_the_proxy(balanced):
+    """A page served through nginx opens /v1/ws with the proxy's origin: the server must see that host (nginx
+    passes X-Forwarded-Host), or the playground's WebSocket is refused as another origin's."""
+    from websockets.sync.client import connect
+
+    url, _ = balanced
+    with connect(url.replace("http://", "ws://") + "/v1/ws", origin=url, open_timeout=30) as conn:
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x", "max_tokens": 2}))
+        while (msg := json.loads(conn.recv(timeout=30)))["type"] == "completion.delta":
+            pass
+    assert msg["type"] == "completion.done", msg

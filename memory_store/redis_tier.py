@@ -51,9 +51,10 @@ ABSENT = -1
 # there); ARGV[2] the lease token that must still be held ('' when the write is
 # not under a lease); ARGV[7] '1' gives the lease back with the write (a
 # request's last write: one round trip, not two). ARGV[8] is a deadline on this
-# Redis's clock in ms ('' for none): a write that runs later is refused, 'EXPIRED'
-# (its sender gave up on it by then: a Redis that stalls and resumes must not
-# apply a commit behind a reported failure). ARGV[9] says what becomes of the
+# Redis's clock in ms ('' for none): a write that runs later is refused,
+# {'EXPIRED', seconds, microseconds} with this node's clock (its sender may have
+# given up on it by then: a Redis that stalls and resumes must not apply a
+# commit behind a reported failure). ARGV[9] says what becomes of the
 # ring: 'set' to ARGV[10]; 'del'; or 'patch': ARGV[10..18] are the format,
 # fingerprint, n_layer, d_model, dtype, mem_len, tokens_seen, least rows and ring
 # length the stored record must have (the state the patch was computed against),
@@ -61,8 +62,9 @@ ABSENT = -1
 # 'RESHAPE', and the caller writes it whole.
 _WRITE = """
 if ARGV[8] ~= '' then
+  redis.replicate_commands()  -- TIME before writes: needed on Redis 3.2-4, a no-op since 5
   local t = redis.call('TIME')
-  if tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000 > tonumber(ARGV[8]) then return 'EXPIRED' end
+  if tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000 > tonumber(ARGV[8]) then return {'EXPIRED', t[1], t[2]} end
 end
 local h = redis.call('HGET', KEYS[1], 'header')
 local doc
@@ -349,10 +351,12 @@ class RedisTier:
         self, session_id: str, *, header: bytes, payload: bytes, expected: int | str, token: str = "",
         release: bool = False, ring: bytes | None = None, guard: Sequence[str | int] | None = None,
         runs: Sequence[tuple[int, bytes]] = (), deadline_ms: float | None = None,
+        on_expired: Callable[[RedisClock], None] | None = None,
     ) -> str:
         """Run the compare-and-set write (and with ``release``, give the lease ``token`` back if it wrote);
         returns OK, NOT_FOUND, CONFLICT, LEASE_LOST, CORRUPT, EXPIRED (it ran after ``deadline_ms`` on Redis's
-        clock: nothing written), or with a ``guard`` RESHAPE (nothing written: the
+        clock: nothing written; ``on_expired`` gets that node's clock as it refused), or with a ``guard`` RESHAPE
+        (nothing written: the
         stored record is not the one the patch applies to). The ring becomes ``ring``; or with a ``guard`` (format,
         fingerprint, n_layer, d_model, dtype, mem_len, tokens_seen, least rows and length the stored record must
         have) it is patched with ``runs`` of (byte offset, bytes); or with neither (a record without one) it is
@@ -365,7 +369,12 @@ class RedisTier:
         else:
             args += ["del"] if ring is None else ["set", ring]
         with self._translate():
-            return (await self._write(keys=keys, args=args)).decode()
+            reply = await self._write(keys=keys, args=args)
+        if isinstance(reply, list):  # EXPIRED, with the clock of the node that ran it
+            if on_expired is not None:
+                on_expired(RedisClock(int(reply[1]) * 1000 + int(reply[2]) / 1000, time.monotonic()))
+            return reply[0].decode()
+        return reply.decode()
 
     async def index(self, owner: str | None, session_id: str, created_at: float) -> None:
         with self._translate():

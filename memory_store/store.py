@@ -22,7 +22,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
@@ -39,6 +39,7 @@ from memory_store.redis_tier import (
     ABSENT,
     ANY_VERSION,
     CLUSTER_SCHEMES,
+    RedisClock,
     RedisTier,
     client_name,
     connect,
@@ -138,9 +139,9 @@ class MemoryStore:
             if scheme not in ("redis", "rediss", "unix", *(s.removesuffix("://") for s in CLUSTER_SCHEMES)):
                 raise ConfigError(f"the Redis URL {redact_url(url)} must start with redis://, rediss://, unix:// or "
                                   "redis+cluster://") from None
-            raise ConfigError(f"the Redis URL {redact_url(url)} could not be parsed: its port must be a number "
-                              "from 1 to 65535, and any '/', '?', '#' or '@' in its password percent-encoded"
-                              ) from None
+            raise ConfigError(f"the Redis URL {redact_url(url)} could not be parsed (check that its port is a "
+                              "number from 1 to 65535, its query options, and that any '/', '?', '#' or '@' in its "
+                              "password is percent-encoded)") from None
         self._tier = RedisTier(
             client,
             where=redact_url(url),  # never log a password
@@ -448,12 +449,25 @@ class MemoryStore:
                                      mem_len=mem_len) if ringed else None
             encoded = codec.encode_header(header)
 
-            def write(**ring: Any) -> Awaitable[str]:
-                # Redis refuses it once this process stops waiting for it (one op timeout after it is sent, on
-                # Redis's clock): a stalled Redis that resumes must not apply a commit whose request failed
-                deadline = None if lease.clock is None else lease.clock.now_ms() + self.config.op_timeout_s * 1000
-                return self._redis.write(lease.session_id, header=encoded, payload=payload, expected=prev.version,
-                                         token=lease.token, release=release, deadline_ms=deadline, **ring)
+            def refresh(clock: RedisClock) -> None:
+                lease.clock = clock
+
+            async def write(**ring: Any) -> str:
+                """The write, refused by Redis past a deadline: one op timeout after this call, on Redis's clock,
+                which is no later than this process gives up on it (every wait in the call is bounded by an op
+                timeout, the one for the reply starting after the send), so a stalled Redis that resumes cannot
+                apply a commit whose request failed. A refusal that comes back at all came from a Redis that
+                answers: the time went to a pool wait or the upload, or the lease's clock is off (another node
+                after a slot migration or failover, a clock step); the write is sent once more, on the clock of
+                the node that refused it."""
+                for _ in range(2):
+                    deadline = None if lease.clock is None else lease.clock.now_ms() + self.config.op_timeout_s * 1000
+                    status = await self._redis.write(
+                        lease.session_id, header=encoded, payload=payload, expected=prev.version, token=lease.token,
+                        release=release, deadline_ms=deadline, on_expired=refresh, **ring)
+                    if status != "EXPIRED":
+                        break
+                return status
 
             if patch is None:
                 if ringed:  # every slot is new, or not a session's memory: the ring is written whole

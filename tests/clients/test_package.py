@@ -19,6 +19,7 @@ from txlserve_client import (
     InternalServerError,
     NotFoundError,
     PayloadTooLargeError,
+    PermissionDeniedError,
     RateLimitError,
     ServiceUnavailableError,
     SessionBusyError,
@@ -35,9 +36,9 @@ PUBLIC = {
     "SessionPage", "AsyncSessionPage", "Model",
     "Stream", "AsyncStream", "WebSocketConnection", "WebSocketStream", "AsyncWebSocketConnection",
     "AsyncWebSocketStream",
-    "APIError", "APIConnectionError", "APITimeoutError", "BadRequestError", "AuthenticationError", "NotFoundError",
-    "ConflictError", "SessionBusyError", "PayloadTooLargeError", "UnprocessableEntityError", "RateLimitError",
-    "ServiceUnavailableError", "InternalServerError",
+    "APIError", "APIConnectionError", "APITimeoutError", "BadRequestError", "AuthenticationError",
+    "PermissionDeniedError", "NotFoundError", "ConflictError", "SessionBusyError", "PayloadTooLargeError",
+    "UnprocessableEntityError", "RateLimitError", "ServiceUnavailableError", "InternalServerError",
 }
 
 
@@ -88,6 +89,7 @@ def _body(type_: str, code: str | None, message: str = "m", param: str | None = 
 @pytest.mark.parametrize(("status", "type_", "code", "cls"), [
     (400, "invalid_request_error", "invalid_value", BadRequestError),
     (401, "authentication_error", "invalid_api_key", AuthenticationError),
+    (403, "permission_error", "origin_not_allowed", PermissionDeniedError),
     (404, "not_found_error", "model_not_found", NotFoundError),
     (409, "conflict_error", "session_busy", SessionBusyError),
     (409, "conflict_error", "session_conflict", ConflictError),
@@ -135,3 +137,20 @@ def test_sse_decoder() -> None:
     with pytest.raises(SessionBusyError) as info:
         chunk_from_event(json.dumps({**_body("conflict_error", "session_busy", "busy"), "status": 409}))
     assert info.value.status == 409 and info.value.message == "busy"
+
+
+def test_a_refused_websocket_handshake_is_named_by_its_body() -> None:
+    """A 403 with an error body (a page of another origin) is PermissionDeniedError, not a bad key; a bare
+    401 or 403 stays AuthenticationError."""
+    import json
+
+    from txlserve_client._websocket import connect_error
+    from websockets.datastructures import Headers
+    from websockets.exceptions import InvalidStatus
+    from websockets.http11 import Response
+
+    body = json.dumps(_body("permission_error", "origin_not_allowed", "from origin 'x' not allowed", None)).encode()
+    refused = connect_error(InvalidStatus(Response(403, "Forbidden", Headers(), body)))
+    assert type(refused) is PermissionDeniedError and refused.code == "origin_not_allowed"
+    assert type(connect_error(InvalidStatus(Response(403, "Forbidden", Headers(), b"")))) is AuthenticationError
+

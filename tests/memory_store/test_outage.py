@@ -106,6 +106,27 @@ async def test_a_commit_that_timed_out_is_refused_when_redis_resumes(
         assert (await reader.get(info.session_id)).version == 3
 
 
+async def test_a_commit_refused_by_a_clock_that_is_off_is_sent_again_on_the_refusing_nodes_clock(
+    redis_server: Callable[..., RedisProcess]
+) -> None:
+    """A lease's clock can be off for a later write (another node after a slot migration or failover, a clock
+    step): a refusal that comes back at all came from a Redis that answers, so the commit goes again, once, on
+    the clock of the node that refused it."""
+    from memory_store.redis_tier import RedisClock
+
+    server = redis_server()
+    async with MemoryStore.from_url(server.url, identity=IDENTITY, op_timeout_s=OP_TIMEOUT_S) as store:
+        info = await store.create(tensors=make_state(seed=1), mem_len=8, tokens_seen=8)
+        async with store.lease(info.session_id) as lease:
+            assert lease.clock is not None
+            lease.clock = RedisClock(lease.clock.redis_ms - 60_000, lease.clock.at)  # a node 60 s ahead
+            before = _scripts_run(server)
+            await store.commit(lease, make_state(seed=2), tokens_seen=16)
+            assert _scripts_run(server) == before + 2  # refused once, then written
+        got = await store.get(info.session_id)
+        assert got.version == 2 and got.info.tokens_seen == 16
+
+
 async def test_unreachable_redis_at_start(redis_server: Callable[..., RedisProcess]) -> None:
     server = redis_server()
     server.kill()

@@ -27,6 +27,7 @@ from txlserve_client._exceptions import (
     InternalServerError,
     NotFoundError,
     PayloadTooLargeError,
+    PermissionDeniedError,
     RateLimitError,
     ServiceUnavailableError,
     SessionBusyError,
@@ -63,7 +64,7 @@ __all__ = [
     "Stream", "AsyncStream", "WebSocketConnection", "WebSocketStream", "AsyncWebSocketConnection",
     "AsyncWebSocketStream",
     # errors
-    "APIError", "APIConnectionError", "APITimeoutError", "BadRequestError", "AuthenticationError", "NotFoundError",
-    "ConflictError", "SessionBusyError", "PayloadTooLargeError", "UnprocessableEntityError", "RateLimitError",
-    "ServiceUnavailableError", "InternalServerError",
+    "APIError", "APIConnectionError", "APITimeoutError", "BadRequestError", "AuthenticationError",
+    "PermissionDeniedError", "NotFoundError", "ConflictError", "SessionBusyError", "PayloadTooLargeError",
+    "UnprocessableEntityError", "RateLimitError", "ServiceUnavailableError", "InternalServerError",
 ]

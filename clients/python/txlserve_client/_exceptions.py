@@ -61,6 +61,10 @@ class AuthenticationError(APIError):
     pass
 
 
+class PermissionDeniedError(APIError):
+    """403: the server refused a WebSocket opened for a web page of another origin (OpenAI's SDK's name)."""
+
+
 class NotFoundError(APIError):
     pass
 
@@ -94,13 +98,14 @@ class InternalServerError(APIError):
 
 
 _BY_STATUS: dict[int, type[APIError]] = {
-    400: BadRequestError, 401: AuthenticationError, 404: NotFoundError, 409: ConflictError,
+    400: BadRequestError, 401: AuthenticationError, 403: PermissionDeniedError, 404: NotFoundError, 409: ConflictError,
     413: PayloadTooLargeError, 422: UnprocessableEntityError, 429: RateLimitError, 503: ServiceUnavailableError,
 }
 
 
 _BY_TYPE: dict[str, int] = {  # OpenAI's error types, for a stream error that carries no status
-    "invalid_request_error": 400, "authentication_error": 401, "not_found_error": 404, "conflict_error": 409,
+    "invalid_request_error": 400, "authentication_error": 401, "permission_error": 403, "not_found_error": 404,
+    "conflict_error": 409,
     "rate_limit_error": 429, "service_unavailable_error": 503, "server_error": 500,
 }
 

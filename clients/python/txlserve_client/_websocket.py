@@ -47,7 +47,7 @@ def connect_error(err: Exception) -> APIError:
             body = json.loads(err.response.body or b"null")
         except ValueError:
             body = None
-        if status in (401, 403):  # the server refuses a bad key before accepting: HTTP 403, no body
+        if status in (401, 403) and not (isinstance(body, dict) and "error" in body):  # a bare refusal
             return AuthenticationError("the server refused the WebSocket: invalid or missing API key",
                                        status=status, type="authentication_error", code="invalid_api_key")
         return error_from_body(body, status)

@@ -62,7 +62,7 @@ ABSENT = -1
 # 'RESHAPE', and the caller writes it whole.
 _WRITE = """
 if ARGV[8] ~= '' then
-  redis.replicate_commands()  -- TIME before writes: needed on Redis 3.2-4, a no-op since 5
+  if redis.replicate_commands then redis.replicate_commands() end  -- TIME before writes: Redis 3.2-4 need it
   local t = redis.call('TIME')
   if tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000 > tonumber(ARGV[8]) then return {'EXPIRED', t[1], t[2]} end
 end

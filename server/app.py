@@ -129,6 +129,19 @@ class HeadAsGet:
                 scope["route"] = inner["route"]  # line and the requests metric read it from ours
 
 
+def _route_label(scope: Scope) -> str:
+    """The route a request matched, as the metric and the log line name it: FastAPI's routes leave themselves in
+    the scope; Starlette's own leave only their endpoint: the OpenAPI schema (its one path), and static mounts
+    (their prefix, never the file: one series per mount)."""
+    if (route := scope.get("route")) is not None:
+        return route.path
+    if "endpoint" not in scope:
+        return "unmatched"
+    if "app_root_path" in scope:  # a mount
+        return scope.get("root_path", "") + "/{path}"
+    return scope.get("path", "unmatched")
+
+
 class RequestLog:
     """Every HTTP request gets an id (the client's ``x-request-id`` when it sends a sane one), echoed in the
     ``x-request-id`` response header, and one structured (JSON) log line when it ends: id, method, route,
@@ -159,7 +172,7 @@ class RequestLog:
         try:
             await self.app(scope, receive, timed)
         finally:
-            route = getattr(scope.get("route"), "path", "unmatched")
+            route = _route_label(scope)
             if (rt := self.runtime_of()) is not None:
                 rt.metrics.requests.labels(route, str(status)).inc()
             _log_line(request_id=request_id, method=scope.get("method"), route=route, status=status,

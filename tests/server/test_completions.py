@@ -255,6 +255,11 @@ def test_health_ready_metrics_docs(server):
         assert name in text, name
     assert httpx.get(server.url + "/docs").status_code == 200
     assert httpx.get(server.url + "/openapi.json").json()["info"]["title"] == "txlserve"
+    assert httpx.get(server.url + "/static/playground.js").status_code == 200
+    text = httpx.get(server.url + "/metrics").text  # Starlette's own routes are named too, a mount by its prefix
+    for route in ("/openapi.json", "/static/{path}", "/docs"):
+        series = rf'^txlserve_requests_total{{route="{re.escape(route)}",status="200"}} [1-9]'
+        assert re.search(series, text, re.M), route
 
 
 def test_error_mid_stream_is_an_error_event_then_done(server):

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <optional>
+#include <string>
 #include <vector>
 
 extern "C" int txl_attend_one(int64_t begin, int64_t end, int64_t B, int64_t H, int64_t D, int64_t M,
@@ -29,6 +30,11 @@ constexpr int64_t kMaxChunk = 8;     // kernels/attend_one.c: MAX_CHUNK
 
 bool is_cpu_float(const at::Tensor &t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; }
 
+// Numbers in an error message, written by snprintf rather than by c10::str's ostream: on a host where the process
+// holds the C++ runtime's locale facets from two libraries, formatting an integer into an ostream from this
+// library crashed the process (a segfault on a GPU image, torch 2.11) where the check meant to raise ValueError.
+std::string num(int64_t x) { return std::to_string(x); }
+
 // What both attention ops check of the tensors they share: the tokens' q, k, v `qkv [N, L, 3*H*D]` (read as the
 // packed [T = N*L, 3*H*D]), the biases, the position table, the tokens seen, and where each row's tokens start
 // (`st`, B+1 entries from 0 to T, 1 to kMaxChunk tokens a row). B rows, H heads of D, rings of M slots.
@@ -37,7 +43,7 @@ void check_step(const char *op, const at::Tensor &qkv, const at::Tensor &u, cons
                 int64_t D) {
   TORCH_CHECK_VALUE(is_cpu_float(qkv) && is_cpu_float(u) && is_cpu_float(vb) && is_cpu_float(table), op,
                     ": float32 CPU tensors only");
-  TORCH_CHECK_VALUE(M > 0 && D > 0 && D <= kMaxDHead, op, ": mem_len ", M, " d_head ", D);
+  TORCH_CHECK_VALUE(M > 0 && D > 0 && D <= kMaxDHead, op, ": mem_len ", num(M), " d_head ", num(D));
   TORCH_CHECK_VALUE(qkv.dim() == 3 && qkv.size(2) == 3 * H * D, op, ": qkv must be [.., tokens, 3*heads*d_head]");
   TORCH_CHECK_VALUE(u.dim() == 2 && u.size(0) == H && u.size(1) == D && u.is_contiguous() &&
                         vb.sizes() == u.sizes() && vb.is_contiguous(),
@@ -48,12 +54,12 @@ void check_step(const char *op, const at::Tensor &qkv, const at::Tensor &u, cons
                         seen.size(0) == B && seen.is_contiguous(),
                     op, ": seen must be contiguous int64 [batch]");
   const int64_t *pos = seen.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; b++) TORCH_CHECK_VALUE(pos[b] >= 0, op, ": seen ", pos[b], " < 0");
+  for (int64_t b = 0; b < B; b++) TORCH_CHECK_VALUE(pos[b] >= 0, op, ": seen ", num(pos[b]), " < 0");
   const int64_t T = qkv.size(0) * qkv.size(1);
-  TORCH_CHECK_VALUE(st[0] == 0 && st[B] == T, op, ": start must run from 0 to the ", T, " tokens");
+  TORCH_CHECK_VALUE(st[0] == 0 && st[B] == T, op, ": start must run from 0 to the ", num(T), " tokens");
   for (int64_t b = 0; b < B; b++)
-    TORCH_CHECK_VALUE(st[b + 1] - st[b] >= 1 && st[b + 1] - st[b] <= kMaxChunk, op, ": row ", b, " has ",
-                      st[b + 1] - st[b], " tokens, not 1..", kMaxChunk);
+    TORCH_CHECK_VALUE(st[b + 1] - st[b] >= 1 && st[b + 1] - st[b] <= kMaxChunk, op, ": row ", num(b), " has ",
+                      num(st[b + 1] - st[b]), " tokens, not 1..", num(kMaxChunk));
 }
 
 // The kernel over every (head, row) of contiguous `qkv [N, L, 3*H*D]`, rows' tokens from st, rings at krows[b],
@@ -72,7 +78,7 @@ at::Tensor run_attend(const char *op, const at::Tensor &qkv, const int64_t *st, 
                                   seen.data_ptr<int64_t>(), static_cast<float>(scale), out.data_ptr<float>());
     if (rc != 0) status.store(rc);
   });
-  TORCH_CHECK(status.load() != -1, op, ": out of memory for ", 2 * kMaxChunk * (M + 1), " scores");
+  TORCH_CHECK(status.load() != -1, op, ": out of memory for ", num(2 * kMaxChunk * (M + 1)), " scores");
   TORCH_CHECK(status.load() == 0, op, ": the kernel refused the rows' token counts");  // check_step's, again
   return out;
 }
@@ -87,7 +93,7 @@ at::Tensor attend_one(const at::Tensor &qkv, const at::Tensor &u, const at::Tens
                     ": the value ring must match the key ring");
   TORCH_CHECK_VALUE(qkv.dim() == 3 && qkv.size(0) == B && qkv.size(1) >= 1 && qkv.size(1) <= kMaxChunk &&
                         qkv.size(2) == 3 * H * D && qkv.stride(2) == 1,
-                    op, ": qkv must be [batch, 1..", kMaxChunk, ", 3*heads*d_head], its last dim contiguous");
+                    op, ": qkv must be [batch, 1..", num(kMaxChunk), ", 3*heads*d_head], its last dim contiguous");
   const at::Tensor q = qkv.contiguous();  // row b's L tokens from b*L
   const int64_t L = q.size(1);
   std::vector<int64_t> st(B + 1);
@@ -131,7 +137,7 @@ at::Tensor attend_rows(const at::Tensor &qkv, const at::Tensor &start, const at:
   const int64_t *addr = rows.data_ptr<int64_t>(), sr = rows.stride(0);
   std::vector<float *> hrows(B), krows(B), vrows(B);
   for (int64_t b = 0; b < B; b++) {
-    TORCH_CHECK_VALUE(addr[b] != 0 && addr[sr + b] != 0 && addr[2 * sr + b] != 0, op, ": row ", b, " has no rings");
+    TORCH_CHECK_VALUE(addr[b] != 0 && addr[sr + b] != 0 && addr[2 * sr + b] != 0, op, ": row ", num(b), " has no rings");
     hrows[b] = reinterpret_cast<float *>(addr[b]);
     krows[b] = reinterpret_cast<float *>(addr[sr + b]);
     vrows[b] = reinterpret_cast<float *>(addr[2 * sr + b]);
@@ -230,7 +236,7 @@ at::Tensor sample_rows(const at::Tensor &logits, const at::Tensor &temperature, 
                                    out.data_ptr<int64_t>());
     if (rc != 0) status.store(rc);
   });
-  TORCH_CHECK(status.load() == 0, "txlserve::sample_rows: out of memory for ", vocab, " probabilities");
+  TORCH_CHECK(status.load() == 0, "txlserve::sample_rows: out of memory for ", num(vocab), " probabilities");
   return out;
 }
 

@@ -36,6 +36,7 @@ from model.engine import Engine
 from model.threads import set_threads
 from model.train import pick_device
 from model.transformer_xl import MemTransformerLM
+from txlserve.args import count, device, shape
 
 # Each timing of the steps is the best of this many runs of ``tokens`` steps: one run's time varied by up to 20%
 # between runs of identical code (a batch-1 step of a small model reads what sits in L3, and whatever else ran
@@ -232,20 +233,20 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, help="default: the bundled checkpoint")
-    p.add_argument("--shape", default=None, metavar="LxD",
+    p.add_argument("--shape", type=shape, default=None, metavar="LxD",
                    help="random weights of n_layer L and d_model D (e.g. 12x512) instead of a checkpoint")
-    p.add_argument("--mem-len", type=int, default=512)
-    p.add_argument("--clamp-len", type=int, default=None)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--prefill-tokens", type=int, default=None)
-    p.add_argument("--prefill-chunk", type=int, default=None, help="default: chosen from mem_len")
+    p.add_argument("--mem-len", type=count(1, 1 << 20), default=512)
+    p.add_argument("--clamp-len", type=count(0), default=None)
+    p.add_argument("--batch", type=count(1), default=1)
+    p.add_argument("--tokens", type=count(1), default=64)
+    p.add_argument("--prefill-tokens", type=count(1), default=None)
+    p.add_argument("--prefill-chunk", type=count(1), default=None, help="default: chosen from mem_len")
     p.add_argument("--no-naive", action="store_true", help="skip the slow token-by-token reference decode")
     p.add_argument("--cuda-graph", action="store_true", help="also time the step replayed as a CUDA graph")
     p.add_argument("--compile", action="store_true", help="torch.compile the one-token step (fewer, fused kernels)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", type=device, default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: half the usable cores)")
+    p.add_argument("--threads", type=count(1), default=None, help="torch CPU threads (default: half the usable cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from txlserve.args import device, real
 from txlserve.errors import ConfigError
 
 MODEL = "bench-model"  # the name a spawned server gets; with --url, read from /v1/models
@@ -219,7 +220,10 @@ async def _stream(conn: _Connection, body: dict[str, Any]) -> tuple[float, list[
 
 def served_model(url: str) -> str:
     """The model a running server serves (its first in /v1/models)."""
-    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    try:
+        return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as err:
+        raise ConfigError(f"no txlserve server answered /v1/models at {url}: {err or type(err).__name__}") from None
 
 
 class EngineAlone:
@@ -588,9 +592,12 @@ def _spawned_qos(flag: int | None) -> int | None:
 
 def _counts(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(x) for x in text.split(","))
+        counts = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive stream counts, got {text!r}")
+    return counts
 
 
 def _positive(text: str) -> int:
@@ -617,12 +624,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, help="default: the bundled checkpoint (the engine alone runs it too)")
     p.add_argument("--url", default=None, help="an already running server (default: start one)")
     p.add_argument("--concurrency", type=_counts, default=(1, 16, 64), help="streams, e.g. 1,16,64")
-    p.add_argument("--duration", type=float, default=10, help="seconds of load per concurrency")
+    p.add_argument("--duration", type=real(0, above=True), default=10, help="seconds of load per concurrency")
     p.add_argument("--rounds", type=_positive, default=3,
                    help="alternations of the engine alone, the engine waking a thread once a step, the engine loop "
                         "alone and the load per concurrency, the duration split among them (each round's ratios "
                         "are reported, and their median)")
-    p.add_argument("--max-tokens", type=int, default=64, help="each request's (its mean with --random-range-ratio)")
+    p.add_argument("--max-tokens", type=_positive, default=64,
+                   help="each request's (its mean with --random-range-ratio)")
     p.add_argument("--random-range-ratio", type=_ratio, default=0.0,
                    help="spread each request's max_tokens uniformly over max-tokens x [1 - r, 1 + r] (as vLLM's "
                         "bench does); 0: every request the same length, so the streams end together and turn "
@@ -635,8 +643,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the spawned server's --cpu-latency-qos-us (a Linux CPU latency request held while "
                         "requests run; 0: idle CPUs poll instead of halting; needs write access to "
                         "/dev/cpu_dma_latency)")
-    p.add_argument("--doc-kb", type=float, default=50)
-    p.add_argument("--device", default="auto", help="the spawned server's and the engine's (auto: cuda when present)")
+    p.add_argument("--doc-kb", type=real(0, above=True), default=50)
+    p.add_argument("--device", type=device, default="auto",
+                   help="the spawned server's and the engine's (auto: cuda when present)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="the engine alone, the engine loop and the spawned server run their steps op by op (as "
                         "the server's --enforce-eager): no CUDA graphs, no traced graphs, no C kernels")

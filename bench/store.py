@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from memory_store import MemoryStore, ModelIdentity
+from txlserve.args import count, real
 
 N_LAYER, D_MODEL, DTYPE = 12, 512, torch.bfloat16
 MiB = 1 << 20
@@ -218,13 +219,14 @@ def restore_vs_recompute(checkpoint: str, *, doc_bytes: int = 100_000, iters: in
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--state-mb-large", type=float, default=LARGE_MB)
-    parser.add_argument("--state-mb-small", type=float, default=SMALL_MB)
+    parser.add_argument("--iters", type=count(1), default=50)
+    parser.add_argument("--state-mb-large", type=real(0, above=True), default=LARGE_MB)
+    parser.add_argument("--state-mb-small", type=real(0, above=True), default=SMALL_MB)
     parser.add_argument("--url", default=None, help="a redis:// URL (default: the embedded Redis)")
     parser.add_argument("--checkpoint", default=None, help="model for restore vs recompute (default: bundled)")
-    parser.add_argument("--doc-kb", type=float, default=100, help="document size for restore vs recompute")
-    parser.add_argument("--mem-len", type=int, default=None)
+    parser.add_argument("--doc-kb", type=real(0, above=True), default=100,
+                        help="document size for restore vs recompute")
+    parser.add_argument("--mem-len", type=count(1, 1 << 20), default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
     from bench import tiers
 

@@ -30,6 +30,8 @@ from model.config import TXLConfig
 from model.engine import Engine
 from model.threads import set_threads
 from model.transformer_xl import MemTransformerLM
+from txlserve.args import count, real
+from txlserve.args import shape as shape_arg
 
 
 def _engine(shape: str, work: Path) -> Engine:
@@ -107,15 +109,22 @@ def measure(shape: str, work: Path, *, iters: int, rebuild_max_tokens: int, ram_
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tiers", default="bundled", help="model shapes for the tier figures, comma-separated: bundled, "
-                                                      "LxD (mem_len 1600, random weights), wt103 (random weights); "
-                                                      "empty: none")
-    p.add_argument("--tier-iters", type=int, default=5, help="restores timed per shape (median)")
-    p.add_argument("--rebuild-max-tokens", type=int, default=4096,
+    p.add_argument("--tiers", type=_tiers, default="bundled",
+                   help="model shapes for the tier figures, comma-separated: bundled, LxD (mem_len 1600, random "
+                        "weights), wt103 (random weights); empty: none")
+    p.add_argument("--tier-iters", type=count(1), default=5, help="restores timed per shape (median)")
+    p.add_argument("--rebuild-max-tokens", type=count(1), default=4096,
                    help="longer windows: rebuild time projected from the prefill rate on a full memory")
-    p.add_argument("--ram-usd-gb-hour", type=float, default=0.0066, help="price of a GB of Redis memory for an hour")
-    p.add_argument("--cpu-usd-core-hour", type=float, default=0.045, help="price of one core for an hour")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (a rebuild's cores)")
+    p.add_argument("--ram-usd-gb-hour", type=real(0), default=0.0066, help="price of a GB of Redis memory for an hour")
+    p.add_argument("--cpu-usd-core-hour", type=real(0), default=0.045, help="price of one core for an hour")
+    p.add_argument("--threads", type=count(1), default=1, help="torch threads (a rebuild's cores)")
+
+
+def _tiers(text: str) -> str:
+    for name in filter(None, (x.strip() for x in text.split(","))):
+        if name not in ("bundled", "wt103"):
+            shape_arg(name)  # LxD, or argparse's one-line refusal
+    return text
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:

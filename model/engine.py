@@ -179,10 +179,9 @@ class Engine:
             raise InvalidRequestError(f"the window holds token ids outside 0..{self.config.vocab_size - 1}",
                                       param="window")
         if len(window) < min(tokens_seen, self.mem_len):  # the ring would hold empty slots as real positions
-            need = ("every token it has seen" if tokens_seen < self.mem_len else
-                    f"as many as this model's memory ({self.mem_len})")
+            why = "every token it has seen" if tokens_seen < self.mem_len else "a full memory of this model"
             raise SessionIncompatible(f"the session's window holds {len(window)} tokens; rebuilding it needs "
-                                      f"{need}, {min(tokens_seen, self.mem_len)}: it cannot be rebuilt here")
+                                      f"{min(tokens_seen, self.mem_len)} ({why}): it cannot be rebuilt here")
         return window
 
     def rebuild(self, window: list[int], tokens_seen: int) -> DecodeState:

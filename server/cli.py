@@ -11,11 +11,14 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from txlserve.args import count, device, real
 from txlserve.errors import ConfigError, TxlError
+
+MEM = count(0, 1 << 20)  # a memory length, as serve bounds it
 
 
 def _add_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int, default=None,  # checked with TXLSERVE_THREADS (_set_threads)
                    help="torch CPU threads [TXLSERVE_THREADS] (default: half the usable cores, at least 1)")
 
 
@@ -39,31 +42,34 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, help="enwik8/text8 (.zip, .gz or raw), a text file, or a folder of .txt")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--preset", default="tiny", help="tiny | small | enwik8-base")
-    for flag, typ in (("--steps", int), ("--batch-size", int), ("--lr", float), ("--warmup-steps", int),
-                      ("--tgt-len", int), ("--mem-len", int), ("--n-layer", int), ("--d-model", int),
-                      ("--eval-every", int), ("--clip", float)):
+    for flag, typ in (("--steps", count(1)), ("--batch-size", count(1)), ("--lr", real(0, above=True)),
+                      ("--warmup-steps", count(0)), ("--tgt-len", count(1)), ("--mem-len", MEM),
+                      ("--n-layer", count(1)), ("--d-model", count(1)), ("--eval-every", count(0)),
+                      ("--clip", real(0, above=True))):
         p.add_argument(flag, type=typ, default=None)
-    p.add_argument("--eval-tokens", type=int, default=200_000, help="valid bytes per evaluation")
-    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--eval-tokens", type=count(1), default=200_000, help="valid bytes per evaluation")
+    p.add_argument("--save-every", type=count(0), default=0)
     p.add_argument("--save-best", action="store_true",
                    help="also write the model to OUT/best at each evaluation that lowers the valid bpc (long runs "
                         "on small corpora overfit: keep the best weights, as nanoGPT does)")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-accum", type=count(1), default=1)
+    p.add_argument("--weight-decay", type=real(0), default=0.0)
     p.add_argument("--seed", type=int, default=1111)
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda")
     p.add_argument("--resume", action="store_true", help="continue from the training state in --out")
-    p.add_argument("--stop-at", type=int, default=None, help="end this run at that step; --resume continues")
+    p.add_argument("--stop-at", type=count(1), default=None, help="end this run at that step; --resume continues")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tokenizer", default="byte", choices=["byte", "word"],
                    help="byte: any text; word: a WikiText-style folder (wiki.train.tokens ...), vocabulary built "
                         "from its train split in frequency order")
-    p.add_argument("--max-vocab", type=int, default=None, help="word: keep the most frequent words (others <unk>)")
-    p.add_argument("--min-freq", type=int, default=1, help="word: drop words seen fewer times")
+    p.add_argument("--max-vocab", type=count(1), default=None,
+                   help="word: keep the most frequent words (others <unk>)")
+    p.add_argument("--min-freq", type=count(1), default=1, help="word: drop words seen fewer times")
     p.add_argument("--cutoffs", type=_int_list, default=None,
                    help="adaptive softmax cluster boundaries, e.g. 20000,40000,200000 (word models)")
-    p.add_argument("--div-val", type=int, default=None, help="adaptive embedding width divisor per cluster")
-    p.add_argument("--d-embed", type=int, default=None, help="embedding width before projection (default d_model)")
+    p.add_argument("--div-val", type=count(1), default=None, help="adaptive embedding width divisor per cluster")
+    p.add_argument("--d-embed", type=count(1), default=None,
+                   help="embedding width before projection (default d_model)")
     _add_threads(p)
     p.set_defaults(func=_cmd_train)
 
@@ -118,13 +124,13 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--data", required=True, help="a byte corpus, or for word models a WikiText folder or file")
     p.add_argument("--split", default="test", choices=["train", "valid", "test", "all"])
-    p.add_argument("--tgt-len", type=int, default=None)
-    p.add_argument("--mem-len", type=int, default=None)
-    p.add_argument("--clamp-len", type=int, default=None)
+    p.add_argument("--tgt-len", type=count(1), default=None)
+    p.add_argument("--mem-len", type=MEM, default=None)
+    p.add_argument("--clamp-len", type=count(0), default=None)
     p.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--batch-size", type=count(1), default=8)
+    p.add_argument("--max-tokens", type=count(1), default=None, help="evaluate the first N tokens of the split")
+    p.add_argument("--device", type=device, default="auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_threads(p)
     p.set_defaults(func=_cmd_eval)
@@ -178,15 +184,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a continuation of a prompt to the terminal")
     p.add_argument("--checkpoint", default=None, help="default: the bundled checkpoint")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=count(1), default=200)
+    p.add_argument("--temperature", type=real(0, 2), default=0.8)
+    p.add_argument("--top-k", type=count(0), default=0, help="0: off")
+    p.add_argument("--top-p", type=real(0, 1, above=True), default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--mem-len", type=int, default=None, help="default: the checkpoint's")
-    p.add_argument("--clamp-len", type=int, default=None)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--mem-len", type=MEM, default=None, help="default: the checkpoint's")
+    p.add_argument("--clamp-len", type=count(0), default=None)
+    p.add_argument("--device", type=device, default="auto")
     _add_threads(p)
     p.set_defaults(func=_cmd_generate)
 
@@ -388,16 +394,16 @@ def _cmd_session(ns: argparse.Namespace) -> int:
                 else:
                     print(text)
                 return 0
-            raw = sys.stdin.read() if ns.file == "-" else Path(ns.file).read_text()
-            try:
+            try:  # a BOM, as some editors write, is no reason to refuse a document
+                raw = sys.stdin.read() if ns.file == "-" else Path(ns.file).read_text(encoding="utf-8-sig")
                 document = json.loads(raw)
-            except ValueError as err:
-                print(f"txlserve: error: {ns.file} is not JSON: {err}", file=sys.stderr)
+            except ValueError as err:  # JSON's errors, and bytes that are not UTF-8 text
+                print(f"txlserve: error: {ns.file} is not a JSON export document: {err}", file=sys.stderr)
                 return 2
             made = client.sessions.import_(document)
             print(json.dumps({"id": made.id, "tokens_seen": made.tokens_seen, "tier": made.tier}))
             return 0
-    except APIError as err:
+    except (APIError, ValueError) as err:  # ValueError: an argument the client refuses (an empty session id)
         print(f"txlserve: error: {err}", file=sys.stderr)
         return 2
 

@@ -43,8 +43,8 @@ def test_generate_streams_prompt_and_continuation(checkpoint):
     assert again.stdout == r.stdout  # seeded
 
 
-@pytest.mark.parametrize("flags,needle", [(["--temperature", "-1"], "temperature"), (["--top-p", "0"], "top_p"),
-                                          (["--max-tokens", "0"], "max_tokens"), (["--prompt", ""], "nothing to")])
+@pytest.mark.parametrize("flags,needle", [(["--temperature", "-1"], "temperature"), (["--top-p", "0"], "--top-p"),
+                                          (["--max-tokens", "0"], "--max-tokens"), (["--prompt", ""], "nothing to")])
 def test_generate_bad_input_one_line(checkpoint, flags, needle):
     args = ["generate", "--checkpoint", str(checkpoint), "--prompt", "x", *flags]
     r = txlserve(*args)

@@ -550,6 +550,27 @@ def test_a_bad_setting_is_refused_before_torch_loads(argv, needle):
     assert needle in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "A", "--device", "banana"], ["generate", "--prompt", "A", "--mem-len", "100000000"],
+    ["generate", "--prompt", "A", "--top-k", "-1"], ["train", "--data", "x", "--out", "y", "--lr", "nan"],
+    ["train", "--data", "x", "--out", "y", "--grad-accum", "0"],
+    ["train", "--data", "x", "--out", "y", "--steps", "-1"],
+    ["eval", "--checkpoint", "x", "--data", "y", "--batch-size", "0"],
+    ["eval", "--checkpoint", "x", "--data", "y", "--max-tokens", "-5"],
+    ["bench", "decode", "--batch", "0"], ["bench", "decode", "--shape", "abc"], ["bench", "decode", "--tokens", "0"],
+    ["bench", "serve", "--concurrency", "0"], ["bench", "serve", "--duration", "0"],
+    ["bench", "store", "--iters", "0"], ["bench", "store", "--tiers", "banana"], ["bench", "scale", "--tokens", "0"],
+])
+def test_a_bad_number_or_device_is_one_line_from_argparse(argv, capsys):
+    """Each had been a traceback from inside torch, the optimizer or the benchmark (found by a helper)."""
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.strip().splitlines()) == 1 and "error: argument --" in err, err
+
+
 def test_log_levels_are_read_in_any_case():
     from server.settings import Settings
 

@@ -22,7 +22,7 @@ from model.engine import TokenEvent
 from model.sampling import SamplingParams
 from server.runtime import Runtime
 from server.scheduler import EngineRequest, Finished, PromptScores
-from txlserve.errors import Overloaded, RequestCancelled, Unavailable
+from txlserve.errors import Overloaded, RequestCancelled, SessionNotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class Run:
         self.events: asyncio.Queue[Any] = asyncio.Queue()
         self.request: EngineRequest | None = None
         self.cancelled = False
+        self.deleted = False
         self.started = time.monotonic()
         self.task = asyncio.create_task(self._main())
         rt.track(self)
@@ -71,6 +72,12 @@ class Run:
         self.cancelled = True
         if self.request is not None:
             self.request.cancel()
+
+    def session_deleted(self) -> None:
+        """Its session was deleted (a DELETE wins over a running request): stop generating for nobody. The
+        commit then finds the session gone, a 404; so does a run stopped before its prompt was read."""
+        self.deleted = True
+        self.cancel()
 
     async def _main(self) -> None:
         rt, size = self.rt, self.rt.engine.window_len
@@ -162,6 +169,8 @@ class Run:
         if self.params is not None:
             m.request_generation_tokens.observe(done.completion_tokens)
         if done.state is None and done.finish_reason == "cancelled":
+            if self.deleted:
+                raise SessionNotFound(f"session {self.session_id!r} was deleted")
             if self.rt.draining:
                 raise Unavailable("the server is shutting down: the request was cancelled before its text was "
                                   "read; nothing was stored")

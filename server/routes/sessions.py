@@ -86,6 +86,9 @@ async def get_session(session_id: str, rt: Runtime = Depends(runtime),
 async def delete_session(session_id: str, rt: Runtime = Depends(runtime), who: str | None = Depends(owner)) -> dict:
     await rt.store.delete(session_id, owner=who)
     rt.hot.deleted(session_id)
+    for run in list(rt.runs):  # a request running on it here stops within a step, and ends with a 404
+        if run.session_id == session_id and run.owner == who:
+            run.session_deleted()
     return {"id": session_id, "object": "session.deleted", "deleted": True}
 
 

@@ -139,6 +139,9 @@ def _best_so_far(best: Path) -> float:
 def train(args: TrainArgs) -> dict[str, Any]:
     from model.data import OrderedIterator
 
+    if not args.resume and (Path(args.out) / "config.json").exists():  # hours of training, overwritten unasked
+        raise ConfigError(f"{args.out} already holds a checkpoint: pass --resume to continue its training, or "
+                          "choose another --out")
     corpus, tokenizer = load_training_corpus(args)
     cfg, opt = resolve(args, tokenizer.vocab_size)
     rank, world, device = _dist_setup(pick_device(args.device))

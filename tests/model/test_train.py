@@ -15,7 +15,7 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.train import TrainArgs, train
 from model.transformer_xl import MemTransformerLM
 from tests.model.test_transformer_xl import tiny_config
-from txlserve.errors import CheckpointError
+from txlserve.errors import CheckpointError, ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,6 +85,14 @@ def test_resume_refuses_a_different_model(corpus, tmp_path):
     with pytest.raises(ConfigError, match="another model config"):
         train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=4, n_layer=3, resume=True,
                         progress=False))
+
+
+def test_a_run_without_resume_does_not_overwrite_a_checkpoint(corpus, tmp_path):
+    train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=2, progress=False))
+    before = (tmp_path / "model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="--resume"):
+        train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=2, seed=7, progress=False))
+    assert (tmp_path / "model.safetensors").read_bytes() == before
 
 
 def test_metrics_and_checkpoint_metadata(corpus, tmp_path):

@@ -189,6 +189,15 @@ def test_environment_defaults(server: LiveServer, monkeypatch: pytest.MonkeyPatc
         assert [m.id for m in client.models.list()] == [MODEL]
 
 
+def test_the_openai_sdks_base_url_and_a_session_id_no_header_can_hold(server: LiveServer) -> None:
+    """base_url ".../v1", as the OpenAI SDK takes it, names the same server (it had asked /v1/v1/models); an id
+    outside ASCII is the server's to refuse (404), not a UnicodeEncodeError while building the routing header."""
+    with Client(base_url=server.url + "/v1/", max_retries=0) as client:
+        assert client.base_url == server.url and [m.id for m in client.models.list()] == [MODEL]
+        with pytest.raises(NotFoundError):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1, session_id="\u2603")
+
+
 def test_connection_error() -> None:
     with Client(base_url="http://127.0.0.1:9", max_retries=0) as client:
         with pytest.raises(APIConnectionError, match="at http://127.0.0.1:9 "):  # where it tried

@@ -69,8 +69,10 @@ def completion_body(model: str, prompt: Prompt, stream: bool, options: Mapping[s
 def completion_call(body: dict[str, Any]) -> Call[Completion]:
     sid = body.get("session_id")
     # X-Session-Id lets a load balancer send a session's requests to the replica that holds it hot
+    routable = isinstance(sid, str) and sid.isascii() and sid.isprintable()  # a header holds ASCII (no server's
+    # id is anything else: the body still names it, and the server answers for it)
     return Call("POST", "/v1/completions", Completion.from_dict, json=body, retry=sid is None,
-                headers={"x-session-id": str(sid)} if sid else None)
+                headers={"x-session-id": sid} if sid and routable else None)
 
 
 def _sid(session_id: str) -> str:
@@ -176,6 +178,7 @@ class BaseClient:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
         self.base_url = (base_url or os.environ.get("TXLSERVE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
+        self.base_url = self.base_url.removesuffix("/v1")  # the OpenAI SDK's form of the same server's URL
         self.api_key = api_key if api_key is not None else os.environ.get("TXLSERVE_API_KEY") or None
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
         self.max_retries = max_retries

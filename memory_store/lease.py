@@ -40,6 +40,7 @@ class Lease:
         self.session = session
         self.token = token
         self.clock = clock  # Redis's clock as the lease was taken: its commits' deadlines
+        self.on_lost: Callable[[], None] | None = None  # called once a renewal finds the lease gone
         self.lost = False
         self._tier = tier
         self._on_release = on_release
@@ -71,7 +72,10 @@ class Lease:
                 continue
             if not renewed:
                 self.lost = True
-                log.warning("lease on session %s expired or was taken over", self.session_id)
+                log.warning("lease on session %s expired, was taken over, or the session was deleted",
+                            self.session_id)
+                if self.on_lost is not None:  # its holder stops working for a commit that cannot land
+                    self.on_lost()
                 return
 
     async def release(self) -> None:

@@ -22,7 +22,7 @@ from model.engine import TokenEvent
 from model.sampling import SamplingParams
 from server.runtime import Runtime
 from server.scheduler import EngineRequest, Finished, PromptScores
-from txlserve.errors import Overloaded, RequestCancelled, SessionNotFound, Unavailable
+from txlserve.errors import Overloaded, RequestCancelled, SessionConflict, SessionNotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class Run:
         self.request: EngineRequest | None = None
         self.cancelled = False
         self.deleted = False
+        self.lost = False
         self.started = time.monotonic()
         self.task = asyncio.create_task(self._main())
         rt.track(self)
@@ -72,6 +73,12 @@ class Run:
         self.cancelled = True
         if self.request is not None:
             self.request.cancel()
+
+    def lease_lost(self) -> None:
+        """A renewal found the lease gone (the session deleted through another replica, or the lease expired
+        while Redis was away and another request took it): whatever this run makes cannot be committed."""
+        self.lost = True
+        self.cancel()
 
     def session_deleted(self) -> None:
         """Its session was deleted (a DELETE wins over a running request): stop generating for nobody. The
@@ -96,6 +103,7 @@ class Run:
                 await self.events.put(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
             async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
+                lease.on_lost = self.lease_lost  # deleted on another replica, say: stop within a step
                 info = lease.session.info
                 cached = info.tokens_seen
                 t0 = time.monotonic()
@@ -171,6 +179,9 @@ class Run:
         if done.state is None and done.finish_reason == "cancelled":
             if self.deleted:
                 raise SessionNotFound(f"session {self.session_id!r} was deleted")
+            if self.lost:
+                raise SessionConflict(f"the lease on session {self.session_id!r} was lost (the session was deleted, "
+                                      "or another request took it); nothing was stored")
             if self.rt.draining:
                 raise Unavailable("the server is shutting down: the request was cancelled before its text was "
                                   "read; nothing was stored")

@@ -289,3 +289,33 @@ def test_websocket_cancel_or_leave_while_the_prompt_is_read_stores_nothing(serve
     with connect(server.url.replace("http://", "ws://") + "/v1/ws") as conn:
         conn.send(json.dumps(create))
     assert settled(server, sid)["tokens_seen"] == len("Kept  more") + 2  # left while it was read: nothing stored
+
+
+def test_a_session_deleted_through_another_replica_stops_the_request_running_on_it(checkpoint, redis_url, tmp_path):
+    """Another replica's DELETE removes the session's keys, its lease among them: this server hears of it only
+    when its lease's renewal fails, and the request stops then (it had run to its commit: 200,000 tokens)."""
+    import redis as redis_py
+
+    from memory_store.redis_tier import lease_key, ring_key, session_key
+
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path,
+                     args=("--lease-ttl-ms", "600", "--max-tokens-limit", str(LONG))).start()  # renewed every 0.2 s
+    try:
+        sid = httpx.post(srv.url + "/v1/sessions", json={"text": "gone "}, timeout=30).json()["id"]
+        lines = []
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "x", "max_tokens": LONG, "stream": True, "session_id": sid}) as r:
+            for i, line in enumerate(r.iter_lines()):
+                if i == 1:
+                    other = redis_py.Redis.from_url(redis_url)
+                    other.delete(session_key(sid), lease_key(sid), ring_key(sid))  # as a DELETE does, elsewhere
+                    other.close()
+                if line:
+                    lines.append(line)
+    finally:
+        srv.stop()
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2][len("data: "):])["error"]
+    assert err["code"] in ("session_not_found", "session_conflict"), err
+    assert len(lines) < LONG // 4, len(lines)  # stopped at a renewal, not at its 200,000th token
+

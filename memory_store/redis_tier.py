@@ -385,26 +385,31 @@ class RedisTier:
                 await pipe.execute()
 
     async def scan_index(
-        self, owner: str | None, *, after: tuple[int, str] | None, count: int
+        self, owner: str | None, *, after: tuple[int, str] | None, count: int, newest_first: bool = False
     ) -> list[tuple[int, str, bytes]]:
-        """Up to ``count`` (created_ms, session id, header) of live sessions after the cursor, oldest first.
+        """Up to ``count`` (created_ms, session id, header) of live sessions after the cursor, oldest first (or
+        newest first: "after" then means older).
 
         Entries whose session key is gone (expired or deleted) are skipped and
         removed from the index.
         """
         live: list[tuple[int, str, bytes]] = []
         dead: list[str] = []
-        offset, min_score = 0, (after[0] if after else 0)
+        offset, bound = 0, (after[0] if after else None)
         with self._translate():
             while len(live) < count:
-                rows = await self._client.zrangebyscore(
-                    owner_key(owner), min_score, "+inf", start=offset, num=count, withscores=True
-                )
+                if newest_first:  # score, then id, both descending: the ascending order reversed
+                    rows = await self._client.zrevrangebyscore(
+                        owner_key(owner), "+inf" if bound is None else bound, 0, start=offset, num=count,
+                        withscores=True)
+                else:
+                    rows = await self._client.zrangebyscore(
+                        owner_key(owner), bound or 0, "+inf", start=offset, num=count, withscores=True)
                 if not rows:
                     break
                 offset += len(rows)
                 entries = [(int(score), member.decode()) for member, score in rows]
-                entries = [e for e in entries if after is None or e > after]  # ties on the score: by id
+                entries = [e for e in entries if after is None or (e < after if newest_first else e > after)]
                 async with self._client.pipeline(transaction=False) as pipe:
                     for _, session_id in entries:
                         pipe.hget(session_key(session_id), "header")

@@ -201,16 +201,20 @@ class MemoryStore:
             return self._info(session_id, header)
 
     async def list(
-        self, *, owner: str | None = None, limit: int = 20, after: str | None = None
+        self, *, owner: str | None = None, limit: int = 20, after: str | None = None, order: str = "asc"
     ) -> tuple[list[SessionInfo], str | None]:
-        """One page of the owner's sessions, oldest first, and the cursor of the next page (or None).
+        """One page of the owner's sessions, oldest first (``order="desc"``: newest first), and the cursor of the
+        next page (or None).
 
         Index entries whose session expired or was deleted are skipped, then pruned.
         """
         with self.metrics.timed("list"):
             if not isinstance(limit, int) or not 1 <= limit <= 1000:
                 raise InvalidRequestError(f"limit must be in 1..1000, got {limit!r}", param="limit")
-            rows = await self._redis.scan_index(owner, after=_parse_cursor(after), count=limit + 1)
+            if order not in ("asc", "desc"):
+                raise InvalidRequestError(f"order must be asc or desc, got {order!r}", param="order")
+            rows = await self._redis.scan_index(owner, after=_parse_cursor(after), count=limit + 1,
+                                                newest_first=order == "desc")
             page = rows[:limit]
             infos = []
             for _, session_id, raw in page:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 
@@ -67,12 +68,15 @@ async def create_session(request: Request, body: SessionCreate | None = None, rt
 @router.get("", response_model=SessionList)
 async def list_sessions(request: Request, limit: int = Query(20, ge=1, le=100),
                         after: str | None = Query(None, max_length=200),
+                        order: Literal["asc", "desc"] = Query("asc", description="by creation: asc, oldest first "
+                                                              "(the default), or desc, newest first, as OpenAI's "
+                                                              "lists take it"),
                         rt: Runtime = Depends(runtime), who: str | None = Depends(owner)) -> SessionList:
-    unknown = sorted(set(request.query_params) - {"limit", "after"})
+    unknown = sorted(set(request.query_params) - {"limit", "after", "order"})
     if unknown:  # a pager that sends ?cursor= would get the first page for ever
-        raise InvalidRequestError(f"unknown query parameter {unknown[0]!r}: pages are asked for with 'limit' and "
-                                  "'after' (the previous page's next_cursor)", param=unknown[0])
-    infos, cursor = await rt.store.list(owner=who, limit=limit, after=after)
+        raise InvalidRequestError(f"unknown query parameter {unknown[0]!r}: pages are asked for with 'limit', "
+                                  "'after' (the previous page's next_cursor) and 'order'", param=unknown[0])
+    infos, cursor = await rt.store.list(owner=who, limit=limit, after=after, order=order)
     return SessionList(data=[session_object(rt, i) for i in infos], has_more=cursor is not None, next_cursor=cursor)
 
 

@@ -64,15 +64,15 @@ function busy(delta) { pending += delta; document.body.dataset.pending = String(
 async function refreshList() {
   busy(+1);
   try {
-    // every page (oldest first, at most 1,000 sessions), shown newest first
+    // the newest 1,000 sessions at most, newest first
     let all = [], cursor = null;
     for (let i = 0; i < 10; i++) {
-      const page = await api("GET", "/v1/sessions?limit=100" + (cursor ? "&after=" + encodeURIComponent(cursor) : ""));
+      const page = await api("GET", "/v1/sessions?order=desc&limit=100" +
+                             (cursor ? "&after=" + encodeURIComponent(cursor) : ""));
       all = all.concat(page.data);
       if (!page.has_more) break;
       cursor = page.next_cursor;
     }
-    all.reverse();
     const list = $("sessions");
     list.replaceChildren();
     for (const s of all) {

@@ -190,6 +190,15 @@ async def test_list_by_owner_with_pagination(store: MemoryStore) -> None:
         if cursor is None:
             break
     assert pages == 3 and seen == ids  # oldest first, each exactly once
+    newest, cursor = [], None
+    while True:  # OpenAI's order=desc: newest first, pages of older ones after
+        page, cursor = await store.list(owner=owner, limit=2, after=cursor, order="desc")
+        newest += [info.session_id for info in page]
+        if cursor is None:
+            break
+    assert newest == ids[::-1]
+    with pytest.raises(InvalidRequestError):
+        await store.list(owner=owner, order="sideways")
     assert [i.metadata["i"] for i in (await store.list(owner=owner, limit=5))[0]] == list(range(5))
     assert (await store.list(owner=owner, limit=5))[1] is None
     with pytest.raises(InvalidRequestError):

@@ -194,6 +194,9 @@ def test_session_crud(server):
     assert listed["object"] == "list" and s["id"] in [x["id"] for x in listed["data"]]
     page = httpx.get(f"{server.url}/v1/sessions", params={"limit": 1}).json()
     assert len(page["data"]) == 1 and page["has_more"] is True and page["next_cursor"]
+    newest = httpx.get(f"{server.url}/v1/sessions", params={"limit": 1, "order": "desc"}).json()
+    assert [x["id"] for x in newest["data"]] == [s["id"]]  # the one just made, as the playground lists them
+    assert httpx.get(f"{server.url}/v1/sessions", params={"order": "sideways"}).status_code == 400
     r = httpx.delete(f"{server.url}/v1/sessions/{s['id']}")
     assert r.json() == {"id": s["id"], "object": "session.deleted", "deleted": True}
     assert httpx.get(f"{server.url}/v1/sessions/{s['id']}").status_code == 404

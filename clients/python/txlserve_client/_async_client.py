@@ -116,11 +116,13 @@ class AsyncSessions:
     async def get(self, session_id: str) -> Session:
         return await self._client._call(api.session_get_call(session_id))
 
-    async def list(self, *, limit: int | None = None, after: str | None = None) -> AsyncSessionPage:
+    async def list(self, *, limit: int | None = None, after: str | None = None,
+                   order: Literal["asc", "desc"] | None = None) -> AsyncSessionPage:
         async def fetch(cursor: str) -> AsyncSessionPage:
-            return await self.list(limit=limit, after=cursor)
+            return await self.list(limit=limit, after=cursor, order=order)
 
-        return AsyncSessionPage(**await self._client._call(api.session_list_call(limit, after)), _fetch=fetch)
+        return AsyncSessionPage(**await self._client._call(api.session_list_call(limit, after, order)),
+                                _fetch=fetch)
 
     async def delete(self, session_id: str) -> SessionDeleted:
         return await self._client._call(api.session_delete_call(session_id))

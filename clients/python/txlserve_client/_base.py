@@ -95,9 +95,9 @@ def _page(body: dict[str, Any]) -> dict[str, Any]:
             "next_cursor": body.get("next_cursor")}
 
 
-def session_list_call(limit: int | None, after: str | None) -> Call[dict[str, Any]]:
+def session_list_call(limit: int | None, after: str | None, order: str | None = None) -> Call[dict[str, Any]]:
     """The fields of a page: the sync and async clients wrap them in their own page type."""
-    params = {k: v for k, v in (("limit", limit), ("after", after)) if v is not None}
+    params = {k: v for k, v in (("limit", limit), ("after", after), ("order", order)) if v is not None}
     return Call("GET", "/v1/sessions", _page, params=params, retry=True)
 
 

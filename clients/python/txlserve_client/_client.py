@@ -122,12 +122,14 @@ class Sessions:
     def get(self, session_id: str) -> Session:
         return self._client._call(api.session_get_call(session_id))
 
-    def list(self, *, limit: int | None = None, after: str | None = None) -> SessionPage:
-        """One page of sessions, oldest first; ``page.iter_all()`` continues through the later pages."""
+    def list(self, *, limit: int | None = None, after: str | None = None,
+             order: Literal["asc", "desc"] | None = None) -> SessionPage:
+        """One page of sessions, oldest first (``order="desc"``: newest first); ``page.iter_all()`` continues
+        through the later pages."""
         def fetch(cursor: str) -> SessionPage:
-            return self.list(limit=limit, after=cursor)
+            return self.list(limit=limit, after=cursor, order=order)
 
-        return SessionPage(**self._client._call(api.session_list_call(limit, after)), _fetch=fetch)
+        return SessionPage(**self._client._call(api.session_list_call(limit, after, order)), _fetch=fetch)
 
     def delete(self, session_id: str) -> SessionDeleted:
         return self._client._call(api.session_delete_call(session_id))

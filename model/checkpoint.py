@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from model.bundled import not_a_directory
 from model.config import TXLConfig
 from model.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_dict
 from model.transformer_xl import MemTransformerLM
@@ -92,7 +93,7 @@ def save_checkpoint(model: MemTransformerLM, out_dir: str | Path, *, training: d
 def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
     path = Path(ckpt_dir) / CONFIG
     if not Path(ckpt_dir).is_dir():
-        raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist")
+        raise CheckpointError(not_a_directory(ckpt_dir))
     try:
         meta = json.loads(path.read_text())
     except FileNotFoundError:

@@ -25,6 +25,20 @@ def test_bundled_checkpoint_is_complete_and_small():
     assert ckpt.fingerprint == meta["fingerprint"]
 
 
+def test_a_file_given_as_the_checkpoint_is_named_for_what_it_is(tmp_path):
+    """A file where the directory was meant said "directory ... does not exist"; a pickle says it is refused."""
+    from txlserve.errors import CheckpointError
+
+    (tmp_path / "model.pt").write_bytes(b"\x80\x04")
+    (tmp_path / "notes.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"model\.pt is a pickle, which txlserve never loads.*model\.safetensors"):
+        resolve_checkpoint(tmp_path / "model.pt")
+    with pytest.raises(CheckpointError, match=r"notes\.json is a file: a checkpoint is a directory"):
+        load_checkpoint(tmp_path / "notes.json")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_checkpoint(tmp_path / "nothing")
+
+
 @pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason="needs ../shared/data/shakespeare beside the repo")
 def test_recorded_test_bpc_reproduces():
     from model.data import load_corpus

@@ -124,7 +124,7 @@ def _tiers(text: str) -> str:
     for name in filter(None, (x.strip() for x in text.split(","))):
         if name not in ("bundled", "wt103"):
             shape_arg(name)  # LxD, or argparse's one-line refusal
-    return text
+    return text.lower()
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:

@@ -40,7 +40,8 @@ class Lease:
         self.session = session
         self.token = token
         self.clock = clock  # Redis's clock as the lease was taken: its commits' deadlines
-        self.on_lost: Callable[[], None] | None = None  # called once a renewal finds the lease gone
+        # called once a renewal finds the lease gone, with whether the session went with it (deleted)
+        self.on_lost: Callable[[bool], None] | None = None
         self.lost = False
         self._tier = tier
         self._on_release = on_release
@@ -70,12 +71,12 @@ class Lease:
                 # Keep trying: if Redis is back before the TTL runs out, nothing was lost.
                 log.warning("could not renew the lease on session %s: %s", self.session_id, err)
                 continue
-            if not renewed:
+            if renewed <= 0:
                 self.lost = True
-                log.warning("lease on session %s expired, was taken over, or the session was deleted",
-                            self.session_id)
+                log.warning("lease on session %s %s", self.session_id,
+                            "ended: the session was deleted" if renewed < 0 else "expired or was taken over")
                 if self.on_lost is not None:  # its holder stops working for a commit that cannot land
-                    self.on_lost()
+                    self.on_lost(renewed < 0)
                 return
 
     async def release(self) -> None:

@@ -159,8 +159,10 @@ redis.call('DEL', KEYS[3])
 return 'OK'
 """
 
+# 1: renewed; 0: the lease is gone (expired, taken); -1: and so is the session (deleted). KEYS: lease, session.
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 return 0
 """
 
@@ -395,21 +397,27 @@ class RedisTier:
         """
         live: list[tuple[int, str, bytes]] = []
         dead: list[str] = []
-        offset, bound = 0, (after[0] if after else None)
+        key, cursor = owner_key(owner), after
         with self._translate():
             while len(live) < count:
+                # Each batch starts from the last entry read, by key, not by an offset: a session made or dropped
+                # between batches shifts offsets (a listing saw one twice, or skipped one for good). Entries that
+                # share the cursor's score (sessions made in one millisecond by two processes) come first, so the
+                # batch asks for that many more.
+                ties = 0 if cursor is None else await self._client.zcount(key, cursor[0], cursor[0])
                 if newest_first:  # score, then id, both descending: the ascending order reversed
                     rows = await self._client.zrevrangebyscore(
-                        owner_key(owner), "+inf" if bound is None else bound, 0, start=offset, num=count,
+                        key, "+inf" if cursor is None else cursor[0], "-inf", start=0, num=count + ties,
                         withscores=True)
                 else:
                     rows = await self._client.zrangebyscore(
-                        owner_key(owner), bound or 0, "+inf", start=offset, num=count, withscores=True)
-                if not rows:
-                    break
-                offset += len(rows)
+                        key, "-inf" if cursor is None else cursor[0], "+inf", start=0, num=count + ties,
+                        withscores=True)
                 entries = [(int(score), member.decode()) for member, score in rows]
-                entries = [e for e in entries if after is None or (e < after if newest_first else e > after)]
+                entries = [e for e in entries if cursor is None or (e < cursor if newest_first else e > cursor)]
+                if not entries:
+                    break
+                cursor = entries[-1]
                 async with self._client.pipeline(transaction=False) as pipe:
                     for _, session_id in entries:
                         pipe.hget(session_key(session_id), "header")
@@ -482,10 +490,11 @@ class RedisTier:
             return reply.decode(), None, None
         return reply[0].decode(), reply[1], RedisClock(int(reply[2]) * 1000 + int(reply[3]) / 1000, arrived)
 
-    async def renew(self, session_id: str, token: str) -> bool:
+    async def renew(self, session_id: str, token: str) -> int:
         """Extend the lease if ``token`` still holds it."""
         with self._translate():
-            return bool(await self._renew(keys=[lease_key(session_id)], args=[token, self._lease_ttl_ms]))
+            return int(await self._renew(keys=[lease_key(session_id), session_key(session_id)],
+                                         args=[token, self._lease_ttl_ms]))
 
     async def release(self, session_id: str, token: str) -> bool:
         with self._translate():

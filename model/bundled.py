@@ -15,7 +15,7 @@ def not_a_directory(ckpt_dir: str | Path) -> str:
     path = Path(ckpt_dir)
     if not path.exists():
         return f"checkpoint directory {ckpt_dir} does not exist"
-    if path.suffix in (".bin", ".pt", ".pth", ".pkl", ".ckpt"):
+    if path.suffix.lower() in (".bin", ".pt", ".pth", ".pkl", ".ckpt"):
         return (f"{ckpt_dir} is a pickle, which txlserve never loads: a checkpoint is a directory holding config.json "
                 "and model.safetensors (a Hugging Face download converts with 'txlserve import hf')")
     return f"{ckpt_dir} is a file: a checkpoint is a directory holding config.json and model.safetensors"

@@ -74,10 +74,10 @@ class Run:
         if self.request is not None:
             self.request.cancel()
 
-    def lease_lost(self) -> None:
-        """A renewal found the lease gone (the session deleted through another replica, or the lease expired
-        while Redis was away and another request took it): whatever this run makes cannot be committed."""
-        self.lost = True
+    def lease_lost(self, deleted: bool) -> None:
+        """A renewal found the lease gone (the session deleted through another replica or worker, or the lease
+        expired while Redis was away and another request took it): whatever this run makes cannot be committed."""
+        self.lost, self.deleted = True, self.deleted or deleted
         self.cancel()
 
     def session_deleted(self) -> None:

@@ -57,6 +57,7 @@ def device(text: str) -> str:
 def shape(text: str) -> str:
     """``LxD``: layers by d_model, e.g. 12x512."""
     parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected LAYERSxD_MODEL such as 12x512, got {text!r}")
-    return text
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts) or int(parts[1]) % 64:
+        raise argparse.ArgumentTypeError(f"expected LAYERSxD_MODEL such as 12x512 (d_model a multiple of 64, the "
+                                         f"heads' width), got {text!r}")
+    return text.lower()

@@ -219,6 +219,44 @@ async def test_list_skips_and_prunes_vanished_sessions(store: MemoryStore, raw: 
     assert await raw.zcard(owner_key(owner)) == 2
 
 
+@pytest.mark.parametrize("order", ["asc", "desc"])
+@pytest.mark.parametrize("between", ["a session is made", "a listed session is deleted"])
+async def test_a_listing_sees_each_session_once_while_others_come_and_go(
+        store: MemoryStore, raw: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch, order: str,
+        between: str) -> None:
+    """A page needs a second batch from the index when dead entries fill the first; a session made or deleted in
+    between had shifted the offsets the batches were read by: a listing saw one twice, or skipped one for good
+    (found in review). Batches now start from the last entry read."""
+    owner = new_owner()
+    ids = [(await store.create(owner=owner, tensors=make_state(), mem_len=8)).session_id for _ in range(8)]
+    dead = ids[:3] if order == "asc" else ids[-3:]  # the first batch's entries, nearly all dead
+    await raw.delete(*(session_key(i) for i in dead))
+    client = store._redis._client
+    name = "zrangebyscore" if order == "asc" else "zrevrangebyscore"
+    real, calls, made = getattr(client, name), [], []
+
+    async def batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # between the batches
+            if between == "a session is made":
+                made.append((await store.create(owner=owner, tensors=make_state(), mem_len=8)).session_id)
+            else:
+                await raw.zrem(owner_key(owner), dead[0])  # another listing prunes an entry already read
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(client, name, batch)
+    listed, cursor = [], None
+    while True:
+        page, cursor = await store.list(owner=owner, limit=3, after=cursor, order=order)
+        listed += [i.session_id for i in page]
+        if cursor is None:
+            break
+    assert len(calls) >= 2  # the case this is about came up
+    live = [i for i in ids if i not in dead]
+    assert len(listed) == len(set(listed))  # none twice
+    assert set(live) <= set(listed) <= set(live) | set(made)  # none skipped
+
+
 async def test_idle_ttl_expires_sessions(redis_url: str, raw: redis.asyncio.Redis) -> None:
     async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=3) as store:
         owner = new_owner()

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 
@@ -178,7 +178,8 @@ class BaseClient:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
         self.base_url = (base_url or os.environ.get("TXLSERVE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
-        self.base_url = self.base_url.removesuffix("/v1")  # the OpenAI SDK's form of the same server's URL
+        if urlsplit(self.base_url).path.endswith("/v1"):  # the OpenAI SDK's form of the same server's URL
+            self.base_url = self.base_url.removesuffix("/v1")
         self.api_key = api_key if api_key is not None else os.environ.get("TXLSERVE_API_KEY") or None
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
         self.max_retries = max_retries

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from txlserve.args import device, real
+from txlserve.args import count, device, real
 from txlserve.errors import ConfigError
 
 MODEL = "bench-model"  # the name a spawned server gets; with --url, read from /v1/models
@@ -591,33 +591,8 @@ def _spawned_qos(flag: int | None) -> int | None:
 
 
 def _counts(text: str) -> tuple[int, ...]:
-    try:
-        counts = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive stream counts, got {text!r}")
-    return counts
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
-    return value
+    """Stream counts, e.g. 1,16,64."""
+    return tuple(count(1)(x) for x in text.split(","))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -625,18 +600,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="an already running server (default: start one)")
     p.add_argument("--concurrency", type=_counts, default=(1, 16, 64), help="streams, e.g. 1,16,64")
     p.add_argument("--duration", type=real(0, above=True), default=10, help="seconds of load per concurrency")
-    p.add_argument("--rounds", type=_positive, default=3,
+    p.add_argument("--rounds", type=count(1), default=3,
                    help="alternations of the engine alone, the engine waking a thread once a step, the engine loop "
                         "alone and the load per concurrency, the duration split among them (each round's ratios "
                         "are reported, and their median)")
-    p.add_argument("--max-tokens", type=_positive, default=64,
+    p.add_argument("--max-tokens", type=count(1), default=64,
                    help="each request's (its mean with --random-range-ratio)")
-    p.add_argument("--random-range-ratio", type=_ratio, default=0.0,
+    p.add_argument("--random-range-ratio", type=real(0, 1, below=True), default=0.0,
                    help="spread each request's max_tokens uniformly over max-tokens x [1 - r, 1 + r] (as vLLM's "
                         "bench does); 0: every request the same length, so the streams end together and turn "
                         "around in herds")
     p.add_argument("--seed", type=int, default=0, help="seed of the lengths --random-range-ratio draws")
-    p.add_argument("--stream-interval", type=_positive, default=1,
+    p.add_argument("--stream-interval", type=count(1), default=1,
                    help="the spawned server's and the engine loop's --stream-interval (with --url: the engine "
                         "loop's only; give the server the same)")
     p.add_argument("--cpu-latency-qos-us", type=int, default=None,
@@ -649,7 +624,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="the engine alone, the engine loop and the spawned server run their steps op by op (as "
                         "the server's --enforce-eager): no CUDA graphs, no traced graphs, no C kernels")
-    p.add_argument("--workers", type=_positive, default=1,
+    p.add_argument("--workers", type=count(1), default=1,
                    help="the spawned server's --workers (its threads default to each worker's share); the engine "
                         "alone stays one process, so with N > 1 the ratios compare N engines with one")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")

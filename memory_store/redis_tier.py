@@ -181,6 +181,11 @@ class RedisClock:
     redis_ms: float
     at: float  # time.monotonic() when the reply arrived
 
+    @classmethod
+    def read(cls, seconds: bytes | int, micros: bytes | int) -> RedisClock:
+        """From a TIME reply just arrived."""
+        return cls(int(seconds) * 1000 + int(micros) / 1000, time.monotonic())
+
     def now_ms(self) -> float:
         """At most what Redis's clock reads now (the clocks assumed to run at one rate)."""
         return self.redis_ms + (time.monotonic() - self.at) * 1000
@@ -374,7 +379,7 @@ class RedisTier:
             reply = await self._write(keys=keys, args=args)
         if isinstance(reply, list):  # EXPIRED, with the clock of the node that ran it
             if on_expired is not None:
-                on_expired(RedisClock(int(reply[1]) * 1000 + int(reply[2]) / 1000, time.monotonic()))
+                on_expired(RedisClock.read(reply[1], reply[2]))
             return reply[0].decode()
         return reply.decode()
 
@@ -485,10 +490,9 @@ class RedisTier:
                     self._touch(pipe, owner_key(owner))
 
                 reply = (await self._pipeline(build))[0]
-        arrived = time.monotonic()
         if isinstance(reply, bytes):
             return reply.decode(), None, None
-        return reply[0].decode(), reply[1], RedisClock(int(reply[2]) * 1000 + int(reply[3]) / 1000, arrived)
+        return reply[0].decode(), reply[1], RedisClock.read(reply[2], reply[3])
 
     async def renew(self, session_id: str, token: str) -> int:
         """Extend the lease if ``token`` still holds it."""

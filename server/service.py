@@ -75,15 +75,11 @@ class Run:
             self.request.cancel()
 
     def lease_lost(self, deleted: bool) -> None:
-        """A renewal found the lease gone (the session deleted through another replica or worker, or the lease
-        expired while Redis was away and another request took it): whatever this run makes cannot be committed."""
+        """Its lease is gone: ``deleted``, the session with it (a DELETE wins over a running request, here or
+        through another replica or worker), else it expired while Redis was away and another request took it.
+        Whatever this run makes cannot be committed: it stops, and ends with a 404 (deleted) or a 409, whether
+        its prompt was read or not."""
         self.lost, self.deleted = True, self.deleted or deleted
-        self.cancel()
-
-    def session_deleted(self) -> None:
-        """Its session was deleted (a DELETE wins over a running request): stop generating for nobody. The
-        commit then finds the session gone, a 404; so does a run stopped before its prompt was read."""
-        self.deleted = True
         self.cancel()
 
     async def _main(self) -> None:
@@ -103,7 +99,7 @@ class Run:
                 await self.events.put(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
             async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
-                lease.on_lost = self.lease_lost  # deleted on another replica, say: stop within a step
+                lease.on_lost = self.lease_lost  # deleted through another replica, say: stop within a step
                 info = lease.session.info
                 cached = info.tokens_seen
                 t0 = time.monotonic()
@@ -180,8 +176,8 @@ class Run:
             if self.deleted:
                 raise SessionNotFound(f"session {self.session_id!r} was deleted")
             if self.lost:
-                raise SessionConflict(f"the lease on session {self.session_id!r} was lost (the session was deleted, "
-                                      "or another request took it); nothing was stored")
+                raise SessionConflict(f"the lease on session {self.session_id!r} expired or another request took it; "
+                                      "nothing was stored")
             if self.rt.draining:
                 raise Unavailable("the server is shutting down: the request was cancelled before its text was "
                                   "read; nothing was stored")

@@ -28,8 +28,9 @@ def count(least: int = 1, most: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def real(least: float, most: float | None = None, *, above: bool = False) -> Callable[[str], float]:
-    """A finite number from ``least`` (or above it, with ``above``) to ``most``."""
+def real(least: float, most: float | None = None, *, above: bool = False,
+         below: bool = False) -> Callable[[str], float]:
+    """A finite number from ``least`` (or above it, with ``above``) to ``most`` (or below it, with ``below``)."""
 
     def parse(text: str) -> float:
         try:
@@ -37,10 +38,11 @@ def real(least: float, most: float | None = None, *, above: bool = False) -> Cal
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
         low_ok = value > least if above else value >= least
-        if not (math.isfinite(value) and low_ok and (most is None or value <= most)):
+        high_ok = most is None or (value < most if below else value <= most)
+        if not (math.isfinite(value) and low_ok and high_ok):
             bound = f"above {least:g}" if above else f"from {least:g}"
-            raise argparse.ArgumentTypeError(f"expected a number {bound}"
-                                             + (f" to {most:g}" if most is not None else "") + f", got {text}")
+            top = "" if most is None else f" {'to below' if below else 'to'} {most:g}"
+            raise argparse.ArgumentTypeError(f"expected a number {bound}{top}, got {text}")
         return value
 
     return parse

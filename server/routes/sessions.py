@@ -92,7 +92,7 @@ async def delete_session(session_id: str, rt: Runtime = Depends(runtime), who: s
     rt.hot.deleted(session_id)
     for run in list(rt.runs):  # a request running on it here stops within a step, and ends with a 404
         if run.session_id == session_id and run.owner == who:
-            run.session_deleted()
+            run.lease_lost(deleted=True)
     return {"id": session_id, "object": "session.deleted", "deleted": True}
 
 

@@ -539,7 +539,8 @@ async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int) -> d
 def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration: float = 10, max_tokens: int = 64,
         doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
         rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0, stream_interval: int = 1,
-        cpu_latency_qos_us: int | None = None, enforce_eager: bool = False, workers: int = 1) -> dict[str, Any]:
+        cpu_latency_qos_us: int | None = None, enforce_eager: bool = False, workers: int = 1,
+        engine_process: bool = False) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
     from server.cpu_latency import guest_halt_poll_ns
@@ -552,6 +553,7 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
     with tempfile.TemporaryDirectory(prefix="txl-bench-serve-") as data_dir:
         qos = [] if cpu_latency_qos_us is None else ["--cpu-latency-qos-us", str(cpu_latency_qos_us)]
         qos += ["--enforce-eager"] if enforce_eager else []
+        qos += ["--engine-process"] if engine_process else []
         server = None if url else _Server(checkpoint, data_dir, ["--device", device,
                                                                  "--stream-interval", str(stream_interval), *qos],
                                           workers)
@@ -575,7 +577,8 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                    "server_stream_interval": None if url else stream_interval,  # a running server's: unknown
                    # the spawned server's CPU latency QoS request (a flag, or its environment), in microseconds
                    "server_cpu_latency_qos_us": qos_us,
-                   "server_workers": None if url else workers})  # the engine alone is always one process
+                   "server_workers": None if url else workers,
+                   "server_engine_process": None if url else engine_process})  # the engine alone is always one process
     return result
 
 
@@ -627,6 +630,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=count(1), default=1,
                    help="the spawned server's --workers (its threads default to each worker's share); the engine "
                         "alone stays one process, so with N > 1 the ratios compare N engines with one")
+    p.add_argument("--engine-process", action="store_true",
+                   help="the spawned server's --engine-process: its engine in a process of its own")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
 
 
@@ -637,5 +642,5 @@ def main(ns: argparse.Namespace) -> int:
                          max_tokens=ns.max_tokens, doc_kb=ns.doc_kb, url=ns.url, device=ns.device,
                          rounds=ns.rounds, random_range_ratio=ns.random_range_ratio, seed=ns.seed,
                          stream_interval=ns.stream_interval, cpu_latency_qos_us=ns.cpu_latency_qos_us,
-                         enforce_eager=ns.enforce_eager, workers=ns.workers)))
+                         enforce_eager=ns.enforce_eager, workers=ns.workers, engine_process=ns.engine_process)))
     return 0

@@ -35,6 +35,7 @@ class HotStates:
         self._deleted: OrderedDict[str, None] = OrderedDict()  # recently deleted ids, most recent last
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
+        self.evicted: list[str] = []  # ids evicted since the owner last emptied it (the engine process reports them)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -60,8 +61,10 @@ class HotStates:
         if nbytes > self.budget_bytes or session_id in self._deleted:
             return False
         while self.nbytes + nbytes > self.budget_bytes:
-            self._pop(next(iter(self._entries)))
+            oldest = next(iter(self._entries))
+            self._pop(oldest)
             self.evictions += 1
+            self.evicted.append(oldest)
         self._entries[session_id] = _Entry(version, state, window, nbytes)
         self.nbytes += nbytes
         return True

@@ -31,7 +31,7 @@ class _Live(Collector):
     def collect(self) -> Iterator[Metric]:
         s, m, hot = self.scheduler, self.store.metrics, self.hot
         yield GaugeMetricFamily("txlserve_requests_running", "Requests generating in the decode batch",
-                                value=len(s.running))
+                                value=s.batch_size)
         yield GaugeMetricFamily("txlserve_requests_waiting", "Requests queued or prefilling", value=s.waiting)
         yield CounterMetricFamily("txlserve_decode_steps", "Batched decode steps", value=s.steps)
         yield GaugeMetricFamily("txlserve_hot_bytes", "Bytes of hot sessions (the engine's own form)",

@@ -14,6 +14,7 @@ from model.bundled import resolve_checkpoint
 from model.engine import Engine
 from model.train import auto_dtype, pick_device
 from server.cpu_latency import CpuLatencyQos, guest_halt_poll_ns
+from server.engine_core import EngineCore
 from server.hot_states import HotStates
 from server.metrics import Metrics
 from server.scheduler import Scheduler
@@ -38,6 +39,7 @@ class Runtime:
     closed: bool = False
     runs: set = field(default_factory=set)  # in-flight request runs, awaited at shutdown
     cpu_latency: CpuLatencyQos = field(default_factory=lambda: CpuLatencyQos(None))  # held while runs run
+    core: EngineCore | None = None  # the engine's process (--engine-process); engine and scheduler are then it
     worker: int | None = None  # this process's index among --workers (server.workers); None: the only one
     peers: str | None = None  # with workers: the directory of their metrics sockets (server.workers.all_metrics)
     _draining: asyncio.Task | None = field(default=None, repr=False)
@@ -108,18 +110,13 @@ async def open_runtime(settings: Settings) -> Runtime:
     device = pick_device(settings.device)
     dtype = auto_dtype(device) if settings.dtype == "auto" else getattr(torch, settings.dtype)
     checkpoint = resolve_checkpoint(settings.checkpoint)
+    if settings.engine_process:
+        return await _open_with_core(settings, checkpoint, device, dtype, cpu_latency)
     engine = await asyncio.to_thread(Engine.from_checkpoint, checkpoint, device=device, dtype=dtype,
                                      mem_len=settings.mem_len, clamp_len=settings.clamp_len,
                                      prefill_chunk=settings.prefill_chunk, enforce_eager=settings.enforce_eager,
                                      prefill_products=settings.prefill_products)
-    identity = ModelIdentity(fingerprint=engine.fingerprint, n_layer=engine.config.n_layer,
-                             d_model=engine.config.d_model, tokenizer=engine.tokenizer_id)
-    store = MemoryStore.from_url(settings.redis_url, identity=identity, device=device,
-                                 hot_cache_mb=0, ttl_s=settings.session_ttl_s,  # hot sessions: HotStates
-                                 data_dir=settings.data_dir, lease_ttl_ms=settings.lease_ttl_ms,
-                                 op_timeout_s=settings.store_timeout_s,
-                                 legacy_format=settings.legacy_store_format)
-    await store.start()
+    store = await _open_store(settings, engine, device)
     scheduler = Scheduler(engine, max_batch=settings.max_batch, batch_bytes=settings.batch_mb << 20,
                           prefill_chunk=engine.prefill_chunk, stream_interval=settings.stream_interval)
     scheduler.start()
@@ -130,9 +127,55 @@ async def open_runtime(settings: Settings) -> Runtime:
     hot = HotStates(settings.hot_cache_mb << 20)
     rt = Runtime(settings, engine, scheduler, store, Metrics(scheduler, store, hot, cpu_latency), hot,
                  cpu_latency=cpu_latency)
-    log.info("loaded %s (%s, %d layers, d_model %d, mem_len %d) on %s, %d torch threads; sessions in %s; "
+    return _opened(rt, checkpoint, device, torch.get_num_threads())
+
+
+async def _open_store(settings: Settings, engine: Engine | EngineCore, device: torch.device) -> MemoryStore:
+    identity = ModelIdentity(fingerprint=engine.fingerprint, n_layer=engine.config.n_layer,
+                             d_model=engine.config.d_model, tokenizer=engine.tokenizer_id)
+    store = MemoryStore.from_url(settings.redis_url, identity=identity, device=device,
+                                 hot_cache_mb=0, ttl_s=settings.session_ttl_s,  # hot sessions: HotStates
+                                 data_dir=settings.data_dir, lease_ttl_ms=settings.lease_ttl_ms,
+                                 op_timeout_s=settings.store_timeout_s,
+                                 legacy_format=settings.legacy_store_format)
+    await store.start()
+    return store
+
+
+async def _open_with_core(settings: Settings, checkpoint: str, device: torch.device, dtype: torch.dtype,
+                          cpu_latency: CpuLatencyQos) -> Runtime:
+    """The engine in its own process (server/engine_core.py): this process keeps HTTP, the store and the
+    requests' leases and commits; the engine, its scheduler and the hot sessions live there."""
+    s = settings
+    core = EngineCore({
+        "checkpoint": str(checkpoint), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "mem_len": s.mem_len, "clamp_len": s.clamp_len, "prefill_chunk": s.prefill_chunk,
+        "enforce_eager": s.enforce_eager, "prefill_products": s.prefill_products, "storage_dtype": s.storage_dtype,
+        "max_batch": s.max_batch, "batch_bytes": s.batch_mb << 20, "stream_interval": s.stream_interval,
+        "hot_bytes": s.hot_cache_mb << 20, "threads": s.threads, "processes": s.workers if s.workers > 1 else None,
+        "log_level": s.log_level, "switch_interval_ms": s.switch_interval_ms})
+    await asyncio.to_thread(core.start)
+    try:
+        store = await _open_store(settings, core, torch.device("cpu"))  # tensors here only cross the wire
+    except BaseException:
+        await asyncio.to_thread(core.stop)
+        raise
+    rt = Runtime(settings, core, core, store, Metrics(core, store, core.hot, cpu_latency), core.hot,  # type: ignore[arg-type]
+                 cpu_latency=cpu_latency, core=core)
+
+    def died(why: str) -> None:  # /ready turns 503 and new requests are refused; an orchestrator restarts us
+        rt.ready = False
+    core.on_death = died
+    core.listen(asyncio.get_running_loop())
+    return _opened(rt, checkpoint, device, core.threads)
+
+
+def _opened(rt: Runtime, checkpoint: str, device: torch.device, threads: int) -> Runtime:
+    settings, engine, store = rt.settings, rt.engine, rt.store
+    where = "in its own process, " if rt.core is not None else ""
+    log.info("loaded %s (%s, %d layers, d_model %d, mem_len %d) on %s, %s%d torch threads; sessions in %s; "
              "http://%s:%d", checkpoint, settings.model_name, engine.config.n_layer, engine.config.d_model,
-             engine.mem_len, device, torch.get_num_threads(), store.where, settings.host, settings.port)
+             engine.mem_len, device, where, threads, store.where, settings.host, settings.port)
     if settings.cpu_latency_qos_us is None and device.type == "cpu" and guest_halt_poll_ns() == 0:
         log.info("this VM's idle CPUs halt at once (guest_halt_poll_ns 0), so every token handed to the event loop "
                  "wakes one: --cpu-latency-qos-us 0 keeps them polling while requests run (one stream on a 2-vCPU "

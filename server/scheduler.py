@@ -161,6 +161,10 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="txlserve-engine", daemon=True)
 
     @property
+    def batch_size(self) -> int:
+        return len(self.running)
+
+    @property
     def waiting(self) -> int:
         return self.inbox.qsize() + len(self.prefilling) + len(self.ready)
 
@@ -190,14 +194,19 @@ class Scheduler:
         but the one that ends generation (and the PromptScores) is put there directly, and the request yields
         only that last token and the Finished: a run that streams tokens to its client and holds back the last
         one until its commit then costs the event loop one hop per token, not two."""
-        if params is not None and not ids and int(state.seen[0]) == 0:
-            raise InvalidRequestError("nothing to continue from: the prompt is empty and there is no memory "
-                                      "(no session, or an empty one)", param="prompt")
+        self.check(state, ids, params)
         loop = asyncio.get_running_loop()
         job = Job(state, list(ids), params, loop, asyncio.Queue(), stream, prev=ids[-1] if ids else None,
                   scored=scored, prompt_logprobs=prompt_logprobs)
         self.inbox.put(job)
         return EngineRequest(job)
+
+    @staticmethod
+    def check(state: DecodeState, ids: list[int], params: SamplingParams | None) -> None:
+        """Refuse what the loop cannot serve, before a job exists."""
+        if params is not None and not ids and int(state.seen[0]) == 0:
+            raise InvalidRequestError("nothing to continue from: the prompt is empty and there is no memory "
+                                      "(no session, or an empty one)", param="prompt")
 
     def _emit(self, job: Job, item: Any) -> None:
         """Queue ``item`` for its request. With ``stream_interval`` N > 1 a generated token after the first waits

@@ -10,18 +10,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from memory_store import SessionInfo
-from memory_store.codec import INLINE_BYTES, MEMS, WINDOW
+from memory_store.codec import INLINE_BYTES
 from model.cache import DecodeState
 from model.engine import TokenEvent
 from model.sampling import SamplingParams
+from server.engine_core import CoreFinished, Need
 from server.runtime import Runtime
 from server.scheduler import EngineRequest, Finished, PromptScores
+from server.session_state import extend_window, importable, persisted, rebuild_window, stored_window
 from txlserve.errors import Overloaded, RequestCancelled, SessionConflict, SessionNotFound, Unavailable
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class Run:
                  create: bool = False, history: tuple[list[int], int] | None = None,
                  prompt_logprobs: int | None = None) -> None:
         s = rt.settings
+        if rt.core is not None and rt.core.dead:
+            raise Unavailable(f"{rt.core.dead}; the server cannot serve until it is restarted")
         if rt.draining or not rt.ready:
             raise Unavailable("the server is shutting down" if rt.draining else "the server is starting")
         if len(rt.runs) >= s.max_queue + rt.scheduler.capacity:  # every request in flight, whatever its phase
@@ -83,12 +86,14 @@ class Run:
         self.cancel()
 
     async def _main(self) -> None:
+        if self.rt.core is not None:
+            return await self._main_core()
         rt, size = self.rt, self.rt.engine.window_len
         try:
             if self.session_id is None:
                 window, seen = self.history or ([], 0)
                 state = await self._rebuild(window, seen) if seen else rt.engine.new_state()
-                done, last = await self._schedule(state)
+                done, last = await self._schedule(self._engine_run(state))
                 info = None
                 if self.create:
                     window = extend_window(window, self.ids + done.generated, seen, size)
@@ -106,7 +111,7 @@ class Run:
                 state, window, source = await self._restore(lease)
                 rt.metrics.restores.labels(source).inc()
                 rt.metrics.restore_time.labels(source).observe(time.monotonic() - t0)
-                done, last = await self._schedule(state)
+                done, last = await self._schedule(self._engine_run(state))
                 window = extend_window(window, self.ids + done.generated, cached, size)
                 if done.tokens_seen != cached or source == "rebuild":  # a rebuilt session is stored warm again
                     # a restored state only grew: the store writes only the new tokens' rows of its memory
@@ -119,6 +124,63 @@ class Run:
         except Exception as err:  # delivered to the handler, which answers in OpenAI's error shape
             await self.events.put(Failed(err))
 
+    async def _main_core(self) -> None:
+        """:meth:`_main` with the engine in its own process (``--engine-process``): the session's state stays
+        there; this side leases, hands over the stored tensors when the engine's hot set misses, and commits
+        what the engine exports."""
+        rt, core = self.rt, self.rt.core
+        req = None
+        try:
+            if self.session_id is None:
+                window, seen = self.history or ([], 0)  # the engine checks the window, as it rebuilds it
+                req = core.submit(self.ids, self.params, history=(window, seen) if seen else None,
+                                  persist=self.create, prompt_logprobs=self.prompt_logprobs, stream=self.events)
+                done, last = await self._schedule(self._core_run(req, None))
+                info = None
+                if self.create:
+                    info = await rt.store.create(owner=self.owner, tensors=done.tensors, mem_len=core.mem_len,
+                                                 tokens_seen=done.tokens_seen, metadata=self.create_metadata)
+                    req.keep(info.session_id, info.version)
+                await self.events.put(Final(done, last, info, 0, "rebuild" if seen else None))
+                return
+            async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
+                lease.on_lost = self.lease_lost
+                info = lease.session.info
+                cached = info.tokens_seen
+                req = core.submit(self.ids, self.params, key=(self.session_id, info.version), persist=True,
+                                  prompt_logprobs=self.prompt_logprobs, stream=self.events)
+                done, last = await self._schedule(self._core_run(req, lease))
+                rt.metrics.restores.labels(done.source).inc()
+                if done.tokens_seen != cached or done.source == "rebuild":
+                    info = await rt.store.commit(lease, done.tensors, tokens_seen=done.tokens_seen,
+                                                 mem_len=core.mem_len, release=True,
+                                                 appended=done.source != "rebuild")
+                req.keep(self.session_id, info.version)
+            await self.events.put(Final(done, last, info, cached, done.source))
+        except Exception as err:
+            await self.events.put(Failed(err))
+        finally:
+            if req is not None:
+                req.close()
+
+    async def _core_run(self, req, lease) -> tuple[Any, TokenEvent | None]:
+        self.request = req
+        if self.cancelled:
+            req.cancel()
+        last = None
+        async for item in req:
+            if isinstance(item, Need):  # a hot miss: the stored session, as the lease read it
+                t0 = time.monotonic()
+                tensors = await self.rt.store.read_tensors(lease)
+                req.provide(tensors, tokens_seen=lease.session.info.tokens_seen,
+                            fingerprint=lease.session.info.fingerprint)
+                self.rt.metrics.restore_time.labels("redis").observe(time.monotonic() - t0)
+            elif isinstance(item, CoreFinished):
+                return item, last
+            else:
+                last = item
+        raise RuntimeError("the engine ended a request without its Finished")  # pragma: no cover
+
     async def _restore(self, lease) -> tuple[DecodeState, list[int] | None, str]:
         """The leased session's state, its token window, and where the state came from: the hot set (no copy),
         its hidden states in Redis, or, for a cold session or one another checkpoint wrote, its window."""
@@ -127,8 +189,8 @@ class Run:
         if hot is not None:
             return (*hot, "hot")
         tensors = await rt.store.read_tensors(lease)
-        window = tensors[WINDOW].tolist() if WINDOW in tensors else None
-        if MEMS in tensors and info.fingerprint == rt.engine.fingerprint:
+        window = stored_window(tensors)
+        if importable(rt.engine, tensors, info.fingerprint):
             state = await asyncio.to_thread(rt.engine.import_state, tensors, tokens_seen=info.tokens_seen,
                                             fingerprint=info.fingerprint)  # as it was written
             return state, window, "redis"
@@ -137,11 +199,7 @@ class Run:
     async def _rebuild(self, window: list[int], tokens_seen: int) -> DecodeState:
         """Prefill the window from an empty state (through the engine loop, batched with everything else),
         then place its rings at the session's positions."""
-        window = self.rt.engine.check_window(window, tokens_seen)
-        if len(window) < min(tokens_seen, self.rt.engine.window_len):  # written by a model that reads less context
-            log.info("session %s is rebuilt from a window of %d tokens, shorter than this model's %d: it continues "
-                     "close to, not exactly as, the whole document would", self.session_id, len(window),
-                     self.rt.engine.window_len)
+        window = rebuild_window(self.rt.engine, window, tokens_seen, self.session_id)
         done = None
         async for item in self.rt.scheduler.submit(self.rt.engine.new_state(), window, None, scored=False):
             done = item
@@ -151,19 +209,14 @@ class Run:
         return done.state
 
     async def _persisted(self, done: Finished, window: list[int] | None) -> dict:
-        """What Redis keeps of a session: its mems and next-token scores in the storage dtype, and its last
-        tokens (enough to rebuild it, with this model or another that reads text the same way)."""
         engine, dtype = self.rt.engine, self.rt.storage_dtype
         if engine.persisted_nbytes(dtype) <= INLINE_BYTES:
-            tensors = engine.export_state(done.state, dtype=dtype)
-        else:
-            tensors = await asyncio.to_thread(engine.export_state, done.state, dtype=dtype)
-        if window is not None:
-            tensors[WINDOW] = torch.tensor(window, dtype=torch.int32)
-        return tensors
+            return persisted(engine, done.state, window, dtype)
+        return await asyncio.to_thread(persisted, engine, done.state, window, dtype)
 
-    async def _schedule(self, state) -> tuple[Finished, TokenEvent | None]:
-        done, last = await self._engine_run(state)
+    async def _schedule(self, running: Coroutine[Any, Any, tuple[Any, TokenEvent | None]]
+                        ) -> tuple[Any, TokenEvent | None]:
+        done, last = await running
         m = self.rt.metrics
         if done.queue_s is not None:
             m.queue_time.observe(done.queue_s)
@@ -197,14 +250,6 @@ class Run:
                 return item, last
             last = item
         raise RuntimeError("the engine ended a request without its Finished")  # pragma: no cover
-
-
-def extend_window(window: list[int] | None, fed: list[int], tokens_before: int, size: int) -> list[int] | None:
-    """A session's last ``size`` tokens after ``fed`` joined it; None while unknown (a session stored before
-    windows existed gets one once ``size`` new tokens have passed)."""
-    if window is None and tokens_before > 0:
-        return fed[-size:] if len(fed) >= size else None
-    return ((window or []) + fed)[-size:]
 
 
 async def first_item(run: Run) -> Any:

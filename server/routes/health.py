@@ -16,15 +16,20 @@ router = APIRouter()
 
 
 @router.get("/health")  # HEAD too (app.HeadAsGet), as monitors and some load balancers probe
-async def health() -> dict:
-    return {"status": "ok"}
+async def health(request: Request) -> Response:
+    """Alive unless the engine's process (--engine-process) has died: then a liveness probe restarts us."""
+    rt: Runtime | None = getattr(request.app.state, "runtime", None)
+    if rt is not None and rt.core is not None and rt.core.dead:
+        return JSONResponse(error_body(rt.core.dead, "service_unavailable_error", None, "engine_dead"), 503)
+    return JSONResponse({"status": "ok"})
 
 
 @router.get("/ready")
 async def ready(request: Request) -> Response:
     rt: Runtime | None = getattr(request.app.state, "runtime", None)
     if rt is None or not rt.ready:
-        why = "draining" if rt is not None and rt.draining else "starting"
+        why = "draining" if rt is not None and rt.draining else "engine_dead" if rt is not None and rt.core is not \
+            None and rt.core.dead else "starting"
         return JSONResponse(error_body(f"not ready: {why}", "service_unavailable_error", None, why), 503)
     try:
         await rt.store.ping()

@@ -124,6 +124,10 @@ class FakeScheduler:
         self.gate = asyncio.Semaphore(10**6 if open_gate else 0)
         self.requests: list[FakeRequest] = []
 
+    @property
+    def batch_size(self) -> int:
+        return len(self.running)
+
     def submit(self, state: FakeState, ids: list[int], params: object, *, stream: asyncio.Queue | None = None,
                **_: object) -> FakeRequest:
         request = FakeRequest(self, state, list(ids), params, stream)

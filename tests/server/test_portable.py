@@ -24,17 +24,23 @@ COLD = ("--hot-cache-mb", "0", "--cold-after-s", "0.001", "--cold-sweep-s", "0.1
 
 @pytest.fixture(scope="module")
 def servers(checkpoint: Path, tmp_path_factory) -> Iterator[dict[str, LiveServer]]:
+    yield from portable_servers(checkpoint, tmp_path_factory)
+
+
+def portable_servers(checkpoint: Path, tmp_path_factory, args: tuple[str, ...] = ()) -> Iterator[dict[str, LiveServer]]:
     """``cold``: a Redis of its own (its sweep touches every session there), nothing hot, every idle session
     cold at once; ``upgraded``: another checkpoint (same tokenizer) over that Redis; ``elsewhere``: the first
-    checkpoint with its own embedded store."""
+    checkpoint with its own embedded store. ``args``: more flags for all three."""
     other = tiny_checkpoint(tmp_path_factory.mktemp("other-ckpt"), seed=1)
     redis = RedisProcess(tmp_path_factory.mktemp("portable-redis")).start()
     redis_url = redis.url
     started = {
-        "cold": LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("cold"), args=COLD),
+        "cold": LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("cold"),
+                           args=(*COLD, *args)),
         "upgraded": LiveServer(other, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("upgraded"),
-                               args=("--hot-cache-mb", "0")),
-        "elsewhere": LiveServer(checkpoint, redis_url=None, data_dir=tmp_path_factory.mktemp("elsewhere")),
+                               args=("--hot-cache-mb", "0", *args)),
+        "elsewhere": LiveServer(checkpoint, redis_url=None, data_dir=tmp_path_factory.mktemp("elsewhere"),
+                                args=args),
     }
     try:
         start_all(*started.values())

@@ -1,0 +1,612 @@
+"""The engine in a process of its own (``--engine-process``), as vLLM runs its EngineCore: the scheduler's loop,
+the model and the hot sessions on one side; HTTP, the store, tokenizing and each request's lease and commit on
+the other.
+
+Why: in one process the engine thread shares the interpreter with the event loop. Every Python tensor the step
+frees hands the GIL over, and the engine thread then waits for the event loop to give it back, so a 64-stream
+step took 12.8-14 ms in the server against 11.4 ms alone (BENCHMARKS.md, "Workers"). Here the engine process's
+interpreter does nothing else, and what crosses is one message per step for all its tokens.
+
+The wire: ``multiprocessing.connection.Connection`` byte messages (never its pickling ``send``), each a JSON head
+and, for a session's tensors, a safetensors blob. A session's state never crosses: it stays in the engine
+process, as the running request's rows and then in its hot set. A request names its session by (id, version);
+on a hot miss the engine asks for the stored tensors (``need``), the server reads them from Redis and sends them
+(``state``). A finished request's state waits in the engine until the server has committed it and says
+``keep`` (under the committed version) or ``drop``.
+
+    server                                   engine process
+      run {rid, key, ids, params, ...}  ->
+                                        <-   need {rid}                (hot miss)
+      state {rid, tokens_seen, ...}+blob ->
+                                        <-   events {items: tokens, prompt scores, failures; stats}
+                                        <-   finished {rid, ...}+blob  (what to commit)
+      keep {rid, sid, version} | drop   ->
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from memory_store.codec import safetensors_bytes
+from model.checkpoint import read_meta
+from model.config import TXLConfig
+from model.engine import Engine, Score, TokenEvent
+from model.sampling import SamplingParams
+from model.tokenizer import tokenizer_from_dict
+from server.hot_states import HotStates
+from server.session_state import extend_window, importable, persisted, rebuild_window, stored_window
+from txlserve import errors
+from txlserve.errors import TxlError, Unavailable
+
+log = logging.getLogger("txlserve.engine_core")
+
+READY_TIMEOUT_S = 600.0  # load, kernel builds and the warm-up of the steps
+
+
+# -- the wire -----------------------------------------------------------------------------------------
+def pack(head: dict[str, Any], blob: bytes = b"") -> bytes:
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    return struct.pack("<I", len(raw)) + raw + blob
+
+
+def unpack(data: bytes) -> tuple[dict[str, Any], bytes]:
+    (n,) = struct.unpack_from("<I", data)
+    return json.loads(data[4:4 + n]), data[4 + n:]
+
+
+def tensors_from(blob: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+    return load(blob) if blob else {}
+
+
+def error_head(err: BaseException) -> dict[str, Any]:
+    if isinstance(err, TxlError):
+        return {"error": type(err).__name__, "message": err.message, "param": err.param}
+    return {"error": None, "message": f"{type(err).__name__}: {err}", "param": None}
+
+
+def error_from(head: dict[str, Any]) -> BaseException:
+    """The engine's error as the server raises it: the same class of the one tree, or, for a bug, an error the
+    server answers with a 500 (the engine logged its traceback)."""
+    cls = getattr(errors, head.get("error") or "", None)
+    if isinstance(cls, type) and issubclass(cls, TxlError):
+        return cls(head["message"], param=head.get("param"))
+    return RuntimeError(head["message"])
+
+
+# -- the engine process ---------------------------------------------------------------------------------
+@dataclass
+class _Spec:
+    """One request as the engine process holds it."""
+
+    rid: int
+    key: tuple[str, int] | None  # (session id, version) to take from the hot set; None: a new state
+    ids: list[int]
+    params: SamplingParams | None
+    prompt_logprobs: int | None
+    persist: bool  # export what the server commits, and keep the state for its ``keep``
+    window: list[int] | None = None
+    tokens_before: int = 0
+    source: str | None = None  # "hot" | "redis" | "rebuild" | None (a new state)
+    rebuild_seen: int | None = None  # while its window is read: the tokens_seen to renumber it to
+    job: Any = None
+    cancelled: bool = False
+
+
+class _Box:
+    """A job's inbox in the engine process: where its items go is its request id."""
+
+    def __init__(self, spec: _Spec) -> None:
+        self.spec = spec
+
+
+class _Core:
+    """The engine process: the reader thread (this one) takes requests; the scheduler's thread steps and sends
+    each step's items through :meth:`call_soon_threadsafe` (the scheduler's hand-off to an event loop)."""
+
+    def __init__(self, conn: Connection, settings: dict[str, Any]) -> None:
+        from server.scheduler import Scheduler
+        self.conn, self.settings = conn, settings
+        self.lock = threading.Lock()  # one writer at a time on the connection
+        self.engine = Engine.from_checkpoint(
+            settings["checkpoint"], device=settings["device"], dtype=getattr(torch, settings["dtype"]),
+            mem_len=settings["mem_len"], clamp_len=settings["clamp_len"], prefill_chunk=settings["prefill_chunk"],
+            enforce_eager=settings["enforce_eager"], prefill_products=settings["prefill_products"])
+        self.storage_dtype = getattr(torch, settings["storage_dtype"])
+        self.scheduler = Scheduler(self.engine, max_batch=settings["max_batch"], batch_bytes=settings["batch_bytes"],
+                                   prefill_chunk=self.engine.prefill_chunk,
+                                   stream_interval=settings["stream_interval"])
+        self.hot = HotStates(settings["hot_bytes"])
+        self.specs: dict[int, _Spec] = {}  # accepted, not yet finished
+        self.kept: dict[int, tuple[Any, list[int] | None]] = {}  # finished: state and window, awaiting keep/drop
+
+    def send(self, head: dict[str, Any], blob: bytes = b"") -> None:
+        data = pack(head, blob)
+        with self.lock, contextlib.suppress(OSError):  # the server is gone: the reader thread ends this process
+            self.conn.send_bytes(data)
+
+    def stats(self) -> list[int]:
+        s, h = self.scheduler, self.hot
+        return [s.batch_size, s.waiting, s.steps, h.nbytes, len(h), h.hits, h.misses, h.evictions]
+
+    def serve(self) -> None:
+        e = self.engine
+        self.scheduler.start()
+        self.scheduler.warmed.wait()
+        self.send({"op": "ready", "fingerprint": e.fingerprint, "mem_len": e.mem_len, "clamp_len": e.clamp_len,
+                   "window_len": e.window_len, "tokenizer_id": e.tokenizer_id, "capacity": self.scheduler.capacity,
+                   "device": str(e.device), "prefill_chunk": e.prefill_chunk, "threads": torch.get_num_threads()})
+        while True:
+            try:
+                head, blob = unpack(self.conn.recv_bytes())
+            except (EOFError, OSError):  # the server is gone
+                break
+            if head["op"] == "stop":
+                break
+            try:
+                getattr(self, "_on_" + head["op"])(head, blob)
+            except Exception as err:  # one request's bad input or bug fails that request alone
+                rid = head.get("rid")
+                if rid is None:
+                    log.exception("engine process: %s failed", head["op"])
+                    continue
+                if not isinstance(err, TxlError):
+                    log.exception("engine process: request %s failed", rid)
+                self._fail(rid, err)
+        self.scheduler.stop()
+
+    def _fail(self, rid: int, err: BaseException) -> None:
+        if self.specs.pop(rid, None) is not None:
+            self.send({"op": "events", "stats": self.stats(), "items": [[rid, "x", error_head(err)]]})
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def _on_run(self, head: dict[str, Any], _: bytes) -> None:
+        params = None if head["params"] is None else SamplingParams(**head["params"])
+        spec = _Spec(head["rid"], tuple(head["key"]) if head["key"] else None, head["ids"], params,
+                     head["prompt_logprobs"], head["persist"])
+        self.specs[spec.rid] = spec
+        if spec.key is not None:
+            hot = self.hot.take(*spec.key)
+            if hot is None:
+                self.send({"op": "need", "rid": spec.rid})
+                return
+            state, spec.window = hot
+            spec.source, spec.tokens_before = "hot", int(state.seen[0])
+            self._submit(spec, state)
+        elif head.get("history"):
+            window, seen = head["history"]
+            spec.window = window
+            self._rebuild(spec, window, seen)
+        else:
+            self._submit(spec, self.engine.new_state())
+
+    def _on_state(self, head: dict[str, Any], blob: bytes) -> None:
+        """The stored session the engine asked for: its hidden states (imported) or only its window (rebuilt)."""
+        spec = self.specs.get(head["rid"])
+        if spec is None:  # cancelled meanwhile
+            return
+        tensors, seen = tensors_from(blob), head["tokens_seen"]
+        spec.window = stored_window(tensors)
+        if importable(self.engine, tensors, head["fingerprint"]):
+            spec.source, spec.tokens_before = "redis", seen
+            self._submit(spec, self.engine.import_state(tensors, tokens_seen=seen, fingerprint=head["fingerprint"]))
+        else:
+            self._rebuild(spec, spec.window or [], seen)
+
+    def _rebuild(self, spec: _Spec, window: list[int], seen: int) -> None:
+        """Read the window into an empty state through the loop (batched with everything else); the request
+        proper starts once it is read (:meth:`_finished`)."""
+        window = rebuild_window(self.engine, window, seen, spec.key[0] if spec.key else None)
+        spec.source, spec.tokens_before, spec.rebuild_seen = "rebuild", seen, seen
+        self._enqueue(spec, self.engine.new_state(), window, None, scored=False, prompt_logprobs=None)
+
+    def _submit(self, spec: _Spec, state: Any) -> None:
+        self.scheduler.check(state, spec.ids, spec.params)
+        self._enqueue(spec, state, spec.ids, spec.params, scored=True, prompt_logprobs=spec.prompt_logprobs)
+
+    def _enqueue(self, spec: _Spec, state: Any, ids: list[int], params: SamplingParams | None, *, scored: bool,
+                 prompt_logprobs: int | None) -> None:
+        from server.scheduler import Job
+        spec.job = Job(state, list(ids), params, self, _Box(spec), None, prev=ids[-1] if ids else None,  # type: ignore[arg-type]
+                       scored=scored, prompt_logprobs=prompt_logprobs)
+        if spec.cancelled:
+            spec.job.cancel()
+        self.scheduler.inbox.put(spec.job)
+
+    def _on_cancel(self, head: dict[str, Any], _: bytes) -> None:
+        spec = self.specs.get(head["rid"])
+        if spec is None:  # it ended meanwhile: the server may never keep its state (a keep then finds none)
+            self.kept.pop(head["rid"], None)
+            return
+        spec.cancelled = True
+        if spec.job is not None:
+            spec.job.cancel()
+        else:  # waiting for its stored state: nothing was read
+            self.specs.pop(spec.rid)
+            self.send({"op": "finished", "rid": spec.rid, "state": False, "tokens_seen": spec.tokens_before,
+                       "finish_reason": "cancelled", "stats": self.stats()})
+
+    def _on_keep(self, head: dict[str, Any], _: bytes) -> None:
+        kept = self.kept.pop(head["rid"], None)
+        if kept is None or not self.hot.put(head["sid"], head["version"], *kept):
+            self.hot.evicted.append(head["sid"])  # too big for the budget, or deleted meanwhile
+        self.send({"op": "evicted", "sids": self.hot.evicted, "stats": self.stats()})  # /metrics' hot figures
+        self.hot.evicted = []
+
+    def _on_drop(self, head: dict[str, Any], _: bytes) -> None:
+        self.kept.pop(head["rid"], None)
+
+    def _on_hot(self, head: dict[str, Any], _: bytes) -> None:
+        if head["what"] == "deleted":
+            self.hot.deleted(head["sid"])
+        else:
+            self.hot.discard(head["sid"])
+
+    # -- the scheduler's hand-off (its thread) -------------------------------------------------------------
+    def call_soon_threadsafe(self, _deliver: Callable, items: list[tuple[_Box, Any]]) -> None:
+        """What the scheduler hands an event loop once a step: here, one message for all its tokens (then one
+        per finished request, with what to commit)."""
+        from server.scheduler import Finished, JobFailed, PromptScores
+        out, finished = [], []
+        for box, item in items:
+            rid = box.spec.rid
+            if isinstance(item, TokenEvent):
+                out.append([rid, "t", [item.token, item.text, item.logprob, item.top_logprobs, item.finish_reason]])
+            elif isinstance(item, PromptScores):
+                out.append([rid, "p", item.entries])
+            elif isinstance(item, JobFailed):
+                if self.specs.pop(rid, None) is not None:
+                    out.append([rid, "x", error_head(item.error)])
+            elif isinstance(item, Finished):
+                finished.append((box.spec, item))
+        if out:
+            self.send({"op": "events", "stats": self.stats(), "items": out})
+        for spec, done in finished:
+            try:
+                self._finished(spec, done)
+            except Exception as err:
+                log.exception("engine process: finishing request %s failed", spec.rid)
+                self._fail(spec.rid, err)
+
+    def _finished(self, spec: _Spec, done: Any) -> None:
+        if spec.rebuild_seen is not None:  # the window is read: place it at the session's positions, then run
+            seen, spec.rebuild_seen = spec.rebuild_seen, None
+            if done.state is None and spec.cancelled:  # as a request cancelled before its prompt was read
+                done.tokens_seen = spec.tokens_before
+            elif done.state is None:
+                raise Unavailable("the session could not be rebuilt: the request was cancelled or the server is "
+                                  "shutting down")
+            else:
+                self.engine.renumber(done.state, seen)
+                self._submit(spec, done.state)
+                return
+        self.specs.pop(spec.rid, None)
+        head = {"op": "finished", "rid": spec.rid, "state": done.state is not None, "tokens_seen": done.tokens_seen,
+                "finish_reason": done.finish_reason, "completion_tokens": done.completion_tokens,
+                "score": None if done.score is None else [done.score.tokens, done.score.logprob],
+                "generated": done.generated, "queue_s": done.queue_s, "prefill_s": done.prefill_s,
+                "text": done.text, "source": spec.source}
+        blob = b""
+        if done.state is not None and spec.persist:
+            window = extend_window(spec.window, spec.ids + done.generated, spec.tokens_before,
+                                   self.engine.window_len)
+            blob = safetensors_bytes(persisted(self.engine, done.state, window, self.storage_dtype))
+            self.kept[spec.rid] = (done.state, window)
+        head["stats"] = self.stats()
+        self.send(head, blob)
+
+
+def core_main() -> None:
+    """The engine process: its connection's descriptor is argv[1]; its settings come on stdin (they may hold
+    nothing secret, but a command line is world-readable anyway)."""
+    from model.threads import set_threads
+    settings = json.loads(sys.stdin.readline())
+    logging.basicConfig(level=settings["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    set_threads(settings["threads"], processes=settings["processes"])
+    sys.setswitchinterval(settings["switch_interval_ms"] / 1000)
+    conn = Connection(int(sys.argv[1]))
+    try:
+        core = _Core(conn, settings)
+    except TxlError as err:
+        conn.send_bytes(pack({"op": "failed", **error_head(err)}))
+        return
+    core.serve()
+
+
+# -- the server's side -----------------------------------------------------------------------------------
+@dataclass
+class CoreFinished:
+    """A request's end as the engine process reports it; ``tensors``: what to commit (a persisted request)."""
+
+    rid: int
+    state: bool | None  # True: the engine holds the state for keep/drop; None: nothing was read (as Finished's)
+    tokens_seen: int
+    finish_reason: str | None
+    completion_tokens: int = 0
+    score: Score | None = None
+    generated: list[int] | None = None
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    text: str = ""
+    source: str | None = None
+    tensors: dict[str, torch.Tensor] | None = None
+
+
+class Need:
+    """The engine process missed the session in its hot set: send its stored tensors (:meth:`CoreRequest.provide`)."""
+
+
+class CoreRequest:
+    """One request in the engine process; ``async for`` yields (PromptScores,) TokenEvents, maybe one
+    :class:`Need`, and ends with a :class:`CoreFinished`, or raises what failed it."""
+
+    def __init__(self, core: EngineCore, rid: int, stream: asyncio.Queue | None) -> None:
+        self.core, self.rid, self.stream = core, rid, stream
+        self.inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.ended = False  # its CoreFinished or error came
+        self.settled = False  # its state was kept or dropped
+
+    def cancel(self) -> None:
+        if not self.ended:
+            self.core.send({"op": "cancel", "rid": self.rid})
+
+    def provide(self, tensors: dict[str, torch.Tensor], *, tokens_seen: int, fingerprint: str | None) -> None:
+        blob = safetensors_bytes(tensors) if tensors else b""
+        self.core.send({"op": "state", "rid": self.rid, "tokens_seen": tokens_seen, "fingerprint": fingerprint},
+                       blob)
+
+    def keep(self, session_id: str, version: int) -> None:
+        """The committed state goes into the engine's hot set as ``version``."""
+        self.settled = True
+        self.core.send({"op": "keep", "rid": self.rid, "sid": session_id, "version": version})
+        self.core.hot.versions[session_id] = version
+
+    def close(self) -> None:
+        """However the request ends on this side: a state the engine holds for it is dropped, and a request still
+        running there (this side failed, say while reading its session from Redis) is cancelled, so neither
+        process keeps anything for it."""
+        with contextlib.suppress(Unavailable):
+            if not self.ended:
+                self.cancel()  # its end still comes, and is read by nobody
+            elif not self.settled:
+                self.settled = True
+                self.core.send({"op": "drop", "rid": self.rid})
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        while True:
+            item = await self.inbox.get()
+            if isinstance(item, BaseException):
+                self.ended = True
+                raise item
+            if isinstance(item, CoreFinished):
+                self.ended = True
+                yield item
+                return
+            yield item
+
+
+class EngineCore:
+    """The server's handle on its engine process: the facts requests need (fingerprint, window), submission, the
+    hot set's counters for /metrics, and the process's life (started with the server, stopped with it; if it
+    dies, every request fails with a 503 and /ready says so)."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+        self.requests: dict[int, CoreRequest] = {}
+        self._ids = itertools.count(1)
+        self.batch_size = self.waiting = self.steps = 0
+        self.hot = _HotCounters(self)
+        self.dead: str | None = None
+        self.on_death: Callable[[str], None] | None = None
+        self._lock = threading.Lock()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    # facts the server reads as it reads an Engine's
+    def encode(self, text: str | bytes) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    check_window = Engine.check_window  # needs only window_len, mem_len and config.vocab_size
+
+    def start(self) -> None:
+        """Spawn the engine process and wait until it has warmed its steps (blocking: run it in a thread)."""
+        a, b = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, "-c", "from server.engine_core import core_main; core_main()",
+                                      str(b.fileno())], stdin=subprocess.PIPE, pass_fds=(b.fileno(),),
+                                     start_new_session=True)  # Ctrl-C reaches the server, which stops it
+        b.close()
+        self.conn = Connection(a.detach())
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(self.settings).encode() + b"\n")
+        self.proc.stdin.close()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if self.conn.poll(1.0):
+                try:
+                    head, _ = unpack(self.conn.recv_bytes())
+                except (EOFError, OSError):
+                    head = {"op": "exited"}
+                break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                head = {"op": "exited"}
+                break
+        if head["op"] == "failed":
+            self.stop()
+            raise error_from(head)
+        if head["op"] != "ready":
+            self.stop()
+            raise Unavailable(f"the engine process exited while loading (status {self.proc.poll()}); its log says why")
+        self.fingerprint, self.mem_len, self.clamp_len = head["fingerprint"], head["mem_len"], head["clamp_len"]
+        self.window_len, self.tokenizer_id, self.capacity = head["window_len"], head["tokenizer_id"], head["capacity"]
+        self.device, self.prefill_chunk = torch.device(head["device"]), head["prefill_chunk"]
+        self.threads = head["threads"]
+        meta = read_meta(self.settings["checkpoint"])
+        self.config = TXLConfig.from_dict(meta["model"]).replace(mem_len=self.mem_len, clamp_len=self.clamp_len)
+        self.tokenizer = tokenizer_from_dict(meta.get("tokenizer", {"type": "byte"}))
+
+    def listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the engine's messages on a thread of ours, handing them to ``loop`` in batches."""
+        self.loop = loop
+        self._reader = threading.Thread(target=self._read, name="txlserve-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        why = "the engine process exited"
+        try:
+            while True:
+                batch = [unpack(self.conn.recv_bytes())]
+                while self.conn.poll(0):
+                    batch.append(unpack(self.conn.recv_bytes()))
+                with contextlib.suppress(RuntimeError):
+                    self.loop.call_soon_threadsafe(self._dispatch, batch)
+        except (EOFError, OSError):
+            pass
+        except Exception as err:  # pragma: no cover - a bug in the wire
+            why = f"the engine process's messages could not be read: {err}"
+            log.exception("reading the engine process failed")
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._died, why)
+
+    def _died(self, why: str) -> None:
+        if self.dead is not None:
+            return
+        self.dead = why
+        code = None if self.proc is None else self.proc.poll()
+        if not getattr(self, "stopping", False):
+            log.error("%s (status %s): failing its requests", why, code)
+        err = Unavailable(f"{why}; the server cannot serve until it is restarted")
+        for req in self.requests.values():
+            req.inbox.put_nowait(err)
+        self.requests.clear()
+        if self.on_death is not None and not getattr(self, "stopping", False):
+            self.on_death(why)
+
+    def _dispatch(self, batch: list[tuple[dict[str, Any], bytes]]) -> None:
+        for head, blob in batch:
+            op = head["op"]
+            if "stats" in head:
+                self.hot.update(head["stats"])
+            if op == "events":
+                for rid, kind, payload in head["items"]:
+                    req = self.requests.get(rid)
+                    if req is None:
+                        continue
+                    if kind == "t":
+                        token, text, logprob, top, reason = payload
+                        item: Any = TokenEvent(token, text, logprob, None if top is None else [tuple(t) for t in top],
+                                               reason)
+                        to = req.stream if req.stream is not None and reason is None else req.inbox
+                        to.put_nowait(item)
+                    elif kind == "p":
+                        from server.scheduler import PromptScores
+                        scores = PromptScores([(lp, [tuple(t) for t in top]) for lp, top in payload])
+                        (req.stream or req.inbox).put_nowait(scores)
+                    else:
+                        self.requests.pop(rid, None)
+                        req.inbox.put_nowait(error_from(payload))
+            elif op == "need":
+                req = self.requests.get(head["rid"])
+                if req is not None:
+                    req.inbox.put_nowait(Need())
+            elif op == "finished":
+                req = self.requests.pop(head["rid"], None)
+                if req is None:
+                    continue
+                score = None if head.get("score") is None else Score(*head["score"])
+                req.inbox.put_nowait(CoreFinished(
+                    head["rid"], head["state"] or None, head["tokens_seen"], head["finish_reason"],
+                    head.get("completion_tokens", 0), score, head.get("generated") or [], head.get("queue_s"),
+                    head.get("prefill_s"), head.get("text", ""), head.get("source"),
+                    tensors_from(blob) if blob else None))
+            elif op == "evicted":
+                for sid in head["sids"]:
+                    self.hot.versions.pop(sid, None)
+
+    def send(self, head: dict[str, Any], blob: bytes = b"") -> None:
+        if self.dead is not None:
+            raise Unavailable(f"{self.dead}; the server cannot serve until it is restarted")
+        data = pack(head, blob)
+        try:
+            with self._lock:
+                self.conn.send_bytes(data)
+        except OSError:
+            raise Unavailable("the engine process exited; the server cannot serve until it is restarted") from None
+
+    def submit(self, ids: list[int], params: SamplingParams | None, *, key: tuple[str, int] | None = None,
+               history: tuple[list[int], int] | None = None, persist: bool, prompt_logprobs: int | None = None,
+               stream: asyncio.Queue | None = None) -> CoreRequest:
+        """Start a request in the engine: on session ``key`` (id, version) or a new state (``history``: a
+        window to rebuild from, and its tokens_seen); ``persist``: it ends with what to commit."""
+        rid = next(self._ids)
+        if key is not None:  # the engine takes it out of its hot set
+            self.hot.versions.pop(key[0], None)
+        req = CoreRequest(self, rid, stream)
+        self.requests[rid] = req
+        try:
+            self.send({"op": "run", "rid": rid, "key": list(key) if key else None, "ids": ids,
+                       "params": None if params is None else asdict(params), "prompt_logprobs": prompt_logprobs,
+                       "history": list(history) if history else None, "persist": persist})
+        except BaseException:
+            self.requests.pop(rid, None)
+            raise
+        return req
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the engine process to stop (it fails what is still running), wait, then kill it."""
+        self.stopping = True
+        with contextlib.suppress(Exception):
+            self.send({"op": "stop"})
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("the engine process did not stop within %.0f s; killing it", timeout)
+                self.proc.kill()
+                self.proc.wait()
+        with contextlib.suppress(OSError):
+            self.conn.close()
+
+
+class _HotCounters:
+    """The engine process's batch and hot-set figures, as its last message said, read by /metrics, and the hot
+    set's operations the server asks for."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.nbytes = self.count = self.hits = self.misses = self.evictions = 0
+        self.versions: dict[str, int] = {}  # the engine's hot set's keys, as this side's requests left them
+
+    def version(self, session_id: str) -> int | None:
+        return self.versions.get(session_id)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def update(self, stats: list[int]) -> None:
+        c = self.core
+        c.batch_size, c.waiting, c.steps, self.nbytes, self.count, self.hits, self.misses, self.evictions = stats
+
+    def deleted(self, session_id: str) -> None:
+        self.versions.pop(session_id, None)
+        with contextlib.suppress(Unavailable):
+            self.core.send({"op": "hot", "what": "deleted", "sid": session_id})
+
+    def discard(self, session_id: str) -> None:
+        self.versions.pop(session_id, None)
+        with contextlib.suppress(Unavailable):
+            self.core.send({"op": "hot", "what": "discard", "sid": session_id})

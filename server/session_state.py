@@ -1,0 +1,52 @@
+"""A session's state between the engine's own form and what the store keeps, the same whether the engine runs in
+the server's process or its own (``server/engine_core.py``): what is persisted, what a stored record restores
+to, and the window a state is rebuilt from."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from memory_store.codec import MEMS, WINDOW
+from model.decode import DecodeState
+from model.engine import Engine
+
+log = logging.getLogger("txlserve.sessions")
+
+
+def extend_window(window: list[int] | None, fed: list[int], tokens_before: int, size: int) -> list[int] | None:
+    """A session's last ``size`` tokens after ``fed`` joined it; None while unknown (a session stored before
+    windows existed gets one once ``size`` new tokens have passed)."""
+    if window is None and tokens_before > 0:
+        return fed[-size:] if len(fed) >= size else None
+    return ((window or []) + fed)[-size:]
+
+
+def persisted(engine: Engine, state: DecodeState, window: list[int] | None, dtype: torch.dtype
+              ) -> dict[str, torch.Tensor]:
+    """What Redis keeps of a session: its mems and next-token scores in the storage dtype, and its last tokens
+    (enough to rebuild it, with this model or another that reads text the same way)."""
+    tensors = engine.export_state(state, dtype=dtype)
+    if window is not None:
+        tensors[WINDOW] = torch.tensor(window, dtype=torch.int32)
+    return tensors
+
+
+def stored_window(tensors: dict[str, torch.Tensor]) -> list[int] | None:
+    return tensors[WINDOW].tolist() if WINDOW in tensors else None
+
+
+def importable(engine: Engine, tensors: dict[str, torch.Tensor], fingerprint: str | None) -> bool:
+    """Whether a stored record's hidden states are this engine's to import; else it is rebuilt from its window
+    (a cold session, or one another checkpoint or attention window wrote)."""
+    return MEMS in tensors and fingerprint == engine.fingerprint
+
+
+def rebuild_window(engine: Engine, window: list[int], tokens_seen: int, session_id: str | None) -> list[int]:
+    """The part of ``window`` a rebuild reads, or the error that it cannot be rebuilt here."""
+    window = engine.check_window(window, tokens_seen)
+    if len(window) < min(tokens_seen, engine.window_len):  # written by a model that reads less context
+        log.info("session %s is rebuilt from a window of %d tokens, shorter than this model's %d: it continues "
+                 "close to, not exactly as, the whole document would", session_id, len(window), engine.window_len)
+    return window

@@ -51,9 +51,22 @@ def _capture(decoder: Decoder, state: DecodeState, tokens: Tensor, record: Calla
     with torch.cuda.device(decoder.device):
         _warm_up(decoder, state, tokens, warmup, in_place=in_place)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            record()
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                record()
+        except Exception:
+            _release_generator(decoder.device)
+            raise
     return graph
+
+
+def _release_generator(device: torch.device) -> None:
+    """A capture that fails ends before PyTorch takes the device's default generator out of capture mode, and
+    every random op on the device then fails ("Offset increment outside graph capture"): a dropout of a training
+    run in the same process, say. A clone of its state (seed and offset, not in capture) takes its place."""
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    if hasattr(gen, "graphsafe_set_state") and hasattr(gen, "clone_state"):
+        gen.graphsafe_set_state(gen.clone_state())
 
 
 class GraphedStep:

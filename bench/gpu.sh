@@ -4,8 +4,8 @@
 # server on the GPU (bench serve, 1, 16 and 64 streams, with CUDA graphs and with --enforce-eager).
 # Usage, from the repository root: bash bench/gpu.sh OUTDIR [STEPS]
 # STEPS: any of "tests decode model serve" (default: all of them), e.g. "tests serve"; SERVE_MODES (environment):
-# any of graphs, eager, intervalN, workersN, core, coreworkersN (default "graphs eager"); workersN: the server
-# with --workers N; core: with --engine-process; coreworkersN: both;
+# any of graphs, eager, intervalN, workersN, inprocess, inprocessworkersN (default "graphs eager"); workersN: the
+# server with --workers N; inprocess: with --no-engine-process (its engine on a thread); inprocessworkersN: both;
 # SERVE_DURATION: seconds each load of bench serve runs (default 8).
 # Wheels for what the machine lacks may sit in .whl/: on the 2026-11 image, fastapi, starlette, pydantic,
 # pydantic_core, typing_inspection, annotated_types, annotated_doc, opentelemetry_api (fastapi imports it), uvicorn,
@@ -49,8 +49,8 @@ fi
 if [[ $steps == *" serve "* ]]; then  # the server with CUDA graphs, then op by op, in one call
     for mode in ${SERVE_MODES:-graphs eager}; do  # also intervalN: graphs with --stream-interval N
         case $mode in eager) flag=--enforce-eager;; interval*) flag="--stream-interval ${mode#interval}";;
-            workers*) flag="--workers ${mode#workers}";; core) flag=--engine-process;;
-            coreworkers*) flag="--engine-process --workers ${mode#coreworkers}";;
+            workers*) flag="--workers ${mode#workers}";; inprocess) flag=--no-engine-process;;
+            inprocessworkers*) flag="--no-engine-process --workers ${mode#inprocessworkers}";;
             *) flag=;; esac  # workersN: the engine alone stays one
         timeout 200 python3 -m server.cli bench serve --concurrency 1,16,64 --duration ${SERVE_DURATION:-8} --rounds 1 --device cuda \
             $flag --json >"$out/serve-$mode.json" 2>"$out/serve-$mode.err" || tail -20 "$out/serve-$mode.err"

@@ -540,7 +540,7 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
         doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
         rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0, stream_interval: int = 1,
         cpu_latency_qos_us: int | None = None, enforce_eager: bool = False, workers: int = 1,
-        engine_process: bool = False) -> dict[str, Any]:
+        engine_process: bool = True) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
     from server.cpu_latency import guest_halt_poll_ns
@@ -553,7 +553,7 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
     with tempfile.TemporaryDirectory(prefix="txl-bench-serve-") as data_dir:
         qos = [] if cpu_latency_qos_us is None else ["--cpu-latency-qos-us", str(cpu_latency_qos_us)]
         qos += ["--enforce-eager"] if enforce_eager else []
-        qos += ["--engine-process"] if engine_process else []
+        qos += ["--engine-process" if engine_process else "--no-engine-process"]
         server = None if url else _Server(checkpoint, data_dir, ["--device", device,
                                                                  "--stream-interval", str(stream_interval), *qos],
                                           workers)
@@ -630,8 +630,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=count(1), default=1,
                    help="the spawned server's --workers (its threads default to each worker's share); the engine "
                         "alone stays one process, so with N > 1 the ratios compare N engines with one")
-    p.add_argument("--engine-process", action="store_true",
-                   help="the spawned server's --engine-process: its engine in a process of its own")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="the spawned server's engine in a process of its own (its default), or, with "
+                        "--no-engine-process, on a thread of its process")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
 
 

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -107,6 +107,8 @@ class _Spec:
     rebuild_seen: int | None = None  # while its window is read: the tokens_seen to renumber it to
     job: Any = None
     cancelled: bool = False
+    started: float = field(default_factory=time.monotonic)
+    restore_s: float | None = None  # until its state was ready (hot, imported or rebuilt): /metrics' restore time
 
 
 class _Box:
@@ -217,6 +219,7 @@ class _Core:
         self._enqueue(spec, self.engine.new_state(), window, None, scored=False, prompt_logprobs=None)
 
     def _submit(self, spec: _Spec, state: Any) -> None:
+        spec.restore_s = time.monotonic() - spec.started
         self.scheduler.check(state, spec.ids, spec.params)
         self._enqueue(spec, state, spec.ids, spec.params, scored=True, prompt_logprobs=spec.prompt_logprobs)
 
@@ -241,6 +244,9 @@ class _Core:
             self.specs.pop(spec.rid)
             self.send({"op": "finished", "rid": spec.rid, "state": False, "tokens_seen": spec.tokens_before,
                        "finish_reason": "cancelled", "stats": self.stats()})
+
+    def _on_stats(self, head: dict[str, Any], _: bytes) -> None:
+        self.send({"op": "stats", "qid": head["qid"], "stats": self.stats()})
 
     def _on_keep(self, head: dict[str, Any], _: bytes) -> None:
         kept = self.kept.pop(head["rid"], None)
@@ -301,7 +307,7 @@ class _Core:
                 "finish_reason": done.finish_reason, "completion_tokens": done.completion_tokens,
                 "score": None if done.score is None else [done.score.tokens, done.score.logprob],
                 "generated": done.generated, "queue_s": done.queue_s, "prefill_s": done.prefill_s,
-                "text": done.text, "source": spec.source}
+                "text": done.text, "source": spec.source, "restore_s": spec.restore_s}
         blob = b""
         if done.state is not None and spec.persist:
             window = extend_window(spec.window, spec.ids + done.generated, spec.tokens_before,
@@ -346,6 +352,7 @@ class CoreFinished:
     text: str = ""
     source: str | None = None
     tensors: dict[str, torch.Tensor] | None = None
+    restore_s: float | None = None
 
 
 class Need:
@@ -409,6 +416,7 @@ class EngineCore:
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
         self.requests: dict[int, CoreRequest] = {}
+        self.stats_waiting: dict[int, asyncio.Future] = {}  # refresh() calls, by query id
         self._ids = itertools.count(1)
         self.batch_size = self.waiting = self.steps = 0
         self.hot = _HotCounters(self)
@@ -532,10 +540,29 @@ class EngineCore:
                     head["rid"], head["state"] or None, head["tokens_seen"], head["finish_reason"],
                     head.get("completion_tokens", 0), score, head.get("generated") or [], head.get("queue_s"),
                     head.get("prefill_s"), head.get("text", ""), head.get("source"),
-                    tensors_from(blob) if blob else None))
+                    tensors_from(blob) if blob else None, head.get("restore_s")))
+            elif op == "stats":
+                fut = self.stats_waiting.pop(head["qid"], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
             elif op == "evicted":
                 for sid in head["sids"]:
                     self.hot.versions.pop(sid, None)
+
+    async def refresh(self, timeout_s: float = 2.0) -> None:
+        """Ask the engine for its batch and hot-set figures now (a scrape of /metrics): they otherwise come with its
+        messages, and none comes while it only reads a long prompt. An engine that does not answer in time leaves
+        the last figures."""
+        qid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.stats_waiting[qid] = fut
+        try:
+            self.send({"op": "stats", "qid": qid})
+            await asyncio.wait_for(fut, timeout_s)
+        except (Unavailable, asyncio.TimeoutError):
+            pass
+        finally:
+            self.stats_waiting.pop(qid, None)
 
     def send(self, head: dict[str, Any], blob: bytes = b"") -> None:
         if self.dead is not None:

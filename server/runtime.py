@@ -96,6 +96,12 @@ class Runtime:
         if pending:
             await asyncio.wait(pending, timeout=10)
 
+    async def render_metrics(self) -> bytes:
+        """This process's /metrics text, with the engine's figures as of now."""
+        if self.core is not None:
+            await self.core.refresh()
+        return self.metrics.render()
+
     @property
     def storage_dtype(self) -> torch.dtype:
         return getattr(torch, self.settings.storage_dtype)

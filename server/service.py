@@ -151,6 +151,8 @@ class Run:
                                   prompt_logprobs=self.prompt_logprobs, stream=self.events)
                 done, last = await self._schedule(self._core_run(req, lease))
                 rt.metrics.restores.labels(done.source).inc()
+                if done.restore_s is not None:  # measured in the engine's process: from its start to its state
+                    rt.metrics.restore_time.labels(done.source).observe(done.restore_s)
                 if done.tokens_seen != cached or done.source == "rebuild":
                     info = await rt.store.commit(lease, done.tensors, tokens_seen=done.tokens_seen,
                                                  mem_len=core.mem_len, release=True,
@@ -170,11 +172,9 @@ class Run:
         last = None
         async for item in req:
             if isinstance(item, Need):  # a hot miss: the stored session, as the lease read it
-                t0 = time.monotonic()
                 tensors = await self.rt.store.read_tensors(lease)
                 req.provide(tensors, tokens_seen=lease.session.info.tokens_seen,
                             fingerprint=lease.session.info.fingerprint)
-                self.rt.metrics.restore_time.labels("redis").observe(time.monotonic() - t0)
             elif isinstance(item, CoreFinished):
                 return item, last
             else:

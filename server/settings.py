@@ -41,9 +41,10 @@ class Settings:
                            "and hot sessions (as uvicorn's --workers): for a host where one process's event loop "
                            "runs out before its engine, as on a GPU; a session moves between them through Redis. "
                            "--hot-cache-mb and --batch-mb are per worker; /metrics labels each worker's samples")
-    engine_process: bool = _opt(False, "run the engine (its scheduler, model and hot sessions) in a process of its "
-                                       "own, as vLLM runs its engine core: the event loop and the engine then no "
-                                       "longer share one interpreter; each worker gets its own")
+    engine_process: bool = _opt(True, "run the engine (its scheduler, model and hot sessions) in a process of its "
+                                      "own, as vLLM runs its engine core, so that the event loop and the engine do "
+                                      "not share one interpreter (each worker gets its own); --no-engine-process "
+                                      "runs it in the server's process, on a thread")
     mem_len: int | None = _opt(None, "attention window at inference (default: the checkpoint's)")
     clamp_len: int | None = _opt(None, "largest relative distance (default: the checkpoint's)")
     redis_url: str | None = _opt(None, "redis://, rediss:// or unix:// URL, or redis+cluster://host:port "

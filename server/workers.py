@@ -204,7 +204,7 @@ async def share_metrics(rt: Runtime, directory: str) -> asyncio.AbstractServer:
     """This worker's metrics on a unix socket in the supervisor's private directory, for the others' /metrics."""
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            writer.write(rt.metrics.render())
+            writer.write(await rt.render_metrics())
             await writer.drain()
         finally:
             writer.close()
@@ -223,7 +223,7 @@ async def all_metrics(rt: Runtime, directory: str, timeout_s: float = 2.0) -> by
         finally:
             writer.close()
 
-    parts = {rt.worker or 0: rt.metrics.render().decode()}
+    parts = {rt.worker or 0: (await rt.render_metrics()).decode()}
     for index in range(rt.settings.workers):
         if index not in parts:
             try:

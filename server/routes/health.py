@@ -43,7 +43,7 @@ async def ready(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(rt: Runtime = Depends(runtime)) -> Response:
-    body = await all_metrics(rt, rt.peers) if rt.peers else rt.metrics.render()  # --workers: every worker's
+    body = await all_metrics(rt, rt.peers) if rt.peers else await rt.render_metrics()  # --workers: every worker's
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

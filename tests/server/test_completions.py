@@ -190,7 +190,7 @@ def test_session_crud(server):
     assert got["object"] == "session" and got["tokens_seen"] == 3 and got["metadata"] == {"k": "v"}
     assert got["mem_len"] == 24 and got["bytes"] > 0 and got["tier"] in ("hot", "redis")
     assert len(s["id"]) >= 22  # >= 128 random bits
-    listed = httpx.get(f"{server.url}/v1/sessions", params={"limit": 100}).json()
+    listed = httpx.get(f"{server.url}/v1/sessions", params={"limit": 100, "order": "desc"}).json()
     assert listed["object"] == "list" and s["id"] in [x["id"] for x in listed["data"]]
     page = httpx.get(f"{server.url}/v1/sessions", params={"limit": 1}).json()
     assert len(page["data"]) == 1 and page["has_more"] is True and page["next_cursor"]

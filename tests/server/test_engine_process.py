@@ -1,10 +1,6 @@
-"""`txlserve serve --engine-process`: the engine, its scheduler and the hot sessions in a process of their own.
-
-The end-to-end tests of completions, streams, cancels and portable sessions run here again, imported, against
-such a server (this module's ``server`` and ``servers`` fixtures replace the shared ones): every path a session
-takes (new, hot, read from Redis, rebuilt from its window, of another checkpoint) crosses the wire between the
-two processes. Then what only this mode has: the engine process dying, and stopping with the server.
-"""
+"""The engine's own process (the default; ``--no-engine-process`` runs it on a thread, test_in_process.py): its
+wire, a session read back from Redis through it, what it refuses, a DELETE while it runs a request, and its life
+beside the server's (it dies: 503s; the server stops or is killed: it stops)."""
 
 from __future__ import annotations
 
@@ -12,7 +8,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,57 +16,6 @@ import pytest
 from server.engine_core import error_from, error_head, pack, unpack
 from tests.live import MODEL, LiveServer
 from tests.procs import pid_alive, wait_exit
-from tests.server.test_completions import (  # noqa: F401  (collected here again, against this module's server)
-    test_completion_shape,
-    test_error_mid_stream_is_an_error_event_then_done,
-    test_fork_independence,
-    test_logprobs_zero_names_the_sampled_token_alone,
-    test_memory_is_fixed_size,
-    test_openai_sdk_plain_and_streaming,
-    test_openais_four_prompt_forms,
-    test_seed_determinism_and_logprobs,
-    test_session_crud,
-    test_split_invariance_through_http,
-    test_sse_exact_shape,
-    test_stop_and_echo,
-    test_three_completions_equal_one,
-)
-from tests.server.test_portable import (  # noqa: F401
-    portable_servers,
-    test_a_cold_session_is_rebuilt_from_its_window_to_the_same_continuation,
-    test_a_session_imported_at_the_largest_position_keeps_working,
-    test_a_session_of_another_checkpoint_with_the_same_tokenizer_is_rebuilt,
-    test_an_exported_session_continues_identically_on_a_server_with_its_own_store,
-    test_bad_imports_are_refused_with_the_right_status,
-)
-from tests.server.test_resilience import (  # noqa: F401
-    test_a_client_gone_before_its_run_starts_commits_nothing,
-    test_client_disconnect_stops_generation_and_commits,
-    test_non_streaming_client_that_gives_up_stops_generation,
-    test_stream_left_during_prefill_commits_nothing,
-    test_websocket_cancel_or_leave_while_the_prompt_is_read_stores_nothing,
-    test_websocket_dropped_mid_stream_cancels,
-)
-from tests.server.test_ws import (  # noqa: F401
-    test_ws_cancel_commits_what_was_generated,
-    test_ws_cancel_hands_over_the_text_held_back,
-    test_ws_streams_same_text_as_http_and_serves_many_in_turn,
-)
-
-CORE = ("--engine-process",)
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("core"), args=CORE).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def servers(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, LiveServer]]:
-    """test_portable's three servers, each with its engine in its own process."""
-    yield from portable_servers(checkpoint, tmp_path_factory, CORE)
 
 
 def _engine_pid(srv: LiveServer) -> int:
@@ -143,7 +87,7 @@ def test_a_delete_stops_the_request_running_on_the_session(server):
     assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=10).status_code == 404
 
 
-def test_the_wire_carries_errors_as_the_one_tree(server):
+def test_the_wire_carries_errors_as_the_one_tree():
     from txlserve.errors import SessionIncompatible
     err = error_from(error_head(SessionIncompatible("another model", param="session_id")))
     assert type(err) is SessionIncompatible and err.param == "session_id" and err.status == 422
@@ -155,7 +99,7 @@ def test_the_wire_carries_errors_as_the_one_tree(server):
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="waits on pidfds")
 def test_an_engine_process_that_dies_fails_requests_and_health_and_the_server_still_stops(checkpoint, redis_url,
                                                                                           tmp_path):
-    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=CORE).start()
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path).start()
     try:
         pid = _engine_pid(srv)
         sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Kept "}, timeout=60).json()["id"]
@@ -185,7 +129,7 @@ def test_an_engine_process_that_dies_fails_requests_and_health_and_the_server_st
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="waits on pidfds")
 def test_the_engine_process_stops_with_the_server_even_when_it_is_killed(checkpoint, redis_url, tmp_path):
     for stop in ("terminate", "kill"):
-        srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path / stop, args=CORE).start()
+        srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path / stop).start()
         try:
             pid = _engine_pid(srv)
             assert _complete(srv, prompt="hi", max_tokens=2).status_code == 200

@@ -37,13 +37,14 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from memory_store.codec import safetensors_bytes
+from memory_store.codec import INLINE_BYTES, safetensors_bytes
 from model.checkpoint import read_meta
 from model.config import TXLConfig
 from model.engine import Engine, Score, TokenEvent
@@ -135,6 +136,11 @@ class _Core:
                                    prefill_chunk=self.engine.prefill_chunk,
                                    stream_interval=settings["stream_interval"])
         self.hot = HotStates(settings["hot_bytes"])
+        # a large session's import (reading its stored tensors, projecting its keys and values) and export run
+        # here, off the reader thread (which then still takes other requests' messages) and off the engine thread
+        # (whose steps every stream waits for), as the in-process server runs them off its event loop
+        self.large = self.engine.persisted_nbytes(self.storage_dtype) > INLINE_BYTES
+        self.io = ThreadPoolExecutor(1, thread_name_prefix="txlserve-engine-io")
         self.specs: dict[int, _Spec] = {}  # accepted, not yet finished
         self.kept: dict[int, tuple[Any, list[int] | None]] = {}  # finished: state and window, awaiting keep/drop
 
@@ -172,6 +178,17 @@ class _Core:
                     log.exception("engine process: request %s failed", rid)
                 self._fail(rid, err)
         self.scheduler.stop()
+        self.io.shutdown(wait=False, cancel_futures=True)
+
+    def _off_thread(self, rid: int, work: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                work()
+            except Exception as err:
+                if not isinstance(err, TxlError):
+                    log.exception("engine process: request %s failed", rid)
+                self._fail(rid, err)
+        self.io.submit(run)
 
     def _fail(self, rid: int, err: BaseException) -> None:
         if self.specs.pop(rid, None) is not None:
@@ -199,6 +216,12 @@ class _Core:
             self._submit(spec, self.engine.new_state())
 
     def _on_state(self, head: dict[str, Any], blob: bytes) -> None:
+        if self.large:
+            self._off_thread(head["rid"], lambda: self._state(head, blob))
+        else:
+            self._state(head, blob)
+
+    def _state(self, head: dict[str, Any], blob: bytes) -> None:
         """The stored session the engine asked for: its hidden states (imported) or only its window (rebuilt)."""
         spec = self.specs.get(head["rid"])
         if spec is None:  # cancelled meanwhile
@@ -308,14 +331,19 @@ class _Core:
                 "score": None if done.score is None else [done.score.tokens, done.score.logprob],
                 "generated": done.generated, "queue_s": done.queue_s, "prefill_s": done.prefill_s,
                 "text": done.text, "source": spec.source, "restore_s": spec.restore_s}
-        blob = b""
-        if done.state is not None and spec.persist:
-            window = extend_window(spec.window, spec.ids + done.generated, spec.tokens_before,
-                                   self.engine.window_len)
-            blob = safetensors_bytes(persisted(self.engine, done.state, window, self.storage_dtype))
-            self.kept[spec.rid] = (done.state, window)
-        head["stats"] = self.stats()
-        self.send(head, blob)
+        if done.state is None or not spec.persist:
+            self.send({**head, "stats": self.stats()})
+        elif self.large:
+            self._off_thread(spec.rid, lambda: self._export(spec, done, head))
+        else:
+            self._export(spec, done, head)
+
+    def _export(self, spec: _Spec, done: Any, head: dict[str, Any]) -> None:
+        """What the server commits, sent with the request's end; the state waits for its keep or drop."""
+        window = extend_window(spec.window, spec.ids + done.generated, spec.tokens_before, self.engine.window_len)
+        blob = safetensors_bytes(persisted(self.engine, done.state, window, self.storage_dtype))
+        self.kept[spec.rid] = (done.state, window)
+        self.send({**head, "stats": self.stats()}, blob)
 
 
 def core_main() -> None:
@@ -373,10 +401,16 @@ class CoreRequest:
         if not self.ended:
             self.core.send({"op": "cancel", "rid": self.rid})
 
-    def provide(self, tensors: dict[str, torch.Tensor], *, tokens_seen: int, fingerprint: str | None) -> None:
-        blob = safetensors_bytes(tensors) if tensors else b""
-        self.core.send({"op": "state", "rid": self.rid, "tokens_seen": tokens_seen, "fingerprint": fingerprint},
-                       blob)
+    async def provide(self, tensors: dict[str, torch.Tensor], *, tokens_seen: int, fingerprint: str | None) -> None:
+        """Send the session's stored tensors: a large one from a thread, so that the event loop streams on."""
+        head = {"op": "state", "rid": self.rid, "tokens_seen": tokens_seen, "fingerprint": fingerprint}
+
+        def send() -> None:
+            self.core.send(head, safetensors_bytes(tensors) if tensors else b"")
+        if sum(t.nbytes for t in tensors.values()) > INLINE_BYTES:
+            await asyncio.to_thread(send)
+        else:
+            send()
 
     def keep(self, session_id: str, version: int) -> None:
         """The committed state goes into the engine's hot set as ``version``."""
@@ -477,9 +511,9 @@ class EngineCore:
         why = "the engine process exited"
         try:
             while True:
-                batch = [unpack(self.conn.recv_bytes())]
+                batch = [self._next()]
                 while self.conn.poll(0):
-                    batch.append(unpack(self.conn.recv_bytes()))
+                    batch.append(self._next())
                 with contextlib.suppress(RuntimeError):
                     self.loop.call_soon_threadsafe(self._dispatch, batch)
         except (EOFError, OSError):
@@ -489,6 +523,12 @@ class EngineCore:
             log.exception("reading the engine process failed")
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self._died, why)
+
+    def _next(self) -> dict[str, Any]:
+        head, blob = unpack(self.conn.recv_bytes())
+        if blob:  # what a finished request commits: decoded here, off the event loop
+            head["tensors"] = tensors_from(blob)
+        return head
 
     def _died(self, why: str) -> None:
         if self.dead is not None:
@@ -504,8 +544,8 @@ class EngineCore:
         if self.on_death is not None and not getattr(self, "stopping", False):
             self.on_death(why)
 
-    def _dispatch(self, batch: list[tuple[dict[str, Any], bytes]]) -> None:
-        for head, blob in batch:
+    def _dispatch(self, batch: list[dict[str, Any]]) -> None:
+        for head in batch:
             op = head["op"]
             if "stats" in head:
                 self.hot.update(head["stats"])
@@ -540,7 +580,7 @@ class EngineCore:
                     head["rid"], head["state"] or None, head["tokens_seen"], head["finish_reason"],
                     head.get("completion_tokens", 0), score, head.get("generated") or [], head.get("queue_s"),
                     head.get("prefill_s"), head.get("text", ""), head.get("source"),
-                    tensors_from(blob) if blob else None, head.get("restore_s")))
+                    head.get("tensors"), head.get("restore_s")))
             elif op == "stats":
                 fut = self.stats_waiting.pop(head["qid"], None)
                 if fut is not None and not fut.done():

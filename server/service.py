@@ -173,7 +173,7 @@ class Run:
         async for item in req:
             if isinstance(item, Need):  # a hot miss: the stored session, as the lease read it
                 tensors = await self.rt.store.read_tensors(lease)
-                req.provide(tensors, tokens_seen=lease.session.info.tokens_seen,
+                await req.provide(tensors, tokens_seen=lease.session.info.tokens_seen,
                             fingerprint=lease.session.info.fingerprint)
             elif isinstance(item, CoreFinished):
                 return item, last

@@ -57,6 +57,22 @@ def test_a_session_continued_hot_read_back_from_redis_and_forked_equals_one_requ
     assert 'txlserve_session_restores_total{source="redis"}' in metrics
 
 
+def test_a_large_session_is_exported_and_imported_off_the_engines_threads(checkpoint, redis_url, tmp_path):
+    """A session over 1 MiB (INLINE_BYTES): its export, its upload and its import run on threads of their own
+    (server/engine_core.py); the continuation is the one the whole document gives."""
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=("--mem-len", "4200")).start()
+    try:
+        a, b = "It was the best of times, it was the worst of times, " * 85, "it was the age of wisdom"  # 4,505 tokens
+        truth = _complete(srv, prompt=a + b, max_tokens=16).json()["choices"][0]["text"]
+        sid = httpx.post(srv.url + "/v1/sessions", json={"text": a}, timeout=60).json()
+        assert sid["bytes"] > 2 * 4200 * 32 * 4 > 1 << 20  # a full memory: 2 layers, d_model 32, fp32
+        fork = httpx.post(f"{srv.url}/v1/sessions/{sid['id']}/fork", timeout=60).json()["id"]  # Redis's alone
+        for session in (sid["id"], fork):  # hot, then read from Redis
+            assert _complete(srv, prompt=b, max_tokens=16, session_id=session).json()["choices"][0]["text"] == truth
+    finally:
+        srv.stop()
+
+
 def test_an_append_scores_its_text_and_its_tokens_as_one_request_does(server):
     text = "To be, or not to be, that is the question"
     sid = httpx.post(server.url + "/v1/sessions", json={"text": ""}, timeout=60).json()["id"]

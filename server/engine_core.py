@@ -30,12 +30,14 @@ import contextlib
 import itertools
 import json
 import logging
+import queue
 import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -69,6 +71,17 @@ def pack(head: dict[str, Any], blob: bytes = b"") -> bytes:
 def unpack(data: bytes) -> tuple[dict[str, Any], bytes]:
     (n,) = struct.unpack_from("<I", data)
     return json.loads(data[4:4 + n]), data[4 + n:]
+
+
+def ids_blob(ids: list[int]) -> bytes:
+    """Token ids as int32 bytes: a long prompt packs ~50x faster than as JSON."""
+    return array("i", ids).tobytes()
+
+
+def ids_from(blob: bytes) -> list[int]:
+    ids = array("i")
+    ids.frombytes(blob)
+    return ids.tolist()
 
 
 def tensors_from(blob: bytes) -> dict[str, torch.Tensor]:
@@ -108,6 +121,7 @@ class _Spec:
     rebuild_seen: int | None = None  # while its window is read: the tokens_seen to renumber it to
     job: Any = None
     cancelled: bool = False
+    abandoned: bool = False  # the server will not read its end: nothing is kept for it
     started: float = field(default_factory=time.monotonic)
     restore_s: float | None = None  # until its state was ready (hot, imported or rebuilt): /metrics' restore time
 
@@ -127,6 +141,7 @@ class _Core:
         from server.scheduler import Scheduler
         self.conn, self.settings = conn, settings
         self.lock = threading.Lock()  # one writer at a time on the connection
+        self.guard = threading.Lock()  # a request's start against its cancel, from different threads
         self.engine = Engine.from_checkpoint(
             settings["checkpoint"], device=settings["device"], dtype=getattr(torch, settings["dtype"]),
             mem_len=settings["mem_len"], clamp_len=settings["clamp_len"], prefill_chunk=settings["prefill_chunk"],
@@ -135,7 +150,7 @@ class _Core:
         self.scheduler = Scheduler(self.engine, max_batch=settings["max_batch"], batch_bytes=settings["batch_bytes"],
                                    prefill_chunk=self.engine.prefill_chunk,
                                    stream_interval=settings["stream_interval"])
-        self.hot = HotStates(settings["hot_bytes"])
+        self.hot = HotStates(settings["hot_bytes"], report_evictions=True)
         # a large session's import (reading its stored tensors, projecting its keys and values) and export run
         # here, off the reader thread (which then still takes other requests' messages) and off the engine thread
         # (whose steps every stream waits for), as the in-process server runs them off its event loop
@@ -159,7 +174,8 @@ class _Core:
         self.scheduler.warmed.wait()
         self.send({"op": "ready", "fingerprint": e.fingerprint, "mem_len": e.mem_len, "clamp_len": e.clamp_len,
                    "window_len": e.window_len, "tokenizer_id": e.tokenizer_id, "capacity": self.scheduler.capacity,
-                   "device": str(e.device), "prefill_chunk": e.prefill_chunk, "threads": torch.get_num_threads()})
+                   "device": str(e.device), "prefill_chunk": e.prefill_chunk, "threads": torch.get_num_threads(),
+                   "row_bytes": e.new_state(1).row_bytes})
         while True:
             try:
                 head, blob = unpack(self.conn.recv_bytes())
@@ -195,9 +211,9 @@ class _Core:
             self.send({"op": "events", "stats": self.stats(), "items": [[rid, "x", error_head(err)]]})
 
     # -- requests ------------------------------------------------------------------------------------------
-    def _on_run(self, head: dict[str, Any], _: bytes) -> None:
+    def _on_run(self, head: dict[str, Any], blob: bytes) -> None:
         params = None if head["params"] is None else SamplingParams(**head["params"])
-        spec = _Spec(head["rid"], tuple(head["key"]) if head["key"] else None, head["ids"], params,
+        spec = _Spec(head["rid"], tuple(head["key"]) if head["key"] else None, ids_from(blob), params,
                      head["prompt_logprobs"], head["persist"])
         self.specs[spec.rid] = spec
         if spec.key is not None:
@@ -249,24 +265,30 @@ class _Core:
     def _enqueue(self, spec: _Spec, state: Any, ids: list[int], params: SamplingParams | None, *, scored: bool,
                  prompt_logprobs: int | None) -> None:
         from server.scheduler import Job
-        spec.job = Job(state, list(ids), params, self, _Box(spec), None, prev=ids[-1] if ids else None,  # type: ignore[arg-type]
-                       scored=scored, prompt_logprobs=prompt_logprobs)
-        if spec.cancelled:
-            spec.job.cancel()
-        self.scheduler.inbox.put(spec.job)
+        job = Job(state, list(ids), params, self, _Box(spec), None, prev=ids[-1] if ids else None,  # type: ignore[arg-type]
+                  scored=scored, prompt_logprobs=prompt_logprobs)
+        with self.guard:
+            if self.specs.get(spec.rid) is not spec:  # cancelled and answered while its state was made
+                return
+            spec.job = job
+            if spec.cancelled:
+                job.cancel()
+        self.scheduler.inbox.put(job)
 
     def _on_cancel(self, head: dict[str, Any], _: bytes) -> None:
-        spec = self.specs.get(head["rid"])
-        if spec is None:  # it ended meanwhile: the server may never keep its state (a keep then finds none)
-            self.kept.pop(head["rid"], None)
-            return
-        spec.cancelled = True
-        if spec.job is not None:
-            spec.job.cancel()
-        else:  # waiting for its stored state: nothing was read
-            self.specs.pop(spec.rid)
-            self.send({"op": "finished", "rid": spec.rid, "state": False, "tokens_seen": spec.tokens_before,
-                       "finish_reason": "cancelled", "stats": self.stats()})
+        """Stop a request within a step. ``abandon``: the server will not read its end either, so its state is
+        not kept. A request that already ended is the server's to keep or drop."""
+        with self.guard:
+            spec = self.specs.get(head["rid"])
+            if spec is None:
+                return
+            spec.cancelled, spec.abandoned = True, spec.abandoned or bool(head.get("abandon"))
+            if spec.job is not None:
+                spec.job.cancel()
+                return
+            self.specs.pop(spec.rid)  # waiting for its stored state: nothing was read
+        self.send({"op": "finished", "rid": spec.rid, "state": False, "tokens_seen": spec.tokens_before,
+                   "finish_reason": "cancelled", "stats": self.stats()})
 
     def _on_stats(self, head: dict[str, Any], _: bytes) -> None:
         self.send({"op": "stats", "qid": head["qid"], "stats": self.stats()})
@@ -276,7 +298,7 @@ class _Core:
         if kept is None or not self.hot.put(head["sid"], head["version"], *kept):
             self.hot.evicted.append(head["sid"])  # too big for the budget, or deleted meanwhile
         self.send({"op": "evicted", "sids": self.hot.evicted, "stats": self.stats()})  # /metrics' hot figures
-        self.hot.evicted = []
+        self.hot.evicted.clear()
 
     def _on_drop(self, head: dict[str, Any], _: bytes) -> None:
         self.kept.pop(head["rid"], None)
@@ -322,17 +344,22 @@ class _Core:
                 raise Unavailable("the session could not be rebuilt: the request was cancelled or the server is "
                                   "shutting down")
             else:
-                self.engine.renumber(done.state, seen)
-                self._submit(spec, done.state)
+                def resume() -> None:
+                    self.engine.renumber(done.state, seen)  # rolls every ring: a large one off the engine thread
+                    self._submit(spec, done.state)
+                if self.large:
+                    self._off_thread(spec.rid, resume)
+                else:
+                    resume()
                 return
-        self.specs.pop(spec.rid, None)
         head = {"op": "finished", "rid": spec.rid, "state": done.state is not None, "tokens_seen": done.tokens_seen,
                 "finish_reason": done.finish_reason, "completion_tokens": done.completion_tokens,
                 "score": None if done.score is None else [done.score.tokens, done.score.logprob],
                 "generated": done.generated, "queue_s": done.queue_s, "prefill_s": done.prefill_s,
                 "text": done.text, "source": spec.source, "restore_s": spec.restore_s}
-        if done.state is None or not spec.persist:
-            self.send({**head, "stats": self.stats()})
+        if done.state is None or not spec.persist or spec.abandoned:
+            self.specs.pop(spec.rid, None)
+            self.send({**head, "state": False if spec.abandoned else head["state"], "stats": self.stats()})
         elif self.large:
             self._off_thread(spec.rid, lambda: self._export(spec, done, head))
         else:
@@ -343,6 +370,7 @@ class _Core:
         window = extend_window(spec.window, spec.ids + done.generated, spec.tokens_before, self.engine.window_len)
         blob = safetensors_bytes(persisted(self.engine, done.state, window, self.storage_dtype))
         self.kept[spec.rid] = (done.state, window)
+        self.specs.pop(spec.rid, None)  # only now: an export that fails is still answered (_fail)
         self.send({**head, "stats": self.stats()}, blob)
 
 
@@ -396,38 +424,43 @@ class CoreRequest:
         self.inbox: asyncio.Queue[Any] = asyncio.Queue()
         self.ended = False  # its CoreFinished or error came
         self.settled = False  # its state was kept or dropped
+        self.abandoned = False  # closed before its end came: whatever state that end holds is dropped
 
-    def cancel(self) -> None:
+    def cancel(self, abandon: bool = False) -> None:
+        """Stop it within a step (it still ends, with what it made). Never raises: a dead engine process has
+        already failed the request."""
         if not self.ended:
-            self.core.send({"op": "cancel", "rid": self.rid})
+            with contextlib.suppress(Unavailable):
+                self.core.send({"op": "cancel", "rid": self.rid, "abandon": abandon})
 
-    async def provide(self, tensors: dict[str, torch.Tensor], *, tokens_seen: int, fingerprint: str | None) -> None:
-        """Send the session's stored tensors: a large one from a thread, so that the event loop streams on."""
+    def provide(self, tensors: dict[str, torch.Tensor], *, tokens_seen: int, fingerprint: str | None) -> None:
+        """Send the session's stored tensors (serialized by the writer thread, off the event loop)."""
         head = {"op": "state", "rid": self.rid, "tokens_seen": tokens_seen, "fingerprint": fingerprint}
-
-        def send() -> None:
-            self.core.send(head, safetensors_bytes(tensors) if tensors else b"")
-        if sum(t.nbytes for t in tensors.values()) > INLINE_BYTES:
-            await asyncio.to_thread(send)
-        else:
-            send()
+        self.core.send(head, lambda: safetensors_bytes(tensors) if tensors else b"")
 
     def keep(self, session_id: str, version: int) -> None:
-        """The committed state goes into the engine's hot set as ``version``."""
+        """The committed state goes into the engine's hot set as ``version``. The hot set is a cache: with the
+        engine process gone, the commit still stands."""
         self.settled = True
-        self.core.send({"op": "keep", "rid": self.rid, "sid": session_id, "version": version})
-        self.core.hot.versions[session_id] = version
+        with contextlib.suppress(Unavailable):
+            self.core.send({"op": "keep", "rid": self.rid, "sid": session_id, "version": version})
+            if self.core.row_bytes <= self.core.hot_bytes:  # what HotStates.put refuses stays out of the copy
+                self.core.hot.versions[session_id] = version
 
     def close(self) -> None:
         """However the request ends on this side: a state the engine holds for it is dropped, and a request still
-        running there (this side failed, say while reading its session from Redis) is cancelled, so neither
-        process keeps anything for it."""
+        running there (this side failed, say while reading its session from Redis) is cancelled and abandoned,
+        so neither process keeps anything for it."""
+        if not self.ended:
+            self.abandoned = True
+            self.cancel(abandon=True)  # its end still comes: the reader drops what it holds
+        elif not self.settled:
+            self.drop()
+
+    def drop(self) -> None:
+        self.settled = True
         with contextlib.suppress(Unavailable):
-            if not self.ended:
-                self.cancel()  # its end still comes, and is read by nobody
-            elif not self.settled:
-                self.settled = True
-                self.core.send({"op": "drop", "rid": self.rid})
+            self.core.send({"op": "drop", "rid": self.rid})
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         while True:
@@ -451,12 +484,12 @@ class EngineCore:
         self.settings = settings
         self.requests: dict[int, CoreRequest] = {}
         self.stats_waiting: dict[int, asyncio.Future] = {}  # refresh() calls, by query id
+        self._out: queue.SimpleQueue[tuple[dict[str, Any], Any] | None] = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self.batch_size = self.waiting = self.steps = 0
         self.hot = _HotCounters(self)
         self.dead: str | None = None
         self.on_death: Callable[[str], None] | None = None
-        self._lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
 
     # facts the server reads as it reads an Engine's
@@ -496,7 +529,7 @@ class EngineCore:
         self.fingerprint, self.mem_len, self.clamp_len = head["fingerprint"], head["mem_len"], head["clamp_len"]
         self.window_len, self.tokenizer_id, self.capacity = head["window_len"], head["tokenizer_id"], head["capacity"]
         self.device, self.prefill_chunk = torch.device(head["device"]), head["prefill_chunk"]
-        self.threads = head["threads"]
+        self.threads, self.row_bytes, self.hot_bytes = head["threads"], head["row_bytes"], self.settings["hot_bytes"]
         meta = read_meta(self.settings["checkpoint"])
         self.config = TXLConfig.from_dict(meta["model"]).replace(mem_len=self.mem_len, clamp_len=self.clamp_len)
         self.tokenizer = tokenizer_from_dict(meta.get("tokenizer", {"type": "byte"}))
@@ -506,6 +539,8 @@ class EngineCore:
         self.loop = loop
         self._reader = threading.Thread(target=self._read, name="txlserve-engine-reader", daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="txlserve-engine-writer", daemon=True)
+        self._writer.start()
 
     def _read(self) -> None:
         why = "the engine process exited"
@@ -575,6 +610,11 @@ class EngineCore:
                 req = self.requests.pop(head["rid"], None)
                 if req is None:
                     continue
+                if req.abandoned:  # nobody reads this end
+                    req.ended = True
+                    if head["state"]:
+                        req.drop()
+                    continue
                 score = None if head.get("score") is None else Score(*head["score"])
                 req.inbox.put_nowait(CoreFinished(
                     head["rid"], head["state"] or None, head["tokens_seen"], head["finish_reason"],
@@ -604,15 +644,22 @@ class EngineCore:
         finally:
             self.stats_waiting.pop(qid, None)
 
-    def send(self, head: dict[str, Any], blob: bytes = b"") -> None:
+    def send(self, head: dict[str, Any], blob: bytes | Callable[[], bytes] = b"") -> None:
+        """Queue a message for the writer thread (``blob``: its bytes, or what makes them there), in order: the
+        event loop never waits for a long prompt's or a large session's packing and sending."""
         if self.dead is not None:
             raise Unavailable(f"{self.dead}; the server cannot serve until it is restarted")
-        data = pack(head, blob)
-        try:
-            with self._lock:
-                self.conn.send_bytes(data)
-        except OSError:
-            raise Unavailable("the engine process exited; the server cannot serve until it is restarted") from None
+        self._out.put((head, blob))
+
+    def _write(self) -> None:
+        while (item := self._out.get()) is not None:
+            head, blob = item
+            try:
+                self.conn.send_bytes(pack(head, blob() if callable(blob) else blob))
+            except OSError:  # the engine process is gone: the reader thread says so
+                return
+            except Exception:  # pragma: no cover - a bug in packing fails that message alone
+                log.exception("sending %s to the engine process failed", head.get("op"))
 
     def submit(self, ids: list[int], params: SamplingParams | None, *, key: tuple[str, int] | None = None,
                history: tuple[list[int], int] | None = None, persist: bool, prompt_logprobs: int | None = None,
@@ -625,9 +672,9 @@ class EngineCore:
         req = CoreRequest(self, rid, stream)
         self.requests[rid] = req
         try:
-            self.send({"op": "run", "rid": rid, "key": list(key) if key else None, "ids": ids,
+            self.send({"op": "run", "rid": rid, "key": list(key) if key else None,
                        "params": None if params is None else asdict(params), "prompt_logprobs": prompt_logprobs,
-                       "history": list(history) if history else None, "persist": persist})
+                       "history": list(history) if history else None, "persist": persist}, lambda: ids_blob(ids))
         except BaseException:
             self.requests.pop(rid, None)
             raise
@@ -638,6 +685,13 @@ class EngineCore:
         self.stopping = True
         with contextlib.suppress(Exception):
             self.send({"op": "stop"})
+        self._out.put(None)
+        writer = getattr(self, "_writer", None)
+        if writer is None:  # stopped before it listened (a failed start): nothing else is queued
+            with contextlib.suppress(Exception):
+                self.conn.send_bytes(pack({"op": "stop"}))
+        else:
+            writer.join(timeout)
         if self.proc is not None:
             try:
                 self.proc.wait(timeout)

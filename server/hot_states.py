@@ -29,13 +29,15 @@ class _Entry:
 
 class HotStates:
     DELETED_REMEMBERED = 4096
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, *, report_evictions: bool = False) -> None:
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._deleted: OrderedDict[str, None] = OrderedDict()  # recently deleted ids, most recent last
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
-        self.evicted: list[str] = []  # ids evicted since the owner last emptied it (the engine process reports them)
+        self.report_evictions = report_evictions
+        self.evicted: list[str] = []  # with report_evictions: ids evicted since the owner last emptied it (the engine
+        # process tells the server, whose copy of the hot set's keys says which sessions are hot)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -64,7 +66,8 @@ class HotStates:
             oldest = next(iter(self._entries))
             self._pop(oldest)
             self.evictions += 1
-            self.evicted.append(oldest)
+            if self.report_evictions:
+                self.evicted.append(oldest)
         self._entries[session_id] = _Entry(version, state, window, nbytes)
         self.nbytes += nbytes
         return True

@@ -148,18 +148,22 @@ async def _open_store(settings: Settings, engine: Engine | EngineCore, device: t
     return store
 
 
+def core_settings(s: Settings, checkpoint: str, device: torch.device, dtype: torch.dtype) -> dict:
+    """What the engine's process is told: nothing secret (no keys, no Redis URL)."""
+    return {"checkpoint": str(checkpoint), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "mem_len": s.mem_len, "clamp_len": s.clamp_len, "prefill_chunk": s.prefill_chunk,
+            "enforce_eager": s.enforce_eager, "prefill_products": s.prefill_products,
+            "storage_dtype": s.storage_dtype, "max_batch": s.max_batch, "batch_bytes": s.batch_mb << 20,
+            "stream_interval": s.stream_interval, "hot_bytes": s.hot_cache_mb << 20, "threads": s.threads,
+            "processes": s.workers if s.workers > 1 else None, "log_level": s.log_level,
+            "switch_interval_ms": s.switch_interval_ms}
+
+
 async def _open_with_core(settings: Settings, checkpoint: str, device: torch.device, dtype: torch.dtype,
                           cpu_latency: CpuLatencyQos) -> Runtime:
     """The engine in its own process (server/engine_core.py): this process keeps HTTP, the store and the
     requests' leases and commits; the engine, its scheduler and the hot sessions live there."""
-    s = settings
-    core = EngineCore({
-        "checkpoint": str(checkpoint), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-        "mem_len": s.mem_len, "clamp_len": s.clamp_len, "prefill_chunk": s.prefill_chunk,
-        "enforce_eager": s.enforce_eager, "prefill_products": s.prefill_products, "storage_dtype": s.storage_dtype,
-        "max_batch": s.max_batch, "batch_bytes": s.batch_mb << 20, "stream_interval": s.stream_interval,
-        "hot_bytes": s.hot_cache_mb << 20, "threads": s.threads, "processes": s.workers if s.workers > 1 else None,
-        "log_level": s.log_level, "switch_interval_ms": s.switch_interval_ms})
+    core = EngineCore(core_settings(settings, checkpoint, device, dtype))
     await asyncio.to_thread(core.start)
     try:
         store = await _open_store(settings, core, torch.device("cpu"))  # tensors here only cross the wire

@@ -150,9 +150,6 @@ class Run:
                 req = core.submit(self.ids, self.params, key=(self.session_id, info.version), persist=True,
                                   prompt_logprobs=self.prompt_logprobs, stream=self.events)
                 done, last = await self._schedule(self._core_run(req, lease))
-                rt.metrics.restores.labels(done.source).inc()
-                if done.restore_s is not None:  # measured in the engine's process: from its start to its state
-                    rt.metrics.restore_time.labels(done.source).observe(done.restore_s)
                 if done.tokens_seen != cached or done.source == "rebuild":
                     info = await rt.store.commit(lease, done.tensors, tokens_seen=done.tokens_seen,
                                                  mem_len=core.mem_len, release=True,
@@ -173,9 +170,13 @@ class Run:
         async for item in req:
             if isinstance(item, Need):  # a hot miss: the stored session, as the lease read it
                 tensors = await self.rt.store.read_tensors(lease)
-                await req.provide(tensors, tokens_seen=lease.session.info.tokens_seen,
+                req.provide(tensors, tokens_seen=lease.session.info.tokens_seen,
                             fingerprint=lease.session.info.fingerprint)
             elif isinstance(item, CoreFinished):
+                if lease is not None and item.source is not None:  # a restored session, cancelled or not
+                    self.rt.metrics.restores.labels(item.source).inc()
+                    if item.restore_s is not None:  # measured in the engine's process: from its start to its state
+                        self.rt.metrics.restore_time.labels(item.source).observe(item.restore_s)
                 return item, last
             else:
                 last = item

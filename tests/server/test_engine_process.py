@@ -153,3 +153,91 @@ def test_the_engine_process_stops_with_the_server_even_when_it_is_killed(checkpo
             assert wait_exit([pid], timeout=30) and not pid_alive(pid), f"the engine process outlived a {stop}"
         finally:
             srv.stop()
+
+
+# -- the engine process's side of the wire, driven directly (in this process, on threads) ------------------------
+@pytest.fixture
+def core(checkpoint):
+    """An engine process's ``_Core`` serving one end of a socketpair; the test speaks the wire on the other."""
+    import socket
+    import threading
+    from multiprocessing.connection import Connection
+
+    import torch
+
+    from server.engine_core import _Core
+    from server.runtime import core_settings
+    from server.settings import Settings
+
+    ours, theirs = socket.socketpair()
+    engine = _Core(Connection(theirs.detach()), core_settings(Settings(checkpoint=str(checkpoint)), str(checkpoint),
+                                                              torch.device("cpu"), torch.float32))
+    thread = threading.Thread(target=engine.serve, daemon=True)
+    thread.start()
+    conn = Connection(ours.detach())
+    assert _recv(conn)["op"] == "ready"
+    yield engine, conn
+    conn.send_bytes(pack({"op": "stop"}))
+    thread.join(30)
+    conn.close()
+    assert not thread.is_alive()
+
+
+def _recv(conn, timeout: float = 30) -> dict:
+    assert conn.poll(timeout), "the engine sent nothing"
+    head, blob = unpack(conn.recv_bytes())
+    return {**head, "blob": blob}
+
+
+def _until(conn, op: str, rid: int | None = None) -> dict:
+    """The next message of ``op`` (for ``rid``), the items of every events message before it collected."""
+    items = []
+    while True:
+        head = _recv(conn)
+        items += [i for i in head.get("items", []) if rid is None or i[0] == rid]
+        mine = rid is None or head.get("rid") == rid or any(i[0] == rid for i in head.get("items", []))
+        if head["op"] == op and mine:
+            return {**head, "seen": items}
+        if head["op"] == "events" and any(i[1] == "x" for i in items) and op != "events":
+            return {**head, "seen": items}
+
+
+def _run(conn, rid: int, ids: list[int], *, key=None, max_tokens: int = 4, persist: bool = True) -> None:
+    from server.engine_core import ids_blob
+    conn.send_bytes(pack({"op": "run", "rid": rid, "key": key, "params": {"max_tokens": max_tokens, "temperature": 0},
+                          "prompt_logprobs": None, "history": None, "persist": persist}, ids_blob(ids)))
+
+
+def test_an_export_that_fails_answers_its_request(core, monkeypatch):
+    import server.engine_core as engine_core
+
+    def broken(*_, **__):
+        raise MemoryError("no room for the export")
+    monkeypatch.setattr(engine_core, "persisted", broken)
+    engine, conn = core
+    _run(conn, 1, [72, 105])
+    end = _until(conn, "finished", 1)
+    assert end["op"] == "events" and end["seen"][-1][1] == "x", end  # an error, not silence
+    assert "MemoryError" in end["seen"][-1][2]["message"] and not engine.specs and not engine.kept
+
+
+def test_a_cancel_after_the_end_leaves_the_state_for_its_keep(core):
+    engine, conn = core
+    _run(conn, 1, [72, 105])
+    assert _until(conn, "finished", 1)["state"] is True and 1 in engine.kept
+    conn.send_bytes(pack({"op": "cancel", "rid": 1, "abandon": False}))  # the client left as the request ended
+    conn.send_bytes(pack({"op": "keep", "rid": 1, "sid": "s", "version": 1}))
+    assert _until(conn, "evicted")["sids"] == []  # kept hot
+    _run(conn, 2, [33], key=["s", 1])
+    end = _until(conn, "finished", 2)
+    assert end["source"] == "hot" and end["tokens_seen"] == 2 + 4 + 1 + 4
+
+
+def test_an_abandoned_request_leaves_nothing_behind(core):
+    engine, conn = core
+    _run(conn, 1, [72, 105], max_tokens=100_000)
+    _until(conn, "events", 1)  # generating
+    conn.send_bytes(pack({"op": "cancel", "rid": 1, "abandon": True}))  # the server will not read its end
+    end = _until(conn, "finished", 1)
+    assert end["state"] is False and end["finish_reason"] == "cancelled" and not end["blob"]
+    assert not engine.kept and not engine.specs

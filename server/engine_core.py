@@ -8,11 +8,11 @@ step took 12.8-14 ms in the server against 11.4 ms alone (BENCHMARKS.md, "Worker
 interpreter does nothing else, and what crosses is one message per step for all its tokens.
 
 The wire: ``multiprocessing.connection.Connection`` byte messages (never its pickling ``send``), each a JSON head
-and, for a session's tensors, a safetensors blob. A session's state never crosses: it stays in the engine
-process, as the running request's rows and then in its hot set. A request names its session by (id, version);
-on a hot miss the engine asks for the stored tensors (``need``), the server reads them from Redis and sends them
-(``state``). A finished request's state waits in the engine until the server has committed it and says
-``keep`` (under the committed version) or ``drop``.
+and a blob: a session's tensors as safetensors, a prompt's ids as int32. A session's state never crosses: it
+stays in the engine process, as the running request's rows and then in its hot set. A request names its session
+by (id, version); on a hot miss the engine asks for the stored tensors (``need``), the server reads them from Redis
+and sends them (``state``). A finished request's state waits in the engine until the server has committed it and
+says ``keep`` (under the committed version) or ``drop``.
 
     server                                   engine process
       run {rid, key, ids, params, ...}  ->
@@ -212,10 +212,11 @@ class _Core:
 
     # -- requests ------------------------------------------------------------------------------------------
     def _on_run(self, head: dict[str, Any], blob: bytes) -> None:
-        params = None if head["params"] is None else SamplingParams(**head["params"])
-        spec = _Spec(head["rid"], tuple(head["key"]) if head["key"] else None, ids_from(blob), params,
-                     head["prompt_logprobs"], head["persist"])
-        self.specs[spec.rid] = spec
+        spec = _Spec(head["rid"], tuple(head["key"]) if head["key"] else None, [], None, head["prompt_logprobs"],
+                     head["persist"])
+        self.specs[spec.rid] = spec  # first: whatever fails below is answered (_fail)
+        spec.ids = ids_from(blob)
+        spec.params = None if head["params"] is None else SamplingParams(**head["params"])
         if spec.key is not None:
             hot = self.hot.take(*spec.key)
             if hot is None:

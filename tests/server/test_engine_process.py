@@ -241,3 +241,13 @@ def test_an_abandoned_request_leaves_nothing_behind(core):
     end = _until(conn, "finished", 1)
     assert end["state"] is False and end["finish_reason"] == "cancelled" and not end["blob"]
     assert not engine.kept and not engine.specs
+
+
+def test_a_request_refused_as_it_arrives_is_answered(core):
+    from server.engine_core import ids_blob
+    engine, conn = core
+    conn.send_bytes(pack({"op": "run", "rid": 7, "key": None, "params": {"max_tokens": 0}, "prompt_logprobs": None,
+                          "history": None, "persist": False}, ids_blob([72])))
+    (item,) = _until(conn, "events", 7)["seen"]
+    assert item[1] == "x" and item[2]["error"] == "InvalidRequestError" and item[2]["param"] == "max_tokens"
+    assert not engine.specs

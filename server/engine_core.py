@@ -53,6 +53,7 @@ from model.engine import Engine, Score, TokenEvent
 from model.sampling import SamplingParams
 from model.tokenizer import tokenizer_from_dict
 from server.hot_states import HotStates
+from server.scheduler import Finished, Job, JobFailed, PromptScores, Scheduler, streamed
 from server.session_state import extend_window, importable, persisted, rebuild_window, stored_window
 from txlserve import errors
 from txlserve.errors import TxlError, Unavailable
@@ -138,7 +139,6 @@ class _Core:
     each step's items through :meth:`call_soon_threadsafe` (the scheduler's hand-off to an event loop)."""
 
     def __init__(self, conn: Connection, settings: dict[str, Any]) -> None:
-        from server.scheduler import Scheduler
         self.conn, self.settings = conn, settings
         self.lock = threading.Lock()  # one writer at a time on the connection
         self.guard = threading.Lock()  # a request's start against its cancel, from different threads
@@ -265,7 +265,6 @@ class _Core:
 
     def _enqueue(self, spec: _Spec, state: Any, ids: list[int], params: SamplingParams | None, *, scored: bool,
                  prompt_logprobs: int | None) -> None:
-        from server.scheduler import Job
         job = Job(state, list(ids), params, self, _Box(spec), None, prev=ids[-1] if ids else None,  # type: ignore[arg-type]
                   scored=scored, prompt_logprobs=prompt_logprobs)
         with self.guard:
@@ -314,7 +313,6 @@ class _Core:
     def call_soon_threadsafe(self, _deliver: Callable, items: list[tuple[_Box, Any]]) -> None:
         """What the scheduler hands an event loop once a step: here, one message for all its tokens (then one
         per finished request, with what to commit)."""
-        from server.scheduler import Finished, JobFailed, PromptScores
         out, finished = [], []
         for box, item in items:
             rid = box.spec.rid
@@ -394,19 +392,11 @@ def core_main() -> None:
 
 # -- the server's side -----------------------------------------------------------------------------------
 @dataclass
-class CoreFinished:
-    """A request's end as the engine process reports it; ``tensors``: what to commit (a persisted request)."""
+class CoreFinished(Finished):
+    """A request's end as the engine process reports it: ``state`` is True where the engine holds the session's
+    state for the server's keep or drop (None: nothing was read, as a Finished's); ``tensors``: what to commit."""
 
-    rid: int
-    state: bool | None  # True: the engine holds the state for keep/drop; None: nothing was read (as Finished's)
-    tokens_seen: int
-    finish_reason: str | None
-    completion_tokens: int = 0
-    score: Score | None = None
-    generated: list[int] | None = None
-    queue_s: float | None = None
-    prefill_s: float | None = None
-    text: str = ""
+    rid: int = 0
     source: str | None = None
     tensors: dict[str, torch.Tensor] | None = None
     restore_s: float | None = None
@@ -594,10 +584,8 @@ class EngineCore:
                         token, text, logprob, top, reason = payload
                         item: Any = TokenEvent(token, text, logprob, None if top is None else [tuple(t) for t in top],
                                                reason)
-                        to = req.stream if req.stream is not None and reason is None else req.inbox
-                        to.put_nowait(item)
+                        (req.stream if req.stream is not None and streamed(item) else req.inbox).put_nowait(item)
                     elif kind == "p":
-                        from server.scheduler import PromptScores
                         scores = PromptScores([(lp, [tuple(t) for t in top]) for lp, top in payload])
                         (req.stream or req.inbox).put_nowait(scores)
                     else:
@@ -618,10 +606,10 @@ class EngineCore:
                     continue
                 score = None if head.get("score") is None else Score(*head["score"])
                 req.inbox.put_nowait(CoreFinished(
-                    head["rid"], head["state"] or None, head["tokens_seen"], head["finish_reason"],
+                    head["state"] or None, head["tokens_seen"], head["finish_reason"],
                     head.get("completion_tokens", 0), score, head.get("generated") or [], head.get("queue_s"),
-                    head.get("prefill_s"), head.get("text", ""), head.get("source"),
-                    head.get("tensors"), head.get("restore_s")))
+                    head.get("prefill_s"), head.get("text", ""), rid=head["rid"], source=head.get("source"),
+                    tensors=head.get("tensors"), restore_s=head.get("restore_s")))
             elif op == "stats":
                 fut = self.stats_waiting.pop(head["qid"], None)
                 if fut is not None and not fut.done():

@@ -96,6 +96,11 @@ class Runtime:
         if pending:
             await asyncio.wait(pending, timeout=10)
 
+    @property
+    def engine_dead(self) -> str | None:
+        """Why the engine's process is gone (it died), else None."""
+        return None if self.core is None else self.core.dead
+
     async def render_metrics(self) -> bytes:
         """This process's /metrics text, with the engine's figures as of now."""
         if self.core is not None:

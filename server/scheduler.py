@@ -132,6 +132,12 @@ class EngineRequest:
                 return
 
 
+def streamed(item: Any) -> bool:
+    """Whether a request's ``item`` goes to its stream queue, where it has one: every token but the one that ends
+    generation, and the PromptScores; the rest go to the request itself."""
+    return isinstance(item, PromptScores) or (isinstance(item, TokenEvent) and item.finish_reason is None)
+
+
 def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for inbox, item in items:
         inbox.put_nowait(item)
@@ -226,8 +232,7 @@ class Scheduler:
             self._queue(job, item)
 
     def _queue(self, job: Job, item: Any) -> None:
-        streamed = isinstance(item, PromptScores) or (isinstance(item, TokenEvent) and item.finish_reason is None)
-        self._outbox.append((job, job.stream if streamed and job.stream is not None else job.inbox, item))
+        self._outbox.append((job, job.stream if job.stream is not None and streamed(item) else job.inbox, item))
 
     def _flush(self) -> None:
         """Hand this iteration's items to the event loops: one wake-up per loop and step, not one per token."""

@@ -52,8 +52,8 @@ class Run:
                  create: bool = False, history: tuple[list[int], int] | None = None,
                  prompt_logprobs: int | None = None) -> None:
         s = rt.settings
-        if rt.core is not None and rt.core.dead:
-            raise Unavailable(f"{rt.core.dead}; the server cannot serve until it is restarted")
+        if rt.engine_dead:
+            raise Unavailable(f"{rt.engine_dead}; the server cannot serve until it is restarted")
         if rt.draining or not rt.ready:
             raise Unavailable("the server is shutting down" if rt.draining else "the server is starting")
         if len(rt.runs) >= s.max_queue + rt.scheduler.capacity:  # every request in flight, whatever its phase

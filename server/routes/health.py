@@ -19,8 +19,8 @@ router = APIRouter()
 async def health(request: Request) -> Response:
     """Alive unless the engine's process (--engine-process) has died: then a liveness probe restarts us."""
     rt: Runtime | None = getattr(request.app.state, "runtime", None)
-    if rt is not None and rt.core is not None and rt.core.dead:
-        return JSONResponse(error_body(rt.core.dead, "service_unavailable_error", None, "engine_dead"), 503)
+    if rt is not None and rt.engine_dead:
+        return JSONResponse(error_body(rt.engine_dead, "service_unavailable_error", None, "engine_dead"), 503)
     return JSONResponse({"status": "ok"})
 
 
@@ -28,8 +28,8 @@ async def health(request: Request) -> Response:
 async def ready(request: Request) -> Response:
     rt: Runtime | None = getattr(request.app.state, "runtime", None)
     if rt is None or not rt.ready:
-        why = "draining" if rt is not None and rt.draining else "engine_dead" if rt is not None and rt.core is not \
-            None and rt.core.dead else "starting"
+        why = "starting" if rt is None else "draining" if rt.draining else "engine_dead" if rt.engine_dead else \
+            "starting"
         return JSONResponse(error_body(f"not ready: {why}", "service_unavailable_error", None, why), 503)
     try:
         await rt.store.ping()

@@ -107,6 +107,9 @@ def test_a_session_of_another_checkpoint_with_the_same_tokenizer_is_rebuilt(serv
     assert out["choices"][0]["text"] == truth and out["session"]["rebuilt"] is True
     follow = _continue(new, sid)  # from here on it is the new model's session, continued as usual
     assert follow["session"]["tokens_seen"] == 2 * len(TEXT) + 48
+    tier = httpx.get(f"{new.url}/v1/sessions/{sid}", timeout=10).json()["tier"]
+    assert tier in ("redis", "cold")  # --hot-cache-mb 0: never hot, whichever process holds the engine (the cold
+    # server's sweep, on the same Redis, may have demoted it already)
     assert follow["choices"][0]["text"] == _continue(new, prompt=TEXT * 2 + truth)["choices"][0]["text"]
 
 

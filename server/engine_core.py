@@ -359,9 +359,9 @@ class _Core:
         if done.state is None or not spec.persist or spec.abandoned:
             self.specs.pop(spec.rid, None)
             self.send({**head, "state": False if spec.abandoned else head["state"], "stats": self.stats()})
-        elif self.large:
+        elif self.large or self.scheduler.busy:  # other requests' steps do not wait for this one's export
             self._off_thread(spec.rid, lambda: self._export(spec, done, head))
-        else:
+        else:  # an idle engine: at once, without a thread's wake-up
             self._export(spec, done, head)
 
     def _export(self, spec: _Spec, done: Any, head: dict[str, Any]) -> None:

@@ -174,6 +174,12 @@ class Scheduler:
     def waiting(self) -> int:
         return self.inbox.qsize() + len(self.prefilling) + len(self.ready)
 
+    @property
+    def busy(self) -> bool:
+        """Whether the loop has work beyond the iteration it is in: rows to step, prompts to read, requests to
+        take. (Read on the loop's own thread, as its hand-off runs, it is exact.)"""
+        return bool(self.running or self.ready or self.prefilling or not self.inbox.empty())
+
     def start(self) -> None:
         self._thread.start()
 
@@ -269,9 +275,8 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            idle = not (self.prefilling or self.ready or self.running)
             try:
-                self._drain(block=idle)
+                self._drain(block=not (self.prefilling or self.ready or self.running))
                 self._prefill()
                 self._decode_step()
                 self._flush()

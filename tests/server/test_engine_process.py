@@ -251,3 +251,33 @@ def test_a_request_refused_as_it_arrives_is_answered(core):
     (item,) = _until(conn, "events", 7)["seen"]
     assert item[1] == "x" and item[2]["error"] == "InvalidRequestError" and item[2]["param"] == "max_tokens"
     assert not engine.specs
+
+
+def test_an_export_does_not_hold_up_the_other_requests_steps(core, monkeypatch):
+    """A request that ends while others run is exported off the engine's thread: the batch steps on meanwhile."""
+    import threading
+
+    import server.engine_core as engine_core
+    started, gate, real = threading.Event(), threading.Event(), engine_core.persisted
+
+    def slow(*args, **kwargs):
+        started.set()
+        assert gate.wait(30), "the test never let the export go"
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine_core, "persisted", slow)
+    engine, conn = core
+    try:
+        _run(conn, 2, [72], max_tokens=100_000, persist=False)  # runs on; never exported
+        _until(conn, "events", 2)
+        _run(conn, 1, [72, 105], max_tokens=2)
+        assert started.wait(30), "request 1 was never exported"
+        tokens = 0
+        while tokens < 20:  # request 2's tokens while request 1's export waits
+            head = _recv(conn, timeout=10)
+            tokens += sum(1 for i in head.get("items", []) if i[0] == 2 and i[1] == "t")
+    finally:
+        gate.set()
+    end = _until(conn, "finished", 1)
+    assert end["state"] is True and end["blob"] and 1 in engine.kept
+    conn.send_bytes(pack({"op": "cancel", "rid": 2, "abandon": True}))
+    assert _until(conn, "finished", 2)["finish_reason"] == "cancelled"

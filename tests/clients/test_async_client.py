@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from txlserve_client import (
+    APIConnectionError,
     AsyncClient,
     AsyncStream,
     AsyncWebSocketStream,
@@ -121,3 +122,10 @@ async def test_many_concurrent_completions(aclient: AsyncClient) -> None:
     results = await asyncio.gather(*(aclient.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=8)
                                      for i in range(8)))
     assert all(r.usage.completion_tokens == 8 for r in results)
+
+
+async def test_a_closed_async_client_says_so() -> None:
+    async with AsyncClient(base_url="http://127.0.0.1:9", max_retries=0) as client:
+        pass
+    with pytest.raises(APIConnectionError, match="this client is closed"):
+        await client.models.list()

@@ -206,6 +206,17 @@ def test_connection_error() -> None:
             client.ws.connect()
 
 
+def test_a_closed_client_and_a_url_that_is_not_one_say_so() -> None:
+    with Client(base_url="http://127.0.0.1:9", max_retries=0) as client:
+        pass
+    with pytest.raises(APIConnectionError, match="this client is closed"):  # httpx's bare RuntimeError before
+        client.models.list()
+    with Client(base_url="notaurl", max_retries=0) as client, pytest.raises(APIConnectionError) as err:
+        client.models.list()
+    assert "://" not in str(err.value).split("(")[0] and "protocol" in str(err.value)  # no empty "at ://"
+
+
+
 def test_websocket_completions_in_turn_with_cancel(client: Client) -> None:
     session = client.sessions.create(text="abc")
     with client.ws.connect() as conn:

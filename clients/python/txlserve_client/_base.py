@@ -143,12 +143,20 @@ def connection_error(err: Exception) -> APIConnectionError:
     return APIConnectionError(f"could not talk to the txlserve server{where} ({type(err).__name__}: {err})")
 
 
+def closed_error() -> APIConnectionError:
+    """A call on a client after ``close()`` (or after its ``with`` block): httpx's bare RuntimeError, said plainly."""
+    return APIConnectionError("this client is closed: make a new one (a client used in a `with` block is closed "
+                              "when the block ends)")
+
+
 def _origin(err: Exception) -> str:
     """`` at scheme://host:port`` of the request that failed, where httpx knows it (never its path or query,
     which may carry a key)."""
     try:
         url = err.request.url  # type: ignore[attr-defined]  # httpx raises RuntimeError where it has none
     except (AttributeError, RuntimeError):
+        return ""
+    if not url.scheme or not url.host:  # not a URL at all (httpx says so in the error itself)
         return ""
     return f" at {url.scheme}://{url.netloc.decode('ascii', 'replace')}"
 

@@ -40,6 +40,8 @@ class Client(BaseClient):
 
     def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
         """The answer to ``call``, retried as the policy allows; raises the APIError of a failure."""
+        if self._http.is_closed:
+            raise api.closed_error()
         request = self._http.build_request(call.method, call.path, json=call.json, params=call.params,
                                            headers=call.headers)
         attempt = 0

@@ -166,3 +166,77 @@ def test_the_playground_creates_streams_cancels_and_forks(server, browser, tmp_p
         shutil.copy(shot, REPO / "docs" / "playground.png")
     assert (REPO / "docs" / "playground.png").is_file()  # the README shows it
     Path(shot).unlink()
+
+
+NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()), None)
+PREFIXED = """pid nginx.pid;
+error_log stderr;
+events { worker_connections 64; }
+http {
+  access_log off;
+  client_body_temp_path body; proxy_temp_path proxy; fastcgi_temp_path fastcgi; uwsgi_temp_path uwsgi;
+  scgi_temp_path scgi;
+  map $http_upgrade $connection_upgrade { default upgrade; '' close; }
+  server {
+    listen 127.0.0.1:PORT;
+    location /txl/ {
+      proxy_pass http://127.0.0.1:UPSTREAM/;
+      proxy_http_version 1.1;
+      proxy_set_header Upgrade $http_upgrade;
+      proxy_set_header Connection $connection_upgrade;
+      proxy_set_header X-Forwarded-Host $http_host;  # the WebSocket's origin check knows the page's host
+      proxy_buffering off;
+    }
+  }
+}
+"""
+
+
+def test_the_playground_works_under_a_path_prefix(server, browser, tmp_path):
+    """Behind a proxy that serves the server at /txl/ (and nothing at /), the page's files, its HTTP calls and its
+    WebSocket keep the prefix: its paths are relative to the page (they were absolute: /static, /v1)."""
+    import subprocess
+    import time
+
+    from tests.live import free_port
+
+    if NGINX is None:
+        pytest.skip("no nginx binary (apt-get install nginx-light): the path-prefix test needs one")
+    port = free_port()
+    (tmp_path / "nginx.conf").write_text(PREFIXED.replace("UPSTREAM", str(server.port)).replace("PORT", str(port)))
+    with open(tmp_path / "stderr", "wb") as err:
+        proc = subprocess.Popen([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-g", "daemon off;"],
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}/txl/", time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"nginx did not start: {(tmp_path / 'stderr').read_text()[-2000:]}")
+            time.sleep(0.05)  # poll, bounded by the deadline
+        driver = browser
+        driver.get_log("browser")  # drop what an earlier test left
+        driver.get(url)
+        _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "the model line, read through the prefix")
+        assert driver.execute_script("return getComputedStyle(document.body).fontFamily") != "", "no stylesheet"
+        _type(driver, "new-text", DOC)
+        _by_id(driver, "create").click()
+        _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), "a session made through the prefix")
+        _type(driver, "prompt", " And")
+        _type(driver, "max-tokens", "8")
+        _type(driver, "temperature", "0")
+        _by_id(driver, "continue").click()  # a WebSocket through the prefix
+        _wait(driver, lambda d: "finish_reason: length, 8 tokens" in _by_id(d, "finish").text, "the stream's end")
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

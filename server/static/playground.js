@@ -11,7 +11,8 @@ async function api(method, path, body) {
   const headers = { "content-type": "application/json" };
   if (key()) headers.authorization = "Bearer " + key();
   if (state.selected && path.startsWith("/v1/sessions/" + state.selected)) headers["x-session-id"] = state.selected;
-  const response = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  // relative to the page: behind a proxy that serves the server under a prefix (/txl/), requests keep it
+  const response = await fetch(path.replace(/^\//, ""), { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
   const data = await response.json().catch(() => ({}));
   if (!response.ok) {
     const err = (data && data.error) || {};
@@ -142,7 +143,10 @@ async function append() {
 }
 
 function wsUrl() {
-  const base = (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/ws";
+  const url = new URL("v1/ws", location.href);  // relative to the page, as api() is
+  url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
+  url.search = url.hash = "";
+  const base = url.href;
   return key() ? base + "?api_key=" + encodeURIComponent(key()) : base;
 }
 

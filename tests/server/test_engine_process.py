@@ -281,3 +281,38 @@ def test_an_export_does_not_hold_up_the_other_requests_steps(core, monkeypatch):
     assert end["state"] is True and end["blob"] and 1 in engine.kept
     conn.send_bytes(pack({"op": "cancel", "rid": 2, "abandon": True}))
     assert _until(conn, "finished", 2)["finish_reason"] == "cancelled"
+
+
+def test_a_cancel_while_a_large_session_is_imported_never_starts_it(core, monkeypatch):
+    """A large session is imported on the engine process's io thread while its reader takes other messages: a
+    cancel that lands meanwhile is answered at once, and the import, when it ends, does not start the request."""
+    import threading
+
+    engine, conn = core
+    _run(conn, 1, [72, 105])  # a session to hand back as if Redis held it
+    stored = _until(conn, "finished", 1)
+    conn.send_bytes(pack({"op": "drop", "rid": 1}))
+    started, gate, real = threading.Event(), threading.Event(), engine.engine.import_state
+
+    def slow(*args, **kwargs):
+        started.set()
+        assert gate.wait(30), "the test never let the import go"
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine.engine, "import_state", slow)
+    monkeypatch.setattr(engine, "large", True)  # as a session over INLINE_BYTES is: imported off the reader thread
+    try:
+        _run(conn, 2, [33], key=["s", 1])  # not hot: the engine asks for it
+        assert _until(conn, "need", 2)["rid"] == 2
+        conn.send_bytes(pack({"op": "state", "rid": 2, "tokens_seen": stored["tokens_seen"],
+                              "fingerprint": engine.engine.fingerprint}, stored["blob"]))
+        assert started.wait(30), "the import never started"
+        conn.send_bytes(pack({"op": "cancel", "rid": 2, "abandon": False}))
+        end = _until(conn, "finished", 2)  # answered while the import still runs
+        assert end["state"] is False and end["finish_reason"] == "cancelled"
+        assert end["tokens_seen"] == stored["tokens_seen"]  # nothing was read
+    finally:
+        gate.set()
+    _run(conn, 3, [72], max_tokens=2, persist=False)  # after the import has ended: the engine still serves
+    while (head := _recv(conn))["op"] != "finished" or head.get("rid") != 3:
+        assert head.get("rid") != 2 and not any(i[0] == 2 for i in head.get("items", [])), head  # 2 never ran
+    assert 2 not in engine.specs and 2 not in engine.kept

@@ -177,7 +177,8 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         """Whether the loop has work beyond the iteration it is in: rows to step, prompts to read, requests to
-        take. (Read on the loop's own thread, as its hand-off runs, it is exact.)"""
+        take. Read on the loop's own thread (as its hand-off runs), its rows and queues are exact; a request
+        arriving at that moment may count or not."""
         return bool(self.running or self.ready or self.prefilling or not self.inbox.empty())
 
     def start(self) -> None:

@@ -180,24 +180,31 @@ class RequestLog:
                       total_ms=round(1000 * (time.monotonic() - t0), 1), **request_fields(scope))
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """One line per WebSocket connection when it closes (its id in the handshake's ``x-request-id``)."""
-        t0, outcome = time.monotonic(), "closed before accept"
+        """One line per WebSocket connection when it closes (its id in the handshake's ``x-request-id``), its
+        ``status`` a number as every other line's: 101 once accepted, the refusal's HTTP status (a denial response;
+        403 for a close before accepting, which is what the server then answers), or 499 where the client left
+        first; ``close_code`` the WebSocket's, where it was closed by the server."""
+        t0, status, close_code = time.monotonic(), 499, None
         request_id = _request_id(scope)
 
         async def tagged(msg: Message) -> None:
-            nonlocal outcome
+            nonlocal status, close_code
             if msg["type"] == "websocket.accept":
-                outcome = "accepted"
+                status = 101
                 msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", request_id.encode())]}
-            elif msg["type"] == "websocket.close" and outcome == "closed before accept":
-                outcome = f"refused {msg.get('code', 1000)}"
+            elif msg["type"] == "websocket.http.response.start":  # refused with an HTTP answer
+                status = msg["status"]
+            elif msg["type"] == "websocket.close":
+                status = 403 if status == 499 else status
+                close_code = msg.get("code", 1000)
             await send(msg)
 
         try:
             await self.app(scope, receive, tagged)
         finally:
-            _log_line(request_id=request_id, method="WEBSOCKET", route=scope.get("path"), status=outcome,
-                      total_ms=round(1000 * (time.monotonic() - t0), 1), **request_fields(scope))
+            fields = {} if close_code is None else {"close_code": close_code}
+            _log_line(request_id=request_id, method="WEBSOCKET", route=scope.get("path"), status=status,
+                      total_ms=round(1000 * (time.monotonic() - t0), 1), **fields, **request_fields(scope))
 
 
 def _request_id(scope: Scope) -> str:

@@ -397,8 +397,9 @@ def _cmd_session(ns: argparse.Namespace) -> int:
             try:  # a BOM, as some editors write, is no reason to refuse a document
                 raw = sys.stdin.read() if ns.file == "-" else Path(ns.file).read_text(encoding="utf-8-sig")
                 document = json.loads(raw)
-            except ValueError as err:  # JSON's errors, and bytes that are not UTF-8 text
-                print(f"txlserve: error: {ns.file} is not a JSON export document: {err}", file=sys.stderr)
+            except (ValueError, RecursionError) as err:  # JSON's errors, bytes that are not UTF-8, deep nesting
+                why = "nested too deeply" if isinstance(err, RecursionError) else err
+                print(f"txlserve: error: {ns.file} is not a JSON export document: {why}", file=sys.stderr)
                 return 2
             made = client.sessions.import_(document)
             print(json.dumps({"id": made.id, "tokens_seen": made.tokens_seen, "tier": made.tier}))

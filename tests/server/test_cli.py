@@ -238,3 +238,14 @@ def test_start_up_objects_are_frozen_out_of_the_collectors_reach():
         assert not any(o is made_at_start_up for o in gc.get_objects())  # no generation holds it any more
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("content, needle", [("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+                                             ("not json", "is not a JSON export document"),
+                                             (b"\xff\xfe{}", "is not a JSON export document")])
+def test_session_import_refuses_a_bad_file_in_one_line(tmp_path, content, needle):
+    path = tmp_path / "doc.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    done = txlserve("session", "import", str(path), "--url", "http://127.0.0.1:9", timeout=60)  # read first
+    assert done.returncode == 2 and needle in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr  # one line (a RecursionError's was 1000)

@@ -182,9 +182,10 @@ class RequestLog:
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One line per WebSocket connection when it closes (its id in the handshake's ``x-request-id``), its
         ``status`` a number as every other line's: 101 once accepted, the refusal's HTTP status (a denial response;
-        403 for a close before accepting, which is what the server then answers), or 499 where the client left
-        first; ``close_code`` the WebSocket's, where it was closed by the server."""
-        t0, status, close_code = time.monotonic(), 499, None
+        403 for a close before accepting, which is what the server then answers), or 500 where the app failed
+        before answering the handshake (as uvicorn then does); ``close_code`` the WebSocket's, where the server
+        closed it (1011 for a failure after accepting)."""
+        t0, status, close_code = time.monotonic(), None, None
         request_id = _request_id(scope)
 
         async def tagged(msg: Message) -> None:
@@ -195,15 +196,20 @@ class RequestLog:
             elif msg["type"] == "websocket.http.response.start":  # refused with an HTTP answer
                 status = msg["status"]
             elif msg["type"] == "websocket.close":
-                status = 403 if status == 499 else status
+                status = 403 if status is None else status
                 close_code = msg.get("code", 1000)
             await send(msg)
 
         try:
             await self.app(scope, receive, tagged)
+        except Exception:
+            if status == 101 and close_code is None:
+                close_code = 1011  # the server closes a connection whose app failed with "internal error"
+            raise
         finally:
             fields = {} if close_code is None else {"close_code": close_code}
-            _log_line(request_id=request_id, method="WEBSOCKET", route=scope.get("path"), status=status,
+            _log_line(request_id=request_id, method="WEBSOCKET", route=scope.get("path"),
+                      status=500 if status is None else status,
                       total_ms=round(1000 * (time.monotonic() - t0), 1), **fields, **request_fields(scope))
 
 

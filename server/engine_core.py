@@ -153,7 +153,8 @@ class _Core:
         self.hot = HotStates(settings["hot_bytes"], report_evictions=True)
         # a large session's import (reading its stored tensors, projecting its keys and values) and export run
         # here, off the reader thread (which then still takes other requests' messages) and off the engine thread
-        # (whose steps every stream waits for), as the in-process server runs them off its event loop
+        # (whose steps every stream waits for), as the in-process server runs them off its event loop; so does
+        # every export while other requests run (_finished)
         self.large = self.engine.persisted_nbytes(self.storage_dtype) > INLINE_BYTES
         self.io = ThreadPoolExecutor(1, thread_name_prefix="txlserve-engine-io")
         self.specs: dict[int, _Spec] = {}  # accepted, not yet finished

@@ -222,7 +222,8 @@ def test_the_playground_works_under_a_path_prefix(server, browser, tmp_path):
         driver.get_log("browser")  # drop what an earlier test left
         driver.get(url)
         _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "the model line, read through the prefix")
-        assert driver.execute_script("return getComputedStyle(document.body).fontFamily") != "", "no stylesheet"
+        accent = "return getComputedStyle(document.documentElement).getPropertyValue('--accent').trim()"
+        assert driver.execute_script(accent) == "#2458c6", "the stylesheet did not load through the prefix"
         _type(driver, "new-text", DOC)
         _by_id(driver, "create").click()
         _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), "a session made through the prefix")

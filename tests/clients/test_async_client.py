@@ -129,3 +129,6 @@ async def test_a_closed_async_client_says_so() -> None:
         pass
     with pytest.raises(APIConnectionError, match="this client is closed"):
         await client.models.list()
+    with pytest.raises(APIConnectionError, match="this client is closed"):
+        async with client.ws.connect():
+            pass

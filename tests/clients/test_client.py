@@ -211,10 +211,12 @@ def test_a_closed_client_and_a_url_that_is_not_one_say_so() -> None:
         pass
     with pytest.raises(APIConnectionError, match="this client is closed"):  # httpx's bare RuntimeError before
         client.models.list()
+    with pytest.raises(APIConnectionError, match="this client is closed"):  # not a new connection either
+        client.ws.connect()
+    assert client.is_closed
     with Client(base_url="notaurl", max_retries=0) as client, pytest.raises(APIConnectionError) as err:
         client.models.list()
     assert "://" not in str(err.value).split("(")[0] and "protocol" in str(err.value)  # no empty "at ://"
-
 
 
 def test_websocket_completions_in_turn_with_cancel(client: Client) -> None:

@@ -312,7 +312,8 @@ def test_a_cancel_while_a_large_session_is_imported_never_starts_it(core, monkey
         assert end["tokens_seen"] == stored["tokens_seen"]  # nothing was read
     finally:
         gate.set()
-    _run(conn, 3, [72], max_tokens=2, persist=False)  # after the import has ended: the engine still serves
+    engine.io.submit(lambda: None).result(30)  # the import has ended (the io thread runs one task at a time)
+    _run(conn, 3, [72], max_tokens=2, persist=False)  # the engine still serves
     while (head := _recv(conn))["op"] != "finished" or head.get("rid") != 3:
         assert head.get("rid") != 2 and not any(i[0] == 2 for i in head.get("items", [])), head  # 2 never ran
     assert 2 not in engine.specs and 2 not in engine.kept

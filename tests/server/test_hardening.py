@@ -3,6 +3,7 @@ session before its fix."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -736,3 +737,43 @@ def test_the_server_process_takes_its_gil_switch_interval(tmp_path: Path):
         sys.setswitchinterval(before)
         torch.set_num_threads(threads)
     assert Settings().switch_interval_ms == 0.5
+
+
+def test_a_websockets_log_line_has_a_numeric_status_on_every_path(caplog):
+    """RequestLog over apps that accept and fail, refuse, close before accepting, or fail before answering."""
+    import asyncio
+    import logging
+
+    from server.app import RequestLog
+
+    async def run(app) -> dict:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "websocket.connect"}
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+        with contextlib.suppress(RuntimeError):
+            await RequestLog(app, lambda: None)({"type": "websocket", "path": "/v1/ws", "headers": []}, receive, send)
+        (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "txlserve.requests"]
+        caplog.clear()
+        return line
+
+    async def fails_after_accept(scope, receive, send):
+        await send({"type": "websocket.accept"})
+        raise RuntimeError("a bug")
+
+    async def refuses(scope, receive, send):
+        await send({"type": "websocket.http.response.start", "status": 401, "headers": []})
+        await send({"type": "websocket.http.response.body", "body": b"{}"})
+
+    async def closes(scope, receive, send):
+        await send({"type": "websocket.close", "code": 1008})
+
+    async def fails_first(scope, receive, send):
+        raise RuntimeError("a bug")
+
+    caplog.set_level(logging.INFO, logger="txlserve.requests")
+    got = [asyncio.run(run(app)) for app in (fails_after_accept, refuses, closes, fails_first)]
+    assert [(x["status"], x.get("close_code")) for x in got] == [(101, 1011), (401, None), (403, 1008), (500, None)]

@@ -192,6 +192,12 @@ class BaseClient:
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
         self.max_retries = max_retries
 
+    @property
+    def is_closed(self) -> bool:
+        """Whether ``close()`` has run (httpx's name for it): every later call raises APIConnectionError."""
+        http = getattr(self, "_http", None)
+        return http is not None and http.is_closed
+
     def _headers(self) -> dict[str, str]:
         headers = {"User-Agent": f"txlserve-client/{__version__}", "Accept": "application/json"}
         if self.api_key:

@@ -40,12 +40,12 @@ class Client(BaseClient):
 
     def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
         """The answer to ``call``, retried as the policy allows; raises the APIError of a failure."""
-        if self._http.is_closed:
-            raise api.closed_error()
         request = self._http.build_request(call.method, call.path, json=call.json, params=call.params,
                                            headers=call.headers)
         attempt = 0
         while True:
+            if self._http.is_closed:  # before the first try, or closed while a retry waited
+                raise api.closed_error()
             try:
                 response = self._http.send(request, stream=stream)
                 if not response.is_success:

@@ -25,7 +25,7 @@ import websockets.asyncio.client
 import websockets.exceptions
 import websockets.sync.client
 
-from txlserve_client._base import BaseClient, Prompt, completion_body, connection_error
+from txlserve_client._base import BaseClient, Prompt, closed_error, completion_body, connection_error
 from txlserve_client._exceptions import APIConnectionError, APIError, AuthenticationError, error_from_body
 from txlserve_client._types import CompletionChunk
 
@@ -85,6 +85,8 @@ class WebSocketConnection:
 
     @classmethod
     def open(cls, client: BaseClient) -> WebSocketConnection:
+        if client.is_closed:
+            raise closed_error()
         stack = contextlib.ExitStack()  # websockets >= 17.1 wants connect() entered as a context manager
         try:
             ws = stack.enter_context(websockets.sync.client.connect(client.ws_url, **connect_options(client)))
@@ -185,6 +187,8 @@ class AsyncWebSocketConnection:
 
     @classmethod
     async def open(cls, client: BaseClient) -> AsyncWebSocketConnection:
+        if client.is_closed:
+            raise closed_error()
         try:
             ws = await websockets.asyncio.client.connect(client.ws_url, **connect_options(client))
         except (OSError, TimeoutError, websockets.exceptions.InvalidHandshake) as err:

@@ -58,6 +58,18 @@ def validation_message(err: RequestValidationError | ValidationError) -> tuple[s
     return msg, param
 
 
+def unreadable_json(err: BaseException | None) -> str:
+    """Why a body or a message could not be read as JSON, from what ``json.loads`` raised: the one cause that
+    applied, not a list of every possible one."""
+    if isinstance(err, UnicodeDecodeError):
+        return f"it is not UTF-8 text (byte {err.start} is not; a compressed body must be sent uncompressed)"
+    if isinstance(err, RecursionError):
+        return "it is nested too deeply (at most a few hundred levels of arrays and objects)"
+    if isinstance(err, ValueError) and "digits" in str(err) and not hasattr(err, "pos"):  # Python's int limit
+        return "it holds an integer longer than 4,300 digits"
+    return str(err)[:200] if err is not None else "it is not JSON"
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(e.TxlError)
     async def _txl(_: Request, err: e.TxlError) -> JSONResponse:
@@ -84,9 +96,9 @@ def install(app: FastAPI) -> None:
             404: (f"no such route: {where} (the API is described at /docs)", "not_found_error", "unknown_route"),
             405: (f"method not allowed: {where}", "invalid_request_error", "method_not_allowed"),
             # FastAPI's own 400: json.loads raised something other than a JSON syntax error (bytes that are not
-            # UTF-8, nesting deeper than the parser goes, an integer longer than Python converts)
-            400: ("the request body could not be read as JSON (it must be UTF-8 text, nested at most a few hundred "
-                  "levels deep, with integers of at most 4,300 digits)", "invalid_request_error", "invalid_value"),
+            # UTF-8, nesting deeper than the parser goes, an integer longer than Python converts), kept as the cause
+            400: (f"the request body could not be read as JSON: {unreadable_json(err.__cause__)}",
+                  "invalid_request_error", "invalid_value"),
         }.get(err.status_code, (str(err.detail), "invalid_request_error", None))
         return JSONResponse(error_body(message, type_, None, code), status_code=err.status_code,
                             headers=getattr(err, "headers", None))

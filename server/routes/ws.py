@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from model.engine import TokenEvent
 from server.completion import Completion, events, prompt_text, start
 from server.deps import ws_origin, ws_owner
-from server.errors import classify, error_body, stream_error, validation_message
+from server.errors import classify, error_body, stream_error, unreadable_json, validation_message
 from server.protocol import CompletionRequest
 from server.scheduler import PromptScores
 from server.service import Final, Run
@@ -78,9 +78,8 @@ def _parse(raw: str | bytes) -> tuple[dict | None, dict | None]:
         return None, _invalid("binary frames are not supported: send each message as a JSON text frame")
     try:
         msg = json.loads(raw)
-    except (ValueError, RecursionError):  # a syntax error, an integer past Python's 4,300 digits, nesting too deep
-        return None, _invalid("messages must be JSON objects (nested at most a few hundred levels deep, integers "
-                              "of at most 4,300 digits)")
+    except (ValueError, RecursionError) as err:  # a syntax error, an integer past 4,300 digits, nesting too deep
+        return None, _invalid(f"messages must be JSON objects, and this one could not be read: {unreadable_json(err)}")
     if not isinstance(msg, dict):
         return None, _invalid("messages must be JSON objects")
     return msg, None

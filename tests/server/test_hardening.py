@@ -156,7 +156,9 @@ def test_deeply_nested_json_is_malformed_input(server):
     nested = "[" * 100_000 + "]" * 100_000
     with connect(ws_url(server), max_size=None) as conn:
         conn.send(nested)
-        assert recv(conn)["type"] == "error"
+        assert "nested too deeply" in recv(conn)["error"]["message"]  # the cause that applied, not every cause
+        conn.send("{not json")
+        assert "Expecting property name" in recv(conn)["error"]["message"]
         conn.send('{"type": "completion.create", "model": "' + MODEL + '", "prompt": "x", "max_tokens": 1, '
                   '"user": ' + nested + "}")
         assert recv(conn)["type"] == "error"
@@ -166,7 +168,10 @@ def test_deeply_nested_json_is_malformed_input(server):
         assert msg["type"] == "completion.done"
     for path in ("/v1/completions", "/v1/sessions"):
         r = httpx.post(server.url + path, content=nested, headers={"content-type": "application/json"}, timeout=60)
-        assert_openai_error(r, 400)
+        assert "nested too deeply" in assert_openai_error(r, 400)["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "\xff"}', timeout=30,
+                   headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert "not UTF-8" in assert_openai_error(r, 400)["message"]
 
 
 def test_wrong_redis_type_is_a_corrupt_session(server, redis_url):

@@ -317,3 +317,62 @@ def test_a_cancel_while_a_large_session_is_imported_never_starts_it(core, monkey
     while (head := _recv(conn))["op"] != "finished" or head.get("rid") != 3:
         assert head.get("rid") != 2 and not any(i[0] == 2 for i in head.get("items", [])), head  # 2 never ran
     assert 2 not in engine.specs and 2 not in engine.kept
+
+
+class _Wire:
+    """A connection's writing end that records what was sent, and holds a large message until released."""
+
+    def __init__(self) -> None:
+        import threading
+        self.sent: list[bytes] = []
+        self.release, self.holding = threading.Event(), threading.Event()
+
+    def send_bytes(self, data: bytes) -> None:
+        if len(data) > 1000:
+            self.holding.set()
+            assert self.release.wait(30), "the test never released the large message"
+        self.sent.append(data)
+
+
+def test_a_small_message_never_waits_behind_a_large_one_and_keeps_its_order():
+    import threading
+
+    from server.engine_core import Sender
+    wire = _Wire()
+    sender = Sender(wire)
+    sender.LARGE = 1000
+    sender.send(b"before")
+    large = threading.Thread(target=sender.send, args=(b"L" * 5000,))
+    large.start()
+    assert wire.holding.wait(30)
+    small = threading.Thread(target=sender.send, args=(b"tokens",))  # as the engine's thread hands a step over
+    small.start()
+    small.join(10)
+    assert not small.is_alive(), "the small message waited for the large one's send"
+    assert wire.sent == [b"before"]
+    wire.release.set()
+    large.join(30)
+    assert wire.sent == [b"before", b"L" * 5000, b"tokens"]  # sent by the large one's thread, in order
+
+
+def test_messages_from_many_threads_all_leave_each_threads_in_order():
+    import threading
+
+    from server.engine_core import Sender
+    wire = _Wire()
+    wire.release.set()
+    sender = Sender(wire)
+    sender.LARGE = 1000
+
+    def burst(t: int) -> None:
+        for i in range(300):
+            sender.send(b"%d:%d" % (t, i) + (b"x" * 2000 if i % 50 == 0 else b""))
+    threads = [threading.Thread(target=burst, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads)
+    for t in range(4):
+        mine = [int(m.split(b":")[1].rstrip(b"x")) for m in wire.sent if m.startswith(b"%d:" % t)]
+        assert mine == list(range(300))  # none stranded, none reordered

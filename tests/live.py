@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -28,6 +31,42 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()), None)
+
+
+@contextlib.contextmanager
+def nginx(prefix: Path, conf: str, ready_url: str) -> Iterator[subprocess.Popen]:
+    """nginx running ``conf`` in ``prefix`` (its pid file, temp paths and stderr), once ``ready_url`` answers 200
+    through it (within 30 s, else the test fails with nginx's stderr); stopped on the way out."""
+    import pytest
+
+    if NGINX is None:
+        pytest.skip("no nginx binary (apt-get install nginx-light): this test needs one")
+    (prefix / "nginx.conf").write_text(conf)
+    with open(prefix / "stderr", "wb") as err:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([NGINX, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-g", "daemon off;"],
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(ready_url, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"nginx did not start: {(prefix / 'stderr').read_text()[-2000:]}")
+            time.sleep(0.05)  # poll, bounded by the deadline
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def tiny_checkpoint(path: Path, seed: int = 0) -> Path:

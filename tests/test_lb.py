@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.live import MODEL, REPO, LiveServer, free_port
+from tests.live import MODEL, REPO, LiveServer, free_port, nginx
 
 pytestmark = pytest.mark.timeout(240)
-NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()), None)
 TEXT = "Now is the winter of our discontent made glorious summer by this sun of York.\n"
 
 
@@ -29,8 +25,6 @@ def _metric(url: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def balanced(checkpoint: Path, redis_url: str, tmp_path_factory) -> Iterator[tuple[str, list[LiveServer]]]:
-    if NGINX is None:
-        pytest.skip("no nginx binary (apt-get install nginx-light): the load-balancer test needs one")
     replicas = [LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp(f"replica{i}"))
                 for i in range(2)]
     prefix = tmp_path_factory.mktemp("nginx")
@@ -39,33 +33,13 @@ def balanced(checkpoint: Path, redis_url: str, tmp_path_factory) -> Iterator[tup
     conf = conf.replace("server txlserve-a:8000;", f"server 127.0.0.1:{replicas[0].port};")
     conf = conf.replace("server txlserve-b:8000;", f"server 127.0.0.1:{replicas[1].port};")
     conf = conf.replace("listen 8080;", f"listen 127.0.0.1:{port};")
-    (prefix / "nginx.conf").write_text(conf)
-    proc = None
+    url = f"http://127.0.0.1:{port}"
     try:
         for replica in replicas:
             replica.start()
-        with open(prefix / "stderr", "wb") as err:  # the child keeps its own copy of the descriptor
-            proc = subprocess.Popen([NGINX, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-g",
-                                     "daemon off;"], stdout=subprocess.DEVNULL, stderr=err)
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"nginx did not start: {(prefix / 'stderr').read_text()[-2000:]}")
-            time.sleep(0.05)  # poll, bounded by the deadline
-        yield url, replicas
+        with nginx(prefix, conf, url + "/ready"):
+            yield url, replicas
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
         for replica in replicas:
             replica.stop()
 

@@ -168,7 +168,6 @@ def test_the_playground_creates_streams_cancels_and_forks(server, browser, tmp_p
     Path(shot).unlink()
 
 
-NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()), None)
 PREFIXED = """pid nginx.pid;
 error_log stderr;
 events { worker_connections 64; }
@@ -195,29 +194,11 @@ http {
 def test_the_playground_works_under_a_path_prefix(server, browser, tmp_path):
     """Behind a proxy that serves the server at /txl/ (and nothing at /), the page's files, its HTTP calls and its
     WebSocket keep the prefix: its paths are relative to the page (they were absolute: /static, /v1)."""
-    import subprocess
-    import time
+    from tests.live import free_port, nginx
 
-    from tests.live import free_port
-
-    if NGINX is None:
-        pytest.skip("no nginx binary (apt-get install nginx-light): the path-prefix test needs one")
     port = free_port()
-    (tmp_path / "nginx.conf").write_text(PREFIXED.replace("UPSTREAM", str(server.port)).replace("PORT", str(port)))
-    with open(tmp_path / "stderr", "wb") as err:
-        proc = subprocess.Popen([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-g", "daemon off;"],
-                                stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        url, deadline = f"http://127.0.0.1:{port}/txl/", time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"nginx did not start: {(tmp_path / 'stderr').read_text()[-2000:]}")
-            time.sleep(0.05)  # poll, bounded by the deadline
+    url = f"http://127.0.0.1:{port}/txl/"
+    with nginx(tmp_path, PREFIXED.replace("UPSTREAM", str(server.port)).replace("PORT", str(port)), url + "ready"):
         driver = browser
         driver.get_log("browser")  # drop what an earlier test left
         driver.get(url)
@@ -234,10 +215,3 @@ def test_the_playground_works_under_a_path_prefix(server, browser, tmp_path):
         _wait(driver, lambda d: "finish_reason: length, 8 tokens" in _by_id(d, "finish").text, "the stream's end")
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

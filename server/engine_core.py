@@ -237,7 +237,8 @@ class _Core:
         self.scheduler.stop()
         self.io.shutdown(wait=False, cancel_futures=True)
 
-    def _off_thread(self, rid: int, work: Callable[[], None]) -> None:
+    def _work(self, rid: int, work: Callable[[], None], *, off_thread: bool) -> None:
+        """A request's import, renumbering or export: on the io thread, or at once; a failure fails that request."""
         def run() -> None:
             try:
                 work()
@@ -245,7 +246,10 @@ class _Core:
                 if not isinstance(err, TxlError):
                     log.exception("engine process: request %s failed", rid)
                 self._fail(rid, err)
-        self.io.submit(run)
+        if off_thread:
+            self.io.submit(run)
+        else:
+            run()
 
     def _fail(self, rid: int, err: BaseException) -> None:
         if self.specs.pop(rid, None) is not None:
@@ -274,10 +278,7 @@ class _Core:
             self._submit(spec, self.engine.new_state())
 
     def _on_state(self, head: dict[str, Any], blob: bytes) -> None:
-        if self.large:
-            self._off_thread(head["rid"], lambda: self._state(head, blob))
-        else:
-            self._state(head, blob)
+        self._work(head["rid"], lambda: self._state(head, blob), off_thread=self.large)
 
     def _state(self, head: dict[str, Any], blob: bytes) -> None:
         """The stored session the engine asked for: its hidden states (imported) or only its window (rebuilt)."""
@@ -387,10 +388,7 @@ class _Core:
                 def resume() -> None:
                     self.engine.renumber(done.state, seen)  # rolls every ring: a large one off the engine thread
                     self._submit(spec, done.state)
-                if self.large:
-                    self._off_thread(spec.rid, resume)
-                else:
-                    resume()
+                self._work(spec.rid, resume, off_thread=self.large)
                 return
         head = {"op": "finished", "rid": spec.rid, "state": done.state is not None, "tokens_seen": done.tokens_seen,
                 "finish_reason": done.finish_reason, "completion_tokens": done.completion_tokens,
@@ -400,10 +398,10 @@ class _Core:
         if done.state is None or not spec.persist or spec.abandoned:
             self.specs.pop(spec.rid, None)
             self.send({**head, "state": False if spec.abandoned else head["state"], "stats": self.stats()})
-        elif self.large or self.scheduler.busy:  # other requests' steps do not wait for this one's export
-            self._off_thread(spec.rid, lambda: self._export(spec, done, head))
-        else:  # an idle engine: at once, without a thread's wake-up
-            self._export(spec, done, head)
+        else:  # while other requests run, off the engine's thread: their steps do not wait for this export; an
+            # idle engine's at once, without a thread's wake-up
+            self._work(spec.rid, lambda: self._export(spec, done, head),
+                       off_thread=self.large or self.scheduler.busy)
 
     def _export(self, spec: _Spec, done: Any, head: dict[str, Any]) -> None:
         """What the server commits, sent with the request's end; the state waits for its keep or drop."""

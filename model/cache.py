@@ -125,6 +125,7 @@ class LayerCache:
     addr: Tensor | None = None  # [3, batch] int64: each session's rings of this layer (a RowBatch's call)
     ring: tuple[int, int, int] = (0, 0, 0)  # with addr: a ring's element strides (head, slot, d_head)
     start: Tensor | None = None  # with addr: [batch+1] int64, row b's tokens are [start[b], start[b+1]) of the call
+    softmax: bool = False  # a chunk's probabilities in one C pass a query (model.fused.chunk_softmax)
 
     def attend(self, qkv: Tensor, h: Tensor, u: Tensor, vb: Tensor, scale: float) -> Tensor:
         """The fused attention of a call (:mod:`model.fused`: up to MAX_CHUNK tokens a row on a CPU;
@@ -144,6 +145,18 @@ class LayerCache:
         """Put the chunk's last ``keep`` layer inputs ``h [batch, chunk, d]`` and keys/values
         ``[batch, H, chunk, Dh]`` into the ring, after the attention has read it."""
         keep = self.slots.size(1)
+        if h.device.type == "cpu" and h.size(0) <= 4 and not torch.jit.is_tracing():
+            # a CPU's prefill chunk: each row's slots are one run of the ring, or two where it wraps, so slices
+            # copy them (indexed stores took 9% of a 6 x 256 prefill); a trace keeps the indices, not the numbers
+            m, first = self.hid.size(1), h.size(1) - keep
+            for b, s0 in enumerate(self.slots[:, 0].tolist()):
+                n1 = min(keep, m - s0)
+                for at, frm, n in ((s0, first, n1), (0, first + n1, keep - n1)):
+                    if n:
+                        self.hid[b, at:at + n] = h[b, frm:frm + n]  # [n, d_model]
+                        self.k[b, :, at:at + n] = k[b, :, frm:frm + n]  # [H, n, Dh]
+                        self.v[b, :, at:at + n] = v[b, :, frm:frm + n]
+            return
         self.hid[self.rows, self.slots] = h[:, -keep:]  # [batch, keep, d_model]
         self.k[self.rows, :, self.slots] = k[:, :, -keep:].transpose(1, 2)  # [batch, keep, H, Dh]
         self.v[self.rows, :, self.slots] = v[:, :, -keep:].transpose(1, 2)
@@ -167,6 +180,8 @@ class RingCache:
         # the C kernel reads the ring once for up to MAX_CHUNK tokens a row; the GPU's, once for a decode step's one
         self.fused = fused and (chunk <= (MAX_CHUNK if dev.type == "cpu" else 1) or addr is not None)
         self.products = fused if products is None else products  # the C products (fused.linear_rows, matmul)
+        # a CPU's longer chunk: torch's (or the C) products, then its probabilities in one C pass a query
+        self.softmax = fused and dev.type == "cpu" and not self.fused
         if addr is not None:  # a RowBatch's rows, tokens packed (``start``); the kernel checks each row's count
             if not fused:
                 raise ValueError("sessions decoded where they lie need the fused attention")
@@ -175,8 +190,8 @@ class RingCache:
         keep = min(chunk, m)  # only the last mem_len tokens of a chunk enter the ring
         self.rows = torch.arange(batch, device=dev)[:, None]  # [batch, 1]
         self.slots = (seen[:, None] + torch.arange(chunk - keep, chunk, device=dev)).remainder(m)  # [batch, keep]
-        self.positions: Positions | None = None  # the fused attention finds them itself
-        if self.fused:
+        self.positions: Positions | None = None  # the fused attention and the C softmax find them themselves
+        if self.fused or self.softmax:
             return
         pos = seen[:, None] + torch.arange(chunk, device=dev)  # [batch, chunk]
         last = seen[:, None] - 1  # [batch, 1]
@@ -193,7 +208,7 @@ class RingCache:
             return LayerCache(None, None, None, self.r_head_k[i], None, None, self.seen, self.fused, self.products,
                               self.addr[:, i], self.ring, self.start)
         return LayerCache(self.hid[i], self.k[i], self.v[i], self.r_head_k[i], self.rows, self.slots, self.seen,
-                          self.fused, self.products)
+                          self.fused, self.products, softmax=self.softmax)
 
 
 class SlotTable:

@@ -37,15 +37,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_CHUNK", "MAX_D_HEAD", "attend_one", "attend_rows", "available", "linear_rows", "matmul",
-           "sample_rows"]
+__all__ = ["MAX_CHUNK", "MAX_D_HEAD", "attend_one", "attend_rows", "available", "chunk_softmax", "linear_rows",
+           "matmul", "sample_rows"]
 
 log = logging.getLogger(__name__)
 
 MAX_D_HEAD = 1024  # kernels/attend_one.c
 MAX_CHUNK = 8  # kernels/attend_one.c: new tokens per call (a decode step's one, a short prompt's few)
 KERNELS = Path(__file__).with_name("kernels")
-C_SOURCES = (KERNELS / "attend_one.c", KERNELS / "linear_rows.c", KERNELS / "sample_rows.c")
+C_SOURCES = (KERNELS / "attend_one.c", KERNELS / "linear_rows.c", KERNELS / "chunk_softmax.c",
+             KERNELS / "sample_rows.c")
 SOURCES = (*C_SOURCES, KERNELS / "ops.cpp")
 HEADERS = (KERNELS / "vec.h",)
 # -ffast-math lets the sums of the dot products vectorise; the kernels never form an infinity. The library
@@ -192,6 +193,17 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         return torch.matmul(a, b)
     out = torch.ops.txlserve.bmm_rows(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))  # [B, R, N]
     return out.view(*lead, a.size(-2), b.size(-1))
+
+
+def chunk_softmax(ring: Tensor, own: Tensor, pos: Tensor, seen: Tensor) -> None:
+    """A prefill chunk's attention probabilities, in place, in one pass per query (``kernels/chunk_softmax.c``):
+    given the content scores of its queries against the ring, ``ring [bsz, H, chunk, mem_len]``, and against the
+    chunk's own keys, ``own [bsz, H, chunk, chunk]``, and the position scores ``pos [H, bsz, chunk, mem_len+1]``
+    of sessions that had seen ``seen [bsz]`` tokens, both become the softmax over each query's window (ring slot
+    ``s`` holding the position ``p < seen`` with ``p = s mod mem_len``). Float32, contiguous. What torch did in
+    five passes over the scores (join, gather by distance, add, mask, softmax) a chunk's query does here while its
+    row is in L1."""
+    torch.ops.txlserve.chunk_softmax(ring, own, pos, seen)
 
 
 def sample_rows(logits: Tensor, temperature: Tensor, u: Tensor, greedy_below: float) -> Tensor:

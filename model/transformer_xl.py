@@ -166,17 +166,23 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         # the scale applied to the queries, not to the scores: one pass over [bsz, H, qlen, Dh] instead of
         # [bsz, H, qlen, klen] (exact for power-of-two d_head, where the scale is too)
         q_u, q_v = (q + r_w_bias[:, None]) * self.scale, (q + r_r_bias[:, None]) * self.scale  # [bsz, H, qlen, Dh]
-        ac = torch.cat([mm(q_u, kb.transpose(-1, -2)) for kb, _ in blocks], -1)  # [bsz, H, qlen, klen]
+        acs = [mm(q_u, kb.transpose(-1, -2)) for kb, _ in blocks]  # [bsz, H, qlen, len(block)] each
         # one [H, bsz*qlen, Dh] x [H, Dh, n_dist] product: broadcasting the table over the batch would copy it
         bd = mm(q_v.transpose(0, 1).reshape(self.n_head, -1, self.d_head), r_head_k.transpose(-1, -2))
-        bd = bd.view(self.n_head, bsz, qlen, -1).transpose(0, 1)  # [bsz, H, qlen, n_dist]
-        bd = bd.gather(-1, pos.dist.expand(bsz, self.n_head, qlen, -1))  # [bsz, H, qlen, klen]
-        score = ac.add_(bd).masked_fill_(pos.blocked, float("-inf"))  # [bsz, H, qlen, klen], in place
-        prob = self.dropatt(F.softmax(score.to(softmax_dtype(score.dtype)), dim=-1).type_as(score))
-        vec, start = None, 0
-        for kb, vb in blocks:
-            part = mm(prob[..., start:start + kb.size(2)], vb)  # [bsz, H, qlen, Dh]
-            vec, start = part if vec is None else vec + part, start + kb.size(2)
+        if cache is not None and cache.softmax:  # a CPU's chunk: the next five passes, in one pass a query
+            fused.chunk_softmax(*acs, bd.view(self.n_head, bsz, qlen, -1), cache.seen)  # acs: probabilities now
+            probs = acs
+        else:
+            bd = bd.view(self.n_head, bsz, qlen, -1).transpose(0, 1)  # [bsz, H, qlen, n_dist]
+            bd = bd.gather(-1, pos.dist.expand(bsz, self.n_head, qlen, -1))  # [bsz, H, qlen, klen]
+            ac = acs[0] if len(acs) == 1 else torch.cat(acs, -1)  # [bsz, H, qlen, klen]
+            score = ac.add_(bd).masked_fill_(pos.blocked, float("-inf"))  # [bsz, H, qlen, klen], in place
+            prob = self.dropatt(F.softmax(score.to(softmax_dtype(score.dtype)), dim=-1).type_as(score))
+            probs = prob.split([kb.size(2) for kb, _ in blocks], -1)
+        vec = None
+        for p, (_, vb) in zip(probs, blocks):
+            part = mm(p, vb)  # [bsz, H, qlen, Dh]
+            vec = part if vec is None else vec + part
         if cache is not None:
             cache.store(h, k, v)
         return vec.transpose(1, 2).reshape(bsz, qlen, -1)  # [bsz, qlen, H*Dh]

@@ -31,24 +31,6 @@ enum { MAX_D_HEAD = 1024, MAX_CHUNK = 8 };  /* ops.cpp refuses larger heads and 
    in L2 beside a row's 820 KB of keys and values): a third of the kernel's time at batch 16 (BENCHMARKS.md). */
 enum { GROUP = 16 };
 
-/* e^x for x <= 0 (a score minus the maximum), to about 2 ulp: Cephes' expf, written so that a loop of it
-   vectorises (libm's expf is a call per element, a third of this kernel's arithmetic at mem_len 512) */
-static inline float exp_neg(float x)
-{
-    x = x < -87.3f ? -87.3f : x;                        /* e^-87.3 is the smallest normal float's order */
-    const float n = __builtin_floorf(x * 1.44269504f + 0.5f);  /* x = n ln2 + r, |r| <= ln2 / 2 */
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
-    return p * two_n.f;
-}
-
 /* Y[r * ldy + j] = sum_d A[r * D + d] X[j * sj + d * sd] for r < rows, j < n: scores of `rows` queries against
    the keys (or position table) X. Where X is stored column-major (sj == 1, model/cache.py) its rows are read in
    blocks of columns: 64 at a time for four queries, each block once while it is in L1; 128 at a time for one

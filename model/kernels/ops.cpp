@@ -1,5 +1,6 @@
 // The torch ops around the C kernels: txlserve::attend_one and attend_rows (kernels/attend_one.c), linear_rows
-// (kernels/linear_rows.c) and txlserve::sample_rows (kernels/sample_rows.c). Each checks what its C code
+// (kernels/linear_rows.c), chunk_softmax (kernels/chunk_softmax.c) and txlserve::sample_rows
+// (kernels/sample_rows.c). Each checks what its C code
 // trusts, then calls it. C++ ops (not Python ones), so that a traced decode step calls them without taking the
 // GIL (model/fused.py).
 #include <ATen/Parallel.h>
@@ -20,6 +21,8 @@ extern "C" int txl_attend_one(int64_t begin, int64_t end, int64_t B, int64_t H, 
                               int64_t t_sj, int64_t t_sd, const int64_t *seen, float scale, float *out);
 extern "C" int txl_sample_rows(int64_t r0, int64_t r1, int64_t V, const float *logits, int64_t x_sr,
                                 const double *temperature, const double *u, double greedy_below, int64_t *out);
+extern "C" void txl_chunk_softmax(int64_t r0, int64_t r1, int64_t N, int64_t H, int64_t C, int64_t M, float *ring,
+                                  float *own, const float *pos, const int64_t *seen);
 extern "C" void txl_linear_rows(int64_t o0, int64_t o1, int64_t N, int64_t in, int64_t out, const float *x,
                                 const float *W, int64_t w_so, int64_t w_si, const float *bias, float *y);
 
@@ -217,6 +220,32 @@ at::Tensor bmm_rows(const at::Tensor &a, const at::Tensor &b) {
   return y;
 }
 
+// A prefill chunk's attention probabilities (kernels/chunk_softmax.c), in place: the content scores of its C queries
+// against the ring, `ring [N, H, C, M]`, and against the chunk's own keys, `own [N, H, C, C]`, with the position
+// scores `pos [H, N, C, M+1]` (the layout of one [H, N*C, Dh] x [H, Dh, M+1] product) of sessions that had seen
+// `seen [N]` tokens before the chunk.
+void chunk_softmax(at::Tensor &ring, at::Tensor &own, const at::Tensor &pos, const at::Tensor &seen) {
+  constexpr const char *op = "txlserve::chunk_softmax";
+  TORCH_CHECK_VALUE(is_cpu_float(ring) && is_cpu_float(own) && is_cpu_float(pos), op, ": float32 CPU tensors only");
+  TORCH_CHECK_VALUE(ring.dim() == 4 && own.dim() == 4 && pos.dim() == 4, op, ": four dimensions each");
+  const int64_t N = ring.size(0), H = ring.size(1), C = ring.size(2), M = ring.size(3);
+  TORCH_CHECK_VALUE(M > 0 && own.size(0) == N && own.size(1) == H && own.size(2) == C && own.size(3) == C, op,
+                    ": own must be [batch, heads, chunk, chunk] beside ring [batch, heads, chunk, mem_len]");
+  TORCH_CHECK_VALUE(pos.size(0) == H && pos.size(1) == N && pos.size(2) == C && pos.size(3) == M + 1, op,
+                    ": pos must be [heads, batch, chunk, mem_len+1]");
+  TORCH_CHECK_VALUE(ring.is_contiguous() && own.is_contiguous() && pos.is_contiguous(), op,
+                    ": ring, own and pos must be contiguous");
+  TORCH_CHECK_VALUE(seen.device().is_cpu() && seen.scalar_type() == at::kLong && seen.dim() == 1 &&
+                        seen.size(0) == N && seen.is_contiguous(),
+                    op, ": seen must be contiguous int64 [batch]");
+  const int64_t *sp = seen.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; n++) TORCH_CHECK_VALUE(sp[n] >= 0, op, ": seen ", num(sp[n]), " < 0");
+  // Rows (n, h, i) are independent, each computed whole by one thread: the same bits at any thread count.
+  at::parallel_for(0, N * H * C, 16, [&](int64_t r0, int64_t r1) {
+    txl_chunk_softmax(r0, r1, N, H, C, M, ring.data_ptr<float>(), own.data_ptr<float>(), pos.data_ptr<float>(), sp);
+  });
+}
+
 // One token per row of float32 logits [rows, vocab]: drawn with the row's uniform u at its temperature, or the
 // first most likely token where the temperature is below greedy_below (model/sampling.py).
 at::Tensor sample_rows(const at::Tensor &logits, const at::Tensor &temperature, const at::Tensor &u,
@@ -252,6 +281,7 @@ TORCH_LIBRARY(txlserve, m) {
                       c10::AliasAnalysisKind::CONSERVATIVE));
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("bmm_rows(Tensor a, Tensor b) -> Tensor");
+  m.def("chunk_softmax(Tensor(a!) ring, Tensor(b!) own, Tensor pos, Tensor seen) -> ()");
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor u, float greedy_below) -> Tensor");
 }
 
@@ -260,5 +290,6 @@ TORCH_LIBRARY_IMPL(txlserve, CPU, m) {
   m.impl("attend_rows", attend_rows);
   m.impl("linear_rows", linear_rows);
   m.impl("bmm_rows", bmm_rows);
+  m.impl("chunk_softmax", chunk_softmax);
   m.impl("sample_rows", sample_rows);
 }

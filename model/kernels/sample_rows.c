@@ -10,24 +10,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-enum { BLOCK = 256 };
+#include "vec.h"
 
-/* e^x for x <= 0, as kernels/attend_one.c computes it (Cephes' expf, vectorisable) */
-static inline float exp_neg(float x)
-{
-    x = x < -87.3f ? -87.3f : x;
-    const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
-    return p * two_n.f;
-}
+enum { BLOCK = 256 };
 
 static int64_t argmax(const float *x, int64_t V)
 {

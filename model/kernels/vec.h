@@ -1,5 +1,5 @@
-/* Loops shared by the kernels (kernels/attend_one.c, kernels/linear_rows.c), written so that gcc vectorises
-   them (-O3 -ffast-math, model/fused.py). */
+/* Loops shared by the kernels (kernels/attend_one.c, chunk_softmax.c, linear_rows.c, sample_rows.c), written so
+   that gcc vectorises them (-O3 -ffast-math, model/fused.py). */
 #ifndef TXL_VEC_H
 #define TXL_VEC_H
 
@@ -64,6 +64,24 @@ static inline __attribute__((always_inline)) void cols_block(int R, int W, float
     }
     for (int r = 0; r < R; r++)
         for (int w = 0; w < W; w++) *(v16 *)(Y + r * ldy + j0 + 16 * w) = acc[r][w];
+}
+
+/* e^x for x <= 0 (a score minus the maximum), to about 2 ulp: Cephes' expf, written so that a loop of it
+   vectorises (libm's expf is a call per element: a third of kernels/attend_one.c's arithmetic at mem_len 512) */
+static inline float exp_neg(float x)
+{
+    x = x < -87.3f ? -87.3f : x;                        /* e^-87.3 is the smallest normal float's order */
+    const float n = __builtin_floorf(x * 1.44269504f + 0.5f);  /* x = n ln2 + r, |r| <= ln2 / 2 */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
+    return p * two_n.f;
 }
 
 #endif

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import model.fused as fused
-from model.cache import column_major
+from model.cache import RingCache, column_major
 from model.decode import Decoder
 from tests.model.test_traced_step import _model, _table
 
@@ -342,12 +342,14 @@ def test_long_calls_equal_the_torch_decoder_with_either_products(chunk_kernels, 
     plain, fast = Decoder(model, mem_len=6, fused=False), Decoder(model, mem_len=6, traced=False)  # eager: seen
     fast.chunk_kernels = chunk_kernels
     calls: list[tuple[str, torch.Size]] = []
-    for name in ("linear_rows", "matmul"):
+    for name in ("linear_rows", "matmul", "chunk_softmax"):
         real = getattr(fused, name)
         monkeypatch.setattr(fused, name, lambda *a, name=name, real=real: calls.append((name, a[0].shape)) or real(*a))
     long = fused.MAX_CHUNK + 3
     _same_steps(plain, fast, [0, 1, 5, 13], steps=3, chunk=long)
-    assert {n for n, shape in calls if long in shape} == ({"linear_rows", "matmul"} if chunk_kernels else set())
+    # the probabilities in one C pass either way
+    assert {n for n, shape in calls if long in shape} == ({"linear_rows", "matmul"} if chunk_kernels else set()) | {
+        "chunk_softmax"}
     calls.clear()
     hid = torch.randn(model.cfg.n_layer, long, model.cfg.d_model)  # [n_layer, m, d_model]
     for got, want in zip(fast.project_kv(hid), plain.project_kv(hid)):
@@ -356,6 +358,80 @@ def test_long_calls_equal_the_torch_decoder_with_either_products(chunk_kernels, 
     calls.clear()
     fast.advance(fast.empty(2), torch.zeros(2, 1, dtype=torch.long))  # a decode step: the tiles either way
     assert calls
+
+
+def _chunk_scores(n: int, heads: int, chunk: int, m: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    ring = 3 * torch.randn(n, heads, chunk, m, generator=g)  # [n, H, chunk, m]
+    own = 3 * torch.randn(n, heads, chunk, chunk, generator=g)  # [n, H, chunk, chunk]
+    pos = 3 * torch.randn(heads, n, chunk, m + 1, generator=g)  # [H, n, chunk, m+1]
+    return ring, own, pos
+
+
+def _torch_chunk_probs(ring, own, pos, seen) -> torch.Tensor:
+    """What the torch attention makes of the same scores: joined, gathered by distance, added, masked, softmax."""
+    n, heads, chunk, m = ring.shape
+    cache = RingCache(torch.zeros(n, m, 1), torch.zeros(n, heads, m, 1), torch.zeros(n, heads, m, 1), seen,
+                      torch.zeros(1, heads, m + 1, 1), chunk, fused=False)
+    dist, blocked = cache.positions.dist, cache.positions.blocked  # [n, 1, chunk, m+chunk]
+    bd = pos.transpose(0, 1).gather(-1, dist.expand(n, heads, chunk, -1))  # [n, H, chunk, m+chunk]
+    return torch.softmax(torch.cat([ring, own], -1).add(bd).masked_fill(blocked, float("-inf")), -1)
+
+
+@pytest.mark.parametrize(("m", "chunk", "seen"), [
+    (8, 16, [0]),  # an empty ring: each query sees the chunk's tokens within 8 of it
+    (8, 16, [3]),  # a part-filled one
+    (32, 20, [0, 45, 32]),  # empty, wrapped, full and unwrapped, in one batch
+    (16, 40, [5, 16, 17]),  # a chunk longer than the ring: its later queries see nothing of the ring
+    (7, 9, [13, 6]),  # a ring length of no special size
+    (512, 256, [512, 1000]),  # a prefill chunk of 6 x 256 at mem_len 512
+])
+def test_a_chunks_probabilities_in_one_pass_equal_the_torch_attention(m, chunk, seen):
+    """The five passes of the torch attention (join, gather by distance, add, mask, softmax) and the kernel's one
+    give the same probabilities for every query: each window (ring slots in view, the chunk up to itself, nothing
+    more than mem_len back) and every blocked score 0."""
+    seen = torch.tensor(seen)
+    ring, own, pos = _chunk_scores(len(seen), 3, chunk, m)
+    want = _torch_chunk_probs(ring, own, pos, seen)
+    fused.chunk_softmax(ring, own, pos, seen)
+    torch.testing.assert_close(torch.cat([ring, own], -1), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.cat([ring, own], -1) == 0, want == 0)
+
+
+def test_a_chunks_probabilities_split_across_threads_give_the_same_bits():
+    seen = torch.tensor([0, 70, 301])
+    ring, own, pos = _chunk_scores(3, 4, 37, 64, seed=1)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            r, o = ring.clone(), own.clone()
+            fused.chunk_softmax(r, o, pos, seen)
+            results.append((r, o))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("bad", ["float64", "own", "pos", "strided", "seen-dtype", "seen-negative"])
+def test_the_chunk_softmax_refuses_tensors_it_was_not_written_for(bad):
+    ring, own, pos = _chunk_scores(2, 2, 5, 6)
+    seen = torch.tensor([0, 9])
+    if bad == "float64":
+        ring = ring.double()
+    elif bad == "own":
+        own = own[..., :4].contiguous()
+    elif bad == "pos":
+        pos = pos[..., :6].contiguous()
+    elif bad == "strided":
+        ring = ring.transpose(2, 3).contiguous().transpose(2, 3)
+    elif bad == "seen-dtype":
+        seen = seen.int()
+    else:
+        seen = torch.tensor([0, -1])
+    with pytest.raises(ValueError, match="txlserve::chunk_softmax"):
+        fused.chunk_softmax(ring, own, pos, seen)
 
 
 def test_tune_products_keeps_torch_only_where_clearly_faster_and_decides_once(monkeypatch, caplog):

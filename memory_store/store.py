@@ -65,6 +65,20 @@ _CURSOR_SCORE = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() a
 _PUT_ATTEMPTS = 5
 
 
+def _connect(url: str, op_timeout_s: float, name: str | None) -> Any:  # redis.asyncio.Redis or RedisCluster
+    """:func:`connect`, with a URL redis-py cannot parse refused in one line that quotes no password."""
+    try:
+        return connect(url, op_timeout_s=op_timeout_s, name=name)
+    except ValueError:  # redis-py's message may quote part of the password
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        if scheme not in ("redis", "rediss", "unix", *(s.removesuffix("://") for s in CLUSTER_SCHEMES)):
+            raise ConfigError(f"the Redis URL {redact_url(url)} must start with redis://, rediss://, unix:// or "
+                              "redis+cluster://") from None
+        raise ConfigError(f"the Redis URL {redact_url(url)} could not be parsed (check that its port is a "
+                          "number from 1 to 65535, its query options, and that any '/', '?', '#' or '@' in its "
+                          "password is percent-encoded)") from None
+
+
 class MemoryStore:
     """Sessions by id, for one model identity. Open with ``async with MemoryStore.from_url(...)``."""
 
@@ -131,17 +145,8 @@ class MemoryStore:
             self._embedded = EmbeddedRedis(self.config.data_dir)
             await asyncio.to_thread(self._embedded.start)
             url = self._embedded.url
-        try:  # named on the embedded Redis, whose starter counts the other processes' connections when it stops
-            client = connect(url, op_timeout_s=self.config.op_timeout_s,
-                             name=client_name() if self._embedded is not None else None)
-        except ValueError:  # redis-py's message may quote part of the password
-            scheme = url.split("://", 1)[0] if "://" in url else ""
-            if scheme not in ("redis", "rediss", "unix", *(s.removesuffix("://") for s in CLUSTER_SCHEMES)):
-                raise ConfigError(f"the Redis URL {redact_url(url)} must start with redis://, rediss://, unix:// or "
-                                  "redis+cluster://") from None
-            raise ConfigError(f"the Redis URL {redact_url(url)} could not be parsed (check that its port is a "
-                              "number from 1 to 65535, its query options, and that any '/', '?', '#' or '@' in its "
-                              "password is percent-encoded)") from None
+        # named on the embedded Redis, whose starter counts the other processes' connections when it stops
+        client = _connect(url, self.config.op_timeout_s, client_name() if self._embedded is not None else None)
         self._tier = RedisTier(
             client,
             where=redact_url(url),  # never log a password
@@ -154,6 +159,13 @@ class MemoryStore:
         except BaseException:
             await self.aclose()
             raise
+
+    @staticmethod
+    def check_url(url: str | None) -> None:
+        """Refuse a Redis URL that cannot be parsed, as :meth:`start` would, without connecting: the server checks
+        it before loading its model (seconds), so a mistyped URL is one line at once."""
+        if url is not None:
+            _connect(url, 1.0, None)  # a client connects on its first command, never here
 
     async def aclose(self) -> None:
         """Release held leases, close connections, stop the embedded Redis if this store started it."""

@@ -84,9 +84,9 @@ def _command(var: str, default: str) -> list[str]:
         return [os.environ[var]]
 
 
-def _build() -> Path | None:
-    """The op's shared library, from the cache or built now; None (logged once) where it cannot be built."""
-    cc, cxx = _command("CC", "cc"), _command("CXX", "c++")
+def _cached(cc: list[str], cxx: list[str]) -> Path | None:
+    """Where the library built by these compilers from these sources for this torch and CPU is cached (whether
+    or not it is there yet); None (logged) where a compiler is missing or cannot say its version."""
     missing = [" ".join(c) for c in (cc, cxx) if shutil.which(c[0]) is None]
     if missing:
         log.info("the fused decode attention is off: no C/C++ compiler (%s) on this machine", ", ".join(missing))
@@ -101,10 +101,18 @@ def _build() -> Path | None:
     except (OSError, subprocess.SubprocessError) as err:
         log.warning("the fused decode attention is off: %s", err)
         return None
-    cache = _cache_dir()
-    target = cache / f"txlserve_kernels-{key}.so"
+    return _cache_dir() / f"txlserve_kernels-{key}.so"
+
+
+def _build() -> Path | None:
+    """The op's shared library, from the cache or built now; None (logged once) where it cannot be built."""
+    cc, cxx = _command("CC", "cc"), _command("CXX", "c++")
+    target = _cached(cc, cxx)
+    if target is None:
+        return None
     if target.exists():
         return target
+    cache, torch_dir = target.parent, Path(torch.__file__).parent
     started = time.monotonic()
     log.info("building the fused decode attention for this CPU (seconds, once: it is cached in %s)", cache)
     with tempfile.TemporaryDirectory(prefix="txlserve-kernel-") as tmp:

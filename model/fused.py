@@ -13,7 +13,9 @@ long for five rows as for one.
 
 They are the C++ torch ops ``txlserve::attend_one`` and ``txlserve::linear_rows`` (``kernels/ops.cpp``), so a
 traced step calls them without taking the GIL. A third, ``txlserve::sample_rows`` (``kernels/sample_rows.c``),
-draws the next token of every plain-temperature row in one call (:func:`model.sampling.sample_rows`).
+draws the next token of every plain-temperature row in one call (:func:`model.sampling.sample_rows`). A fourth,
+``txlserve::chunk_softmax`` (``kernels/chunk_softmax.c``), turns a prefill chunk's scores into its attention
+probabilities in one pass a query, where torch made five over the whole score tensor.
 
 Built on first use with the system compilers against the installed torch's headers (about 8 s) and kept in a
 per-user cache keyed by the sources, torch, the compilers and this CPU; where there is no compiler, or the

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
+import redis.exceptions
 import torch
 
 from memory_store import codec
@@ -69,6 +70,9 @@ def _connect(url: str, op_timeout_s: float, name: str | None) -> Any:  # redis.a
     """:func:`connect`, with a URL redis-py cannot parse refused in one line that quotes no password."""
     try:
         return connect(url, op_timeout_s=op_timeout_s, name=name)
+    except redis.exceptions.RedisClusterException:  # a cluster URL's own rules (database 0 only)
+        raise ConfigError(f"the Redis Cluster URL {redact_url(url)} could not be used (check its options, and that its "
+                          "path is empty or /0: a cluster has only database 0)") from None
     except ValueError:  # redis-py's message may quote part of the password
         scheme = url.split("://", 1)[0] if "://" in url else ""
         if scheme not in ("redis", "rediss", "unix", *(s.removesuffix("://") for s in CLUSTER_SCHEMES)):

@@ -146,8 +146,9 @@ class LayerCache:
         ``[batch, H, chunk, Dh]`` into the ring, after the attention has read it."""
         keep = self.slots.size(1)
         if h.device.type == "cpu" and h.size(0) <= 4 and not torch.jit.is_tracing():
-            # a CPU's prefill chunk: each row's slots are one run of the ring, or two where it wraps, so slices
-            # copy them (indexed stores took 9% of a 6 x 256 prefill); a trace keeps the indices, not the numbers
+            # a CPU call of a few rows (a prefill's chunks): each row's slots are one run of the ring, or two where
+            # it wraps, so slices copy them (indexed stores took 9% of a 6 x 256 prefill); a trace keeps the
+            # indices, not the numbers
             m, first = self.hid.size(1), h.size(1) - keep
             for b, s0 in enumerate(self.slots[:, 0].tolist()):
                 n1 = min(keep, m - s0)

@@ -209,8 +209,9 @@ def chunk_softmax(ring: Tensor, own: Tensor, pos: Tensor, seen: Tensor) -> None:
     """A prefill chunk's attention probabilities, in place, in one pass per query (``kernels/chunk_softmax.c``):
     given the content scores of its queries against the ring, ``ring [bsz, H, chunk, mem_len]``, and against the
     chunk's own keys, ``own [bsz, H, chunk, chunk]``, and the position scores ``pos [H, bsz, chunk, mem_len+1]``
-    of sessions that had seen ``seen [bsz]`` tokens, both become the softmax over each query's window (ring slot
-    ``s`` holding the position ``p < seen`` with ``p = s mod mem_len``). Float32, contiguous. What torch did in
+    of sessions that had seen ``seen [bsz]`` tokens (int64 on the CPU, none negative), both become the softmax
+    over each query's window (ring slot ``s`` holding the latest position ``p < seen`` with ``p = s mod
+    mem_len``). Float32, contiguous, none overlapping another. What torch did in
     five passes over the scores (join, gather by distance, add, mask, softmax) a chunk's query does here while its
     row is in L1."""
     torch.ops.txlserve.chunk_softmax(ring, own, pos, seen)

@@ -169,9 +169,10 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         acs = [mm(q_u, kb.transpose(-1, -2)) for kb, _ in blocks]  # [bsz, H, qlen, len(block)] each
         # one [H, bsz*qlen, Dh] x [H, Dh, n_dist] product: broadcasting the table over the batch would copy it
         bd = mm(q_v.transpose(0, 1).reshape(self.n_head, -1, self.d_head), r_head_k.transpose(-1, -2))
-        if cache is not None and cache.softmax:  # a CPU's chunk: the next five passes, in one pass a query
-            fused.chunk_softmax(*acs, bd.view(self.n_head, bsz, qlen, -1), cache.seen)  # acs: probabilities now
-            probs = acs
+        if cache is not None and cache.softmax:  # a CPU's chunk (no dropout: never while training): the next
+            # five passes, in one pass a query; the products' outputs are contiguous already (free if so)
+            probs = [a.contiguous() for a in acs]
+            fused.chunk_softmax(*probs, bd.contiguous().view(self.n_head, bsz, qlen, -1), cache.seen)  # in place
         else:
             bd = bd.view(self.n_head, bsz, qlen, -1).transpose(0, 1)  # [bsz, H, qlen, n_dist]
             bd = bd.gather(-1, pos.dist.expand(bsz, self.n_head, qlen, -1))  # [bsz, H, qlen, klen]

@@ -8,8 +8,8 @@
      own[n, h, i, c]  = ((q_i + u) . k_c)                over the chunk's tokens c < C
      pos[h, n, i, d]  = ((q_i + v) . (W_r R)_d)          for distances d <= M
 
-   Query i of session n is at position p_i = seen[n] + i; slot s holds the position p < seen[n] with p = s mod M
-   (none while p would be negative). Query i sees what lies at most M tokens back, itself included: ring
+   Query i of session n is at position p_i = seen[n] + i; slot s holds the latest position p < seen[n] with
+   p = s mod M, so seen[n] - M <= p (none while p would be negative). Query i sees what lies at most M tokens back, itself included: ring
    positions max(0, p_i - M) .. seen[n] - 1 and the chunk's tokens max(0, i - M) .. i; every other score is
    blocked and its probability 0. The score of a key at distance d is the sum of its content score and pos[d],
    and the probabilities are the softmax of a query's scores over both blocks (queries come scaled by the

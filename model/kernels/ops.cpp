@@ -3,6 +3,7 @@
 // (kernels/sample_rows.c). Each checks what its C code
 // trusts, then calls it. C++ ops (not Python ones), so that a traced decode step calls them without taking the
 // GIL (model/fused.py).
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -240,6 +241,9 @@ void chunk_softmax(at::Tensor &ring, at::Tensor &own, const at::Tensor &pos, con
                     op, ": seen must be contiguous int64 [batch]");
   const int64_t *sp = seen.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; n++) TORCH_CHECK_VALUE(sp[n] >= 0, op, ": seen ", num(sp[n]), " < 0");
+  at::assert_no_overlap(ring, own);  // the C code takes each for its own memory (restrict)
+  at::assert_no_overlap(ring, pos);
+  at::assert_no_overlap(own, pos);
   // Rows (n, h, i) are independent, each computed whole by one thread: the same bits at any thread count.
   at::parallel_for(0, N * H * C, 16, [&](int64_t r0, int64_t r1) {
     txl_chunk_softmax(r0, r1, N, H, C, M, ring.data_ptr<float>(), own.data_ptr<float>(), pos.data_ptr<float>(), sp);

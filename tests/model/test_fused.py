@@ -415,11 +415,20 @@ def test_a_chunks_probabilities_split_across_threads_give_the_same_bits():
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
-@pytest.mark.parametrize("bad", ["float64", "own", "pos", "strided", "seen-dtype", "seen-negative"])
+@pytest.mark.parametrize("bad", ["float64", "own", "own-heads", "pos", "pos-heads", "strided", "seen-dtype",
+                                 "seen-length", "seen-negative", "overlap"])
 def test_the_chunk_softmax_refuses_tensors_it_was_not_written_for(bad):
     ring, own, pos = _chunk_scores(2, 2, 5, 6)
     seen = torch.tensor([0, 9])
-    if bad == "float64":
+    if bad == "own-heads":
+        own = own[:, :1].contiguous()
+    elif bad == "pos-heads":
+        pos = pos[:1].contiguous()
+    elif bad == "seen-length":
+        seen = torch.tensor([0, 9, 3])
+    elif bad == "overlap":
+        own = ring.view(-1)[:own.numel()].view(own.shape)  # the same memory as the ring's first rows
+    elif bad == "float64":
         ring = ring.double()
     elif bad == "own":
         own = own[..., :4].contiguous()
@@ -431,8 +440,33 @@ def test_the_chunk_softmax_refuses_tensors_it_was_not_written_for(bad):
         seen = seen.int()
     else:
         seen = torch.tensor([0, -1])
-    with pytest.raises(ValueError, match="txlserve::chunk_softmax"):
+    refused = (RuntimeError, "single memory location") if bad == "overlap" else (ValueError, "txlserve::chunk_softmax")
+    with pytest.raises(refused[0], match=refused[1]):
         fused.chunk_softmax(ring, own, pos, seen)
+
+
+@pytest.mark.parametrize(("m", "chunk", "seen"), [(6, 11, [0, 3, 5, 17]), (8, 3, [6, 7]), (5, 5, [0]),
+                                                  (16, 40, [13])])
+def test_ring_stores_as_slices_equal_the_indexed_stores(m, chunk, seen):
+    """A CPU call's stores by slices (one run of the ring a row, two where it wraps) and the indexed ones give the
+    same rings, column-major ones too."""
+    n, heads, dh, d = len(seen), 2, 4, 3
+    g = torch.Generator().manual_seed(5)
+    h, k, v = (torch.randn(n, chunk, d, generator=g), torch.randn(n, heads, chunk, dh, generator=g),
+               torch.randn(n, heads, chunk, dh, generator=g))
+    seen_t = torch.tensor(seen)
+    hid, kr, vr = torch.zeros(n, m, d), column_major(torch.zeros(n, heads, m, dh)), torch.zeros(n, heads, m, dh)
+    cache = RingCache(hid[None], kr[None], vr[None], seen_t, torch.zeros(1, heads, m + 1, dh), chunk,
+                      fused=False).layer(0)  # one layer's
+    cache.store(h, k, v)
+    want = torch.zeros(n, m, d), torch.zeros(n, heads, m, dh), torch.zeros(n, heads, m, dh)  # the indexed stores
+    keep = cache.slots.size(1)
+    want[0][cache.rows, cache.slots] = h[:, -keep:]
+    want[1][cache.rows, :, cache.slots] = k[:, :, -keep:].transpose(1, 2)
+    want[2][cache.rows, :, cache.slots] = v[:, :, -keep:].transpose(1, 2)
+    rings = [(hid, kr, vr), want]
+    for got, want in zip(*rings):
+        assert torch.equal(got, want)
 
 
 def test_tune_products_keeps_torch_only_where_clearly_faster_and_decides_once(monkeypatch, caplog):

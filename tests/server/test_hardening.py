@@ -539,6 +539,7 @@ def _serve(*args: str, env: dict | None = None, timeout: float = 60):
     (("--redis-url", "redis://:s3cr/et@127.0.0.1:1/0"), {}, "percent-encode"),  # a raw "/" in the password
     (("--redis-url", "http://127.0.0.1:6379"), {}, "must start with redis://"),
     (("--redis-url", "redis://127.0.0.1:99999"), {}, "port is a number from 1 to 65535"),
+    (("--redis-url", "redis+cluster://127.0.0.1:7000/1"), {}, "a cluster has only database 0"),
 ])
 def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Path):
     r = _serve(*args, "--data-dir", str(tmp_path), env=env)

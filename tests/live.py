@@ -10,8 +10,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import torch
@@ -25,6 +26,22 @@ MODEL = "txl-test"
 # itself: the tiny model streams ~2,800 tokens/s on a 2-core VM, so one left running would take over a minute.
 # A 4,000-token stream ended in ~1.4 s there, which a faster machine could beat before the test's stop arrived.
 LONG = 200_000
+
+
+T = TypeVar("T")
+
+
+def wait_for(probe: Callable[[], T], timeout: float, what: str, every: float = 0.05) -> T:
+    """``probe()``'s first truthy value, asked every ``every`` s: for what a test can only see by looking (a
+    log line, a gauge, a stored session). Fails with ``what`` after ``timeout`` s, however loaded the machine."""
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    while not (value := probe()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout:g} s for {what}")
+        time.sleep(every)  # poll, bounded by the deadline
+    return value
 
 
 def free_port() -> int:

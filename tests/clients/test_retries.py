@@ -74,7 +74,7 @@ class Scripted:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 script.seen.append(Seen(self.command, self.path, time.monotonic()))
                 reply = script.replies.pop(0) if len(script.replies) > 1 else script.replies[0]
-                time.sleep(reply.delay)
+                time.sleep(reply.delay)  # bounded: the scripted server's slow reply is what the test is about
                 self.send_response(reply.status)
                 for k, v in {"Content-Type": "application/json", **reply.headers}.items():
                     self.send_header(k, v)

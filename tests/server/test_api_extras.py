@@ -4,13 +4,12 @@ with one structured log line per request (never a key, never a prompt), and CORS
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 from websockets.sync.client import connect
 
-from tests.live import MODEL, LiveServer
+from tests.live import MODEL, LiveServer, wait_for
 from tests.server.test_lifecycle import _client, running_app
 
 pytestmark = pytest.mark.timeout(120)
@@ -51,13 +50,9 @@ def test_every_response_has_a_request_id_and_one_log_line_without_the_prompt(ser
     mine = httpx.get(server.url + "/health", headers={"x-request-id": "bad id with spaces"})
     assert mine.headers["x-request-id"] != "bad id with spaces" and len(mine.headers["x-request-id"]) == 24
     assert httpx.get(server.url + "/nowhere").headers["x-request-id"]  # errors too
-    deadline, line = time.monotonic() + 10, None
-    while line is None and time.monotonic() < deadline:
-        for text in server.log.read_text().splitlines():
-            if '"request_id":"req-abc.123"' in text:
-                line = json.loads(text.split("txlserve.requests: ", 1)[1])
-        time.sleep(0.05)  # poll: the line is written once the response has ended
-    assert line is not None
+    text = wait_for(lambda: next((x for x in server.log.read_text().splitlines() if '"request_id":"req-abc.123"' in x),
+                                 None), 10, "the request's log line")  # written once the response has ended
+    line = json.loads(text.split("txlserve.requests: ", 1)[1])
     assert line["route"] == "/v1/completions" and line["status"] == 200 and line["session_id"] == sid
     assert line["prompt_tokens"] == len(secret_prompt) and line["completion_tokens"] == 5
     assert line["cached_tokens"] == 4 and line["total_ms"] >= line["start_ms"] >= 0

@@ -15,7 +15,7 @@ import pytest
 import redis
 from websockets.sync.client import connect
 
-from tests.live import LONG, MODEL, LiveServer
+from tests.live import LONG, MODEL, LiveServer, wait_for
 
 OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
@@ -126,14 +126,8 @@ def test_ws_handler_ends_with_its_connection_after_a_binary_frame(server):
     """Before the fix the reader task died on a binary frame and the handler outlived the client."""
     sock = _raw_ws_frame(server, b"\xff", opcode=2)
     sock.close()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        text = httpx.get(server.url + "/metrics").text
-        if re.search(r"^txlserve_websocket_connections 0\.0$", text, re.M):
-            break
-        time.sleep(0.05)  # poll
-    else:
-        pytest.fail("the WebSocket handler outlived its connection")
+    wait_for(lambda: re.search(r"^txlserve_websocket_connections 0\.0$", httpx.get(server.url + "/metrics").text,
+                               re.M), 20, "the WebSocket handler to end with its connection")
 
 
 def test_an_integer_too_long_to_convert_is_an_error_event_and_the_connection_goes_on(server):
@@ -246,15 +240,14 @@ def test_no_key_in_any_log_line(keyed):
             conn.send(json.dumps({"type": "nothing"}))
             recv(conn)
     expected = {("/v1/ws", 101), ("/v1/ws", 401), ("/v1/models", 200), ("/v1/models", 401)}
-    deadline = time.monotonic() + 10
-    while True:  # poll: a request's line is written after its response
-        log = keyed.log.read_text()
-        lines = [json.loads(line.split("txlserve.requests: ", 1)[1]) for line in log.splitlines()
+
+    def logged() -> list[dict]:  # a request's line is written after its response
+        lines = [json.loads(line.split("txlserve.requests: ", 1)[1]) for line in keyed.log.read_text().splitlines()
                  if "txlserve.requests: " in line]
-        if {(x["route"], x["status"]) for x in lines} >= expected or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert {(x["route"], x["status"]) for x in lines} >= expected  # the lines are there
+        return lines if {(x["route"], x["status"]) for x in lines} >= expected else []
+
+    lines = wait_for(logged, 10, f"request log lines for {sorted(expected)}")  # the lines are there
+    log = keyed.log.read_text()
     assert all(isinstance(x["status"], int) for x in lines)  # a WebSocket's too (it was a phrase)
     assert all("?" not in str(x["route"]) for x in lines)  # a route, never a query string
     for secret in (*KEYS, "wrong-key-789"):
@@ -359,13 +352,9 @@ def test_empty_or_whitespace_keys_never_authenticate(keyed):
 
 def _log_line(srv, request_id: str) -> dict:
     """The request log's line for ``request_id``, waited for (it is written when the request's handling ends)."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        for line in srv.log.read_text().splitlines():
-            if f'"request_id":"{request_id}"' in line:
-                return json.loads(line[line.index("{"):])
-        time.sleep(0.05)  # poll the file
-    pytest.fail(f"no log line for request {request_id}")
+    line = wait_for(lambda: next((x for x in srv.log.read_text().splitlines() if f'"request_id":"{request_id}"' in x),
+                                 None), 20, f"the log line of request {request_id}")
+    return json.loads(line[line.index("{"):])
 
 
 def test_a_body_that_stops_arriving_is_408(keyed):

@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from tests.live import MODEL, LiveServer
+from tests.live import MODEL, LiveServer, wait_for
 
 
 def test_long_append_does_not_stall_a_stream(server):
@@ -40,10 +40,7 @@ def _gauge(srv, name: str) -> float:
 
 
 def wait_gauge(srv, name: str, at_least: float, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while _gauge(srv, name) < at_least:
-        assert time.monotonic() < deadline, f"{name} stayed below {at_least}"
-        time.sleep(0.02)  # poll
+    wait_for(lambda: _gauge(srv, name) >= at_least, timeout, f"{name} to reach {at_least}", every=0.02)
 
 
 def test_overload_answers_429_with_retry_after(checkpoint, redis_url, tmp_path):

@@ -39,6 +39,15 @@ bool is_cpu_float(const at::Tensor &t) { return t.device().is_cpu() && t.scalar_
 // library crashed the process (a segfault on a GPU image, torch 2.11) where the check meant to raise ValueError.
 std::string num(int64_t x) { return std::to_string(x); }
 
+// The tokens each of a call's B rows had seen before it: contiguous int64 [B] on the CPU, none negative.
+void check_seen(const char *op, const at::Tensor &seen, int64_t B) {
+  TORCH_CHECK_VALUE(seen.device().is_cpu() && seen.scalar_type() == at::kLong && seen.dim() == 1 &&
+                        seen.size(0) == B && seen.is_contiguous(),
+                    op, ": seen must be contiguous int64 [batch]");
+  const int64_t *pos = seen.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++) TORCH_CHECK_VALUE(pos[b] >= 0, op, ": seen ", num(pos[b]), " < 0");
+}
+
 // What both attention ops check of the tensors they share: the tokens' q, k, v `qkv [N, L, 3*H*D]` (read as the
 // packed [T = N*L, 3*H*D]), the biases, the position table, the tokens seen, and where each row's tokens start
 // (`st`, B+1 entries from 0 to T, 1 to kMaxChunk tokens a row). B rows, H heads of D, rings of M slots.
@@ -54,11 +63,7 @@ void check_step(const char *op, const at::Tensor &qkv, const at::Tensor &u, cons
                     op, ": biases must be contiguous [heads, d_head]");
   TORCH_CHECK_VALUE(table.dim() == 3 && table.size(0) == H && table.size(1) == M + 1 && table.size(2) == D, op,
                     ": the position table must be [heads, mem_len+1, d_head]");
-  TORCH_CHECK_VALUE(seen.device().is_cpu() && seen.scalar_type() == at::kLong && seen.dim() == 1 &&
-                        seen.size(0) == B && seen.is_contiguous(),
-                    op, ": seen must be contiguous int64 [batch]");
-  const int64_t *pos = seen.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; b++) TORCH_CHECK_VALUE(pos[b] >= 0, op, ": seen ", num(pos[b]), " < 0");
+  check_seen(op, seen, B);
   const int64_t T = qkv.size(0) * qkv.size(1);
   TORCH_CHECK_VALUE(st[0] == 0 && st[B] == T, op, ": start must run from 0 to the ", num(T), " tokens");
   for (int64_t b = 0; b < B; b++)
@@ -236,11 +241,8 @@ void chunk_softmax(at::Tensor &ring, at::Tensor &own, const at::Tensor &pos, con
                     ": pos must be [heads, batch, chunk, mem_len+1]");
   TORCH_CHECK_VALUE(ring.is_contiguous() && own.is_contiguous() && pos.is_contiguous(), op,
                     ": ring, own and pos must be contiguous");
-  TORCH_CHECK_VALUE(seen.device().is_cpu() && seen.scalar_type() == at::kLong && seen.dim() == 1 &&
-                        seen.size(0) == N && seen.is_contiguous(),
-                    op, ": seen must be contiguous int64 [batch]");
+  check_seen(op, seen, N);
   const int64_t *sp = seen.data_ptr<int64_t>();
-  for (int64_t n = 0; n < N; n++) TORCH_CHECK_VALUE(sp[n] >= 0, op, ": seen ", num(sp[n]), " < 0");
   at::assert_no_overlap(ring, own);  // the C code takes each for its own memory (restrict)
   at::assert_no_overlap(ring, pos);
   at::assert_no_overlap(own, pos);

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from txlserve import errors as e
 
@@ -91,6 +92,10 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        if isinstance(err.__cause__, ClientDisconnect):  # FastAPI's 400 for a body the client left before it was
+            # read (uvicorn reports a closed connection before the body once the connection is gone): a 499
+            return await _txl(request, e.RequestCancelled("the client closed the connection before its request "
+                                                          "body was read; nothing was done"))
         where = f"{'HEAD' if request.scope.get('txlserve.head') else request.method} {request.url.path}"
         message, type_, code = {
             404: (f"no such route: {where} (the API is described at /docs)", "not_found_error", "unknown_route"),

@@ -135,6 +135,36 @@ async def test_a_client_that_leaves_cancels_its_run_which_commits_what_was_gener
             2, 2, "cancelled", sid)  # what the client got: the log line is written when it leaves
 
 
+async def test_a_client_gone_before_its_body_was_read_is_a_499_and_nothing_runs(redis_url, tmp_path):
+    """uvicorn answers ``receive()`` with ``http.disconnect`` once the connection has closed, even when the body
+    had arrived: a client that sends everything and leaves at once, on a busy host, is gone before the body is
+    read. FastAPI makes that a 400 ("error parsing the body"); it is a client that left, as nginx counts it."""
+    async with running_app(redis_url, tmp_path) as (app, rt, engine):
+        async with _client(app) as c:
+            sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]
+        before = len(engine.requests)
+        for path in ("/v1/completions", f"/v1/sessions/{sid}/append"):
+            sent: list[dict] = []
+
+            async def receive() -> dict:
+                return {"type": "http.disconnect"}
+
+            async def send(msg: dict, sent=sent) -> None:
+                sent.append(msg)
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                     "headers": [(b"content-type", b"application/json"), (b"content-length", b"40")],
+                     "client": ("127.0.0.1", 1), "server": ("test", 80), "state": {}}
+            await app(scope, receive, send)
+            assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499, (path, sent)
+            body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+            assert body["error"]["code"] == "request_cancelled", body
+            route = path if path == "/v1/completions" else "/v1/sessions/{session_id}/append"
+            assert rt.metrics.requests.labels(route, "499")._value.get() == 1
+        assert len(engine.requests) == before and (await rt.store.info(sid)).tokens_seen == 2
+
+
 async def test_a_failure_mid_stream_is_an_error_event_with_its_status_and_nothing_is_committed(redis_url, tmp_path):
     async with running_app(redis_url, tmp_path) as (app, rt, _), _client(app) as c:
         sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]

@@ -282,29 +282,33 @@ def test_without_a_compiler_the_kernel_is_off_and_says_why(monkeypatch, caplog):
 
 
 def test_compilers_are_read_as_make_reads_them(monkeypatch, tmp_path):
-    """``CC``/``CXX`` may carry arguments (``CC="ccache gcc"``); they are part of the cache key."""
+    """``CC``/``CXX`` may carry arguments (``CC="ccache gcc"``); they are part of the cache key, and the cache
+    follows ``XDG_CACHE_HOME``. (The next test builds with such a ``CC``.)"""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "cc -DTXL_TEST_ARG=1")
     assert fused._command("CC", "cc") == ["cc", "-DTXL_TEST_ARG=1"]
-    built = fused._build()
-    assert built is not None and built.parent == tmp_path / "txlserve" / "kernels"
-    monkeypatch.delenv("CC")
-    plain = fused._cached(fused._command("CC", "cc"), fused._command("CXX", "c++"))
-    assert plain is not None and plain.name != built.name  # another command, another library (built elsewhere)
+    with_arg = fused._cached(fused._command("CC", "cc"), fused._command("CXX", "c++"))
+    assert with_arg is not None and with_arg.parent == tmp_path / "txlserve" / "kernels"
+    plain = fused._cached(["cc"], ["c++"])
+    assert plain is not None and plain.name != with_arg.name  # another command, another library
     monkeypatch.setenv("CC", "  ")
     assert fused._command("CC", "cc") == ["cc"]
 
 
 def test_the_library_is_built_once_per_machine_and_without_a_cache_still_built(monkeypatch, tmp_path, caplog):
     """The cache is keyed by sources, torch, compilers and CPU: a second process loads the same file. Where the
-    cache cannot be written, the library goes to a directory of this process's own."""
+    cache cannot be written, the library goes to a directory of this process's own. The build here runs with a
+    ``CC`` that carries an argument (so it is a new build, and the argument reaches the compiler as a word)."""
     cached = fused._build()
     assert cached is not None and cached.parent == fused._cache_dir() and fused._build() == cached
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # a file: no directory can be made under it
+    monkeypatch.setenv("CC", "cc -DTXL_TEST_ARG=1")
     with caplog.at_level(logging.INFO, logger="model.fused"):
         own = fused._build()
-    assert own is not None and own.name == cached.name and own.parent != cached.parent
+    expected = fused._cached(fused._command("CC", "cc"), fused._command("CXX", "c++"))
+    assert own is not None and expected is not None and own.name == expected.name != cached.name
+    assert own.parent != cached.parent and own.parent != expected.parent
     assert "not cached" in caplog.text and "built the fused decode attention" in caplog.text
     own.unlink()
     own.parent.rmdir()

@@ -335,6 +335,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             from server.workers import serve_workers
 
             return serve_workers(settings, sock)
+        if settings.engine_process:  # its imports run beside this process's next ones
+            from server.core_spawn import spawn_early
+            spawn_early()
         from server.serve import serve
 
         return serve(settings, sock)

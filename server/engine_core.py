@@ -31,7 +31,6 @@ import itertools
 import json
 import logging
 import queue
-import socket
 import struct
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from model.config import TXLConfig
 from model.engine import Engine, Score, TokenEvent
 from model.sampling import SamplingParams
 from model.tokenizer import tokenizer_from_dict
+from server import core_spawn
 from server.hot_states import HotStates
 from server.scheduler import Finished, Job, JobFailed, PromptScores, Scheduler, streamed
 from server.session_state import extend_window, importable, persisted, rebuild_window, stored_window
@@ -416,7 +416,10 @@ def core_main() -> None:
     """The engine process: its connection's descriptor is argv[1]; its settings come on stdin (they may hold
     nothing secret, but a command line is world-readable anyway)."""
     from model.threads import set_threads
-    settings = json.loads(sys.stdin.readline())
+    line = sys.stdin.readline()
+    if not line:  # started early by a server that never took it (it failed first, or died): nothing to do
+        return
+    settings = json.loads(line)
     logging.basicConfig(level=settings["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_threads(settings["threads"], processes=settings["processes"])
     sys.setswitchinterval(settings["switch_interval_ms"] / 1000)
@@ -530,12 +533,8 @@ class EngineCore:
 
     def start(self) -> None:
         """Spawn the engine process and wait until it has warmed its steps (blocking: run it in a thread)."""
-        a, b = socket.socketpair()
-        self.proc = subprocess.Popen([sys.executable, "-c", "from server.engine_core import core_main; core_main()",
-                                      str(b.fileno())], stdin=subprocess.PIPE, pass_fds=(b.fileno(),),
-                                     start_new_session=True)  # Ctrl-C reaches the server, which stops it
-        b.close()
-        self.conn = Connection(a.detach())
+        self.proc, ours = core_spawn.take() or core_spawn.spawn()  # started early by `txlserve serve`, or now
+        self.conn = Connection(ours.detach())
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(self.settings).encode() + b"\n")
         self.proc.stdin.close()

@@ -268,6 +268,9 @@ def main(argv: list[str]) -> int:
         logging.basicConfig(level=settings.log_level.upper(),
                             format=f"%(asctime)s %(levelname)s %(name)s [worker {index}]: %(message)s")
         _watch_supervisor(sys.stdin.fileno())
+        if settings.engine_process:  # its imports run beside this process's next ones
+            from server.core_spawn import spawn_early
+            spawn_early()
         from server.serve import serve
 
         return serve(settings, sock, worker=index, peers=metrics)

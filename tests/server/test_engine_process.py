@@ -376,3 +376,50 @@ def test_messages_from_many_threads_all_leave_each_threads_in_order():
     for t in range(4):
         mine = [int(m.split(b":")[1].rstrip(b"x")) for m in wire.sent if m.startswith(b"%d:" % t)]
         assert mine == list(range(300))  # none stranded, none reordered
+
+
+def _with_environ(marker: str) -> list[int]:
+    """The live processes whose environment holds ``marker`` (from /proc: no psutil)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if marker.encode() in environ and pid_alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def test_an_engine_process_started_early_is_taken_once_or_goes_with_its_server(checkpoint, tmp_path):
+    """`txlserve serve` starts the engine process before it imports torch and FastAPI, so the two imports run side
+    by side (server/core_spawn.py). The server takes it once; one it never takes (it failed first) is stopped with
+    it, and one whose server vanished exits on its own at the end of its stdin."""
+    import subprocess
+    import sys
+    import uuid
+
+    from server import core_spawn
+    from tests.live import REPO
+
+    core_spawn.spawn_early()
+    proc, conn = core_spawn.take()
+    assert core_spawn.take() is None  # once
+    conn.close()
+    proc.stdin.close()  # as if its server had died before sending the settings
+    assert proc.wait(60) == 0
+    core_spawn.spawn_early()
+    early = core_spawn._early[0]
+    core_spawn.discard()  # what exit does with one nobody took
+    assert early.poll() is not None and core_spawn.take() is None
+    core_spawn.spawn_early()
+    os.killpg(core_spawn._early[0].pid, signal.SIGKILL)
+    core_spawn._early[0].wait(30)
+    assert core_spawn.take() is None  # died meanwhile: the server spawns a fresh one, whose failure says why
+    marker = f"TXL_EARLY_{uuid.uuid4().hex}"
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--checkpoint", str(checkpoint), "--data-dir",
+                        str(tmp_path), "--redis-url", "redis://h:port/0"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1", marker: "1"})
+    assert r.returncode == 2 and "could not be parsed" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not _with_environ(marker), "the engine process outlived a server that failed"

@@ -171,6 +171,16 @@ class MemoryStore:
         if url is not None:
             _connect(url, 1.0, None)  # a client connects on its first command, never here
 
+    @staticmethod
+    async def check_reachable(url: str | None, op_timeout_s: float = 2.0) -> None:
+        """Connect and PING a configured Redis as :meth:`start` would, then close: the server does this before
+        loading its model (seconds to minutes), so an unreachable Redis is one line at once. (The embedded Redis
+        is started with the store.)"""
+        if url is not None:
+            probe = MemoryStore.from_url(url, identity=ModelIdentity("", 0, 0), op_timeout_s=op_timeout_s)
+            await probe.start()
+            await probe.aclose()
+
     async def aclose(self) -> None:
         """Release held leases, close connections, stop the embedded Redis if this store started it."""
         for lease in list(self._leases):

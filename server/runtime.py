@@ -118,7 +118,8 @@ WARM_UP_TIMEOUT_S = 300.0
 async def open_runtime(settings: Settings) -> Runtime:
     cpu_latency = CpuLatencyQos(settings.cpu_latency_qos_us)
     cpu_latency.check()  # before the model loads
-    MemoryStore.check_url(settings.redis_url)  # so is a Redis URL that cannot be parsed
+    # so is a Redis URL that cannot be parsed, or a Redis that does not answer
+    await MemoryStore.check_reachable(settings.redis_url, settings.store_timeout_s)
     device = pick_device(settings.device)
     dtype = auto_dtype(device) if settings.dtype == "auto" else getattr(torch, settings.dtype)
     checkpoint = resolve_checkpoint(settings.checkpoint)

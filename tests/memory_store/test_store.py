@@ -521,3 +521,20 @@ def test_a_url_that_cannot_be_used_is_refused_without_connecting_or_its_password
                                  "unix:///tmp/nothing.sock", "redis+cluster://h:7000"])
 def test_a_usable_url_passes_the_check_without_a_server(url):
     MemoryStore.check_url(url)  # nothing listens at any of them: the check connects to none
+
+
+async def test_check_reachable_pings_a_configured_redis_and_refuses_one_that_does_not_answer(redis_url):
+    """The server calls it before its model loads: an unreachable Redis is one line in a moment, and a
+    reachable one is left as it was (no connection kept, nothing written)."""
+    client = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        before = await client.dbsize()
+        await MemoryStore.check_reachable(redis_url)
+        await MemoryStore.check_reachable(None)  # the embedded Redis: started with the store, not here
+        assert await client.dbsize() == before
+    finally:
+        await client.aclose()
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="unavailable") as err:
+        await MemoryStore.check_reachable("redis://:s3cret@127.0.0.1:1/0", op_timeout_s=1.0)
+    assert "s3cret" not in str(err.value) and time.monotonic() - started < 30

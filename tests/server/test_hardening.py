@@ -283,6 +283,7 @@ def test_a_redis_password_never_reaches_a_log_or_a_response(checkpoint, tmp_path
     secret = "S3cret-redis-pw"
     r = _serve("--redis-url", f"redis://127.0.0.1:1/0?password={secret}", "--data-dir", str(tmp_path / "none"))
     assert r.returncode == 2 and "unavailable" in r.stderr and secret not in r.stderr + r.stdout, r.stderr
+    assert "txlserve: loaded" not in r.stderr  # refused before the model loaded (MemoryStore.check_reachable)
     redis_proc = RedisProcess(tmp_path / "redis", password=secret).start()
     srv = LiveServer(checkpoint, redis_url=f"redis://127.0.0.1:{redis_proc.port}/0?db=0&password={secret}",
                      data_dir=tmp_path / "srv")

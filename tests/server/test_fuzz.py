@@ -1,5 +1,5 @@
 """A fuzzer driven by the server's own /openapi.json: schemathesis generates requests for every operation
-against a live server, bounded in time, and no answer may be a 5xx. The suite gives it 25 s;
+against a live server, bounded in time, and no answer may be a 5xx. The suite gives it 12 s;
 ``TXLSERVE_FUZZ_SECONDS`` gives a release run longer."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.live import LiveServer
 pytest.importorskip("schemathesis")
 
 
-SECONDS = os.environ.get("TXLSERVE_FUZZ_SECONDS", "25")
+SECONDS = os.environ.get("TXLSERVE_FUZZ_SECONDS", "12")
 
 
 @pytest.mark.timeout(int(float(SECONDS)) + 240)  # the suite's 300 s would cut a longer release run

@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.live import MODEL, LiveServer
+from tests.live import MODEL, REPO, LiveServer
 from tests.procs import pid_alive, wait_exit
 
 WORKERS = ("--workers", "2", "--threads", "1")
@@ -60,6 +62,8 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists() or not hasa
 
 
 def test_workers_share_the_port_the_sessions_and_the_embedded_redis(checkpoint: Path, tmp_path: Path):
+    """Two workers on one port share sessions, metrics and the embedded Redis; a second server cannot join the
+    port; Ctrl-C drains both and stops the Redis they started."""
     srv = LiveServer(checkpoint, redis_url=None, data_dir=tmp_path / "data", args=WORKERS).start(timeout=120)
     try:
         assert _answered_by(srv.url, "/ready") == {0, 1}
@@ -88,32 +92,16 @@ def test_workers_share_the_port_the_sessions_and_the_embedded_redis(checkpoint: 
             counts = {line.split('worker="')[1][0]: float(line.split()[-1]) for line in text.splitlines()
                       if line.startswith("txlserve_generation_tokens_total{")}
             assert set(counts) == {"0", "1"} and sum(counts.values()) == generated
-        redis_pid = int((tmp_path / "data" / "redis.pid").read_text())
-        assert srv.terminate(timeout=60) == 0
-        assert wait_exit(workers | {redis_pid}, 30), "a worker or the embedded Redis outlived the supervisor"
-    finally:
-        srv.stop()
-
-
-def test_ctrl_c_drains_every_worker_and_a_second_server_cannot_join_the_port(checkpoint: Path, redis_url: str,
-                                                                               tmp_path: Path):
-    import subprocess
-    import sys
-
-    from tests.live import REPO
-    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=WORKERS).start(timeout=120)
-    try:
-        assert _answered_by(srv.url, "/ready") == {0, 1}
-        workers = _workers_of(srv)
         for extra in (WORKERS, ()):  # a second supervisor, or one server, on the same port: refused at once
             r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", str(srv.port), "--checkpoint",
                                 str(checkpoint), "--data-dir", str(tmp_path / "other"), *extra], cwd=REPO,
                                capture_output=True, text=True, timeout=60)
             assert r.returncode == 2 and "cannot listen" in r.stderr and "Traceback" not in r.stderr, r.stderr
-        srv.proc.send_signal(signal.SIGINT)
+        redis_pid = int((tmp_path / "data" / "redis.pid").read_text())
+        srv.proc.send_signal(signal.SIGINT)  # Ctrl-C (SIGTERM takes the same handler): every worker drains
         assert srv.proc.wait(60) == 0
-        assert wait_exit(workers, 30)
-        assert srv.log.read_text().count("Finished server process") == 2
+        assert wait_exit(workers | {redis_pid}, 30), "a worker or the embedded Redis outlived the supervisor"
+        assert srv.log.read_text().count("Finished server process") == 2  # each drained (uvicorn's last line)
     finally:
         srv.stop()
 
@@ -147,10 +135,6 @@ def test_workers_drain_and_exit_when_their_supervisor_is_killed(checkpoint: Path
 
 
 def test_a_worker_refuses_settings_not_from_a_supervisor():
-    import subprocess
-    import sys
-
-    from tests.live import REPO
     r = subprocess.run([sys.executable, "-m", "server.workers", "0", "0"], cwd=REPO, input=b"", capture_output=True,
                        timeout=60)
     assert r.returncode == 2 and b"Traceback" not in r.stderr, r.stderr

@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from model.threads import default_threads, set_threads, usable_cores
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -33,28 +26,32 @@ def test_default_is_half_the_usable_cores(restore_threads, monkeypatch):
         set_threads(0)
 
 
-def _run(code: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+def _generate_threads(monkeypatch, capsys, args: tuple[str, ...], env: dict) -> tuple[int, str, str]:
+    """`txlserve generate ARGS` in this process, up to where it sets the thread count: (status, the thread count
+    it set, stderr). A bad count is refused by the parser (SystemExit) or the command (status 2)."""
+    import server.cli as cli
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cli, "_cmd_generate", lambda ns: (cli._set_threads(ns), print(torch.get_num_threads()), 0)[-1])
+    try:
+        code = cli.main(["generate", "--prompt", "x", *args])
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr()
+    return code, out.out.strip(), out.err
 
 
-PROBE = """
-import sys, torch
-import server.cli as cli
-cli._cmd_generate = lambda ns: (cli._set_threads(ns), print(torch.get_num_threads()), 0)[-1]
-sys.exit(cli.main(["generate", "--prompt", "x", *sys.argv[1:]]))
-"""
-
-
-@pytest.mark.parametrize("args,env,want", [((), {}, str(default_threads())), (("--threads", "1"), {}, "1"),
-                                           ((), {"TXLSERVE_THREADS": "1"}, "1"),
-                                           (("--threads", "1"), {"TXLSERVE_THREADS": "7"}, "1")])
-def test_cli_sets_the_thread_count(args, env, want):
-    r = _run(PROBE, *args, env={"LOCAL_WORLD_SIZE": "1", **env})
-    assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
+@pytest.mark.parametrize("args,env,want", [((), {}, str(default_threads())), (("--threads", "3"), {}, "3"),
+                                           ((), {"TXLSERVE_THREADS": "3"}, "3"),
+                                           (("--threads", "3"), {"TXLSERVE_THREADS": "7"}, "3")])
+def test_cli_sets_the_thread_count(args, env, want, restore_threads, monkeypatch, capsys):
+    monkeypatch.delenv("TXLSERVE_THREADS", raising=False)
+    code, threads, err = _generate_threads(monkeypatch, capsys, args, {"LOCAL_WORLD_SIZE": "1", **env})
+    assert code == 0 and threads == want, err
 
 
 @pytest.mark.parametrize("args,env", [(("--threads", "0"), {}), ((), {"TXLSERVE_THREADS": "many"})])
-def test_bad_thread_counts_are_one_line(args, env):
-    r = _run(PROBE, *args, env=env)
-    assert r.returncode == 2 and "threads" in r.stderr.lower() and "Traceback" not in r.stderr, r.stderr
+def test_bad_thread_counts_are_one_line(args, env, restore_threads, monkeypatch, capsys):
+    code, _, err = _generate_threads(monkeypatch, capsys, args, env)
+    assert code == 2 and "threads" in err.lower() and "Traceback" not in err, err

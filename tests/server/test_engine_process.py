@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from server.engine_core import error_from, error_head, pack, unpack
-from tests.live import MODEL, LiveServer
+from tests.live import MODEL, LiveServer, start_all
 from tests.procs import pid_alive, wait_exit
 
 
@@ -144,14 +144,17 @@ def test_an_engine_process_that_dies_fails_requests_and_health_and_the_server_st
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="waits on pidfds")
 def test_the_engine_process_stops_with_the_server_even_when_it_is_killed(checkpoint, redis_url, tmp_path):
-    for stop in ("terminate", "kill"):
-        srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path / stop).start()
-        try:
+    servers = {stop: LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path / stop)
+               for stop in ("terminate", "kill")}
+    start_all(*servers.values())  # side by side
+    try:
+        for stop, srv in servers.items():
             pid = _engine_pid(srv)
             assert _complete(srv, prompt="hi", max_tokens=2).status_code == 200
             getattr(srv, stop)()
             assert wait_exit([pid], timeout=30) and not pid_alive(pid), f"the engine process outlived a {stop}"
-        finally:
+    finally:
+        for srv in servers.values():
             srv.stop()
 
 

@@ -34,6 +34,15 @@ def cluster_dims(cfg: TXLConfig) -> list[int]:
     return [cfg.d_embed // cfg.div_val**i for i in range(cfg.n_clusters + 1)]
 
 
+def _embedding(n: int, d: int) -> nn.Embedding:
+    """``nn.Embedding(n, d)``; built on the meta device (a checkpoint about to be assigned), without its
+    ``normal_`` init, whose meta version imports torch._dynamo: 1.8 s of every server and CLI start. (The model's
+    ``reset_parameters`` initialises every real table again anyway.)"""
+    if torch.empty(0).is_meta:  # under ``with torch.device("meta")``
+        return nn.Embedding(n, d, _weight=torch.empty(n, d))
+    return nn.Embedding(n, d)
+
+
 class AdaptiveEmbedding(nn.Module):
     """``tokens [batch, len] -> [batch, len, d_model]``, scaled by ``sqrt(d_model)`` as in the paper."""
 
@@ -42,12 +51,12 @@ class AdaptiveEmbedding(nn.Module):
         self.bounds, self.emb_scale = cluster_bounds(cfg), cfg.d_model**0.5
         self.emb_layers, self.emb_projs = nn.ModuleList(), nn.ParameterList()
         if cfg.div_val == 1:  # one table for the whole vocabulary
-            self.emb_layers.append(nn.Embedding(cfg.vocab_size, cfg.d_embed))
+            self.emb_layers.append(_embedding(cfg.vocab_size, cfg.d_embed))
             if cfg.d_embed != cfg.d_model:
                 self.emb_projs.append(nn.Parameter(torch.empty(cfg.d_model, cfg.d_embed)))
         else:
             for (lo, hi), d in zip(self.bounds, cluster_dims(cfg)):
-                self.emb_layers.append(nn.Embedding(hi - lo, d))
+                self.emb_layers.append(_embedding(hi - lo, d))
                 self.emb_projs.append(nn.Parameter(torch.empty(cfg.d_model, d)))
 
     def forward(self, tokens: Tensor) -> Tensor:

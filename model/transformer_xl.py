@@ -260,6 +260,8 @@ class MemTransformerLM(nn.Module):
     def reset_parameters(self) -> None:
         std = self.cfg.init_std
         for name, p in self.named_parameters():
+            if p.is_meta:  # built to be loaded by assignment: nothing to draw (and meta's normal_ imports dynamo)
+                continue
             if name.endswith("bias") and p.dim() == 1:
                 nn.init.zeros_(p)
             elif "layer_norm.weight" in name:

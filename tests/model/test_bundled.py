@@ -49,3 +49,20 @@ def test_recorded_test_bpc_reproduces():
     result = evaluate(ckpt.model, load_corpus(SHAKESPEARE).test, tgt_len=t["tgt_len"], batch_size=t["batch_size"])
     assert result["tokens"] == t["tokens"]
     assert abs(result["bpc"] - t["bpc"]) < 1e-4
+
+
+def test_loading_a_checkpoint_imports_no_compiler_and_draws_no_random_numbers():
+    """The model is built on the meta device and its tensors assigned: nothing is initialised there. Meta's
+    ``normal_`` imports torch._dynamo (1.8 s of every server and CLI start) and the default generator would move
+    for nothing. A fresh interpreter, since this one may have imported dynamo already."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\nfrom model.checkpoint import load_checkpoint\ntorch.manual_seed(0)\n"
+            "before = torch.random.get_rng_state()\nck = load_checkpoint(sys.argv[1])\n"
+            "print('torch._dynamo' in sys.modules, torch.equal(before, torch.random.get_rng_state()),"
+            " all(not p.is_meta for p in ck.model.parameters()))")
+    r = subprocess.run([sys.executable, "-c", code, str(BUNDLED)], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True", "True"], r.stdout

@@ -281,6 +281,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     sv = kinds.add_parser("serve", help="concurrent streaming load, and continuing a session vs re-sending")
     serve.add_arguments(sv)
     sv.set_defaults(func=serve.main)
+    from bench import startup
+
+    su = kinds.add_parser("startup", help="seconds from `txlserve serve` to /ready, against importing torch")
+    startup.add_arguments(su)
+    su.set_defaults(func=startup.main)
     from bench import scale
 
     sc = kinds.add_parser("scale", help="the published WikiText-103 shape (random weights): load, decode, sessions")

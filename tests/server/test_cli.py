@@ -174,6 +174,17 @@ def test_bench_serve_json(checkpoint):
     assert out["guest_halt_poll_ns"] == (int(poll.read_text()) if poll.exists() else None)
 
 
+def test_bench_startup_json(checkpoint):
+    r = txlserve("bench", "startup", "--checkpoint", str(checkpoint), "--repeats", "1", "--json", "--",
+                 "--no-engine-process", timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["server_args"] == ["--no-engine-process"] and len(out["ready_s"]) == len(out["torch_import_s"]) == 1
+    # a server imports torch and more before it answers: never faster than the bare import beside it
+    assert out["ready_s_median"] > out["torch_import_s_median"] > 0
+    assert out["ready_over_torch_import"] == pytest.approx(out["ready_s_median"] / out["torch_import_s_median"])
+
+
 def _refused(capsys, *argv: str) -> str:
     """The CLI's own parser, in this process (a subprocess per case cost 3 s of imports): exit 2 and its line."""
     from server.cli import main

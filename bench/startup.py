@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,15 +20,10 @@ from typing import Any
 
 import httpx
 
+from bench.serve import _free_port
 from txlserve.args import count
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torch_import_s() -> float:

@@ -9,14 +9,19 @@ traceback after a long load."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import gc
 import logging
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import urllib.parse
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -33,12 +38,64 @@ from txlserve.errors import ConfigError
 log = logging.getLogger("txlserve")
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Hold:
+    """SIGINT and SIGTERM from the runtime's opening until uvicorn's own handlers are in. Left to asyncio's
+    runner, a Ctrl-C there cancelled the task awaiting uvicorn's lifespan start-up, and uvicorn logged that
+    CancelledError with its traceback; a SIGTERM killed the process without closing the runtime (the embedded
+    Redis stayed up). Held, either one skips the serving: the runtime closes, then the signal is raised again
+    into the handlers found here, as uvicorn does after a signalled drain (Ctrl-C exits 130, SIGTERM as SIGTERM).
+    Once the server exists, a signal goes to it: it has not served yet, so it stops as soon as it starts."""
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+        self.server: uvicorn.Server | None = None
+        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        if self.server is None:
+            self.held.append(sig)
+        else:
+            self.server.handle_exit(sig, frame)
+
+    def release(self) -> None:
+        """Put back the handlers found, and raise the signals held into them."""
+        for sig, handler in self.previous.items():
+            if handler is not None:  # None: one not installed from Python, which cannot be put back
+                signal.signal(sig, handler)
+        for sig in self.held:
+            signal.raise_signal(sig)
+
+
 class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, hold: _Hold | None) -> None:
+        super().__init__(config)
+        self.hold = hold
+
     def handle_exit(self, sig: int, frame: object) -> None:
         rt = getattr(self.config.app.state, "runtime", None)
         if rt is not None:  # start the one drain now: uvicorn waits for open connections before lifespan ends
             asyncio.get_event_loop().call_soon_threadsafe(rt.drain)
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, except that it puts back the handlers :class:`_Hold` found, not the holding ones, before it
+        raises the signals it caught again (uvicorn's: a drained Ctrl-C exits 130, a SIGTERM as SIGTERM)."""
+        if self.hold is None:  # not the main thread: no signals to take
+            with super().capture_signals():
+                yield
+            return
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, self.handle_exit)
+        try:
+            yield
+        finally:
+            self.hold.release()  # nothing held: from its server's creation on, a signal went to the server
+        for sig in reversed(self._captured_signals):
+            signal.raise_signal(sig)
 
 
 class Redact(logging.Filter):
@@ -116,6 +173,7 @@ def serve(settings: Settings, sock: socket.socket, worker: int | None = None, pe
     # checkpoint, 0.5-1.1 ms at 0.5 (BENCHMARKS.md, "Where 64 streams lose now").
     sys.setswitchinterval(settings.switch_interval_ms / 1000)
     protocol = protocol_class(settings.body_timeout_s, settings.http)  # a missing parser fails before the load
+    settings = dataclasses.replace(settings, port=sock.getsockname()[1])  # --port 0: the one the system chose
     return runner(settings.loop)(_serve(settings, sock, protocol, worker, peers))
 
 
@@ -137,27 +195,39 @@ def runner(loop: str) -> Callable[[Coroutine[Any, Any, int]], int]:
 async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker: int | None,
                  peers: str | None) -> int:
     rt = await open_runtime(settings)  # a bad checkpoint or unreachable Redis stops here, as one TxlError
-    rt.worker, rt.peers = worker, peers
-    shared = await share_metrics(rt, peers) if peers else None  # the other workers' /metrics read this one's
-    start_listening(sock)  # a worker's socket takes connections once it can serve them (server.listen)
-    app = build_app(settings, runtime=rt)
-    freeze_startup_objects()
-    # uvicorn's own deadline comes after ours, so cancelled streams can still say goodbye
-    config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,  # RequestLog writes one JSON line
-                            timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
-                            http=protocol,  # headers get the body's deadline
-                            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
-                            ws_max_size=settings.max_body_bytes)  # a message's limit is a body's (uvicorn: 16 MiB)
-    install_redaction(settings)  # after uvicorn configured its loggers
-    log.info("event loop: %s; HTTP parser: %s", type(asyncio.get_running_loop()).__module__.split(".")[0],
-             protocol.parser_name)
-    if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s without API keys: anyone who reaches this port can read every session "
-                    "(set TXLSERVE_API_KEYS)", settings.host)
+    hold = _Hold() if threading.current_thread() is threading.main_thread() else None
+    shared = None
     try:
-        await _Server(config).serve(sockets=[sock])
+        rt.worker, rt.peers = worker, peers
+        shared = await share_metrics(rt, peers) if peers else None  # the other workers' /metrics read this one's
+        start_listening(sock)  # a worker's socket takes connections once it can serve them (server.listen)
+        app = build_app(settings, runtime=rt)
+        freeze_startup_objects()
+        # uvicorn's own deadline comes after ours, so cancelled streams can still say goodbye
+        config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,  # RequestLog: one JSON line
+                                timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
+                                http=protocol,  # headers get the body's deadline
+                                h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                                ws_max_size=settings.max_body_bytes)  # a message's limit: a body's (uvicorn: 16 MiB)
+        install_redaction(settings)  # after uvicorn configured its loggers
+        log.info("event loop: %s; HTTP parser: %s", type(asyncio.get_running_loop()).__module__.split(".")[0],
+                 protocol.parser_name)
+        if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("listening on %s without API keys: anyone who reaches this port can read every session "
+                        "(set TXLSERVE_API_KEYS)", settings.host)
+        if hold is not None and hold.held:
+            log.info("stopping before serving (%s)", signal.Signals(hold.held[0]).name)
+        else:
+            server = _Server(config, hold)
+            if hold is not None:
+                hold.server = server  # from here a signal goes to the server
+            await server.serve(sockets=[sock])
     finally:
-        if shared is not None:
-            shared.close()
-        await close_runtime(rt)  # already closed by the app's lifespan, unless uvicorn never started it
+        try:
+            if shared is not None:
+                shared.close()
+            await close_runtime(rt)  # already closed by the app's lifespan, unless uvicorn never started it
+        finally:
+            if hold is not None and hold.server is None:  # else the server's capture_signals released it
+                hold.release()
     return 0

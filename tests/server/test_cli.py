@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -273,6 +275,54 @@ def test_start_up_objects_are_frozen_out_of_the_collectors_reach():
         assert not any(o is made_at_start_up for o in gc.get_objects())  # no generation holds it any more
     finally:
         gc.unfreeze()
+
+
+_STOP_BEFORE_SERVING = """
+import signal, sys
+sys.path.insert(0, {repo!r})
+import server.serve as serve_mod
+freeze = serve_mod.freeze_startup_objects
+def stop_then_freeze():  # the signal lands after the runtime opened, before uvicorn's handlers are in
+    signal.raise_signal(signal.Signals[sys.argv[1]])
+    return freeze()
+serve_mod.freeze_startup_objects = stop_then_freeze
+from server.cli import main
+sys.exit(main(["serve", "--port", "0", *sys.argv[2:]]))
+"""
+
+
+def test_a_stop_signal_before_serving_closes_the_runtime_quietly(checkpoint, tmp_path):
+    """Ctrl-C or SIGTERM after the runtime opened and before uvicorn took the signals: a Ctrl-C there logged
+    uvicorn's lifespan traceback (its start-up task cancelled), a SIGTERM killed the process with the runtime
+    open, its embedded Redis left running. Now either stops the server before it serves: the runtime closes
+    (the embedded Redis this process started stops) and the process exits as after a drain (130, SIGTERM)."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    script = tmp_path / "stop_before_serving.py"
+    script.write_text(_STOP_BEFORE_SERVING.format(repo=str(REPO)))
+
+    def run(sig: str) -> tuple[subprocess.CompletedProcess, Path]:
+        data = tmp_path / sig
+        return subprocess.run([sys.executable, str(script), sig, "--checkpoint", str(checkpoint), "--data-dir",
+                               str(data)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}), data
+
+    try:
+        with ThreadPoolExecutor(2) as pool:  # two servers side by side, one core each
+            (stopped, data_int), (termed, data_term) = pool.map(run, ("SIGINT", "SIGTERM"))
+        for r, data, status, name in ((stopped, data_int, 130, "SIGINT"), (termed, data_term, -signal.SIGTERM,
+                                                                              "SIGTERM")):
+            assert r.returncode == status, r.stderr[-3000:]
+            assert f"stopping before serving ({name})" in r.stderr, r.stderr[-3000:]
+            assert "Traceback" not in r.stderr and "CancelledError" not in r.stderr, r.stderr[-3000:]
+            assert (data / "redis.log").exists() and not (data / "redis.pid").exists()  # started, then stopped
+            port = re.search(r"http://127\.0\.0\.1:(\d+)", r.stderr)
+            assert port and int(port[1]) > 0, r.stderr[-3000:]  # --port 0: the log names the port it got
+    finally:  # a Redis a failing run left behind
+        for pidfile in tmp_path.glob("*/redis.pid"):
+            with contextlib.suppress(ValueError, OSError):
+                os.kill(int(pidfile.read_text()), signal.SIGTERM)
 
 
 @pytest.mark.parametrize("content, needle", [("[" * 100_000 + "]" * 100_000, "nested too deeply"),

@@ -39,7 +39,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from memory_store.metrics import StoreMetrics
-from txlserve.errors import SessionCorrupt, StoreUnavailable
+from txlserve.errors import ConfigError, SessionCorrupt, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +261,31 @@ def connect(url: str, *, op_timeout_s: float, max_connections: int = 64,
         retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
     )
     return redis.asyncio.Redis.from_pool(pool)
+
+
+def connect_checked(url: str, op_timeout_s: float,
+                    name: str | None) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
+    """:func:`connect`, with a URL redis-py cannot parse refused in one line that quotes no password."""
+    try:
+        return connect(url, op_timeout_s=op_timeout_s, name=name)
+    except redis.exceptions.RedisClusterException:  # a cluster URL's own rules (database 0 only)
+        raise ConfigError(f"the Redis Cluster URL {redact_url(url)} could not be used (check its options, and that its "
+                          "path is empty or /0: a cluster has only database 0)") from None
+    except ValueError:  # redis-py's message may quote part of the password
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        if scheme not in ("redis", "rediss", "unix", *(s.removesuffix("://") for s in CLUSTER_SCHEMES)):
+            raise ConfigError(f"the Redis URL {redact_url(url)} must start with redis://, rediss://, unix:// or "
+                              "redis+cluster://") from None
+        raise ConfigError(f"the Redis URL {redact_url(url)} could not be parsed (check that its port is a "
+                          "number from 1 to 65535, its query options, and that any '/', '?', '#' or '@' in its "
+                          "password is percent-encoded)") from None
+
+
+def check_url(url: str | None) -> None:
+    """Refuse a Redis URL that cannot be parsed, as the store's start would, without connecting: ``txlserve serve``
+    checks it before importing torch and loading its model (seconds), so a mistyped URL is one line at once."""
+    if url is not None:
+        connect_checked(url, 1.0, None)  # a client connects on its first command, never here
 
 
 class RedisTier:

@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
-import redis.exceptions
 import torch
 
 from memory_store import codec
@@ -39,16 +38,15 @@ from memory_store.metrics import StoreMetrics
 from memory_store.redis_tier import (
     ABSENT,
     ANY_VERSION,
-    CLUSTER_SCHEMES,
     RedisClock,
     RedisTier,
+    check_url,
     client_name,
-    connect,
+    connect_checked,
     redact_url,
 )
 from memory_store.session import Session, SessionInfo
 from txlserve.errors import (
-    ConfigError,
     InvalidRequestError,
     PayloadTooLarge,
     SessionBusy,
@@ -64,23 +62,6 @@ log = logging.getLogger(__name__)
 _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _CURSOR_SCORE = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() also accepts '²'
 _PUT_ATTEMPTS = 5
-
-
-def _connect(url: str, op_timeout_s: float, name: str | None) -> Any:  # redis.asyncio.Redis or RedisCluster
-    """:func:`connect`, with a URL redis-py cannot parse refused in one line that quotes no password."""
-    try:
-        return connect(url, op_timeout_s=op_timeout_s, name=name)
-    except redis.exceptions.RedisClusterException:  # a cluster URL's own rules (database 0 only)
-        raise ConfigError(f"the Redis Cluster URL {redact_url(url)} could not be used (check its options, and that its "
-                          "path is empty or /0: a cluster has only database 0)") from None
-    except ValueError:  # redis-py's message may quote part of the password
-        scheme = url.split("://", 1)[0] if "://" in url else ""
-        if scheme not in ("redis", "rediss", "unix", *(s.removesuffix("://") for s in CLUSTER_SCHEMES)):
-            raise ConfigError(f"the Redis URL {redact_url(url)} must start with redis://, rediss://, unix:// or "
-                              "redis+cluster://") from None
-        raise ConfigError(f"the Redis URL {redact_url(url)} could not be parsed (check that its port is a "
-                          "number from 1 to 65535, its query options, and that any '/', '?', '#' or '@' in its "
-                          "password is percent-encoded)") from None
 
 
 class MemoryStore:
@@ -150,7 +131,7 @@ class MemoryStore:
             await asyncio.to_thread(self._embedded.start)
             url = self._embedded.url
         # named on the embedded Redis, whose starter counts the other processes' connections when it stops
-        client = _connect(url, self.config.op_timeout_s, client_name() if self._embedded is not None else None)
+        client = connect_checked(url, self.config.op_timeout_s, client_name() if self._embedded is not None else None)
         self._tier = RedisTier(
             client,
             where=redact_url(url),  # never log a password
@@ -166,10 +147,8 @@ class MemoryStore:
 
     @staticmethod
     def check_url(url: str | None) -> None:
-        """Refuse a Redis URL that cannot be parsed, as :meth:`start` would, without connecting: the server checks
-        it before loading its model (seconds), so a mistyped URL is one line at once."""
-        if url is not None:
-            _connect(url, 1.0, None)  # a client connects on its first command, never here
+        """:func:`memory_store.redis_tier.check_url`: without torch, which the server checks before importing it."""
+        check_url(url)
 
     @staticmethod
     async def check_reachable(url: str | None, op_timeout_s: float = 2.0) -> None:

@@ -318,6 +318,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _cmd_serve(ns: argparse.Namespace) -> int:
     import logging
 
+    from memory_store.redis_tier import check_url
     from model.bundled import resolve_checkpoint
     from server.listen import REUSE_PORT, bind, claim_port
     from server.settings import Settings
@@ -327,7 +328,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         if name in overrides:
             overrides[name] = tuple(overrides[name])
     settings = Settings.from_env(**overrides)
-    # a bad setting, a port in use or a missing checkpoint is one line at once, before torch is imported
+    # a bad setting, a Redis URL that cannot be parsed, a port in use or a missing checkpoint is one line at once,
+    # before torch is imported
+    check_url(settings.redis_url)
     group = settings.workers > 1 and REUSE_PORT  # each worker listens on a socket of its own (server.workers)
     sock = bind(settings.host, settings.port, group=group, listen=not group)
     claim = None

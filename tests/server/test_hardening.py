@@ -542,6 +542,7 @@ def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Pat
     (["serve", "--port", "70000"], "port"),
     (["serve", "--port", "0", "--checkpoint", "/nope/nothing"], "does not exist"),
     (["serve", "--api-keys", " "], "API key"), (["generate", "--threads", "0", "--prompt", "x"], "threads"),
+    (["serve", "--port", "0", "--redis-url", "redis://:s3cr/et@h:99999/0"], "could not be parsed"),
     (["eval", "--threads", "0", "--checkpoint", "x", "--data", "x"], "threads")])
 def test_a_bad_setting_is_refused_before_torch_loads(argv, needle):
     import subprocess

@@ -40,7 +40,6 @@ from memory_store.redis_tier import (
     ANY_VERSION,
     RedisClock,
     RedisTier,
-    check_url,
     client_name,
     connect_checked,
     redact_url,
@@ -144,11 +143,6 @@ class MemoryStore:
         except BaseException:
             await self.aclose()
             raise
-
-    @staticmethod
-    def check_url(url: str | None) -> None:
-        """:func:`memory_store.redis_tier.check_url`: without torch, which the server checks before importing it."""
-        check_url(url)
 
     @staticmethod
     async def check_reachable(url: str | None, op_timeout_s: float = 2.0) -> None:

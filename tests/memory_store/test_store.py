@@ -509,18 +509,21 @@ def test_new_ids_never_start_with_a_dash(monkeypatch: pytest.MonkeyPatch) -> Non
     ("redis+cluster://:s3cret@h:7000/1", "a cluster has only database 0"),
 ])
 def test_a_url_that_cannot_be_used_is_refused_without_connecting_or_its_password(url, needle):
-    """What start() would refuse after the model loaded, the server refuses before (MemoryStore.check_url)."""
+    """What start() would refuse after the model loaded, the server refuses before torch loads (check_url)."""
+    from memory_store.redis_tier import check_url
     from txlserve.errors import ConfigError
 
     with pytest.raises(ConfigError, match=needle) as err:
-        MemoryStore.check_url(url)
+        check_url(url)
     assert "s3cr" not in str(err.value) and "et@" not in str(err.value)
 
 
 @pytest.mark.parametrize("url", [None, "redis://h:1/0", "rediss://u:p@h:6380/2?ssl_cert_reqs=none",
                                  "unix:///tmp/nothing.sock", "redis+cluster://h:7000"])
 def test_a_usable_url_passes_the_check_without_a_server(url):
-    MemoryStore.check_url(url)  # nothing listens at any of them: the check connects to none
+    from memory_store.redis_tier import check_url
+
+    check_url(url)  # nothing listens at any of them: the check connects to none
 
 
 async def test_check_reachable_pings_a_configured_redis_and_refuses_one_that_does_not_answer(redis_url):

@@ -421,8 +421,9 @@ def test_an_engine_process_started_early_is_taken_once_or_goes_with_its_server(c
     core_spawn._early[0].wait(30)
     assert core_spawn.take() is None  # died meanwhile: the server spawns a fresh one, whose failure says why
     marker = f"TXL_EARLY_{uuid.uuid4().hex}"
-    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--checkpoint", str(checkpoint), "--data-dir",
-                        str(tmp_path), "--redis-url", "redis://h:port/0"], cwd=REPO, capture_output=True, text=True,
-                       timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1", marker: "1"})
-    assert r.returncode == 2 and "could not be parsed" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "0", "--checkpoint", str(checkpoint),
+                        "--data-dir", str(tmp_path), "--redis-url", "redis://127.0.0.1:1/0"],  # fails after the start
+                       cwd=REPO, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", marker: "1"})
+    assert r.returncode == 2 and "is unavailable" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not _with_environ(marker), "the engine process outlived a server that failed"

@@ -499,8 +499,11 @@ def _serve(*args: str, env: dict | None = None, timeout: float = 60):
     import sys
 
     from tests.live import REPO
-    return subprocess.run([sys.executable, "-m", "server.cli", "serve", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    # --port 0 first (a case's own --port comes later and wins): never the default 8000, which a server a user
+    # started from the README may hold while the tests run
+    return subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "0", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 @pytest.mark.parametrize("args,env,needle", [

@@ -17,16 +17,17 @@ from tests.procs import Streamed
 ID = r"[\w-]+"
 
 
-def chat(server: LiveServer, *args: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(CLIENT_SRC), "PYTHONUNBUFFERED": "1"}
+def chat(server: LiveServer, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(CLIENT_SRC), "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "txlserve_client.chat", "--url", server.url, *args],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             cwd=CLIENT_SRC)
 
 
-def run_chat(server: LiveServer, lines: str, *args: str) -> tuple[int, str, str]:
-    with chat(server, *args) as proc:
-        out, err = proc.communicate(lines.encode(), timeout=60)
+def run_chat(server: LiveServer, lines: str | bytes, *args: str,
+             env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    with chat(server, *args, env=env) as proc:
+        out, err = proc.communicate(lines.encode() if isinstance(lines, str) else lines, timeout=60)
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
@@ -75,6 +76,17 @@ def test_bad_sampling_flags_are_refused_before_a_session_is_made(server: LiveSer
         rc, out, err = run_chat(server, "hello\n", flag, value)
         assert rc == 2 and flag in err and out == "", (rc, out, err)
     assert [s.id for s in client.sessions.list(limit=100).iter_all()] == before
+
+
+def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(server: LiveServer, client: Client) -> None:
+    """Bytes that are not UTF-8 (a Latin-1 terminal) had ended the program with UnicodeEncodeError from inside the
+    client, or UnicodeDecodeError where stdin's errors were strict (PYTHONIOENCODING=utf-8)."""
+    for env in ({}, {"PYTHONIOENCODING": "utf-8"}):
+        session = client.sessions.create(text="x")
+        rc, _, err = run_chat(server, b"caf\xe9\nok\n", "--session", session.id, "--max-tokens", "3", env=env)
+        assert rc == 0 and "Traceback" not in err, err
+        assert "error: " in err and "not valid Unicode" in err, err  # the server's 400, one line
+        assert client.sessions.get(session.id).tokens_seen == 1 + len("ok\n") + 3  # the bad line fed nothing
 
 
 def test_unknown_session_is_an_error(server: LiveServer) -> None:

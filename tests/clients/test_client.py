@@ -161,6 +161,13 @@ def test_request_errors(client: Client) -> None:
     with pytest.raises(PayloadTooLargeError) as big:
         client.completions.create(model=MODEL, prompt="x" * 1_000_001, max_tokens=1)
     assert big.value.status == 413 and big.value.param == "prompt"
+    session = client.sessions.create(text="kept")
+    for call in (lambda: client.completions.create(model=MODEL, prompt="caf\udce9", session_id=session.id),
+                 lambda: client.sessions.append(session.id, "a\ud800")):  # bytes read with surrogateescape
+        with pytest.raises(BadRequestError) as lone:  # the server's 400, not UnicodeEncodeError in the client
+            call()
+        assert lone.value.status == 400 and lone.value.param in ("prompt", "text"), lone.value
+    assert client.sessions.get(session.id).tokens_seen == 4
 
 
 def test_api_keys(keyed_server: KeyedServer) -> None:

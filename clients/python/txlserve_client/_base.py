@@ -17,6 +17,7 @@ Retries. A call is sent again only when sending it twice cannot change the resul
 from __future__ import annotations
 
 import email.utils
+import json
 import os
 import random
 import time
@@ -52,6 +53,23 @@ class Call(Generic[T]):
     params: Mapping[str, Any] | None = None
     retry: bool = False
     headers: Mapping[str, str] | None = None
+
+    def build(self, http: httpx.Client | httpx.AsyncClient) -> httpx.Request:
+        if self.json is None:
+            return http.build_request(self.method, self.path, params=self.params, headers=self.headers)
+        return http.build_request(self.method, self.path, content=json_body(self.json), params=self.params,
+                                  headers={**(self.headers or {}), "content-type": "application/json"})
+
+
+def json_body(value: Any) -> bytes:
+    """A request's JSON, as httpx writes it (UTF-8, compact, no NaN); text holding a lone surrogate (bytes that
+    were not UTF-8, read with ``surrogateescape`` as Python reads a terminal's input, or a string cut between a
+    pair) is escaped as ``\\udXXX`` instead, so the server refuses it with its 400 that names the field, where
+    httpx raised UnicodeEncodeError from inside the client."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
 
 # OpenAI's four forms of a prompt: text, token ids, or a batch of one of either (the server takes one prompt)

@@ -40,8 +40,7 @@ class Client(BaseClient):
 
     def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
         """The answer to ``call``, retried as the policy allows; raises the APIError of a failure."""
-        request = self._http.build_request(call.method, call.path, json=call.json, params=call.params,
-                                           headers=call.headers)
+        request = call.build(self._http)
         attempt = 0
         while True:
             if self._http.is_closed:  # before the first try, or closed while a retry waited

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import sys
 import time
 from collections.abc import Sequence
@@ -134,6 +135,8 @@ class Chat:
 
 def main(argv: Sequence[str] | None = None, prog: str = "txlserve-chat") -> int:
     args = build_parser(prog).parse_args(argv)
+    if isinstance(sys.stdin, io.TextIOWrapper):  # bytes that are not UTF-8 reach the server, which says so
+        sys.stdin.reconfigure(errors="surrogateescape")
     try:
         with Client(base_url=args.url, api_key=args.api_key) as client:
             served = [m.id for m in client.models.list()]

@@ -205,5 +205,8 @@ def _parse(f: dataclasses.Field, raw: str) -> Any:
         if kind.startswith("float"):
             return float(raw)
     except ValueError:
-        raise ConfigError(f"TXLSERVE_{f.name.upper()}={raw!r} is not a valid {kind}") from None
+        what = next(w for k, w in (("bool", "true or false (1/0, yes/no, on/off)"), ("int", "a whole number"),
+                                   ("float", "a number"), ("", kind)) if kind.startswith(k))
+        unset = " (or empty, for the default)" if "None" in kind else ""
+        raise ConfigError(f"TXLSERVE_{f.name.upper()}={raw!r} is not {what}{unset}") from None
     return raw

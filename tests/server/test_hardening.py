@@ -586,6 +586,22 @@ def test_log_levels_are_read_in_any_case():
     assert Settings.from_env({"TXLSERVE_LOG_LEVEL": "WARNING"}).log_level == "warning"
 
 
+@pytest.mark.parametrize("env, says", [
+    ({"TXLSERVE_MEM_LEN": "abc"}, "TXLSERVE_MEM_LEN='abc' is not a whole number (or empty, for the default)"),
+    ({"TXLSERVE_MAX_BATCH": "1.5"}, "TXLSERVE_MAX_BATCH='1.5' is not a whole number"),
+    ({"TXLSERVE_SHUTDOWN_TIMEOUT_S": "soon"}, "TXLSERVE_SHUTDOWN_TIMEOUT_S='soon' is not a number"),
+    ({"TXLSERVE_ENGINE_PROCESS": "maybe"}, "TXLSERVE_ENGINE_PROCESS='maybe' is not true or false"),
+])
+def test_an_environment_value_of_the_wrong_kind_says_what_it_should_be(env, says):
+    """It said "is not a valid int | None": the Python type of the field."""
+    from server.settings import Settings
+    from txlserve.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        Settings.from_env(env)
+    assert str(err.value).startswith(says) and "|" not in str(err.value), err.value
+
+
 def test_enforce_eager_is_a_flag_and_an_environment_variable():
     from server.cli import build_parser
     from server.settings import Settings

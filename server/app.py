@@ -9,9 +9,10 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Container, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import swagger_ui_bundle
 from fastapi import FastAPI
@@ -19,6 +20,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import errors
@@ -129,17 +131,17 @@ class HeadAsGet:
                 scope["route"] = inner["route"]  # line and the requests metric read it from ours
 
 
-def _route_label(scope: Scope) -> str:
+def _route_label(scope: Scope) -> str | None:
     """The route a request matched, as the metric and the log line name it: FastAPI's routes leave themselves in
     the scope; Starlette's own leave only their endpoint: the OpenAPI schema (its one path), and static mounts
-    (their prefix, never the file: one series per mount)."""
+    (their prefix, never the file: one series per mount). None where no route ran."""
     if (route := scope.get("route")) is not None:
         return route.path
     if "endpoint" not in scope:
-        return "unmatched"
+        return None
     if "app_root_path" in scope:  # a mount
         return scope.get("root_path", "") + "/{path}"
-    return scope.get("path", "unmatched")
+    return scope.get("path")
 
 
 class RequestLog:
@@ -150,8 +152,20 @@ class RequestLog:
     Starlette's ``BaseHTTPMiddleware`` re-wraps every chunk of a streamed body, which cost the event loop a
     large share of its time at 64 concurrent streams."""
 
-    def __init__(self, app: ASGIApp, runtime_of: Callable[[], Runtime | None]) -> None:
-        self.app, self.runtime_of = app, runtime_of
+    def __init__(self, app: ASGIApp, runtime_of: Callable[[], Runtime | None],
+                 paths: Callable[[], Mapping[str, Mapping[str, Any]]] = dict) -> None:
+        self.app, self.runtime_of, self.paths = app, runtime_of, paths
+        self._templates: list[tuple[re.Pattern[str], str, Container[str]]] | None = None
+
+    def _unrouted(self, scope: Scope) -> str:
+        """A request refused before the router ran (a body declared too large: 413) is named by the API route its
+        method and path would have reached (``paths``: the OpenAPI schema's), else ``unmatched``."""
+        if self._templates is None:
+            self._templates = [(compile_path(template)[0], template, methods)
+                               for template, methods in self.paths().items()]
+        path, method = scope.get("path", ""), scope.get("method", "").lower()
+        return next((template for regex, template, methods in self._templates
+                     if method in methods and regex.match(path)), "unmatched")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -172,7 +186,7 @@ class RequestLog:
         try:
             await self.app(scope, receive, timed)
         finally:
-            route = _route_label(scope)
+            route = _route_label(scope) or self._unrouted(scope)
             if (rt := self.runtime_of()) is not None:
                 rt.metrics.requests.labels(route, str(status)).inc()
             _log_line(request_id=request_id, method=scope.get("method"), route=route, status=status,
@@ -184,7 +198,8 @@ class RequestLog:
         ``status`` a number as every other line's: 101 once accepted, the refusal's HTTP status (a denial response;
         403 for a close before accepting, which is what the server then answers), or 500 where the app failed
         before answering the handshake (as uvicorn then does); ``close_code`` the WebSocket's, where the server
-        closed it (1011 for a failure after accepting)."""
+        closed it (1011 for a failure after accepting; 1009 where uvicorn closed it for a message too big, which
+        the app hears of as a disconnect)."""
         t0, status, close_code = time.monotonic(), None, None
         request_id = _request_id(scope)
 
@@ -200,8 +215,15 @@ class RequestLog:
                 close_code = msg.get("code", 1000)
             await send(msg)
 
+        async def heard() -> Message:
+            nonlocal close_code
+            msg = await receive()
+            if msg["type"] == "websocket.disconnect" and msg.get("code") == 1009 and close_code is None:
+                close_code = 1009  # a message over --max-body-bytes: the server's protocol layer closed it
+            return msg
+
         try:
-            await self.app(scope, receive, tagged)
+            await self.app(scope, heard, tagged)
         except Exception:
             if status == 101 and close_code is None:
                 close_code = 1011  # the server closes a connection whose app failed with "internal error"
@@ -285,5 +307,6 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     # outermost: the log line and the requests metric carry the status the client got, a 408 or 413 included
     # (inside the limits, they saw the app's answer to a body cut short, which the limits drop)
-    app.add_middleware(RequestLog, runtime_of=lambda: getattr(app.state, "runtime", None))
+    app.add_middleware(RequestLog, runtime_of=lambda: getattr(app.state, "runtime", None),
+                       paths=lambda: app.openapi()["paths"])
     return app

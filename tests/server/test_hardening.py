@@ -395,6 +395,7 @@ def test_a_body_declared_too_large_is_logged_as_413(keyed):
     assert reply.startswith(b"HTTP/1.1 413") and b"x-request-id: declared-too-large" in reply.lower(), reply
     line = _log_line(keyed, "declared-too-large")
     assert line["status"] == 413 and line["method"] == "POST"
+    assert line["route"] == "/v1/completions"  # the route its path would have reached (it said "unmatched")
 
 
 def _read_until_closed(sock: socket.socket) -> bytes:

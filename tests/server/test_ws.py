@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from tests.live import LONG, MODEL
+from tests.live import LONG, MODEL, wait_for
 
 
 def ws_url(server, query: str = "") -> str:
@@ -66,11 +67,15 @@ def test_ws_a_message_over_the_body_limit_closes_the_connection_with_1009(server
     from server.settings import Settings
 
     limit = Settings().max_body_bytes
-    with connect(ws_url(server), max_size=None) as conn:
+    request_id = f"too-big-{uuid.uuid4().hex}"
+    with connect(ws_url(server), max_size=None, additional_headers={"x-request-id": request_id}) as conn:
         conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x" * limit}))
         with pytest.raises(ConnectionClosed) as closed:
             conn.recv(timeout=30)
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009  # "message too big"
+    line = wait_for(lambda: next((json.loads(x[x.index("{"):]) for x in server.log.read_text().splitlines()
+                                  if f'"request_id":"{request_id}"' in x), None), 30, "the connection's log line")
+    assert (line["status"], line.get("close_code")) == (101, 1009)  # the server closed it, and says why
 
 
 def test_ws_errors_keep_the_connection(server):

@@ -2,7 +2,9 @@
 
 Client -> server: {"type": "completion.create", ...the /v1/completions fields} | {"type": "cancel"}
 Server -> client: {"type": "completion.delta", "id", "text", "logprobs"?} ... then
-{"type": "completion.done", "id", "text", "finish_reason", "usage", "session"?} or {"type": "error", "error": {...}}
+{"type": "completion.done", "id", "text", "finish_reason", "usage", "session"?} or {"type": "error", "id", "error"}.
+An error without an id answers the message just sent (refused before any request started, or while one runs) and
+ends nothing that runs. After a cancel, messages wait until the cancelled request has ended.
 """
 
 from __future__ import annotations
@@ -120,31 +122,35 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
     # it there, and nothing is stored, as over HTTP
     stream = _items(run).__aiter__()
     next_item = asyncio.ensure_future(stream.__anext__())
-    next_msg = asyncio.ensure_future(inbox.get())
+    next_msg: asyncio.Future | None = asyncio.ensure_future(inbox.get())
     try:
         while True:
-            done, _ = await asyncio.wait({next_item, next_msg}, return_when=asyncio.FIRST_COMPLETED)
+            waiting = {next_item} if next_msg is None else {next_item, next_msg}
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if next_msg in done:
                 incoming = next_msg.result()
                 if incoming is None:  # the client left: stop within a step, commit what was generated
                     rt.metrics.disconnects.inc()
                     run.cancel()
                     inbox.put_nowait(None)
-                    next_msg = asyncio.ensure_future(asyncio.sleep(0))
+                    next_msg = None
                     return
                 msg, error = _parse(incoming)
                 if msg is not None and msg.get("type") == "cancel":
+                    # it ends within a step; what the client sends next (its next request, sent at once) waits its
+                    # turn in the inbox, where it was refused as "in progress" before
                     run.cancel()
-                else:
-                    await ws.send_json(error or _invalid("a completion is in progress: send 'cancel' or wait", "type"))
+                    next_msg = None
+                    continue
+                await ws.send_json(error or _invalid("a completion is in progress: send 'cancel' or wait", "type"))
                 next_msg = asyncio.ensure_future(inbox.get())
                 continue
             try:
                 item = next_item.result()
             except StopAsyncIteration:
                 return
-            except Exception as err:
-                await ws.send_json({"type": "error", **stream_error(err)})
+            except Exception as err:  # it ends the request: its id tells it from a refusal of a message just sent
+                await ws.send_json({"type": "error", "id": comp.id, **stream_error(err)})
                 return
             if echo:
                 await ws.send_json(comp.delta(comp.echoed, None).dump())
@@ -167,7 +173,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
         if not answered:  # cancelled, failed, or the socket broke under a send: stop within a step
             run.cancel()
         next_item.cancel()
-        if not next_msg.done():
+        if next_msg is not None and not next_msg.done():
             next_msg.cancel()
-        elif not next_msg.cancelled():
+        elif next_msg is not None and not next_msg.cancelled():
             inbox.put_nowait(next_msg.result())  # not ours to consume: back to the connection loop

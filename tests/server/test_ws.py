@@ -166,3 +166,32 @@ def test_ws_a_request_sent_as_soon_as_the_last_one_is_done_is_served(server):
             conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x", "max_tokens": 1}))
             msgs = collect(conn)
             assert msgs[-1]["type"] == "completion.done", (i, msgs[-1])
+
+
+def test_ws_a_request_sent_right_after_a_cancel_waits_its_turn_and_refusals_carry_no_id(server):
+    """A create sent right behind a cancel (before the cancelled request's done event) had been refused as "in
+    progress" and dropped; now what follows a cancel waits until the cancelled request has ended. An error that
+    ends a request carries the request's id; one that refuses a message sent while a request runs carries none,
+    so a client can tell the two apart (a helper found them alike)."""
+    with connect(ws_url(server)) as conn:
+        create = {"type": "completion.create", "model": MODEL, "prompt": "go", "max_tokens": LONG}
+        conn.send(json.dumps(create))
+        first = json.loads(conn.recv(timeout=60))
+        assert first["type"] == "completion.delta"
+        conn.send(json.dumps(create))  # a second one while the first runs: refused, the first goes on
+        refused = next(m for m in iter(lambda: json.loads(conn.recv(timeout=60)), None)
+                       if m["type"] != "completion.delta")
+        assert refused["type"] == "error" and "id" not in refused and refused["error"]["param"] == "type", refused
+        conn.send(json.dumps({"type": "cancel"}))
+        conn.send(json.dumps({**create, "prompt": "next", "max_tokens": 3}))  # at once, behind the cancel
+        done = collect(conn)[-1]
+        assert (done["type"], done["id"], done["finish_reason"]) == ("completion.done", first["id"], "cancelled")
+        following = collect(conn)
+        assert following[-1]["type"] == "completion.done" and following[-1]["usage"]["completion_tokens"] == 3
+        assert following[-1]["id"] != first["id"]
+        sid = httpx.post(server.url + "/v1/sessions", json={"text": "Begin: "}).json()["id"]
+        conn.send(json.dumps({**create, "session_id": sid}))
+        started = json.loads(conn.recv(timeout=60))
+        assert httpx.delete(f"{server.url}/v1/sessions/{sid}", timeout=30).status_code == 200
+        ended = collect(conn)[-1]  # the DELETE wins: the running request ends with an error that names it
+        assert (ended["type"], ended["id"], ended["error"]["code"]) == ("error", started["id"], "session_not_found")

@@ -26,7 +26,7 @@ def _sse(obj: object) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-@router.post("/v1/chat/completions", include_in_schema=False)
+@router.api_route("/v1/chat/completions", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
 async def chat_completions(_owner: str | None = Depends(owner)) -> None:  # a key first, as on every /v1 route
     raise UnsupportedEndpoint("this is not a chat model and thus not supported in the v1/chat/completions "
                               "endpoint: txlserve serves a base language model, use v1/completions with a prompt",

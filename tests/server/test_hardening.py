@@ -204,6 +204,8 @@ def test_unknown_routes_answer_in_openai_shape(server):
     assert "/v1/nothing" in err["message"]
     err = assert_openai_error(httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL}), 404, "model")
     assert "v1/completions" in err["message"] and "chat" in err["message"]
+    err = assert_openai_error(httpx.get(server.url + "/v1/chat/completions"), 404, "model")  # OpenAI lists there
+    assert "v1/completions" in err["message"]  # it was a bare 405
     assert_openai_error(httpx.delete(server.url + "/v1/completions"), 405)
 
 

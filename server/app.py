@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server import errors
 from server.deps import request_fields
 from server.errors import error_body
+from server.http_protocol import SENT_STATUS
 from server.routes import completions, health, sessions, tokenize, ws
 from server.runtime import Runtime, close_runtime, open_runtime
 from server.settings import Settings
@@ -186,6 +187,7 @@ class RequestLog:
         try:
             await self.app(scope, receive, timed)
         finally:
+            status = scope.get(SENT_STATUS, status)
             route = _route_label(scope) or self._unrouted(scope)
             if (rt := self.runtime_of()) is not None:
                 rt.metrics.requests.labels(route, str(status)).inc()

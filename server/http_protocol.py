@@ -24,6 +24,9 @@ from txlserve.errors import ConfigError
 MAX_HEAD_BYTES = 1 << 20
 
 
+SENT_STATUS = "txlserve.sent_status"  # in a request's scope: the status the protocol answered in the app's stead
+
+
 def raw_response(status: int, reason: str, message: str, code: str) -> bytes:
     """A whole HTTP/1.1 error response in OpenAI's shape, for the protocol to write before it closes."""
     body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
@@ -114,6 +117,8 @@ def protocol_class(timeout_s: float, http: str = "auto") -> type:
             # Content-Length said) nothing of its answer went out yet, and the connection closes after this
             self.transport.write(BAD_REQUEST_RESPONSE)
             self.transport.close()
+            if self.cycle is not None:  # the app hears a disconnect (a 499): the log says what the client got
+                self.cycle.scope[SENT_STATUS] = 400
 
         def _arm(self, cycle: object) -> None:
             if self._deadline is not None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
+import uuid
 
 import httpx
 import pytest
 
-from tests.live import MODEL, LiveServer
+from tests.live import MODEL, LiveServer, wait_for
 
 OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
@@ -196,9 +198,10 @@ def test_a_request_head_over_the_limit_is_a_400_in_openais_shape(request, parser
 def test_a_body_that_is_not_valid_http_is_a_400_in_openais_shape(request, parser, body):
     """Errors in a body's framing come while the app waits for the body: uvicorn answered them in plain text."""
     server = request.getfixturevalue("server" if parser == "default" else "h11_server")
+    request_id = f"bad-body-{uuid.uuid4().hex}"
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     + body)
+                     b"X-Request-Id: " + request_id.encode() + b"\r\n" + body)
         answer = b""
         while chunk := sock.recv(65536):
             answer += chunk
@@ -206,6 +209,9 @@ def test_a_body_that_is_not_valid_http_is_a_400_in_openais_shape(request, parser
     assert status.split()[1] == b"400" and body.startswith(b'{"error":'), answer[:300]
     assert b"text/plain" not in answer, answer  # nor a second answer in plain text for the bytes past the body
     assert httpx.post(server.url + "/v1/completions", json=OK, timeout=60).status_code == 200  # and it serves on
+    line = wait_for(lambda: next((x for x in server.log.read_text().splitlines() if request_id in x), None), 30,
+                    "the request's log line")
+    assert json.loads(line[line.index("{"):])["status"] == 400, line  # what the client got (it said 499)
 
 
 @pytest.mark.parametrize("parser", ["default", "h11"])

@@ -128,7 +128,8 @@ async def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
     prompt, limit = the_prompt(req), rt.settings.max_prompt_bytes
     ids = await prompt_ids(rt, prompt, limit) if isinstance(prompt, str) else checked_ids(rt, prompt, limit)
     scored = req.logprobs if req.echo and req.logprobs is not None and ids else None
-    return Run(rt, ids=ids, params=params, owner=owner, session_id=req.session_id, prompt_logprobs=scored)
+    return Run(rt, ids=ids, params=params, owner=owner, session_id=req.session_id, prompt_logprobs=scored,
+               session_param="session_id")
 
 
 def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores) -> CompletionLogprobs:

@@ -50,7 +50,7 @@ class Run:
     def __init__(self, rt: Runtime, *, ids: list[int], params: SamplingParams | None, owner: str | None,
                  session_id: str | None = None, create_metadata: dict | None = None,
                  create: bool = False, history: tuple[list[int], int] | None = None,
-                 prompt_logprobs: int | None = None) -> None:
+                 prompt_logprobs: int | None = None, session_param: str | None = None) -> None:
         s = rt.settings
         if rt.engine_dead:
             raise Unavailable(f"{rt.engine_dead}; the server cannot serve until it is restarted")
@@ -60,6 +60,7 @@ class Run:
             raise Overloaded("too many requests are waiting; retry shortly")
         self.rt, self.ids, self.params, self.owner = rt, ids, params, owner
         self.session_id, self.create, self.create_metadata = session_id, create, create_metadata
+        self.session_param = session_param  # the body's field that named the session, for its errors' ``param``
         self.history = history  # a new session's (token window, tokens seen): an imported session
         self.prompt_logprobs = prompt_logprobs  # score each prompt token (echo with logprobs, appends)
         self.scores: PromptScores | None = None  # those scores, once the engine sent them
@@ -122,7 +123,7 @@ class Run:
             # the lease is released before the client hears the end, so its next request finds the session free
             await self.events.put(Final(done, last, info, cached, source))
         except Exception as err:  # delivered to the handler, which answers in OpenAI's error shape
-            await self.events.put(Failed(err))
+            await self.events.put(Failed(self._named(err)))
 
     async def _main_core(self) -> None:
         """:meth:`_main` with the engine in its own process (``--engine-process``): the session's state stays
@@ -157,10 +158,16 @@ class Run:
                 req.keep(self.session_id, info.version)
             await self.events.put(Final(done, last, info, cached, done.source))
         except Exception as err:
-            await self.events.put(Failed(err))
+            await self.events.put(Failed(self._named(err)))
         finally:
             if req is not None:
                 req.close()
+
+    def _named(self, err: Exception) -> Exception:
+        """A session that is not there (or was deleted meanwhile) names the body's field that asked for it."""
+        if isinstance(err, SessionNotFound) and err.param is None:
+            err.param = self.session_param
+        return err
 
     async def _core_run(self, req, lease) -> tuple[Any, TokenEvent | None]:
         self.request = req

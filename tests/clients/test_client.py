@@ -154,8 +154,9 @@ def test_request_errors(client: Client) -> None:
     assert bad.value.param == "temperature" and bad.value.status == 400
     with pytest.raises(BadRequestError):
         client.completions.create(model=MODEL, prompt="x", stream=True, n=2)
-    with pytest.raises(NotFoundError):
+    with pytest.raises(NotFoundError) as missing:
         client.completions.create(model=MODEL, prompt="x", session_id="no-such-session")
+    assert (missing.value.code, missing.value.param) == ("session_not_found", "session_id")  # the body's field
     with pytest.raises(NotFoundError):
         client.sessions.append("no-such-session", "x")
     with pytest.raises(PayloadTooLargeError) as big:

@@ -8,11 +8,16 @@ silently continued with the wrong weights.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -67,6 +72,46 @@ def _atomic_write(path: Path, data: str) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM wait for the block to end, then act. A checkpoint is several files (the weights, the
+    config that holds their fingerprint, the training state), each replaced atomically; a Ctrl-C between two of
+    them left weights that the config's fingerprint refused: a checkpoint that neither loaded nor resumed (found
+    by a helper). Nests; outside the main thread, where no signal handler runs, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def hold(sig: int, frame: FrameType | None) -> None:
+        caught.append(sig)
+
+    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: installed outside Python, which cannot be put back
+                signal.signal(sig, handler)
+        for sig in caught:
+            signal.raise_signal(sig)
+
+
+def check_out_dir(out_dir: str | Path, *, allow_checkpoint: bool = False) -> None:
+    """A checkpoint is written into a new or empty directory, or (``allow_checkpoint``: to continue its training)
+    a checkpoint's own. Any other directory was written into: a user's files mixed with a checkpoint's, or a
+    checkpoint replaced without a word (found by a helper)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not (out / CONFIG).exists():
+        raise ConfigError(f"--out {out} is not empty and holds no checkpoint: choose a new or empty directory")
+    if not allow_checkpoint:
+        raise ConfigError(f"--out {out} already holds a checkpoint: choose a new or empty directory")
+
+
 def save_checkpoint(model: MemTransformerLM, out_dir: str | Path, *, training: dict[str, Any] | None = None,
                     tokenizer: Tokenizer | None = None, dtype: torch.dtype | None = None) -> str:
     """Write weights (optionally cast to ``dtype``, e.g. bf16 to ship small) and config; return the fingerprint."""
@@ -77,16 +122,17 @@ def save_checkpoint(model: MemTransformerLM, out_dir: str | Path, *, training: d
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     tensors = {k: v.cpu() for k, v in tensors.items()}
     fingerprint = fingerprint_of(tensors)
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "txlserve", "fingerprint": fingerprint})
-    os.replace(tmp, out / WEIGHTS)
     meta = {
         "model": model.cfg.to_dict(),
         "tokenizer": (tokenizer or ByteTokenizer()).to_dict(),
         "training": training or {},
         "fingerprint": fingerprint,
     }
-    _atomic_write(out / CONFIG, json.dumps(meta, indent=2, sort_keys=True))
+    with signals_deferred():  # the weights and the config that names them: both, or neither
+        tmp = out / (WEIGHTS + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": "txlserve", "fingerprint": fingerprint})
+        os.replace(tmp, out / WEIGHTS)
+        _atomic_write(out / CONFIG, json.dumps(meta, indent=2, sort_keys=True))
     return fingerprint
 
 

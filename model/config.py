@@ -10,6 +10,9 @@ from typing import Any
 
 from txlserve.errors import ConfigError
 
+# The largest sizes accepted: 10-100x the largest published Transformer-XL (18 layers, d_model 1024, d_inner 4096)
+_MOST = {"n_layer": 1024, "d_model": 65536, "n_head": 4096, "d_head": 65536, "d_inner": 1 << 20}
+
 
 @dataclass(frozen=True)
 class TXLConfig:
@@ -59,6 +62,9 @@ class TXLConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"config.{name} must be a positive integer, got {value!r}", param=name)
+        for name, most in _MOST.items():  # past these no model here is meant: a typo (or a hang building one)
+            if getattr(self, name) > most:
+                raise ConfigError(f"config.{name} must be at most {most:,}, got {getattr(self, name):,}", param=name)
         for name in ("mem_len", "clamp_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

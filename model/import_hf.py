@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from model.checkpoint import build_from_tensors, save_checkpoint
+from model.checkpoint import build_from_tensors, check_out_dir, save_checkpoint
 from model.config import TXLConfig
 from model.tokenizer import WordTokenizer
 from txlserve.errors import CheckpointError, ConfigError
@@ -144,6 +144,7 @@ def hf_tensors(src: Path, cfg: TXLConfig) -> dict[str, torch.Tensor]:
 def import_hf(src: str | Path, out: str | Path, *, dtype: torch.dtype | None = None) -> str:
     """Convert ``src`` into a checkpoint at ``out``; the fingerprint of the written weights."""
     src, out = Path(src), Path(out)
+    check_out_dir(out)  # never over a checkpoint, or into a directory of other files
     if not (src / "config.json").is_file():
         raise CheckpointError(f"{src} has no config.json (expected a Hugging Face TransfoXL directory)")
     try:

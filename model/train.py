@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from model.checkpoint import load_checkpoint, save_checkpoint
+from model.checkpoint import check_out_dir, load_checkpoint, save_checkpoint, signals_deferred
 from model.config import PRESETS, TXLConfig
 from model.data import Corpus, load_corpus
 from model.evaluate import evaluate
@@ -136,14 +136,30 @@ def _best_so_far(best: Path) -> float:
         return math.inf
 
 
+def _check_fits(cfg: TXLConfig, device: torch.device) -> None:
+    """Refuse a model whose training cannot fit in this machine's memory, in one line before any allocation (a
+    huge --d-model had been torch's allocator traceback). Counted on the meta device: nothing is allocated."""
+    with torch.device("meta"):
+        n = sum(p.numel() for p in MemTransformerLM(cfg).parameters())
+    need = 16 * n  # fp32 weights, their gradients and AdamW's two moments; activations come on top
+    have = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if need > have:
+        raise ConfigError(f"the model has {n:,} parameters: training it needs about {need / 2**30:,.1f} GiB "
+                          f"(weights, gradients, AdamW's moments), more than this {device.type}'s "
+                          f"{have / 2**30:,.1f} GiB")
+
+
 def train(args: TrainArgs) -> dict[str, Any]:
     from model.data import OrderedIterator
 
     if not args.resume and (Path(args.out) / "config.json").exists():  # hours of training, overwritten unasked
         raise ConfigError(f"{args.out} already holds a checkpoint: pass --resume to continue its training, or "
                           "choose another --out")
+    check_out_dir(args.out, allow_checkpoint=args.resume)
     corpus, tokenizer = load_training_corpus(args)
     cfg, opt = resolve(args, tokenizer.vocab_size)
+    _check_fits(cfg, pick_device(args.device))
     rank, world, device = _dist_setup(pick_device(args.device))
     out = Path(args.out)
     torch.manual_seed(args.seed + rank)
@@ -180,10 +196,11 @@ def train(args: TrainArgs) -> dict[str, Any]:
 
     def save() -> None:
         if rank == 0:
-            save_checkpoint(model, out, training=meta(), tokenizer=tokenizer)
-            save_train_state(out, optimizer=optimizer, mems=mems,
-                             info={"step": step, "tokens_seen": tokens_seen, "data": batches.state_dict(),
-                                   "last_eval": last_eval, "args": asdict(args)})
+            with signals_deferred():  # a Ctrl-C mid-save waits: the checkpoint and its training state agree
+                save_checkpoint(model, out, training=meta(), tokenizer=tokenizer)
+                save_train_state(out, optimizer=optimizer, mems=mems,
+                                 info={"step": step, "tokens_seen": tokens_seen, "data": batches.state_dict(),
+                                       "last_eval": last_eval, "args": asdict(args)})
 
     def log(record: dict[str, Any]) -> None:
         if rank == 0:

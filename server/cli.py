@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from txlserve.args import count, device, real
+from txlserve.args import MAX_THREADS, count, device, real
 from txlserve.errors import ConfigError, TxlError
 
 MEM = count(0, 1 << 20)  # a memory length, as serve bounds it
@@ -30,8 +30,8 @@ def _set_threads(ns: argparse.Namespace) -> None:
         if not raw.isdigit():
             raise ConfigError(f"TXLSERVE_THREADS={raw!r} is not a whole number")
         threads = int(raw)
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    if threads is not None and not 1 <= threads <= MAX_THREADS:  # 100,000 crashed torch's thread pool (SIGSEGV)
+        raise ConfigError(f"--threads must be from 1 to {MAX_THREADS}, got {threads}")
     from model.threads import set_threads  # imports torch: only once the flags are known to be good
 
     set_threads(threads)
@@ -40,7 +40,8 @@ def _set_threads(ns: argparse.Namespace) -> None:
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a Transformer-XL and write a checkpoint")
     p.add_argument("--data", required=True, help="enwik8/text8 (.zip, .gz or raw), a text file, or a folder of .txt")
-    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--out", required=True, help="checkpoint directory to write: a new or empty one, or with --resume "
+                                                "the checkpoint to continue")
     p.add_argument("--preset", default="tiny", help="tiny | small | enwik8-base")
     for flag, typ in (("--steps", count(1)), ("--batch-size", count(1)), ("--lr", real(0, above=True)),
                       ("--warmup-steps", count(0)), ("--tgt-len", count(1)), ("--mem-len", MEM),
@@ -236,7 +237,7 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     hf = kinds.add_parser("hf", help="a Hugging Face TransfoXL directory (config.json, model.safetensors, "
                                      "vocab.json or vocab.txt), e.g. transfo-xl/transfo-xl-wt103")
     hf.add_argument("src", help="the downloaded directory")
-    hf.add_argument("--out", required=True, help="checkpoint directory to write")
+    hf.add_argument("--out", required=True, help="checkpoint directory to write: a new or empty one")
     hf.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="store the weights in this dtype (default: float32, whatever the published files hold)")
     hf.set_defaults(func=_cmd_import_hf)

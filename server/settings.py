@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from txlserve.args import MAX_THREADS
 from txlserve.errors import ConfigError
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -127,8 +128,8 @@ class Settings:
                 raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, not {self.port}")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads must be >= 1, not {self.threads}")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            raise ConfigError(f"threads must be from 1 to {MAX_THREADS}, not {self.threads}")
         if self.cold_after_s < 0 or self.warm_budget_mb < 0 or not self.cold_sweep_s > 0:
             raise ConfigError("cold_after_s and warm_budget_mb must be >= 0, cold_sweep_s > 0")
         if not self.body_timeout_s > 0:

@@ -63,3 +63,7 @@ def shape(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected LAYERSxD_MODEL such as 12x512 (d_model a multiple of 64, the "
                                          f"heads' width), got {text!r}")
     return text.lower()
+
+# The most torch threads a command or the server takes: 100,000 crashed torch's thread pool (SIGSEGV, found by a
+# helper), and no machine this runs on has a thousand cores.
+MAX_THREADS = 1024

@@ -169,6 +169,23 @@ def test_pickled_files_are_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_import_never_writes_over_a_checkpoint_or_among_other_files(tmp_path):
+    """It replaced a trained checkpoint's weights and config without a word, leaving its training state behind."""
+    from txlserve.errors import ConfigError
+
+    hf = _hf_model("div1")
+    _export(hf, tmp_path / "hf")
+    fingerprint = import_hf(tmp_path / "hf", tmp_path / "ck")
+    with pytest.raises(ConfigError, match="already holds a checkpoint"):
+        import_hf(tmp_path / "hf", tmp_path / "ck")
+    assert load_checkpoint(tmp_path / "ck").fingerprint == fingerprint
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not empty and holds no checkpoint"):
+        import_hf(tmp_path / "hf", tmp_path / "notes")
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"]
+
+
 def test_serving_a_hf_directory_names_the_command(tmp_path):
     hf = _hf_model("div1")
     _export(hf, tmp_path / "hf")

@@ -95,6 +95,52 @@ def test_a_run_without_resume_does_not_overwrite_a_checkpoint(corpus, tmp_path):
     assert (tmp_path / "model.safetensors").read_bytes() == before
 
 
+def test_a_run_writes_only_into_a_new_or_empty_directory_or_its_own_checkpoint(corpus, tmp_path):
+    """Into a directory of other files it had written a checkpoint among them (a helper's --out was the shared
+    data folder); onto a file it said "[Errno 17] File exists"."""
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not empty and holds no checkpoint"):
+        train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=2, progress=False))
+    with pytest.raises(ConfigError, match="is a file"):
+        train(TrainArgs(data=str(corpus), out=str(tmp_path / "notes.txt"), preset="tiny", steps=2, progress=False))
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("size, says", [({"n_layer": 100_000}, "n_layer must be at most 1,024"),
+                                        ({"d_model": 10**10}, "d_model must be at most 65,536"),
+                                        ({"d_model": 65_536}, "parameters: training it needs about")])
+def test_a_model_too_large_is_refused_in_one_line_before_anything_is_allocated(corpus, tmp_path, size, says):
+    """--n-layer 100000 had built layers for minutes, --d-model 10^10 ended in the allocator's traceback."""
+    with pytest.raises(ConfigError, match=says):
+        train(TrainArgs(data=str(corpus), out=str(tmp_path / "ck"), preset="tiny", steps=1, progress=False, **size))
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_ctrl_c_during_a_save_waits_for_it_to_finish(tmp_path, monkeypatch):
+    """A checkpoint is its weights and the config that holds their fingerprint, each replaced atomically; a Ctrl-C
+    between the two left new weights under the old config, which no load or resume accepted (a helper's Ctrl-C
+    during training). Now the interrupt waits for the save, and the checkpoint is the new one whole."""
+    import signal
+
+    from model import checkpoint
+
+    torch.manual_seed(0)
+    save_checkpoint(MemTransformerLM(tiny_config()), tmp_path)
+    newer = MemTransformerLM(tiny_config())
+    replace = checkpoint.os.replace
+
+    def replace_then_interrupt(src, dst):  # Ctrl-C right after the new weights are in place
+        replace(src, dst)
+        if str(dst).endswith("model.safetensors"):
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(newer, tmp_path)
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path).fingerprint == checkpoint.fingerprint_of(checkpoint.weights_of(newer))
+
+
 def test_metrics_and_checkpoint_metadata(corpus, tmp_path):
     train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=4, eval_every=2,
                     eval_tokens=2000, progress=False, command="txlserve train ..."))

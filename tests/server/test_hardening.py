@@ -515,6 +515,7 @@ def _serve(*args: str, env: dict | None = None, timeout: float = 60):
     ((), {"TXLSERVE_API_KEYS": "good,,other"}, "API key"),
     (("--checkpoint", "/nope/nothing"), {}, "/nope/nothing"),
     (("--threads", "0"), {}, "threads"),
+    (("--threads", "100000"), {}, "from 1 to 1024"),
     (("--port", "70000"), {}, "port"),
     (("--device", "tpu"), {}, "device"),
     (("--log-level", "verbose"), {}, "log_level"),
@@ -548,6 +549,7 @@ def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Pat
     (["serve", "--port", "70000"], "port"),
     (["serve", "--port", "0", "--checkpoint", "/nope/nothing"], "does not exist"),
     (["serve", "--api-keys", " "], "API key"), (["generate", "--threads", "0", "--prompt", "x"], "threads"),
+    (["generate", "--threads", "100000", "--prompt", "x"], "from 1 to 1024"),  # it was a segfault (SIGSEGV)
     (["serve", "--port", "0", "--redis-url", "redis://:s3cr/et@h:99999/0"], "could not be parsed"),
     (["eval", "--threads", "0", "--checkpoint", "x", "--data", "x"], "threads")])
 def test_a_bad_setting_is_refused_before_torch_loads(argv, needle):

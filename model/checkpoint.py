@@ -12,12 +12,10 @@ import contextlib
 import hashlib
 import json
 import os
-import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
@@ -29,6 +27,7 @@ from model.config import TXLConfig
 from model.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_dict
 from model.transformer_xl import MemTransformerLM
 from txlserve.errors import CheckpointError, ConfigError
+from txlserve.signals import HeldSignals
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -81,20 +80,11 @@ def signals_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    caught: list[int] = []
-
-    def hold(sig: int, frame: FrameType | None) -> None:
-        caught.append(sig)
-
-    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    held = HeldSignals()
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            if handler is not None:  # None: installed outside Python, which cannot be put back
-                signal.signal(sig, handler)
-        for sig in caught:
-            signal.raise_signal(sig)
+        held.release()
 
 
 def check_out_dir(out_dir: str | Path, *, allow_checkpoint: bool = False) -> None:

@@ -21,7 +21,6 @@ import sys
 import threading
 import urllib.parse
 from collections.abc import Callable, Coroutine, Iterator
-from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -34,43 +33,13 @@ from server.runtime import close_runtime, open_runtime
 from server.settings import Settings
 from server.workers import share_metrics
 from txlserve.errors import ConfigError
+from txlserve.signals import STOP_SIGNALS, HeldSignals
 
 log = logging.getLogger("txlserve")
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class _Hold:
-    """SIGINT and SIGTERM from the runtime's opening until uvicorn's own handlers are in. Left to asyncio's
-    runner, a Ctrl-C there cancelled the task awaiting uvicorn's lifespan start-up, and uvicorn logged that
-    CancelledError with its traceback; a SIGTERM killed the process without closing the runtime (the embedded
-    Redis stayed up). Held, either one skips the serving: the runtime closes, then the signal is raised again
-    into the handlers found here, as uvicorn does after a signalled drain (Ctrl-C exits 130, SIGTERM as SIGTERM).
-    Once the server exists, a signal goes to it: it has not served yet, so it stops as soon as it starts."""
-
-    def __init__(self) -> None:
-        self.held: list[int] = []
-        self.server: uvicorn.Server | None = None
-        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
-
-    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
-        if self.server is None:
-            self.held.append(sig)
-        else:
-            self.server.handle_exit(sig, frame)
-
-    def release(self) -> None:
-        """Put back the handlers found, and raise the signals held into them."""
-        for sig, handler in self.previous.items():
-            if handler is not None:  # None: one not installed from Python, which cannot be put back
-                signal.signal(sig, handler)
-        for sig in self.held:
-            signal.raise_signal(sig)
-
-
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, hold: _Hold | None) -> None:
+    def __init__(self, config: uvicorn.Config, hold: HeldSignals | None) -> None:
         super().__init__(config)
         self.hold = hold
 
@@ -82,13 +51,13 @@ class _Server(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        """uvicorn's, except that it puts back the handlers :class:`_Hold` found, not the holding ones, before it
-        raises the signals it caught again (uvicorn's: a drained Ctrl-C exits 130, a SIGTERM as SIGTERM)."""
+        """uvicorn's, except that it puts back the handlers ``_serve``'s hold found, not the holding ones, before
+        it raises the signals it caught again (uvicorn's: a drained Ctrl-C exits 130, a SIGTERM as SIGTERM)."""
         if self.hold is None:  # not the main thread: no signals to take
             with super().capture_signals():
                 yield
             return
-        for sig in _STOP_SIGNALS:
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self.handle_exit)
         try:
             yield
@@ -195,7 +164,11 @@ def runner(loop: str) -> Callable[[Coroutine[Any, Any, int]], int]:
 async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker: int | None,
                  peers: str | None) -> int:
     rt = await open_runtime(settings)  # a bad checkpoint or unreachable Redis stops here, as one TxlError
-    hold = _Hold() if threading.current_thread() is threading.main_thread() else None
+    # From here until uvicorn takes them, SIGINT and SIGTERM are held. Left to asyncio's runner, a Ctrl-C cancelled
+    # the task awaiting uvicorn's lifespan start-up, which uvicorn logged with its traceback; a SIGTERM killed the
+    # process with the runtime open (its embedded Redis stayed up). Held, either skips the serving: the runtime
+    # closes, then the signal acts (Ctrl-C exits 130, SIGTERM as SIGTERM). Once the server exists, it takes them.
+    hold = HeldSignals() if threading.current_thread() is threading.main_thread() else None
     shared = None
     try:
         rt.worker, rt.peers = worker, peers
@@ -220,7 +193,7 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
         else:
             server = _Server(config, hold)
             if hold is not None:
-                hold.server = server  # from here a signal goes to the server
+                hold.forward = server.handle_exit  # from here a signal goes to the server
             await server.serve(sockets=[sock])
     finally:
         try:
@@ -228,6 +201,6 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
                 shared.close()
             await close_runtime(rt)  # already closed by the app's lifespan, unless uvicorn never started it
         finally:
-            if hold is not None and hold.server is None:  # else the server's capture_signals released it
+            if hold is not None and hold.forward is None:  # else the server's capture_signals released it
                 hold.release()
     return 0

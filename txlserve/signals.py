@@ -1,0 +1,34 @@
+"""SIGINT and SIGTERM held for a while, then acted on. Neutral, as :mod:`txlserve.errors`: a checkpoint's save
+(model) and the server's start (server) both hold them."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class HeldSignals:
+    """From construction on, SIGINT and SIGTERM are recorded (or, once :attr:`forward` is set, handed to it);
+    :meth:`release` puts back the handlers found and raises the recorded signals into them. Main thread only,
+    where Python runs signal handlers."""
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+        self.forward: Callable[[int, FrameType | None], object] | None = None
+        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        if self.forward is None:
+            self.held.append(sig)
+        else:
+            self.forward(sig, frame)
+
+    def release(self) -> None:
+        for sig, handler in self.previous.items():
+            if handler is not None:  # None: one installed outside Python, which cannot be put back
+                signal.signal(sig, handler)
+        for sig in self.held:
+            signal.raise_signal(sig)

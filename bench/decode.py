@@ -3,15 +3,16 @@ model, same weights, same run.
 
 Three measurements share one run and one set of weights:
 
-* **roofline**: a decode step must read every weight, every cached key and value of every session in the
-  batch, and the position table, at least once. This machine's read bandwidth is measured here, with the
-  same thread count, by summing a buffer far larger than the caches; ``roofline_share`` is the step's
-  bytes over its time over that bandwidth. Where the step's bytes fit in the last-level cache (a batch-1 step
-  of a small model on a host with hundreds of MB of L3), that share can pass 1, since the step reads from the
-  cache and the roofline from memory: ``warm_read_bandwidth_gb_s`` is the rate at which this machine reads a
-  buffer of the step's own size again and again (from wherever it stays), and ``warm_roofline_share`` the step
-  against that: the limit for those bytes on any host, where a step is long against one call's overhead (a
-  tiny model's few KB are summed in about the time of the call itself, so its warm share can pass 1).
+* **roofline**: a decode step must read every weight, every cached key and value of every session in the batch (or
+  every layer input, where the step absorbs the keys and values: ``kv_step_ms`` is then the same step reading them,
+  timed in the same run), and the position table, at least once. This machine's read bandwidth is measured here,
+  with the same thread count, by summing a buffer far larger than the caches; ``roofline_share`` is the step's bytes
+  over its time over that bandwidth. Where the step's bytes fit in the last-level cache (a batch-1 step of a small
+  model on a host with hundreds of MB of L3), that share can pass 1, since the step reads from the cache and the
+  roofline from memory: ``warm_read_bandwidth_gb_s`` is the rate at which this machine reads a buffer of the step's
+  own size again and again (from wherever it stays), and ``warm_roofline_share`` the step against that: the limit
+  for those bytes on any host, where a step is long against one call's overhead (a tiny model's few KB are summed in
+  about the time of the call itself, so its warm share can pass 1).
 * **naive decode**: the reference model fed one token at a time with its mems, which re-projects every
   memory token's keys, values and positions at every step (what HF transformers' TransfoXL does).
 * **prefill**: the reference model's segment-by-segment forward with mems at the same ``mem_len``
@@ -72,13 +73,14 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 29, repeat: int = 5)
 
 def step_bytes(engine: Engine, batch: int) -> int:
     """What one decode step must read at least once: the weights it uses (not ``r_net``: the position table is
-    its product with the sinusoids, made once), every session's keys and values, and that table."""
+    its product with the sinusoids, made once), every session's keys and values (or, where the step absorbs
+    them, its layer inputs: ``Decoder.absorbs``), and that table."""
     used = {p.data_ptr(): p for name, p in engine.model.named_parameters() if ".r_net." not in name}
     weights = sum(t.nbytes for t in used.values())
     c, m = engine.config, engine.mem_len
     elem = torch.finfo(engine.decoder.dtype).bits // 8
-    kv = 2 * c.n_layer * batch * c.n_head * m * c.d_head * elem
-    return weights + kv + engine.decoder.r_head_k.nbytes
+    rows = c.d_model if engine.decoder.absorbs(batch) else 2 * c.n_head * c.d_head  # floats a slot of a layer
+    return weights + c.n_layer * batch * m * rows * elem + engine.decoder.r_head_k.nbytes
 
 
 def random_checkpoint(shape: str, out: str, mem_len: int) -> str:
@@ -150,12 +152,19 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
     if engine.decoder.traced:
         result.update(eager_step_ms=1000 * eager_s / tokens, traced_step_ms=1000 * fast_s / tokens,
                       traced_speedup=eager_s / fast_s)
-    if engine.decoder.fused:  # the same step with the torch attention, in the same run: what the kernel is worth
-        plain = Decoder(engine.decoder.model, mem_len=mem_len, clamp_len=engine.clamp_len, fused=False)
-        plain.warm_up()
+    def other_step_s(**kw: Any) -> float:
+        """The same steps by another decoder of the same model (on a copy of the state), in the same run."""
+        other = Decoder(engine.decoder.model, mem_len=mem_len, clamp_len=engine.clamp_len, **kw)
+        other.warm_up()
         s = state.rows(list(range(batch)))
-        plain.step(s, steps[:, :1])
-        plain_s = _timed(lambda: [plain.step(s, steps[:, i:i + 1]) for i in range(tokens)], dev, STEP_REPEATS)
+        other.step(s, steps[:, :1])
+        return _timed(lambda: [other.step(s, steps[:, i:i + 1]) for i in range(tokens)], dev, STEP_REPEATS)
+
+    if engine.decoder.absorbs(batch):  # the same step reading keys and values: what absorbing them is worth
+        kv_s = other_step_s(absorb_min_bytes=None)
+        result.update(kv_step_ms=1000 * kv_s / tokens, absorbed_speedup=kv_s / fast_s)
+    if engine.decoder.fused:  # the same step with the torch attention: what the kernel is worth
+        plain_s = other_step_s(fused=False)
         result.update(unfused_step_ms=1000 * plain_s / tokens, fused_speedup=plain_s / fast_s)
     if cuda_graph:
         from model.graphs import GraphedStep
@@ -228,6 +237,7 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
         "prefill_products": "kernel" if engine.decoder.kernel_products(chunk) else "torch",
         "n_layer": engine.config.n_layer, "d_model": engine.config.d_model,
         "torch": torch.__version__, "compiled": compile, "fused": engine.decoder.fused or engine.decoder.gpu_fused,
+        "absorbed": engine.decoder.absorbs(batch),
     }
 
 

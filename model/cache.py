@@ -126,18 +126,25 @@ class LayerCache:
     ring: tuple[int, int, int] = (0, 0, 0)  # with addr: a ring's element strides (head, slot, d_head)
     start: Tensor | None = None  # with addr: [batch+1] int64, row b's tokens are [start[b], start[b+1]) of the call
     softmax: bool = False  # a chunk's probabilities in one C pass a query (model.fused.chunk_softmax)
+    # a CPU step whose keys and values of a layer come to this many bytes or more reads the layer inputs' ring in
+    # their place (fused.attend_one); None: never
+    absorb: int | None = None
 
-    def attend(self, qkv: Tensor, h: Tensor, u: Tensor, vb: Tensor, scale: float) -> Tensor:
+    def attend(self, qkv: Tensor, h: Tensor, u: Tensor, vb: Tensor, scale: float, kv: Tensor | None = None) -> Tensor:
         """The fused attention of a call (:mod:`model.fused`: up to MAX_CHUNK tokens a row on a CPU;
         :mod:`model.gpu_attention`: one a row on a GPU) with queries, keys and values ``qkv [batch, chunk,
         3*H*Dh]`` and layer inputs ``h [batch, chunk, d]``: [batch, chunk, H*Dh], before ``o_net``. Their keys,
-        values and inputs are in the rings afterwards."""
+        values and inputs are in the rings afterwards. ``kv``: the attention's key and value weights, where a CPU
+        step may read the inputs' ring in their place (:func:`model.fused.attend_one`)."""
+        kv = kv if self.absorb is not None else None
         if self.addr is not None:  # the rows' tokens packed: qkv [N, L, 3*H*Dh], h [N, L, d] (N*L tokens)
-            return fused.attend_rows(qkv, self.start, u, vb, self.addr, h, self.r_head_k, self.seen, scale, self.ring)
+            return fused.attend_rows(qkv, self.start, u, vb, self.addr, h, self.r_head_k, self.seen, scale, self.ring,
+                                     kv, self.absorb or 0)
         if qkv.is_cuda:  # one token a row (RingCache makes such a call fused only then): Triton's kernels
             out = gpu_attention.attend_step(qkv, u, vb, self.k, self.v, self.r_head_k, self.seen, scale)
         else:
-            out = fused.attend_one(qkv, u, vb, self.k, self.v, self.r_head_k, self.seen, scale)
+            out = fused.attend_one(qkv, u, vb, self.k, self.v, self.r_head_k, self.seen, scale,
+                                   self.hid if kv is not None else None, kv, self.absorb or 0)
         self.store_hid(h)
         return out
 
@@ -174,7 +181,7 @@ class RingCache:
     def __init__(self, hid: Tensor | None, k: Tensor | None, v: Tensor | None, seen: Tensor, r_head_k: Tensor,
                  chunk: int, fused: bool = False, *, addr: Tensor | None = None,
                  ring: tuple[int, int, int] = (0, 0, 0), start: Tensor | None = None,
-                 products: bool | None = None) -> None:
+                 products: bool | None = None, absorb: int | None = None) -> None:
         self.hid, self.k, self.v, self.r_head_k = hid, k, v, r_head_k  # r_head_k [n_layer, H, mem_len+1, Dh]
         self.seen, self.addr, self.ring, self.start = seen, addr, ring, start  # addr [3, n_layer, batch]
         m, batch, dev = r_head_k.size(2) - 1, seen.numel(), seen.device
@@ -183,6 +190,8 @@ class RingCache:
         self.products = fused if products is None else products  # the C products (fused.linear_rows, matmul)
         # a CPU's longer chunk: torch's (or the C) products, then its probabilities in one C pass a query
         self.softmax = fused and dev.type == "cpu" and not self.fused
+        # bytes from which a step absorbs the keys and values (the op decides per call: fused.attend_one)
+        self.absorb = absorb if self.fused and dev.type == "cpu" else None
         if addr is not None:  # a RowBatch's rows, tokens packed (``start``); the kernel checks each row's count
             if not fused:
                 raise ValueError("sessions decoded where they lie need the fused attention")
@@ -207,9 +216,9 @@ class RingCache:
     def layer(self, i: int) -> LayerCache:
         if self.addr is not None:
             return LayerCache(None, None, None, self.r_head_k[i], None, None, self.seen, self.fused, self.products,
-                              self.addr[:, i], self.ring, self.start)
+                              self.addr[:, i], self.ring, self.start, absorb=self.absorb)
         return LayerCache(self.hid[i], self.k[i], self.v[i], self.r_head_k[i], self.rows, self.slots, self.seen,
-                          self.fused, self.products, softmax=self.softmax)
+                          self.fused, self.products, softmax=self.softmax, absorb=self.absorb)
 
 
 class SlotTable:

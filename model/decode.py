@@ -22,7 +22,7 @@ from torch import Tensor
 
 from model import gpu_attention
 from model.cache import DecodeState, RingCache, RowBatch, RowTable, SlotTable, column_major
-from model.fused import MAX_CHUNK, MAX_D_HEAD
+from model.fused import ABSORB_MAX_HEADS, ABSORB_MIN_BYTES, MAX_CHUNK, MAX_D_HEAD
 from model.fused import available as attention_kernel_built
 from model.graphs import GraphedTable
 from model.transformer_xl import MemTransformerLM
@@ -74,7 +74,8 @@ class Decoder:
     """The model at a given ``mem_len``/``clamp_len`` with the position tables its cache needs."""
 
     def __init__(self, model: MemTransformerLM, *, mem_len: int, clamp_len: int = 0,
-                 traced: bool | None = None, fused: bool | None = None, cuda_graphs: bool | None = None) -> None:
+                 traced: bool | None = None, fused: bool | None = None, cuda_graphs: bool | None = None,
+                 absorb_min_bytes: int | None = ABSORB_MIN_BYTES) -> None:
         if mem_len < 1:
             raise InvalidRequestError("mem_len must be at least 1 for decoding", param="mem_len")
         self.model, self.cfg = model.eval(), model.cfg
@@ -100,6 +101,10 @@ class Decoder:
         # where the kernels build.
         fusable = self.device.type == "cpu" and self.dtype == torch.float32 and self.cfg.d_head <= MAX_D_HEAD
         self.fused = fusable and (fused is None or fused) and attention_kernel_built()
+        # Where the fused attention runs, one-token steps of a model of few heads whose keys and values of a layer
+        # come to absorb_min_bytes (a batch's, from DRAM) read the layer inputs' rings in their place (half the
+        # bytes: model.fused.attend_one, which decides per call); None: never.
+        self.absorb_min_bytes = absorb_min_bytes if self.fused else None
         # A decode step's attention in Triton's kernels on a GPU (model.gpu_attention), where Triton is installed;
         # not in a TorchScript trace, which would record their outputs' allocation and not their launches.
         shape = (self.cfg.n_head, self.cfg.d_head, mem_len)
@@ -197,6 +202,15 @@ class Decoder:
             self.traced = False
             raise
 
+    def absorbs(self, batch: int) -> bool:
+        """Whether a one-token step of ``batch`` rows reads the layer inputs' rings in place of the keys' and
+        values' (the rule ``txlserve::attend_one`` applies, kernels/ops.cpp ``absorbs``; for reports such as
+        ``bench decode``'s bytes a step reads)."""
+        c = self.cfg
+        return (self.absorb_min_bytes is not None and not c.pre_lnorm and c.n_head <= ABSORB_MAX_HEADS
+                and c.d_model % 64 == 0
+                and batch * self.mem_len * 2 * c.n_head * c.d_head * 4 >= self.absorb_min_bytes)
+
     @property
     def kernels(self) -> bool:
         """Whether calls go through the C kernels now: not while training (they have no attention dropout)."""
@@ -207,7 +221,8 @@ class Decoder:
         d_model] and the next token's scores [batch, vocab] (float32). Tensors in and out, so it can be traced."""
         chunk = tokens.size(1)
         fused = self.kernels or (self.gpu_fused and not self.model.training and gpu_attention.usable())
-        cache = RingCache(hid, k, v, seen, self.r_head_k, chunk, fused, products=self.kernel_products(chunk))
+        cache = RingCache(hid, k, v, seen, self.r_head_k, chunk, fused, products=self.kernel_products(chunk),
+                          absorb=self.absorb_min_bytes)
         h, _ = self.model.hidden(tokens, cache=cache)  # [batch, chunk, d_model]
         seen += chunk
         return h, self.model.crit.logits(h[:, -1]).float()  # [batch, vocab]
@@ -219,7 +234,7 @@ class Decoder:
         ``counts[b]`` of them from ``start[b]`` (``last[b]``: its last): the last layer's outputs [N, L, d_model]
         and the scores after each row's last token [batch, vocab]."""
         cache = RingCache(None, None, None, seen, self.r_head_k, 0, self.kernels, addr=rows, ring=self.ring,
-                          start=start)
+                          start=start, absorb=self.absorb_min_bytes)
         h, _ = self.model.hidden(tokens, cache=cache)  # [N, L, d_model]
         seen += counts
         return h, self.model.crit.logits(h.flatten(0, 1).index_select(0, last)).float()  # [batch, vocab]

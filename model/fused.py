@@ -15,7 +15,9 @@ They are the C++ torch ops ``txlserve::attend_one`` and ``txlserve::linear_rows`
 traced step calls them without taking the GIL. A third, ``txlserve::sample_rows`` (``kernels/sample_rows.c``),
 draws the next token of every plain-temperature row in one call (:func:`model.sampling.sample_rows`). A fourth,
 ``txlserve::chunk_softmax`` (``kernels/chunk_softmax.c``), turns a prefill chunk's scores into its attention
-probabilities in one pass a query, where torch made five over the whole score tensor.
+probabilities in one pass a query, where torch made five over the whole score tensor. And where a batch's keys
+and values come from DRAM, ``attend_one`` and ``attend_rows`` read the rings of layer inputs in their place
+(``kernels/attend_absorbed.c``, keys and values absorbed into the query and the output: half the bytes).
 
 Built on first use with the system compilers against the installed torch's headers (about 8 s) and kept in a
 per-user cache keyed by the sources, torch, the compilers and this CPU; where there is no compiler, or the
@@ -47,9 +49,12 @@ log = logging.getLogger(__name__)
 
 MAX_D_HEAD = 1024  # kernels/attend_one.c
 MAX_CHUNK = 8  # kernels/attend_one.c: new tokens per call (a decode step's one, a short prompt's few)
+ABSORB_MAX_HEADS = 4  # kernels/ops.cpp: keys and values absorbed only for models of at most this many heads,
+# and steps whose keys and values of a layer come to at least this many bytes (measured: kernels/ops.cpp, absorbs)
+ABSORB_MIN_BYTES = 24 << 20
 KERNELS = Path(__file__).with_name("kernels")
-C_SOURCES = (KERNELS / "attend_one.c", KERNELS / "linear_rows.c", KERNELS / "chunk_softmax.c",
-             KERNELS / "sample_rows.c")
+C_SOURCES = (KERNELS / "attend_one.c", KERNELS / "attend_absorbed.c", KERNELS / "linear_rows.c",
+             KERNELS / "chunk_softmax.c", KERNELS / "sample_rows.c")
 SOURCES = (*C_SOURCES, KERNELS / "ops.cpp")
 HEADERS = (KERNELS / "vec.h",)
 # -ffast-math lets the sums of the dot products vectorise; the kernels never form an infinity. The library
@@ -185,25 +190,35 @@ def available() -> bool:
 
 
 def attend_one(qkv: Tensor, u: Tensor, vb: Tensor, k: Tensor, v: Tensor, table: Tensor, seen: Tensor,
-               scale: float) -> Tensor:
+               scale: float, hid: Tensor | None = None, kv: Tensor | None = None,
+               absorb_min_bytes: int = ABSORB_MIN_BYTES) -> Tensor:
     """Up to MAX_CHUNK new tokens per row: ``qkv [bsz, L, 3*H*Dh]`` (their queries, keys, values) attend, each
     to itself, the row's earlier new tokens and the rings ``k``, ``v`` ``[bsz, H, mem_len, Dh]`` within its
     window, with biases ``u``, ``vb`` ``[H, Dh]`` and the position table ``W_r R [H, mem_len+1, Dh]``; ``seen
     [bsz]`` tokens came before them. Stores their keys and values into slots ``(seen + i) % mem_len`` and returns
-    the attention's output ``[bsz, L, H*Dh]`` (before ``o_net``)."""
-    return torch.ops.txlserve.attend_one(qkv, u, vb, k, v, table, seen, scale)
+    the attention's output ``[bsz, L, H*Dh]`` (before ``o_net``).
+
+    With the rings of layer inputs ``hid [bsz, mem_len, d_model]`` (row-major; the caller stores the new inputs
+    afterwards) and the key and value weights ``kv [2*H*Dh, d_model]`` (``W_k``, ``W_v``, applied to ``hid``
+    unnormalised), a step of one token a row whose key and value rings come to ``absorb_min_bytes`` or more, of a
+    model of at most ``ABSORB_MAX_HEADS`` heads, reads ``hid`` instead (``kernels/attend_absorbed.c``: half the
+    bytes, H times the multiply-adds; the op decides, so one traced step serves every batch size)."""
+    return torch.ops.txlserve.attend_one(qkv, u, vb, k, v, table, seen, scale, hid, kv, absorb_min_bytes)
 
 
 def attend_rows(qkv: Tensor, start: Tensor, u: Tensor, vb: Tensor, rows: Tensor, h: Tensor, table: Tensor,
-                seen: Tensor, scale: float, ring: tuple[int, int, int]) -> Tensor:
+                seen: Tensor, scale: float, ring: tuple[int, int, int], kv: Tensor | None = None,
+                absorb_min_bytes: int = ABSORB_MIN_BYTES) -> Tensor:
     """:func:`attend_one` for sessions decoded where they lie (:class:`model.cache.RowTable`), each with its own
     number of new tokens (1 to MAX_CHUNK: a decode step's one beside a joining prompt's few, in one call): row
     ``b``'s are tokens ``start[b]`` to ``start[b+1]`` of ``qkv [N, L, 3*H*Dh]`` read as ``[N*L, 3*H*Dh]``
     (``start``: int64 ``[bsz+1]``), its layer input ring ``[mem_len, d_model]`` and key and value rings ``[H,
     mem_len, Dh]`` (element strides ``ring``) are at the addresses ``rows[:, b]`` (int64 ``[3, bsz]``). Also
     stores each row's last layer inputs of ``h [N, L, d_model]``; returns ``[N, L, H*Dh]``. The addresses are
-    trusted: the table keeps every session alive and checked its layout as it joined."""
-    return torch.ops.txlserve.attend_rows(qkv, start, u, vb, rows, h, table, seen, scale, list(ring))
+    trusted: the table keeps every session alive and checked its layout as it joined. ``kv``: as
+    :func:`attend_one`'s (a step of one token a row may read the rings of layer inputs instead)."""
+    return torch.ops.txlserve.attend_rows(qkv, start, u, vb, rows, h, table, seen, scale, list(ring), kv,
+                                          absorb_min_bytes)
 
 
 def linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -147,7 +147,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         kernel = fused_products(cache)
         if fused_step(h, cache):  # a decode step (a CPU's short prompt too): the same math in one kernel call
             qkv = linear(self.qkv_net, self.layer_norm(h) if self.pre_lnorm else h, kernel)  # [bsz, qlen, 3*H*Dh]
-            vec = cache.attend(qkv, h, r_w_bias, r_r_bias, self.scale)  # [bsz, qlen, H*Dh]; h, k, v in the ring now
+            kv = None if self.pre_lnorm else self.qkv_net.weight[self.n_head * self.d_head:]  # W_k, W_v of h itself
+            vec = cache.attend(qkv, h, r_w_bias, r_r_bias, self.scale, kv)  # [bsz, qlen, H*Dh]; h, k, v in the ring now
         else:
             vec = self._attend(h, pos, r_w_bias, r_r_bias, mems, cache, kernel)  # [bsz, qlen, H*Dh]
         attn_out = self.drop(linear(self.o_net, vec, kernel))  # [bsz, qlen, d_model]

@@ -1,7 +1,8 @@
 // A sketch, not part of txlserve (nothing builds or imports it): the attention's passes over a ring of layer
 // inputs h (keys and values absorbed: scores (W_k^T q) . h_j, values W_v sum_j p_j h_j), for H=4 heads and
 // d_model 256, fp32, AVX-512. It times those passes for B sessions x L layers of M rows, random data, on one
-// thread: the measurement behind BENCHMARKS.md, "The one way past DRAM at batch 16".
+// thread: the measurement behind BENCHMARKS.md, "The one way past DRAM at batch 16" (the product's kernel is
+// model/kernels/attend_absorbed.c).
 //   gcc -O3 -march=native -o absorbed bench/sketches/absorbed_attention.c -lm && ./absorbed 16 6 1600
 // A fourth argument times scores, softmax and values as three passes over the ring instead of one fused pass.
 // Leaves out the position term, the heads' projections and the feed-forward, which the whole step adds.

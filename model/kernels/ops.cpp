@@ -1,11 +1,14 @@
-// The torch ops around the C kernels: txlserve::attend_one and attend_rows (kernels/attend_one.c), linear_rows
+// The torch ops around the C kernels: txlserve::attend_one and attend_rows (kernels/attend_one.c, and
+// kernels/attend_absorbed.c for a batch's one-token steps where that reads fewer bytes), linear_rows
 // (kernels/linear_rows.c), chunk_softmax (kernels/chunk_softmax.c) and txlserve::sample_rows
 // (kernels/sample_rows.c). Each checks what its C code
 // trusts, then calls it. C++ ops (not Python ones), so that a traced decode step calls them without taking the
 // GIL (model/fused.py).
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
@@ -20,6 +23,10 @@ extern "C" int txl_attend_one(int64_t begin, int64_t end, int64_t B, int64_t H, 
                               const float *qkv, int64_t qkv_sl, const int64_t *start, const float *u, const float *vb, float *const *krows, float *const *vrows,
                               int64_t r_sh, int64_t r_sj, int64_t r_sd, const float *tab, int64_t t_sh,
                               int64_t t_sj, int64_t t_sd, const int64_t *seen, float scale, float *out);
+extern "C" int txl_attend_absorbed(int64_t b0, int64_t b1, int64_t H, int64_t M, int64_t dm, const float *qt,
+                                   int64_t q_sb, int64_t q_sh, const float *bd, int64_t bd_sb, int64_t bd_sh,
+                                   const float *s_self, const float *const *rings, const int64_t *seen, float *ctx,
+                                   int64_t c_sb, int64_t c_sh, float *p_self);
 extern "C" int txl_sample_rows(int64_t r0, int64_t r1, int64_t V, const float *logits, int64_t x_sr,
                                 const double *temperature, const double *u, double greedy_below, int64_t *out);
 extern "C" void txl_chunk_softmax(int64_t r0, int64_t r1, int64_t N, int64_t H, int64_t C, int64_t M, float *ring,
@@ -92,8 +99,75 @@ at::Tensor run_attend(const char *op, const at::Tensor &qkv, const int64_t *st, 
   return out;
 }
 
+// Keys and values absorbed (kernels/attend_absorbed.c): a step of one token a row reads each session's ring of
+// layer inputs once for every head instead of its rings of keys and values, half the bytes for H times the
+// multiply-adds. Worth it where a layer's keys and values come from DRAM, not from the last-level cache, and the
+// heads are few: at least `min_bytes` of them (model/fused.py: ABSORB_MIN_BYTES), at most kAbsorbMaxHeads heads. On
+// a 2-vCPU Xeon with a 300 MiB
+// L3, 6 x 256 at mem_len 1600 (a step's one layer): 16 sessions (52 MB) 25 against 33-44 ms, 8 (26 MB) 15-19
+// against 17-21; at mem_len 512 16 sessions (17 MB) break even, and the bundled 4 x 256 at 128 loses at every
+// batch up to 64 (17 MB): BENCHMARKS.md, "Keys and values absorbed". `kv` is the attention's [2*H*D, d_model] key
+// and value weights, `hrows[b]` row b's ring of layer inputs [M, d_model], row-major.
+constexpr int64_t kAbsorbMaxHeads = 4;  // kernels/attend_absorbed.c: ABSORB_MAX_HEADS
+
+bool absorbs(const std::optional<at::Tensor> &kv, int64_t min_bytes, int64_t B, int64_t T, int64_t H, int64_t D,
+             int64_t M) {
+  if (!kv.has_value() || T != B || H > kAbsorbMaxHeads || B * M * 2 * H * D * 4 < min_bytes) return false;
+  const at::Tensor &w = *kv;
+  return is_cpu_float(w) && w.dim() == 2 && w.size(0) == 2 * H * D && w.size(1) % 64 == 0;
+}
+
+// The token's q, k, v `q [B, 1, 3*H*D]` (contiguous) attend through the absorbed kernel; their keys and values
+// are stored into the rings as run_attend's kernel stores them. The products around the kernel are torch's:
+// qt = W_k,h^T (q + u) scale [H, B, d_model]; the position terms (q + v) scale . W_r R [H, B, M+1]; the output
+// W_v,h ctx_h + p_self v_self.
+at::Tensor run_absorbed(const char *op, const at::Tensor &q, const at::Tensor &u, const at::Tensor &vb,
+                        const at::Tensor &kv, const std::vector<const float *> &hrows,
+                        const std::vector<float *> &krows, const std::vector<float *> &vrows, const int64_t rs[3],
+                        const at::Tensor &table, const at::Tensor &seen, double scale, int64_t H, int64_t M,
+                        int64_t D) {
+  const int64_t B = q.size(0), dm = kv.size(1);
+  const at::Tensor heads = q.view({B, 3, H, D});
+  const at::Tensor qh = heads.select(1, 0), kh = heads.select(1, 1), vh = heads.select(1, 2);  // [B, H, D] each
+  const at::Tensor qu = (qh + u) * scale, qv = (qh + vb) * scale;                              // [B, H, D]
+  // views of a row- or column-major weight (model/decode.py stores widening weights column-major on a CPU)
+  const at::Tensor wk = kv.narrow(0, 0, H * D).reshape({H, D, dm}), wv = kv.narrow(0, H * D, H * D).reshape({H, D, dm});
+  const at::Tensor qt = at::bmm(qu.transpose(0, 1), wk);                 // [H, B, dm]
+  const at::Tensor bd = at::bmm(qv.transpose(0, 1), table.transpose(1, 2));  // [H, B, M+1]
+  TORCH_CHECK(bd.stride(2) == 1 && qt.stride(2) == 1, op, ": unexpected product layout");
+  const at::Tensor s_self = ((qu * kh).sum(-1) + bd.select(2, 0).transpose(0, 1)).contiguous();  // [B, H]
+  at::Tensor ctx = at::empty({H, B, dm}, q.options()), p_self = at::empty({B, H}, q.options());
+  std::atomic<int> status{0};
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {  // rows are independent: each reads its own ring
+    const int rc = txl_attend_absorbed(b0, b1, H, M, dm, qt.data_ptr<float>(), qt.stride(1), qt.stride(0),
+                                       bd.data_ptr<float>(), bd.stride(1), bd.stride(0), s_self.data_ptr<float>(),
+                                       hrows.data(), seen.data_ptr<int64_t>(), ctx.data_ptr<float>(), dm, B * dm,
+                                       p_self.data_ptr<float>());
+    if (rc != 0) status.store(rc);
+  });
+  TORCH_CHECK(status.load() == 0, op, ": the absorbed kernel refused ", num(H), " heads of d_model ", num(dm));
+  const at::Tensor out = at::bmm(ctx, wv.transpose(1, 2)).transpose(0, 1) + p_self.unsqueeze(-1) * vh;  // [B, H, D]
+  const at::Tensor kc = kh.contiguous(), vc = vh.contiguous();  // [B, H, D]
+  const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const int64_t *pos = seen.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++) {  // the token's key and value enter slot seen % M, after every read of the ring
+    const int64_t slot = pos[b] % M;
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t d = 0; d < D; d++) {
+        krows[b][h * rs[0] + slot * rs[1] + d * rs[2]] = kp[(b * H + h) * D + d];
+        vrows[b][h * rs[0] + slot * rs[1] + d * rs[2]] = vp[(b * H + h) * D + d];
+      }
+  }
+  return out.reshape({B, 1, H * D});
+}
+
+// With `hid` (the rings of layer inputs [B, M, d_model], row-major, before this step's) and `kv` (the key and value
+// weights), a batch's one-token step may go through the absorbed kernel (absorbs(), at `absorb_min_bytes` of keys
+// and values); the caller stores the step's layer inputs into `hid` afterwards either way.
 at::Tensor attend_one(const at::Tensor &qkv, const at::Tensor &u, const at::Tensor &vb, at::Tensor &k,
-                      at::Tensor &v, const at::Tensor &table, const at::Tensor &seen, double scale) {
+                      at::Tensor &v, const at::Tensor &table, const at::Tensor &seen, double scale,
+                      const std::optional<at::Tensor> &hid, const std::optional<at::Tensor> &kv,
+                      int64_t absorb_min_bytes) {
   constexpr const char *op = "txlserve::attend_one";
   TORCH_CHECK_VALUE(k.dim() == 4, op, ": rings must be [batch, heads, mem_len, d_head]");
   const int64_t B = k.size(0), H = k.size(1), M = k.size(2), D = k.size(3);
@@ -114,6 +188,15 @@ at::Tensor attend_one(const at::Tensor &qkv, const at::Tensor &u, const at::Tens
     vrows[b] = v.data_ptr<float>() + b * v.stride(0);
   }
   const int64_t rs[3] = {k.stride(1), k.stride(2), k.stride(3)};
+  if (hid.has_value() && absorbs(kv, absorb_min_bytes, B, B * L, H, D, M)) {
+    const at::Tensor &x = *hid;
+    TORCH_CHECK_VALUE(is_cpu_float(x) && x.dim() == 3 && x.size(0) == B && x.size(1) == M &&
+                          x.size(2) == kv->size(1) && x.stride(2) == 1 && x.stride(1) == x.size(2),
+                      op, ": hid must be float32 [batch, mem_len, d_model], each row's ring row-major");
+    std::vector<const float *> hrows(B);
+    for (int64_t b = 0; b < B; b++) hrows[b] = x.data_ptr<float>() + b * x.stride(0);
+    return run_absorbed(op, q, u, vb, *kv, hrows, krows, vrows, rs, table, seen, scale, H, M, D);
+  }
   return run_attend(op, q, st.data(), B, u, vb, krows, vrows, rs, table, seen, scale, H, M, D);
 }
 
@@ -125,7 +208,8 @@ at::Tensor attend_one(const at::Tensor &qkv, const at::Tensor &u, const at::Tens
 // layout as it joined; this checks their form and the layout's, as far as numbers can be checked.
 at::Tensor attend_rows(const at::Tensor &qkv, const at::Tensor &start, const at::Tensor &u, const at::Tensor &vb,
                        const at::Tensor &rows, const at::Tensor &h, const at::Tensor &table, const at::Tensor &seen,
-                       double scale, at::IntArrayRef ring) {
+                       double scale, at::IntArrayRef ring, const std::optional<at::Tensor> &kv,
+                       int64_t absorb_min_bytes) {
   constexpr const char *op = "txlserve::attend_rows";
   TORCH_CHECK_VALUE(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 2 &&
                         rows.size(0) == 3 && rows.stride(1) == 1,
@@ -152,8 +236,13 @@ at::Tensor attend_rows(const at::Tensor &qkv, const at::Tensor &start, const at:
     vrows[b] = reinterpret_cast<float *>(addr[2 * sr + b]);
   }
   const int64_t rs[3] = {ring[0], ring[1], ring[2]}, *st = start.data_ptr<int64_t>();
-  at::Tensor out = run_attend(op, q, st, B, u, vb, krows, vrows, rs, table, seen, scale, H, M, D);
   const int64_t dm = hc.size(2), *pos = seen.data_ptr<int64_t>();
+  at::Tensor out;
+  if (absorbs(kv, absorb_min_bytes, B, q.size(0) * q.size(1), H, D, M) && kv->size(1) == dm)
+    out = run_absorbed(op, q.view({B, 1, 3 * H * D}), u, vb, *kv, std::vector<const float *>(hrows.begin(), hrows.end()),
+                       krows, vrows, rs, table, seen, scale, H, M, D).view({q.size(0), q.size(1), H * D});
+  else
+    out = run_attend(op, q, st, B, u, vb, krows, vrows, rs, table, seen, scale, H, M, D);
   const float *hp = hc.data_ptr<float>();
   for (int64_t b = 0; b < B; b++) {  // each row's last tokens' layer inputs enter its ring (seen: before them)
     const int64_t L = st[b + 1] - st[b];
@@ -279,11 +368,12 @@ at::Tensor sample_rows(const at::Tensor &logits, const at::Tensor &temperature, 
 
 TORCH_LIBRARY(txlserve, m) {
   m.def("attend_one(Tensor qkv, Tensor u, Tensor vb, Tensor(a!) k, Tensor(b!) v, Tensor table, Tensor seen, "
-        "float scale) -> Tensor");
+        "float scale, Tensor? hid=None, Tensor? kv=None, int absorb_min_bytes=0) -> Tensor");
   // It writes rings that are not its arguments (through the addresses in `rows`): TorchScript must not take it for
   // a pure function it may drop, merge or move.
   m.def(torch::schema("attend_rows(Tensor qkv, Tensor start, Tensor u, Tensor vb, Tensor rows, Tensor h, "
-                      "Tensor table, Tensor seen, float scale, int[] ring) -> Tensor",
+                      "Tensor table, Tensor seen, float scale, int[] ring, Tensor? kv=None, "
+                      "int absorb_min_bytes=0) -> Tensor",
                       c10::AliasAnalysisKind::CONSERVATIVE));
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("bmm_rows(Tensor a, Tensor b) -> Tensor");

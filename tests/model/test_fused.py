@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import model.fused as fused
-from model.cache import RingCache, column_major
+from model.cache import RingCache, RowTable, SlotTable, column_major
 from model.decode import Decoder
 from tests.model.test_traced_step import _model, _table
 
@@ -510,3 +510,107 @@ def test_engine_prefill_products_setting(tmp_path, monkeypatch):
     assert len(decode._TUNED) == 1  # auto: timed at load
     with pytest.raises(ConfigError, match="prefill_products"):
         Engine.from_checkpoint(tmp_path / "ck", prefill_products="mkl")
+
+
+# Keys and values absorbed (kernels/attend_absorbed.c): d_model a multiple of 64, at most four heads
+ABSORBABLE = dict(d_model=64, n_head=4, d_head=8, d_inner=64)
+
+
+def _wide_model(**kw) -> torch.nn.Module:
+    """``_model`` at d_model 64 or more, its weights scaled to keep activations of _model's size (at 0.3 a
+    d_model of 128 made keys of 45, whose products' rounding alone passed 1e-4 before any attention ran)."""
+    model = _model(**(ABSORBABLE | kw))
+    for p in model.parameters():
+        p.data.mul_((16 / model.cfg.d_model) ** 0.5) if p.dim() > 1 else None
+    return model
+
+
+def _poisoned_step(plain: Decoder, fast: Decoder, kind: type, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of rows prefilled to ``lengths``, with ``fast``'s key and value rings overwritten by NaN first: the
+    scores of ``plain`` (intact rings) and ``fast``. An absorbed step reads the layer inputs alone, so its scores
+    are plain's; a step that reads keys or values is NaN."""
+    a, b = _table(plain, lengths), _table(fast, lengths, kind)  # the torch attention reads no row table
+    for state in (b.states if isinstance(b, RowTable) else [b.table]):
+        state.k.fill_(float("nan"))
+        state.v.fill_(float("nan"))
+    tokens = torch.randint(0, 256, (len(lengths), 1), generator=torch.Generator().manual_seed(5))
+    va, vb = a.active(), b.active()
+    plain.advance(va, tokens)
+    fast.advance(vb, tokens)
+    return va.last_logits, vb.last_logits
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(n_head=1, d_head=16), dict(n_head=3, d_head=8),
+                                 dict(d_model=128, n_head=2, d_head=32)])
+@pytest.mark.parametrize("traced", [False, True])
+def test_absorbed_steps_equal_the_torch_attention(cfg, traced):
+    """A step that reads the layer inputs' ring for its keys and values (``W_k h``, ``W_v h`` absorbed into the
+    query and the output) gives the torch attention's numbers: rows empty, part-filled, full and wrapped at every
+    offset, rings longer than the kernel's 64-slot tiles and not a multiple of them, one to four heads, three
+    steps (each stores its key, value and input for the next)."""
+    model = _wide_model(**cfg)
+    plain = Decoder(model, mem_len=70, traced=traced, fused=False)
+    fast = Decoder(model, mem_len=70, traced=traced, absorb_min_bytes=0)
+    _same_steps(plain, fast, [0, 1, 63, 64, 69, 70, 71, 135, 200], steps=3)
+
+
+@pytest.mark.parametrize("kind", [SlotTable, RowTable])
+def test_an_absorbed_step_reads_the_layer_inputs_and_not_the_keys_and_values(kind):
+    """Both tables (a batch tensor's rows, sessions where they lie): with the threshold met, the step's scores
+    do not depend on the key and value rings at all; one byte short of it, they do (the kernel that reads them)."""
+    model = _wide_model()
+    plain = Decoder(model, mem_len=40, fused=False)
+    lengths = [0, 5, 40, 93]
+    at = len(lengths) * 40 * 2 * 4 * 8 * 4  # the step's keys and values of a layer, in bytes
+    fast = Decoder(model, mem_len=40, absorb_min_bytes=at)
+    want, got = _poisoned_step(plain, fast, kind, lengths)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert fast.absorbs(len(lengths)) and not fast.absorbs(len(lengths) - 1)  # what bench decode reports
+    for short in (Decoder(model, mem_len=40, absorb_min_bytes=at + 1), Decoder(model, mem_len=40,
+                                                                                  absorb_min_bytes=None)):
+        _, got = _poisoned_step(plain, short, kind, lengths)
+        assert got.isnan().all() and not short.absorbs(len(lengths))
+
+
+@pytest.mark.parametrize("cfg", [dict(n_head=5, d_head=8), dict(d_model=48, d_head=12), dict(pre_lnorm=True)])
+def test_models_the_absorbed_kernel_cannot_serve_keep_the_keys_and_values(cfg):
+    """Five heads (five times the multiply-adds), a d_model not a multiple of 64, and pre_lnorm (keys come from
+    the normalised input, not the ring's): the step reads the keys and values, and is right."""
+    model = _wide_model(**cfg)
+    plain, fast = Decoder(model, mem_len=40, fused=False), Decoder(model, mem_len=40, absorb_min_bytes=0)
+    _, got = _poisoned_step(plain, fast, SlotTable, [3, 50])
+    assert got.isnan().all() and not fast.absorbs(2)
+    _same_steps(plain, fast, [0, 3, 50], steps=2)
+
+
+def test_absorbed_rows_split_across_threads_give_the_same_bits():
+    """The op splits a batch's rows over torch's intra-op threads: two threads give one thread's result."""
+    torch.manual_seed(2)
+    bsz, heads, m, dh, d = 9, 4, 100, 16, 128
+    qkv, u, vb = torch.randn(bsz, 1, 3 * heads * dh), torch.randn(heads, dh), torch.randn(heads, dh)
+    table, hid = column_major(torch.randn(heads, m + 1, dh)), torch.randn(bsz, m, d)
+    kv = column_major(torch.randn(2 * heads * dh, d) / 8)
+    seen = torch.arange(bsz) * 37 % (3 * m)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            k, v = column_major(torch.zeros(bsz, heads, m, dh)), column_major(torch.zeros(bsz, heads, m, dh))
+            results.append((fused.attend_one(qkv, u, vb, k, v, table, seen, 0.25, hid, kv, 0), k, v))
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
+
+
+def test_the_absorbed_op_refuses_a_ring_of_inputs_of_another_shape():
+    heads, m, dh, d = 2, 4, 3, 64
+    args = dict(qkv=torch.randn(2, 1, 3 * heads * dh), u=torch.zeros(heads, dh), vb=torch.zeros(heads, dh),
+                k=torch.zeros(2, heads, m, dh), v=torch.zeros(2, heads, m, dh), table=torch.zeros(heads, m + 1, dh),
+                seen=torch.tensor([1, 2]), scale=1.0, kv=torch.zeros(2 * heads * dh, d), absorb_min_bytes=0)
+    with pytest.raises(ValueError, match="hid must be"):
+        fused.attend_one(**args, hid=torch.zeros(2, m + 1, d))  # one slot more than the rings: a read past them
+    with pytest.raises(ValueError, match="hid must be"):
+        fused.attend_one(**args, hid=torch.zeros(2, m, d).transpose(1, 2).contiguous().transpose(1, 2))
+    fused.attend_one(**args, hid=torch.zeros(2, m, d))  # and the right one runs

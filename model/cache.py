@@ -136,7 +136,6 @@ class LayerCache:
         3*H*Dh]`` and layer inputs ``h [batch, chunk, d]``: [batch, chunk, H*Dh], before ``o_net``. Their keys,
         values and inputs are in the rings afterwards. ``kv``: the attention's key and value weights, where a CPU
         step may read the inputs' ring in their place (:func:`model.fused.attend_one`)."""
-        kv = kv if self.absorb is not None else None
         if self.addr is not None:  # the rows' tokens packed: qkv [N, L, 3*H*Dh], h [N, L, d] (N*L tokens)
             return fused.attend_rows(qkv, self.start, u, vb, self.addr, h, self.r_head_k, self.seen, scale, self.ring,
                                      kv, self.absorb or 0)

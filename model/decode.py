@@ -101,10 +101,13 @@ class Decoder:
         # where the kernels build.
         fusable = self.device.type == "cpu" and self.dtype == torch.float32 and self.cfg.d_head <= MAX_D_HEAD
         self.fused = fusable and (fused is None or fused) and attention_kernel_built()
-        # Where the fused attention runs, one-token steps of a model of few heads whose keys and values of a layer
-        # come to absorb_min_bytes (a batch's, from DRAM) read the layer inputs' rings in their place (half the
-        # bytes: model.fused.attend_one, which decides per call); None: never.
-        self.absorb_min_bytes = absorb_min_bytes if self.fused else None
+        # Where the fused attention runs, one-token steps of a model the absorbed kernel serves (few heads, d_model
+        # a multiple of 64, keys of h itself) whose keys and values of a layer come to absorb_min_bytes (a batch's,
+        # from DRAM) read the layer inputs' rings in their place (half the bytes: model.fused.attend_one, which
+        # decides per call by the same rule); None: never.
+        c = self.cfg
+        absorbable = not c.pre_lnorm and c.n_head <= ABSORB_MAX_HEADS and c.d_model % 64 == 0
+        self.absorb_min_bytes = absorb_min_bytes if self.fused and absorbable else None
         # A decode step's attention in Triton's kernels on a GPU (model.gpu_attention), where Triton is installed;
         # not in a TorchScript trace, which would record their outputs' allocation and not their launches.
         shape = (self.cfg.n_head, self.cfg.d_head, mem_len)
@@ -207,8 +210,7 @@ class Decoder:
         values' (the rule ``txlserve::attend_one`` applies, kernels/ops.cpp ``absorbs``; for reports such as
         ``bench decode``'s bytes a step reads)."""
         c = self.cfg
-        return (self.absorb_min_bytes is not None and not c.pre_lnorm and c.n_head <= ABSORB_MAX_HEADS
-                and c.d_model % 64 == 0
+        return (self.absorb_min_bytes is not None
                 and batch * self.mem_len * 2 * c.n_head * c.d_head * 4 >= self.absorb_min_bytes)
 
     @property

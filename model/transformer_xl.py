@@ -147,7 +147,9 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         kernel = fused_products(cache)
         if fused_step(h, cache):  # a decode step (a CPU's short prompt too): the same math in one kernel call
             qkv = linear(self.qkv_net, self.layer_norm(h) if self.pre_lnorm else h, kernel)  # [bsz, qlen, 3*H*Dh]
-            kv = None if self.pre_lnorm else self.qkv_net.weight[self.n_head * self.d_head:]  # W_k, W_v of h itself
+            # W_k, W_v, where a CPU step may apply them to the ring of inputs h itself (not to a normalised h)
+            absorbable = cache.absorb is not None and not self.pre_lnorm
+            kv = self.qkv_net.weight[self.n_head * self.d_head:] if absorbable else None  # [2*H*Dh, d_model]
             vec = cache.attend(qkv, h, r_w_bias, r_r_bias, self.scale, kv)  # [bsz, qlen, H*Dh]; h, k, v in the ring now
         else:
             vec = self._attend(h, pos, r_w_bias, r_r_bias, mems, cache, kernel)  # [bsz, qlen, H*Dh]

@@ -10,9 +10,9 @@
 
    with p the softmax over the ring's window and the token itself (score s_self). The pass reads each slot's
    d_model floats once for every head, half the bytes of its key and value; it does H times the multiply-adds
-   of the two passes over keys and values. At batch 16 a step's rings come from DRAM, where the bytes cost more
-   than the arithmetic of a few heads (BENCHMARKS.md, "Keys and values absorbed"); at batch 1 they sit in the
-   last-level cache, and the keys' and values' kernel (kernels/attend_one.c) is the faster.
+   of the two passes over keys and values. Where a batch's rings come from DRAM the bytes cost more than the
+   arithmetic of a few heads; where they sit in the last-level cache (a small batch, a short ring) the keys' and
+   values' kernel (kernels/attend_one.c) is the faster (BENCHMARKS.md, "Keys and values absorbed, built").
 
    Row b's token is at position seen[b]; slot j of its ring holds position last - back(j), back(j) = (top - j)
    mod M (top = last % M, last = seen[b] - 1); it sees every stored slot (back(j) <= last), at distance back(j) +

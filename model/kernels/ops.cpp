@@ -102,11 +102,10 @@ at::Tensor run_attend(const char *op, const at::Tensor &qkv, const int64_t *st, 
 // Keys and values absorbed (kernels/attend_absorbed.c): a step of one token a row reads each session's ring of
 // layer inputs once for every head instead of its rings of keys and values, half the bytes for H times the
 // multiply-adds. Worth it where a layer's keys and values come from DRAM, not from the last-level cache, and the
-// heads are few: at least `min_bytes` of them (model/fused.py: ABSORB_MIN_BYTES), at most kAbsorbMaxHeads heads. On
-// a 2-vCPU Xeon with a 300 MiB
-// L3, 6 x 256 at mem_len 1600 (a step's one layer): 16 sessions (52 MB) 25 against 33-44 ms, 8 (26 MB) 15-19
-// against 17-21; at mem_len 512 16 sessions (17 MB) break even, and the bundled 4 x 256 at 128 loses at every
-// batch up to 64 (17 MB): BENCHMARKS.md, "Keys and values absorbed". `kv` is the attention's [2*H*D, d_model] key
+// heads are few: at least `min_bytes` of them (model/fused.py: ABSORB_MIN_BYTES), at most kAbsorbMaxHeads heads.
+// On a 2-vCPU Xeon with a 300 MiB L3, whole steps of 6 x 256 at mem_len 1600: 16 sessions (52 MB a layer) 25
+// against 33-44 ms, 8 (26 MB) 15-19 against 17-21; at mem_len 512 16 sessions (17 MB) break even, and the bundled
+// 4 x 256 at 128 loses at every batch up to 64 (17 MB): BENCHMARKS.md, "Keys and values absorbed, built". `kv` is the attention's [2*H*D, d_model] key
 // and value weights, `hrows[b]` row b's ring of layer inputs [M, d_model], row-major.
 constexpr int64_t kAbsorbMaxHeads = 4;  // kernels/attend_absorbed.c: ABSORB_MAX_HEADS
 
@@ -122,7 +121,7 @@ bool absorbs(const std::optional<at::Tensor> &kv, int64_t min_bytes, int64_t B, 
 // qt = W_k,h^T (q + u) scale [H, B, d_model]; the position terms (q + v) scale . W_r R [H, B, M+1]; the output
 // W_v,h ctx_h + p_self v_self.
 at::Tensor run_absorbed(const char *op, const at::Tensor &q, const at::Tensor &u, const at::Tensor &vb,
-                        const at::Tensor &kv, const std::vector<const float *> &hrows,
+                        const at::Tensor &kv, const std::vector<float *> &hrows,
                         const std::vector<float *> &krows, const std::vector<float *> &vrows, const int64_t rs[3],
                         const at::Tensor &table, const at::Tensor &seen, double scale, int64_t H, int64_t M,
                         int64_t D) {
@@ -193,7 +192,7 @@ at::Tensor attend_one(const at::Tensor &qkv, const at::Tensor &u, const at::Tens
     TORCH_CHECK_VALUE(is_cpu_float(x) && x.dim() == 3 && x.size(0) == B && x.size(1) == M &&
                           x.size(2) == kv->size(1) && x.stride(2) == 1 && x.stride(1) == x.size(2),
                       op, ": hid must be float32 [batch, mem_len, d_model], each row's ring row-major");
-    std::vector<const float *> hrows(B);
+    std::vector<float *> hrows(B);
     for (int64_t b = 0; b < B; b++) hrows[b] = x.data_ptr<float>() + b * x.stride(0);
     return run_absorbed(op, q, u, vb, *kv, hrows, krows, vrows, rs, table, seen, scale, H, M, D);
   }
@@ -239,8 +238,8 @@ at::Tensor attend_rows(const at::Tensor &qkv, const at::Tensor &start, const at:
   const int64_t dm = hc.size(2), *pos = seen.data_ptr<int64_t>();
   at::Tensor out;
   if (absorbs(kv, absorb_min_bytes, B, q.size(0) * q.size(1), H, D, M) && kv->size(1) == dm)
-    out = run_absorbed(op, q.view({B, 1, 3 * H * D}), u, vb, *kv, std::vector<const float *>(hrows.begin(), hrows.end()),
-                       krows, vrows, rs, table, seen, scale, H, M, D).view({q.size(0), q.size(1), H * D});
+    out = run_absorbed(op, q.view({B, 1, 3 * H * D}), u, vb, *kv, hrows, krows, vrows, rs, table, seen, scale, H, M,
+                       D).view({q.size(0), q.size(1), H * D});
   else
     out = run_attend(op, q, st, B, u, vb, krows, vrows, rs, table, seen, scale, H, M, D);
   const float *hp = hc.data_ptr<float>();

@@ -614,3 +614,15 @@ def test_the_absorbed_op_refuses_a_ring_of_inputs_of_another_shape():
     with pytest.raises(ValueError, match="hid must be"):
         fused.attend_one(**args, hid=torch.zeros(2, m, d).transpose(1, 2).contiguous().transpose(1, 2))
     fused.attend_one(**args, hid=torch.zeros(2, m, d))  # and the right one runs
+
+
+@pytest.mark.parametrize(("heads", "d"), [(5, 64), (2, 48)])
+def test_the_op_itself_keeps_keys_and_values_for_what_the_absorbed_kernel_cannot_serve(heads, d):
+    """The op checks the kernel's limits too (a Decoder already passes no weights for such a model): five heads,
+    or a d_model not a multiple of 64, read the key and value rings (here NaN), whatever the threshold."""
+    m, dh = 8, 4
+    args = dict(qkv=torch.randn(2, 1, 3 * heads * dh), u=torch.zeros(heads, dh), vb=torch.zeros(heads, dh),
+                k=torch.full((2, heads, m, dh), float("nan")), v=torch.full((2, heads, m, dh), float("nan")),
+                table=torch.zeros(heads, m + 1, dh), seen=torch.tensor([3, 20]), scale=1.0,
+                hid=torch.randn(2, m, d), kv=torch.randn(2 * heads * dh, d), absorb_min_bytes=0)
+    assert fused.attend_one(**args).isnan().all()

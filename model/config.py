@@ -12,6 +12,8 @@ from txlserve.errors import ConfigError
 
 # The largest sizes accepted: 10-100x the largest published Transformer-XL (18 layers, d_model 1024, d_inner 4096)
 _MOST = {"n_layer": 1024, "d_model": 65536, "n_head": 4096, "d_head": 65536, "d_inner": 1 << 20}
+# The fields a saved config must state (from_dict): each sets the shape of some weight
+SHAPE_FIELDS = ("n_layer", "d_model", "n_head", "d_head", "d_inner", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,10 @@ class TXLConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown model config field(s): {', '.join(unknown)}")
+        missing = [f for f in SHAPE_FIELDS if f not in data]
+        if missing:  # a default there would surface later as a weight of the wrong shape
+            raise ConfigError(f"model config has no {', '.join(missing)} (the weights' shapes depend on it)",
+                              param=missing[0])
         try:
             return cls(**data)
         except TypeError as err:  # pragma: no cover - dataclass arity

@@ -55,8 +55,11 @@ def refuse_pickles(src: Path, wanted: str, safe: str) -> None:
 
 
 def hf_config(data: dict[str, Any]) -> TXLConfig:
-    if data.get("model_type") != "transfo-xl":
-        raise CheckpointError(f"config.json is a {data.get('model_type')!r} model, not a Transformer-XL (transfo-xl)")
+    if "model_type" not in data:
+        raise CheckpointError("config.json has no model_type; txlserve imports Transformer-XL (model_type "
+                              "\"transfo-xl\") configs")
+    if data["model_type"] != "transfo-xl":
+        raise CheckpointError(f"config.json is a {data['model_type']!r} model, not a Transformer-XL (transfo-xl)")
     if data.get("attn_type", 0) != 0:
         raise CheckpointError(f"attn_type {data['attn_type']} is not supported; txlserve serves the paper's "
                               "relative attention (attn_type 0)")

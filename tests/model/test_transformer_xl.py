@@ -187,6 +187,28 @@ def test_config_validation():
         TXLConfig.from_dict({"n_layer": 2, "bogus": 1})
     cfg = tiny_config()
     assert TXLConfig.from_dict(cfg.to_dict()) == cfg
+    without = {k: v for k, v in cfg.to_dict().items() if k not in ("n_head", "vocab_size")}
+    with pytest.raises(ConfigError, match=r"no n_head, vocab_size \(the weights' shapes") as err:
+        TXLConfig.from_dict(without)  # it was built with the default n_head, and loading called it a shape mismatch
+    assert err.value.param == "n_head"
+    short = {k: v for k, v in cfg.to_dict().items() if k != "dropout"}  # fields without a shape keep defaults
+    assert TXLConfig.from_dict(short).dropout == TXLConfig.dropout
+
+
+def test_hf_config_names_what_is_missing():
+    from model.import_hf import hf_config
+    from txlserve.errors import CheckpointError
+
+    base = {"model_type": "transfo-xl", "n_layer": 2, "d_model": 32, "n_head": 2, "d_head": 16, "d_inner": 48,
+            "vocab_size": 90, "cutoffs": [20, 50], "d_embed": 32, "div_val": 1, "mem_len": 7}
+    assert hf_config(base).n_head == 2
+    with pytest.raises(CheckpointError, match="has no model_type; txlserve imports Transformer-XL") as err:
+        hf_config({k: v for k, v in base.items() if k != "model_type"})
+    assert "None" not in str(err.value)  # it said "a None model"
+    with pytest.raises(CheckpointError, match="is a 'gpt2' model, not a Transformer-XL"):
+        hf_config({**base, "model_type": "gpt2"})
+    with pytest.raises(CheckpointError, match="has no 'n_head'"):
+        hf_config({k: v for k, v in base.items() if k != "n_head"})
 
 
 def test_fp64_models_compute_in_fp64():

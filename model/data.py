@@ -159,11 +159,22 @@ def _decompress(src: Path, fmt: str, kind: str, out: BinaryIO) -> None:
             shutil.copyfileobj(f, out, _CHUNK)
 
 
+def gzipped(path: Path) -> bool:
+    """Whether a file is gzip data, whatever its name says (a corpus is read by what it holds)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"\x1f\x8b"
+    except OSError:
+        return False
+
+
 def _load_text(src: Path, cache_dir: str | Path | None) -> Corpus:
-    """A file is split 90/5/5 by bytes; a folder's .txt files go whole to one split each."""
+    """A file is split 90/5/5 by bytes (a gzipped one once decompressed into the cache, as enwik8's zip is); a
+    folder's .txt files go whole to one split each."""
     if src.is_file():
-        _copy_utf8(src, None)
-        return _byte_split(_map(src), src)
+        text = _extract(src, "gz", "text", _cache_root(cache_dir)) if gzipped(src) else src
+        _copy_utf8(text, None, src)
+        return _byte_split(_map(text), src)
     files = sorted((p for p in src.glob("*.txt") if p.is_file()), key=lambda p: p.name)
     if not files:
         raise DataError(f"no .txt files in {src}")
@@ -231,8 +242,9 @@ def _concat(files: list[Path], out: BinaryIO) -> None:
         _copy_utf8(p, out)
 
 
-def _copy_utf8(src: Path, out: BinaryIO | None) -> None:
-    """Stream ``src`` into ``out`` (or nowhere), failing on the first invalid UTF-8 sequence."""
+def _copy_utf8(src: Path, out: BinaryIO | None, name: Path | None = None) -> None:
+    """Stream ``src`` into ``out`` (or nowhere), failing on the first invalid UTF-8 sequence (of the file
+    ``name``, where ``src`` is its decompressed copy)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     try:
         with open(src, "rb") as f:
@@ -242,7 +254,8 @@ def _copy_utf8(src: Path, out: BinaryIO | None) -> None:
                     out.write(chunk)
             decoder.decode(b"", final=True)
     except UnicodeDecodeError as e:
-        raise DataError(f"{src} is not valid UTF-8; re-encode it or remove it from the corpus") from e
+        hint = "; it is gzip data: gunzip it" if gzipped(src) else "; re-encode it or remove it from the corpus"
+        raise DataError(f"{name or src} is not valid UTF-8{hint}") from e
 
 
 class OrderedIterator:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model.data import SPLITS, Corpus
+from model.data import SPLITS, Corpus, gzipped
 from model.tokenizer import WordTokenizer
 from txlserve.errors import DataError
 
@@ -35,7 +35,7 @@ def split_path(path: str | Path, split: str) -> Path | None:
 
 def read_lines(path: Path) -> Iterator[str]:
     try:
-        opener = gzip.open if path.suffix == ".gz" else open
+        opener = gzip.open if gzipped(path) else open  # by its bytes: a gzipped file need not be named .gz
         with opener(path, "rt", encoding="utf-8", newline="\n") as fh:
             yield from fh
     except (OSError, UnicodeDecodeError, EOFError) as err:

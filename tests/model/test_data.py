@@ -134,6 +134,16 @@ def test_text_file_split(tmp_path: Path) -> None:
     assert bytes(corpus.valid) == payload[1800:1900]
     with pytest.raises(DataError, match="unknown split"):
         corpus.split("dev")
+    for name in ("book.txt.gz", "book-gzipped.txt"):  # gzip data, whatever the name: decompressed once, then the same
+        with gzip.open(tmp_path / name, "wb") as g:
+            g.write(payload)
+        packed = load_corpus(tmp_path / name, cache_dir=tmp_path / "cache")
+        assert bytes(packed.train) + bytes(packed.valid) + bytes(packed.test) == payload
+        assert packed.sizes == corpus.sizes
+    with gzip.open(tmp_path / "latin1.gz", "wb") as g:
+        g.write("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.gz is not valid UTF-8; re-encode"):  # the file named, not the copy
+        load_corpus(tmp_path / "latin1.gz", cache_dir=tmp_path / "cache")
 
 
 def _make_folder(folder: Path, n: int) -> dict[str, bytes]:
@@ -210,7 +220,10 @@ def test_text_errors(tmp_path: Path) -> None:
     for name in ("a.txt", "b.txt", "c.txt"):
         (folder / name).write_text("fine text " * 10)
     (folder / "d.txt").write_bytes(b"ok \xff\xfe")
-    with pytest.raises(DataError, match="d.txt is not valid UTF-8"):
+    with pytest.raises(DataError, match="d.txt is not valid UTF-8; re-encode"):
+        load_corpus(folder, cache_dir=tmp_path / "c")
+    (folder / "d.txt").write_bytes(gzip.compress(b"fine text"))
+    with pytest.raises(DataError, match="d.txt is not valid UTF-8; it is gzip data: gunzip it"):
         load_corpus(folder, cache_dir=tmp_path / "c")
     assert not any(p.suffix == ".tmp" for p in (tmp_path / "c").iterdir())
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -173,6 +174,11 @@ def test_word_corpus_reads_the_wikitext_layout(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no train split"):
         load_word_corpus(tmp_path / "empty", tok)
+    # a gzipped split not named .gz is read by its bytes (it was refused as "not UTF-8")
+    folder = tmp_path / "wt"
+    (folder / "wiki.test.tokens.gz").rename(folder / "wiki.test.tokens")
+    again, _ = load_word_corpus(folder, tok)
+    assert np.array_equal(again.test, corpus.test)
 
 
 def test_tiny_word_model_with_adaptive_softmax_learns(tmp_path):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +27,7 @@ from model.tokenizer import ByteTokenizer, Tokenizer
 from model.train_state import load_train_state, optimizer_from_flat, save_train_state
 from model.transformer_xl import MemTransformerLM
 from txlserve.errors import ConfigError
+from txlserve.signals import HeldSignals
 
 
 @dataclass
@@ -150,6 +153,44 @@ def _check_fits(cfg: TXLConfig, device: torch.device) -> None:
                           f"{have / 2**30:,.1f} GiB")
 
 
+class StopAtStepEnd(HeldSignals):
+    """A Ctrl-C (or SIGTERM) in a one-process run ends the step, and the run saves the checkpoint at it before the
+    signal acts: it lost every step since the last ``--save-every``. A second one acts at once. Not under DDP, where
+    the ranks could stop at different steps and wait on each other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = False
+
+    def _on_signal(self, sig: int, frame: Any) -> None:
+        super()._on_signal(sig, frame)
+        if len(self.held) > 1:
+            self.release()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            super().release()
+
+
+def purge_metrics(path: Path, step: int) -> None:
+    """Keep the records of ``metrics.jsonl`` up to ``step``, where a resumed run starts (TensorBoard's
+    ``purge_step``): a run stopped after its last save had logged steps that the resumed one logs again."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut off by the interruption
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def train(args: TrainArgs) -> dict[str, Any]:
     from model.data import OrderedIterator
 
@@ -184,6 +225,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
         mems = tensors["mems"].to(device) if "mems" in tensors else None
         batches.load_state_dict(info["data"])
         step, tokens_seen, last_eval = info["step"], info["tokens_seen"], info.get("last_eval", {})
+        if rank == 0:
+            purge_metrics(out / "metrics.jsonl", step)
     ddp = model
     if world > 1 or "RANK" in os.environ:
         from torch.nn.parallel import DistributedDataParallel
@@ -219,53 +262,61 @@ def train(args: TrainArgs) -> dict[str, Any]:
     losses: list[float] = []
     model.train()
     last_step = min(opt["steps"], args.stop_at or opt["steps"])
-    while step < last_step:
-        inp, tgt = next(stream)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, lr=opt["lr"], warmup_steps=opt["warmup_steps"], steps=opt["steps"])
-        if mems is not None and mems.size(1) != inp.size(0):
-            mems = None  # defensive: batch size changed between runs
-        new_mems, step_loss = [], 0.0
-        for i in range(args.grad_accum):
-            rows = slice(i * micro, (i + 1) * micro)
-            with autocast:
-                nll, m = ddp(inp[rows], None if mems is None else mems[:, rows], targets=tgt[rows])
-                loss = nll.float().mean()
-            (loss / args.grad_accum).backward()
-            step_loss += float(loss.detach()) / args.grad_accum
-            new_mems.append(m)
-        mems = None if new_mems[0] is None else torch.cat(new_mems, dim=1).float()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), opt["clip"])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        tokens_seen += inp.numel() * world
-        losses.append(step_loss)
-        elapsed = time.perf_counter() - t0
-        tok_s = (tokens_seen - tok0) / max(elapsed, 1e-9)
-        record = {"step": step, "loss": step_loss, "bpc": step_loss / math.log(2),
-                  "lr": optimizer.param_groups[0]["lr"], "tokens_seen": tokens_seen, "tokens_per_s": tok_s,
-                  "elapsed_s": elapsed}
-        if opt["eval_every"] and (step % opt["eval_every"] == 0 or step == opt["steps"]):
-            ev = evaluate(model, corpus.valid, tgt_len=cfg.tgt_len, max_tokens=args.eval_tokens, device=device)
-            last_eval = {"valid_bpc": ev["bpc"], "valid_ppl": ev["ppl"], "valid_tokens": ev["tokens"],
-                         "valid_step": step}
-            record.update(last_eval)
-            if args.save_best and ev["bpc"] < best_bpc:
-                best_bpc = ev["bpc"]
-                if rank == 0:
-                    save_checkpoint(model, out / "best", training=meta(), tokenizer=tokenizer)
-            model.train()
-        log(record)
+    alone = world == 1 and "RANK" not in os.environ and threading.current_thread() is threading.main_thread()
+    stop = StopAtStepEnd() if alone else None  # None: a signal acts as it always does
+    try:
+        while step < last_step and not (stop is not None and stop.held):
+            inp, tgt = next(stream)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, lr=opt["lr"], warmup_steps=opt["warmup_steps"], steps=opt["steps"])
+            if mems is not None and mems.size(1) != inp.size(0):
+                mems = None  # defensive: batch size changed between runs
+            new_mems, step_loss = [], 0.0
+            for i in range(args.grad_accum):
+                rows = slice(i * micro, (i + 1) * micro)
+                with autocast:
+                    nll, m = ddp(inp[rows], None if mems is None else mems[:, rows], targets=tgt[rows])
+                    loss = nll.float().mean()
+                (loss / args.grad_accum).backward()
+                step_loss += float(loss.detach()) / args.grad_accum
+                new_mems.append(m)
+            mems = None if new_mems[0] is None else torch.cat(new_mems, dim=1).float()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), opt["clip"])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += inp.numel() * world
+            losses.append(step_loss)
+            elapsed = time.perf_counter() - t0
+            tok_s = (tokens_seen - tok0) / max(elapsed, 1e-9)
+            record = {"step": step, "loss": step_loss, "bpc": step_loss / math.log(2),
+                      "lr": optimizer.param_groups[0]["lr"], "tokens_seen": tokens_seen, "tokens_per_s": tok_s,
+                      "elapsed_s": elapsed}
+            if opt["eval_every"] and (step % opt["eval_every"] == 0 or step == opt["steps"]):
+                ev = evaluate(model, corpus.valid, tgt_len=cfg.tgt_len, max_tokens=args.eval_tokens, device=device)
+                last_eval = {"valid_bpc": ev["bpc"], "valid_ppl": ev["ppl"], "valid_tokens": ev["tokens"],
+                             "valid_step": step}
+                record.update(last_eval)
+                if args.save_best and ev["bpc"] < best_bpc:
+                    best_bpc = ev["bpc"]
+                    if rank == 0:
+                        save_checkpoint(model, out / "best", training=meta(), tokenizer=tokenizer)
+                model.train()
+            log(record)
+            if bar is not None:
+                bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{tok_s:,.0f}", **(
+                    {"valid_bpc": f"{last_eval['valid_bpc']:.3f}"} if last_eval else {}))
+                bar.update(1)
+            if args.save_every and step % args.save_every == 0:
+                save()
         if bar is not None:
-            bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{tok_s:,.0f}", **(
-                {"valid_bpc": f"{last_eval['valid_bpc']:.3f}"} if last_eval else {}))
-            bar.update(1)
-        if args.save_every and step % args.save_every == 0:
-            save()
-    if bar is not None:
-        bar.close()
-    save()
+            bar.close()
+        save()
+        if stop is not None and stop.held:
+            print(f"txlserve: interrupted: step {step} saved in {out}; --resume continues", file=sys.stderr)
+    finally:
+        if stop is not None:
+            stop.release()  # the handlers put back; a held signal acts now (Ctrl-C: KeyboardInterrupt, exit 130)
     if "RANK" in os.environ:
         import torch.distributed as dist
 

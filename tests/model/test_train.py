@@ -191,7 +191,7 @@ def test_eval_with_longer_memory_than_training(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["no_dir", "no_config", "no_weights", "garbage_weights", "bad_json",
-                                    "wrong_shape", "replaced_weights"])
+                                    "wrong_shape", "replaced_weights", "no_n_head"])
 def test_damaged_checkpoint_gives_one_clear_line(tmp_path, damage, capsys):
     ck = tmp_path / "ck"
     save_checkpoint(MemTransformerLM(tiny_config()), ck)
@@ -209,11 +209,17 @@ def test_damaged_checkpoint_gives_one_clear_line(tmp_path, damage, capsys):
         meta = json.loads((ck / "config.json").read_text())
         meta["model"]["d_inner"] = 48
         (ck / "config.json").write_text(json.dumps(meta))
+    elif damage == "no_n_head":  # it was read as the default n_head, and called a shape mismatch
+        meta = json.loads((ck / "config.json").read_text())
+        del meta["model"]["n_head"]
+        (ck / "config.json").write_text(json.dumps(meta))
     elif damage == "replaced_weights":
         save_checkpoint(MemTransformerLM(tiny_config(n_layer=1)), tmp_path / "other")
         (ck / "model.safetensors").write_bytes((tmp_path / "other" / "model.safetensors").read_bytes())
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError) as err:
         load_checkpoint(ck)
+    if damage == "no_n_head":
+        assert "no n_head (the weights' shapes depend on it)" in str(err.value)
     if damage not in ("no_dir", "garbage_weights", "wrong_shape"):
         return  # the command line is checked on a few kinds of damage
     import server.cli as cli
@@ -258,6 +264,77 @@ def test_save_best_keeps_the_lowest_valid_bpc(corpus, tmp_path):
     assert last["valid_step"] == 4 and last["valid_bpc"] == curve[4]
     first = next(load_checkpoint(tmp_path / "best").model.parameters())
     assert not torch.equal(first, next(load_checkpoint(tmp_path).model.parameters()))
+
+
+def _steps_logged(out: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_ctrl_c_ends_the_step_and_saves_it(corpus, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C lost every step since the last --save-every: now the step ends, the checkpoint is saved at it, and
+    then the interrupt acts. A second Ctrl-C acts at once."""
+    import signal
+
+    import model.train as train_module
+
+    lr_at = train_module.lr_at
+    presses = {5: 1}  # lr_at(step=5) starts the sixth step: one Ctrl-C there
+
+    def lr_at_pressing(step, **kw):
+        for _ in range(presses.get(step, 0)):
+            signal.raise_signal(signal.SIGINT)
+        return lr_at(step, **kw)
+
+    monkeypatch.setattr(train_module, "lr_at", lr_at_pressing)
+    common = dict(data=str(corpus), preset="tiny", progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainArgs(out=str(tmp_path / "ck"), steps=50, **common))
+    assert "interrupted: step 6 saved in" in capsys.readouterr().err
+    assert load_checkpoint(tmp_path / "ck").meta["training"]["steps"] == 6 and _steps_logged(tmp_path / "ck") == [
+        1, 2, 3, 4, 5, 6]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers put back
+    resumed = train(TrainArgs(out=str(tmp_path / "ck"), steps=8, resume=True, **common))
+    assert len(resumed["losses"]) == 2 and _steps_logged(tmp_path / "ck") == list(range(1, 9))
+
+    presses[5] = 2  # twice: now, unsaved
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainArgs(out=str(tmp_path / "twice"), steps=50, **common))
+    assert not (tmp_path / "twice" / "config.json").exists() and "interrupted" not in capsys.readouterr().err
+
+
+def test_a_resumed_run_logs_each_step_once(corpus, tmp_path):
+    """metrics.jsonl held the steps an interrupted run logged after its last save, and the resumed run's again."""
+    common = dict(data=str(corpus), out=str(tmp_path), preset="tiny", steps=10, progress=False)
+    train(TrainArgs(stop_at=6, **common))
+    with open(tmp_path / "metrics.jsonl", "a") as fh:  # logged after the last save, then the process died
+        fh.write(json.dumps({"step": 7, "loss": 1.0}) + "\n" + json.dumps({"step": 8, "loss": 1.0}) + "\n")
+        fh.write('{"step": 9, "lo')
+    train(TrainArgs(resume=True, **common))
+    assert _steps_logged(tmp_path) == list(range(1, 11))
+
+
+def test_the_train_command_saves_on_ctrl_c_and_exits_130(corpus, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "train", "--data", str(corpus), "--out", str(out),
+                             "--preset", "tiny", "--steps", "100000"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().count("\n"):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step logged"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    steps = load_checkpoint(out).meta["training"]["steps"]
+    assert steps >= 1 and _steps_logged(out)[-1] == steps and f"interrupted: step {steps} saved" in err
 
 
 def test_save_best_resumed_keeps_the_best_of_both_runs(corpus, tmp_path):

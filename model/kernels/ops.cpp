@@ -113,7 +113,34 @@ bool absorbs(const std::optional<at::Tensor> &kv, int64_t min_bytes, int64_t B, 
              int64_t M) {
   if (!kv.has_value() || T != B || H > kAbsorbMaxHeads || B * M * 2 * H * D * 4 < min_bytes) return false;
   const at::Tensor &w = *kv;
-  return is_cpu_float(w) && w.dim() == 2 && w.size(0) == 2 * H * D && w.size(1) % 64 == 0;
+  return is_cpu_float(w) && w.dim() == 2 && w.size(0) == 2 * H * D && w.size(1) % 64 == 0 &&
+         (w.stride(0) == 1 || w.stride(1) == 1);
+}
+
+// The C loops against torch's product on this CPU (AMD Zen 5, one thread), BENCHMARKS.md: 1.3x at 1 row, 1.6x at
+// 4; with register tiles from 4 rows, a step's products: 32 rows of the bundled 4 x 256 1.2 ms against torch's 2.2,
+// 64 rows 2.4 against 3.9, 64 rows of 2 layers of 512 5.3 against 8.1 and of 1024 29.8 against 34.8; a prefill
+// chunk's 128 rows 90-118 GMAC/s against torch's 53-55 at every shape of 6 x 256 and 12 x 512. Rows go in blocks
+// of kRowBlock, so that a block's inputs stay in L2 while a thread's weights pass over them.
+constexpr int64_t kRowBlock = 64;
+
+// y[e] = x[e] W_e^T for entries e < E: x [E, N, in] and y [E, N, out] contiguous, W_e[o, i] at w + e * w_se +
+// o * w_so + i * w_si, one of w_so and w_si 1 (row- or column-major). The register tiles of linear_rows, for
+// small products batched over heads or sessions: torch's bmm ran the absorbed step's position scores ([4, 16,
+// 64] x [4, 64, 1601] a layer) at 15-20 GMAC/s, 2-3 ms of a 32 ms step of 6 x 256 (BENCHMARKS.md). Work items are
+// (entry, 64 outputs): every output is computed by the same instructions whatever the threads.
+void entries_linear(const float *x, const float *w, int64_t w_se, int64_t w_so, int64_t w_si, int64_t E, int64_t N,
+                    int64_t in, int64_t out, float *y) {
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (out + kBlock - 1) / kBlock;
+  at::parallel_for(0, E * blocks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      const int64_t e = t / blocks, o0 = (t % blocks) * kBlock;
+      for (int64_t r = 0; r < N; r += kRowBlock)
+        txl_linear_rows(o0, std::min(out, o0 + kBlock), std::min(kRowBlock, N - r), in, out, x + (e * N + r) * in,
+                        w + e * w_se, w_so, w_si, nullptr, y + (e * N + r) * out);
+    }
+  });
 }
 
 // The token's q, k, v `q [B, 1, 3*H*D]` (contiguous) attend through the absorbed kernel; their keys and values
@@ -129,11 +156,16 @@ at::Tensor run_absorbed(const char *op, const at::Tensor &q, const at::Tensor &u
   const at::Tensor heads = q.view({B, 3, H, D});
   const at::Tensor qh = heads.select(1, 0), kh = heads.select(1, 1), vh = heads.select(1, 2);  // [B, H, D] each
   const at::Tensor qu = (qh + u) * scale, qv = (qh + vb) * scale;                              // [B, H, D]
-  // views of a row- or column-major weight (model/decode.py stores widening weights column-major on a CPU)
-  const at::Tensor wk = kv.narrow(0, 0, H * D).reshape({H, D, dm}), wv = kv.narrow(0, H * D, H * D).reshape({H, D, dm});
-  const at::Tensor qt = at::bmm(qu.transpose(0, 1), wk);                 // [H, B, dm]
-  const at::Tensor bd = at::bmm(qv.transpose(0, 1), table.transpose(1, 2));  // [H, B, M+1]
-  TORCH_CHECK(bd.stride(2) == 1 && qt.stride(2) == 1, op, ": unexpected product layout");
+  const at::Tensor quh = qu.transpose(0, 1).contiguous(), qvh = qv.transpose(0, 1).contiguous();  // [H, B, D]
+  // W_k,h [D, dm] and W_v,h at kv's rows h D and (H + h) D, kv row- or column-major (model/decode.py stores
+  // widening weights column-major on a CPU); the position table W_r R [H, M+1, D]
+  const float *wk = kv.data_ptr<float>(), *wv = wk + H * D * kv.stride(0);
+  const int64_t k0 = kv.stride(0), k1 = kv.stride(1);
+  at::Tensor qt = at::empty({H, B, dm}, q.options()), bd = at::empty({H, B, M + 1}, q.options());
+  entries_linear(quh.data_ptr<float>(), wk, D * k0, k1, k0, H, B, D, dm, qt.data_ptr<float>());  // [H, B, dm]
+  TORCH_CHECK(table.stride(2) == 1 || table.stride(1) == 1, op, ": the position table needs one unit stride");
+  entries_linear(qvh.data_ptr<float>(), table.data_ptr<float>(), table.stride(0), table.stride(1), table.stride(2), H,
+                 B, D, M + 1, bd.data_ptr<float>());  // [H, B, M+1]
   const at::Tensor s_self = ((qu * kh).sum(-1) + bd.select(2, 0).transpose(0, 1)).contiguous();  // [B, H]
   at::Tensor ctx = at::empty({H, B, dm}, q.options()), p_self = at::empty({B, H}, q.options());
   std::atomic<int> status{0};
@@ -145,7 +177,9 @@ at::Tensor run_absorbed(const char *op, const at::Tensor &q, const at::Tensor &u
     if (rc != 0) status.store(rc);
   });
   TORCH_CHECK(status.load() == 0, op, ": the absorbed kernel refused ", num(H), " heads of d_model ", num(dm));
-  const at::Tensor out = at::bmm(ctx, wv.transpose(1, 2)).transpose(0, 1) + p_self.unsqueeze(-1) * vh;  // [B, H, D]
+  at::Tensor o = at::empty({H, B, D}, q.options());
+  entries_linear(ctx.data_ptr<float>(), wv, D * k0, k0, k1, H, B, dm, D, o.data_ptr<float>());  // [H, B, D]
+  const at::Tensor out = o.transpose(0, 1) + p_self.unsqueeze(-1) * vh;                       // [B, H, D]
   const at::Tensor kc = kh.contiguous(), vc = vh.contiguous();  // [B, H, D]
   const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const int64_t *pos = seen.data_ptr<int64_t>();
@@ -251,13 +285,6 @@ at::Tensor attend_rows(const at::Tensor &qkv, const at::Tensor &start, const at:
   return out;
 }
 
-// The C loops against torch's product on this CPU (AMD Zen 5, one thread), BENCHMARKS.md: 1.3x at 1 row, 1.6x at
-// 4; with register tiles from 4 rows, a step's products: 32 rows of the bundled 4 x 256 1.2 ms against torch's 2.2,
-// 64 rows 2.4 against 3.9, 64 rows of 2 layers of 512 5.3 against 8.1 and of 1024 29.8 against 34.8; a prefill
-// chunk's 128 rows 90-118 GMAC/s against torch's 53-55 at every shape of 6 x 256 and 12 x 512. Rows go in blocks
-// of kRowBlock, so that a block's inputs stay in L2 while a thread's weights pass over them.
-constexpr int64_t kRowBlock = 64;
-
 // x W^T + bias, as at::linear computes it: the C loops for float32 x and a weight with one unit stride (row- or
 // column-major), at::linear itself for anything else, so a traced step may call it at any batch size.
 at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
@@ -298,19 +325,7 @@ at::Tensor bmm_rows(const at::Tensor &a, const at::Tensor &b) {
   if (B < 1 || R < 1 || K < 1 || N < 1) return a.bmm(b);
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();  // [B, R, K], [B, K, N]
   at::Tensor y = at::empty({B, R, N}, a.options());           // [B, R, N]
-  const float *ap = ac.data_ptr<float>(), *bp = bc.data_ptr<float>();
-  float *yp = y.data_ptr<float>();
-  // Work items are (entry, 64 outputs): every output is computed by the same instructions whatever the threads.
-  constexpr int64_t kBlock = 64;
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  at::parallel_for(0, B * blocks, 1, [&](int64_t w0, int64_t w1) {
-    for (int64_t w = w0; w < w1; w++) {
-      const int64_t i = w / blocks, o0 = (w % blocks) * kBlock;
-      for (int64_t r = 0; r < R; r += kRowBlock)
-        txl_linear_rows(o0, std::min(N, o0 + kBlock), std::min(kRowBlock, R - r), K, N, ap + (i * R + r) * K,
-                        bp + i * K * N, 1, N, nullptr, yp + (i * R + r) * N);
-    }
-  });
+  entries_linear(ac.data_ptr<float>(), bc.data_ptr<float>(), K * N, 1, N, B, R, K, N, y.data_ptr<float>());
   return y;
 }
 

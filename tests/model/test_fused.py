@@ -604,6 +604,27 @@ def test_absorbed_rows_split_across_threads_give_the_same_bits():
         assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("kv_layout", ["row", "column"])
+@pytest.mark.parametrize("table_layout", ["row", "column"])
+def test_the_absorbed_op_equals_the_keys_and_values_for_weights_and_tables_stored_either_way(kv_layout, table_layout):
+    """The products around the kernel (queries through W_k, the position scores, the output through W_v) are the
+    register tiles', which read a weight by its strides: row- and column-major weights and position tables give
+    the keys' and values' answer, with rings holding W_k h and W_v h."""
+    torch.manual_seed(3)
+    bsz, heads, m, dh, d = 5, 3, 70, 16, 64
+    qkv, u, vb = torch.randn(bsz, 1, 3 * heads * dh), torch.randn(heads, dh), torch.randn(heads, dh)
+    hid, kv = torch.randn(bsz, m, d), torch.randn(2 * heads * dh, d) / 8
+    table = torch.randn(heads, m + 1, dh)
+    seen = torch.tensor([0, 1, 69, 70, 171])
+    k = (hid @ kv[: heads * dh].T).view(bsz, m, heads, dh).transpose(1, 2).contiguous()  # [B, H, M, Dh]
+    v = (hid @ kv[heads * dh:].T).view(bsz, m, heads, dh).transpose(1, 2).contiguous()
+    want = fused.attend_one(qkv, u, vb, k.clone(), v.clone(), table, seen, 0.25)
+    layout = {"row": lambda t: t.contiguous(), "column": column_major}
+    got = fused.attend_one(qkv, u, vb, k.clone(), v.clone(), layout[table_layout](table), seen, 0.25, hid,
+                           layout[kv_layout](kv), 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_absorbed_op_refuses_a_ring_of_inputs_of_another_shape():
     heads, m, dh, d = 2, 4, 3, 64
     args = dict(qkv=torch.randn(2, 1, 3 * heads * dh), u=torch.zeros(heads, dh), vb=torch.zeros(heads, dh),

@@ -245,17 +245,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, help="default: the bundled checkpoint")
     p.add_argument("--shape", type=shape, default=None, metavar="LxD",
                    help="random weights of n_layer L and d_model D (e.g. 12x512) instead of a checkpoint")
-    p.add_argument("--mem-len", type=count(1, 1 << 20), default=512)
-    p.add_argument("--clamp-len", type=count(0), default=None)
-    p.add_argument("--batch", type=count(1), default=1)
-    p.add_argument("--tokens", type=count(1), default=64)
-    p.add_argument("--prefill-tokens", type=count(1), default=None)
+    p.add_argument("--mem-len", type=count(1, 1 << 20), default=512, help="the engine's mem_len (default: 512)")
+    p.add_argument("--clamp-len", type=count(0), default=None, help="default: the checkpoint's")
+    p.add_argument("--batch", type=count(1), default=1, help="sessions decoded together (default: 1)")
+    p.add_argument("--tokens", type=count(1), default=64, help="decode steps timed (default: 64)")
+    p.add_argument("--prefill-tokens", type=count(1), default=None,
+                   help="tokens of the timed prefill (default: max(4 x mem_len, 2048))")
     p.add_argument("--prefill-chunk", type=count(1), default=None, help="default: chosen from mem_len")
     p.add_argument("--no-naive", action="store_true", help="skip the slow token-by-token reference decode")
     p.add_argument("--cuda-graph", action="store_true", help="also time the step replayed as a CUDA graph")
     p.add_argument("--compile", action="store_true", help="torch.compile the one-token step (fewer, fused kernels)")
-    p.add_argument("--device", type=device, default="auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' and caches' dtype (default: float32)")
     p.add_argument("--threads", type=count(1), default=None, help="torch CPU threads (default: half the usable cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
 

@@ -162,7 +162,7 @@ def run(*, tokens: int, prefill_tokens: int, iters: int, work_dir: Path, checkpo
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, help="an imported model (default: random weights, WikiText-103 shape)")
     p.add_argument("--tokens", type=count(1), default=8, help="decode steps to time")
-    p.add_argument("--prefill-tokens", type=count(1), default=400)
+    p.add_argument("--prefill-tokens", type=count(1), default=400, help="prompt tokens prefilled and timed")
     p.add_argument("--iters", type=count(1), default=5, help="store/restore repetitions")
     p.add_argument("--work-dir", default=None, help="where the random checkpoint is written (default: a temp dir)")
     p.add_argument("--threads", type=count(1), default=None, help="torch CPU threads (default: half the usable cores)")

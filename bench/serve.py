@@ -621,7 +621,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the spawned server's --cpu-latency-qos-us (a Linux CPU latency request held while "
                         "requests run; 0: idle CPUs poll instead of halting; needs write access to "
                         "/dev/cpu_dma_latency)")
-    p.add_argument("--doc-kb", type=real(0, above=True), default=50)
+    p.add_argument("--doc-kb", type=real(0, above=True), default=50,
+                   help="kilobytes of the document timed two ways: continued from a session, and re-sent as a "
+                        "prompt (time to first token of each)")
     p.add_argument("--device", type=device, default="auto",
                    help="the spawned server's and the engine's (auto: cuda when present)")
     p.add_argument("--enforce-eager", action="store_true",

@@ -219,14 +219,16 @@ def restore_vs_recompute(checkpoint: str, *, doc_bytes: int = 100_000, iters: in
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iters", type=count(1), default=50)
-    parser.add_argument("--state-mb-large", type=real(0, above=True), default=LARGE_MB)
-    parser.add_argument("--state-mb-small", type=real(0, above=True), default=SMALL_MB)
+    parser.add_argument("--iters", type=count(1), default=50, help="round trips timed a state size")
+    parser.add_argument("--state-mb-large", type=real(0, above=True), default=LARGE_MB,
+                        help=f"the large session state, MB (default: {LARGE_MB:.1f})")
+    parser.add_argument("--state-mb-small", type=real(0, above=True), default=SMALL_MB,
+                        help=f"the small session state, MB (default: {SMALL_MB:.2f})")
     parser.add_argument("--url", default=None, help="a redis:// URL (default: the embedded Redis)")
     parser.add_argument("--checkpoint", default=None, help="model for restore vs recompute (default: bundled)")
     parser.add_argument("--doc-kb", type=real(0, above=True), default=100,
                         help="document size for restore vs recompute")
-    parser.add_argument("--mem-len", type=count(1, 1 << 20), default=None)
+    parser.add_argument("--mem-len", type=count(1, 1 << 20), default=None, help="default: the checkpoint's")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
     from bench import tiers
 

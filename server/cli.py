@@ -43,23 +43,29 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="checkpoint directory to write: a new or empty one, or with --resume "
                                                 "the checkpoint to continue")
     p.add_argument("--preset", default="tiny", help="tiny | small | enwik8-base")
-    for flag, typ in (("--steps", count(1)), ("--batch-size", count(1)), ("--lr", real(0, above=True)),
-                      ("--warmup-steps", count(0)), ("--tgt-len", count(1)), ("--mem-len", MEM),
-                      ("--n-layer", count(1)), ("--d-model", count(1)), ("--eval-every", count(0)),
-                      ("--clip", real(0, above=True))):
-        p.add_argument(flag, type=typ, default=None)
+    for flag, typ, says in (
+            ("--steps", count(1), "optimizer steps in all"), ("--batch-size", count(1), "sequences a step"),
+            ("--lr", real(0, above=True), "peak learning rate (cosine decay after the warm-up)"),
+            ("--warmup-steps", count(0), "steps of linear warm-up"),
+            ("--tgt-len", count(1), "tokens a segment (the paper's tgt_len)"),
+            ("--mem-len", MEM, "cached layer inputs a layer attends beyond the segment (mem_len)"),
+            ("--n-layer", count(1), "layers"), ("--d-model", count(1), "model width"),
+            ("--eval-every", count(0), "steps between validation runs (0: none)"),
+            ("--clip", real(0, above=True), "gradient norm clip")):
+        p.add_argument(flag, type=typ, default=None, help=f"{says} (default: the preset's)")
     p.add_argument("--eval-tokens", type=count(1), default=200_000, help="valid bytes per evaluation")
-    p.add_argument("--save-every", type=count(0), default=0)
+    p.add_argument("--save-every", type=count(0), default=0,
+                   help="save the checkpoint and training state every N steps (0: at the end, or on Ctrl-C)")
     p.add_argument("--save-best", action="store_true",
                    help="also write the model to OUT/best at each evaluation that lowers the valid bpc (long runs "
                         "on small corpora overfit: keep the best weights, as nanoGPT does)")
-    p.add_argument("--grad-accum", type=count(1), default=1)
-    p.add_argument("--weight-decay", type=real(0), default=0.0)
-    p.add_argument("--seed", type=int, default=1111)
+    p.add_argument("--grad-accum", type=count(1), default=1, help="micro-batches a step (the batch split N ways)")
+    p.add_argument("--weight-decay", type=real(0), default=0.0, help="AdamW weight decay")
+    p.add_argument("--seed", type=int, default=1111, help="seed of the weights' initialisation and dropout")
     p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda")
     p.add_argument("--resume", action="store_true", help="continue from the training state in --out")
     p.add_argument("--stop-at", type=count(1), default=None, help="end this run at that step; --resume continues")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (metrics.jsonl is written anyway)")
     p.add_argument("--tokenizer", default="byte", choices=["byte", "word"],
                    help="byte: any text; word: a WikiText-style folder (wiki.train.tokens ...), vocabulary built "
                         "from its train split in frequency order")
@@ -122,16 +128,18 @@ def _leave_without_finalizing() -> NoReturn:
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="bits per character (byte models) or word perplexity (word models) of a "
                                     "checkpoint on a corpus split")
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", required=True, help="a checkpoint directory")
     p.add_argument("--data", required=True, help="a byte corpus, or for word models a WikiText folder or file")
-    p.add_argument("--split", default="test", choices=["train", "valid", "test", "all"])
-    p.add_argument("--tgt-len", type=count(1), default=None)
-    p.add_argument("--mem-len", type=MEM, default=None)
-    p.add_argument("--clamp-len", type=count(0), default=None)
-    p.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--batch-size", type=count(1), default=8)
+    p.add_argument("--split", default="test", choices=["train", "valid", "test", "all"], help="default: test")
+    p.add_argument("--tgt-len", type=count(1), default=None, help="tokens a segment (default: the checkpoint's)")
+    p.add_argument("--mem-len", type=MEM, default=None, help="default: the checkpoint's")
+    p.add_argument("--clamp-len", type=count(0), default=None,
+                   help="relative distances clamped to this (0: none; default: the checkpoint's)")
+    p.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
+                   help="every token attends the same number of keys (default: the checkpoint's)")
+    p.add_argument("--batch-size", type=count(1), default=8, help="streams the split is cut into")
     p.add_argument("--max-tokens", type=count(1), default=None, help="evaluate the first N tokens of the split")
-    p.add_argument("--device", type=device, default="auto")
+    p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_threads(p)
     p.set_defaults(func=_cmd_eval)
@@ -184,16 +192,16 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a continuation of a prompt to the terminal")
     p.add_argument("--checkpoint", default=None, help="default: the bundled checkpoint")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=count(1), default=200)
-    p.add_argument("--temperature", type=real(0, 2), default=0.8)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-tokens", type=count(1), default=200, help="tokens to generate at most")
+    p.add_argument("--temperature", type=real(0, 2), default=0.8, help="0: greedy")
     p.add_argument("--top-k", type=count(0), default=0, help="0: off")
-    p.add_argument("--top-p", type=real(0, 1, above=True), default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=real(0, 1, above=True), default=1.0, help="nucleus sampling (1: off)")
+    p.add_argument("--seed", type=int, default=None, help="the same seed, the same continuation")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--mem-len", type=MEM, default=None, help="default: the checkpoint's")
-    p.add_argument("--clamp-len", type=count(0), default=None)
-    p.add_argument("--device", type=device, default="auto")
+    p.add_argument("--clamp-len", type=count(0), default=None, help="default: the checkpoint's")
+    p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda")
     _add_threads(p)
     p.set_defaults(func=_cmd_generate)
 

@@ -334,3 +334,23 @@ def test_session_import_refuses_a_bad_file_in_one_line(tmp_path, content, needle
     done = txlserve("session", "import", str(path), "--url", "http://127.0.0.1:9", timeout=60)  # read first
     assert done.returncode == 2 and needle in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr  # one line (a RecursionError's was 1000)
+
+
+def test_every_flag_of_every_command_says_what_it_does():
+    """`--help` listed some flags bare (train's --steps, eval's --split, generate's --seed, bench's --batch ...)."""
+    import argparse
+
+    import server.cli as cli
+
+    bare = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif action.option_strings and not action.help and action.dest != "help":
+                bare.append(f"{path} {action.option_strings[0]}")
+
+    walk(cli.build_parser(with_bench=True), "txlserve")
+    assert bare == []

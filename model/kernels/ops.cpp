@@ -144,9 +144,9 @@ void entries_linear(const float *x, const float *w, int64_t w_se, int64_t w_so, 
 }
 
 // The token's q, k, v `q [B, 1, 3*H*D]` (contiguous) attend through the absorbed kernel; their keys and values
-// are stored into the rings as run_attend's kernel stores them. The products around the kernel are torch's:
-// qt = W_k,h^T (q + u) scale [H, B, d_model]; the position terms (q + v) scale . W_r R [H, B, M+1]; the output
-// W_v,h ctx_h + p_self v_self.
+// are stored into the rings as run_attend's kernel stores them. The products around the kernel are the register
+// tiles' (entries_linear), a head at a time: qt = W_k,h^T (q + u) scale [H, B, d_model]; the position terms
+// (q + v) scale . W_r R [H, B, M+1]; the output W_v,h ctx_h + p_self v_self.
 at::Tensor run_absorbed(const char *op, const at::Tensor &q, const at::Tensor &u, const at::Tensor &vb,
                         const at::Tensor &kv, const std::vector<float *> &hrows,
                         const std::vector<float *> &krows, const std::vector<float *> &vrows, const int64_t rs[3],

@@ -33,44 +33,18 @@ static inline float hsum(v16 v)
     return s;
 }
 
-#if defined(__has_builtin) && !defined(TXL_SUMS_ONE_BY_ONE)  /* (the second: to build and test the other) */
-#if __has_builtin(__builtin_shufflevector)
-#define TXL_SUMS_TREE 1
-#endif
-#endif
-
-#ifdef TXL_SUMS_TREE
-/* s[h * TILE + r + k] += the sum of acc[h][k]'s lanes, for all sixteen sums at once: four rounds, each adding the
-   halves of pairs of vectors into one (16 -> 8 -> 4 -> 2 -> 1 vectors), so lane 4h + k of the last holds sum
-   (h, k). 15 shuffle pairs and adds, where sixteen reductions one by one took 4 rounds each (the scores' pass was
-   a tenth faster from cache, BENCHMARKS.md). Heads from H on are zeros. */
+/* s[h * TILE + r + k] += the sum of acc[h][k]'s lanes, all sixteen at once (vec.h: a tenth faster from cache than
+   sixteen reductions one by one, BENCHMARKS.md); heads from H on are zeros */
 static inline __attribute__((always_inline)) void add_sums(const int H, float *restrict s, int64_t r,
                                                            const v16 acc[ABSORB_MAX_HEADS][4])
 {
-    v16 a[16], b[8], c[4], e[2];
+    v16 a[16];
     for (int h = 0; h < ABSORB_MAX_HEADS; h++)
         for (int k = 0; k < 4; k++) a[4 * h + k] = h < H ? acc[h][k] : (v16){0.f};
-    for (int i = 0; i < 8; i++)  /* lanes 0-7: a[i]'s 8 partial sums, 8-15: a[i + 8]'s */
-        b[i] = __builtin_shufflevector(a[i], a[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               __builtin_shufflevector(a[i], a[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int i = 0; i < 4; i++)  /* lanes 4j-4j+3: a[i + 4j]'s 4 */
-        c[i] = __builtin_shufflevector(b[i], b[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-               __builtin_shufflevector(b[i], b[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int i = 0; i < 2; i++)  /* lanes 2j, 2j+1: a[i + 2j]'s 2 */
-        e[i] = __builtin_shufflevector(c[i], c[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-               __builtin_shufflevector(c[i], c[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-    const v16 f = __builtin_shufflevector(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-                  __builtin_shufflevector(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-    for (int h = 0; h < H; h++)  /* lane j: a[j]'s sum */
+    const v16 f = sums16(a);
+    for (int h = 0; h < H; h++)  /* lane 4h + k: acc[h][k]'s sum */
         for (int k = 0; k < 4; k++) s[h * TILE + r + k] += f[4 * h + k];
 }
-#else
-static inline void add_sums(const int H, float *restrict s, int64_t r, const v16 acc[ABSORB_MAX_HEADS][4])
-{
-    for (int h = 0; h < H; h++)
-        for (int k = 0; k < 4; k++) s[h * TILE + r + k] += hsum(acc[h][k]);
-}
-#endif
 
 /* s[h * TILE + r] += qt_h . x_r for the tile's rows r < n (x: n rows of dm, contiguous) */
 static inline __attribute__((always_inline)) void scores(const int H, float *restrict s, const float *restrict qt,

@@ -37,6 +37,46 @@ typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
 #define REGISTER(v) ((void)0)
 #endif
 
+#if defined(__has_builtin) && !defined(TXL_SUMS_ONE_BY_ONE)  /* (the second: to build and test the other) */
+#if __has_builtin(__builtin_shufflevector)
+#define TXL_SUMS_TREE 1
+#endif
+#endif
+
+/* Lane j of the result: the sum of a[j]'s sixteen lanes, for sixteen vectors at once (a register tile's sums:
+   4 rows x 4 heads or outputs). Four rounds, each adding the halves of pairs of vectors into one (16 -> 8 -> 4 ->
+   2 -> 1 vectors): 15 shuffle pairs and adds, where sixteen reductions one by one took 4 rounds each. A vector's
+   lanes are added in the same order whatever is reduced beside it (zeros for a smaller tile), so a tile of any
+   shape gives the same bits. Without the builtin, the lanes are added in order, out of line for the same reason. */
+#ifdef TXL_SUMS_TREE
+static inline __attribute__((always_inline)) v16 sums16(const v16 a[16])
+{
+    v16 b[8], c[4], e[2];
+    for (int i = 0; i < 8; i++)  /* lanes 0-7: a[i]'s 8 partial sums, 8-15: a[i + 8]'s */
+        b[i] = __builtin_shufflevector(a[i], a[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[i], a[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)  /* lanes 4j-4j+3: a[i + 4j]'s 4 */
+        c[i] = __builtin_shufflevector(b[i], b[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               __builtin_shufflevector(b[i], b[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)  /* lanes 2j, 2j+1: a[i + 2j]'s 2 */
+        e[i] = __builtin_shufflevector(c[i], c[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               __builtin_shufflevector(c[i], c[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    return __builtin_shufflevector(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           __builtin_shufflevector(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+#else
+static __attribute__((noinline, unused)) v16 sums16(const v16 a[16])
+{
+    v16 f;
+    for (int j = 0; j < 16; j++) {
+        float s = 0.f;
+        for (int i = 0; i < 16; i++) s += a[j][i];
+        f[j] = s;
+    }
+    return f;
+}
+#endif
+
 /* Y[r][j] = init[j] + sum_d A[r][d] X[d][j] (init NULL: 0) for rows r < R of A (R <= 4, rows lda apart) and
    columns [j0, j0 + 16 W) of X (W <= 8; rows ldx apart, unit stride along j): R x W sums of 16 held in registers
    while X's D rows stream past once (a product's inputs against a column-major weight, queries against a ring's

@@ -37,7 +37,7 @@ from model.engine import Engine
 from model.threads import set_threads
 from model.train import pick_device
 from model.transformer_xl import MemTransformerLM
-from txlserve.args import count, device, shape
+from txlserve.args import MAX_THREADS, count, device, shape
 
 # Each timing of the steps is the best of this many runs of ``tokens`` steps: one run's time varied by up to 20%
 # between runs of identical code (a batch-1 step of a small model reads what sits in L3, and whatever else ran
@@ -258,7 +258,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the weights' and caches' dtype (default: float32)")
-    p.add_argument("--threads", type=count(1), default=None, help="torch CPU threads (default: half the usable cores)")
+    p.add_argument("--threads", type=count(1, MAX_THREADS), default=None,
+                   help="torch CPU threads (default: half the usable cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
 
 

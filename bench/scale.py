@@ -34,7 +34,7 @@ from model.engine import Engine
 from model.threads import set_threads
 from model.tokenizer import WordTokenizer
 from model.transformer_xl import MemTransformerLM
-from txlserve.args import count
+from txlserve.args import MAX_THREADS, count
 
 WT103 = dict(n_layer=18, d_model=1024, n_head=16, d_head=64, d_inner=4096, dropout=0.0, tgt_len=128,
              mem_len=1599, clamp_len=1000, same_length=True, vocab_size=267_735, cutoffs=(20_000, 40_000, 200_000),
@@ -165,7 +165,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens", type=count(1), default=400, help="prompt tokens prefilled and timed")
     p.add_argument("--iters", type=count(1), default=5, help="store/restore repetitions")
     p.add_argument("--work-dir", default=None, help="where the random checkpoint is written (default: a temp dir)")
-    p.add_argument("--threads", type=count(1), default=None, help="torch CPU threads (default: half the usable cores)")
+    p.add_argument("--threads", type=count(1, MAX_THREADS), default=None,
+                   help="torch CPU threads (default: half the usable cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
 
 

@@ -30,7 +30,7 @@ from model.config import TXLConfig
 from model.engine import Engine
 from model.threads import set_threads
 from model.transformer_xl import MemTransformerLM
-from txlserve.args import count, real
+from txlserve.args import MAX_THREADS, count, real
 from txlserve.args import shape as shape_arg
 
 
@@ -117,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longer windows: rebuild time projected from the prefill rate on a full memory")
     p.add_argument("--ram-usd-gb-hour", type=real(0), default=0.0066, help="price of a GB of Redis memory for an hour")
     p.add_argument("--cpu-usd-core-hour", type=real(0), default=0.045, help="price of one core for an hour")
-    p.add_argument("--threads", type=count(1), default=1, help="torch threads (a rebuild's cores)")
+    p.add_argument("--threads", type=count(1, MAX_THREADS), default=1, help="torch threads (a rebuild's cores)")
 
 
 def _tiers(text: str) -> str:

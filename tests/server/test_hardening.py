@@ -574,6 +574,8 @@ def test_a_bad_setting_is_refused_before_torch_loads(argv, needle):
     ["bench", "decode", "--batch", "0"], ["bench", "decode", "--shape", "abc"], ["bench", "decode", "--tokens", "0"],
     ["bench", "serve", "--concurrency", "0"], ["bench", "serve", "--duration", "0"],
     ["bench", "store", "--iters", "0"], ["bench", "store", "--tiers", "banana"], ["bench", "scale", "--tokens", "0"],
+    ["bench", "decode", "--threads", "100000"],  # a segfault in torch's thread pool (found by a helper)
+    ["bench", "scale", "--threads", "100000"], ["bench", "store", "--tiers", "hot", "--threads", "100000"],
 ])
 def test_a_bad_number_or_device_is_one_line_from_argparse(argv, capsys):
     """Each had been a traceback from inside torch, the optimizer or the benchmark (found by a helper)."""

@@ -140,7 +140,7 @@ def _extract(src: Path, fmt: str, kind: str, root: Path) -> Path:
     try:
         _write_atomic(dest, lambda out: _decompress(src, fmt, kind, out))
     except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as e:
-        raise DataError(f"cannot decompress {src}: {e}; re-download it") from e
+        raise DataError(f"cannot decompress {src}: {e}; the file is damaged (download or compress it again)") from e
     return dest
 
 
@@ -173,11 +173,11 @@ def _load_text(src: Path, cache_dir: str | Path | None) -> Corpus:
     folder's .txt files go whole to one split each."""
     if src.is_file():
         text = _extract(src, "gz", "text", _cache_root(cache_dir)) if gzipped(src) else src
-        _copy_utf8(text, None, src)
+        _copy_utf8(text, None, src, unwrap=False)  # the bytes mapped below
         return _byte_split(_map(text), src)
-    files = sorted((p for p in src.glob("*.txt") if p.is_file()), key=lambda p: p.name)
+    files = sorted((p for p in (*src.glob("*.txt"), *src.glob("*.txt.gz")) if p.is_file()), key=lambda p: p.name)
     if not files:
-        raise DataError(f"no .txt files in {src}")
+        raise DataError(f"no .txt (or .txt.gz) files in {src}")
     sizes = {p: p.stat().st_size for p in files}
     total = sum(sizes.values())
     if total == 0:
@@ -242,20 +242,22 @@ def _concat(files: list[Path], out: BinaryIO) -> None:
         _copy_utf8(p, out)
 
 
-def _copy_utf8(src: Path, out: BinaryIO | None, name: Path | None = None) -> None:
-    """Stream ``src`` into ``out`` (or nowhere), failing on the first invalid UTF-8 sequence (of the file
-    ``name``, where ``src`` is its decompressed copy)."""
+def _copy_utf8(src: Path, out: BinaryIO | None, name: Path | None = None, unwrap: bool = True) -> None:
+    """Stream ``src`` (decompressed, where ``unwrap`` and it is gzip data: a folder's file may be) into ``out``
+    (or nowhere), failing on the first invalid UTF-8 sequence (of the file ``name``, where ``src`` is its
+    decompressed copy)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     try:
-        with open(src, "rb") as f:
+        with (gzip.open if unwrap and gzipped(src) else open)(src, "rb") as f:
             while chunk := f.read(_CHUNK):
                 decoder.decode(chunk)
                 if out is not None:
                     out.write(chunk)
             decoder.decode(b"", final=True)
     except UnicodeDecodeError as e:
-        hint = "; it is gzip data: gunzip it" if gzipped(src) else "; re-encode it or remove it from the corpus"
-        raise DataError(f"{name or src} is not valid UTF-8{hint}") from e
+        raise DataError(f"{name or src} is not valid UTF-8; re-encode it or remove it from the corpus") from e
+    except (OSError, EOFError, zlib.error) as e:  # a damaged gzip file
+        raise DataError(f"cannot read {name or src}: {e}") from e
 
 
 class OrderedIterator:

@@ -210,7 +210,7 @@ def test_text_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="empty corpus"):
         load_corpus(tmp_path / "empty.txt")
     (tmp_path / "none").mkdir()
-    with pytest.raises(DataError, match="no .txt files"):
+    with pytest.raises(DataError, match=r"no \.txt \(or \.txt\.gz\) files"):
         load_corpus(tmp_path / "none")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     with pytest.raises(DataError, match="latin1.txt is not valid UTF-8"):
@@ -222,9 +222,17 @@ def test_text_errors(tmp_path: Path) -> None:
     (folder / "d.txt").write_bytes(b"ok \xff\xfe")
     with pytest.raises(DataError, match="d.txt is not valid UTF-8; re-encode"):
         load_corpus(folder, cache_dir=tmp_path / "c")
-    (folder / "d.txt").write_bytes(gzip.compress(b"fine text"))
-    with pytest.raises(DataError, match="d.txt is not valid UTF-8; it is gzip data: gunzip it"):
+    (folder / "d.txt").write_bytes(gzip.compress("caf\xe9".encode("latin-1")))  # gzipped, and not UTF-8 inside
+    with pytest.raises(DataError, match="d.txt is not valid UTF-8; re-encode"):
         load_corpus(folder, cache_dir=tmp_path / "c")
+    (folder / "d.txt").write_bytes(gzip.compress(b"gzipped <d> text"))  # a folder's files are read by their bytes
+    (folder / "e.txt.gz").write_bytes(gzip.compress(b"and <e> as .txt.gz"))  # it skipped these without a word
+    corpus = load_corpus(folder, cache_dir=tmp_path / "c")
+    text = b"".join(bytes(corpus.split(n)) for n in ("train", "valid", "test"))
+    assert b"gzipped <d> text" in text and b"and <e> as .txt.gz" in text and b"\x1f\x8b" not in text
+    (folder / "e.txt.gz").write_bytes(gzip.compress(b"cut off")[:-6])
+    with pytest.raises(DataError, match="cannot read .*e.txt.gz"):
+        load_corpus(folder, cache_dir=tmp_path / "c2")
     assert not any(p.suffix == ".tmp" for p in (tmp_path / "c").iterdir())
 
 

@@ -38,6 +38,7 @@ from model.threads import set_threads
 from model.train import pick_device
 from model.transformer_xl import MemTransformerLM
 from txlserve.args import MAX_THREADS, count, device, shape
+from txlserve.errors import ConfigError
 
 # Each timing of the steps is the best of this many runs of ``tokens`` steps: one run's time varied by up to 20%
 # between runs of identical code (a batch-1 step of a small model reads what sits in L3, and whatever else ran
@@ -266,6 +267,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(ns: argparse.Namespace) -> int:
     from model.bundled import resolve_checkpoint
 
+    if ns.shape and ns.checkpoint:  # the shape had won without a word
+        raise ConfigError("give --shape (random weights) or --checkpoint, not both")
     set_threads(ns.threads)
     kw = dict(mem_len=ns.mem_len, batch=ns.batch, tokens=ns.tokens, clamp_len=ns.clamp_len, device=ns.device,
               dtype=ns.dtype, prefill_tokens=ns.prefill_tokens, prefill_chunk=ns.prefill_chunk, naive=not ns.no_naive,

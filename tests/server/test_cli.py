@@ -354,3 +354,11 @@ def test_every_flag_of_every_command_says_what_it_does():
 
     walk(cli.build_parser(with_bench=True), "txlserve")
     assert bare == []
+
+
+def test_bench_decode_takes_a_shape_or_a_checkpoint_not_both(capsys):
+    import server.cli as cli
+
+    assert cli.main(["bench", "decode", "--shape", "2x64", "--checkpoint", "somewhere"]) == 2  # the shape had won
+    err = capsys.readouterr().err
+    assert err == "txlserve: error: give --shape (random weights) or --checkpoint, not both\n"

@@ -87,14 +87,15 @@ def signals_deferred() -> Iterator[None]:
         held.release()
 
 
-def check_out_dir(out_dir: str | Path, *, allow_checkpoint: bool = False) -> None:
+def check_out_dir(out_dir: str | Path, *, allow_checkpoint: bool = False, ignore: tuple[str, ...] = ()) -> None:
     """A checkpoint is written into a new or empty directory, or (``allow_checkpoint``: to continue its training)
     a checkpoint's own. Any other directory was written into: a user's files mixed with a checkpoint's, or a
-    checkpoint replaced without a word (found by a helper)."""
+    checkpoint replaced without a word (found by a helper). Files named in ``ignore`` do not count (the metrics of
+    a run stopped before its first save, which the next run starts over)."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a directory")
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or not any(p.name not in ignore for p in out.iterdir()):
         return
     if not (out / CONFIG).exists():
         raise ConfigError(f"--out {out} is not empty and holds no checkpoint: choose a new or empty directory")

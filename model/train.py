@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,9 @@ from model.config import PRESETS, TXLConfig
 from model.data import Corpus, load_corpus
 from model.evaluate import evaluate
 from model.tokenizer import ByteTokenizer, Tokenizer
-from model.train_state import load_train_state, optimizer_from_flat, save_train_state
+from model.train_state import load_train_state, optimizer_from_flat, read_train_info, save_train_state
 from model.transformer_xl import MemTransformerLM
-from txlserve.errors import ConfigError
+from txlserve.errors import ConfigError, DataError
 from txlserve.signals import HeldSignals
 
 
@@ -60,6 +60,28 @@ class TrainArgs:
     max_vocab: int | None = None  # word: keep the most frequent words only (the rest are <unk>)
     min_freq: int = 1  # word: drop words seen fewer times
     model_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. cutoffs, div_val, d_embed
+    # the fields a command line gave: with --resume, the run's saved arguments fill the RUN_FIELDS it did not
+    # (None: every field as set, as a caller in Python sets them)
+    given: frozenset[str] | None = None
+
+
+# What a run is: a resumed run takes these from the run's saved arguments unless its command line gives them (a
+# `--resume` without `--steps` had trained to the preset's 200 steps, on another learning-rate schedule)
+RUN_FIELDS = ("data", "preset", "steps", "batch_size", "lr", "warmup_steps", "tgt_len", "mem_len", "n_layer",
+              "d_model", "eval_every", "eval_tokens", "save_every", "save_best", "grad_accum", "clip", "weight_decay",
+              "seed", "tokenizer", "max_vocab", "min_freq", "model_overrides")
+
+
+def resumed_args(args: TrainArgs) -> TrainArgs:
+    """``args`` with the run's saved arguments where a resuming command line gave none."""
+    if not args.resume or args.given is None:
+        return args
+    saved = read_train_info(args.out).get("args") or {}
+    changes = {f: saved[f] for f in RUN_FIELDS if f in saved and f not in args.given}
+    if isinstance(changes.get("model_overrides"), dict):  # JSON made its tuples lists
+        changes["model_overrides"] = {k: tuple(v) if isinstance(v, list) else v
+                                      for k, v in changes["model_overrides"].items()}
+    return replace(args, **changes)
 
 
 def resolve(args: TrainArgs, vocab_size: int = 256) -> tuple[TXLConfig, dict[str, Any]]:
@@ -158,13 +180,15 @@ class StopAtStepEnd(HeldSignals):
     signal acts: it lost every step since the last ``--save-every``. A second one acts at once. Not under DDP, where
     the ranks could stop at different steps and wait on each other."""
 
-    def __init__(self) -> None:
+    def __init__(self, saved: str) -> None:
         super().__init__()
         self.released = False
+        self.saved = saved  # what the checkpoint directory holds, for the second press's line
 
     def _on_signal(self, sig: int, frame: Any) -> None:
         super()._on_signal(sig, frame)
         if len(self.held) > 1:
+            print(f"txlserve: interrupted again: this step is not saved; {self.saved}", file=sys.stderr)
             self.release()
 
     def release(self) -> None:
@@ -197,7 +221,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
     if not args.resume and (Path(args.out) / "config.json").exists():  # hours of training, overwritten unasked
         raise ConfigError(f"{args.out} already holds a checkpoint: pass --resume to continue its training, or "
                           "choose another --out")
-    check_out_dir(args.out, allow_checkpoint=args.resume)
+    check_out_dir(args.out, allow_checkpoint=args.resume, ignore=() if args.resume else ("metrics.jsonl",))
+    args = resumed_args(args)
     corpus, tokenizer = load_training_corpus(args)
     cfg, opt = resolve(args, tokenizer.vocab_size)
     device = pick_device(args.device)
@@ -223,10 +248,16 @@ def train(args: TrainArgs) -> dict[str, Any]:
         if "rng.cuda" in tensors and device.type == "cuda":
             torch.cuda.set_rng_state(tensors["rng.cuda"])
         mems = tensors["mems"].to(device) if "mems" in tensors else None
-        batches.load_state_dict(info["data"])
+        try:
+            batches.load_state_dict(info["data"])
+        except DataError as err:
+            raise ConfigError(f"--resume: this command's --data or --batch-size is not the run's ({err}); leave them "
+                              "out to take the run's") from None
         step, tokens_seen, last_eval = info["step"], info["tokens_seen"], info.get("last_eval", {})
         if rank == 0:
             purge_metrics(out / "metrics.jsonl", step)
+    elif rank == 0:
+        (out / "metrics.jsonl").unlink(missing_ok=True)  # a run that never saved: this one starts over
     ddp = model
     if world > 1 or "RANK" in os.environ:
         from torch.nn.parallel import DistributedDataParallel
@@ -244,7 +275,10 @@ def train(args: TrainArgs) -> dict[str, Any]:
                 save_checkpoint(model, out, training=meta(), tokenizer=tokenizer)
                 save_train_state(out, optimizer=optimizer, mems=mems,
                                  info={"step": step, "tokens_seen": tokens_seen, "data": batches.state_dict(),
-                                       "last_eval": last_eval, "args": asdict(args)})
+                                       "last_eval": last_eval,
+                                       "args": {k: v for k, v in asdict(args).items() if k != "given"}})
+            if stop is not None:
+                stop.saved = f"{out} holds step {step}"
 
     def log(record: dict[str, Any]) -> None:
         if rank == 0:
@@ -263,7 +297,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
     model.train()
     last_step = min(opt["steps"], args.stop_at or opt["steps"])
     alone = world == 1 and "RANK" not in os.environ and threading.current_thread() is threading.main_thread()
-    stop = StopAtStepEnd() if alone else None  # None: a signal acts as it always does
+    held = f"{out} holds step {step}" if args.resume else f"{out} holds no checkpoint"
+    stop = StopAtStepEnd(held) if alone else None  # None: a signal acts as it always does
     try:
         while step < last_step and not (stop is not None and stop.held):
             inp, tgt = next(stream)
@@ -313,7 +348,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
             bar.close()
         save()
         if stop is not None and stop.held:
-            print(f"txlserve: interrupted: step {step} saved in {out}; --resume continues", file=sys.stderr)
+            print(f"txlserve: interrupted: step {step} saved in {out}; `txlserve train --out {out} --resume` "
+                  "continues", file=sys.stderr)
     finally:
         if stop is not None:
             stop.release()  # the handlers put back; a held signal acts now (Ctrl-C: KeyboardInterrupt, exit 130)

@@ -56,6 +56,20 @@ def save_train_state(out_dir: str | Path, *, optimizer: torch.optim.Optimizer, m
     os.replace(path / "state.json.tmp", path / "state.json")
 
 
+def read_train_info(out_dir: str | Path) -> dict[str, Any]:
+    """The training state's JSON alone (the run's arguments, step and data position), without its tensors."""
+    path = Path(out_dir) / STATE_DIR / "state.json"
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"--resume: no training state in {path.parent}") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"--resume: training state in {path.parent} is damaged: {err}") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"--resume: training state in {path.parent} is damaged: not a JSON object")
+    return info
+
+
 def load_train_state(out_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     path = Path(out_dir) / STATE_DIR
     try:

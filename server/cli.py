@@ -39,31 +39,41 @@ def _set_threads(ns: argparse.Namespace) -> None:
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a Transformer-XL and write a checkpoint")
-    p.add_argument("--data", required=True, help="enwik8/text8 (.zip, .gz or raw), a text file, or a folder of .txt")
+    p.add_argument("--data", default=None, help="enwik8/text8 (.zip, .gz or raw), a text file (gzipped or not), a "
+                                                "folder of .txt, or for --tokenizer word a WikiText folder "
+                                                "(required, but with --resume the run's)")
     p.add_argument("--out", required=True, help="checkpoint directory to write: a new or empty one, or with --resume "
                                                 "the checkpoint to continue")
-    p.add_argument("--preset", default="tiny", help="tiny | small | enwik8-base")
+    p.add_argument("--preset", default="tiny", help="tiny | small | enwik8-base (default: tiny)")
     for flag, typ, says in (
             ("--steps", count(1), "optimizer steps in all"), ("--batch-size", count(1), "sequences a step"),
             ("--lr", real(0, above=True), "peak learning rate (cosine decay after the warm-up)"),
             ("--warmup-steps", count(0), "steps of linear warm-up"),
             ("--tgt-len", count(1), "tokens a segment (the paper's tgt_len)"),
             ("--mem-len", MEM, "cached layer inputs a layer attends beyond the segment (mem_len)"),
-            ("--n-layer", count(1), "layers"), ("--d-model", count(1), "model width"),
+            ("--n-layer", count(1), "layers"),
+            ("--d-model", count(1), "model width; d_inner becomes 4 x it and d_head it / n_head"),
             ("--eval-every", count(0), "steps between validation runs (0: none)"),
             ("--clip", real(0, above=True), "gradient norm clip")):
-        p.add_argument(flag, type=typ, default=None, help=f"{says} (default: the preset's)")
-    p.add_argument("--eval-tokens", type=count(1), default=200_000, help="valid bytes per evaluation")
+        p.add_argument(flag, type=typ, default=None, help=f"{says} (default: the preset's; with --resume, the run's)")
+    p.add_argument("--eval-tokens", type=count(1), default=200_000,
+                   help="valid tokens (bytes, or words for a word model) an evaluation reads (default: 200000)")
     p.add_argument("--save-every", type=count(0), default=0,
-                   help="save the checkpoint and training state every N steps (0: at the end, or on Ctrl-C)")
+                   help="also save the checkpoint and training state every N steps (0: never between; a run "
+                        "always saves at its end and on Ctrl-C)")
     p.add_argument("--save-best", action="store_true",
                    help="also write the model to OUT/best at each evaluation that lowers the valid bpc (long runs "
-                        "on small corpora overfit: keep the best weights, as nanoGPT does)")
-    p.add_argument("--grad-accum", type=count(1), default=1, help="micro-batches a step (the batch split N ways)")
-    p.add_argument("--weight-decay", type=real(0), default=0.0, help="AdamW weight decay")
-    p.add_argument("--seed", type=int, default=1111, help="seed of the weights' initialisation and dropout")
+                        "on small corpora overfit: keep the best weights, as nanoGPT does); needs evaluations: "
+                        "--eval-every, or a preset that has them")
+    p.add_argument("--grad-accum", type=count(1), default=1,
+                   help="micro-batches a step (the batch split N ways; default: 1)")
+    p.add_argument("--weight-decay", type=real(0), default=0.0, help="AdamW weight decay (default: 0)")
+    p.add_argument("--seed", type=int, default=1111,
+                   help="seed of the weights' initialisation and dropout (default: 1111)")
     p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda")
-    p.add_argument("--resume", action="store_true", help="continue from the training state in --out")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the training state in --out, with the run's data and settings where this "
+                        "command line gives none")
     p.add_argument("--stop-at", type=count(1), default=None, help="end this run at that step; --resume continues")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (metrics.jsonl is written anyway)")
     p.add_argument("--tokenizer", default="byte", choices=["byte", "word"],
@@ -78,7 +88,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--d-embed", type=count(1), default=None,
                    help="embedding width before projection (default d_model)")
     _add_threads(p)
-    p.set_defaults(func=_cmd_train)
+    p.set_defaults(func=_cmd_train, parser=p)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -88,10 +98,24 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozenset[str]:
+    """The destinations ``argv`` sets (argparse fills a default only into a namespace that lacks the name, so
+    parsing into one prefilled with a marker leaves the marker where a flag was not given, abbreviations included)."""
+    unset = object()
+    probe = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.option_strings})
+    parser.parse_args(argv, namespace=probe)
+    return frozenset(k for k, v in vars(probe).items() if v is not unset)
+
+
 def _cmd_train(ns: argparse.Namespace) -> int:
+    if ns.data is None and not ns.resume:
+        raise ConfigError("train needs --data (with --resume, the run's is taken)")
     _set_threads(ns)
     from model.train import TrainArgs, train
 
+    given = _given(ns.parser, ns.argv[1:])  # argv[0] is "train"
+    if given & {"cutoffs", "div_val", "d_embed"}:
+        given |= {"model_overrides"}
     args = TrainArgs(
         data=ns.data, out=ns.out, preset=ns.preset, steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr,
         warmup_steps=ns.warmup_steps, tgt_len=ns.tgt_len, mem_len=ns.mem_len, n_layer=ns.n_layer,
@@ -101,7 +125,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         resume=ns.resume, stop_at=ns.stop_at, progress=not ns.no_progress, command="txlserve " + shlex.join(ns.argv),
         tokenizer=ns.tokenizer, max_vocab=ns.max_vocab, min_freq=ns.min_freq,
         model_overrides={k: v for k, v in (("cutoffs", ns.cutoffs), ("div_val", ns.div_val),
-                                           ("d_embed", ns.d_embed)) if v is not None},
+                                           ("d_embed", ns.d_embed)) if v is not None}, given=given,
     )
     result = train(args)
     summary = {k: v for k, v in result.items() if k != "losses"}
@@ -137,7 +161,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    help="relative distances clamped to this (0: none; default: the checkpoint's)")
     p.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
                    help="every token attends the same number of keys (default: the checkpoint's)")
-    p.add_argument("--batch-size", type=count(1), default=8, help="streams the split is cut into")
+    p.add_argument("--batch-size", type=count(1), default=8, help="streams the split is cut into (default: 8)")
     p.add_argument("--max-tokens", type=count(1), default=None, help="evaluate the first N tokens of the split")
     p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -193,8 +217,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a continuation of a prompt to the terminal")
     p.add_argument("--checkpoint", default=None, help="default: the bundled checkpoint")
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-tokens", type=count(1), default=200, help="tokens to generate at most")
-    p.add_argument("--temperature", type=real(0, 2), default=0.8, help="0: greedy")
+    p.add_argument("--max-tokens", type=count(1), default=200, help="tokens to generate at most (default: 200)")
+    p.add_argument("--temperature", type=real(0, 2), default=0.8, help="0: greedy (default: 0.8)")
     p.add_argument("--top-k", type=count(0), default=0, help="0: off")
     p.add_argument("--top-p", type=real(0, 1, above=True), default=1.0, help="nucleus sampling (1: off)")
     p.add_argument("--seed", type=int, default=None, help="the same seed, the same continuation")

@@ -296,10 +296,43 @@ def test_a_ctrl_c_ends_the_step_and_saves_it(corpus, tmp_path, monkeypatch, caps
     resumed = train(TrainArgs(out=str(tmp_path / "ck"), steps=8, resume=True, **common))
     assert len(resumed["losses"]) == 2 and _steps_logged(tmp_path / "ck") == list(range(1, 9))
 
-    presses[5] = 2  # twice: now, unsaved
+    presses[5] = 2  # twice: now, unsaved, and it says so
     with pytest.raises(KeyboardInterrupt):
         train(TrainArgs(out=str(tmp_path / "twice"), steps=50, **common))
-    assert not (tmp_path / "twice" / "config.json").exists() and "interrupted" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"interrupted again: this step is not saved; {tmp_path / 'twice'} holds no checkpoint" in err
+    assert "saved in" not in err and not (tmp_path / "twice" / "config.json").exists()
+    presses.clear()  # the directory holds only that run's metrics: a new run may start there, and starts them over
+    train(TrainArgs(out=str(tmp_path / "twice"), steps=3, **common))
+    assert _steps_logged(tmp_path / "twice") == [1, 2, 3]
+
+
+def test_resume_takes_the_runs_settings_where_the_command_gives_none(corpus, tmp_path, capsys):
+    """`train --out DIR --resume` without the first run's flags had trained to the preset's 200 steps on another
+    schedule (a helper's run of 20,000 steps "resumed" to none). Now the run's saved arguments fill what the
+    command line leaves out, and a flag it gives still wins."""
+    import server.cli as cli
+
+    out = tmp_path / "ck"
+    threads = torch.get_num_threads()
+    try:
+        first = ["train", "--data", str(corpus), "--out", str(out), "--steps", "10", "--lr", "0.003",
+                 "--stop-at", "4", "--no-progress"]
+        assert cli.main(first) == 0
+        assert cli.main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0  # no --data, no --steps
+        meta = json.loads((out / "config.json").read_text())["training"]
+        assert meta["steps"] == 10 and meta["optim"]["steps"] == 10 and meta["optim"]["lr"] == 0.003
+        assert _steps_logged(out) == list(range(1, 11))
+        assert cli.main(["train", "--out", str(out), "--resume", "--steps", "12", "--no-progress"]) == 0
+        assert _steps_logged(out) == list(range(1, 13))
+        capsys.readouterr()
+        assert cli.main(["train", "--out", str(out), "--resume", "--steps", "14", "--batch-size", "4"]) == 2
+        err = capsys.readouterr().err
+        assert "--resume: this command's --data or --batch-size is not the run's" in err and err.count("\n") == 1
+        assert cli.main(["train", "--out", str(tmp_path / "new")]) == 2
+        assert "train needs --data" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_resumed_run_logs_each_step_once(corpus, tmp_path):

@@ -65,7 +65,8 @@ def fingerprint_of(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()[:32]
 
 
-def _atomic_write(path: Path, data: str) -> None:
+def atomic_write(path: Path, data: str) -> None:
+    """Readers see the old file or the new one whole (a temp file beside it, renamed over it)."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(data)
     os.replace(tmp, path)
@@ -123,7 +124,7 @@ def save_checkpoint(model: MemTransformerLM, out_dir: str | Path, *, training: d
         tmp = out / (WEIGHTS + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": "txlserve", "fingerprint": fingerprint})
         os.replace(tmp, out / WEIGHTS)
-        _atomic_write(out / CONFIG, json.dumps(meta, indent=2, sort_keys=True))
+        atomic_write(out / CONFIG, json.dumps(meta, indent=2, sort_keys=True))
     return fingerprint
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from model.checkpoint import check_out_dir, load_checkpoint, save_checkpoint, signals_deferred
+from model.checkpoint import atomic_write, check_out_dir, load_checkpoint, save_checkpoint, signals_deferred
 from model.config import PRESETS, TXLConfig
 from model.data import Corpus, load_corpus
 from model.evaluate import evaluate
@@ -182,7 +182,6 @@ class StopAtStepEnd(HeldSignals):
 
     def __init__(self, saved: str) -> None:
         super().__init__()
-        self.released = False
         self.saved = saved  # what the checkpoint directory holds, for the second press's line
 
     def _on_signal(self, sig: int, frame: Any) -> None:
@@ -190,11 +189,6 @@ class StopAtStepEnd(HeldSignals):
         if len(self.held) > 1:
             print(f"txlserve: interrupted again: this step is not saved; {self.saved}", file=sys.stderr)
             self.release()
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            super().release()
 
 
 def purge_metrics(path: Path, step: int) -> None:
@@ -210,9 +204,7 @@ def purge_metrics(path: Path, step: int) -> None:
             continue  # a line cut off by the interruption
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
             kept.append(line + "\n")
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, "".join(kept))
 
 
 def train(args: TrainArgs) -> dict[str, Any]:

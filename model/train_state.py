@@ -71,9 +71,9 @@ def read_train_info(out_dir: str | Path) -> dict[str, Any]:
 
 
 def load_train_state(out_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    info = read_train_info(out_dir)
     path = Path(out_dir) / STATE_DIR
     try:
-        info = json.loads((path / "state.json").read_text())
         tensors = load_file(str(path / "state.safetensors"))
     except FileNotFoundError:
         raise CheckpointError(f"--resume: no training state in {path}") from None

@@ -12,11 +12,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class HeldSignals:
     """From construction on, SIGINT and SIGTERM are recorded (or, once :attr:`forward` is set, handed to it);
-    :meth:`release` puts back the handlers found and raises the recorded signals into them. Main thread only,
-    where Python runs signal handlers."""
+    :meth:`release` puts back the handlers found and raises the recorded signals into them, once: a later call
+    does nothing. Main thread only, where Python runs signal handlers."""
 
     def __init__(self) -> None:
         self.held: list[int] = []
+        self.released = False
         self.forward: Callable[[int, FrameType | None], object] | None = None
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
 
@@ -27,6 +28,9 @@ class HeldSignals:
             self.forward(sig, frame)
 
     def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
         for sig, handler in self.previous.items():
             if handler is not None:  # None: one installed outside Python, which cannot be put back
                 signal.signal(sig, handler)

@@ -336,6 +336,23 @@ def test_resume_takes_the_runs_settings_where_the_command_gives_none(corpus, tmp
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("state", [None, "{not json", "[1, 2]"])
+def test_a_missing_or_damaged_training_state_is_one_line(corpus, tmp_path, state):
+    """A resume reads the run's arguments from state.json before anything else; missing, not JSON, or not an
+    object, it says so (both ways in: a command line's, which takes the run's settings, and Python's)."""
+    common = dict(data=str(corpus), out=str(tmp_path), preset="tiny", steps=4, progress=False)
+    train(TrainArgs(stop_at=2, **common))
+    info = tmp_path / "train_state" / "state.json"
+    if state is None:
+        info.unlink()
+    else:
+        info.write_text(state)
+    says = "no training state" if state is None else "training state in .* is damaged"
+    for given in (frozenset(), None):
+        with pytest.raises(CheckpointError, match=f"--resume: {says}"):
+            train(TrainArgs(resume=True, given=given, **common))
+
+
 def test_a_resumed_run_logs_each_step_once(corpus, tmp_path):
     """metrics.jsonl held the steps an interrupted run logged after its last save, and the resumed run's again."""
     common = dict(data=str(corpus), out=str(tmp_path), preset="tiny", steps=10, progress=False)
@@ -349,17 +366,19 @@ def test_a_resumed_run_logs_each_step_once(corpus, tmp_path):
 
 def test_the_train_command_saves_on_ctrl_c_and_exits_130(corpus, tmp_path):
     import signal
-    import time
+
+    from tests.live import wait_for
 
     out = tmp_path / "ck"
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "train", "--data", str(corpus), "--out", str(out),
                              "--preset", "tiny", "--steps", "100000"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    def logged() -> bool:
+        assert proc.poll() is None, "the run ended before it logged a step"
+        return (out / "metrics.jsonl").is_file() and "\n" in (out / "metrics.jsonl").read_text()
+
     try:
-        deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().count("\n"):
-            assert proc.poll() is None and time.monotonic() < deadline, "no step logged"
-            time.sleep(0.05)
+        wait_for(logged, 120, "a logged step")  # the file is all a test can see of the run
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:

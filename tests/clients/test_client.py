@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from txlserve_client import (
     APIConnectionError,
@@ -21,16 +19,16 @@ from txlserve_client import (
 )
 
 from tests.clients.conftest import KeyedServer
-from tests.live import LONG, MODEL, LiveServer
+from tests.live import LONG, MODEL, LiveServer, wait_for
 
 
 def wait_for_tokens(client: Client, session_id: str, above: int, timeout: float = 120) -> Session:
     """The session once it holds more than ``above`` tokens (a cancelled run commits in the background)."""
-    deadline = time.monotonic() + timeout
-    while (s := client.sessions.get(session_id)).tokens_seen <= above:
-        assert time.monotonic() < deadline, f"session stayed at {s.tokens_seen} tokens"
-        time.sleep(0.05)  # poll, bounded by the deadline
-    return s
+    def grown() -> Session | None:
+        s = client.sessions.get(session_id)
+        return s if s.tokens_seen > above else None
+
+    return wait_for(grown, timeout, f"session {session_id} to pass {above} tokens")
 
 
 def test_completion(client: Client) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -97,7 +98,7 @@ async def test_a_commit_that_timed_out_is_refused_when_redis_resumes(
             deadline = time.monotonic() + 10
             while _scripts_run(server) == before:  # Redis runs the commit it had buffered as it resumes
                 assert time.monotonic() < deadline, "the buffered commit never ran"
-                time.sleep(0.01)  # poll, bounded by the deadline
+                await asyncio.sleep(0.01)  # poll, bounded by the deadline; the loop stays free
         got = await reader.get(info.session_id)
         assert got.version == 2 and got.info.tokens_seen == 16  # the failed commit did not land
         assert_same(got.tensors, make_state(seed=2))

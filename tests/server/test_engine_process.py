@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from server.engine_core import error_from, error_head, pack, unpack
-from tests.live import MODEL, LiveServer, start_all
+from tests.live import MODEL, LiveServer, start_all, wait_for
 from tests.procs import pid_alive, wait_exit
 
 
@@ -128,10 +127,11 @@ def test_an_engine_process_that_dies_fails_requests_and_health_and_the_server_st
             rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert rest and rest[-1]["error"]["type"] == "service_unavailable_error", rest[-1:]
         assert "engine process exited" in rest[-1]["error"]["message"]
-        deadline = time.monotonic() + 30
-        while (health := httpx.get(srv.url + "/health", timeout=10)).status_code == 200:
-            assert time.monotonic() < deadline, "/health stayed 200"
-            time.sleep(0.05)  # poll, bounded by the deadline
+        def unhealthy() -> httpx.Response | None:
+            health = httpx.get(srv.url + "/health", timeout=10)
+            return None if health.status_code == 200 else health
+
+        health = wait_for(unhealthy, 30, "/health to leave 200")
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
         assert httpx.get(srv.url + "/ready", timeout=10).json()["error"]["code"] == "engine_dead"
         r = _complete(srv, prompt="again", max_tokens=2)

@@ -5,7 +5,6 @@ store."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import RedisProcess
-from tests.live import MODEL, LiveServer, start_all, tiny_checkpoint
+from tests.live import MODEL, LiveServer, start_all, tiny_checkpoint, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -65,13 +64,11 @@ def _continue(srv: LiveServer, session_id: str | None = None, prompt: str = "") 
 
 
 def _wait_for_tier(srv: LiveServer, session_id: str, tier: str, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def there() -> dict | None:
         info = httpx.get(f"{srv.url}/v1/sessions/{session_id}", timeout=10).json()
-        if info["tier"] == tier:
-            return info
-        time.sleep(0.05)  # poll, bounded by the deadline
-    raise AssertionError(f"session {session_id} never became {tier}: {info}")
+        return info if info["tier"] == tier else None
+
+    return wait_for(there, timeout, f"session {session_id} to become {tier}")
 
 
 def test_a_cold_session_is_rebuilt_from_its_window_to_the_same_continuation(servers):

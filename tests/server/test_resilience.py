@@ -20,14 +20,12 @@ def complete(srv, **body) -> dict:
 
 def settled(srv, sid: str, timeout: float = 120) -> dict:
     """The session once no request holds it (its lease released)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def free() -> dict | None:
         r = httpx.post(f"{srv.url}/v1/sessions/{sid}/append", json={"text": ""}, timeout=30)
-        if r.status_code == 200:
-            return r.json()
-        assert r.status_code == 409, r.text
-        time.sleep(0.1)  # poll, bounded by the deadline
-    raise AssertionError("session stayed busy")
+        assert r.status_code in (200, 409), r.text
+        return r.json() if r.status_code == 200 else None
+
+    return wait_for(free, timeout, f"session {sid} to be free", every=0.1)
 
 
 def test_client_disconnect_stops_generation_and_commits(server):

@@ -46,10 +46,24 @@ static inline __attribute__((always_inline)) void add_sums(const int H, float *r
         for (int k = 0; k < 4; k++) s[h * TILE + r + k] += f[4 * h + k];
 }
 
+/* The next rows' prefetch: two lines, then the cursor moves on (to `end`). One call in each of the scores' and the
+   values' inner iterations, (n/4)(dm/16) + (dm/64)n of them a tile: the next tile's n dm / 16 lines, spread evenly
+   over the whole tile's work, so that DRAM is kept busy during the scores too. Over the values' pass alone, a
+   batch-16 step's rings were read 6-12% slower; every other or every fourth line alone (leaving the rest to the
+   hardware), slower still; into L1 or L2, the same (BENCHMARKS.md). L2 leaves L1 to the tile being read. */
+static inline __attribute__((always_inline)) void prefetch_step(const float **pf, const float *end)
+{
+    if (*pf < end) {
+        __builtin_prefetch(*pf, 0, 2);
+        __builtin_prefetch(*pf + 16, 0, 2);
+        *pf += 32;
+    }
+}
+
 /* s[h * TILE + r] += qt_h . x_r for the tile's rows r < n (x: n rows of dm, contiguous) */
 static inline __attribute__((always_inline)) void scores(const int H, float *restrict s, const float *restrict qt,
                                                          int64_t q_sh, const float *restrict x, int64_t dm,
-                                                         int64_t n)
+                                                         int64_t n, const float **pf, const float *end)
 {
     int64_t r = 0;
     for (; r + 4 <= n; r += 4) {
@@ -57,6 +71,7 @@ static inline __attribute__((always_inline)) void scores(const int H, float *res
         for (int h = 0; h < H; h++)
             for (int k = 0; k < 4; k++) acc[h][k] = (v16){0.f};
         for (int64_t d = 0; d < dm; d += 16) {
+            prefetch_step(pf, end);
             v16 xr[4];  /* four rows' floats, loaded once for every head */
             for (int k = 0; k < 4; k++) {
                 xr[k] = *(const v16 *)(x + (r + k) * dm + d);
@@ -80,13 +95,11 @@ static inline __attribute__((always_inline)) void scores(const int H, float *res
     }
 }
 
-/* ctx_h += sum_r p[h * TILE + r] x_r, 64 floats of d_model at a time held in registers for every head. The
-   next tile's rows (nx, nn of them) are prefetched meanwhile into L1, the same 64 floats of a row beside each
-   row's multiply-adds: spread so, the requests keep DRAM busy without a burst that stalls the loop (a burst of a
-   block's rows into L2 ran a batch-16 step 25% slower). */
+/* ctx_h += sum_r p[h * TILE + r] x_r, 64 floats of d_model at a time held in registers for every head, while the
+   next rows are prefetched (a burst of a tile's rows instead ran a batch-16 step 25% slower) */
 static inline __attribute__((always_inline)) void values(const int H, float *restrict ctx, int64_t c_sh,
                                                          const float *restrict p, const float *restrict x,
-                                                         int64_t dm, int64_t n, const float *nx, int64_t nn)
+                                                         int64_t dm, int64_t n, const float **pf, const float *end)
 {
     enum { W = 4 };  /* d_model is a multiple of 64 */
     for (int64_t d = 0; d < dm; d += 64) {
@@ -94,8 +107,7 @@ static inline __attribute__((always_inline)) void values(const int H, float *res
         for (int h = 0; h < H; h++)
             for (int w = 0; w < W; w++) acc[h][w] = *(const v16 *)(ctx + h * c_sh + d + 16 * w);
         for (int64_t r = 0; r < n; r++) {
-            if (r < nn)
-                for (int w = 0; w < W; w++) __builtin_prefetch(nx + r * dm + d + 16 * w, 0, 3);
+            prefetch_step(pf, end);
             v16 xr[4];
             for (int w = 0; w < W; w++) {
                 xr[w] = *(const v16 *)(x + r * dm + d + 16 * w);
@@ -123,11 +135,12 @@ static inline __attribute__((always_inline)) void run(const int H, const float *
     for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
         const int64_t n = j1 - t0 < TILE ? j1 - t0 : TILE;
         const int64_t nn = j1 - t0 - n < TILE ? j1 - t0 - n : TILE;  /* the next tile's rows */
-        const float *nx = nn > 0 ? ring + (t0 + n) * dm : after;
+        const float *x = ring + t0 * dm;
+        const float *pf = nn > 0 ? ring + (t0 + n) * dm : after != NULL ? after : x;  /* the next rows, if any */
+        const float *end = pf == x ? x : pf + (nn > 0 ? nn : n_after) * dm;
         for (int h = 0; h < H; h++)
             for (int64_t r = 0; r < n; r++) s[h * TILE + r] = bd[h * bd_sh + dist0 - t0 - r];
-        const float *x = ring + t0 * dm;
-        scores(H, s, qt, q_sh, x, dm, n);
+        scores(H, s, qt, q_sh, x, dm, n, &pf, end);
         for (int h = 0; h < H; h++) {  /* the online softmax: rescale what came before when the maximum rises */
             float *sh = s + h * TILE, mx = m[h];
             for (int64_t r = 0; r < n; r++) mx = sh[r] > mx ? sh[r] : mx;
@@ -145,7 +158,7 @@ static inline __attribute__((always_inline)) void run(const int H, const float *
             }
             z[h] += sum;
         }
-        values(H, ctx, c_sh, s, x, dm, n, nx, nn > 0 ? nn : n_after);
+        values(H, ctx, c_sh, s, x, dm, n, &pf, end);
     }
 }
 

@@ -99,7 +99,7 @@ int txl_attend_one(int64_t begin, int64_t end,                      /* rows h*B 
         if (start[b + 1] - start[b] < 1 || start[b + 1] - start[b] > MAX_CHUNK) return -2;
     /* scores of a row's queries against the ring; position terms of a group's queries (up to GROUP, or one row's
        MAX_CHUNK) for distances 0..M; the row's (q + u); the group's (q + v) */
-    enum { GROUP_Q = GROUP > MAX_CHUNK ? GROUP : MAX_CHUNK };
+    enum { GROUP_Q = (int)GROUP > (int)MAX_CHUNK ? (int)GROUP : (int)MAX_CHUNK };
     const size_t n = (size_t)(MAX_CHUNK + GROUP_Q) * (size_t)(M + 1) + (size_t)(MAX_CHUNK + GROUP_Q) * (size_t)D;
     float *s = malloc(n * sizeof(float));
     if (s == NULL) return -1;

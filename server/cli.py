@@ -162,7 +162,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
                    help="every token attends the same number of keys (default: the checkpoint's)")
     p.add_argument("--batch-size", type=count(1), default=8, help="streams the split is cut into (default: 8)")
-    p.add_argument("--max-tokens", type=count(1), default=None, help="evaluate the first N tokens of the split")
+    p.add_argument("--max-tokens", type=count(1), default=None,
+                   help="evaluate the first N tokens of the split (cut into --batch-size streams, as the paper "
+                        "evaluates: fewer than two tokens a stream go unscored; the output's tokens counts those "
+                        "scored)")
     p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_threads(p)

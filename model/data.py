@@ -168,6 +168,18 @@ def gzipped(path: Path) -> bool:
         return False
 
 
+def _text_bytes(path: Path) -> int:
+    """The bytes of text a file holds: a gzip file's own count of them (its last 4 bytes, modulo 2**32), so that a
+    folder is split by its text whether its files are gzipped or not."""
+    if not gzipped(path):
+        return path.stat().st_size
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) < 18:  # shorter than any gzip member: _copy_utf8 says it is damaged
+            return 0
+        f.seek(-4, os.SEEK_END)
+        return int.from_bytes(f.read(4), "little")
+
+
 def _load_text(src: Path, cache_dir: str | Path | None) -> Corpus:
     """A file is split 90/5/5 by bytes (a gzipped one once decompressed into the cache, as enwik8's zip is); a
     folder's .txt files go whole to one split each."""
@@ -178,10 +190,10 @@ def _load_text(src: Path, cache_dir: str | Path | None) -> Corpus:
     files = sorted((p for p in (*src.glob("*.txt"), *src.glob("*.txt.gz")) if p.is_file()), key=lambda p: p.name)
     if not files:
         raise DataError(f"no .txt (or .txt.gz) files in {src}")
-    sizes = {p: p.stat().st_size for p in files}
+    sizes = {p: _text_bytes(p) for p in files}
     total = sum(sizes.values())
     if total == 0:
-        raise DataError(f"empty corpus: the .txt files in {src} hold no bytes")
+        raise DataError(f"empty corpus: the .txt (or .txt.gz) files in {src} hold no text")
     root, key = _cache_root(cache_dir), _folder_key(src, files)
     if len(files) < 3:  # too few files to keep works apart: fall back to the byte split
         dest = root / f"{key}.all.bin"

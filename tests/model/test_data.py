@@ -146,22 +146,25 @@ def test_text_file_split(tmp_path: Path) -> None:
         load_corpus(tmp_path / "latin1.gz", cache_dir=tmp_path / "cache")
 
 
-def _make_folder(folder: Path, n: int) -> dict[str, bytes]:
+def _make_folder(folder: Path, n: int, gzipped: bool = False) -> dict[str, bytes]:
     folder.mkdir()
     rng = np.random.default_rng(1)
     works = {}
     for i in range(n):
         name = f"work{i:02d}.txt"
-        works[name] = f"<{name}>".encode() + b"x" * int(rng.integers(50, 500)) + f"</{name}>".encode()
-        (folder / name).write_bytes(works[name])
+        k = int(rng.integers(50, 500))  # odd works random letters, even ones one letter: compressed, sizes differ
+        body = bytes(rng.integers(97, 123, k, dtype=np.uint8)) if i % 2 else b"x" * k
+        works[name] = f"<{name}>".encode() + body + f"</{name}>".encode()
+        (folder / name).write_bytes(gzip.compress(works[name]) if gzipped else works[name])
     (folder / "notes.md").write_text("ignored")
     (folder / "sub").mkdir()
     (folder / "sub" / "nested.txt").write_text("not recursive")
     return works
 
 
-def test_text_folder_whole_files_per_split(tmp_path: Path) -> None:
-    works = _make_folder(tmp_path / "books", 20)
+@pytest.mark.parametrize("gzipped", [False, True])  # gzipped: split by the text's bytes, not the files'
+def test_text_folder_whole_files_per_split(tmp_path: Path, gzipped: bool) -> None:
+    works = _make_folder(tmp_path / "books", 20, gzipped)
     corpus = load_corpus(tmp_path / "books", cache_dir=tmp_path / "c1")
     again = load_corpus(tmp_path / "books", cache_dir=tmp_path / "c2")  # fresh cache: recomputed
     total = sum(len(w) for w in works.values())
@@ -212,6 +215,11 @@ def test_text_errors(tmp_path: Path) -> None:
     (tmp_path / "none").mkdir()
     with pytest.raises(DataError, match=r"no \.txt \(or \.txt\.gz\) files"):
         load_corpus(tmp_path / "none")
+    (tmp_path / "empty-gz").mkdir()
+    for name in ("a.txt.gz", "b.txt.gz", "c.txt"):  # gzip files of no text: not counted by their own bytes
+        (tmp_path / "empty-gz" / name).write_bytes(gzip.compress(b""))
+    with pytest.raises(DataError, match="empty corpus: the .* files in .*empty-gz hold no text"):
+        load_corpus(tmp_path / "empty-gz", cache_dir=tmp_path / "c0")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     with pytest.raises(DataError, match="latin1.txt is not valid UTF-8"):
         load_corpus(tmp_path / "latin1.txt")

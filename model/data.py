@@ -169,15 +169,17 @@ def gzipped(path: Path) -> bool:
 
 
 def _text_bytes(path: Path) -> int:
-    """The bytes of text a file holds: a gzip file's own count of them (its last 4 bytes, modulo 2**32), so that a
-    folder is split by its text whether its files are gzipped or not."""
+    """The bytes of text a file holds, so that a folder is split by its text whether its files are gzipped or
+    not. A gzip file is inflated to count them: its trailer's count is the last member's alone, modulo 2**32, and
+    `cat a.gz b.gz` or bgzip writes several members (bgzip's last one empty). A damaged one counts what reads;
+    :func:`_copy_utf8` says what is wrong with it."""
     if not gzipped(path):
         return path.stat().st_size
-    with open(path, "rb") as f:
-        if f.seek(0, os.SEEK_END) < 18:  # shorter than any gzip member: _copy_utf8 says it is damaged
-            return 0
-        f.seek(-4, os.SEEK_END)
-        return int.from_bytes(f.read(4), "little")
+    n, buf = 0, bytearray(_CHUNK)
+    with contextlib.suppress(OSError, EOFError, zlib.error), gzip.open(path, "rb") as f:
+        while got := f.readinto(buf):
+            n += got
+    return n
 
 
 def _load_text(src: Path, cache_dir: str | Path | None) -> Corpus:
@@ -190,24 +192,21 @@ def _load_text(src: Path, cache_dir: str | Path | None) -> Corpus:
     files = sorted((p for p in (*src.glob("*.txt"), *src.glob("*.txt.gz")) if p.is_file()), key=lambda p: p.name)
     if not files:
         raise DataError(f"no .txt (or .txt.gz) files in {src}")
-    sizes = {p: _text_bytes(p) for p in files}
-    total = sum(sizes.values())
-    if total == 0:
-        raise DataError(f"empty corpus: the .txt (or .txt.gz) files in {src} hold no text")
     root, key = _cache_root(cache_dir), _folder_key(src, files)
-    if len(files) < 3:  # too few files to keep works apart: fall back to the byte split
-        dest = root / f"{key}.all.bin"
-        if not dest.is_file():
-            _write_atomic(dest, lambda out: _concat(files, out))
-        return _byte_split(_map(dest), src)
-    groups = _assign(files, sizes, total)
-    arrays = {}
-    for name in SPLITS:
-        dest = root / f"{key}.{name}.bin"
-        if not dest.is_file():
-            _write_atomic(dest, lambda out, fs=groups[name]: _concat(fs, out))
-        arrays[name] = _map(dest)  # [split_bytes]
-    return Corpus("text", **arrays)
+    names = ("all",) if len(files) < 3 else SPLITS  # too few files to keep works apart: the byte split
+    dests = {name: root / f"{key}.{name}.bin" for name in names}
+    if not all(dest.is_file() for dest in dests.values()):  # else split before: no file is inflated again
+        sizes = {p: _text_bytes(p) for p in files}
+        total = sum(sizes.values())
+        if total == 0:
+            raise DataError(f"empty corpus: the .txt (or .txt.gz) files in {src} hold no text")
+        groups = {"all": files} if len(files) < 3 else _assign(files, sizes, total)
+        for name, dest in dests.items():
+            if not dest.is_file():
+                _write_atomic(dest, lambda out, fs=groups[name]: _concat(fs, out))
+    if len(files) < 3:
+        return _byte_split(_map(dests["all"]), src)
+    return Corpus("text", **{name: _map(dest) for name, dest in dests.items()})  # [split_bytes] each
 
 
 def _byte_split(data: np.ndarray, src: Path) -> Corpus:

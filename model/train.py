@@ -183,11 +183,13 @@ class StopAtStepEnd(HeldSignals):
     def __init__(self, saved: str) -> None:
         super().__init__()
         self.saved = saved  # what the checkpoint directory holds, for the second press's line
+        self.step_saved = False  # the step last run is in it (a second press held while its save ran)
 
     def _on_signal(self, sig: int, frame: Any) -> None:
         super()._on_signal(sig, frame)
         if len(self.held) > 1:
-            print(f"txlserve: interrupted again: this step is not saved; {self.saved}", file=sys.stderr)
+            lost = "" if self.step_saved else "this step is not saved; "
+            print(f"txlserve: interrupted again: {lost}{self.saved}", file=sys.stderr)
             self.release()
 
 
@@ -269,8 +271,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
                                  info={"step": step, "tokens_seen": tokens_seen, "data": batches.state_dict(),
                                        "last_eval": last_eval,
                                        "args": {k: v for k, v in asdict(args).items() if k != "given"}})
-            if stop is not None:
-                stop.saved = f"{out} holds step {step}"
+                if stop is not None:  # before a press held by the save acts
+                    stop.saved, stop.step_saved = f"{out} holds step {step}", True
 
     def log(record: dict[str, Any]) -> None:
         if rank == 0:
@@ -293,6 +295,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
     stop = StopAtStepEnd(held) if alone else None  # None: a signal acts as it always does
     try:
         while step < last_step and not (stop is not None and stop.held):
+            if stop is not None:
+                stop.step_saved = False
             inp, tgt = next(stream)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, lr=opt["lr"], warmup_steps=opt["warmup_steps"], steps=opt["steps"])

@@ -536,19 +536,23 @@ class EngineCore:
         self.proc, ours = core_spawn.take() or core_spawn.spawn()  # started early by `txlserve serve`, or now
         self.conn = Connection(ours.detach())
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(self.settings).encode() + b"\n")
-        self.proc.stdin.close()
+        head: dict[str, Any] | None = None
+        try:
+            self.proc.stdin.write(json.dumps(self.settings).encode() + b"\n")
+            self.proc.stdin.close()
+        except OSError:  # it died before it read them (a broken pipe): as one that died loading
+            head = {"op": "exited"}
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
+        while head is None:
             if self.conn.poll(1.0):
                 try:
                     head, _ = unpack(self.conn.recv_bytes())
                 except (EOFError, OSError):
                     head = {"op": "exited"}
-                break
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
                 head = {"op": "exited"}
-                break
         if head["op"] == "failed":
             self.stop()
             raise error_from(head)

@@ -188,12 +188,12 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
         if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("listening on %s without API keys: anyone who reaches this port can read every session "
                         "(set TXLSERVE_API_KEYS)", settings.host)
+        server = _Server(config, hold)
+        if hold is not None:
+            hold.forward = server.handle_exit  # from here a signal goes to the server; one before, in held, stops it
         if hold is not None and hold.held:
             log.info("stopping before serving (%s)", signal.Signals(hold.held[0]).name)
         else:
-            server = _Server(config, hold)
-            if hold is not None:
-                hold.forward = server.handle_exit  # from here a signal goes to the server
             await server.serve(sockets=[sock])
     finally:
         try:
@@ -201,6 +201,6 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
                 shared.close()
             await close_runtime(rt)  # already closed by the app's lifespan, unless uvicorn never started it
         finally:
-            if hold is not None and hold.forward is None:  # else the server's capture_signals released it
+            if hold is not None:  # a second release (the server's capture_signals made one) does nothing
                 hold.release()
     return 0

@@ -146,7 +146,12 @@ def test_text_file_split(tmp_path: Path) -> None:
         load_corpus(tmp_path / "latin1.gz", cache_dir=tmp_path / "cache")
 
 
-def _make_folder(folder: Path, n: int, gzipped: bool = False) -> dict[str, bytes]:
+def _members(data: bytes) -> bytes:
+    """``data`` as bgzip writes it: several gzip members, the last one empty (its trailer counts 0 bytes)."""
+    return gzip.compress(data[:len(data) // 2]) + gzip.compress(data[len(data) // 2:]) + gzip.compress(b"")
+
+
+def _make_folder(folder: Path, n: int, gzipped: bool | str = False) -> dict[str, bytes]:
     folder.mkdir()
     rng = np.random.default_rng(1)
     works = {}
@@ -155,15 +160,17 @@ def _make_folder(folder: Path, n: int, gzipped: bool = False) -> dict[str, bytes
         k = int(rng.integers(50, 500))  # odd works random letters, even ones one letter: compressed, sizes differ
         body = bytes(rng.integers(97, 123, k, dtype=np.uint8)) if i % 2 else b"x" * k
         works[name] = f"<{name}>".encode() + body + f"</{name}>".encode()
-        (folder / name).write_bytes(gzip.compress(works[name]) if gzipped else works[name])
+        data = works[name]
+        (folder / name).write_bytes(_members(data) if gzipped == "members" else gzip.compress(data) if gzipped
+                                    else data)
     (folder / "notes.md").write_text("ignored")
     (folder / "sub").mkdir()
     (folder / "sub" / "nested.txt").write_text("not recursive")
     return works
 
 
-@pytest.mark.parametrize("gzipped", [False, True])  # gzipped: split by the text's bytes, not the files'
-def test_text_folder_whole_files_per_split(tmp_path: Path, gzipped: bool) -> None:
+@pytest.mark.parametrize("gzipped", [False, True, "members"])  # gzipped: split by the text's bytes, not the files'
+def test_text_folder_whole_files_per_split(tmp_path: Path, gzipped: bool | str) -> None:
     works = _make_folder(tmp_path / "books", 20, gzipped)
     corpus = load_corpus(tmp_path / "books", cache_dir=tmp_path / "c1")
     again = load_corpus(tmp_path / "books", cache_dir=tmp_path / "c2")  # fresh cache: recomputed
@@ -189,11 +196,16 @@ def test_text_folder_whole_files_per_split(tmp_path: Path, gzipped: bool) -> Non
     assert owner == expected
 
 
-def test_text_folder_cache_reused(tmp_path: Path) -> None:
-    _make_folder(tmp_path / "books", 5)
+def test_text_folder_cache_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _make_folder(tmp_path / "books", 5, gzipped=True)
     load_corpus(tmp_path / "books", cache_dir=tmp_path / "c")
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "c").glob("*.bin")}
     assert len(stamps) == 3
+
+    def inflated(path: Path) -> int:
+        raise AssertionError(f"{path} inflated again to be counted")
+
+    monkeypatch.setattr(data_mod, "_text_bytes", inflated)  # the splits are cached: nothing is read to size them
     load_corpus(tmp_path / "books", cache_dir=tmp_path / "c")
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "c").glob("*.bin")} == stamps
 

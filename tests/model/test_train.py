@@ -307,6 +307,45 @@ def test_a_ctrl_c_ends_the_step_and_saves_it(corpus, tmp_path, monkeypatch, caps
     train(TrainArgs(out=str(tmp_path / "twice"), steps=3, **common))
     assert _steps_logged(tmp_path / "twice") == [1, 2, 3]
 
+    presses[5] = 1  # the second press while the step's save runs: the save ends first, and the line says so
+    save_train_state = train_module.save_train_state
+
+    def save_pressing(*args, **kw):
+        signal.raise_signal(signal.SIGINT)
+        return save_train_state(*args, **kw)
+
+    monkeypatch.setattr(train_module, "save_train_state", save_pressing)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainArgs(out=str(tmp_path / "during"), steps=50, **common))
+    err = capsys.readouterr().err
+    assert f"interrupted again: {tmp_path / 'during'} holds step 6" in err and "not saved" not in err
+    assert load_checkpoint(tmp_path / "during").meta["training"]["steps"] == 6
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_an_ignored_sigint_stays_ignored(corpus, tmp_path, monkeypatch):
+    """A shell starts a script's background jobs with SIGINT ignored; the step-end stop held it anyway, and such a
+    job's training ended early with success at the terminal's Ctrl-C."""
+    import signal
+
+    import model.train as train_module
+
+    lr_at = train_module.lr_at
+
+    def lr_at_pressing(step, **kw):
+        if step == 5:
+            signal.raise_signal(signal.SIGINT)
+        return lr_at(step, **kw)
+
+    monkeypatch.setattr(train_module, "lr_at", lr_at_pressing)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=8, progress=False))
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert load_checkpoint(tmp_path).meta["training"]["steps"] == 8
+
 
 def test_resume_takes_the_runs_settings_where_the_command_gives_none(corpus, tmp_path, capsys):
     """`train --out DIR --resume` without the first run's flags had trained to the preset's 200 steps on another

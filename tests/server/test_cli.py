@@ -281,13 +281,19 @@ _STOP_BEFORE_SERVING = """
 import signal, sys
 sys.path.insert(0, {repo!r})
 import server.serve as serve_mod
-freeze = serve_mod.freeze_startup_objects
+freeze, make = serve_mod.freeze_startup_objects, serve_mod._Server.__init__
 def stop_then_freeze():  # the signal lands after the runtime opened, before uvicorn's handlers are in
     signal.raise_signal(signal.Signals[sys.argv[1]])
     return freeze()
-serve_mod.freeze_startup_objects = stop_then_freeze
+def make_then_stop(self, *args):  # it lands while the server is made, before it takes the signals
+    make(self, *args)
+    signal.raise_signal(signal.Signals[sys.argv[1]])
+if sys.argv[2] == "freeze":
+    serve_mod.freeze_startup_objects = stop_then_freeze
+else:
+    serve_mod._Server.__init__ = make_then_stop
 from server.cli import main
-sys.exit(main(["serve", "--port", "0", *sys.argv[2:]]))
+sys.exit(main(["serve", "--port", "0", *sys.argv[3:]]))
 """
 
 
@@ -302,17 +308,21 @@ def test_a_stop_signal_before_serving_closes_the_runtime_quietly(checkpoint, tmp
     script = tmp_path / "stop_before_serving.py"
     script.write_text(_STOP_BEFORE_SERVING.format(repo=str(REPO)))
 
-    def run(sig: str) -> tuple[subprocess.CompletedProcess, Path]:
-        data = tmp_path / sig
-        return subprocess.run([sys.executable, str(script), sig, "--checkpoint", str(checkpoint), "--data-dir",
-                               str(data)], cwd=REPO, capture_output=True, text=True, timeout=120,
+    def run(case: tuple[str, str]) -> tuple[subprocess.CompletedProcess, Path]:
+        sig, hook = case
+        data = tmp_path / f"{sig}-{hook}"
+        return subprocess.run([sys.executable, str(script), sig, hook, "--checkpoint", str(checkpoint),
+                               "--data-dir", str(data)], cwd=REPO, capture_output=True, text=True, timeout=120,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}), data
 
+    # "server": the signal lands while uvicorn's server is made, after the check for a held one; it was held
+    # until that server stopped for another reason, and the server served on
+    cases = [("SIGINT", "freeze"), ("SIGTERM", "freeze"), ("SIGINT", "server")]
     try:
         with ThreadPoolExecutor(2) as pool:  # two servers side by side, one core each
-            (stopped, data_int), (termed, data_term) = pool.map(run, ("SIGINT", "SIGTERM"))
-        for r, data, status, name in ((stopped, data_int, 130, "SIGINT"), (termed, data_term, -signal.SIGTERM,
-                                                                              "SIGTERM")):
+            runs = list(pool.map(run, cases))
+        for (r, data), (name, _) in zip(runs, cases):
+            status = 130 if name == "SIGINT" else -signal.SIGTERM
             assert r.returncode == status, r.stderr[-3000:]
             assert f"stopping before serving ({name})" in r.stderr, r.stderr[-3000:]
             assert "Traceback" not in r.stderr and "CancelledError" not in r.stderr, r.stderr[-3000:]

@@ -427,3 +427,25 @@ def test_an_engine_process_started_early_is_taken_once_or_goes_with_its_server(c
                        env={**os.environ, "OMP_NUM_THREADS": "1", marker: "1"})
     assert r.returncode == 2 and "is unavailable" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not _with_environ(marker), "the engine process outlived a server that failed"
+
+
+def test_an_engine_process_that_dies_before_its_settings_is_a_failed_start(monkeypatch):
+    """One started early can die after the server took it and before it read its settings: the write to it
+    raised a broken pipe out of the server's start, with the connection left open."""
+    import socket
+    import subprocess
+    import sys
+
+    from server import core_spawn
+    from server.engine_core import EngineCore
+    from txlserve.errors import Unavailable
+
+    ours, theirs = socket.socketpair()
+    theirs.close()
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.PIPE)
+    proc.wait(60)
+    monkeypatch.setattr(core_spawn, "take", lambda: (proc, ours))
+    core = EngineCore({"checkpoint": "unused", "hot_bytes": 0})
+    with pytest.raises(Unavailable, match="the engine process exited while loading"):
+        core.start()
+    assert core.conn.closed and proc.stdin.closed

@@ -215,3 +215,48 @@ def test_the_playground_works_under_a_path_prefix(server, browser, tmp_path):
         _wait(driver, lambda d: "finish_reason: length, 8 tokens" in _by_id(d, "finish").text, "the stream's end")
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
+
+
+def test_the_playground_with_api_keys_connects_once_a_key_is_typed_and_shows_a_streams_error(checkpoint, redis_url,
+                                                                                             browser, tmp_path):
+    """With keys, the page's first call is refused (401) and said so; a key typed then re-read only the list, so
+    the model stayed unknown and every continuation was refused for its null model. And a stream's error (here,
+    nothing to continue from) was cleared at once by the list's refresh that followed it: only "failed" showed."""
+    from selenium.webdriver.common.keys import Keys
+
+    from tests.live import LiveServer
+
+    key = "sk-playground-123"
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path / "keyed", args=("--api-keys", key)).start()
+    try:
+        driver = browser
+        driver.get_log("browser")  # drop what an earlier test left
+        driver.get(srv.url + "/")
+        _wait(driver, lambda d: "enter an API key" in _by_id(d, "error").text, "the 401, said")
+        assert _by_id(driver, "model-line").text == "not connected"
+        _by_id(driver, "api-key").send_keys(key, Keys.TAB)  # a change event
+        _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "the model line, once the key is typed")
+        _settled(driver)
+        assert _by_id(driver, "error").text == ""
+        _type(driver, "new-text", DOC)
+        _by_id(driver, "create").click()
+        _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), "a session made with the key")
+        _type(driver, "prompt", " And")
+        _type(driver, "max-tokens", "8")
+        _type(driver, "temperature", "0")
+        _by_id(driver, "continue").click()
+        _wait(driver, lambda d: "finish_reason: length, 8 tokens" in _by_id(d, "finish").text, "the stream's end")
+
+        _type(driver, "new-text", "")  # an empty session, continued with no prompt: the server refuses it
+        _by_id(driver, "create").click()
+        _wait(driver, lambda d: _count(d, "m-tokens") == 0, "the empty session")
+        _type(driver, "prompt", "")
+        _by_id(driver, "continue").click()
+        _wait(driver, lambda d: _by_id(d, "finish").text == "failed", "the refused stream")
+        _settled(driver)  # the list refreshed after the stream ended: the error is still shown
+        assert "nothing to continue from" in _by_id(driver, "error").text
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"
+                  and "401" not in e["message"]]  # the refused first call, logged by the browser
+        assert not errors, errors
+    finally:
+        srv.stop()

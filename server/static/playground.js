@@ -5,7 +5,8 @@ const state = { model: null, selected: null, socket: null, running: false, scrol
 
 function key() { return $("api-key").value.trim(); }
 
-function showError(message) { $("error").textContent = message || ""; }
+let errorFrom = null;  // what showed the error: the list's refresh (or connecting) clears only its own
+function showError(message, from = null) { $("error").textContent = message || ""; errorFrom = message ? from : null; }
 
 async function api(method, path, body) {
   const headers = { "content-type": "application/json" };
@@ -54,6 +55,7 @@ async function refreshSelected() {
 }
 
 function select(id) {
+  if (state.selected !== id) showError("");  // another session chosen: an action's error was about the last
   state.selected = id;
   for (const li of document.querySelectorAll("#sessions li")) li.classList.toggle("selected", li.dataset.id === id);
   refreshSelected();
@@ -96,13 +98,14 @@ async function refreshList() {
       list.appendChild(li);
     }
     if (state.selected) select(state.selected);
-    showError("");
-  } catch (e) { showError(e.message); } finally { busy(-1); }
+    if (errorFrom === "list") showError("");  // a stream's or an action's error stays until the next action
+  } catch (e) { showError(e.message, "list"); } finally { busy(-1); }
 }
 
 async function create(event) {
   event.preventDefault();
   const title = $("new-title").value.trim();
+  showError("");
   try {
     const made = await api("POST", "/v1/sessions", { text: $("new-text").value,
                                                     metadata: title ? { title } : undefined });
@@ -113,11 +116,13 @@ async function create(event) {
 }
 
 async function fork(id) {
+  showError("");
   try { const made = await api("POST", `/v1/sessions/${id}/fork`, {}); state.selected = made.id; await refreshList(); }
   catch (e) { showError(e.message); }
 }
 
 async function remove(id) {
+  showError("");
   try {
     await api("DELETE", "/v1/sessions/" + id);
     if (state.selected === id) state.selected = null;
@@ -131,6 +136,7 @@ async function append() {
   const file = $("doc-file").files[0];
   if (file) text += await file.text();
   if (!text) return showError("nothing to append");
+  showError("");
   const t0 = performance.now();
   try {
     const r = await api("POST", `/v1/sessions/${state.selected}/append`, { text });
@@ -155,8 +161,9 @@ function setRunning(running) {
   $("continue").disabled = running; $("cancel").disabled = !running;
 }
 
-function startContinue() {
+async function startContinue() {
   if (!state.selected) return showError("select or create a session first");
+  if (!state.model && !(await connect())) return;  // not connected yet (no key when the page loaded)
   showError("");
   const out = $("output");
   out.replaceChildren();
@@ -209,17 +216,24 @@ async function start() {
   $("append").addEventListener("click", append);
   $("continue").addEventListener("click", startContinue);
   $("cancel").addEventListener("click", cancel);
-  $("api-key").addEventListener("change", refreshList);
+  $("api-key").addEventListener("change", connect);  // a key typed after a 401: the model, then the list
+  await connect();
+}
+
+async function connect() {  // the served model (the WebSocket's requests name it), then the session list
   try {
     const models = await api("GET", "/v1/models");
     const m = models.data[0];
     state.model = m.id;
     $("model-line").textContent = `${m.id}: ${m.n_layer} layers, d_model ${m.d_model}, mem_len ${m.mem_len}`;
-    await refreshList();
   } catch (e) {
+    state.model = null;
     $("model-line").textContent = "not connected";
-    showError(e.message + (String(e.message).startsWith("401") ? " (enter an API key above)" : ""));
+    showError(e.message + (String(e.message).startsWith("401") ? " (enter an API key above)" : ""), "list");
+    return false;
   }
+  await refreshList();
+  return true;
 }
 
 start();

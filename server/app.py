@@ -27,6 +27,7 @@ from server import errors
 from server.deps import request_fields
 from server.errors import error_body
 from server.http_protocol import SENT_STATUS
+from server.openapi import describe_errors
 from server.routes import completions, health, sessions, tokenize, ws
 from server.runtime import Runtime, close_runtime, open_runtime
 from server.settings import Settings
@@ -299,8 +300,10 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     _offline_docs(app)
     _playground(app)
     errors.install(app)
-    for module in (health, completions, sessions, tokenize, ws):
-        app.include_router(module.router)
+    routers = [module.router for module in (health, completions, sessions, tokenize, ws)]
+    for router in routers:
+        app.include_router(router)
+    describe_errors(app, routers)
 
     app.add_middleware(HeadAsGet)  # innermost: the log and the limits still see HEAD
     if settings.cors_origins:  # off by default: browsers on other origins may call the API only when allowed

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from server.deps import owner
 from txlserve import errors as e
 
 log = logging.getLogger("txlserve")
@@ -80,8 +81,23 @@ def install(app: FastAPI) -> None:
             headers = {"WWW-Authenticate": 'Bearer realm="txlserve"'}
         return JSONResponse(body, status_code=status, headers=headers)
 
+    async def _key_first(request: Request) -> JSONResponse | None:
+        """The 401 of a caller without a valid key, where the route takes one: FastAPI reads the body before it
+        runs the route's dependencies, so a body that did not read was answered 400 before the key was checked,
+        telling a caller without a key what the route accepts."""
+        dependant = getattr(request.scope.get("route"), "dependant", None)
+        if dependant is None or not any(d.call is owner for d in dependant.dependencies):
+            return None
+        try:
+            await owner(request)
+        except e.AuthenticationError as err:
+            return await _txl(request, err)
+        return None
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        if (refused := await _key_first(request)) is not None:
+            return refused
         msg, param = validation_message(err)
         content_type = request.headers.get("content-type", "")
         not_json = "json" not in content_type.split(";")[0].lower()  # curl -d's form type, or none at all
@@ -96,6 +112,8 @@ def install(app: FastAPI) -> None:
             # read (uvicorn reports a closed connection before the body once the connection is gone): a 499
             return await _txl(request, e.RequestCancelled("the client closed the connection before its request "
                                                           "body was read; nothing was done"))
+        if err.status_code == 400 and (refused := await _key_first(request)) is not None:
+            return refused
         where = f"{'HEAD' if request.scope.get('txlserve.head') else request.method} {request.url.path}"
         message, type_, code = {
             404: (f"no such route: {where} (the API is described at /docs)", "not_found_error", "unknown_route"),

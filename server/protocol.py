@@ -274,3 +274,16 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the API answers, HTTP and WebSocket alike: OpenAI's shape (``server/errors.py``)."""
+
+    error: ErrorDetail

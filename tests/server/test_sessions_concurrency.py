@@ -64,6 +64,46 @@ def test_api_keys_guard_what_the_readme_says_and_nothing_else(keyed):
         assert httpx.get(keyed.url + path).status_code == 200, path
 
 
+def test_a_body_that_does_not_read_is_refused_for_its_key_first(keyed):
+    """FastAPI reads a body before the route's key check: malformed JSON (and bytes that are not UTF-8) without a
+    key got a 400 about the body where every other request without one gets the 401."""
+    json_type = {"Content-Type": "application/json"}
+    for path in ("/v1/completions", "/v1/sessions", "/tokenize"):
+        for body in (b"{", b"\xff\xfe{}"):
+            r = httpx.post(keyed.url + path, content=body, headers=json_type)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, body, r.text)
+            assert r.headers["www-authenticate"].startswith("Bearer")
+            r = httpx.post(keyed.url + path, content=body, headers={**json_type, "Authorization": "Bearer key-one"})
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (path, body)
+
+
+def test_the_openapi_document_says_which_operations_take_a_key_and_what_errors_look_like(keyed):
+    """/openapi.json listed FastAPI's 422 and its {"detail": [...]} body for every operation, which the server
+    never answers, and neither the keys nor any error it does answer: a client generated from it was wrong."""
+    import re
+
+    from server.protocol import ErrorResponse
+
+    doc = httpx.get(keyed.url + "/openapi.json").json()
+    assert "HTTPValidationError" not in doc["components"]["schemas"] and '"422"' not in str(doc).replace("'", '"')
+    assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    refs = {"#/components/schemas/ErrorResponse"}
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            errors = {status: r for status, r in op["responses"].items() if not status.startswith("2")}
+            assert all(r["content"]["application/json"]["schema"]["$ref"] in refs for r in errors.values())
+            url = keyed.url + re.sub(r"\{[^}]+\}", "x", path)
+            got = httpx.request(method.upper(), url, json={} if "requestBody" in op else None)
+            if op.get("security"):  # documented as taking a key: refused without one, in the documented shape
+                assert "401" in errors and got.status_code == 401, (method, path, got.status_code)
+                ErrorResponse.model_validate(got.json())
+            else:
+                assert got.status_code != 401, (method, path)
+    assert {"400", "401", "413", "default"} <= set(doc["paths"]["/v1/completions"]["post"]["responses"])
+    bad = httpx.post(keyed.url + "/v1/completions", json={"prompt": 1}, headers={"Authorization": "Bearer key-one"})
+    assert bad.status_code == 400 and ErrorResponse.model_validate(bad.json()).error.param == "model"
+
+
 def test_api_keys_isolate_sessions(keyed):
     one, two = {"Authorization": "Bearer key-one"}, {"Authorization": "Bearer key-two"}
     assert httpx.get(keyed.url + "/v1/models").status_code == 401

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -204,8 +203,15 @@ class EmbeddedRedis:
 
 
 def _quote(path: Path) -> str:
-    """A double-quoted config value; Redis reads the same escapes JSON writes for a path."""
-    return json.dumps(str(path))
+    """A double-quoted config value holding the path's bytes: printable ASCII as it is (with backslashes and quotes
+    escaped), every other byte as ``\\xHH``, which is what Redis's config parser reads. JSON's escapes were written
+    before: ``\\u00e9`` for a non-ASCII letter, which Redis does not read, so a data dir such as ``données`` named
+    one that did not exist and Redis exited at start."""
+    out = []
+    for byte in os.fsencode(path):
+        char = chr(byte)
+        out.append("\\" + char if char in '"\\' else char if 0x20 <= byte < 0x7F else f"\\x{byte:02x}")
+    return '"' + "".join(out) + '"'
 
 
 def _is_redis_process(pid: int) -> bool:

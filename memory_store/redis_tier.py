@@ -331,7 +331,7 @@ class RedisTier:
         round trip before every pipeline that carries scripts; here a Redis that lost them (restarted, flushed)
         answers NOSCRIPT and gets them loaded. Only a NOSCRIPT for the first command (the one whose answer
         matters) runs the pipeline again, since that command then did nothing; the others are TTL touches, which
-        the next use repeats."""
+        the next use repeats, so their errors are not raised (the lease or read beside one stands)."""
         for attempt in range(2):
             async with self._client.pipeline(transaction=False) as pipe:
                 build(pipe)
@@ -342,9 +342,8 @@ class RedisTier:
                     await self._client.script_load(script.script)
             if not missing[0] or attempt:
                 break
-        for r in results:
-            if isinstance(r, Exception) and not isinstance(r, redis.exceptions.NoScriptError):
-                raise r
+        if isinstance(results[0], Exception) and not missing[0]:  # the touches' errors: theirs to repeat
+            raise results[0]
         if missing[0]:
             raise redis.exceptions.NoScriptError("the script was not found after loading it")
         return results
@@ -365,7 +364,9 @@ class RedisTier:
                 read = (self._read(keys=record) if payload
                         else self._client.hmget(session_key(session_id), ("header",)))
                 values, *_ = await asyncio.gather(read, *(self._touch_script(keys=k, args=[
-                    self._ttl_ms, self._touch_slack_ms]) for k in keys))
+                    self._ttl_ms, self._touch_slack_ms]) for k in keys), return_exceptions=True)
+                if isinstance(values, BaseException):  # a touch that failed is the next use's to repeat
+                    raise values
             else:
                 def build(pipe: redis.asyncio.client.Pipeline) -> None:
                     if payload:
@@ -508,7 +509,9 @@ class RedisTier:
             if self._cluster or not self._ttl_ms:  # the index lives in another slot: its touch runs beside
                 touches = [self._touch_script(keys=[owner_key(owner)], args=[self._ttl_ms, self._touch_slack_ms])
                            ] if self._ttl_ms else []
-                reply, *_ = await asyncio.gather(self._acquire(keys=keys, args=args), *touches)
+                reply, *_ = await asyncio.gather(self._acquire(keys=keys, args=args), *touches, return_exceptions=True)
+                if isinstance(reply, BaseException):  # a touch that failed is the next use's to repeat
+                    raise reply
             else:
                 def build(pipe: redis.asyncio.client.Pipeline) -> None:
                     pipe.evalsha(self._acquire.sha, len(keys), *keys, *args)

@@ -289,10 +289,13 @@ class MemoryStore:
     async def fork(
         self, session_id: str, *, owner: str | None = None, metadata: Mapping[str, Any] | None = None
     ) -> SessionInfo:
-        """A new session with a copy of this one's tensors (hot-only ones too, while hot)."""
+        """A new session with a copy of this one's tensors (hot-only ones too, while hot). A session another model
+        wrote is forked cold, its token window alone: its hidden states are that model's, and a copy written with
+        this model's fingerprint would have been continued from them as this model's own."""
         with self.metrics.timed("fork"):
             source = await self._load(_checked_id(session_id), owner)
-            tensors = {name: t.clone() for name, t in source.tensors.items()}
+            foreign = source.info.fingerprint != self.identity.fingerprint
+            tensors = {name: t.clone() for name, t in source.tensors.items() if not foreign or name == codec.WINDOW}
             metadata = source.info.metadata if metadata is None else metadata
             info = source.info
             return await self._create(owner, tensors, info.mem_len, info.tokens_seen, codec.check_metadata(metadata))
@@ -380,7 +383,12 @@ class MemoryStore:
     async def _acquire(self, session_id: str, owner: str | None, tensors: bool = True) -> Lease:
         with self.metrics.timed("lease"):
             token = secrets.token_hex(16)
-            status, raw, clock = await self._redis.acquire(session_id, owner, token)
+            try:
+                status, raw, clock = await self._redis.acquire(session_id, owner, token)
+            except BaseException:  # the script may have taken it before the reply was lost: give it back, or the
+                with contextlib.suppress(StoreUnavailable):  # session is busy to everyone until the lease's TTL
+                    await asyncio.shield(self._redis.release(session_id, token))
+                raise
             if status == "NOT_FOUND":
                 raise SessionNotFound(f"session {session_id!r} not found")
             if status == "BUSY":

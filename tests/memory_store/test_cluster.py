@@ -109,3 +109,42 @@ async def test_a_slot_migrated_mid_lease_keeps_the_session_and_its_lease(stores,
     got = await b.get(sid)
     assert got.version == 2 and got.info.tokens_seen == 21
     assert_same(got.tensors, _state(2))
+
+
+async def test_a_lease_stands_while_the_owner_indexs_primary_does_not_answer(tmp_path) -> None:
+    """In a cluster the owner index lives on another primary, touched beside the lease script: with that primary
+    paused, the touch's timeout failed the lease call after the script had taken the lease, and nothing gave it
+    back (the session was busy to everyone for the lease's TTL). The touch is best effort now."""
+    import secrets
+
+    from memory_store.redis_tier import owner_key
+    from tests.conftest import RedisClusterProcesses
+
+    cluster = RedisClusterProcesses(tmp_path / "cluster").start()
+    nodes = _nodes(cluster.url)
+    try:
+        async with MemoryStore.from_url(cluster.url, identity=TOKENIZED, hot_cache_mb=0, op_timeout_s=1.0) as a, \
+                MemoryStore.from_url(cluster.url, identity=TOKENIZED, hot_cache_mb=0, op_timeout_s=1.0) as b:
+            while True:  # an owner whose index is on another primary than the session
+                owner = "o-" + secrets.token_hex(4)
+                info = await a.create(tensors=_state(), mem_len=8, tokens_seen=20, owner=owner)
+                node_of = [nodes.nodes_manager.get_node_from_slot(nodes.keyslot(key)).port
+                           for key in (session_key(info.session_id), owner_key(owner))]
+                if node_of[0] != node_of[1]:
+                    break
+            async with a.lease(info.session_id, owner=owner):  # the scripts are loaded on every primary
+                pass
+            paused = next(node for node in cluster.nodes if node.port == node_of[1])
+            paused.pause()
+            try:
+                async with a.lease(info.session_id, owner=owner) as lease:
+                    assert lease.version == 1
+                    with pytest.raises(SessionBusy):
+                        await b.lease(info.session_id, owner=owner)
+            finally:
+                paused.resume()
+            async with b.lease(info.session_id, owner=owner):  # released as always
+                pass
+    finally:
+        nodes.close()
+        cluster.stop()

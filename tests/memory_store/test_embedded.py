@@ -49,6 +49,22 @@ async def test_start_join_and_stop(data_dir: Path) -> None:
         assert_same((await again.get(info.session_id)).tensors, make_state(seed=1))
 
 
+async def test_a_data_dir_of_any_name(tmp_path: Path) -> None:
+    """Redis's config read JSON's escapes of the path: a data dir named with a letter outside ASCII (or a quote, a
+    backslash) named another directory, and Redis exited at start."""
+    data_dir = tmp_path / 'données "q" \\ é'
+    try:
+        async with MemoryStore.from_url(None, identity=IDENTITY, data_dir=str(data_dir)) as store:
+            info = await store.create(tensors=make_state(seed=2), mem_len=8)
+            assert (data_dir / "redis.sock").exists() and (data_dir / "redis.pid").exists()
+        async with MemoryStore.from_url(None, identity=IDENTITY, data_dir=str(data_dir)) as again:  # durable there
+            assert_same((await again.get(info.session_id)).tensors, make_state(seed=2))
+    finally:
+        pidfile = data_dir / "redis.pid"
+        if pidfile.exists() and pid_alive(pid := int(pidfile.read_text())):
+            os.kill(pid, signal.SIGKILL)
+
+
 async def test_the_starter_leaves_the_server_running_for_a_process_that_joined_it(data_dir: Path) -> None:
     """Two servers on one data dir: stopping the one that started Redis stopped it under the other, whose every
     request was then a 503 for good."""

@@ -13,7 +13,7 @@ from memory_store import MemoryStore
 from memory_store.redis_tier import lease_key
 from tests.memory_store import holder
 from tests.memory_store.support import IDENTITY, assert_same, make_state, start_holder, state_bytes
-from txlserve.errors import SessionBusy, SessionConflict, SessionNotFound
+from txlserve.errors import SessionBusy, SessionConflict, SessionNotFound, StoreUnavailable
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
@@ -159,6 +159,46 @@ async def test_a_releasing_commit_that_fails_keeps_the_lease(store: MemoryStore,
             await other_store.lease(info.session_id)
     async with other_store.lease(info.session_id) as lease:  # released on exit
         assert lease.version == 2
+
+
+async def test_a_lease_whose_reply_is_lost_is_given_back(
+    store: MemoryStore, other_store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease script ran, then its reply was lost (a timeout, a failed touch beside it): the error reached the
+    caller, and the lease it never got kept the session busy to everyone for the lease's TTL."""
+    info = await store.create(tensors=make_state(), mem_len=8)
+    tier = store._redis
+    acquire = tier.acquire
+
+    async def taken_then_lost(*args: object) -> object:
+        await acquire(*args)
+        raise StoreUnavailable("Redis at test is unavailable: the reply was lost")
+
+    monkeypatch.setattr(tier, "acquire", taken_then_lost)
+    with pytest.raises(StoreUnavailable):
+        await store.lease(info.session_id)
+    async with other_store.lease(info.session_id) as lease:  # not busy: it was given back
+        assert lease.version == 1
+
+
+async def test_a_touch_that_fails_beside_a_lease_leaves_the_lease_standing(
+    store: MemoryStore, other_store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease's round trip refreshes the owner index's TTL beside it; that touch's error failed the lease the
+    script had taken (and left it held). A touch is the next use's to repeat."""
+    info = await store.create(tensors=make_state(), mem_len=8)
+    tier = store._redis
+
+    def failing_touch(pipe: redis.asyncio.client.Pipeline, *keys: str) -> None:
+        pipe.execute_command("NO-SUCH-COMMAND")  # answered with an error, in the pipeline's place of the touch
+
+    monkeypatch.setattr(tier, "_touch", failing_touch)
+    async with store.lease(info.session_id) as lease:
+        assert lease.version == 1
+        with pytest.raises(SessionBusy):
+            await other_store.lease(info.session_id)
+    async with other_store.lease(info.session_id):  # released on exit as always
+        pass
 
 
 async def test_a_redis_that_lost_its_scripts_loads_them_again(store: MemoryStore, redis_url: str) -> None:

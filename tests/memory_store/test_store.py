@@ -308,6 +308,26 @@ async def test_ttl_zero_means_forever(redis_url: str, raw: redis.asyncio.Redis) 
         assert await raw.pttl(session_key(info.session_id)) == -1
 
 
+async def test_a_fork_of_another_models_session_is_cold(redis_url: str) -> None:
+    """Read by an upgraded model (same tokenizer), a session is rebuilt from its window; its fork copied the old
+    model's hidden states under the new model's fingerprint, to be continued from them as its own."""
+    old_model = dataclasses.replace(IDENTITY, tokenizer="byte:test")
+    new_model = dataclasses.replace(old_model, fingerprint="txl-test-v2")
+    state = {**make_state(), "window": torch.arange(8, dtype=torch.int32)}
+    async with MemoryStore.from_url(redis_url, identity=old_model) as old, \
+            MemoryStore.from_url(redis_url, identity=new_model) as new:
+        info = await old.create(tensors=state, mem_len=8, tokens_seen=8)
+        fork = await new.fork(info.session_id)
+        async with MemoryStore.from_url(redis_url, identity=new_model) as fresh:  # as stored, not as cached
+            got = await fresh.get(fork.session_id)
+        assert got.info.tier == "cold" and got.info.tokens_seen == 8
+        assert "mems" not in got.tensors and torch.equal(got.tensors["window"], state["window"])
+        mine = await new.fork(fork.session_id)  # a session of its own model keeps what it holds
+        assert (await new.get(mine.session_id)).info.fingerprint == new_model.fingerprint
+        same = await old.fork(info.session_id)  # and the old model's own fork keeps its hidden states
+        assert_same((await old.get(same.session_id)).tensors, state)
+
+
 async def test_fingerprint_and_shape_mismatch(redis_url: str, store: MemoryStore) -> None:
     info = await store.create(tensors=make_state(), mem_len=8)
     others = [

@@ -89,6 +89,8 @@ def test_sessions_crud_append_fork(client: Client) -> None:
     assert fork.id != created.id and fork.tokens_seen == 26 and fork.metadata == {"branch": "b"}
     client.sessions.append(fork.id, " a fork")
     assert client.sessions.get(fork.id).tokens_seen == 33
+    assert client.sessions.fork(fork.id, metadata={}).metadata == {}  # cleared, as the server allows
+    assert client.sessions.fork(fork.id).metadata == {"branch": "b"}  # none given: the source's
     assert client.sessions.get(created.id).tokens_seen == 26  # the original is untouched
 
     deleted = client.sessions.delete(fork.id)
@@ -157,6 +159,12 @@ def test_request_errors(client: Client) -> None:
     assert (missing.value.code, missing.value.param) == ("session_not_found", "session_id")  # the body's field
     with pytest.raises(NotFoundError):
         client.sessions.append("no-such-session", "x")
+    for dots in (".", ".."):  # path segments a URL drops: sent as they were, "." read the session list
+        with pytest.raises(NotFoundError) as dotted:
+            client.sessions.get(dots)
+        assert dotted.value.code == "session_not_found", dotted.value
+        with pytest.raises(NotFoundError):
+            client.sessions.delete(dots)
     with pytest.raises(PayloadTooLargeError) as big:
         client.completions.create(model=MODEL, prompt="x" * 1_000_001, max_tokens=1)
     assert big.value.status == 413 and big.value.param == "prompt"

@@ -94,9 +94,12 @@ def completion_call(body: dict[str, Any]) -> Call[Completion]:
 
 
 def _sid(session_id: str) -> str:
+    """One path segment. A URL's "." and ".." segments are removed (RFC 3986) before the request leaves: sent as
+    they are, get(".") read the session list and get("..") a 404 for /v1; escaped, they name no session."""
     if not session_id:
         raise ValueError("session_id must be a non-empty string")
-    return quote(session_id, safe="")
+    quoted = quote(session_id, safe="")
+    return quoted.replace(".", "%2E") if quoted in (".", "..") else quoted
 
 
 def session_create_call(text: str | None, metadata: Mapping[str, str] | None) -> Call[AppendResult]:
@@ -129,7 +132,7 @@ def session_append_call(session_id: str, text: str, logprobs: int | None = None)
 
 
 def session_fork_call(session_id: str, metadata: Mapping[str, str] | None) -> Call[Session]:
-    body = {"metadata": dict(metadata)} if metadata else {}
+    body = {} if metadata is None else {"metadata": dict(metadata)}  # {} clears the source's metadata
     return Call("POST", f"/v1/sessions/{_sid(session_id)}/fork", Session.from_dict, json=body)
 
 

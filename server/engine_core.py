@@ -10,9 +10,9 @@ interpreter does nothing else, and what crosses is one message per step for all 
 The wire: ``multiprocessing.connection.Connection`` byte messages (never its pickling ``send``), each a JSON head
 and a blob: a session's tensors as safetensors, a prompt's ids as int32. A session's state never crosses: it
 stays in the engine process, as the running request's rows and then in its hot set. A request names its session
-by (id, version); on a hot miss the engine asks for the stored tensors (``need``), the server reads them from Redis
+by (id, revision); on a hot miss the engine asks for the stored tensors (``need``), the server reads them from Redis
 and sends them (``state``). A finished request's state waits in the engine until the server has committed it and
-says ``keep`` (under the committed version) or ``drop``.
+says ``keep`` (under the committed revision) or ``drop``.
 
     server                                   engine process
       run {rid, key, ids, params, ...}  ->
@@ -20,7 +20,7 @@ says ``keep`` (under the committed version) or ``drop``.
       state {rid, tokens_seen, ...}+blob ->
                                         <-   events {items: tokens, prompt scores, failures; stats}
                                         <-   finished {rid, ...}+blob  (what to commit)
-      keep {rid, sid, version} | drop   ->
+      keep {rid, sid, revision} | drop   ->
 """
 
 from __future__ import annotations
@@ -337,7 +337,7 @@ class _Core:
 
     def _on_keep(self, head: dict[str, Any], _: bytes) -> None:
         kept = self.kept.pop(head["rid"], None)
-        if kept is None or not self.hot.put(head["sid"], head["version"], *kept):
+        if kept is None or not self.hot.put(head["sid"], head["revision"], *kept):
             self.hot.evicted.append(head["sid"])  # too big for the budget, or deleted meanwhile
         self.send({"op": "evicted", "sids": self.hot.evicted, "stats": self.stats()})  # /metrics' hot figures
         self.hot.evicted.clear()
@@ -471,14 +471,14 @@ class CoreRequest:
         head = {"op": "state", "rid": self.rid, "tokens_seen": tokens_seen, "fingerprint": fingerprint}
         self.core.send(head, lambda: safetensors_bytes(tensors) if tensors else b"")
 
-    def keep(self, session_id: str, version: int) -> None:
-        """The committed state goes into the engine's hot set as ``version``. The hot set is a cache: with the
+    def keep(self, session_id: str, revision: str) -> None:
+        """The committed state goes into the engine's hot set as ``revision``. The hot set is a cache: with the
         engine process gone, the commit still stands."""
         self.settled = True
         with contextlib.suppress(Unavailable):
-            self.core.send({"op": "keep", "rid": self.rid, "sid": session_id, "version": version})
+            self.core.send({"op": "keep", "rid": self.rid, "sid": session_id, "revision": revision})
             if self.core.row_bytes <= self.core.hot_bytes:  # what HotStates.put refuses stays out of the copy
-                self.core.hot.versions[session_id] = version
+                self.core.hot.revisions[session_id] = revision
 
     def close(self) -> None:
         """However the request ends on this side: a state the engine holds for it is dropped, and a request still
@@ -658,7 +658,7 @@ class EngineCore:
                     fut.set_result(None)
             elif op == "evicted":
                 for sid in head["sids"]:
-                    self.hot.versions.pop(sid, None)
+                    self.hot.revisions.pop(sid, None)
 
     async def refresh(self, timeout_s: float = 2.0) -> None:
         """Ask the engine for its batch and hot-set figures now (a scrape of /metrics): they otherwise come with its
@@ -692,14 +692,14 @@ class EngineCore:
             except Exception:  # pragma: no cover - a bug in packing fails that message alone
                 log.exception("sending %s to the engine process failed", head.get("op"))
 
-    def submit(self, ids: list[int], params: SamplingParams | None, *, key: tuple[str, int] | None = None,
+    def submit(self, ids: list[int], params: SamplingParams | None, *, key: tuple[str, str] | None = None,
                history: tuple[list[int], int] | None = None, persist: bool, prompt_logprobs: int | None = None,
                stream: asyncio.Queue | None = None) -> CoreRequest:
-        """Start a request in the engine: on session ``key`` (id, version) or a new state (``history``: a
+        """Start a request in the engine: on session ``key`` (id, revision) or a new state (``history``: a
         window to rebuild from, and its tokens_seen); ``persist``: it ends with what to commit."""
         rid = next(self._ids)
         if key is not None:  # the engine takes it out of its hot set
-            self.hot.versions.pop(key[0], None)
+            self.hot.revisions.pop(key[0], None)
         req = CoreRequest(self, rid, stream)
         self.requests[rid] = req
         try:
@@ -741,10 +741,10 @@ class _HotCounters:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.nbytes = self.count = self.hits = self.misses = self.evictions = 0
-        self.versions: dict[str, int] = {}  # the engine's hot set's keys, as this side's requests left them
+        self.revisions: dict[str, str] = {}  # the engine's hot set's keys, as this side's requests left them
 
-    def version(self, session_id: str) -> int | None:
-        return self.versions.get(session_id)
+    def revision(self, session_id: str) -> str | None:
+        return self.revisions.get(session_id)
 
     def __len__(self) -> int:
         return self.count
@@ -754,11 +754,11 @@ class _HotCounters:
         c.batch_size, c.waiting, c.steps, self.nbytes, self.count, self.hits, self.misses, self.evictions = stats
 
     def deleted(self, session_id: str) -> None:
-        self.versions.pop(session_id, None)
+        self.revisions.pop(session_id, None)
         with contextlib.suppress(Unavailable):
             self.core.send({"op": "hot", "what": "deleted", "sid": session_id})
 
     def discard(self, session_id: str) -> None:
-        self.versions.pop(session_id, None)
+        self.revisions.pop(session_id, None)
         with contextlib.suppress(Unavailable):
             self.core.send({"op": "hot", "what": "discard", "sid": session_id})

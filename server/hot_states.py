@@ -1,8 +1,9 @@
 """Hot sessions in the engine's own form: a batch-1 ``DecodeState`` (the rings of keys and values, the layer
-inputs, the next-token scores) by session id and version, least recently used first out, under a byte budget.
+inputs, the next-token scores) by session id and revision (its version and the time it was written:
+``SessionInfo.revision``), least recently used first out, under a byte budget.
 
 A request takes its session's state out (it will advance it in place) and the committed state goes back in
-under the new version, so a hot hit costs no copy and no re-projection; a state whose version is not the one
+under the new revision, so a hot hit costs no copy and no re-projection; a state whose revision is not the one
 in Redis is never served. The store persists and restores only what it must (mems and header).
 
 A session deleted while a request ran on it is remembered (ids are never reused), so that request's state does
@@ -21,7 +22,7 @@ from model.cache import DecodeState
 
 @dataclass
 class _Entry:
-    version: int
+    revision: str
     state: DecodeState
     window: list[int] | None  # the session's last tokens, as its store record keeps them
     nbytes: int
@@ -42,22 +43,22 @@ class HotStates:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def version(self, session_id: str) -> int | None:
+    def revision(self, session_id: str) -> str | None:
         entry = self._entries.get(session_id)
-        return None if entry is None else entry.version
+        return None if entry is None else entry.revision
 
-    def take(self, session_id: str, version: int) -> tuple[DecodeState, list[int] | None] | None:
-        """The state (and token window) of exactly ``version``, removed (the caller owns it now); None on a
+    def take(self, session_id: str, revision: str) -> tuple[DecodeState, list[int] | None] | None:
+        """The state (and token window) of exactly ``revision``, removed (the caller owns it now); None on a
         miss."""
         entry = self._pop(session_id)
-        if entry is None or entry.version != version:
+        if entry is None or entry.revision != revision:
             self.misses += 1
             return None
         self.hits += 1
         return entry.state, entry.window
 
-    def put(self, session_id: str, version: int, state: DecodeState, window: list[int] | None = None) -> bool:
-        """Keep ``state`` as ``version``, evicting the least recently used; False if it cannot fit at all."""
+    def put(self, session_id: str, revision: str, state: DecodeState, window: list[int] | None = None) -> bool:
+        """Keep ``state`` as ``revision``, evicting the least recently used; False if it cannot fit at all."""
         self._pop(session_id)
         nbytes = state.row_bytes * state.batch
         if nbytes > self.budget_bytes or session_id in self._deleted:
@@ -68,7 +69,7 @@ class HotStates:
             self.evictions += 1
             if self.report_evictions:
                 self.evicted.append(oldest)
-        self._entries[session_id] = _Entry(version, state, window, nbytes)
+        self._entries[session_id] = _Entry(revision, state, window, nbytes)
         self.nbytes += nbytes
         return True
 

@@ -101,7 +101,7 @@ class Run:
                     info = await rt.store.create(owner=self.owner, tensors=await self._persisted(done, window),
                                                  mem_len=rt.engine.mem_len, tokens_seen=done.tokens_seen,
                                                  metadata=self.create_metadata)
-                    rt.hot.put(info.session_id, info.version, done.state, window)
+                    rt.hot.put(info.session_id, info.revision, done.state, window)
                 await self.events.put(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
             async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
@@ -119,7 +119,7 @@ class Run:
                     info = await rt.store.commit(lease, await self._persisted(done, window),
                                                  tokens_seen=done.tokens_seen, mem_len=rt.engine.mem_len,
                                                  release=True, appended=source != "rebuild")
-                rt.hot.put(self.session_id, info.version, done.state, window)
+                rt.hot.put(self.session_id, info.revision, done.state, window)
             # the lease is released before the client hears the end, so its next request finds the session free
             await self.events.put(Final(done, last, info, cached, source))
         except Exception as err:  # delivered to the handler, which answers in OpenAI's error shape
@@ -141,21 +141,21 @@ class Run:
                 if self.create:
                     info = await rt.store.create(owner=self.owner, tensors=done.tensors, mem_len=core.mem_len,
                                                  tokens_seen=done.tokens_seen, metadata=self.create_metadata)
-                    req.keep(info.session_id, info.version)
+                    req.keep(info.session_id, info.revision)
                 await self.events.put(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
             async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
                 lease.on_lost = self.lease_lost
                 info = lease.session.info
                 cached = info.tokens_seen
-                req = core.submit(self.ids, self.params, key=(self.session_id, info.version), persist=True,
+                req = core.submit(self.ids, self.params, key=(self.session_id, info.revision), persist=True,
                                   prompt_logprobs=self.prompt_logprobs, stream=self.events)
                 done, last = await self._schedule(self._core_run(req, lease))
                 if done.tokens_seen != cached or done.source == "rebuild":
                     info = await rt.store.commit(lease, done.tensors, tokens_seen=done.tokens_seen,
                                                  mem_len=core.mem_len, release=True,
                                                  appended=done.source != "rebuild")
-                req.keep(self.session_id, info.version)
+                req.keep(self.session_id, info.revision)
             await self.events.put(Final(done, last, info, cached, done.source))
         except Exception as err:
             await self.events.put(Failed(self._named(err)))
@@ -193,7 +193,7 @@ class Run:
         """The leased session's state, its token window, and where the state came from: the hot set (no copy),
         its hidden states in Redis, or, for a cold session or one another checkpoint wrote, its window."""
         rt, info = self.rt, lease.session.info
-        hot = rt.hot.take(self.session_id, info.version)
+        hot = rt.hot.take(self.session_id, info.revision)
         if hot is not None:
             return (*hot, "hot")
         tensors = await rt.store.read_tensors(lease)

@@ -33,7 +33,7 @@ log = logging.getLogger("txlserve.sessions")
 
 
 def session_object(rt: Runtime, info: SessionInfo) -> SessionObject:
-    tier = "hot" if rt.hot.version(info.session_id) == info.version else "cold" if info.tier == "cold" else "redis"
+    tier = "hot" if rt.hot.revision(info.session_id) == info.revision else "cold" if info.tier == "cold" else "redis"
     return SessionObject(id=info.session_id, model=rt.settings.model_name, tokens_seen=info.tokens_seen,
                          mem_len=info.mem_len, bytes=info.bytes, tier=tier, window_tokens=info.window_tokens,
                          created_at=int(info.created_at), last_used_at=int(info.updated_at),

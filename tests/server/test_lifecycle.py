@@ -328,5 +328,5 @@ async def test_a_session_deleted_while_a_request_runs_on_it_does_not_come_back_h
         assert (await c.delete(f"/v1/sessions/{sid}")).status_code == 200
         run.cancel()  # ends with nothing new: no commit, and its state must not be kept for a deleted session
         await run.task
-        assert rt.hot.version(sid) is None and len(rt.hot) == 0
+        assert rt.hot.revision(sid) is None and len(rt.hot) == 0
         assert (await c.get(f"/v1/sessions/{sid}")).status_code == 404

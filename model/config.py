@@ -75,6 +75,9 @@ class TXLConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
                 raise ConfigError(f"config.{name} must be in [0, 1), got {value!r}", param=name)
+        for name in ("same_length", "pre_lnorm", "untie_r", "tie_weight"):  # "false" (a string) read as true
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config.{name} must be true or false, got {getattr(self, name)!r}", param=name)
         if self.d_model % 2:
             raise ConfigError("config.d_model must be even (sin and cos halves)", param="d_model")
         if not self.init_std > 0:

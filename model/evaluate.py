@@ -15,7 +15,9 @@ from model.transformer_xl import MemTransformerLM
 def evaluate(model: MemTransformerLM, data: np.ndarray, *, tgt_len: int, batch_size: int = 8,
              max_tokens: int | None = None, device: str | torch.device = "cpu") -> dict[str, Any]:
     """Mean NLL over ``data`` cut into ``batch_size`` streams read in ``tgt_len`` segments,
-    mems carried from segment to segment (each stream starts with empty mems)."""
+    mems carried from segment to segment (each stream starts with empty mems). Fewer streams where the data
+    holds less than a segment each: the result's ``batch_size`` says how many were read (the streams change
+    the score, since each starts with empty mems)."""
     from model.data import OrderedIterator
 
     was_training = model.training
@@ -30,6 +32,7 @@ def evaluate(model: MemTransformerLM, data: np.ndarray, *, tgt_len: int, batch_s
         total_tokens += tgt.numel()
     model.train(was_training)
     if total_tokens == 0:
-        return {"bpc": float("nan"), "ppl": float("nan"), "tokens": 0, "loss": float("nan")}
+        return {"bpc": float("nan"), "ppl": float("nan"), "tokens": 0, "loss": float("nan"), "batch_size": batch_size}
     loss = total_nll / total_tokens
-    return {"bpc": loss / math.log(2), "ppl": math.exp(loss), "tokens": total_tokens, "loss": loss}
+    return {"bpc": loss / math.log(2), "ppl": math.exp(loss), "tokens": total_tokens, "loss": loss,
+            "batch_size": batch_size}

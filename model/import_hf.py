@@ -65,7 +65,9 @@ def hf_config(data: dict[str, Any]) -> TXLConfig:
                               "relative attention (attn_type 0)")
     if data.get("sample_softmax", -1) > 0:
         raise CheckpointError("sample_softmax models are not supported")
-    same_length = bool(data.get("same_length", False))
+    # a key the config leaves out takes TransfoXLConfig's default, as transformers reads it (same_length and
+    # clamp_len change the window silently)
+    same_length = bool(data.get("same_length", True))
     cutoffs = list(data.get("cutoffs") or [])
     n_clusters = len(cutoffs)
     tie_weight = data.get("tie_word_embeddings", data.get("tie_weight", True))  # older configs say tie_weight
@@ -77,8 +79,8 @@ def hf_config(data: dict[str, Any]) -> TXLConfig:
         return TXLConfig(
             n_layer=data["n_layer"], d_model=data["d_model"], n_head=data["n_head"], d_head=data["d_head"],
             d_inner=data["d_inner"], dropout=0.0, dropatt=0.0, tgt_len=data.get("tgt_len", 128),
-            mem_len=TXLConfig.from_original_mem_len(data.get("mem_len") or 0, same_length),
-            clamp_len=max(0, data.get("clamp_len", 0) or 0), same_length=same_length,
+            mem_len=TXLConfig.from_original_mem_len(data.get("mem_len", 1600) or 0, same_length),
+            clamp_len=max(0, data.get("clamp_len", 1000) or 0), same_length=same_length,
             pre_lnorm=bool(data.get("pre_lnorm", False)), untie_r=bool(data.get("untie_r", True)),
             vocab_size=vocab_size, tie_weight=bool(tie_weight),
             init_std=data.get("init_std", 0.02), d_embed=data.get("d_embed") or data["d_model"], cutoffs=tuple(cutoffs),
@@ -113,7 +115,10 @@ def read_vocab(src: Path) -> list[str]:
             return symbols
         raise CheckpointError(f"{src / 'vocab.json'}: expected a list of symbols or a symbol-to-id object")
     if (src / "vocab.txt").is_file():
-        lines = (src / "vocab.txt").read_text(encoding="utf-8").splitlines()
+        try:
+            lines = (src / "vocab.txt").read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{src / 'vocab.txt'} cannot be read as UTF-8 text: {err}") from None
         return [line.split()[0] for line in lines if line.strip()]
     raise CheckpointError(f"{src} has no vocab.json or vocab.txt (the word vocabulary)")
 

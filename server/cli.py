@@ -161,7 +161,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    help="relative distances clamped to this (0: none; default: the checkpoint's)")
     p.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
                    help="every token attends the same number of keys (default: the checkpoint's)")
-    p.add_argument("--batch-size", type=count(1), default=8, help="streams the split is cut into (default: 8)")
+    p.add_argument("--batch-size", type=count(1), default=8,
+                   help="streams the split is cut into (default: 8; fewer where it holds less than a segment each, "
+                        "and the output's batch_size says how many)")
     p.add_argument("--max-tokens", type=count(1), default=None,
                    help="evaluate the first N tokens of the split (cut into --batch-size streams, as the paper "
                         "evaluates: fewer than two tokens a stream go unscored; the output's tokens counts those "
@@ -200,8 +202,9 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
         results[name] = evaluate(ckpt.model, np.asarray(data), tgt_len=tgt_len, batch_size=ns.batch_size,
                                  max_tokens=ns.max_tokens, device=device)
     settings = {"checkpoint": str(ns.checkpoint), "data": str(ns.data), "tgt_len": tgt_len, "mem_len": cfg.mem_len,
-                "clamp_len": cfg.clamp_len, "same_length": cfg.same_length, "batch_size": ns.batch_size,
-                "device": str(device)}
+                "clamp_len": cfg.clamp_len, "same_length": cfg.same_length, "device": str(device)}
+    if len(splits) == 1:  # the streams read (fewer than --batch-size where the split is short); else each split's
+        settings["batch_size"] = results[splits[0]]["batch_size"]
     if ns.json:
         if len(splits) == 1:
             print(json.dumps({**results[splits[0]], "split": splits[0], **settings}))

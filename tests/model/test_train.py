@@ -174,6 +174,7 @@ def test_cli_train_then_eval_json(corpus, tmp_path):
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     assert result["mem_len"] == 64 and result["same_length"] is True and result["split"] == "valid"
+    assert result["batch_size"] == 8  # the streams read: the split is long enough for the default 8
     assert result["tokens"] > 1000 and 0 < result["bpc"] < 9
     assert abs(result["ppl"] - 2 ** result["bpc"]) < 1e-6 * result["ppl"]
     assert json.loads(again.stdout)["bpc"] == result["bpc"]  # evaluation is deterministic
@@ -188,6 +189,10 @@ def test_eval_with_longer_memory_than_training(corpus, tmp_path):
     short = evaluate(load_checkpoint(tmp_path).model, valid, tgt_len=16)
     long = evaluate(load_checkpoint(tmp_path, mem_len=128).model, valid, tgt_len=16)
     assert short["tokens"] == long["tokens"] and short["bpc"] != long["bpc"]
+    # fewer streams than asked where the data holds less than a segment each: the result says how many were read
+    # (the eval command reported the number asked for, with another score than that many streams give)
+    few = evaluate(load_checkpoint(tmp_path).model, valid, tgt_len=16, batch_size=8, max_tokens=100)
+    assert few["batch_size"] == 6 and 0 < few["tokens"] <= 100
 
 
 @pytest.mark.parametrize("damage", ["no_dir", "no_config", "no_weights", "garbage_weights", "bad_json",

@@ -193,6 +193,9 @@ def test_config_validation():
     assert err.value.param == "n_head"
     short = {k: v for k, v in cfg.to_dict().items() if k != "dropout"}  # fields without a shape keep defaults
     assert TXLConfig.from_dict(short).dropout == TXLConfig.dropout
+    for name in ("same_length", "pre_lnorm", "untie_r", "tie_weight"):  # a hand-edited "false" was read as true
+        with pytest.raises(ConfigError, match=f"config.{name} must be true or false, got 'false'"):
+            TXLConfig.from_dict({**cfg.to_dict(), name: "false"})
 
 
 def test_hf_config_names_what_is_missing():
@@ -209,6 +212,20 @@ def test_hf_config_names_what_is_missing():
         hf_config({**base, "model_type": "gpt2"})
     with pytest.raises(CheckpointError, match="has no 'n_head'"):
         hf_config({k: v for k, v in base.items() if k != "n_head"})
+    # keys a config leaves out are read as transformers reads them (TransfoXLConfig's defaults): same_length and
+    # clamp_len were read as False and 0, a window one key wider than the reference's, and unclamped
+    trimmed = hf_config({k: v for k, v in base.items() if k != "mem_len"})
+    assert (trimmed.same_length, trimmed.clamp_len, trimmed.original_mem_len) == (True, 1000, 1600)
+    assert hf_config({**base, "same_length": False, "clamp_len": 0}).original_mem_len == 7
+
+
+def test_an_hf_vocabulary_that_is_not_utf8_is_one_line(tmp_path):
+    from model.import_hf import read_vocab
+    from txlserve.errors import CheckpointError
+
+    (tmp_path / "vocab.txt").write_bytes("caf\xe9 1\nthe 2\n".encode("latin-1"))
+    with pytest.raises(CheckpointError, match=r"vocab.txt cannot be read as UTF-8 text"):
+        read_vocab(tmp_path)
 
 
 def test_fp64_models_compute_in_fp64():

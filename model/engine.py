@@ -101,6 +101,17 @@ class Score:
         return math.exp(nll) if nll < 709 else float("inf")  # math.exp raises past ~709.78
 
 
+def readable_ids(ids: list[int], vocab_size: int, tokenizer_size: int) -> list[int]:
+    """``ids`` if the model can read them all. A checkpoint whose tokenizer names more symbols than the model has
+    outputs (made by hand: training and import write them equal) indexed past its embedding, a traceback deep in
+    the first forward pass; only such a checkpoint pays for the scan."""
+    if tokenizer_size > vocab_size and ids and max(ids) >= vocab_size:
+        bad = next(t for t in ids if t >= vocab_size)
+        raise InvalidRequestError(f"token {bad} is past this model's {vocab_size:,} outputs (its checkpoint's "
+                                  f"tokenizer names {tokenizer_size:,} symbols)")
+    return ids
+
+
 class Engine:
     """Loads once; feeds text into session states and generates from them."""
 
@@ -143,7 +154,7 @@ class Engine:
         return self.decoder.empty(batch)
 
     def encode(self, text: str | bytes) -> list[int]:
-        return self.tokenizer.encode(text)
+        return readable_ids(self.tokenizer.encode(text), self.config.vocab_size, self.tokenizer.vocab_size)
 
     def feed(self, state: DecodeState, tokens: list[int]) -> Tensor:
         """Prefill one session (``state.batch == 1``) with ``tokens``; the last layer's outputs [n, d_model]."""

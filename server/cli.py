@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from txlserve.args import MAX_THREADS, count, device, real
-from txlserve.errors import ConfigError, TxlError
+from txlserve.errors import ConfigError, DataError, TxlError
 
 MEM = count(0, 1 << 20)  # a memory length, as serve bounds it
 
@@ -199,6 +199,10 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
     results = {}
     for name in splits:
         data = corpus.split(name)
+        top = int(np.asarray(data).max()) if len(data) else 0
+        if top >= cfg.vocab_size:  # a hand-made checkpoint's tokenizer names more symbols than the model reads
+            raise DataError(f"the {name} split holds token {top}, past this model's {cfg.vocab_size:,} outputs "
+                            "(its checkpoint's tokenizer names more symbols than the model has)")
         results[name] = evaluate(ckpt.model, np.asarray(data), tgt_len=tgt_len, batch_size=ns.batch_size,
                                  max_tokens=ns.max_tokens, device=device)
     settings = {"checkpoint": str(ns.checkpoint), "data": str(ns.data), "tgt_len": tgt_len, "mem_len": cfg.mem_len,

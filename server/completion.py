@@ -110,7 +110,7 @@ async def prompt_text(rt: Runtime, req: CompletionRequest) -> str:
 
 def checked_ids(rt: Runtime, ids: list[int], limit: int) -> list[int]:
     """A token-id prompt the model can read: an id outside the vocabulary would index past the embedding."""
-    vocab = rt.engine.tokenizer.vocab_size
+    vocab = min(rt.engine.tokenizer.vocab_size, rt.engine.config.vocab_size)  # a hand-made checkpoint's may differ
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequestError(f"prompt: token id {bad} is not in this model's vocabulary [0, {vocab})",

@@ -49,7 +49,7 @@ import torch
 from memory_store.codec import INLINE_BYTES, safetensors_bytes
 from model.checkpoint import read_meta
 from model.config import TXLConfig
-from model.engine import Engine, Score, TokenEvent
+from model.engine import Engine, Score, TokenEvent, readable_ids
 from model.sampling import SamplingParams
 from model.tokenizer import tokenizer_from_dict
 from server import core_spawn
@@ -527,7 +527,7 @@ class EngineCore:
 
     # facts the server reads as it reads an Engine's
     def encode(self, text: str | bytes) -> list[int]:
-        return self.tokenizer.encode(text)
+        return readable_ids(self.tokenizer.encode(text), self.config.vocab_size, self.tokenizer.vocab_size)
 
     check_window = Engine.check_window  # needs only window_len, mem_len and config.vocab_size
 

@@ -180,6 +180,23 @@ def test_cli_train_then_eval_json(corpus, tmp_path):
     assert json.loads(again.stdout)["bpc"] == result["bpc"]  # evaluation is deterministic
 
 
+def test_a_checkpoint_whose_tokenizer_outnumbers_its_model_refuses_what_it_cannot_read(corpus, tmp_path):
+    """Made by hand (training and import write them equal): a byte tokenizer over a 100-output model read 'z'
+    (122) past the embedding, and generate and eval printed an index error's traceback."""
+    from model.config import TXLConfig
+    from model.transformer_xl import MemTransformerLM
+
+    torch.manual_seed(0)
+    save_checkpoint(MemTransformerLM(TXLConfig(n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32, vocab_size=100,
+                                               tgt_len=8, mem_len=8)), tmp_path / "ck")
+    ok = _cli("generate", "--checkpoint", str(tmp_path / "ck"), "--prompt", "ABC", "--max-tokens", "4")
+    assert ok.returncode == 0, ok.stderr
+    for args in (("generate", "--prompt", "zzz", "--max-tokens", "4"), ("eval", "--data", str(corpus))):
+        r = _cli(args[0], "--checkpoint", str(tmp_path / "ck"), *args[1:])
+        assert r.returncode == 2 and "past this model's 100 outputs" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
 def test_eval_with_longer_memory_than_training(corpus, tmp_path):
     train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=30, progress=False))
     from model.data import load_corpus

@@ -55,6 +55,15 @@ def refuse_pickles(src: Path, wanted: str, safe: str) -> None:
 
 
 def hf_config(data: dict[str, Any]) -> TXLConfig:
+    """A TransfoXL config.json as txlserve's config; a field of the wrong kind (``"cutoffs": 5``, ``null`` where a
+    number goes) is one line, not the TypeError of the comparison it broke."""
+    try:
+        return _hf_config(data)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"config.json has a field of the wrong type: {err}") from None
+
+
+def _hf_config(data: dict[str, Any]) -> TXLConfig:
     if "model_type" not in data:
         raise CheckpointError("config.json has no model_type; txlserve imports Transformer-XL (model_type "
                               "\"transfo-xl\") configs")

@@ -91,6 +91,12 @@ class Header:
     window_tokens: int = 0  # how many of its last tokens the record holds (0: none, a session from before windows)
     mem_rows: int = 0  # rows of mems in the ring (format 3)
 
+    @property
+    def revision(self) -> tuple[int, float]:
+        """What a copy kept outside Redis must match: the version alone can come back after Redis loses a write
+        (``SessionInfo.revision``)."""
+        return self.version, self.updated_at
+
 
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "format_version": (int,),

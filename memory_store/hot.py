@@ -2,8 +2,9 @@
 
 Evicting loses nothing durable, because every write goes through to Redis first;
 it only loses the hot-only tensors (``_k``, ``_v``, ...), which is why a leased
-session is pinned and never evicted. An entry carries the version it was read
-or written at, and the store uses it only while Redis still holds that version.
+session is pinned and never evicted. An entry carries the revision it was read
+or written at (version and time written: a version number can come back after
+Redis loses a write), and the store uses it only while Redis still holds that revision.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from memory_store.metrics import StoreMetrics
 
 @dataclass(frozen=True)
 class HotEntry:
-    version: int
+    revision: tuple[int, float]
     tensors: dict[str, torch.Tensor]
     nbytes: int
 
@@ -44,35 +45,35 @@ class HotTier:
     def nbytes(self) -> int:
         return self._nbytes
 
-    def get(self, session_id: str, version: int) -> HotEntry | None:
-        """The entry if it holds exactly ``version``; an older copy is dropped, never served."""
+    def get(self, session_id: str, revision: tuple[int, float]) -> HotEntry | None:
+        """The entry if it holds exactly ``revision``; another copy is dropped, never served."""
         entry = self._entries.get(session_id)
         if entry is None:
             return None
-        if entry.version != version:
+        if entry.revision != revision:
             self.discard(session_id)
             return None
         self._entries.move_to_end(session_id)
         return entry
 
-    def version(self, session_id: str) -> int | None:
+    def revision(self, session_id: str) -> tuple[int, float] | None:
         entry = self._entries.get(session_id)
-        return None if entry is None else entry.version
+        return None if entry is None else entry.revision
 
-    def put(self, session_id: str, version: int, tensors: dict[str, torch.Tensor]) -> bool:
+    def put(self, session_id: str, revision: tuple[int, float], tensors: dict[str, torch.Tensor]) -> bool:
         """Cache a state, evicting least recently used unpinned entries; False if it cannot fit.
 
         A newer copy already cached wins: a slow read racing a commit must not
         replace the committed state (and its hot-only tensors) with an older one.
         """
         current = self._entries.get(session_id)
-        if current is not None and current.version > version:
+        if current is not None and current.revision > revision:
             return False
         self.discard(session_id)
         nbytes = state_nbytes(tensors)
         if not self._make_room(nbytes):
             return False
-        self._entries[session_id] = HotEntry(version, tensors, nbytes)
+        self._entries[session_id] = HotEntry(revision, tensors, nbytes)
         self._nbytes += nbytes
         self._update_gauges()
         return True

@@ -518,10 +518,10 @@ class MemoryStore:
         return await asyncio.to_thread(codec.encode_ring, mems, tokens_seen=tokens_seen, mem_len=mem_len)
 
     async def _load(self, session_id: str, owner: str | None) -> Session:
-        if self._hot.version(session_id) is not None:
+        if session_id in self._hot:
             raw, _, _ = await self._redis.read(session_id, owner, payload=False)
             header = self._header(session_id, raw, owner)
-            entry = self._hot.get(session_id, header.version)
+            entry = self._hot.get(session_id, header.revision)
             if entry is not None:
                 self.metrics.hot_hits += 1
                 return Session(SessionInfo.from_header(session_id, header, tier="hot"), entry.tensors)
@@ -538,7 +538,7 @@ class MemoryStore:
                         session_id)
             header = dataclasses.replace(header, form=codec.WINDOW_FORM)  # what it is now: cold
         self.metrics.redis_hits += 1
-        self._hot.put(session_id, header.version, tensors)
+        self._hot.put(session_id, header.revision, tensors)
         return Session(SessionInfo.from_header(session_id, header, tier="redis"), tensors)
 
     def _decode(self, payload: bytes, header: Header, ring: bytes | None) -> dict[str, torch.Tensor]:
@@ -646,11 +646,11 @@ class MemoryStore:
 
     def _cache(self, session_id: str, header: Header, tensors: dict[str, torch.Tensor]) -> SessionInfo:
         """Put a state just written (already on the device) into the hot tier, if it fits, and describe it."""
-        cached = self._hot.put(session_id, header.version, tensors)
+        cached = self._hot.put(session_id, header.revision, tensors)
         return SessionInfo.from_header(session_id, header, tier="hot" if cached else "redis")
 
     def _info(self, session_id: str, header: Header) -> SessionInfo:
-        tier = "hot" if self._hot.version(session_id) == header.version else "redis"
+        tier = "hot" if self._hot.revision(session_id) == header.revision else "redis"
         return SessionInfo.from_header(session_id, header, tier=tier)
 
     def _on_device(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -21,6 +21,13 @@ MiB = 1 << 20
 
 
 @pytest.fixture
+async def raw(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:
+    client = redis.asyncio.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
 async def short(redis_url: str) -> AsyncIterator[tuple[MemoryStore, MemoryStore]]:
     """Two stores with 900 ms leases, so renewal shows within a test (renewed every 300 ms, so a process
     starved by a loaded machine for less than 600 ms keeps its lease)."""
@@ -125,6 +132,26 @@ async def test_several_commits_under_one_lease(store: MemoryStore, other_store: 
     assert (got.version, got.info.tokens_seen, got.info.metadata) == (5, 40, {"title": "u"})
     with pytest.raises(SessionConflict):
         await store.commit(lease, make_state(), tokens_seen=48)  # released
+
+
+async def test_a_hot_copy_of_a_write_redis_lost_is_never_served(
+    store: MemoryStore, other_store: MemoryStore, raw: redis.asyncio.Redis
+) -> None:
+    """Redis lost an acknowledged write (an AOF fsynced every second, a failover): this store's hot copy of its
+    version 2 was served after another store wrote its own version 2, because copies were matched by number."""
+    info = await store.create(tensors=make_state(), mem_len=8)
+    keys = [k for k in await raw.keys(f"*{info.session_id}*") if not k.endswith(b":lease")]
+    saved = {k: await raw.dump(k) for k in keys}
+    async with store.lease(info.session_id) as lease:
+        await store.commit(lease, make_state(seed=1), tokens_seen=16)  # version 2, kept hot here
+    for key, value in saved.items():  # Redis comes back without it
+        await raw.restore(key, 0, value, replace=True)
+    async with other_store.lease(info.session_id) as lease:
+        assert lease.version == 1
+        await other_store.commit(lease, make_state(seed=2), tokens_seen=16)  # another version 2
+    got = await store.get(info.session_id)
+    assert got.version == 2 and got.info.tier == "redis"
+    assert_same(got.tensors, make_state(seed=2))
 
 
 async def test_a_releasing_commit_frees_the_session_in_the_same_write(

@@ -93,8 +93,7 @@ class Header:
 
     @property
     def revision(self) -> tuple[int, float]:
-        """What a copy kept outside Redis must match: the version alone can come back after Redis loses a write
-        (``SessionInfo.revision``)."""
+        """What a copy kept outside Redis must match (``SessionInfo.revision``, the same pair)."""
         return self.version, self.updated_at
 
 

@@ -37,13 +37,13 @@ class SessionInfo:
     window_tokens: int = 0  # how many of its last tokens it keeps (0: written before windows)
 
     @property
-    def revision(self) -> str:
+    def revision(self) -> tuple[int, float]:
         """What a copy of this session kept elsewhere (a server's hot set) must match to stand for it: its version
         and when it was written. A version number alone can come back: Redis that loses an acknowledged write
         (an AOF fsynced every second, a failover to a replica behind) lets another replica write the same version
         with other contents, and a copy matched by number continued the lost one, then patched its rows onto the
         other's memory."""
-        return f"{self.version}@{self.updated_at!r}"
+        return self.version, self.updated_at
 
     @classmethod
     def from_header(cls, session_id: str, header: Header, *, tier: Tier) -> SessionInfo:

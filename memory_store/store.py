@@ -386,8 +386,7 @@ class MemoryStore:
             try:
                 status, raw, clock = await self._redis.acquire(session_id, owner, token)
             except BaseException:  # the script may have taken it before the reply was lost: give it back, or the
-                with contextlib.suppress(StoreUnavailable):  # session is busy to everyone until the lease's TTL
-                    await asyncio.shield(self._redis.release(session_id, token))
+                await self._give_back(session_id, token)  # session is busy to everyone until the lease's TTL
                 raise
             if status == "NOT_FOUND":
                 raise SessionNotFound(f"session {session_id!r} not found")
@@ -403,8 +402,7 @@ class MemoryStore:
                     session = Session(self._info(session_id, self._header(session_id, raw, owner)), {})
             except BaseException:
                 self._hot.unpin(session_id)
-                with contextlib.suppress(StoreUnavailable):  # it expires anyway; keep the first error
-                    await asyncio.shield(self._redis.release(session_id, token))
+                await self._give_back(session_id, token)
                 raise
             lease = Lease(
                 session, token, tier=self._redis, lease_ttl_ms=self.config.lease_ttl_ms, on_release=self._on_release,
@@ -412,6 +410,12 @@ class MemoryStore:
             )
             self._leases.add(lease)
             return lease
+
+    async def _give_back(self, session_id: str, token: str) -> None:
+        """Release a lease a failed call may hold; if Redis does not answer, it expires anyway (the first error is
+        the caller's to raise)."""
+        with contextlib.suppress(StoreUnavailable):
+            await asyncio.shield(self._redis.release(session_id, token))
 
     def _on_release(self, lease: Lease) -> None:
         self._leases.discard(lease)

@@ -47,6 +47,12 @@ async def owner(request: Request) -> str | None:
     return owner_for_key(request.app.state.runtime, _bearer(request.headers.get("authorization")))
 
 
+def takes_key(route: object) -> bool:
+    """Whether a route checks an API key (its dependencies include :func:`owner`)."""
+    dependant = getattr(route, "dependant", None)
+    return dependant is not None and any(d.call is owner for d in dependant.dependencies)
+
+
 def ws_origin(ws: WebSocket) -> None:
     """Refuse a WebSocket handshake a browser makes for a page of another origin. Browsers send those from any page
     with no preflight and no same-origin check (cross-site WebSocket hijacking), so without API keys any site a

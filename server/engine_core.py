@@ -53,7 +53,7 @@ from model.engine import Engine, Score, TokenEvent, readable_ids
 from model.sampling import SamplingParams
 from model.tokenizer import tokenizer_from_dict
 from server import core_spawn
-from server.hot_states import HotStates
+from server.hot_states import HotStates, Revision
 from server.scheduler import Finished, Job, JobFailed, PromptScores, Scheduler, streamed
 from server.session_state import extend_window, importable, persisted, rebuild_window, stored_window
 from txlserve import errors
@@ -115,7 +115,7 @@ class _Spec:
     """One request as the engine process holds it."""
 
     rid: int
-    key: tuple[str, int] | None  # (session id, version) to take from the hot set; None: a new state
+    key: tuple[str, Revision] | None  # (session id, revision) to take from the hot set; None: a new state
     ids: list[int]
     params: SamplingParams | None
     prompt_logprobs: int | None
@@ -257,8 +257,8 @@ class _Core:
 
     # -- requests ------------------------------------------------------------------------------------------
     def _on_run(self, head: dict[str, Any], blob: bytes) -> None:
-        spec = _Spec(head["rid"], tuple(head["key"]) if head["key"] else None, [], None, head["prompt_logprobs"],
-                     head["persist"])
+        key = (head["key"][0], tuple(head["key"][1])) if head["key"] else None  # JSON made the revision a list
+        spec = _Spec(head["rid"], key, [], None, head["prompt_logprobs"], head["persist"])
         self.specs[spec.rid] = spec  # first: whatever fails below is answered (_fail)
         spec.ids = ids_from(blob)
         spec.params = None if head["params"] is None else SamplingParams(**head["params"])
@@ -337,7 +337,7 @@ class _Core:
 
     def _on_keep(self, head: dict[str, Any], _: bytes) -> None:
         kept = self.kept.pop(head["rid"], None)
-        if kept is None or not self.hot.put(head["sid"], head["revision"], *kept):
+        if kept is None or not self.hot.put(head["sid"], tuple(head["revision"]), *kept):  # JSON's list
             self.hot.evicted.append(head["sid"])  # too big for the budget, or deleted meanwhile
         self.send({"op": "evicted", "sids": self.hot.evicted, "stats": self.stats()})  # /metrics' hot figures
         self.hot.evicted.clear()
@@ -471,7 +471,7 @@ class CoreRequest:
         head = {"op": "state", "rid": self.rid, "tokens_seen": tokens_seen, "fingerprint": fingerprint}
         self.core.send(head, lambda: safetensors_bytes(tensors) if tensors else b"")
 
-    def keep(self, session_id: str, revision: str) -> None:
+    def keep(self, session_id: str, revision: Revision) -> None:
         """The committed state goes into the engine's hot set as ``revision``. The hot set is a cache: with the
         engine process gone, the commit still stands."""
         self.settled = True
@@ -692,7 +692,7 @@ class EngineCore:
             except Exception:  # pragma: no cover - a bug in packing fails that message alone
                 log.exception("sending %s to the engine process failed", head.get("op"))
 
-    def submit(self, ids: list[int], params: SamplingParams | None, *, key: tuple[str, str] | None = None,
+    def submit(self, ids: list[int], params: SamplingParams | None, *, key: tuple[str, Revision] | None = None,
                history: tuple[list[int], int] | None = None, persist: bool, prompt_logprobs: int | None = None,
                stream: asyncio.Queue | None = None) -> CoreRequest:
         """Start a request in the engine: on session ``key`` (id, revision) or a new state (``history``: a
@@ -741,9 +741,9 @@ class _HotCounters:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.nbytes = self.count = self.hits = self.misses = self.evictions = 0
-        self.revisions: dict[str, str] = {}  # the engine's hot set's keys, as this side's requests left them
+        self.revisions: dict[str, Revision] = {}  # the engine's hot set's keys, as this side's requests left them
 
-    def revision(self, session_id: str) -> str | None:
+    def revision(self, session_id: str) -> Revision | None:
         return self.revisions.get(session_id)
 
     def __len__(self) -> int:

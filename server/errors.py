@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from server.deps import owner
+from server.deps import owner, takes_key
 from txlserve import errors as e
 
 log = logging.getLogger("txlserve")
@@ -85,8 +85,7 @@ def install(app: FastAPI) -> None:
         """The 401 of a caller without a valid key, where the route takes one: FastAPI reads the body before it
         runs the route's dependencies, so a body that did not read was answered 400 before the key was checked,
         telling a caller without a key what the route accepts."""
-        dependant = getattr(request.scope.get("route"), "dependant", None)
-        if dependant is None or not any(d.call is owner for d in dependant.dependencies):
+        if not takes_key(request.scope.get("route")):
             return None
         try:
             await owner(request)

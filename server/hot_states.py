@@ -19,10 +19,12 @@ from dataclasses import dataclass
 
 from model.cache import DecodeState
 
+Revision = tuple[int, float]  # a stored session's version and the time it was written (SessionInfo.revision)
+
 
 @dataclass
 class _Entry:
-    revision: str
+    revision: Revision
     state: DecodeState
     window: list[int] | None  # the session's last tokens, as its store record keeps them
     nbytes: int
@@ -43,11 +45,11 @@ class HotStates:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def revision(self, session_id: str) -> str | None:
+    def revision(self, session_id: str) -> Revision | None:
         entry = self._entries.get(session_id)
         return None if entry is None else entry.revision
 
-    def take(self, session_id: str, revision: str) -> tuple[DecodeState, list[int] | None] | None:
+    def take(self, session_id: str, revision: Revision) -> tuple[DecodeState, list[int] | None] | None:
         """The state (and token window) of exactly ``revision``, removed (the caller owns it now); None on a
         miss."""
         entry = self._pop(session_id)
@@ -57,7 +59,7 @@ class HotStates:
         self.hits += 1
         return entry.state, entry.window
 
-    def put(self, session_id: str, revision: str, state: DecodeState, window: list[int] | None = None) -> bool:
+    def put(self, session_id: str, revision: Revision, state: DecodeState, window: list[int] | None = None) -> bool:
         """Keep ``state`` as ``revision``, evicting the least recently used; False if it cannot fit at all."""
         self._pop(session_id)
         nbytes = state.row_bytes * state.batch

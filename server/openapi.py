@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 
-from server.deps import owner
+from server.deps import takes_key
 from server.protocol import ErrorResponse
 
 _REF = "#/components/schemas/ErrorResponse"
@@ -25,7 +25,7 @@ def _keyed(routers: list[APIRouter]) -> set[tuple[str, str]]:
     """(path, method) of the operations that take an API key (the app's own routes are the routers', included
     in ways that differ between FastAPI's versions)."""
     return {(route.path_format, method.lower()) for router in routers for route in router.routes
-            if isinstance(route, APIRoute) and any(d.call is owner for d in route.dependant.dependencies)
+            if isinstance(route, APIRoute) and takes_key(route)
             for method in route.methods}
 
 

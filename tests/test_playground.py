@@ -85,6 +85,18 @@ def _type(driver, element_id: str, text: str) -> None:
     box.send_keys(text)
 
 
+def _create_and_continue(driver, what: str) -> None:
+    """A session of DOC from the page's form, then 8 tokens of " And" streamed at temperature 0 over its WebSocket."""
+    _type(driver, "new-text", DOC)
+    _by_id(driver, "create").click()
+    _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), f"a session made {what}")
+    _type(driver, "prompt", " And")
+    _type(driver, "max-tokens", "8")
+    _type(driver, "temperature", "0")
+    _by_id(driver, "continue").click()
+    _wait(driver, lambda d: "finish_reason: length, 8 tokens" in _by_id(d, "finish").text, f"the stream's end {what}")
+
+
 def _sessions(driver) -> list[str]:
     """The listed session ids, read in one script call (the list is re-rendered as it refreshes)."""
     return driver.execute_script("return [...document.querySelectorAll('#sessions li')].map(li => li.dataset.id)")
@@ -205,14 +217,7 @@ def test_the_playground_works_under_a_path_prefix(server, browser, tmp_path):
         _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "the model line, read through the prefix")
         accent = "return getComputedStyle(document.documentElement).getPropertyValue('--accent').trim()"
         assert driver.execute_script(accent) == "#2458c6", "the stylesheet did not load through the prefix"
-        _type(driver, "new-text", DOC)
-        _by_id(driver, "create").click()
-        _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), "a session made through the prefix")
-        _type(driver, "prompt", " And")
-        _type(driver, "max-tokens", "8")
-        _type(driver, "temperature", "0")
-        _by_id(driver, "continue").click()  # a WebSocket through the prefix
-        _wait(driver, lambda d: "finish_reason: length, 8 tokens" in _by_id(d, "finish").text, "the stream's end")
+        _create_and_continue(driver, "through the prefix")  # its WebSocket too
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
 
@@ -238,14 +243,7 @@ def test_the_playground_with_api_keys_connects_once_a_key_is_typed_and_shows_a_s
         _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "the model line, once the key is typed")
         _settled(driver)
         assert _by_id(driver, "error").text == ""
-        _type(driver, "new-text", DOC)
-        _by_id(driver, "create").click()
-        _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), "a session made with the key")
-        _type(driver, "prompt", " And")
-        _type(driver, "max-tokens", "8")
-        _type(driver, "temperature", "0")
-        _by_id(driver, "continue").click()
-        _wait(driver, lambda d: "finish_reason: length, 8 tokens" in _by_id(d, "finish").text, "the stream's end")
+        _create_and_continue(driver, "with the key")
 
         _type(driver, "new-text", "")  # an empty session, continued with no prompt: the server refuses it
         _by_id(driver, "create").click()

@@ -229,9 +229,9 @@ def test_a_cancel_after_the_end_leaves_the_state_for_its_keep(core):
     _run(conn, 1, [72, 105])
     assert _until(conn, "finished", 1)["state"] is True and 1 in engine.kept
     conn.send_bytes(pack({"op": "cancel", "rid": 1, "abandon": False}))  # the client left as the request ended
-    conn.send_bytes(pack({"op": "keep", "rid": 1, "sid": "s", "revision": "1@1.5"}))
+    conn.send_bytes(pack({"op": "keep", "rid": 1, "sid": "s", "revision": [1, 1.5]}))
     assert _until(conn, "evicted")["sids"] == []  # kept hot
-    _run(conn, 2, [33], key=["s", "1@1.5"])
+    _run(conn, 2, [33], key=["s", [1, 1.5]])
     end = _until(conn, "finished", 2)
     assert end["source"] == "hot" and end["tokens_seen"] == 2 + 4 + 1 + 4
 
@@ -304,7 +304,7 @@ def test_a_cancel_while_a_large_session_is_imported_never_starts_it(core, monkey
     monkeypatch.setattr(engine.engine, "import_state", slow)
     monkeypatch.setattr(engine, "large", True)  # as a session over INLINE_BYTES is: imported off the reader thread
     try:
-        _run(conn, 2, [33], key=["s", 1])  # not hot: the engine asks for it
+        _run(conn, 2, [33], key=["s", [1, 1.5]])  # not hot: the engine asks for it
         assert _until(conn, "need", 2)["rid"] == 2
         conn.send_bytes(pack({"op": "state", "rid": 2, "tokens_seen": stored["tokens_seen"],
                               "fingerprint": engine.engine.fingerprint}, stored["blob"]))

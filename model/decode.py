@@ -22,11 +22,12 @@ from torch import Tensor
 
 from model import gpu_attention
 from model.cache import DecodeState, RingCache, RowBatch, RowTable, SlotTable, column_major
+from model.config import TXLConfig
 from model.fused import ABSORB_MAX_HEADS, ABSORB_MIN_BYTES, MAX_CHUNK, MAX_D_HEAD
 from model.fused import available as attention_kernel_built
 from model.graphs import GraphedTable
 from model.transformer_xl import MemTransformerLM
-from txlserve.errors import InvalidRequestError
+from txlserve.errors import ConfigError, InvalidRequestError
 
 __all__ = ["Decoder", "DecodeState", "default_prefill_chunk"]
 
@@ -60,6 +61,34 @@ def default_prefill_chunk(mem_len: int, device: torch.device) -> int:
     return max(256, min(512, mem_len // 4))
 
 
+def available_bytes(device: torch.device) -> int | None:
+    """Memory ``device`` can still give new tensors, where it says: a CUDA device's free memory, a Linux host's
+    MemAvailable; None where neither is known (the check below is then skipped)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as info:
+            return int(next(line for line in info if line.startswith("MemAvailable:")).split()[1]) * 1024
+    return None
+
+
+def check_fits(cfg: TXLConfig, mem_len: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a ``mem_len`` that cannot fit on ``device``, in one line: past the memory a process was killed
+    mid-allocation with no message (``generate --mem-len 1048576`` on the bundled model). A lower bound, counted
+    without the model: the position table as it is built (each layer's, their stack, its layout: three tables at
+    once) and one session's layer inputs, keys and values. A prefill's scores come on top."""
+    table = cfg.n_layer * cfg.n_head * (mem_len + 1) * cfg.d_head
+    session = cfg.n_layer * mem_len * (cfg.d_model + 2 * cfg.n_head * cfg.d_head)
+    need = dtype.itemsize * (3 * table + session)
+    free = available_bytes(device)
+    if free is not None and need > free:
+        def size(n: int) -> str:
+            return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+        raise ConfigError(f"mem_len {mem_len:,} needs at least {size(need)} on {device} (its position table and "
+                          f"one session), and {size(free)} is available: use a smaller mem_len", param="mem_len")
+
+
 def widen_layout(model: MemTransformerLM) -> None:
     """Store the layers' weights that widen (``out >= in``: the query/key/value, position and first
     feed-forward projections) column-major, in place: same values, same shapes, and a one-row product
@@ -82,6 +111,7 @@ class Decoder:
         self.mem_len, self.clamp_len = mem_len, clamp_len
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        check_fits(self.cfg, mem_len, self.device, self.dtype)
         self.columns = self.device.type == "cpu"  # column-major rings, table and widening weights (column_major)
         if self.columns:
             widen_layout(model)

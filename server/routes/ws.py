@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
@@ -32,6 +33,28 @@ def _invalid(message: str, param: str | None = None) -> dict:
     return {"type": "error", **error_body(message, "invalid_request_error", param, "invalid_value"), "status": 400}
 
 
+class Inbox:
+    """A connection's frames in the order they came; None once it ended. A frame that a request took from it
+    as its stream ended, and did not answer, goes back in first (:meth:`put_back`): at the end it would follow
+    frames the client sent after it, and be answered out of order."""
+
+    def __init__(self) -> None:
+        self._frames: asyncio.Queue[str | bytes | None] = asyncio.Queue()
+        self._back: deque[str | bytes | None] = deque()
+
+    async def put(self, frame: str | bytes | None) -> None:
+        await self._frames.put(frame)
+
+    def put_nowait(self, frame: str | bytes | None) -> None:
+        self._frames.put_nowait(frame)
+
+    def put_back(self, frame: str | bytes | None) -> None:
+        self._back.appendleft(frame)
+
+    async def get(self) -> str | bytes | None:
+        return self._back.popleft() if self._back else await self._frames.get()
+
+
 @router.websocket("/v1/ws")
 async def completions_ws(ws: WebSocket) -> None:
     try:
@@ -45,7 +68,7 @@ async def completions_ws(ws: WebSocket) -> None:
             await ws.close(code=1008, reason=str(err)[:120])
         return
     await ws.accept()
-    inbox: asyncio.Queue = asyncio.Queue()
+    inbox = Inbox()
 
     async def reader() -> None:
         """Every frame goes to the inbox (binary ones as bytes); None, always, once the connection ends."""
@@ -87,7 +110,7 @@ def _parse(raw: str | bytes) -> tuple[dict | None, dict | None]:
     return msg, None
 
 
-async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: str | None) -> None:
+async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None) -> None:
     msg, error = _parse(raw)
     if msg is None:
         await ws.send_json(error)
@@ -176,4 +199,4 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: asyncio.Queue, who: st
         if next_msg is not None and not next_msg.done():
             next_msg.cancel()
         elif next_msg is not None and not next_msg.cancelled():
-            inbox.put_nowait(next_msg.result())  # not ours to consume: back to the connection loop
+            inbox.put_back(next_msg.result())  # not ours to answer: the connection's next frame, as it came

@@ -330,3 +330,36 @@ async def test_a_session_deleted_while_a_request_runs_on_it_does_not_come_back_h
         await run.task
         assert rt.hot.revision(sid) is None and len(rt.hot) == 0
         assert (await c.get(f"/v1/sessions/{sid}")).status_code == 404
+
+
+async def test_a_frame_taken_as_a_websocket_stream_ends_keeps_its_place(redis_url, tmp_path):
+    """A frame that the running request took from the connection's inbox while it sent its stream's end is the
+    connection's next: it was put back behind the frames sent after it, and they were answered out of order."""
+    async with running_app(redis_url, tmp_path) as (app, _rt, _scheduler):
+        frames: asyncio.Queue = asyncio.Queue()
+        out: list[dict] = []
+        for frame in ({"type": "websocket.connect"}, {"type": "websocket.receive", "text": json.dumps(
+                {"type": "completion.create", "model": MODEL, "prompt": "x", "max_tokens": 1})}):
+            frames.put_nowait(frame)
+
+        async def send(msg: dict) -> None:
+            if msg["type"] != "websocket.send":
+                return
+            out.append(json.loads(msg["text"]))
+            if out[-1]["type"] == "completion.done":  # two frames arrive as the end is being sent
+                for name in ("first", "second"):
+                    frames.put_nowait({"type": "websocket.receive", "text": json.dumps({"type": name})})
+                while not frames.empty():  # the connection's reader takes both
+                    await asyncio.sleep(0)
+                for _ in range(5):  # and the request's read of the inbox, woken by the first, completes
+                    await asyncio.sleep(0)
+            if sum(e["type"] == "error" for e in out) == 2:
+                frames.put_nowait({"type": "websocket.disconnect", "code": 1000})
+
+        scope = {"type": "websocket", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "ws",
+                 "path": "/v1/ws", "raw_path": b"/v1/ws", "query_string": b"", "root_path": "", "headers": [],
+                 "client": ("127.0.0.1", 1), "server": ("test", 80), "subprotocols": [], "state": {}}
+        await asyncio.wait_for(app(scope, frames.get, send), 30)
+    assert [e["type"] for e in out] == ["completion.delta", "completion.done", "error", "error"], out
+    assert [e["error"]["message"].split(":")[0] for e in out[2:]] == ['unknown message type "first"',
+                                                                      'unknown message type "second"']

@@ -47,8 +47,8 @@ class SamplingParams:
         if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}",
                                       param="top_k")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", param="seed")
+        if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):
+            raise InvalidRequestError(f"seed must be a 64-bit signed integer, got {self.seed!r}", param="seed")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -60,7 +60,8 @@ class SamplingParams:
 
     def generator(self) -> random.Random:
         """A private RNG per request: results depend on the seed, never on other requests in the batch."""
-        return random.Random(self.seed if self.seed is not None else secrets.randbits(63))
+        # modulo 2**64: random.Random seeds with an integer's absolute value, and -3 drew what 3 draws
+        return random.Random(self.seed % (1 << 64) if self.seed is not None else secrets.randbits(63))
 
 
 def sample_rows(logits: Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random]) -> list[int]:

@@ -54,7 +54,7 @@ class CompletionRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 63)  # vLLM's range: a 64-bit signed integer
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = False
     user: str | None = Field(default=None, max_length=256)

@@ -9,6 +9,7 @@ import torch
 
 from model import fused
 from model.sampling import SamplingParams, sample_rows
+from txlserve.errors import InvalidRequestError
 
 MIXED = [SamplingParams(temperature=0.8), SamplingParams(temperature=0), SamplingParams(temperature=1.3, top_k=5),
          SamplingParams(temperature=0.7, top_p=0.6), SamplingParams(temperature=1.0, top_k=40, top_p=0.9),
@@ -85,6 +86,11 @@ def test_a_seed_fixes_the_draws():
 
     assert draws([p.generator() for p in params]) == draws([p.generator() for p in params])
     assert draws([p.generator() for p in params]) != draws([SamplingParams(seed=12).generator() for _ in params])
+    # a negative seed is its own (random.Random takes an integer's absolute value: -11 drew what 11 draws)
+    assert draws([p.generator() for p in params]) != draws([SamplingParams(seed=-11).generator() for _ in params])
+    for bad in (1 << 63, -(1 << 63) - 1, 2**70):  # vLLM's range: a 64-bit signed integer
+        with pytest.raises(InvalidRequestError, match="64-bit"):
+            SamplingParams(seed=bad)
 
 
 def test_plain_rows_stay_in_the_vocabulary_at_the_ends_of_the_draw():

@@ -59,6 +59,7 @@ CASES = [
     ("list unknown parameter", "GET", "/v1/sessions?cursor=abc", None, 400, "cursor"),
     ("echo string", "POST", "/v1/completions", {**OK, "echo": "true"}, 400, "echo"),
     ("seed float", "POST", "/v1/completions", {**OK, "seed": 1.5}, 400, "seed"),
+    ("seed past 64 bits", "POST", "/v1/completions", {**OK, "seed": 1 << 63}, 400, "seed"),
     ("penalty", "POST", "/v1/completions", {**OK, "frequency_penalty": 1.0}, 400, "frequency_penalty"),
     ("logit_bias", "POST", "/v1/completions", {**OK, "logit_bias": {"1": 5}}, 400, "logit_bias"),
     ("suffix", "POST", "/v1/completions", {**OK, "suffix": "end"}, 400, "suffix"),

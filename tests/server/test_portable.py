@@ -28,7 +28,8 @@ def servers(checkpoint: Path, tmp_path_factory) -> Iterator[dict[str, LiveServer
 
 def portable_servers(checkpoint: Path, tmp_path_factory, args: tuple[str, ...] = ()) -> Iterator[dict[str, LiveServer]]:
     """``cold``: a Redis of its own (its sweep touches every session there), nothing hot, every idle session
-    cold at once; ``upgraded``: another checkpoint (same tokenizer) over that Redis; ``elsewhere``: the first
+    cold at once; ``upgraded``: another checkpoint (same tokenizer) over that Redis, reading less (mem_len 8: a
+    window of 17 tokens, where the first's is 49 and its memory 24); ``elsewhere``: the first
     checkpoint with its own embedded store. ``args``: more flags for all three."""
     other = tiny_checkpoint(tmp_path_factory.mktemp("other-ckpt"), seed=1)
     redis = RedisProcess(tmp_path_factory.mktemp("portable-redis")).start()
@@ -37,7 +38,7 @@ def portable_servers(checkpoint: Path, tmp_path_factory, args: tuple[str, ...] =
         "cold": LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("cold"),
                            args=(*COLD, *args)),
         "upgraded": LiveServer(other, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("upgraded"),
-                               args=("--hot-cache-mb", "0", *args)),
+                               args=("--hot-cache-mb", "0", "--mem-len", "8", *args)),
         "elsewhere": LiveServer(checkpoint, redis_url=None, data_dir=tmp_path_factory.mktemp("elsewhere"),
                                 args=args),
     }
@@ -108,6 +109,12 @@ def test_a_session_of_another_checkpoint_with_the_same_tokenizer_is_rebuilt(serv
     assert tier in ("redis", "cold")  # --hot-cache-mb 0: never hot, whichever process holds the engine (the cold
     # server's sweep, on the same Redis, may have demoted it already)
     assert follow["choices"][0]["text"] == _continue(new, prompt=TEXT * 2 + truth)["choices"][0]["text"]
+    # and back (a rollback, or old and new replicas side by side): the new model, which reads less, kept the
+    # window the old one rebuilds it from (it cut it to its own 17 tokens, and the old model's answer was a 422)
+    back = _continue(old, sid)
+    whole = TEXT * 2 + truth + follow["choices"][0]["text"]
+    assert back["session"]["rebuilt"] is True and back["session"]["tokens_seen"] == len(whole) + 24
+    assert back["choices"][0]["text"] == _continue(old, prompt=whole)["choices"][0]["text"]
 
 
 def test_an_exported_session_continues_identically_on_a_server_with_its_own_store(servers):

@@ -360,7 +360,9 @@ def test_a_stop_signal_before_serving_closes_the_runtime_quietly(checkpoint, tmp
 
 @pytest.mark.parametrize("content, needle", [("[" * 100_000 + "]" * 100_000, "nested too deeply"),
                                              ("not json", "is not a JSON export document"),
-                                             (b"\xff\xfe{}", "is not a JSON export document")])
+                                             (b"\xff\xfe{}", "is not a JSON export document"),
+                                             ("[1, 2]", "a JSON object (what sessions.export returns), not list"),
+                                             ("42", "not int"), ('"ab"', "not str")])
 def test_session_import_refuses_a_bad_file_in_one_line(tmp_path, content, needle):
     path = tmp_path / "doc.json"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())

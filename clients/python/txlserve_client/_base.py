@@ -141,6 +141,9 @@ def session_export_call(session_id: str) -> Call[dict[str, Any]]:
 
 
 def session_import_call(document: Mapping[str, Any]) -> Call[AppendResult]:
+    if not isinstance(document, Mapping):  # dict() of a list or a string raised a TypeError, or read it as pairs
+        raise ValueError(f"a session's export document is a JSON object (what sessions.export returns), not "
+                         f"{type(document).__name__}")
     return Call("POST", "/v1/sessions/import", AppendResult.from_dict, json=dict(document))
 
 

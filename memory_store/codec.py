@@ -165,13 +165,12 @@ def check_metadata(metadata: Mapping[str, Any] | None, *, max_bytes: int = MAX_M
         return {}
     if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
         raise InvalidRequestError("metadata must be a JSON object", param="metadata")
-    try:
-        raw = json.dumps(dict(metadata), allow_nan=False)
-        json.dumps(dict(metadata), ensure_ascii=False).encode()  # a lone surrogate could never be read back
+    try:  # UTF-8, as the header stores it: text that is not ASCII counts its bytes, not its \\uXXXX escapes
+        raw = json.dumps(dict(metadata), allow_nan=False, ensure_ascii=False).encode()  # a lone surrogate: no
     except (TypeError, ValueError) as err:  # UnicodeEncodeError is a ValueError
         raise InvalidRequestError(f"metadata is not valid JSON text: {err}", param="metadata") from None
     if len(raw) > max_bytes:
-        raise PayloadTooLarge(f"metadata is {len(raw)} bytes of JSON, over the {max_bytes}-byte limit")
+        raise PayloadTooLarge(f"metadata is {len(raw)} bytes of JSON (UTF-8), over the {max_bytes}-byte limit")
     return json.loads(raw)
 
 
@@ -333,7 +332,7 @@ def decode_ring(raw: bytes | None, header: Header) -> torch.Tensor:
 
 
 def encode_header(header: Header) -> bytes:
-    return json.dumps(dataclasses.asdict(header), separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(dataclasses.asdict(header), separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
 
 
 def decode_header(raw: bytes) -> Header:

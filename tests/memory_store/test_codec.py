@@ -213,6 +213,14 @@ def test_invalid_state_arguments() -> None:
         codec.check_metadata({"when": object()})
     with pytest.raises(PayloadTooLarge):
         codec.check_metadata({"blob": "x" * (codec.MAX_METADATA_BYTES + 1)})
+    # UTF-8 bytes, as the header stores them: 60,000 of "é" (30,000 characters) fit; their \\u00e9 escapes were
+    # counted (180,000 bytes), and refused
+    text = {"a": "é" * 30_000}
+    assert codec.check_metadata(text) == text
+    header = codec.decode_header(codec.encode_header(dataclasses.replace(header_for(b""), metadata=text)))
+    assert header.metadata == text
+    with pytest.raises(PayloadTooLarge, match="UTF-8"):
+        codec.check_metadata({"a": "é" * (codec.MAX_METADATA_BYTES // 2)})
 
 
 def test_fingerprint_and_shape_mismatch_are_incompatible() -> None:

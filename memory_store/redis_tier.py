@@ -417,6 +417,12 @@ class RedisTier:
                     pipe.pexpire(owner_key(owner), self._ttl_ms)
                 await pipe.execute()
 
+    async def index_score(self, owner: str | None, session_id: str) -> int | None:
+        """When ``session_id`` was made (its place in the owner's index, milliseconds), or None if not there."""
+        with self._translate():
+            score = await self._client.zscore(owner_key(owner), session_id)
+        return None if score is None else int(score)
+
     async def scan_index(
         self, owner: str | None, *, after: tuple[int, str] | None, count: int, newest_first: bool = False
     ) -> list[tuple[int, str, bytes]]:

@@ -212,7 +212,7 @@ class MemoryStore:
                 raise InvalidRequestError(f"limit must be in 1..1000, got {limit!r}", param="limit")
             if order not in ("asc", "desc"):
                 raise InvalidRequestError(f"order must be asc or desc, got {order!r}", param="order")
-            rows = await self._redis.scan_index(owner, after=_parse_cursor(after), count=limit + 1,
+            rows = await self._redis.scan_index(owner, after=await self._cursor(owner, after), count=limit + 1,
                                                 newest_first=order == "desc")
             page = rows[:limit]
             infos = []
@@ -226,6 +226,16 @@ class MemoryStore:
                     infos.append(self._info(session_id, header))
             next_cursor = f"{page[-1][0]}.{page[-1][1]}" if len(rows) > limit else None
             return infos, next_cursor
+
+    async def _cursor(self, owner: str | None, after: str | None) -> tuple[int, str] | None:
+        """A page's ``next_cursor``, or (OpenAI's form) the id of the session the page starts after."""
+        if after is None or not _SESSION_ID.fullmatch(after):
+            return _parse_cursor(after)
+        score = await self._redis.index_score(owner, after)
+        if score is None:
+            raise InvalidRequestError(f"after names no session in this list: {shown(after)} (a page's next_cursor "
+                                      f"also holds its place once that session is gone)", param="after")
+        return score, after
 
     # -- writes ------------------------------------------------------------
 
@@ -687,5 +697,6 @@ def _parse_cursor(after: str | None) -> tuple[int, str] | None:
         return None
     score, _, session_id = after.partition(".")
     if not _CURSOR_SCORE.fullmatch(score) or not _SESSION_ID.fullmatch(session_id):
-        raise InvalidRequestError(f"invalid pagination cursor {after!r}", param="after")
+        raise InvalidRequestError(f"invalid pagination cursor {after!r}: pass a page's next_cursor, or the id of "
+                                  f"the session to start after", param="after")
     return int(score), session_id

@@ -180,7 +180,7 @@ async def test_list_by_owner_with_pagination(store: MemoryStore) -> None:
     ids = []
     for i in range(5):
         ids.append((await store.create(owner=owner, tensors=make_state(), mem_len=8, metadata={"i": i})).session_id)
-    await store.create(owner=new_owner(), tensors=make_state(), mem_len=8)
+    stranger = (await store.create(owner=new_owner(), tensors=make_state(), mem_len=8)).session_id
 
     seen, cursor, pages = [], None, 0
     while True:
@@ -205,6 +205,11 @@ async def test_list_by_owner_with_pagination(store: MemoryStore) -> None:
         await store.list(owner=owner, after="garbage")
     with pytest.raises(InvalidRequestError):
         await store.list(owner=owner, limit=0)
+    # OpenAI's form of ``after``: the id of the session the page starts after (only a next_cursor was read)
+    assert [i.session_id for i in (await store.list(owner=owner, limit=2, after=ids[1]))[0]] == ids[2:4]
+    assert [i.session_id for i in (await store.list(owner=owner, after=ids[3], order="desc"))[0]] == ids[2::-1]
+    with pytest.raises(InvalidRequestError, match="names no session in this list"):  # another owner's
+        await store.list(owner=owner, after=stranger)
 
 
 async def test_list_skips_and_prunes_vanished_sessions(store: MemoryStore, raw: redis.asyncio.Redis) -> None:

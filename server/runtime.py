@@ -38,6 +38,9 @@ class Runtime:
     draining: bool = False
     closed: bool = False
     runs: set = field(default_factory=set)  # in-flight request runs, awaited at shutdown
+    # WebSocket completions until their last message is sent: a run's end comes before it, and the drain's close
+    # of every socket must not cut it (Server.shutdown in server/serve.py)
+    ws_streams: set = field(default_factory=set)
     cpu_latency: CpuLatencyQos = field(default_factory=lambda: CpuLatencyQos(None))  # held while runs run
     core: EngineCore | None = None  # the engine's process (--engine-process); engine and scheduler are then it
     worker: int | None = None  # this process's index among --workers (server.workers); None: the only one

@@ -49,6 +49,21 @@ class _Server(uvicorn.Server):
             asyncio.get_event_loop().call_soon_threadsafe(rt.drain)
         super().handle_exit(sig, frame)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, after the drain: it closes every WebSocket at once (1012, "service restart"), which cut a
+        completion streaming over one where an SSE stream ran to its end. New connections are refused first, then
+        the drain's runs finish (or are cancelled past ``shutdown_timeout_s``) and their sockets send their last
+        message; idle sockets close after them."""
+        rt = getattr(self.config.app.state, "runtime", None)
+        if rt is not None and rt.draining:
+            for server in self.servers:  # uvicorn's first step, taken early (closing twice is harmless)
+                server.close()
+            loop, drain = asyncio.get_running_loop(), rt.drain()
+            deadline = loop.time() + rt.settings.shutdown_timeout_s + 20  # the drain's, and its cancels' 10 s
+            while not (drain.done() and not rt.ws_streams) and not self.force_exit and loop.time() < deadline:
+                await asyncio.wait([drain, *rt.ws_streams], timeout=0.1)  # a second Ctrl-C (force_exit) ends it
+        await super().shutdown(sockets=sockets)
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         """uvicorn's, except that it puts back the handlers ``_serve``'s hold found, not the holding ones, before

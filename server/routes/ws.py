@@ -141,6 +141,8 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
         return
     echo = req.echo and run.prompt_logprobs is None and bool(comp.echoed)  # sent with the first event, not before
     answered = False
+    streaming = asyncio.get_running_loop().create_future()  # until its last message is sent: the drain waits
+    rt.ws_streams.add(streaming)
     # the inbox is read from the start: a cancel (or a client that leaves) while the prompt is being read stops
     # it there, and nothing is stored, as over HTTP
     stream = _items(run).__aiter__()
@@ -193,6 +195,8 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
                 return
             next_item = asyncio.ensure_future(stream.__anext__())
     finally:
+        rt.ws_streams.discard(streaming)
+        streaming.set_result(None)
         if not answered:  # cancelled, failed, or the socket broke under a send: stop within a step
             run.cancel()
         next_item.cancel()

@@ -133,6 +133,39 @@ def test_sigterm_past_the_timeout_cancels_and_commits(own_server, server):
     assert len("Cut off") < seen < len("Cut off") + LONG
 
 
+@pytest.mark.parametrize(("timeout_s", "asked", "reason"), [("20", 300, "length"), ("1", LONG, "cancelled")])
+def test_sigterm_lets_websocket_streams_end_then_closes_the_sockets(own_server, server, timeout_s, asked, reason):
+    """uvicorn's shutdown closes every WebSocket at once (1012): a completion streaming over one was cut with no
+    end, where an SSE stream ran to its end. Now the drain's runs end first (in time, or cancelled past the
+    timeout: what the client got is what was committed), their sockets send their last message, and then every
+    socket, an idle one too, closes with 1012."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    from tests.server.test_ws import ws_url
+
+    srv = own_server(args=("--shutdown-timeout-s", timeout_s))
+    sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Graceful "}).json()["id"]
+    with connect(ws_url(srv)) as idle, connect(ws_url(srv)) as conn:
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "end", "max_tokens": asked,
+                              "session_id": sid}))
+        events = []
+        while not events or events[-1]["type"] == "completion.delta":
+            events.append(json.loads(conn.recv(timeout=60)))
+            if len(events) == 2:
+                srv.proc.send_signal(15)
+        done = events[-1]
+        assert done["type"] == "completion.done" and done["finish_reason"] == reason, events[-3:]
+        assert "".join(e["text"] for e in events[:-1]) == done["text"]
+        with pytest.raises(ConnectionClosed) as closed:
+            idle.recv(timeout=60)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1012  # "service restart"
+    assert srv.proc.wait(30) in (0, -15)  # uvicorn re-raises SIGTERM once shut down
+    tokens_seen = httpx.get(f"{server.url}/v1/sessions/{sid}").json()["tokens_seen"]  # another server, same Redis
+    assert tokens_seen == len("Graceful end") + done["usage"]["completion_tokens"] == done["session"]["tokens_seen"]
+    assert (done["usage"]["completion_tokens"] == asked) == (reason == "length")
+
+
 def test_redis_outage_is_503_and_the_server_recovers(checkpoint, redis_server, tmp_path):
     redis = redis_server()
     srv = LiveServer(checkpoint, redis_url=redis.url, data_dir=tmp_path / "srv",

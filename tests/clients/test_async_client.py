@@ -7,6 +7,7 @@ import asyncio
 import pytest
 from txlserve_client import (
     APIConnectionError,
+    APIError,
     AsyncClient,
     AsyncStream,
     AsyncWebSocketStream,
@@ -116,6 +117,31 @@ async def test_websocket(aclient: AsyncClient) -> None:
     async with one_shot:
         await one_shot.__anext__()
     assert one_shot.done
+
+
+async def test_a_second_task_on_a_websocket_connection_is_refused_and_the_first_runs_on(aclient: AsyncClient) -> None:
+    """A connection runs one completion at a time. Another task's completion, started while the first task read
+    its own, cancelled the first and failed with the websockets library's own error (not an APIError)."""
+    async with aclient.ws.connect() as conn:
+        reading = asyncio.Event()
+
+        async def first() -> list:
+            chunks = []
+            async for chunk in conn.completion(model=MODEL, prompt="a", max_tokens=LONG):
+                chunks.append(chunk)
+                reading.set()
+            return chunks
+
+        task = asyncio.create_task(first())
+        await asyncio.wait_for(reading.wait(), 60)  # its task now waits in the connection's read
+        with pytest.raises(APIError, match="in another task"):
+            async for _ in conn.completion(model=MODEL, prompt="b", max_tokens=2):
+                pass
+        await conn.cancel()
+        chunks = await asyncio.wait_for(task, 60)
+        assert chunks[-1].finish_reason == "cancelled" and chunks[-1].usage.completion_tokens >= len(chunks) - 1
+        again = [c async for c in conn.completion(model=MODEL, prompt="c", max_tokens=2)]  # and it serves on
+        assert again[-1].usage.completion_tokens == 2
 
 
 async def test_many_concurrent_completions(aclient: AsyncClient) -> None:

@@ -210,6 +210,12 @@ def test_the_openai_sdks_base_url_and_a_session_id_no_header_can_hold(server: Li
         assert client.base_url == server.url and [m.id for m in client.models.list()] == [MODEL]
         with pytest.raises(NotFoundError):
             client.completions.create(model=MODEL, prompt="x", max_tokens=1, session_id="\u2603")
+        for spaced in (" ", "a ", " a"):  # no header holds a space at its ends: an APIConnectionError before
+            with pytest.raises(NotFoundError):
+                client.completions.create(model=MODEL, prompt="x", max_tokens=1, session_id=spaced)
+            with pytest.raises(NotFoundError):
+                list(client.completions.create(model=MODEL, prompt="x", max_tokens=1, session_id=spaced,
+                                               stream=True))
 
 
 def test_connection_error() -> None:

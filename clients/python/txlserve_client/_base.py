@@ -87,8 +87,9 @@ def completion_body(model: str, prompt: Prompt, stream: bool, options: Mapping[s
 def completion_call(body: dict[str, Any]) -> Call[Completion]:
     sid = body.get("session_id")
     # X-Session-Id lets a load balancer send a session's requests to the replica that holds it hot
-    routable = isinstance(sid, str) and sid.isascii() and sid.isprintable()  # a header holds ASCII (no server's
-    # id is anything else: the body still names it, and the server answers for it)
+    # a header holds ASCII, and no space at its ends (h11 refused " " as an illegal header, a connection error):
+    # no server's id is anything else; the body still names it, and the server answers for it
+    routable = isinstance(sid, str) and sid.isascii() and sid.isprintable() and sid == sid.strip()
     return Call("POST", "/v1/completions", Completion.from_dict, json=body, retry=sid is None,
                 headers={"x-session-id": sid} if sid and routable else None)
 

@@ -119,3 +119,21 @@ def test_ctrl_c_cancels_the_generation_not_the_program(server: LiveServer, clien
     seen = wait_for(lambda: (n := client.sessions.get(session_id).tokens_seen) > len("hello\n") and n, 120,
                     "the cancelled run's commit")
     assert 0 < seen - len("hello\n") < 4000
+
+
+def test_a_server_gone_mid_chat_leaves_the_way_back(checkpoint, redis_url, tmp_path) -> None:
+    """The server's end was an error line alone: the line that says how to resume the session was skipped."""
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path / "srv").start()
+    try:
+        env = {**os.environ, "PYTHONPATH": str(CLIENT_SRC), "PYTHONUNBUFFERED": "1"}
+        with Streamed([sys.executable, "-m", "txlserve_client.chat", "--url", srv.url, "--max-tokens", "4"],
+                      env=env, cwd=CLIENT_SRC) as chat_proc:
+            chat_proc.wait_for(b"> ")
+            session_id = re.search(rf"session ({ID})".encode(), bytes(chat_proc.out)).group(1).decode()
+            srv.stop()
+            chat_proc.write(b"hello\n")
+            assert chat_proc.wait(timeout=120) == 1
+            assert f"session {session_id}: resume with --session {session_id}" in chat_proc.out.decode()
+            assert b"could not talk to the txlserve server" in chat_proc.proc.stderr.read()
+    finally:
+        srv.stop()

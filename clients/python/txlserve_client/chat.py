@@ -82,8 +82,10 @@ class Chat:
                 else:  # "//..." sends the line from its second slash on
                     text = line.lstrip()[1:] if command.startswith("//") else line
                     self.generate(text + "\n" if text else "")
-            except APIConnectionError:
-                raise  # the server is gone: main() reports it and leaves
+            except APIConnectionError:  # the server is gone: main() reports it and leaves, after the way back
+                self.say(f"session {self.session.id}: resume with --session {self.session.id} once the server "
+                         f"is back")
+                raise
             except APIError as err:
                 print(f"error: {err}", file=self.err, flush=True)
         self.say(f"session {self.session.id}: resume with --session {self.session.id}")

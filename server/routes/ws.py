@@ -1,6 +1,6 @@
 """GET /v1/ws: completions over a WebSocket, many in turn on one connection, with cancel.
 
-Client -> server: {"type": "completion.create", ...the /v1/completions fields} | {"type": "cancel"}
+Client -> server: {"type": "completion.create", ...the /v1/completions fields} | {"type": "cancel", "id"?}
 Server -> client: {"type": "completion.delta", "id", "text", "logprobs"?} ... then
 {"type": "completion.done", "id", "text", "finish_reason", "usage", "session"?} or {"type": "error", "id", "error"}.
 An error without an id answers the message just sent (refused before any request started, or while one runs) and
@@ -161,6 +161,9 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
                     next_msg = None
                     return
                 msg, error = _parse(incoming)
+                if msg is not None and msg.get("type") == "cancel" and msg.get("id", comp.id) != comp.id:
+                    next_msg = asyncio.ensure_future(inbox.get())  # a cancel of another (earlier) completion
+                    continue
                 if msg is not None and msg.get("type") == "cancel":
                     # it ends within a step; what the client sends next (its next request, sent at once) waits its
                     # turn in the inbox, where it was refused as "in progress" before

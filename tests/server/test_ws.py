@@ -112,7 +112,10 @@ def test_ws_cancel_commits_what_was_generated(server):
                               "temperature": 0, "session_id": sid}))
         got = [json.loads(conn.recv(timeout=30)) for _ in range(3)]
         assert all(m["type"] == "completion.delta" for m in got)
-        conn.send(json.dumps({"type": "cancel"}))
+        conn.send(json.dumps({"type": "cancel", "id": "cmpl-earlier"}))  # another completion's: ignored (it was
+        got += [json.loads(conn.recv(timeout=30)) for _ in range(20)]  # this one's, which ended within a step)
+        assert all(m["type"] == "completion.delta" for m in got)
+        conn.send(json.dumps({"type": "cancel", "id": got[0]["id"]}))
         msgs = collect(conn)
         done = msgs[-1]
         assert done["type"] == "completion.done" and done["finish_reason"] == "cancelled"

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from model.engine import TokenEvent
 from server.completion import Completion, cancel_on_disconnect, events, open_run, prompt_text
@@ -35,7 +35,7 @@ async def chat_completions(_owner: str | None = Depends(owner)) -> None:  # a ke
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(req: CompletionRequest, request: Request, rt: Runtime = Depends(runtime),
-                            who: str | None = Depends(owner)) -> dict | StreamingResponse:
+                            who: str | None = Depends(owner)) -> Response:
     t0 = time.monotonic()
     comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
     if req.echo:
@@ -52,7 +52,7 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                     comp.add_prompt(run.ids, item)
                 else:
                     _observe(rt, run, item, t0, request)
-                    return comp.body(item, len(run.ids)).dump()
+                    return Response(comp.body(item, len(run.ids)).dump_json(), media_type="application/json")
     return StreamingResponse(_stream(rt, run, first, comp, t0, request), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

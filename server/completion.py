@@ -166,15 +166,23 @@ class Completion:
     lps: list[float] = field(default_factory=list)
     tops: list[dict[str, float]] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    prev: int | None = None  # the prompt's last token, as the engine's generation had it (a word's spacing)
     _template: tuple[str, str] | None = field(default=None, repr=False)
+    _decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"), repr=False)
+    _chars: int = 0  # characters the generated tokens decode to so far, text held back (a stop string's start) too
 
     def add(self, ev: TokenEvent) -> CompletionLogprobs | None:
-        """Record a token; its logprobs piece for a stream chunk (or None without logprobs)."""
-        start = len(self.text)
+        """Record a token; its logprobs piece for a stream chunk (or None without logprobs). Its text offset
+        counts the characters of the tokens before it, as the prompt's do (prompt_logprobs): the text released
+        so far lags them while a stop string's start is held back, and gave tokens the same offset."""
         self.tokens.append(ev.token)
         self.text += ev.text
         if self.req.logprobs is None:
             return None
+        start = len(self.echoed) + self._chars
+        self._chars += len(self._decoder.decode(self.tokenizer.token_bytes(ev.token, self.prev)))
+        self.prev = ev.token
         name = self.tokenizer.token_name
         top = {name(t): lp for t, lp in (ev.top_logprobs or [])}
         self.lps.append(ev.logprob)

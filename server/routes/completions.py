@@ -42,6 +42,7 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
         comp.echoed = comp.text = await prompt_text(rt, req)
     async with cancel_on_disconnect(request.receive, rt.metrics.disconnects.inc) as attach:
         run, first = await open_run(rt, req, who, attach)
+        comp.prev = run.ids[-1] if run.ids else None
         if not req.stream:
             async for item in events(run, first):
                 if isinstance(item, TokenEvent):

@@ -133,6 +133,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
         if req.echo:
             comp.echoed = comp.text = await prompt_text(rt, req)
         run = await start(rt, req, who)
+        comp.prev = run.ids[-1] if run.ids else None
     except ValidationError as err:
         await ws.send_json(_invalid(*validation_message(err)))
         return

@@ -102,6 +102,23 @@ def test_stop_and_echo(server):
     assert echoed["choices"][0]["text"].startswith("The")
 
 
+def test_text_offsets_count_the_tokens_held_back_for_a_stop_string(server):
+    """A generated token's text_offset is where its text starts: the text released so far lagged while the start
+    of a stop string was held back, and tokens shared an offset (found by a helper). The test model writes ASCII,
+    one character a token, so the offsets run one by one from the echoed prompt's end, in every surface."""
+    stops = [c + "\x00\x01" for c in " ea\n"]  # each of these characters is held until the next token
+    body = dict(prompt="ROMEO.", max_tokens=30, temperature=0.8, seed=3, logprobs=0, stop=stops)
+    for echo in (False, True):
+        got = complete(server, **body, echo=echo)["choices"][0]
+        generated = got["logprobs"]["text_offset"][len("ROMEO.") if echo else 0:]
+        start = len("ROMEO.") if echo else 0
+        assert generated == list(range(start, start + 30)), generated
+        assert got["text"][start:] == "".join(got["logprobs"]["tokens"][-30:])
+    chunks = [e["choices"][0] for e in sse_events(server, **body) if isinstance(e, dict) and e["choices"]]
+    streamed = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert streamed == list(range(30))
+
+
 def test_openais_four_prompt_forms(server):
     """Text, token ids, and a batch of one of either (what LangChain and the OpenAI SDK send) read the same; a
     batch of several, ids outside the vocabulary and lists of other things are refused by name."""

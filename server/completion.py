@@ -214,7 +214,7 @@ class Completion:
         each time (tested), at a fraction of the event loop's time with many concurrent streams."""
         if self._template is None:
             marker = json.dumps(_MARKER)[1:-1]
-            head, tail = json.dumps(self.chunk(_MARKER).dump(), ensure_ascii=False).split(marker)
+            head, tail = json.dumps(self.piece(_MARKER), ensure_ascii=False).split(marker)
             self._template = ("data: " + head, tail + "\n\n")
         head, tail = self._template
         return head + json.dumps(text, ensure_ascii=False)[1:-1] + tail
@@ -223,6 +223,14 @@ class Completion:
               *, session: SessionRef | None = None) -> CompletionObject:
         return CompletionObject(id=self.id, created=self.created, model=self.model, session=session, choices=[
             CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)])
+
+    def piece(self, text: str, finish_reason: FinishReason | None = None, logprobs: CompletionLogprobs | None = None,
+              *, session: SessionRef | None = None) -> dict[str, Any]:
+        """A stream chunk's JSON object; with ``stream_options.include_usage`` it says ``"usage": null``, as
+        OpenAI's chunks before the usage chunk do."""
+        options = self.req.stream_options
+        return self.chunk(text, finish_reason, logprobs, session=session).dump(
+            usage_null=bool(options and options.include_usage))
 
     @staticmethod
     def usage(final: Final, prompt_tokens: int) -> Usage:

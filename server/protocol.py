@@ -200,9 +200,10 @@ class CompletionObject(BaseModel):
     usage: Usage | None = None
     session: SessionRef | None = None  # txlserve: the session after this request
 
-    def dump(self) -> dict[str, Any]:
-        """OpenAI's shape: ``session`` only when there is one, ``usage`` only when known."""
-        return self.model_dump(exclude=_exclude(session=self.session, usage=self.usage))
+    def dump(self, *, usage_null: bool = False) -> dict[str, Any]:
+        """OpenAI's shape: ``session`` only when there is one, ``usage`` only when known (or, ``usage_null``, as
+        null: a stream's chunks with ``include_usage``, as OpenAI sends them)."""
+        return self.model_dump(exclude=_exclude(session=self.session, usage=self.usage or usage_null or None))
 
     def dump_json(self) -> bytes:
         """:meth:`dump` as JSON, by pydantic's serializer in Rust: a dict returned to FastAPI is walked value by

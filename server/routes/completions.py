@@ -71,10 +71,10 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
     try:
         try:
             if comp.req.echo and comp.echoed and run.prompt_logprobs is None:
-                yield _sse(comp.chunk(comp.echoed).dump())
+                yield _sse(comp.piece(comp.echoed))
             async for item in events(run, first):
                 if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores come first
-                    yield _sse(comp.chunk(comp.echoed, None, comp.add_prompt(run.ids, item)).dump())
+                    yield _sse(comp.piece(comp.echoed, None, comp.add_prompt(run.ids, item)))
                     continue
                 if isinstance(item, TokenEvent):
                     now = time.monotonic()
@@ -83,7 +83,7 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
                     streamed += 1
                     logprobs = comp.add(item)
                     if logprobs is not None:
-                        out.append(_sse(comp.chunk(item.text, None, logprobs).dump()))
+                        out.append(_sse(comp.piece(item.text, None, logprobs)))
                     elif item.text:
                         out.append(comp.text_event(item.text))
                     if out and item.finish_reason is None and run.events.empty():  # the last waits for the end
@@ -94,7 +94,7 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
                     comp.add_text(item)
                     out.append(comp.text_event(item))
                     continue
-                out.append(_sse(comp.chunk("", comp.finish(item), session=comp.session(item)).dump()))
+                out.append(_sse(comp.piece("", comp.finish(item), session=comp.session(item))))
                 if include_usage:
                     out.append(_sse(comp.usage_chunk(item, len(run.ids)).dump()))
                 _observe(rt, run, item, t0, request)

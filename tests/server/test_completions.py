@@ -66,6 +66,7 @@ def test_sse_exact_shape(server):
     assert final["choices"][0]["finish_reason"] == "length"
     text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # OpenAI's: null before the usage chunk
     assert text == complete(server, prompt="Hello", max_tokens=6, temperature=0)["choices"][0]["text"]
 
 

@@ -40,7 +40,9 @@ def check_model(rt: Runtime, model: str) -> None:
                             param="model")
 
 
-def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams:
+def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | None:
+    """The request's sampling, checked; None for ``max_tokens: 0`` with ``echo``: the prompt is read (and with
+    ``logprobs`` scored) and given back, nothing generated, as OpenAI and vLLM answer it (how a prompt is scored)."""
     s = rt.settings
     if req.n not in (None, 1):
         raise InvalidRequestError("only n=1 is supported", param="n")
@@ -67,9 +69,16 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams:
                                       param="stop") from None
         if too_long:
             raise InvalidRequestError(f"a stop string may be at most {s.max_stop_bytes} bytes", param="stop")
-    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                          top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
-                          stop=tuple(stop), logprobs=req.logprobs)
+    if max_tokens < 0:
+        raise InvalidRequestError(f"max_tokens must be >= 0 (0 with echo scores the prompt), got {max_tokens}",
+                                  param="max_tokens")
+    if max_tokens == 0 and not req.echo:
+        raise InvalidRequestError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo true (and "
+                                  "logprobs for its tokens' scores)", param="max_tokens")
+    params = SamplingParams(max_tokens=max_tokens or 1, temperature=1.0 if req.temperature is None else
+                            req.temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                            seed=req.seed, stop=tuple(stop), logprobs=req.logprobs)  # each field checked
+    return None if max_tokens == 0 else params
 
 
 _ENCODE_INLINE = 16_384  # characters; a longer text is tokenized off the event loop (a word tokenizer is slow)

@@ -120,6 +120,28 @@ def test_text_offsets_count_the_tokens_held_back_for_a_stop_string(server):
     assert streamed == list(range(30))
 
 
+def test_max_tokens_zero_with_echo_scores_the_prompt(server):
+    """OpenAI's and vLLM's way to score a prompt: max_tokens 0 with echo gives the prompt back (with logprobs, its
+    tokens' scores) and generates nothing; it was a 400. A session keeps the prompt, as an append would."""
+    one = complete(server, prompt="ROMEO.", max_tokens=1, echo=True, logprobs=2, temperature=0)["choices"][0]
+    zero = complete(server, prompt="ROMEO.", max_tokens=0, echo=True, logprobs=2)
+    got = zero["choices"][0]
+    assert got["text"] == "ROMEO." and got["finish_reason"] == "length" and zero["usage"]["completion_tokens"] == 0
+    for key in ("tokens", "text_offset"):
+        assert got["logprobs"][key] == one["logprobs"][key][:6], key
+    assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(one["logprobs"]["token_logprobs"][1:6], abs=1e-5)
+    assert [sorted(t) for t in got["logprobs"]["top_logprobs"][1:]] == [
+        sorted(t) for t in one["logprobs"]["top_logprobs"][1:6]]
+    events = [e for e in sse_events(server, prompt="ROMEO.", max_tokens=0, echo=True) if isinstance(e, dict)]
+    assert "".join(e["choices"][0]["text"] for e in events) == "ROMEO."
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Begin "}).json()["id"]
+    assert complete(server, prompt="ROMEO.", max_tokens=0, echo=True, session_id=sid)["session"]["tokens_seen"] == 12
+    for bad in ({"max_tokens": 0}, {"max_tokens": -1, "echo": True}):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", **bad}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
 def test_openais_four_prompt_forms(server):
     """Text, token ids, and a batch of one of either (what LangChain and the OpenAI SDK send) read the same; a
     batch of several, ids outside the vocabulary and lists of other things are refused by name."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,7 @@ class Runtime:
     core: EngineCore | None = None  # the engine's process (--engine-process); engine and scheduler are then it
     worker: int | None = None  # this process's index among --workers (server.workers); None: the only one
     peers: str | None = None  # with workers: the directory of their metrics sockets (server.workers.all_metrics)
+    started: int = field(default_factory=lambda: int(time.time()))  # when this server loaded its model (/v1/models)
     _draining: asyncio.Task | None = field(default=None, repr=False)
     sweeper: asyncio.Task | None = field(default=None, repr=False)
 

@@ -49,7 +49,7 @@ async def metrics(rt: Runtime = Depends(runtime)) -> Response:
 
 def _served(rt: Runtime) -> dict:
     cfg = rt.engine.config
-    return {"id": rt.settings.model_name, "object": "model", "created": 0, "owned_by": "txlserve",
+    return {"id": rt.settings.model_name, "object": "model", "created": rt.started, "owned_by": "txlserve",
             "n_layer": cfg.n_layer, "d_model": cfg.d_model, "mem_len": rt.engine.mem_len,
             "clamp_len": rt.engine.clamp_len, "fingerprint": rt.engine.fingerprint}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -261,6 +262,7 @@ def test_a_model_is_retrieved_by_name_as_openais_models_retrieve_does(server):
     listed = httpx.get(server.url + "/v1/models").json()["data"]
     got = httpx.get(f"{server.url}/v1/models/{MODEL}")
     assert got.status_code == 200 and [got.json()] == listed
+    assert time.time() - 3600 < listed[0]["created"] <= time.time()  # when the server loaded it, as vLLM's (was 0)
     missing = httpx.get(server.url + "/v1/models/org/other-model")  # a name may hold '/': still this route
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 

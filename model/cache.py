@@ -228,6 +228,7 @@ class SlotTable:
     doubling up to ``capacity`` (a byte budget's worth of rows), which is the only time rows move together."""
 
     ragged = False  # every row of a call is fed as many tokens
+    prompts_in_steps = False  # short prompts joining an idle batch are read in one pass (GraphedTable: in steps)
 
     def __init__(self, new_state: Callable[..., DecodeState], capacity: int) -> None:
         self.new_state, self.capacity = new_state, max(1, capacity)  # new_state: a Decoder's ``empty``
@@ -300,6 +301,7 @@ class RowTable:
     batch, and go back into the session's state when it is exported."""
 
     ragged = True  # a call may feed each row its own number of tokens (Decoder.advance_rows)
+    prompts_in_steps = False  # short prompts joining an idle batch are read in one packed pass
 
     def __init__(self, new_state: Callable[..., DecodeState], capacity: int) -> None:
         self.new_state, self.capacity = new_state, max(1, capacity)  # new_state: a Decoder's ``empty``

@@ -116,6 +116,10 @@ class GraphedTable(SlotTable):
         self.tokens = torch.zeros(self.capacity, 1, dtype=torch.long, device=decoder.device)  # [capacity, 1]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None  # the captures' shared memory pool
+        # Short prompts joining even an idle batch are read a token a step (the engine loop's choice): a replay is
+        # a small part of an eager pass of a few tokens (0.2-0.5 ms against ~3 ms for the bundled model), so
+        # MAX_CHUNK tokens in replays cost less than one such pass; False once steps run eagerly
+        self.prompts_in_steps = capture
 
     def size(self, n: int) -> int:
         """The rows a step of ``n`` rows runs: the smallest captured size that holds them."""
@@ -151,7 +155,7 @@ class GraphedTable(SlotTable):
             except Exception as err:  # the eager step is exact: run it from now on
                 log.warning("decode steps run eagerly: capturing a CUDA graph of %d rows failed (%s: %s)", s,
                             type(err).__name__, err)
-                self.capture, self.graphs = False, {}
+                self.capture, self.graphs, self.prompts_in_steps = False, {}, False
         return self.graphs.get(s)
 
     def advance(self, view: DecodeState, tokens: Tensor) -> None:

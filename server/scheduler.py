@@ -308,7 +308,7 @@ class Scheduler:
     def _admit(self, job: Job) -> None:
         """A short prompt joins the decode batch directly and is read there: into an empty batch in one forward
         pass with every other prompt that joins in the same iteration (of its length, where the table copies
-        sessions in: :meth:`_read_prompts`),
+        sessions in: :meth:`_read_prompts`; on a GPU's graphed steps, a token a replay, as into a busy batch),
         into a busy one in the decode steps (:meth:`_regroup`); a longer one is prefilled in chunks first.
         Many requests arriving at once then cost one batched pass, not one each."""
         if job.params is not None and len(job.pending) <= self.SHORT_PROMPT and job.prompt_logprobs is None:
@@ -406,7 +406,8 @@ class Scheduler:
             self.running.append(job)
             if not job.pending:  # nothing to read (a session continued from its memory alone)
                 job.prompt_read()
-        if first == 0:  # no other row to hold up
+        if first == 0 and not self.slots.prompts_in_steps:  # no other row to hold up; on a GPU's graphed steps
+            # the prompts ride along here too, a token a replay (GraphedTable.prompts_in_steps)
             self._drop(set(), self._read_prompts(first))
 
     def _read_prompts(self, first: int) -> dict[int, BaseException]:

@@ -320,6 +320,25 @@ def test_short_prompts_arriving_together_are_read_in_one_pass(engine, table):
         assert (packed, sorted(passes)) == ([], [(2, 3), (4, 4)])  # the 3-token prompts, then the 4-token ones
 
 
+def test_on_graphed_steps_short_prompts_ride_the_steps_even_into_an_idle_batch(engine, monkeypatch):
+    """A GPU's graphed table reads joining prompts a token a replay even when the batch was idle: an eager pass of
+    a few tokens costs several replays there (GraphedTable.prompts_in_steps). Eagerly here, with the flag set as a
+    capture sets it: no pass of more than one token a row runs, and each request generates what it does alone."""
+    def graphed(capacity):
+        table = GraphedTable(engine.decoder, capacity, capture=False)
+        table.prompts_in_steps = True  # as with its graphs captured
+        return table
+
+    monkeypatch.setattr(engine.decoder, "table", graphed)
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    histories = [engine.encode(f"Speaker {i} says") for i in range(3)]
+    prompts = [engine.encode(p) for p in (" and", " so", " nor")]
+    passes, counted = _counting_passes(engine)
+    got = _arriving_together(engine, histories, prompts, greedy, counted)
+    assert got == _alone(engine, histories, prompts, greedy)
+    assert passes == []  # every prompt token went through a one-token step
+
+
 def test_a_sampled_token_reaches_its_stream_before_the_step_that_feeds_it(engine, monkeypatch):
     """The token is known once sampled: its stream hears it while the batch steps, not a step later."""
     stepping, gate = threading.Event(), threading.Event()

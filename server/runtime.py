@@ -42,6 +42,7 @@ class Runtime:
     # WebSocket completions until their last message is sent: a run's end comes before it, and the drain's close
     # of every socket must not cut it (Server.shutdown in server/serve.py)
     ws_streams: set = field(default_factory=set)
+    drain_started: asyncio.Event = field(default_factory=asyncio.Event)  # idle WebSockets close at once
     cpu_latency: CpuLatencyQos = field(default_factory=lambda: CpuLatencyQos(None))  # held while runs run
     core: EngineCore | None = None  # the engine's process (--engine-process); engine and scheduler are then it
     worker: int | None = None  # this process's index among --workers (server.workers); None: the only one
@@ -87,6 +88,7 @@ class Runtime:
         for open connections to close first, or the lifespan shutdown."""
         if self._draining is None:
             self.ready, self.draining = False, True
+            self.drain_started.set()
             self._draining = asyncio.get_running_loop().create_task(self._drain_runs())
         return self._draining
 

@@ -50,16 +50,21 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """uvicorn's, after the drain: it closes every WebSocket at once (1012, "service restart"), which cut a
-        completion streaming over one where an SSE stream ran to its end. New connections are refused first, then
-        the drain's runs finish (or are cancelled past ``shutdown_timeout_s``) and their sockets send their last
-        message; idle sockets close after them."""
+        """uvicorn's, with the WebSockets held back until the drain's runs end: uvicorn closes every WebSocket at
+        once (1012, "service restart"), which cut a completion streaming over one where an SSE stream ran to its
+        end. uvicorn's first steps run first, as it takes them: no new connection, and every HTTP connection
+        closes once idle (a pooled one at once, so its client goes to another replica). Then the runs finish (or
+        are cancelled past ``shutdown_timeout_s``), each WebSocket sends its completion's end and closes itself
+        (server/routes/ws.py; an idle one closes as the drain starts), and uvicorn's shutdown goes on."""
         rt = getattr(self.config.app.state, "runtime", None)
         if rt is not None and rt.draining:
-            for server in self.servers:  # uvicorn's first step, taken early (closing twice is harmless)
+            for server in self.servers:  # closing twice (uvicorn's own turn) is harmless, as is a second shutdown
                 server.close()
+            for connection in list(self.server_state.connections):
+                if ".websockets." not in type(connection).__module__:  # uvicorn.protocols.websockets.*: held
+                    connection.shutdown()
             loop, drain = asyncio.get_running_loop(), rt.drain()
-            deadline = loop.time() + rt.settings.shutdown_timeout_s + 20  # the drain's, and its cancels' 10 s
+            deadline = loop.time() + rt.settings.shutdown_timeout_s + 11  # the drain's own bound, and its 10 s
             while not (drain.done() and not rt.ws_streams) and not self.force_exit and loop.time() < deadline:
                 await asyncio.wait([drain, *rt.ws_streams], timeout=0.1)  # a second Ctrl-C (force_exit) ends it
         await super().shutdown(sockets=sockets)

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("txlserve")
 
-STOP_MARGIN_S = 15.0  # beyond a worker's own drain (shutdown_timeout_s), before it is killed
+STOP_MARGIN_S = 20.0  # beyond a worker's own drain (shutdown_timeout_s; its cancelled runs get 10 s more, and the
+# runtime's close comes after), before it is killed
 ROOT = Path(__file__).resolve().parents[1]  # the folder holding this ``server`` package
 # a worker imports the supervisor's own code: ``python -m`` would put the current directory first on its path,
 # where a folder named ``server`` or ``model`` would replace ours in the workers alone

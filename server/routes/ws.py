@@ -10,6 +10,7 @@ ends nothing that runs. After a cancel, messages wait until the cancelled reques
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import deque
 from collections.abc import AsyncIterator
@@ -81,14 +82,25 @@ async def completions_ws(ws: WebSocket) -> None:
             inbox.put_nowait(None)
 
     reading = asyncio.create_task(reader())
-    gauge = ws.app.state.runtime.metrics.websockets
-    gauge.inc()
+    rt = ws.app.state.runtime
+    rt.metrics.websockets.inc()
+    draining = asyncio.ensure_future(rt.drain_started.wait())
     try:
-        while (raw := await inbox.get()) is not None:
+        while True:
+            frame = asyncio.ensure_future(inbox.get())
+            await asyncio.wait({frame, draining}, return_when=asyncio.FIRST_COMPLETED)
+            if draining.done():  # the server drains: an idle socket closes now, one that streamed once its
+                frame.cancel()  # completion has ended ("service restart"; the server's shutdown waits for those)
+                with contextlib.suppress(RuntimeError, WebSocketDisconnect):  # the client closed it meanwhile
+                    await ws.close(code=1012)
+                break
+            if (raw := frame.result()) is None:
+                break
             await _handle(ws, raw, inbox, who)
     finally:
+        draining.cancel()
         reading.cancel()
-        gauge.dec()
+        rt.metrics.websockets.dec()
 
 
 async def _items(run: Run) -> AsyncIterator[PromptScores | TokenEvent | str | Final]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -133,12 +134,21 @@ def test_sigterm_past_the_timeout_cancels_and_commits(own_server, server):
     assert len("Cut off") < seen < len("Cut off") + LONG
 
 
-@pytest.mark.parametrize(("timeout_s", "asked", "reason"), [("20", 300, "length"), ("1", LONG, "cancelled")])
+def _refused(srv: LiveServer) -> bool:
+    try:
+        httpx.get(srv.url + "/health", timeout=5)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(("timeout_s", "asked", "reason"), [("20", 300, "length"), ("3", LONG, "cancelled")])
 def test_sigterm_lets_websocket_streams_end_then_closes_the_sockets(own_server, server, timeout_s, asked, reason):
     """uvicorn's shutdown closes every WebSocket at once (1012): a completion streaming over one was cut with no
     end, where an SSE stream ran to its end. Now the drain's runs end first (in time, or cancelled past the
     timeout: what the client got is what was committed), their sockets send their last message, and then every
-    socket, an idle one too, closes with 1012."""
+    socket, an idle one too, closes with 1012. An idle keep-alive HTTP connection closes as the drain begins, as
+    uvicorn closes it: held open until the drain ended, it took new requests (found by a helper)."""
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
@@ -146,7 +156,9 @@ def test_sigterm_lets_websocket_streams_end_then_closes_the_sockets(own_server, 
 
     srv = own_server(args=("--shutdown-timeout-s", timeout_s))
     sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Graceful "}).json()["id"]
-    with connect(ws_url(srv)) as idle, connect(ws_url(srv)) as conn:
+    pooled = httpx.Client(base_url=srv.url, timeout=30)  # an idle keep-alive connection, as SDKs pool them
+    with contextlib.closing(pooled), connect(ws_url(srv)) as idle, connect(ws_url(srv)) as conn:
+        assert pooled.get("/v1/models").status_code == 200
         conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "end", "max_tokens": asked,
                               "session_id": sid}))
         events = []
@@ -154,12 +166,18 @@ def test_sigterm_lets_websocket_streams_end_then_closes_the_sockets(own_server, 
             events.append(json.loads(conn.recv(timeout=60)))
             if len(events) == 2:
                 srv.proc.send_signal(15)
+                if reason == "cancelled":  # the run goes on for 3 s: once the drain began (no new connection)
+                    wait_for(lambda: _refused(srv), 30, "the server to stop taking connections")
+                    with pytest.raises(httpx.TransportError):  # the pooled one is closed too (it got a 200)
+                        pooled.get("/v1/models")
         done = events[-1]
         assert done["type"] == "completion.done" and done["finish_reason"] == reason, events[-3:]
         assert "".join(e["text"] for e in events[:-1]) == done["text"]
         with pytest.raises(ConnectionClosed) as closed:
             idle.recv(timeout=60)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1012  # "service restart"
+        with pytest.raises(httpx.TransportError):  # closed, and no new connection is taken: its client goes to
+            pooled.get("/v1/models")  # another replica
     assert srv.proc.wait(30) in (0, -15)  # uvicorn re-raises SIGTERM once shut down
     tokens_seen = httpx.get(f"{server.url}/v1/sessions/{sid}").json()["tokens_seen"]  # another server, same Redis
     assert tokens_seen == len("Graceful end") + done["usage"]["completion_tokens"] == done["session"]["tokens_seen"]

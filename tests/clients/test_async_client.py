@@ -119,9 +119,12 @@ async def test_websocket(aclient: AsyncClient) -> None:
     assert one_shot.done
 
 
-async def test_a_second_task_on_a_websocket_connection_is_refused_and_the_first_runs_on(aclient: AsyncClient) -> None:
+@pytest.mark.parametrize("between", [False, True])
+async def test_a_second_task_on_a_websocket_connection_is_refused_and_the_first_runs_on(
+        aclient: AsyncClient, between: bool) -> None:
     """A connection runs one completion at a time. Another task's completion, started while the first task read
-    its own, cancelled the first and failed with the websockets library's own error (not an APIError)."""
+    its own, cancelled the first and failed with the websockets library's own error (not an APIError); started
+    while the first task awaited something else between its chunks (``between``), it cancelled the first."""
     async with aclient.ws.connect() as conn:
         reading = asyncio.Event()
 
@@ -130,6 +133,8 @@ async def test_a_second_task_on_a_websocket_connection_is_refused_and_the_first_
             async for chunk in conn.completion(model=MODEL, prompt="a", max_tokens=LONG):
                 chunks.append(chunk)
                 reading.set()
+                if between:
+                    await asyncio.sleep(0.01)  # writing the chunk somewhere, say
             return chunks
 
         task = asyncio.create_task(first())

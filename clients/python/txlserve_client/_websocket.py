@@ -184,7 +184,7 @@ class AsyncWebSocketConnection:
     def __init__(self, ws: websockets.asyncio.client.ClientConnection, read_timeout: float | None) -> None:
         self._ws, self._read_timeout = ws, read_timeout
         self._active: AsyncWebSocketStream | None = None
-        self._reading = False  # a task waits for the running completion's next message
+        self._owner: asyncio.Task | None = None  # the task that started the running completion
 
     @classmethod
     async def open(cls, client: BaseClient) -> AsyncWebSocketConnection:
@@ -207,15 +207,16 @@ class AsyncWebSocketConnection:
             await self._send({"type": "cancel"})
 
     async def _begin(self, stream: AsyncWebSocketStream) -> None:
-        """A new completion closes (cancels) the one before it, unless another task is reading that one: two
-        tasks' completions on one connection cancelled the first and failed the second with the websockets
-        library's own error."""
-        if self._reading and self._active is not None and not self._active.done:
+        """A new completion closes (cancels) the one before it, unless another task, still running, started that
+        one: two tasks' completions on one connection cancelled the first and failed the second with the
+        websockets library's own error."""
+        owner, me = self._owner, asyncio.current_task()
+        if self._active is not None and not self._active.done and owner not in (None, me) and not owner.done():
             raise APIError("a completion is streaming on this connection in another task: a connection runs "
                            "one completion at a time (open one connection per task, or wait for that one)")
         if self._active is not None:
             await self._active.close()
-        self._active = stream
+        self._active, self._owner = stream, me
         await self._send(stream.request)
 
     async def _send(self, msg: dict[str, Any]) -> None:
@@ -225,7 +226,6 @@ class AsyncWebSocketConnection:
             raise _closed(err) from err
 
     async def _recv(self) -> dict[str, Any]:
-        self._reading = True
         try:
             if self._read_timeout is None:
                 return _message(await self._ws.recv())
@@ -234,8 +234,6 @@ class AsyncWebSocketConnection:
             raise _closed(err) from err
         except TimeoutError as err:
             raise connection_error(err) from err
-        finally:
-            self._reading = False
 
     async def close(self) -> None:
         await self._ws.close()

@@ -138,7 +138,7 @@ async def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
     ids = await prompt_ids(rt, prompt, limit) if isinstance(prompt, str) else checked_ids(rt, prompt, limit)
     scored = req.logprobs if req.echo and req.logprobs is not None and ids else None
     return Run(rt, ids=ids, params=params, owner=owner, session_id=req.session_id, prompt_logprobs=scored,
-               session_param="session_id")
+               session_param="session_id", scored=params is not None)  # max_tokens 0: no log-likelihood wanted
 
 
 def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores) -> CompletionLogprobs:

@@ -120,6 +120,7 @@ class _Spec:
     params: SamplingParams | None
     prompt_logprobs: int | None
     persist: bool  # export what the server commits, and keep the state for its ``keep``
+    scored: bool = True  # without params: score the text (an append), or only read it (max_tokens 0)
     window: list[int] | None = None
     tokens_before: int = 0
     source: str | None = None  # "hot" | "redis" | "rebuild" | None (a new state)
@@ -258,7 +259,7 @@ class _Core:
     # -- requests ------------------------------------------------------------------------------------------
     def _on_run(self, head: dict[str, Any], blob: bytes) -> None:
         key = (head["key"][0], tuple(head["key"][1])) if head["key"] else None  # JSON made the revision a list
-        spec = _Spec(head["rid"], key, [], None, head["prompt_logprobs"], head["persist"])
+        spec = _Spec(head["rid"], key, [], None, head["prompt_logprobs"], head["persist"], head.get("scored", True))
         self.specs[spec.rid] = spec  # first: whatever fails below is answered (_fail)
         spec.ids = ids_from(blob)
         spec.params = None if head["params"] is None else SamplingParams(**head["params"])
@@ -303,7 +304,7 @@ class _Core:
     def _submit(self, spec: _Spec, state: Any) -> None:
         spec.restore_s = time.monotonic() - spec.started
         self.scheduler.check(state, spec.ids, spec.params)
-        self._enqueue(spec, state, spec.ids, spec.params, scored=True, prompt_logprobs=spec.prompt_logprobs)
+        self._enqueue(spec, state, spec.ids, spec.params, scored=spec.scored, prompt_logprobs=spec.prompt_logprobs)
 
     def _enqueue(self, spec: _Spec, state: Any, ids: list[int], params: SamplingParams | None, *, scored: bool,
                  prompt_logprobs: int | None) -> None:
@@ -694,7 +695,7 @@ class EngineCore:
 
     def submit(self, ids: list[int], params: SamplingParams | None, *, key: tuple[str, Revision] | None = None,
                history: tuple[list[int], int] | None = None, persist: bool, prompt_logprobs: int | None = None,
-               stream: asyncio.Queue | None = None) -> CoreRequest:
+               scored: bool = True, stream: asyncio.Queue | None = None) -> CoreRequest:
         """Start a request in the engine: on session ``key`` (id, revision) or a new state (``history``: a
         window to rebuild from, and its tokens_seen); ``persist``: it ends with what to commit."""
         rid = next(self._ids)
@@ -705,7 +706,8 @@ class EngineCore:
         try:
             self.send({"op": "run", "rid": rid, "key": list(key) if key else None,
                        "params": None if params is None else asdict(params), "prompt_logprobs": prompt_logprobs,
-                       "history": list(history) if history else None, "persist": persist}, lambda: ids_blob(ids))
+                       "history": list(history) if history else None, "persist": persist, "scored": scored},
+                      lambda: ids_blob(ids))
         except BaseException:
             self.requests.pop(rid, None)
             raise

@@ -50,7 +50,7 @@ class Run:
     def __init__(self, rt: Runtime, *, ids: list[int], params: SamplingParams | None, owner: str | None,
                  session_id: str | None = None, create_metadata: dict | None = None,
                  create: bool = False, history: tuple[list[int], int] | None = None,
-                 prompt_logprobs: int | None = None, session_param: str | None = None) -> None:
+                 prompt_logprobs: int | None = None, session_param: str | None = None, scored: bool = True) -> None:
         s = rt.settings
         if rt.engine_dead:
             raise Unavailable(f"{rt.engine_dead}; the server cannot serve until it is restarted")
@@ -63,6 +63,7 @@ class Run:
         self.session_param = session_param  # the body's field that named the session, for its errors' ``param``
         self.history = history  # a new session's (token window, tokens seen): an imported session
         self.prompt_logprobs = prompt_logprobs  # score each prompt token (echo with logprobs, appends)
+        self.scored = scored  # without params: the text's log-likelihood (an append's), or only read it
         self.scores: PromptScores | None = None  # those scores, once the engine sent them
         self.events: asyncio.Queue[Any] = asyncio.Queue()
         self.request: EngineRequest | None = None
@@ -135,7 +136,8 @@ class Run:
             if self.session_id is None:
                 window, seen = self.history or ([], 0)  # the engine checks the window, as it rebuilds it
                 req = core.submit(self.ids, self.params, history=(window, seen) if seen else None,
-                                  persist=self.create, prompt_logprobs=self.prompt_logprobs, stream=self.events)
+                                  persist=self.create, prompt_logprobs=self.prompt_logprobs, scored=self.scored,
+                                  stream=self.events)
                 done, last = await self._schedule(self._core_run(req, None))
                 info = None
                 if self.create:
@@ -149,7 +151,7 @@ class Run:
                 info = lease.session.info
                 cached = info.tokens_seen
                 req = core.submit(self.ids, self.params, key=(self.session_id, info.revision), persist=True,
-                                  prompt_logprobs=self.prompt_logprobs, stream=self.events)
+                                  prompt_logprobs=self.prompt_logprobs, scored=self.scored, stream=self.events)
                 done, last = await self._schedule(self._core_run(req, lease))
                 if done.tokens_seen != cached or done.source == "rebuild":
                     info = await rt.store.commit(lease, done.tensors, tokens_seen=done.tokens_seen,
@@ -249,7 +251,8 @@ class Run:
     async def _engine_run(self, state) -> tuple[Finished, TokenEvent | None]:
         rt = self.rt
         self.request = rt.scheduler.submit(state, self.ids, self.params, prompt_logprobs=self.prompt_logprobs,
-                                           stream=self.events)  # tokens straight to the client, all but the last
+                                           scored=self.scored, stream=self.events)  # tokens straight to the client,
+        # all but the last
         if self.cancelled:
             self.request.cancel()
         last = None

@@ -74,6 +74,7 @@ class FakeRequest:
     ids: list[int]
     params: object
     stream: asyncio.Queue | None = None
+    scored: bool = True  # an append's text scored, or only read
     cancelled: bool = False
     events: list[TokenEvent] = field(default_factory=list)
     result: FakeState | None = None  # the state its Finished handed back
@@ -129,8 +130,8 @@ class FakeScheduler:
         return len(self.running)
 
     def submit(self, state: FakeState, ids: list[int], params: object, *, stream: asyncio.Queue | None = None,
-               **_: object) -> FakeRequest:
-        request = FakeRequest(self, state, list(ids), params, stream)
+               scored: bool = True, **_: object) -> FakeRequest:
+        request = FakeRequest(self, state, list(ids), params, stream, scored=scored)
         self.requests.append(request)
         return request
 

@@ -109,6 +109,20 @@ async def test_stream_commits_the_generated_tokens(redis_url, tmp_path):
         assert (await rt.store.info(sid)).tokens_seen == 7
 
 
+async def test_max_tokens_zero_reads_the_prompt_without_scoring_it(redis_url, tmp_path):
+    """max_tokens 0 with echo reads the prompt into the session and generates nothing; its log-likelihood (an
+    output projection a token: on a word model's vocabulary, most of the work) is an append's, not wanted here."""
+    async with running_app(redis_url, tmp_path) as (app, rt, scheduler), _client(app) as c:
+        sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "yo", "max_tokens": 0, "echo": True,
+                                                  "session_id": sid})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "yo", r.text
+        assert r.json()["session"] == {"id": sid, "tokens_seen": 4}
+        await c.post(f"/v1/sessions/{sid}/append", json={"text": "more"})
+        assert [q.scored for q in scheduler.requests if q.params is None] == [True, False, True]  # create, 0, append
+        await settle(rt)
+
+
 async def test_a_client_that_leaves_cancels_its_run_which_commits_what_was_generated(redis_url, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="txlserve.requests")
     async with running_app(redis_url, tmp_path, open_gate=False) as (app, rt, engine):

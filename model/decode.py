@@ -64,29 +64,33 @@ def default_prefill_chunk(mem_len: int, device: torch.device) -> int:
 def available_bytes(device: torch.device) -> int | None:
     """Memory ``device`` can still give new tensors, where it says: a CUDA device's free memory, a Linux host's
     MemAvailable; None where neither is known (the check below is then skipped)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # with what the caching allocator holds and does not use: it is reused first
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
     if device.type == "cpu":
         with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as info:
             return int(next(line for line in info if line.startswith("MemAvailable:")).split()[1]) * 1024
     return None
 
 
-def check_fits(cfg: TXLConfig, mem_len: int, device: torch.device, dtype: torch.dtype) -> None:
+def check_fits(cfg: TXLConfig, mem_len: int, device: torch.device, dtype: torch.dtype, chunk: int) -> None:
     """Refuse a ``mem_len`` that cannot fit on ``device``, in one line: past the memory a process was killed
     mid-allocation with no message (``generate --mem-len 1048576`` on the bundled model). A lower bound, counted
-    without the model: the position table as it is built (each layer's, their stack, its layout: three tables at
-    once) and one session's layer inputs, keys and values. A prefill's scores come on top."""
+    without the model: the position table as it is built (up to three at once), one session's layer inputs, keys
+    and values, and one layer's attention scores and probabilities for a prefill ``chunk`` (which the start-up's
+    choice of products runs too). The real peak is higher: at mem_len 262,144 the bundled model's ``generate``
+    took 23 GB where this counts 10.7."""
     table = cfg.n_layer * cfg.n_head * (mem_len + 1) * cfg.d_head
     session = cfg.n_layer * mem_len * (cfg.d_model + 2 * cfg.n_head * cfg.d_head)
-    need = dtype.itemsize * (3 * table + session)
+    need = dtype.itemsize * (3 * table + session) + 4 * 2 * cfg.n_head * chunk * (mem_len + chunk)
     free = available_bytes(device)
     if free is not None and need > free:
         def size(n: int) -> str:
             return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
-        raise ConfigError(f"mem_len {mem_len:,} needs at least {size(need)} on {device} (its position table and "
-                          f"one session), and {size(free)} is available: use a smaller mem_len", param="mem_len")
+        raise ConfigError(f"mem_len {mem_len:,} needs at least {size(need)} on {device} (its position table, one "
+                          f"session and a prefill chunk's scores), and {size(free)} is available: use a smaller "
+                          f"mem_len", param="mem_len")
 
 
 def widen_layout(model: MemTransformerLM) -> None:
@@ -111,7 +115,6 @@ class Decoder:
         self.mem_len, self.clamp_len = mem_len, clamp_len
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        check_fits(self.cfg, mem_len, self.device, self.dtype)
         self.columns = self.device.type == "cpu"  # column-major rings, table and widening weights (column_major)
         if self.columns:
             widen_layout(model)

@@ -217,7 +217,7 @@ class _Core:
         self.send({"op": "ready", "fingerprint": e.fingerprint, "mem_len": e.mem_len, "clamp_len": e.clamp_len,
                    "window_len": e.window_len, "tokenizer_id": e.tokenizer_id, "capacity": self.scheduler.capacity,
                    "device": str(e.device), "prefill_chunk": e.prefill_chunk, "threads": torch.get_num_threads(),
-                   "row_bytes": e.new_state(1).row_bytes})
+                   "row_bytes": e.row_bytes})
         while True:
             try:
                 head, blob = unpack(self.conn.recv_bytes())

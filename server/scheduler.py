@@ -107,7 +107,7 @@ class Job:
 
 def batch_capacity(engine: Engine, *, max_batch: int, batch_bytes: int) -> int:
     """How many sessions generate together: as many as ``batch_bytes`` of rings hold, at most ``max_batch``."""
-    return max(1, min(max_batch, batch_bytes // engine.new_state(1).row_bytes))
+    return max(1, min(max_batch, batch_bytes // engine.row_bytes))
 
 
 class EngineRequest:

@@ -174,7 +174,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
                     next_msg = None
                     return
                 msg, error = _parse(incoming)
-                if msg is not None and msg.get("type") == "cancel" and msg.get("id", comp.id) != comp.id:
+                if msg is not None and msg.get("type") == "cancel" and msg.get("id") not in (None, comp.id):
                     next_msg = asyncio.ensure_future(inbox.get())  # a cancel of another (earlier) completion
                     continue
                 if msg is not None and msg.get("type") == "cancel":

@@ -95,10 +95,12 @@ async def test_websocket(aclient: AsyncClient) -> None:
         assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 6
 
         chunks = []
-        async for chunk in conn.completion(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id):
+        running = conn.completion(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id)
+        async for chunk in running:
             chunks.append(chunk)
             if len(chunks) == 3:
-                await conn.cancel()
+                await conn.cancel()  # it names the completion: the server ignores a cancel that names another
+        assert running.id == chunk.id and chunk.id.startswith("cmpl-")
         assert chunk.finish_reason == "cancelled" and chunk.usage.completion_tokens < LONG
         assert chunk.session == SessionRef(session.id, 4 + chunk.usage.completion_tokens)
 

@@ -39,6 +39,12 @@ def connect_options(client: BaseClient) -> dict[str, Any]:
             "open_timeout": client.timeout.connect, "max_size": MAX_MESSAGE_BYTES}
 
 
+def _cancel(completion_id: str | None) -> dict[str, Any]:
+    """A cancel naming the completion once known: the server ignores one that names another (a late cancel of an
+    earlier completion would otherwise stop the next)."""
+    return {"type": "cancel"} if completion_id is None else {"type": "cancel", "id": completion_id}
+
+
 def connect_error(err: Exception) -> APIError:
     """The exception for a failed opening handshake or socket."""
     if isinstance(err, websockets.exceptions.InvalidStatus):
@@ -107,7 +113,7 @@ class WebSocketConnection:
     def cancel(self) -> None:
         """Stop the running completion; its stream then ends with finish_reason "cancelled"."""
         if self._active is not None and not self._active.done:
-            self._send({"type": "cancel"})
+            self._send(_cancel(self._active.id))
 
     def _send(self, msg: dict[str, Any]) -> None:
         try:
@@ -140,10 +146,12 @@ class WebSocketStream(Iterator[CompletionChunk]):
     def __init__(self, conn: WebSocketConnection, *, owns_connection: bool = False) -> None:
         self._conn, self._owns = conn, owns_connection
         self.done = False
+        self.id: str | None = None  # the completion's, once the server has named it
 
     def __next__(self) -> CompletionChunk:
         while not self.done:
             msg = self._conn._recv()
+            self.id = msg.get("id") or self.id
             self.done = msg.get("type") in _END_TYPES
             if self.done and self._owns:
                 self._conn.close()
@@ -204,7 +212,7 @@ class AsyncWebSocketConnection:
     async def cancel(self) -> None:
         """Stop the running completion; its stream then ends with finish_reason "cancelled"."""
         if self._active is not None and not self._active.done:
-            await self._send({"type": "cancel"})
+            await self._send(_cancel(self._active.id))
 
     async def _begin(self, stream: AsyncWebSocketStream) -> None:
         """A new completion closes (cancels) the one before it, unless another task, still running, started that
@@ -275,6 +283,7 @@ class AsyncWebSocketStream(AsyncIterator[CompletionChunk]):
                  open: Callable[[], Awaitable[AsyncWebSocketConnection]] | None = None) -> None:
         self.request, self._conn, self._open, self._owns = request, conn, open, conn is None
         self.started = self.done = False
+        self.id: str | None = None  # the completion's, once the server has named it
 
     async def _start(self) -> AsyncWebSocketConnection:
         if self._conn is None:
@@ -289,6 +298,7 @@ class AsyncWebSocketStream(AsyncIterator[CompletionChunk]):
         conn = await self._start()
         while not self.done:
             msg = await conn._recv()
+            self.id = msg.get("id") or self.id
             self.done = msg.get("type") in _END_TYPES
             if self.done and self._owns:
                 await conn.close()

@@ -142,8 +142,7 @@ def _refused(srv: LiveServer) -> bool:
     return False
 
 
-@pytest.mark.parametrize(("timeout_s", "asked", "reason"), [("20", 300, "length"), ("3", LONG, "cancelled")])
-def test_sigterm_lets_websocket_streams_end_then_closes_the_sockets(own_server, server, timeout_s, asked, reason):
+def test_sigterm_lets_websocket_streams_end_then_closes_the_sockets(own_server, server):
     """uvicorn's shutdown closes every WebSocket at once (1012): a completion streaming over one was cut with no
     end, where an SSE stream ran to its end. Now the drain's runs end first (in time, or cancelled past the
     timeout: what the client got is what was committed), their sockets send their last message, and then every
@@ -154,7 +153,8 @@ def test_sigterm_lets_websocket_streams_end_then_closes_the_sockets(own_server, 
 
     from tests.server.test_ws import ws_url
 
-    srv = own_server(args=("--shutdown-timeout-s", timeout_s))
+    asked = LONG  # the run outlives the drain's 3 s: it is cancelled, and its socket still sends its end
+    srv = own_server(args=("--shutdown-timeout-s", "3"))
     sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Graceful "}).json()["id"]
     pooled = httpx.Client(base_url=srv.url, timeout=30)  # an idle keep-alive connection, as SDKs pool them
     with contextlib.closing(pooled), connect(ws_url(srv)) as idle, connect(ws_url(srv)) as conn:
@@ -166,12 +166,12 @@ def test_sigterm_lets_websocket_streams_end_then_closes_the_sockets(own_server, 
             events.append(json.loads(conn.recv(timeout=60)))
             if len(events) == 2:
                 srv.proc.send_signal(15)
-                if reason == "cancelled":  # the run goes on for 3 s: once the drain began (no new connection)
-                    wait_for(lambda: _refused(srv), 30, "the server to stop taking connections")
-                    with pytest.raises(httpx.TransportError):  # the pooled one is closed too (it got a 200)
-                        pooled.get("/v1/models")
+                # the run goes on for 3 s: once the drain began (no new connection), the pooled one is closed too
+                wait_for(lambda: _refused(srv), 30, "the server to stop taking connections")
+                with pytest.raises(httpx.TransportError):  # (it got a 200 before)
+                    pooled.get("/v1/models")
         done = events[-1]
-        assert done["type"] == "completion.done" and done["finish_reason"] == reason, events[-3:]
+        assert done["type"] == "completion.done" and done["finish_reason"] == "cancelled", events[-3:]
         assert "".join(e["text"] for e in events[:-1]) == done["text"]
         with pytest.raises(ConnectionClosed) as closed:
             idle.recv(timeout=60)
@@ -181,7 +181,7 @@ def test_sigterm_lets_websocket_streams_end_then_closes_the_sockets(own_server, 
     assert srv.proc.wait(30) in (0, -15)  # uvicorn re-raises SIGTERM once shut down
     tokens_seen = httpx.get(f"{server.url}/v1/sessions/{sid}").json()["tokens_seen"]  # another server, same Redis
     assert tokens_seen == len("Graceful end") + done["usage"]["completion_tokens"] == done["session"]["tokens_seen"]
-    assert (done["usage"]["completion_tokens"] == asked) == (reason == "length")
+    assert done["usage"]["completion_tokens"] < asked
 
 
 def test_redis_outage_is_503_and_the_server_recovers(checkpoint, redis_server, tmp_path):

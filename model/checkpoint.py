@@ -147,6 +147,28 @@ def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
     return meta
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+def pickle_note(path: Path) -> str:
+    """`` (NAME is a pickle ...)`` where ``path`` begins as torch.save's and pickle's files do (a zip archive, or
+    a pickle's protocol byte), else "": a pickle saved under a safetensors name read as a "damaged" file."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(4)
+    except OSError:
+        return ""
+    if head[:1] == b"\x80" or head == b"PK\x03\x04":
+        return f" ({path.name} is a pickle, as torch.save writes, which txlserve never loads: it reads safetensors)"
+    return ""
+
+
+def pickles_beside(folder: Path, needed: str) -> str:
+    """`` (NAME is a pickle ...; it needs NEEDED)`` for a pickle in ``folder`` where ``needed`` is missing."""
+    pickled = next((p.name for p in sorted(folder.glob("*")) if p.suffix in PICKLE_SUFFIXES), None)
+    return f" ({pickled} is a pickle, which txlserve never loads; it needs {needed})" if pickled else ""
+
+
 def load_checkpoint(ckpt_dir: str | Path, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype | None = None, **overrides: Any) -> Checkpoint:
     """Rebuild the model from its config alone; ``overrides`` change inference-only
@@ -158,19 +180,22 @@ def load_checkpoint(ckpt_dir: str | Path, *, device: str | torch.device = "cpu",
         raise CheckpointError(f"checkpoint {ckpt_dir}: {err}") from None
     weights_path = Path(ckpt_dir) / WEIGHTS
     if not weights_path.is_file():
-        pickled = next((p.name for p in Path(ckpt_dir).glob("*") if p.suffix in (".bin", ".pt", ".pth", ".pkl")), None)
-        hint = f" ({pickled} is a pickle, which txlserve never loads; it needs {WEIGHTS})" if pickled else ""
-        raise CheckpointError(f"checkpoint {ckpt_dir} has no {WEIGHTS}{hint}")
+        raise CheckpointError(f"checkpoint {ckpt_dir} has no {WEIGHTS}{pickles_beside(Path(ckpt_dir), WEIGHTS)}")
     try:
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise CheckpointError(f"{weights_path} is not a readable safetensors file: {err}") from None
+        raise CheckpointError(f"{weights_path} is not a readable safetensors file"
+                              f"{pickle_note(weights_path) or f': {err}'}") from None
     fingerprint = fingerprint_of(tensors)
     if meta.get("fingerprint") and meta["fingerprint"] != fingerprint:
         raise CheckpointError(f"{weights_path} does not match the fingerprint in {CONFIG} (damaged or replaced)")
     tensors = {LEGACY_NAMES.get(k, k): v for k, v in tensors.items()}
     model = build_from_tensors(config, tensors, ckpt_dir=weights_path, device=device, dtype=dtype)
     tokenizer = tokenizer_from_dict(meta.get("tokenizer", {"type": "byte"}))
+    if tokenizer.vocab_size < config.vocab_size:  # a token generated past its symbols could not be written
+        raise CheckpointError(f"checkpoint {ckpt_dir}: its tokenizer names {tokenizer.vocab_size:,} symbols, fewer "
+                              f"than the model's {config.vocab_size:,} outputs (training and import write them "
+                              f"equal)")
     return Checkpoint(model=model, config=config, tokenizer=tokenizer, fingerprint=fingerprint,
                       path=Path(ckpt_dir), meta=meta)
 

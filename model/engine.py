@@ -121,6 +121,9 @@ class Engine:
         self.ckpt, self.model, self.tokenizer, self.config = ckpt, ckpt.model, ckpt.tokenizer, ckpt.config
         self.mem_len = ckpt.config.mem_len if mem_len is None else mem_len
         self.clamp_len = ckpt.config.clamp_len if clamp_len is None else clamp_len
+        if self.mem_len < 1:  # trained without a memory (a vanilla Transformer's segments): decoding keeps one
+            raise ConfigError(f"decoding needs a memory, and this model's mem_len is {self.mem_len}: give --mem-len "
+                              f"(its training segment, {ckpt.config.tgt_len}, say)", param="mem_len")
         weight = next(ckpt.model.parameters())
         check_fits(ckpt.config, self.mem_len, weight.device, weight.dtype,
                    prefill_chunk or default_prefill_chunk(self.mem_len, weight.device))  # before it allocates

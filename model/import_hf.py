@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from model.checkpoint import build_from_tensors, check_out_dir, save_checkpoint
+from model.checkpoint import build_from_tensors, check_out_dir, pickle_note, save_checkpoint
 from model.config import TXLConfig
 from model.tokenizer import WordTokenizer
 from txlserve.errors import CheckpointError, ConfigError
@@ -141,7 +141,7 @@ def hf_tensors(src: Path, cfg: TXLConfig) -> dict[str, torch.Tensor]:
     try:
         raw = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from None
+        raise CheckpointError(f"{path} is not a readable safetensors file{pickle_note(path) or f': {err}'}") from None
     tensors = {}
     for name in list(raw):
         new = name.removeprefix("transformer.").replace(".CoreNet.", ".core_net.")

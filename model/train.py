@@ -19,14 +19,21 @@ from typing import Any
 
 import torch
 
-from model.checkpoint import atomic_write, check_out_dir, load_checkpoint, save_checkpoint, signals_deferred
+from model.checkpoint import (
+    atomic_write,
+    check_out_dir,
+    load_checkpoint,
+    read_meta,
+    save_checkpoint,
+    signals_deferred,
+)
 from model.config import PRESETS, TXLConfig
 from model.data import Corpus, load_corpus
 from model.evaluate import evaluate
 from model.tokenizer import ByteTokenizer, Tokenizer
 from model.train_state import load_train_state, optimizer_from_flat, read_train_info, save_train_state
 from model.transformer_xl import MemTransformerLM
-from txlserve.errors import ConfigError, DataError
+from txlserve.errors import CheckpointError, ConfigError, DataError
 from txlserve.signals import HeldSignals
 
 
@@ -71,6 +78,10 @@ RUN_FIELDS = ("data", "preset", "steps", "batch_size", "lr", "warmup_steps", "tg
               "d_model", "eval_every", "eval_tokens", "save_every", "save_best", "grad_accum", "clip", "weight_decay",
               "seed", "tokenizer", "max_vocab", "min_freq", "model_overrides")
 
+_RUN_KINDS: dict[str, type | tuple[type, ...]] = {  # what each saved field holds; int for the rest
+    "data": str, "preset": str, "tokenizer": str, "save_best": bool, "model_overrides": dict,
+    "lr": (int, float), "clip": (int, float), "weight_decay": (int, float)}
+
 
 def resumed_args(args: TrainArgs) -> TrainArgs:
     """``args`` with the run's saved arguments where a resuming command line gave none."""
@@ -78,6 +89,10 @@ def resumed_args(args: TrainArgs) -> TrainArgs:
         return args
     saved = read_train_info(args.out).get("args") or {}
     changes = {f: saved[f] for f in RUN_FIELDS if f in saved and f not in args.given}
+    for f, value in changes.items():  # of the kind the flag gives (a hand edit made a traceback later on)
+        kind = _RUN_KINDS.get(f, int)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool):
+            raise CheckpointError(f"--resume: training state in {args.out} is damaged: its {f} is {value!r}")
     if isinstance(changes.get("model_overrides"), dict):  # JSON made its tuples lists
         changes["model_overrides"] = {k: tuple(v) if isinstance(v, list) else v
                                       for k, v in changes["model_overrides"].items()}
@@ -100,6 +115,12 @@ def resolve(args: TrainArgs, vocab_size: int = 256) -> tuple[TXLConfig, dict[str
     for key in ("steps", "batch_size", "lr", "warmup_steps", "eval_every", "clip"):
         if getattr(args, key) is not None:
             opt[key] = getattr(args, key)
+    if args.grad_accum < 1 or opt["batch_size"] < 1 or opt["steps"] < 1:
+        raise ConfigError(f"--batch-size, --grad-accum and --steps must be at least 1, not {opt['batch_size']}, "
+                          f"{args.grad_accum} and {opt['steps']}")
+    if args.save_best and not opt["eval_every"]:
+        raise ConfigError("--save-best keeps the weights of the best evaluation, and this run evaluates never: give "
+                          "--eval-every N too")
     if opt["batch_size"] % args.grad_accum:
         raise ConfigError(f"--batch-size {opt['batch_size']} is not divisible by --grad-accum {args.grad_accum}")
     return TXLConfig(**model_kw), opt
@@ -141,6 +162,12 @@ def _dist_setup(device: torch.device) -> tuple[int, int, torch.device]:
 
 def load_training_corpus(args: TrainArgs) -> tuple[Corpus, Tokenizer]:
     """Bytes, or words with a vocabulary built from the training split (the checkpoint's when resuming)."""
+    if args.resume:  # the run's own, whatever --tokenizer says: a byte run read as words failed in a traceback
+        tokenizer = read_meta(args.out).get("tokenizer")
+        kind = tokenizer.get("type", "byte") if isinstance(tokenizer, dict) else "byte"
+        if kind != args.tokenizer:
+            raise ConfigError(f"--resume: the run in {args.out} reads {kind}s, not {args.tokenizer}s (leave "
+                              f"--tokenizer out to keep the run's)", param="tokenizer")
     if args.tokenizer == "byte":
         return load_corpus(args.data), ByteTokenizer()
     if args.tokenizer != "word":
@@ -149,6 +176,22 @@ def load_training_corpus(args: TrainArgs) -> tuple[Corpus, Tokenizer]:
 
     known = load_checkpoint(args.out).tokenizer if args.resume else None
     return load_word_corpus(args.data, known, max_vocab=args.max_vocab, min_freq=args.min_freq)
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], info: dict[str, Any],
+                    out: Path) -> None:
+    """The run's optimizer state, checked against this model's parameters (one copied from another run loaded,
+    and failed at the first step)."""
+    try:
+        optimizer.load_state_dict(optimizer_from_flat(tensors, info["param_groups"]))
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"--resume: the optimizer state in {out} does not fit this model: {err}") from None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for name, t in optimizer.state.get(p, {}).items():
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape != p.shape:
+                    raise CheckpointError(f"--resume: the optimizer state in {out} is another model's ({name} "
+                                          f"{list(t.shape)} for a parameter {list(p.shape)})")
 
 
 def _best_so_far(best: Path) -> float:
@@ -237,7 +280,13 @@ def train(args: TrainArgs) -> dict[str, Any]:
             raise ConfigError(f"--resume: {out} was trained with another model config; use the same flags")
         model.load_state_dict(ckpt.model.state_dict())
         tensors, info = load_train_state(out)
-        optimizer.load_state_dict(optimizer_from_flat(tensors, info["param_groups"]))
+        if info["step"] >= min(opt["steps"], args.stop_at or opt["steps"]):  # it saved the run again, as it was
+            raise ConfigError(f"--resume: {out} is at step {info['step']} already: give --steps above it to "
+                              f"train further")
+        _load_optimizer(optimizer, tensors, info, out)
+        if "mems" in tensors and tensors["mems"].size(-1) != cfg.d_model:
+            raise CheckpointError(f"--resume: the training state in {out} is another model's (its memory is "
+                                  f"{tensors['mems'].size(-1)} wide, the model {cfg.d_model})")
         torch.set_rng_state(tensors["rng.cpu"])
         if "rng.cuda" in tensors and device.type == "cuda":
             torch.cuda.set_rng_state(tensors["rng.cuda"])

@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from model.checkpoint import pickle_note, pickles_beside
 from txlserve.errors import CheckpointError
 
 STATE_DIR = "train_state"
@@ -67,6 +68,15 @@ def read_train_info(out_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"--resume: training state in {path.parent} is damaged: {err}") from None
     if not isinstance(info, dict):
         raise CheckpointError(f"--resume: training state in {path.parent} is damaged: not a JSON object")
+    counts = [info.get(k) for k in ("step", "tokens_seen")]  # a hand edit made each a traceback later on
+    wrong = ("step and tokens_seen must be integers >= 0" if not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts) else
+             "data must be an object" if not isinstance(info.get("data"), dict) else
+             "param_groups must be a non-empty list" if not isinstance(info.get("param_groups"), list)
+             or not info["param_groups"] else
+             "args must be an object" if not isinstance(info.get("args", {}), dict) else None)
+    if wrong:
+        raise CheckpointError(f"--resume: training state in {path} is damaged: {wrong}")
     return info
 
 
@@ -76,7 +86,9 @@ def load_train_state(out_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict
     try:
         tensors = load_file(str(path / "state.safetensors"))
     except FileNotFoundError:
-        raise CheckpointError(f"--resume: no training state in {path}") from None
+        raise CheckpointError(f"--resume: no training state in {path}"
+                              f"{pickles_beside(path, 'state.safetensors')}") from None
     except (OSError, ValueError, SafetensorError) as err:
-        raise CheckpointError(f"--resume: training state in {path} is damaged: {err}") from None
+        raise CheckpointError(f"--resume: training state in {path} is damaged"
+                              f"{pickle_note(path / 'state.safetensors') or f': {err}'}") from None
     return tensors, info

@@ -116,8 +116,9 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     given = _given(ns.parser, ns.argv[1:])  # argv[0] is "train"
     if given & {"cutoffs", "div_val", "d_embed"}:
         given |= {"model_overrides"}
-    args = TrainArgs(
-        data=ns.data, out=ns.out, preset=ns.preset, steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr,
+    args = TrainArgs(  # the data's path as the run keeps it: absolute, so a --resume from elsewhere finds it
+        data=None if ns.data is None else os.path.abspath(ns.data), out=ns.out, preset=ns.preset, steps=ns.steps,
+        batch_size=ns.batch_size, lr=ns.lr,
         warmup_steps=ns.warmup_steps, tgt_len=ns.tgt_len, mem_len=ns.mem_len, n_layer=ns.n_layer,
         d_model=ns.d_model, eval_every=ns.eval_every, eval_tokens=ns.eval_tokens, save_every=ns.save_every,
         save_best=ns.save_best,
@@ -257,11 +258,12 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     from server.scheduler import Scheduler
 
     async def stream() -> None:  # the server's engine loop, one request: one generation loop everywhere
-        async for item in scheduler.submit(engine.new_state(), engine.encode(ns.prompt), params):
+        async for item in scheduler.submit(engine.new_state(), prompt, params):
             if isinstance(item, TokenEvent):
                 sys.stdout.write(item.text)
                 sys.stdout.flush()
 
+    prompt = engine.encode(ns.prompt)  # before the prompt is echoed: a word it cannot read is one line alone
     scheduler = Scheduler(engine, max_batch=1, prefill_chunk=engine.prefill_chunk)
     scheduler.start()
     sys.stdout.write(ns.prompt)
@@ -419,7 +421,7 @@ def _add_session(sub: argparse._SubParsersAction) -> None:
                                        "(its last tokens), import it anywhere with the same tokenizer")
     acts = p.add_subparsers(dest="action", required=True)
     ex = acts.add_parser("export", help="write a session's export document (stdout, or --out)")
-    ex.add_argument("session_id")
+    ex.add_argument("session_id", help="the session to export (its id, as the sessions API gives it)")
     ex.add_argument("--out", help="file to write (default: stdout)")
     im = acts.add_parser("import", help="recreate a session from an export document; prints the new session")
     im.add_argument("file", help="the export document ('-': stdin)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -473,3 +474,90 @@ def test_best_so_far_reads_best_and_treats_a_missing_or_damaged_one_as_none(tmp_
     assert _best_so_far(tmp_path / "best") == float("inf")
     (tmp_path / "best" / "config.json").write_text(json.dumps({"training": {"valid_bpc": 1.25}}))
     assert _best_so_far(tmp_path / "best") == 1.25
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda s: s.update(step="x"), "step and tokens_seen must be integers"),
+    (lambda s: s.pop("data"), "data must be an object"),
+    (lambda s: s.update(param_groups=[]), "param_groups must be a non-empty list"),
+    (lambda s: s.update(args=7), "args must be an object"),
+    (lambda s: s["args"].update(steps="many"), "its steps is 'many'"),
+])
+def test_a_hand_edited_training_state_is_one_line(corpus, tmp_path, edit, says):
+    """Each of these was a traceback later in the run (a TypeError, a KeyError, torch's ValueError)."""
+    common = dict(data=str(corpus), out=str(tmp_path), preset="tiny", steps=4, progress=False)
+    train(TrainArgs(stop_at=2, **common))
+    info = tmp_path / "train_state" / "state.json"
+    state = json.loads(info.read_text())
+    edit(state)
+    info.write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=f"damaged: {says}"):
+        train(TrainArgs(resume=True, given=frozenset(), **common))
+
+
+def test_a_resume_refuses_another_runs_state_a_finished_run_and_the_other_tokenizer(corpus, tmp_path):
+    """Another run's train_state (a wider model) loaded and failed at the first step; a resume at or past the
+    run's last step saved the run again as it was (its record rewritten); --tokenizer word on a byte run was an
+    AttributeError; --save-best with no evaluations did nothing."""
+    common = dict(data=str(corpus), preset="tiny", progress=False)
+    train(TrainArgs(out=str(tmp_path / "a"), steps=4, stop_at=2, **common))
+    train(TrainArgs(out=str(tmp_path / "wide"), steps=2, d_model=64, **common))
+    saved = (tmp_path / "a" / "config.json").read_text()
+    with pytest.raises(ConfigError, match="at step 2 already: give --steps above it"):
+        train(TrainArgs(out=str(tmp_path / "a"), steps=2, resume=True, **common))
+    assert (tmp_path / "a" / "config.json").read_text() == saved  # not saved again
+    with pytest.raises(ConfigError, match="reads bytes, not words"):
+        train(TrainArgs(out=str(tmp_path / "a"), steps=4, resume=True, tokenizer="word", **common))
+    shutil.copy(tmp_path / "wide" / "train_state" / "state.safetensors", tmp_path / "a" / "train_state")
+    with pytest.raises(CheckpointError, match="another model's"):
+        train(TrainArgs(out=str(tmp_path / "a"), steps=4, resume=True, **common))
+    with pytest.raises(ConfigError, match="--save-best keeps the weights of the best evaluation"):
+        train(TrainArgs(out=str(tmp_path / "b"), steps=2, save_best=True, eval_every=0, **common))
+
+
+def test_a_pickle_under_a_safe_name_or_beside_a_missing_one_is_named(corpus, tmp_path):
+    """A torch.save file named model.safetensors (or state.safetensors) read as a damaged file, and an
+    optimizer.pt where state.safetensors was missing as no training state at all."""
+    common = dict(data=str(corpus), out=str(tmp_path), preset="tiny", steps=4, progress=False)
+    train(TrainArgs(stop_at=2, **common))
+    state = tmp_path / "train_state" / "state.safetensors"
+    torch.save({"x": torch.zeros(2)}, state)
+    with pytest.raises(CheckpointError, match="state.safetensors is a pickle, as torch.save writes"):
+        train(TrainArgs(resume=True, **common))
+    state.rename(tmp_path / "train_state" / "optimizer.pt")
+    with pytest.raises(CheckpointError, match="optimizer.pt is a pickle, which txlserve never loads; it needs "
+                                              "state.safetensors"):
+        train(TrainArgs(resume=True, **common))
+    torch.save({"x": torch.zeros(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.safetensors is a pickle"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_word_checkpoint_whose_vocabulary_is_short_of_its_outputs_is_refused_at_load(tmp_path):
+    """Every generation crashed (an IndexError naming a token past the symbols), and a server reported ready and
+    answered each completion with a 500."""
+    from model.tokenizer import WordTokenizer
+
+    cfg = tiny_config().replace(vocab_size=10)
+    save_checkpoint(MemTransformerLM(cfg), tmp_path, tokenizer=WordTokenizer(["<eos>", "<unk>", "a", "b"]))
+    with pytest.raises(CheckpointError, match="names 4 symbols, fewer than the model's 10 outputs"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_run_resumes_from_another_directory_and_a_memoryless_model_says_how_to_decode(corpus, tmp_path):
+    """The run kept --data as typed, relative to where it started: a resume from elsewhere found no corpus. A
+    model trained with mem_len 0 decoded nowhere, with a message that did not say --mem-len gives it a memory."""
+    (tmp_path / "here").mkdir()
+    shutil.copy(corpus, tmp_path / "here" / "story.txt")
+    common = ("--preset", "tiny", "--steps", "4", "--mem-len", "0", "--no-progress")
+    first = subprocess.run([sys.executable, "-m", "server.cli", "train", "--data", "story.txt", "--out", "../run",
+                            "--stop-at", "2", *common], cwd=tmp_path / "here", capture_output=True, text=True,
+                           timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert first.returncode == 0, first.stderr
+    again = _cli("train", "--out", str(tmp_path / "run"), "--resume", "--no-progress")
+    assert again.returncode == 0, again.stderr
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["training"]["steps"] == 4
+    gen = _cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "the", "--max-tokens", "2")
+    assert gen.returncode == 2 and "give --mem-len" in gen.stderr and gen.stderr.count("\n") == 1, gen.stderr
+    assert _cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "the", "--max-tokens", "2",
+                "--mem-len", "8").returncode == 0

@@ -4,7 +4,8 @@ Client -> server: {"type": "completion.create", ...the /v1/completions fields} |
 Server -> client: {"type": "completion.delta", "id", "text", "logprobs"?} ... then
 {"type": "completion.done", "id", "text", "finish_reason", "usage", "session"?} or {"type": "error", "id", "error"}.
 An error without an id answers the message just sent (refused before any request started, or while one runs) and
-ends nothing that runs. After a cancel, messages wait until the cancelled request has ended.
+ends nothing that runs. After a cancel, messages wait until the cancelled request has ended. As the server drains
+(SIGTERM), an idle socket closes at once with 1012 ("service restart"), one that streams once its completion ends.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ async def completions_ws(ws: WebSocket) -> None:
     rt = ws.app.state.runtime
     rt.metrics.websockets.inc()
     draining = asyncio.ensure_future(rt.drain_started.wait())
+    frame: asyncio.Future | None = None
     try:
         while True:
             frame = asyncio.ensure_future(inbox.get())
@@ -98,8 +100,9 @@ async def completions_ws(ws: WebSocket) -> None:
                 break
             await _handle(ws, raw, inbox, who)
     finally:
-        draining.cancel()
-        reading.cancel()
+        for pending in (draining, frame, reading):
+            if pending is not None:
+                pending.cancel()
         rt.metrics.websockets.dec()
 
 

@@ -211,8 +211,13 @@ class Run:
         then place its rings at the session's positions."""
         window = rebuild_window(self.rt.engine, window, tokens_seen, self.session_id)
         done = None
-        async for item in self.rt.scheduler.submit(self.rt.engine.new_state(), window, None, scored=False):
+        self.request = self.rt.scheduler.submit(self.rt.engine.new_state(), window, None, scored=False)
+        if self.cancelled:  # a cancel stops the rebuild within a step too (it waited for the whole window)
+            self.request.cancel()
+        async for item in self.request:
             done = item
+        if isinstance(done, Finished) and done.state is None and self.cancelled:
+            raise self._cancelled()
         if not isinstance(done, Finished) or done.state is None:
             raise Unavailable("the session could not be rebuilt: the server is shutting down")
         await asyncio.to_thread(self.rt.engine.renumber, done.state, tokens_seen)
@@ -236,17 +241,21 @@ class Run:
         if self.params is not None:
             m.request_generation_tokens.observe(done.completion_tokens)
         if done.state is None and done.finish_reason == "cancelled":
-            if self.deleted:
-                raise SessionNotFound(f"session {self.session_id!r} was deleted")
-            if self.lost:
-                raise SessionConflict(f"the lease on session {self.session_id!r} expired or another request took it; "
-                                      "nothing was stored")
-            if self.rt.draining:
-                raise Unavailable("the server is shutting down: the request was cancelled before its text was "
-                                  "read; nothing was stored")
-            raise RequestCancelled("the request was cancelled before its text was read (the client left or "
-                                   "cancelled it); nothing was stored")
+            raise self._cancelled()
         return done, last
+
+    def _cancelled(self) -> Exception:
+        """Why a run cancelled before its text was read stored nothing."""
+        if self.deleted:
+            return SessionNotFound(f"session {self.session_id!r} was deleted")
+        if self.lost:
+            return SessionConflict(f"the lease on session {self.session_id!r} expired or another request took it; "
+                                   "nothing was stored")
+        if self.rt.draining:
+            return Unavailable("the server is shutting down: the request was cancelled before its text was read; "
+                               "nothing was stored")
+        return RequestCancelled("the request was cancelled before its text was read (the client left or cancelled "
+                                "it); nothing was stored")
 
     async def _engine_run(self, state) -> tuple[Finished, TokenEvent | None]:
         rt = self.rt

@@ -76,18 +76,28 @@ class FakeRequest:
     stream: asyncio.Queue | None = None
     scored: bool = True  # an append's text scored, or only read
     cancelled: bool = False
+    woken: asyncio.Event = field(default_factory=asyncio.Event)  # a cancel, or the scheduler's reads opened
     events: list[TokenEvent] = field(default_factory=list)
     result: FakeState | None = None  # the state its Finished handed back
 
     def cancel(self) -> None:
         self.cancelled = True
         self.scheduler.wake()
+        self.woken.set()
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent | Finished]:
         s = self.scheduler
         s.running.append(self)
         try:
             seen = int(self.state.seen[0]) + len(self.ids)
+            if self.params is None and not s.reads_open:  # held (reads_open False) until opened or cancelled
+                s.reading.set()
+                while not s.reads_open and not self.cancelled:
+                    await self.woken.wait()
+                    self.woken.clear()
+                if self.cancelled:  # as the engine loop ends a cancelled prompt: nothing read, nothing to store
+                    yield Finished(None, int(self.state.seen[0]), "cancelled")
+                    return
             if self.params is None:  # an append: read the text, no tokens
                 self.result = FakeState(torch.tensor([seen]))
                 yield Finished(self.result, seen, None)
@@ -124,6 +134,8 @@ class FakeScheduler:
         self.running: list[FakeRequest] = []  # the requests generating, as the engine loop's rows
         self.gate = asyncio.Semaphore(10**6 if open_gate else 0)
         self.requests: list[FakeRequest] = []
+        self.reads_open = True  # False: reads without generation (appends, rebuilds) wait for open_reads()
+        self.reading = asyncio.Event()  # set once such a read waits
 
     @property
     def batch_size(self) -> int:
@@ -134,6 +146,11 @@ class FakeScheduler:
         request = FakeRequest(self, state, list(ids), params, stream, scored=scored)
         self.requests.append(request)
         return request
+
+    def open_reads(self) -> None:
+        self.reads_open = True
+        for request in self.requests:
+            request.woken.set()
 
     def release(self, n: int = 1) -> None:
         """Let ``n`` more tokens be produced."""

@@ -123,6 +123,27 @@ async def test_max_tokens_zero_reads_the_prompt_without_scoring_it(redis_url, tm
         await settle(rt)
 
 
+async def test_a_client_that_leaves_during_a_rebuild_stops_it(redis_url, tmp_path):
+    """With the engine in the server's process, a session's rebuild from its window (an import, a cold session,
+    another model's) did not hear its run's cancel: a client that left waited for the whole window to be read.
+    Now the rebuild stops and nothing is stored."""
+    async with running_app(redis_url, tmp_path) as (app, rt, scheduler):
+        async with _client(app) as c:
+            sid = (await c.post("/v1/sessions", json={"text": "Hello there"})).json()["id"]
+            doc = (await c.get(f"/v1/sessions/{sid}/export")).json()
+            before = (await c.get("/v1/sessions")).json()["data"]
+        scheduler.reads_open = False
+        sent, leave = asyncio.Queue(), asyncio.Event()
+        post = asyncio.create_task(asgi_post(app, "/v1/sessions/import", doc, sent=sent, leave=leave))
+        await asyncio.wait_for(scheduler.reading.wait(), 30)  # the rebuild reads the window
+        leave.set()  # the client goes
+        await asyncio.wait_for(post, 30)  # it waited on the rebuild for good
+        await asyncio.wait_for(settle(rt), 30)
+        assert [r.cancelled for r in scheduler.requests if r.params is None][-1]
+        async with _client(app) as c:
+            assert (await c.get("/v1/sessions")).json()["data"] == before  # no session made
+
+
 async def test_a_client_that_leaves_cancels_its_run_which_commits_what_was_generated(redis_url, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="txlserve.requests")
     async with running_app(redis_url, tmp_path, open_gate=False) as (app, rt, engine):

@@ -71,6 +71,16 @@ def test_installs_torch_from_its_index_before_the_project(dockerfile: list[tuple
                                                       if k == "COPY" and not a.startswith("checkpoints"))
 
 
+def test_the_image_copies_every_package_the_project_installs(dockerfile: list[tuple[str, str]]) -> None:
+    """txlserve/ (the error tree, the flags' types) was neither copied nor let through the context: the image's
+    server failed to import at every start (found by a helper)."""
+    include = re.search(r"include = \[(.*?)\]", (REPO / "pyproject.toml").read_text()).group(1)
+    roots = {p.strip().strip('"').rstrip("*") for p in include.split(",")}
+    packages = {p.name for p in REPO.iterdir() if p.name in roots and (p / "__init__.py").is_file()}
+    copies = {a.split()[0].rstrip("/") for k, a in dockerfile if k == "COPY"}
+    assert "txlserve" in packages and packages <= copies, packages - copies
+
+
 def test_runs_as_a_non_root_user(dockerfile: list[tuple[str, str]]) -> None:
     users = [a for k, a in dockerfile if k == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0")

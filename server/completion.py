@@ -276,21 +276,36 @@ class Completion:
                               usage=self.usage(final, prompt_tokens), session=self.session(final))
 
 
-async def events(run: Run, first: Any) -> AsyncIterator[PromptScores | TokenEvent | str | Final]:
+async def events(run: Run, first: Any, since: float | None = None
+                 ) -> AsyncIterator[PromptScores | TokenEvent | str | Final]:
     """The run's (PromptScores, then) TokenEvents, then (a cancelled run) the text its generation still held
-    back, as a str, then its Final (with the last token folded in); raises a Failed's error."""
+    back, as a str, then its Final (with the last token folded in); raises a Failed's error. Every surface (SSE,
+    JSON, WebSocket) reads a completion here, so the time to each token and to the end is observed here, from
+    ``since`` (the request's arrival; default: its run's start): the WebSocket's and the JSON body's went
+    unobserved."""
+    m, start = run.rt.metrics, since if since is not None else run.started
+    last_t: float | None = None
+
+    def timed(token: TokenEvent) -> TokenEvent:
+        nonlocal last_t
+        now = time.monotonic()
+        (m.ttft if last_t is None else m.itl).observe(now - (start if last_t is None else last_t))
+        last_t = now
+        return token
+
     item = first
     while True:
         if isinstance(item, Failed):
             raise item.error
         if isinstance(item, Final):
             if item.last is not None:
-                yield item.last
+                yield timed(item.last)  # held back for the commit: it arrives with the end
             if item.done.text:
                 yield item.done.text
+            m.e2e.observe(time.monotonic() - start)
             yield item
             return
-        yield item
+        yield timed(item) if isinstance(item, TokenEvent) else item
         item = await run.events.get()
 
 

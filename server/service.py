@@ -237,9 +237,11 @@ class Run:
             m.queue_time.observe(done.queue_s)
         if done.prefill_s is not None and self.ids:
             m.prefill_time.observe(done.prefill_s)
-        m.request_prompt_tokens.observe(len(self.ids))
+        m.request_prompt_tokens.observe(len(self.ids))  # every run's: the totals are these histograms' sums
+        m.prompt_tokens.inc(len(self.ids))
         if self.params is not None:
             m.request_generation_tokens.observe(done.completion_tokens)
+            m.generation_tokens.inc(done.completion_tokens)
         if done.state is None and done.finish_reason == "cancelled":
             raise self._cancelled()
         return done, last

@@ -44,7 +44,7 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
         run, first = await open_run(rt, req, who, attach)
         comp.prev = run.ids[-1] if run.ids else None
         if not req.stream:
-            async for item in events(run, first):
+            async for item in events(run, first, t0):
                 if isinstance(item, TokenEvent):
                     comp.add(item)
                 elif isinstance(item, str):
@@ -52,7 +52,7 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                 elif isinstance(item, PromptScores):
                     comp.add_prompt(run.ids, item)
                 else:
-                    _observe(rt, run, item, t0, request)
+                    _log_fields(run, item, request)
                     return Response(comp.body(item, len(run.ids)).dump_json(), media_type="application/json")
     return StreamingResponse(_stream(rt, run, first, comp, t0, request), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -64,7 +64,6 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
     group of ``--stream-interval``, or a stream whose event loop fell behind) leave in one write, and the last
     token with the end: on a VM a socket write and its trip through the ASGI layers cost the event loop ~40 us."""
     include_usage = bool(comp.req.stream_options and comp.req.stream_options.include_usage)
-    last_t = None
     finished = False
     streamed = 0
     out: list[str] = []  # events not yet written: written once nothing else is waiting
@@ -72,14 +71,11 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
         try:
             if comp.req.echo and comp.echoed and run.prompt_logprobs is None:
                 yield _sse(comp.piece(comp.echoed))
-            async for item in events(run, first):
+            async for item in events(run, first, t0):
                 if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores come first
                     yield _sse(comp.piece(comp.echoed, None, comp.add_prompt(run.ids, item)))
                     continue
                 if isinstance(item, TokenEvent):
-                    now = time.monotonic()
-                    (rt.metrics.ttft if last_t is None else rt.metrics.itl).observe(now - (last_t or t0))
-                    last_t = now
                     streamed += 1
                     logprobs = comp.add(item)
                     if logprobs is not None:
@@ -97,7 +93,7 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
                 out.append(_sse(comp.piece("", comp.finish(item), session=comp.session(item))))
                 if include_usage:
                     out.append(_sse(comp.usage_chunk(item, len(run.ids)).dump()))
-                _observe(rt, run, item, t0, request)
+                _log_fields(run, item, request)
         except Exception as err:  # mid-stream: the tokens read so far, an error event, then [DONE]
             out.append(_sse(stream_error(err)))
             finished = True
@@ -111,11 +107,9 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
                                                  finish_reason="cancelled", session_id=run.session_id)
 
 
-def _observe(rt: Runtime, run: Run, final: Final, t0: float, request: Request) -> None:
+def _log_fields(run: Run, final: Final, request: Request) -> None:
+    """What the request's log line says of it (its metrics are the run's and events')."""
     request_fields(request.scope).update(
         prompt_tokens=len(run.ids), completion_tokens=final.done.completion_tokens,
         cached_tokens=final.cached_tokens, finish_reason=final.done.finish_reason,
         session_id=final.info.session_id if final.info else None, restored_from=final.source)
-    rt.metrics.e2e.observe(time.monotonic() - t0)
-    rt.metrics.prompt_tokens.inc(len(run.ids))
-    rt.metrics.generation_tokens.inc(final.done.completion_tokens)

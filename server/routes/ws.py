@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -106,9 +107,9 @@ async def completions_ws(ws: WebSocket) -> None:
         rt.metrics.websockets.dec()
 
 
-async def _items(run: Run) -> AsyncIterator[PromptScores | TokenEvent | str | Final]:
+async def _items(run: Run, since: float) -> AsyncIterator[PromptScores | TokenEvent | str | Final]:
     """The run's events from its first one on (an error it ends with raised here)."""
-    async for item in events(run, await run.events.get()):
+    async for item in events(run, await run.events.get(), since):
         yield item
 
 
@@ -126,6 +127,7 @@ def _parse(raw: str | bytes) -> tuple[dict | None, dict | None]:
 
 
 async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None) -> None:
+    since = time.monotonic()  # the request's arrival, for its time to first token
     msg, error = _parse(raw)
     if msg is None:
         await ws.send_json(error)
@@ -161,7 +163,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
     rt.ws_streams.add(streaming)
     # the inbox is read from the start: a cancel (or a client that leaves) while the prompt is being read stops
     # it there, and nothing is stored, as over HTTP
-    stream = _items(run).__aiter__()
+    stream = _items(run, since).__aiter__()
     next_item = asyncio.ensure_future(stream.__anext__())
     next_msg: asyncio.Future | None = asyncio.ensure_future(inbox.get())
     try:

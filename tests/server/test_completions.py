@@ -326,3 +326,35 @@ def test_error_mid_stream_is_an_error_event_then_done(server):
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == "session_not_found"
     assert len(lines) - after < 2000, len(lines) - after  # stopped within steps of the DELETE, not at 4,000
     assert httpx.get(f"{server.url}/v1/sessions/{sid}").status_code == 404
+
+
+def _scrape(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return {name: float(value) for name, value in re.findall(r"^(txlserve_\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+
+def test_every_surface_counts_in_the_metrics_alike(server):
+    """The WebSocket's completions were in none of the latency histograms or token totals, a JSON body's in no
+    time to first token, and sessions' reads in the prompt histogram alone (found by a helper). Now each of the
+    three surfaces adds one sample of each latency, and the token totals are the per-request histograms' sums."""
+    from websockets.sync.client import connect
+
+    from tests.server.test_ws import collect, ws_url
+
+    before = _scrape(server)
+    complete(server, prompt="Hello", max_tokens=5)
+    sse_events(server, prompt="Hello", max_tokens=5)
+    with connect(ws_url(server)) as conn:
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "Hello", "max_tokens": 5}))
+        assert collect(conn)[-1]["type"] == "completion.done"
+    httpx.post(server.url + "/v1/sessions", json={"text": "Twelve bytes"}, timeout=60)
+    after = _scrape(server)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    for latency in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert grew(f"txlserve_{latency}_count") == 3, latency
+    assert grew("txlserve_inter_token_latency_seconds_count") == 3 * 4
+    assert grew("txlserve_generation_tokens_total") == grew("txlserve_request_generation_tokens_sum") == 15
+    assert grew("txlserve_prompt_tokens_total") == grew("txlserve_request_prompt_tokens_sum") == 3 * 5 + 12

@@ -75,6 +75,13 @@ class EmbeddedRedis:
         """True when this object started the server (and so stops it)."""
         return self._proc is not None
 
+    @property
+    def exited(self) -> str | None:
+        """Why the server this object started is gone (it was killed, or crashed), else None: nothing starts it
+        again, so the process that uses it cannot serve sessions until it is restarted."""
+        code = None if self._proc is None else self._proc.poll()
+        return None if code is None else f"the embedded Redis server exited (status {code})"
+
     def start(self) -> None:
         """Join the live server of ``data_dir`` or start one; blocking, so run it in a thread."""
         if len(str(self.socket_path)) > _SOCKET_PATH_MAX:

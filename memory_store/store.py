@@ -154,6 +154,11 @@ class MemoryStore:
             await probe.start()
             await probe.aclose()
 
+    @property
+    def embedded_exited(self) -> str | None:
+        """Why the embedded Redis this store started is gone, else None (a liveness probe's business)."""
+        return None if self._embedded is None else self._embedded.exited
+
     async def aclose(self) -> None:
         """Release held leases, close connections, stop the embedded Redis if this store started it."""
         for lease in list(self._leases):

@@ -603,6 +603,7 @@ class EngineCore:
         if self.dead is not None:
             return
         self.dead = why
+        self.hot.revisions.clear()  # its hot copies died with it: a session's tier is what Redis holds
         code = None if self.proc is None else self.proc.poll()
         if not getattr(self, "stopping", False):
             log.error("%s (status %s): failing its requests", why, code)

@@ -17,10 +17,13 @@ router = APIRouter()
 
 @router.get("/health")  # HEAD too (app.HeadAsGet), as monitors and some load balancers probe
 async def health(request: Request) -> Response:
-    """Alive unless the engine's process (--engine-process) has died: then a liveness probe restarts us."""
+    """Alive unless the engine's process (--engine-process) or the embedded Redis this server started has died:
+    then a liveness probe restarts us (/ready alone said a dead Redis, and nothing restarted the server)."""
     rt: Runtime | None = getattr(request.app.state, "runtime", None)
     if rt is not None and rt.engine_dead:
         return JSONResponse(error_body(rt.engine_dead, "service_unavailable_error", None, "engine_dead"), 503)
+    if rt is not None and (gone := rt.store.embedded_exited):
+        return JSONResponse(error_body(gone, "service_unavailable_error", None, "store_dead"), 503)
     return JSONResponse({"status": "ok"})
 
 

@@ -118,6 +118,8 @@ def test_an_engine_process_that_dies_fails_requests_and_health_and_the_server_st
     try:
         pid = _engine_pid(srv)
         sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Kept "}, timeout=60).json()["id"]
+        other = httpx.post(srv.url + "/v1/sessions", json={"text": "Hot "}, timeout=60).json()["id"]
+        assert httpx.get(f"{srv.url}/v1/sessions/{other}", timeout=10).json()["tier"] == "hot"
         with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": "go", "max_tokens": 4000, "stream": True, "session_id": sid}) as r:
             lines = r.iter_lines()
@@ -137,6 +139,8 @@ def test_an_engine_process_that_dies_fails_requests_and_health_and_the_server_st
         r = _complete(srv, prompt="again", max_tokens=2)
         assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"], r.text
         assert httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=10).json()["tokens_seen"] == len("Kept ")
+        assert httpx.get(f"{srv.url}/v1/sessions/{other}", timeout=10).json()["tier"] == "redis"  # its hot copy
+        # died with the engine (it still said "hot")
         assert srv.terminate(timeout=30) in (0, -signal.SIGTERM)
     finally:
         srv.stop()

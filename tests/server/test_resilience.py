@@ -365,3 +365,25 @@ def test_a_session_deleted_through_another_replica_stops_the_request_running_on_
     assert err["code"] == "session_not_found", err  # the renewal saw the session gone, not only its lease
     assert len(lines) < LONG // 4, len(lines)  # stopped at a renewal, not at its 200,000th token
 
+
+
+def test_an_embedded_redis_that_dies_turns_health_to_503(checkpoint, tmp_path):
+    """The server's own embedded Redis killed: /ready said so for good, but /health stayed 200, so no liveness
+    probe restarted a server that could serve no session (found by a helper)."""
+    import os
+    import signal
+
+    srv = LiveServer(checkpoint, redis_url=None, data_dir=tmp_path / "srv").start()
+    try:
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        os.kill(int((tmp_path / "srv" / "redis.pid").read_text()), signal.SIGKILL)
+
+        def unhealthy() -> httpx.Response | None:
+            health = httpx.get(srv.url + "/health", timeout=10)
+            return None if health.status_code == 200 else health
+
+        health = wait_for(unhealthy, 30, "/health to leave 200")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "store_dead", health.text
+        assert "embedded Redis server exited" in health.json()["error"]["message"]
+    finally:
+        srv.stop()

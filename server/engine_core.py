@@ -662,6 +662,30 @@ class EngineCore:
                 for sid in head["sids"]:
                     self.hot.revisions.pop(sid, None)
 
+    async def answers(self, timeout_s: float) -> bool:
+        """Whether the engine process answers a ping within ``timeout_s`` (its reader thread answers, so a long
+        prompt being read does not keep it from it; a stopped or wedged process does)."""
+        qid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.stats_waiting[qid] = fut
+        try:
+            self.send({"op": "stats", "qid": qid})
+            await asyncio.wait_for(fut, timeout_s)
+            return True
+        except Unavailable:
+            return False
+        except asyncio.TimeoutError:
+            return self.dead is not None  # it died meanwhile: that is the death's to report
+        finally:
+            self.stats_waiting.pop(qid, None)
+
+    def kill(self, why: str) -> None:
+        """Take a hung engine process for dead: kill it and fail its requests."""
+        with contextlib.suppress(OSError):
+            if self.proc is not None:
+                self.proc.kill()
+        self._died(why)
+
     async def refresh(self, timeout_s: float = 2.0) -> None:
         """Ask the engine for its batch and hot-set figures now (a scrape of /metrics): they otherwise come with its
         messages, and none comes while it only reads a long prompt. An engine that does not answer in time leaves

@@ -50,6 +50,7 @@ class Runtime:
     started: int = field(default_factory=lambda: int(time.time()))  # when this server loaded its model (/v1/models)
     _draining: asyncio.Task | None = field(default=None, repr=False)
     sweeper: asyncio.Task | None = field(default=None, repr=False)
+    watchdog: asyncio.Task | None = field(default=None, repr=False)
 
     def track(self, run: Run) -> None:
         """A request's run is in flight until its task ends: awaited by the drain, and the CPU latency request
@@ -61,6 +62,21 @@ class Runtime:
     def _untrack(self, run: Run) -> None:
         self.runs.discard(run)
         self.cpu_latency.idle()
+
+    def start_watchdog(self) -> None:
+        """Ping the engine's process while requests run; one that answers none for ``engine_timeout_s`` is hung
+        (stopped, wedged): its requests waited with no end and its sessions stayed leased, with /health 200."""
+        if self.core is not None and self.settings.engine_timeout_s:
+            self.watchdog = asyncio.get_running_loop().create_task(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        timeout, core = self.settings.engine_timeout_s, self.core
+        while core.dead is None:
+            await asyncio.sleep(min(5.0, timeout / 2))
+            if self.runs and not await core.answers(timeout) and self.runs and core.dead is None:
+                why = f"the engine process answered nothing for {timeout:g} s (hung or stopped)"
+                log.error("%s: it is killed", why)
+                core.kill(why)
 
     def start_sweeper(self) -> None:
         """Run the cold-tier policy every ``cold_sweep_s``: idle sessions, then any over the warm byte budget,
@@ -206,6 +222,7 @@ def _opened(rt: Runtime, checkpoint: str, device: torch.device, threads: int) ->
                  "VM, asyncio's loop: 0.75-0.77 of the engine's tokens/s without it, 0.85-0.88 with it; README, "
                  "Deployment)")
     rt.start_sweeper()
+    rt.start_watchdog()
     rt.ready = True
     return rt
 
@@ -215,8 +232,9 @@ async def close_runtime(rt: Runtime) -> None:
     if rt.closed:
         return
     rt.closed = True
-    if rt.sweeper is not None:
-        rt.sweeper.cancel()
+    for task in (rt.sweeper, rt.watchdog):
+        if task is not None:
+            task.cancel()
     await rt.drain()
     rt.cpu_latency.close()
     await asyncio.to_thread(rt.scheduler.stop)

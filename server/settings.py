@@ -46,6 +46,10 @@ class Settings:
                                       "own, as vLLM runs its engine core, so that the event loop and the engine do "
                                       "not share one interpreter (each worker gets its own); --no-engine-process "
                                       "runs it in the server's process, on a thread")
+    engine_timeout_s: float = _opt(60.0, "with --engine-process: an engine that answers no ping for this long while "
+                                         "requests run is taken for hung; it is killed, its requests fail (503) "
+                                         "and /health turns 503, for a liveness probe to restart the server "
+                                         "(0: never)")
     mem_len: int | None = _opt(None, "attention window at inference (default: the checkpoint's)")
     clamp_len: int | None = _opt(None, "largest relative distance (default: the checkpoint's)")
     redis_url: str | None = _opt(None, "redis://, rediss:// or unix:// URL, or redis+cluster://host:port "
@@ -143,7 +147,7 @@ class Settings:
             raise ConfigError(f"model_name must be 1 to 256 characters with no surrounding white space, not "
                               f"{self.model_name!r}")
         for name in ("hot_cache_mb", "session_ttl_s", "max_stop", "clamp_len", "shutdown_timeout_s",
-                     "cpu_latency_qos_us"):
+                     "cpu_latency_qos_us", "engine_timeout_s"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
         for f in fields(self):

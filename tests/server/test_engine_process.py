@@ -4,6 +4,7 @@ beside the server's (it dies: 503s; the server stops or is killed: it stops)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -453,3 +454,23 @@ def test_an_engine_process_that_dies_before_its_settings_is_a_failed_start(monke
     with pytest.raises(Unavailable, match="the engine process exited while loading"):
         core.start()
     assert core.conn.closed and proc.stdin.closed
+
+
+def test_a_hung_engine_process_is_killed_and_fails_its_requests(checkpoint, redis_url, tmp_path):
+    """A stopped (or wedged) engine process was never noticed: its requests waited with no end, their sessions
+    stayed leased (409s), and /health said 200 (found by a helper). It now answers no ping for
+    --engine-timeout-s, so it is killed: its requests end with a 503, /health turns 503."""
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=("--engine-timeout-s", "2")).start()
+    pid = _engine_pid(srv)
+    try:
+        sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Kept "}, timeout=60).json()["id"]
+        os.kill(pid, signal.SIGSTOP)
+        r = _complete(srv, prompt="go", max_tokens=5, session_id=sid)  # bounded by the ping's time, not forever
+        assert r.status_code == 503 and "answered nothing for 2 s" in r.json()["error"]["message"], r.text
+        health = httpx.get(srv.url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=10).json()["tokens_seen"] == len("Kept ")
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        srv.stop()

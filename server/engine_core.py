@@ -690,16 +690,7 @@ class EngineCore:
         """Ask the engine for its batch and hot-set figures now (a scrape of /metrics): they otherwise come with its
         messages, and none comes while it only reads a long prompt. An engine that does not answer in time leaves
         the last figures."""
-        qid = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self.stats_waiting[qid] = fut
-        try:
-            self.send({"op": "stats", "qid": qid})
-            await asyncio.wait_for(fut, timeout_s)
-        except (Unavailable, asyncio.TimeoutError):
-            pass
-        finally:
-            self.stats_waiting.pop(qid, None)
+        await self.answers(timeout_s)
 
     def send(self, head: dict[str, Any], blob: bytes | Callable[[], bytes] = b"") -> None:
         """Queue a message for the writer thread (``blob``: its bytes, or what makes them there), in order: the

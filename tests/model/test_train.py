@@ -544,20 +544,27 @@ def test_a_word_checkpoint_whose_vocabulary_is_short_of_its_outputs_is_refused_a
         load_checkpoint(tmp_path)
 
 
-def test_a_run_resumes_from_another_directory_and_a_memoryless_model_says_how_to_decode(corpus, tmp_path):
+def test_a_run_resumes_from_another_directory_and_a_memoryless_model_says_how_to_decode(corpus, tmp_path,
+                                                                                        monkeypatch, capsys):
     """The run kept --data as typed, relative to where it started: a resume from elsewhere found no corpus. A
-    model trained with mem_len 0 decoded nowhere, with a message that did not say --mem-len gives it a memory."""
+    model trained with mem_len 0 decoded nowhere, with a message that did not say --mem-len gives it a memory.
+    In this process, the command's own entry point (each subprocess would load torch again)."""
+    from model.engine import Engine
+    from server.cli import main
+
     (tmp_path / "here").mkdir()
     shutil.copy(corpus, tmp_path / "here" / "story.txt")
-    common = ("--preset", "tiny", "--steps", "4", "--mem-len", "0", "--no-progress")
-    first = subprocess.run([sys.executable, "-m", "server.cli", "train", "--data", "story.txt", "--out", "../run",
-                            "--stop-at", "2", *common], cwd=tmp_path / "here", capture_output=True, text=True,
-                           timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert first.returncode == 0, first.stderr
-    again = _cli("train", "--out", str(tmp_path / "run"), "--resume", "--no-progress")
-    assert again.returncode == 0, again.stderr
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.chdir(tmp_path / "here")
+        assert main(["train", "--data", "story.txt", "--out", "../run", "--stop-at", "2", "--preset", "tiny",
+                     "--steps", "4", "--mem-len", "0", "--no-progress"]) == 0
+        monkeypatch.chdir(tmp_path)
+        assert main(["train", "--out", "run", "--resume", "--no-progress"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the command sets its own
     assert json.loads((tmp_path / "run" / "config.json").read_text())["training"]["steps"] == 4
-    gen = _cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "the", "--max-tokens", "2")
-    assert gen.returncode == 2 and "give --mem-len" in gen.stderr and gen.stderr.count("\n") == 1, gen.stderr
-    assert _cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "the", "--max-tokens", "2",
-                "--mem-len", "8").returncode == 0
+    with pytest.raises(ConfigError, match=r"decoding needs a memory.*give --mem-len \(its training segment"):
+        Engine(load_checkpoint(tmp_path / "run"))
+    assert Engine(load_checkpoint(tmp_path / "run"), mem_len=8).mem_len == 8
+    capsys.readouterr()

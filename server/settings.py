@@ -177,7 +177,7 @@ class Settings:
         values: dict[str, Any] = {}
         for f in fields(cls):
             raw = env.get(f"TXLSERVE_{f.name.upper()}")
-            if raw is not None:
+            if raw is not None and overrides.get(f.name) is None:  # a flag's value wins, unread or not
                 values[f.name] = _parse(f, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:

@@ -133,6 +133,7 @@ def test_compose_services(compose: dict) -> None:
         assert txl["environment"]["TXLSERVE_REDIS_URL"] == "redis://redis:6379/0"
         assert "redis" in txl["depends_on"]
         assert "/ready" in " ".join(txl["healthcheck"]["test"])
+        assert "TXLSERVE_PORT" in " ".join(txl["healthcheck"]["test"])  # the port the server was given (was 8000)
     gpu, cpu = services["txlserve"], services["txlserve-cpu"]
     assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]  # plain `up` builds no image by accident
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]

@@ -628,6 +628,11 @@ def test_enforce_eager_is_a_flag_and_an_environment_variable():
     assert Settings.from_env({"TXLSERVE_ENFORCE_EAGER": "0"}, enforce_eager=True).enforce_eager is True
     with pytest.raises(ConfigError, match="TXLSERVE_ENFORCE_EAGER"):
         Settings.from_env({"TXLSERVE_ENFORCE_EAGER": "maybe"})
+    # a flag wins over its variable, read or not: TXLSERVE_PORT=abc with --port 8961 stopped the server
+    # (found by a helper)
+    assert Settings.from_env({"TXLSERVE_PORT": "abc"}, port=8961).port == 8961
+    with pytest.raises(ConfigError, match="TXLSERVE_PORT"):
+        Settings.from_env({"TXLSERVE_PORT": "abc"})
 
 
 def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path: Path):

@@ -124,13 +124,12 @@ class Engine:
         if self.mem_len < 1:  # trained without a memory (a vanilla Transformer's segments): decoding keeps one
             raise ConfigError(f"decoding needs a memory, and this model's mem_len is {self.mem_len}: give --mem-len "
                               f"(its training segment, {ckpt.config.tgt_len}, say)", param="mem_len")
-        weight = next(ckpt.model.parameters())
-        check_fits(ckpt.config, self.mem_len, weight.device, weight.dtype,
-                   prefill_chunk or default_prefill_chunk(self.mem_len, weight.device))  # before it allocates
+        weight = next(ckpt.model.parameters())  # the decoder's device and dtype are its weights'
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.mem_len, weight.device)
+        check_fits(ckpt.config, self.mem_len, weight.device, weight.dtype, self.prefill_chunk)  # before it allocates
         self.decoder = Decoder(ckpt.model, mem_len=self.mem_len, clamp_len=self.clamp_len,
                                traced=False if enforce_eager else None, fused=False if enforce_eager else None,
                                cuda_graphs=False if enforce_eager else None)
-        self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.mem_len, self.decoder.device)
         if prefill_products not in ("auto", "kernel", "torch"):
             raise ConfigError(f"prefill_products must be auto, kernel or torch, not {prefill_products!r}")
         if prefill_products == "auto":

@@ -68,14 +68,14 @@ def read_train_info(out_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"--resume: training state in {path.parent} is damaged: {err}") from None
     if not isinstance(info, dict):
         raise CheckpointError(f"--resume: training state in {path.parent} is damaged: not a JSON object")
-    counts = [info.get(k) for k in ("step", "tokens_seen")]  # a hand edit made each a traceback later on
-    wrong = ("step and tokens_seen must be integers >= 0" if not all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts) else
-             "data must be an object" if not isinstance(info.get("data"), dict) else
-             "param_groups must be a non-empty list" if not isinstance(info.get("param_groups"), list)
-             or not info["param_groups"] else
-             "args must be an object" if not isinstance(info.get("args", {}), dict) else None)
-    if wrong:
+    checks = (  # a hand edit made each a traceback later on
+        (all(type(info.get(k)) is int and info[k] >= 0 for k in ("step", "tokens_seen")),
+         "step and tokens_seen must be integers >= 0"),
+        (isinstance(info.get("data"), dict), "data must be an object"),
+        (isinstance(info.get("param_groups"), list) and bool(info.get("param_groups")),
+         "param_groups must be a non-empty list"),
+        (isinstance(info.get("args", {}), dict), "args must be an object"))
+    if wrong := next((says for ok, says in checks if not ok), None):
         raise CheckpointError(f"--resume: training state in {path} is damaged: {wrong}")
     return info
 

@@ -672,10 +672,8 @@ class EngineCore:
             self.send({"op": "stats", "qid": qid})
             await asyncio.wait_for(fut, timeout_s)
             return True
-        except Unavailable:
+        except (Unavailable, asyncio.TimeoutError):
             return False
-        except asyncio.TimeoutError:
-            return self.dead is not None  # it died meanwhile: that is the death's to report
         finally:
             self.stats_waiting.pop(qid, None)
 

@@ -261,9 +261,9 @@ class Run:
 
     async def _engine_run(self, state) -> tuple[Finished, TokenEvent | None]:
         rt = self.rt
+        # tokens straight to the client, all but the last
         self.request = rt.scheduler.submit(state, self.ids, self.params, prompt_logprobs=self.prompt_logprobs,
-                                           scored=self.scored, stream=self.events)  # tokens straight to the client,
-        # all but the last
+                                           scored=self.scored, stream=self.events)
         if self.cancelled:
             self.request.cancel()
         last = None

@@ -88,7 +88,7 @@ class EmbeddedRedis:
             raise StoreUnavailable(
                 f"data_dir {self.data_dir} is too long a path for a unix socket; choose a shorter one"
             )
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # sessions hold users' text: the owner's alone
         deadline = time.monotonic() + self._start_timeout_s
         with _file_lock(self.data_dir / "redis.lock", deadline):
             if self._probe() != "dead":
@@ -142,6 +142,7 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            umask=0o077,  # its append-only files, as its directory, readable by this user alone
         )
 
     def _client(self) -> redis.Redis:

@@ -267,7 +267,14 @@ def connect_checked(url: str, op_timeout_s: float,
                     name: str | None) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
     """:func:`connect`, with a URL redis-py cannot parse refused in one line that quotes no password."""
     try:
-        return connect(url, op_timeout_s=op_timeout_s, name=name)
+        client = connect(url, op_timeout_s=op_timeout_s, name=name)
+        if not isinstance(client, redis.asyncio.RedisCluster):
+            client.connection_pool.make_connection()  # made, not opened: its options fail here, not at first use
+        return client
+    except TypeError as err:  # a query option no connection takes (redis-py passes each on as a keyword)
+        option = re.search(r"keyword argument '(\w+)'", str(err))
+        raise ConfigError(f"the Redis URL {redact_url(url)} has a query option redis-py does not take"
+                          + (f": {option[1]}" if option else "") + " (ssl_* options need rediss://)") from None
     except redis.exceptions.RedisClusterException:  # a cluster URL's own rules (database 0 only)
         raise ConfigError(f"the Redis Cluster URL {redact_url(url)} could not be used (check its options, and that its "
                           "path is empty or /0: a cluster has only database 0)") from None

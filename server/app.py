@@ -18,8 +18,9 @@ import swagger_ui_bundle
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.datastructures import Headers
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -250,6 +251,22 @@ def _log_line(**fields: object) -> None:
         access_log.info(json.dumps(fields, separators=(",", ":"), default=str))
 
 
+class Cors(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight in OpenAI's error shape like every other error (Starlette
+    answers it in plain text)."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        refused = bytes(response.body).decode().removeprefix("Disallowed CORS ")  # e.g. "origin, headers"
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-type", "content-length")}
+        return JSONResponse(error_body(f"CORS preflight refused: this server does not allow the request's "
+                                       f"{refused} (the origins it allows are its --cors-origins)",
+                                       "invalid_request_error", None, "cors_not_allowed"),
+                            status_code=response.status_code, headers=headers)
+
+
 async def _refuse(send: Send, status: int, message: str, code: str, *, close: bool = False) -> None:
     body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -260,7 +277,8 @@ async def _refuse(send: Send, status: int, message: str, code: str, *, close: bo
 
 def _offline_docs(app: FastAPI) -> None:
     """Swagger UI at /docs from the installed swagger-ui-bundle, not a CDN, so it works offline."""
-    app.mount("/docs/static", StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="docs-static")
+    app.mount("/docs/static", ws.http_only(StaticFiles(directory=swagger_ui_bundle.swagger_ui_path)),
+              name="docs-static")
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
@@ -275,7 +293,7 @@ STATIC = Path(__file__).resolve().parent / "static"
 
 def _playground(app: FastAPI) -> None:
     """The web playground at /: static files in the package, no build step, no CDN (works offline)."""
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.mount("/static", ws.http_only(StaticFiles(directory=STATIC)), name="static")
 
     @app.get("/", include_in_schema=False)
     async def playground() -> FileResponse:
@@ -306,10 +324,11 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     describe_errors(app, routers)
 
     app.add_middleware(HeadAsGet)  # innermost: the log and the limits still see HEAD
-    if settings.cors_origins:  # off by default: browsers on other origins may call the API only when allowed
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["x-request-id", "x-process-time-ms"])
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    if settings.cors_origins:  # off by default: browsers on other origins may call the API only when allowed
+        # outside the limits: a page on an allowed origin reads their 413 and 408, not a bare network error
+        app.add_middleware(Cors, allow_origins=list(settings.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id", "x-process-time-ms"])
     # outermost: the log line and the requests metric carry the status the client got, a 408 or 413 included
     # (inside the limits, they saw the app's answer to a body cut short, which the limits drop)
     app.add_middleware(RequestLog, runtime_of=lambda: getattr(app.state, "runtime", None),

@@ -79,6 +79,8 @@ def install(app: FastAPI) -> None:
         headers = {"Retry-After": "1"} if status in (429, 503) else None
         if status == 401:  # RFC 9110: a 401 names the scheme it wants
             headers = {"WWW-Authenticate": 'Bearer realm="txlserve"'}
+        if status == 426:  # and a 426 the protocol
+            headers = {"Upgrade": "websocket", "Connection": "Upgrade"}
         return JSONResponse(body, status_code=status, headers=headers)
 
     async def _key_first(request: Request) -> JSONResponse | None:
@@ -114,8 +116,9 @@ def install(app: FastAPI) -> None:
         if err.status_code == 400 and (refused := await _key_first(request)) is not None:
             return refused
         where = f"{'HEAD' if request.scope.get('txlserve.head') else request.method} {request.url.path}"
+        if err.status_code == 404:
+            return await _txl(request, e.RouteNotFound(f"no such route: {where} (the API is described at /docs)"))
         message, type_, code = {
-            404: (f"no such route: {where} (the API is described at /docs)", "not_found_error", "unknown_route"),
             405: (f"method not allowed: {where}", "invalid_request_error", "method_not_allowed"),
             # FastAPI's own 400: json.loads raised something other than a JSON syntax error (bytes that are not
             # UTF-8, nesting deeper than the parser goes, an integer longer than Python converts), kept as the cause

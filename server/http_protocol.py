@@ -20,7 +20,8 @@ from txlserve.errors import ConfigError
 
 # The request line and headers h11 buffers while they are incomplete. Its default, 16 KiB, made a long URL (a
 # 60,000-character session id) a 400 "not valid HTTP" or an ordinary 404 depending on whether its bytes arrived
-# in one read or two (httptools has no such limit); the header deadline above bounds how long a head may take.
+# in one read or two; the header deadline above bounds how long a head may take. (httptools has no such limit on
+# the head, but refuses a URL over 65,535 bytes as not valid HTTP, a 400, where h11 reads it: left as it is.)
 MAX_HEAD_BYTES = 1 << 20
 
 

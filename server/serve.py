@@ -93,7 +93,9 @@ class Redact(logging.Filter):
     query value that decodes to a configured key; and the configured keys wherever they appear. Arguments keep
     their places, since uvicorn's access formatter unpacks them."""
 
-    _PAIR = re.compile(r"([?&])([^=&\s\"'#]+)=([^&\s\"'#]*)")
+    # a value ends where the query or the access log's quoted request line does: a wrong key holding a ' or a #
+    # (often a near miss of the real one) was otherwise masked only up to that character
+    _PAIR = re.compile(r"([?&])([^=&\s\"'#]+)=([^&\s\"]*)")
     _SECRET_NAME = re.compile(r"(?i)(?:api[_-]?key|key|token|access[_-]?token|password|passwd|pass|auth)")
 
     def __init__(self, secrets: tuple[str, ...] = ()) -> None:

@@ -166,9 +166,10 @@ class Settings:
             raise ConfigError("an API key may not be empty or start or end with white space")
         if any(not (k.isascii() and k.isprintable()) for k in self.api_keys):  # HTTP headers carry ASCII
             raise ConfigError("an API key must be printable ASCII: a client could never send it in a header")
-        if any(not isinstance(o, str) or not (o == "*" or o.startswith(("http://", "https://")))
-               for o in self.cors_origins):
-            raise ConfigError("each CORS origin is * or starts with http:// or https://")
+        for o in self.cors_origins:  # an origin as a browser sends it: no path, so a trailing / never matched
+            if not isinstance(o, str) or not (o == "*" or re.fullmatch(r"https?://[^/?#@\s]+", o)):
+                raise ConfigError(f"CORS origin {o!r} is not * or an origin as browsers send it, scheme://host[:port] "
+                                  "with no path (https://app.example.com, not https://app.example.com/)")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:

@@ -19,9 +19,11 @@ are translated into these at the package boundary that meets them. This module i
     ├── SessionNotFound             no such session (or not yours)      404  not_found_error
     ├── ModelNotFound               a model this server does not serve  404  not_found_error
     ├── UnsupportedEndpoint         an OpenAI route a base model lacks  404  invalid_request_error
+    ├── RouteNotFound               no such path (HTTP or WebSocket)    404  not_found_error
     ├── SessionBusy                 session leased by another request   409  conflict_error
     ├── SessionConflict             commit lost a compare-and-set race  409  conflict_error
     ├── PayloadTooLarge             state/body over a configured limit  413  invalid_request_error
+    ├── UpgradeRequired             plain HTTP to the WebSocket route   426  invalid_request_error
     ├── SessionCorrupt              stored payload fails validation     422  invalid_request_error
     ├── Overloaded                  queue full                          429  rate_limit_error
     ├── RequestCancelled            left or cancelled before its text   499  invalid_request_error
@@ -100,6 +102,10 @@ class UnsupportedEndpoint(TxlError):
     status, code = 404, "unsupported_endpoint"
 
 
+class RouteNotFound(TxlError):
+    status, type, code = 404, "not_found_error", "unknown_route"
+
+
 class SessionBusy(TxlError):
     status, type, code = 409, "conflict_error", "session_busy"
 
@@ -110,6 +116,10 @@ class SessionConflict(TxlError):
 
 class PayloadTooLarge(TxlError):
     status, code = 413, "payload_too_large"
+
+
+class UpgradeRequired(TxlError):
+    status, code = 426, "websocket_required"
 
 
 class SessionCorrupt(TxlError):

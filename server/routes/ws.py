@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from model.engine import TokenEvent
 from server.completion import Completion, events, prompt_text, start
@@ -28,6 +29,7 @@ from server.errors import classify, error_body, stream_error, unreadable_json, v
 from server.protocol import CompletionRequest
 from server.scheduler import PromptScores
 from server.service import Final, Run
+from txlserve.errors import RouteNotFound, UpgradeRequired
 
 router = APIRouter()
 
@@ -58,17 +60,22 @@ class Inbox:
         return self._back.popleft() if self._back else await self._frames.get()
 
 
+async def refuse(ws: WebSocket, err: Exception) -> None:
+    """Refuse a handshake: an HTTP answer in OpenAI's shape where the server can send one."""
+    status, body = classify(err)
+    try:
+        await ws.send_denial_response(JSONResponse(body, status_code=status))
+    except RuntimeError:  # no denial-response extension: close with "policy violation"
+        await ws.close(code=1008, reason=str(err)[:120])
+
+
 @router.websocket("/v1/ws")
 async def completions_ws(ws: WebSocket) -> None:
     try:
         ws_origin(ws)
         who = ws_owner(ws)
-    except Exception as err:  # refuse the handshake: an HTTP 403 or 401 in OpenAI's shape where the server can
-        status, body = classify(err)
-        try:
-            await ws.send_denial_response(JSONResponse(body, status_code=status))
-        except RuntimeError:  # no denial-response extension: close with "policy violation"
-            await ws.close(code=1008, reason=str(err)[:120])
+    except Exception as err:  # a 403 or a 401
+        await refuse(ws, err)
         return
     await ws.accept()
     inbox = Inbox()
@@ -99,7 +106,10 @@ async def completions_ws(ws: WebSocket) -> None:
                 break
             if (raw := frame.result()) is None:
                 break
-            await _handle(ws, raw, inbox, who)
+            try:
+                await _handle(ws, raw, inbox, who)
+            except WebSocketDisconnect:  # the client left as its message was answered (a send raises it)
+                break
     finally:
         for pending in (draining, frame, reading):
             if pending is not None:
@@ -225,3 +235,25 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
             next_msg.cancel()
         elif next_msg is not None and not next_msg.cancelled():
             inbox.put_back(next_msg.result())  # not ours to answer: the connection's next frame, as it came
+
+
+@router.get("/v1/ws", include_in_schema=False)
+async def ws_over_http() -> None:
+    """Plain HTTP to the WebSocket route: a 426 that says so, not a 404 for a route that exists."""
+    raise UpgradeRequired("/v1/ws is a WebSocket endpoint: open it with a WebSocket client (ws://host/v1/ws), "
+                          "not a plain HTTP request")
+
+
+@router.websocket("/{path:path}")  # the last route: Starlette refused any other path with a bare 403
+async def no_such_ws_route(ws: WebSocket) -> None:
+    await refuse(ws, RouteNotFound(f"no such WebSocket route: {ws.url.path} (completions stream over /v1/ws)"))
+
+
+def http_only(app: ASGIApp) -> ASGIApp:
+    """A mount (static files) that serves HTTP alone: a mount takes WebSockets to its paths too, and static files
+    failed them (a bare 403)."""
+    async def serve(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            return await no_such_ws_route(WebSocket(scope, receive, send))
+        await app(scope, receive, send)
+    return serve

@@ -59,6 +59,11 @@ async def test_a_data_dir_of_any_name(tmp_path: Path) -> None:
             assert (data_dir / "redis.sock").exists() and (data_dir / "redis.pid").exists()
         async with MemoryStore.from_url(None, identity=IDENTITY, data_dir=str(data_dir)) as again:  # durable there
             assert_same((await again.get(info.session_id)).tensors, make_state(seed=2))
+        # sessions hold users' text: the directory and Redis's files are the owner's alone (its files were 0644)
+        written = [data_dir, *data_dir.rglob("*")]
+        assert any("appendonly" in p.name for p in written), written
+        assert all(p.stat().st_mode & 0o077 == 0 for p in written if p.name not in ("redis.conf", "redis.lock")), \
+            {str(p): oct(p.stat().st_mode) for p in written}
     finally:
         pidfile = data_dir / "redis.pid"
         if pidfile.exists() and pid_alive(pid := int(pidfile.read_text())):

@@ -532,6 +532,10 @@ def test_new_ids_never_start_with_a_dash(monkeypatch: pytest.MonkeyPatch) -> Non
     ("http://h:6379", "must start with redis://"),
     ("redis://:s3cr/et@h:99999/0", "could not be parsed"),
     ("redis+cluster://:s3cret@h:7000/1", "a cluster has only database 0"),
+    # options no connection takes failed at the first command, after the model loaded, as a traceback
+    ("redis://:s3cret@h:6379/0?foo=bar", "does not take: foo"),
+    ("redis://:s3cret@h:6379/0?ssl_cert_reqs=none", "ssl_\\* options need rediss://"),
+    ("redis+cluster://:s3cret@h:7000?foo=bar", "does not take: foo"),
 ])
 def test_a_url_that_cannot_be_used_is_refused_without_connecting_or_its_password(url, needle):
     """What start() would refuse after the model loaded, the server refuses before torch loads (check_url)."""

@@ -89,8 +89,8 @@ async def test_cors_is_off_by_default_and_allows_only_the_configured_origins(red
     async with running_app(redis_url, tmp_path) as (app, _, _), _client(app) as c:
         r = await c.options("/v1/completions", headers=preflight)
         assert "access-control-allow-origin" not in r.headers
-    async with running_app(redis_url, tmp_path, cors_origins=("https://app.example.com",)) as (app, _, _), \
-            _client(app) as c:
+    async with running_app(redis_url, tmp_path, cors_origins=("https://app.example.com",), max_body_bytes=1000) \
+            as (app, _, _), _client(app) as c:
         r = await c.options("/v1/completions", headers=preflight)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example.com"
         assert r.headers["x-request-id"]  # a preflight is a request like any other: logged, counted, with an id
@@ -99,6 +99,22 @@ async def test_cors_is_off_by_default_and_allows_only_the_configured_origins(red
         assert "x-request-id" in r.headers["access-control-expose-headers"]
         r = await c.options("/v1/completions", headers={**preflight, "origin": "https://evil.example.com"})
         assert r.headers.get("access-control-allow-origin") != "https://evil.example.com"
+        assert r.status_code == 400 and r.json()["error"]["code"] == "cors_not_allowed"  # OpenAI's shape, not text
+        assert "origin" in r.json()["error"]["message"]
+        # the body limit's refusal reaches a page on an allowed origin (it sat outside CORS: a bare network error)
+        r = await c.post("/v1/completions", content=b"x" * 2000, headers={"origin": "https://app.example.com"})
+        assert r.status_code == 413 and r.headers["access-control-allow-origin"] == "https://app.example.com"
+
+
+@pytest.mark.parametrize("origin", ["https://app.example.com/", "https://app.example.com/api", "app.example.com",
+                                    "ftp://app.example.com"])
+def test_a_cors_origin_that_no_browser_sends_is_refused_at_start(origin):
+    """A trailing slash was accepted and then matched nothing: browsers send an origin without a path."""
+    from server.settings import Settings
+    from txlserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no path"):
+        Settings(cors_origins=(origin,))
 
 
 @pytest.mark.parametrize(("origin", "cors", "allowed"), [

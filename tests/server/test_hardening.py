@@ -307,7 +307,7 @@ def test_a_redis_password_never_reaches_a_log_or_a_response(checkpoint, tmp_path
 @pytest.mark.parametrize("text", [
     "GET /v1/ws?api_key=sk-secret-1", "/v1/ws?api%5Fkey=sk%2Dsecret%2D1", "/x?a=1&Password=hunter2&b=2",
     "/x?other=%73%6B%2Dsecret%2D1", "Bearer sk-secret-1", "redis://h:1/0?password=hunter2",
-    "/v1/ws?api_key=k'ey#sk-secret-1",
+    "/v1/ws?api_key=k'ey#sk-secret-1", "GET /v1/ws?api_key=wrong'KEYsecret7 HTTP/1.1", "/v1/ws?token=a#secret",
 ])
 def test_the_log_filter_masks_every_form_of_a_secret(text):
     from server.serve import Redact

@@ -62,6 +62,22 @@ def test_ws_a_browser_page_of_another_origin_is_refused(server):
             assert collect(conn)[-1]["type"] == "completion.done"
 
 
+def test_ws_other_paths_are_404s_and_plain_http_to_the_ws_route_a_426_in_openais_shape(server):
+    """A WebSocket to any other path was refused with a bare 403 (what a refused origin gets), and a plain GET of
+    /v1/ws said the route did not exist (found by a helper)."""
+    base = server.url.replace("http://", "ws://")
+    for path in ("/v1/ws/", "/nope", "/v1/completions", "/", "/static/app.js", "/docs/static/x.js"):
+        with pytest.raises(InvalidStatus) as refused:
+            connect(base + path, open_timeout=10)
+        response = refused.value.response
+        assert response.status_code == 404, path
+        assert json.loads(response.body)["error"]["code"] == "unknown_route", path
+    r = httpx.get(server.url + "/v1/ws", timeout=30)
+    assert r.status_code == 426 and r.headers["upgrade"] == "websocket"
+    assert r.json()["error"]["code"] == "websocket_required"
+    assert httpx.get(server.url + "/v1/nope", timeout=30).json()["error"]["code"] == "unknown_route"
+
+
 def test_ws_a_message_over_the_body_limit_closes_the_connection_with_1009(server):
     """A WebSocket message is held to --max-body-bytes as an HTTP body is (uvicorn's own limit was 16 MiB)."""
     from server.settings import Settings
@@ -103,6 +119,41 @@ def test_ws_errors_keep_the_connection(server):
         assert json.loads(conn.recv(timeout=10))["error"]["type"] == "not_found_error"
         conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "ok", "max_tokens": 2}))
         assert collect(conn)[-1]["type"] == "completion.done"
+
+
+def _frame(opcode: int, payload: bytes) -> bytes:
+    """A client's (masked) WebSocket frame, for payloads under 126 bytes."""
+    mask = b"\x01\x02\x03\x04"
+    return bytes([0x80 | opcode, 0x80 | len(payload)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def test_ws_a_client_that_leaves_as_its_bad_message_is_answered_is_no_server_error(server):
+    """A frame and the client's close in one write: the error that answers the frame found the socket closed, and
+    the server logged "Exception in ASGI application" with a traceback and closed with 1011 (the fuzzer's log)."""
+    import base64
+    import socket
+
+    host, port = server.url.removeprefix("http://").split(":")
+    start = server.log.stat().st_size
+    for i in range(20):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            key = base64.b64encode(bytes(16)).decode()
+            sock.sendall(f"GET /v1/ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: "
+                         f"Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += sock.recv(4096) or b"\r\n\r\n"
+            assert head.startswith(b"HTTP/1.1 101"), head
+            sock.sendall(_frame(0x1, b"not json %d" % i) + _frame(0x8, (1000).to_bytes(2, "big")))
+    ok = httpx.get(server.url + "/health", timeout=30)  # after every connection's handler has run its course
+    assert ok.status_code == 200
+    with connect(ws_url(server)) as conn:  # and the next client is served
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x", "max_tokens": 2}))
+        assert collect(conn)[-1]["type"] == "completion.done"
+    with server.log.open("rb") as fh:
+        fh.seek(start)
+        log = fh.read().decode(errors="replace")
+    assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-3000:]
 
 
 def test_ws_cancel_commits_what_was_generated(server):

@@ -36,6 +36,7 @@ class Lease:
         lease_ttl_ms: int,
         on_release: Callable[[Lease], None],
         clock: RedisClock | None = None,
+        on_unreleased: Callable[[str, str], None] | None = None,
     ) -> None:
         self.session = session
         self.token = token
@@ -45,6 +46,7 @@ class Lease:
         self.lost = False
         self._tier = tier
         self._on_release = on_release
+        self._on_unreleased = on_unreleased  # (session id, token) of a release Redis did not hear: retried later
         self._released = False
         self._renewer = asyncio.create_task(
             self._renew_forever(lease_ttl_ms / 3000), name=f"txl-lease-renew-{session.session_id}"
@@ -82,9 +84,10 @@ class Lease:
     async def release(self) -> None:
         """Give the lease back (only if still ours); idempotent, and never raises for Redis.
 
-        If Redis cannot be reached the lease simply expires after its TTL. The
-        release is shielded so that a holder being cancelled (a client that
-        disconnected) still frees the session at once.
+        If Redis cannot be reached the release is retried until it answers
+        (``on_unreleased``), or the lease expires after its TTL. The release is
+        shielded so that a holder being cancelled (a client that disconnected)
+        still frees the session at once.
         """
         if self._released:
             return
@@ -93,7 +96,10 @@ class Lease:
         try:
             await asyncio.shield(self._tier.release(self.session_id, self.token))
         except StoreUnavailable as err:
-            log.warning("could not release the lease on session %s (it will expire): %s", self.session_id, err)
+            log.warning("could not release the lease on session %s (retried until Redis answers, within its TTL): "
+                        "%s", self.session_id, err)
+            if self._on_unreleased is not None:
+                self._on_unreleased(self.session_id, self.token)
         finally:
             self._on_release(self)
 

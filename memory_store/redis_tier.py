@@ -129,7 +129,7 @@ else
   mine = (doc.owner == ARGV[4])
 end
 if not mine then return 'NOT_FOUND' end
-if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'BUSY' end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {'BUSY', redis.call('PTTL', KEYS[2])} end
 if ARGV[5] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[5]); redis.call('PEXPIRE', KEYS[3], ARGV[5]) end
 local t = redis.call('TIME')
 return {'OK', h, t[1], t[2]}
@@ -513,9 +513,10 @@ class RedisTier:
         return removed > 0
 
     async def acquire(self, session_id: str, owner: str | None,
-                      token: str) -> tuple[str, bytes | None, RedisClock | None]:
-        """Try to take the lease: (OK, the session's header, Redis's clock), or (BUSY, NOT_FOUND or CORRUPT, None,
-        None). The owner's index TTL is refreshed in the same round trip, as a read refreshes it."""
+                      token: str) -> tuple[str, bytes | int | None, RedisClock | None]:
+        """Try to take the lease: (OK, the session's header, Redis's clock), (BUSY, the milliseconds the holder's
+        lease has left, None), or (NOT_FOUND or CORRUPT, None, None). The owner's index TTL is refreshed in the
+        same round trip, as a read refreshes it."""
         keys = [session_key(session_id), lease_key(session_id), ring_key(session_id)]
         args = [token, self._lease_ttl_ms, "1" if owner is None else "0", owner or "", self._ttl_ms]
         with self._translate():
@@ -533,6 +534,8 @@ class RedisTier:
                 reply = (await self._pipeline(build))[0]
         if isinstance(reply, bytes):
             return reply.decode(), None, None
+        if reply[0] == b"BUSY":
+            return "BUSY", int(reply[1]), None
         return reply[0].decode(), reply[1], RedisClock.read(reply[2], reply[3])
 
     async def renew(self, session_id: str, token: str) -> int:

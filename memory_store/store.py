@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _CURSOR_SCORE = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() also accepts '²'
 _PUT_ATTEMPTS = 5
+_RELEASE_RETRY_S = 0.25  # how often a release Redis missed is tried again while it is away
 
 
 class MemoryStore:
@@ -76,6 +77,7 @@ class MemoryStore:
         self._tier: RedisTier | None = None
         self._embedded: EmbeddedRedis | None = None
         self._leases: set[Lease] = set()
+        self._owed: set[asyncio.Task] = set()  # releases Redis missed, retried until it answers (_release_later)
         self._last_created_ms = 0  # see _creation_time
 
     @classmethod
@@ -163,6 +165,8 @@ class MemoryStore:
         """Release held leases, close connections, stop the embedded Redis if this store started it."""
         for lease in list(self._leases):
             await lease.release()
+        for task in list(self._owed):  # a Redis still away: the leases expire by themselves
+            task.cancel()
         tier, self._tier = self._tier, None
         if tier is not None:
             await tier.aclose()
@@ -405,8 +409,10 @@ class MemoryStore:
                 raise
             if status == "NOT_FOUND":
                 raise SessionNotFound(f"session {session_id!r} not found")
-            if status == "BUSY":
-                raise SessionBusy(f"session {session_id!r} is in use by another request")
+            if status == "BUSY":  # a holder that died (or lost Redis as it released) holds it until its TTL
+                left = f"; if none of yours runs, its holder has gone and it is free within {raw / 1000:.0f} s" \
+                    if isinstance(raw, int) and raw > 0 else ""
+                raise SessionBusy(f"session {session_id!r} is in use by another request{left}")
             if status == "CORRUPT":
                 raise SessionCorrupt(f"session {session_id!r} has an unreadable header")
             self._hot.pin(session_id)
@@ -421,16 +427,34 @@ class MemoryStore:
                 raise
             lease = Lease(
                 session, token, tier=self._redis, lease_ttl_ms=self.config.lease_ttl_ms, on_release=self._on_release,
-                clock=clock,
+                clock=clock, on_unreleased=self._release_later,
             )
             self._leases.add(lease)
             return lease
 
     async def _give_back(self, session_id: str, token: str) -> None:
-        """Release a lease a failed call may hold; if Redis does not answer, it expires anyway (the first error is
-        the caller's to raise)."""
-        with contextlib.suppress(StoreUnavailable):
+        """Release a lease a failed call may hold; if Redis does not answer, it is released once Redis is back (the
+        first error is the caller's to raise)."""
+        try:
             await asyncio.shield(self._redis.release(session_id, token))
+        except StoreUnavailable:
+            self._release_later(session_id, token)
+
+    def _release_later(self, session_id: str, token: str) -> None:
+        """A lease Redis did not hear released (it was away): released as soon as it answers again, within the
+        lease's TTL (past it the lease is gone anyway). A Redis back from a restart restores the lease key from its
+        append-only file: the session was a 409 to everyone for the rest of the TTL, with no request running."""
+        async def retry() -> None:
+            deadline = time.monotonic() + self.config.lease_ttl_ms / 1000
+            while time.monotonic() < deadline:
+                await asyncio.sleep(min(_RELEASE_RETRY_S, max(0.0, deadline - time.monotonic())))
+                with contextlib.suppress(StoreUnavailable):
+                    await self._redis.release(session_id, token)
+                    return
+
+        task = asyncio.create_task(retry(), name=f"txl-lease-release-{session_id}")
+        self._owed.add(task)
+        task.add_done_callback(self._owed.discard)
 
     def _on_release(self, lease: Lease) -> None:
         self._leases.discard(lease)

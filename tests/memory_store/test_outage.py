@@ -13,7 +13,7 @@ import redis
 from memory_store import MemoryStore
 from tests.conftest import RedisProcess
 from tests.memory_store.support import IDENTITY, assert_same, make_state
-from txlserve.errors import StoreUnavailable
+from txlserve.errors import SessionBusy, StoreUnavailable
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
@@ -52,6 +52,32 @@ async def test_killed_redis_fails_fast_then_recovers_with_its_aof(
         assert_same(got.tensors, make_state(seed=2))
         async with store.lease(sid, owner="u") as lease:
             await store.commit(lease, make_state(seed=3), tokens_seen=16)
+
+
+async def test_a_lease_released_while_redis_was_away_is_released_once_it_is_back(
+    redis_server: Callable[..., RedisProcess], tmp_path: Path
+) -> None:
+    """Redis restored the lease key from its append-only file: the session was a 409 to everyone for the rest of
+    the lease's TTL (30 s), with no request running (found by a helper). The busy error says when it frees."""
+    server = redis_server(tmp_path / "aof")
+    async with MemoryStore.from_url(server.url, identity=IDENTITY, op_timeout_s=OP_TIMEOUT_S,
+                                    lease_ttl_ms=60_000) as store, \
+            MemoryStore.from_url(server.url, identity=IDENTITY, op_timeout_s=OP_TIMEOUT_S) as other:
+        sid = (await store.create(tensors=make_state(seed=1), mem_len=8)).session_id
+        lease = await store.lease(sid)
+        with pytest.raises(SessionBusy, match=r"free within (59|60) s"):
+            await other.lease(sid)
+        server.kill()
+        await lease.release()  # Redis is away: the release is owed
+        redis_server(server.data_dir, server.port)  # the lease key is back, 60 s long
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                async with other.lease(sid):
+                    break
+            except (SessionBusy, StoreUnavailable):
+                assert time.monotonic() < deadline, "the owed release never came"
+                await asyncio.sleep(0.1)
 
 
 async def test_hung_redis_times_out(redis_server: Callable[..., RedisProcess]) -> None:

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +32,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from memory_store.redis_tier import client_name
-from txlserve.errors import StoreUnavailable
+from txlserve.errors import ConfigError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,11 @@ class EmbeddedRedis:
         self.socket_path = self.data_dir / "redis.sock"
         self._pidfile = self.data_dir / "redis.pid"
         self._logfile = self.data_dir / "redis.log"
+        self._starterfile = self.data_dir / "redis.starter"  # the pid of the process that started it
         self._start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
+        self._ready = False  # the server it started answered once: a death after that is logged (_watch)
+        self._joined = False  # it joined one another process started
 
     @property
     def url(self) -> str:
@@ -76,11 +80,25 @@ class EmbeddedRedis:
         return self._proc is not None
 
     @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The server this object started and has not stopped (a supervisor watches it), else None."""
+        return self._proc
+
+    @property
     def exited(self) -> str | None:
-        """Why the server this object started is gone (it was killed, or crashed), else None: nothing starts it
-        again, so the process that uses it cannot serve sessions until it is restarted."""
+        """Why the server this object started is gone (it was killed, or crashed: a full disk ends it), else None:
+        nothing starts it again, so the process that uses it cannot serve sessions until it is restarted."""
         code = None if self._proc is None else self._proc.poll()
-        return None if code is None else f"the embedded Redis server exited (status {code})"
+        return None if code is None else f"the embedded Redis server exited (status {code}); its log says: " \
+            f"{self._log_tail(2)[-300:]}"
+
+    def _watch(self, proc: subprocess.Popen[bytes]) -> None:
+        """Log the death of the server this object started, when it dies and why (its log's last lines), unless
+        this object stopped it: its reason (a full disk) was in its own log alone."""
+        proc.wait()
+        if self._proc is proc and self._ready:
+            log.error("%s (in %s): sessions are unavailable until the server is restarted", self.exited,
+                      self.data_dir)
 
     def start(self) -> None:
         """Join the live server of ``data_dir`` or start one; blocking, so run it in a thread."""
@@ -88,16 +106,18 @@ class EmbeddedRedis:
             raise StoreUnavailable(
                 f"data_dir {self.data_dir} is too long a path for a unix socket; choose a shorter one"
             )
-        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # sessions hold users' text: the owner's alone
+        check_data_dir(self.data_dir)
         deadline = time.monotonic() + self._start_timeout_s
         with _file_lock(self.data_dir / "redis.lock", deadline):
             if self._probe() != "dead":
                 log.info("joining the embedded Redis already running on %s", self.socket_path)
+                self._joined = True
             else:
                 self._refuse_if_alive()
                 self.socket_path.unlink(missing_ok=True)
                 self._spawn()
             self._wait_ready(deadline)
+            self._ready = True
 
     def stop(self) -> None:
         """SIGTERM makes Redis fsync the AOF, remove its socket and pidfile, and exit; unless other processes
@@ -105,6 +125,9 @@ class EmbeddedRedis:
         process to start joins it). Stopping it under them made every request of theirs a 503 for good."""
         proc, self._proc = self._proc, None
         if proc is None:
+            if self._joined:  # its starter was killed (or left it to us): the last process to use it stops it
+                self._joined = False
+                self._stop_joined()
             return
         others = self._other_clients()
         if others:
@@ -134,6 +157,7 @@ class EmbeddedRedis:
             "logfile": _quote(self._logfile),
         }
         conf.write_text("".join(f"{key} {value}\n" for key, value in settings.items()))
+        self._starterfile.write_text(str(os.getpid()))
         binary = find_redis_server()
         log.info("starting embedded Redis %s in %s", binary, self.data_dir)
         self._proc = subprocess.Popen(
@@ -144,6 +168,7 @@ class EmbeddedRedis:
             start_new_session=True,
             umask=0o077,  # its append-only files, as its directory, readable by this user alone
         )
+        threading.Thread(target=self._watch, args=(self._proc,), name="txl-embedded-redis-watch", daemon=True).start()
 
     def _client(self) -> redis.Redis:
         """A one-off connection that gives up at once (the default retries with backoff for seconds)."""
@@ -161,6 +186,36 @@ class EmbeddedRedis:
             return "dead"
         finally:
             client.close()
+
+    def _stop_joined(self) -> None:
+        """Stop a server this process joined, where no other process uses it: one whose starter was killed was
+        otherwise never stopped again, since every later server joined it and left it running (SHUTDOWN fsyncs
+        its append-only file first, as SIGTERM does)."""
+        if self._starter_alive() or self._other_clients():
+            return
+        log.info("stopping the embedded Redis of %s (it was running when this server started; nothing else uses "
+                 "it now)", self.data_dir)
+        client = self._client()
+        try:
+            client.shutdown()
+        except (redis.exceptions.RedisError, OSError) as err:
+            log.warning("could not stop the embedded Redis of %s: %s", self.data_dir, err)
+        finally:
+            client.close()
+        deadline = time.monotonic() + 10
+        while self.socket_path.exists() and time.monotonic() < deadline:  # it removes its socket as it exits
+            time.sleep(0.02)
+
+    def _starter_alive(self) -> bool:
+        """Whether the process that started the server is still its parent (then it stops it); True where that
+        cannot be read (not Linux), so that nothing is stopped under a live starter."""
+        try:
+            pid = int(self._pidfile.read_text())
+            starter = int(self._starterfile.read_text())
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            return int(stat.rsplit(")", 1)[1].split()[1]) == starter  # killed, it was reparented
+        except (OSError, ValueError, IndexError):
+            return True
 
     def _other_clients(self) -> int:
         """Connections to the server other than this process's own (named by ``client_name``) and this probe's;
@@ -203,11 +258,31 @@ class EmbeddedRedis:
                 )
             time.sleep(0.02)
 
-    def _log_tail(self) -> str:
+    def _log_tail(self, lines: int = 5) -> str:
         try:
-            return " | ".join(self._logfile.read_text(errors="replace").strip().splitlines()[-5:])
+            return " | ".join(self._logfile.read_text(errors="replace").strip().splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def check_data_dir(data_dir: str | os.PathLike[str]) -> None:
+    """Make the embedded Redis's directory (the owner's alone: sessions hold users' text) and write to it, or say
+    in one line which directory cannot be used and why: ``txlserve serve`` calls it before its model loads. A full
+    disk said "No space left on device" with no path, a file in its place "File exists", seconds later."""
+    path = Path(data_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        probe = path / f".write-test-{os.getpid()}"
+        try:
+            with open(probe, "wb") as fh:
+                fh.write(b"\0" * 4096)  # a page: an empty file fits on a full disk
+                fh.flush()
+                os.fsync(fh.fileno())
+        finally:
+            probe.unlink(missing_ok=True)
+    except OSError as err:
+        why = "it is a file, not a directory" if path.exists() and not path.is_dir() else err.strerror or str(err)
+        raise ConfigError(f"the data dir {path} cannot hold the embedded Redis: {why}") from None
 
 
 def _quote(path: Path) -> str:

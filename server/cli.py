@@ -363,6 +363,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _cmd_serve(ns: argparse.Namespace) -> int:
     import logging
 
+    from memory_store.embedded import check_data_dir
     from memory_store.redis_tier import check_url
     from model.bundled import resolve_checkpoint
     from server.listen import REUSE_PORT, bind, claim_port
@@ -376,6 +377,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     # a bad setting, a Redis URL that cannot be parsed, a port in use or a missing checkpoint is one line at once,
     # before torch is imported
     check_url(settings.redis_url)
+    if settings.redis_url is None:
+        check_data_dir(settings.data_dir)
     group = settings.workers > 1 and REUSE_PORT  # each worker listens on a socket of its own (server.workers)
     sock = bind(settings.host, settings.port, group=group, listen=not group)
     claim = None

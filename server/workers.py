@@ -47,6 +47,7 @@ from server.settings import Settings
 from txlserve.errors import ConfigError, TxlError
 
 if TYPE_CHECKING:
+    from memory_store.embedded import EmbeddedRedis
     from server.runtime import Runtime
 
 log = logging.getLogger("txlserve")
@@ -75,7 +76,7 @@ def serve_workers(settings: Settings, sock: socket.socket) -> int:
         try:
             if embedded is not None:
                 embedded.start()  # the workers join it; it stops after them
-            return supervisor.run(embedded.url if embedded else None, metrics)
+            return supervisor.run(embedded.url if embedded else None, metrics, embedded)
         finally:
             supervisor.stop_all()
             if embedded is not None:
@@ -98,8 +99,10 @@ class _Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def run(self, redis_url: str | None, metrics: str) -> int:
-        """Start the workers (``metrics``: the directory of their metrics sockets) and wait; the exit status."""
+    def run(self, redis_url: str | None, metrics: str, embedded: EmbeddedRedis | None = None) -> int:
+        """Start the workers (``metrics``: the directory of their metrics sockets) and wait; the exit status. The
+        embedded Redis the supervisor started is watched as a worker is: its death stops the workers (they joined
+        it, so their /health could not tell, and nothing restarted it), for whatever supervises us to restart."""
         config = json.dumps(worker_settings(self.settings, redis_url)).encode() + b"\n"
         for index in range(self.settings.workers):
             if not self.stopping.is_set():
@@ -111,7 +114,11 @@ class _Supervisor:
             return 0
         log.info("started %d workers on port %d (pids %s)", len(self.procs), self.sock.getsockname()[1],
                  ", ".join(str(p.pid) for p in self.procs))
-        index, code = self._wait_first_exit()
+        index, code = self._wait_first_exit(embedded.process if embedded is not None else None)
+        if index < 0 and not self.stopping.is_set():
+            log.error("%s; stopping the workers", embedded.exited if embedded is not None else "Redis exited")
+            self.stop_all()
+            return 1
         if not self.stopping.is_set():
             log.error("worker %d (pid %d) exited with status %s; stopping the others", index, self.procs[index].pid,
                       code)
@@ -155,16 +162,18 @@ class _Supervisor:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(sig)
 
-    def _wait_first_exit(self) -> tuple[int, int]:
-        """Block until a worker exits, on pidfds where the kernel has them (no polling); its index and status."""
+    def _wait_first_exit(self, redis: subprocess.Popen[bytes] | None = None) -> tuple[int, int]:
+        """Block until a worker (or ``redis``: index -1) exits, on pidfds where the kernel has them (no polling);
+        its index and status."""
+        watched = list(enumerate(self.procs)) + ([(-1, redis)] if redis is not None else [])
         fds = {}
         if hasattr(os, "pidfd_open"):
-            for i, proc in enumerate(self.procs):
+            for i, proc in watched:
                 with contextlib.suppress(OSError):
                     fds[os.pidfd_open(proc.pid)] = i
         try:
             while True:
-                for i, proc in enumerate(self.procs):
+                for i, proc in watched:
                     if proc.poll() is not None:
                         return i, proc.returncode
                 if fds:

@@ -556,6 +556,8 @@ def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Pat
     (["serve", "--api-keys", " "], "API key"), (["generate", "--threads", "0", "--prompt", "x"], "threads"),
     (["generate", "--threads", "100000", "--prompt", "x"], "from 1 to 1024"),  # it was a segfault (SIGSEGV)
     (["serve", "--port", "0", "--redis-url", "redis://:s3cr/et@h:99999/0"], "could not be parsed"),
+    # the embedded Redis's data dir named, at once (a file there was "File exists", after the model loaded)
+    (["serve", "--port", "0", "--data-dir", "README.md"], "README.md cannot hold the embedded Redis: it is a file"),
     (["eval", "--threads", "0", "--checkpoint", "x", "--data", "x"], "threads")])
 def test_a_bad_setting_is_refused_before_torch_loads(argv, needle):
     import subprocess

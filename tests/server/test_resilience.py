@@ -385,5 +385,8 @@ def test_an_embedded_redis_that_dies_turns_health_to_503(checkpoint, tmp_path):
         health = wait_for(unhealthy, 30, "/health to leave 200")
         assert health.status_code == 503 and health.json()["error"]["code"] == "store_dead", health.text
         assert "embedded Redis server exited" in health.json()["error"]["message"]
+        assert "its log says" in health.json()["error"]["message"]  # why (a full disk was in its own log alone)
+        wait_for(lambda: "sessions are unavailable until the server is restarted" in srv.log.read_text(), 30,
+                 "the death logged as it happened")
     finally:
         srv.stop()

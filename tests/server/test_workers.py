@@ -119,6 +119,21 @@ def test_a_worker_that_dies_stops_the_server(checkpoint: Path, redis_url: str, t
         srv.stop()
 
 
+def test_the_embedded_redis_dying_stops_the_workers(checkpoint: Path, tmp_path: Path):
+    """The workers joined the Redis their supervisor started, so their /health could not tell it had died, and
+    nothing watched it: every session request was a 503 for good behind a healthy server (found by a helper)."""
+    srv = LiveServer(checkpoint, redis_url=None, data_dir=tmp_path / "data", args=WORKERS).start(timeout=120)
+    try:
+        workers = _workers_of(srv)
+        os.kill(int((tmp_path / "data" / "redis.pid").read_text()), signal.SIGKILL)
+        assert srv.proc.wait(60) == 1
+        assert wait_exit(workers, 30)
+        assert "embedded Redis server exited (status -9)" in srv.log.read_text()
+        assert "stopping the workers" in srv.log.read_text()
+    finally:
+        srv.stop()
+
+
 def test_workers_drain_and_exit_when_their_supervisor_is_killed(checkpoint: Path, redis_url: str, tmp_path: Path):
     srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=WORKERS).start(timeout=120)
     workers: set[int] = set()

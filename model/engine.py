@@ -139,8 +139,11 @@ class Engine:
         # Tokens are drawn on the CPU by a C kernel on every device, and building it takes seconds: build (or
         # load) it with the model, not inside the first request (a CUDA server's first request took 9 s).
         fused.available()
-        # what a stored state must match: the weights and the attention window it was built with
-        self.fingerprint = f"{ckpt.fingerprint}:m{self.mem_len}:c{self.clamp_len}"
+        # what a stored state must match: the weights, the attention window and the precision it was computed in
+        # (a bf16 server's memory continued by an fp32 one moved its scores by 1e-2: it is rebuilt instead); fp32
+        # is unnamed, as before precisions were, so that the sessions stored then are imported as they were
+        computed = "" if weight.dtype == torch.float32 else f":{str(weight.dtype).removeprefix('torch.')}"
+        self.fingerprint = f"{ckpt.fingerprint}:m{self.mem_len}:c{self.clamp_len}{computed}"
         self.tokenizer_id = tokenizer_id(self.tokenizer)
         # Every layer's query sees itself and exactly mem_len tokens before it, so the state after token t
         # (mems at every layer, the next-token scores) depends on tokens t - n_layer * mem_len .. t alone.

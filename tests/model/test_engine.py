@@ -277,6 +277,24 @@ def test_state_from_another_model_is_refused(tmp_path):
     assert longer.fingerprint != engine.fingerprint
 
 
+def test_a_state_computed_in_another_precision_is_not_imported_as_this_ones(tmp_path):
+    """A bf16 server's stored memory was continued as it was by an fp32 server: its scores moved by 1e-2 and greedy
+    text changed with the server a session happened to reach (found by a helper). The precision is part of what a
+    state must match, so such a session is rebuilt from its window; fp32's fingerprint is what it always was."""
+    from server.session_state import importable
+
+    engine = make_engine(tmp_path)
+    half = Engine.from_checkpoint(tmp_path / "ck", dtype=torch.bfloat16)
+    assert engine.fingerprint == f"{engine.ckpt.fingerprint}:m{engine.mem_len}:c{engine.clamp_len}"
+    assert half.fingerprint == engine.fingerprint + ":bfloat16"
+    st = half.new_state()
+    half.feed(st, [1, 2, 3])
+    tensors = half.export_state(st)
+    assert importable(half, tensors, half.fingerprint) and not importable(engine, tensors, half.fingerprint)
+    with pytest.raises(StateIncompatible, match="another model"):
+        engine.import_state(tensors, tokens_seen=3, fingerprint=half.fingerprint)
+
+
 def test_exported_state_owns_its_memory(tmp_path):
     """Exported tensors must not keep the step's whole logits alive (what Redis stores is counted by them)."""
     engine = make_engine(tmp_path)

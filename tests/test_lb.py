@@ -87,3 +87,13 @@ def test_the_playground_opens_its_websocket_through_the_proxy(balanced):
         while (msg := json.loads(conn.recv(timeout=30)))["type"] == "completion.delta":
             pass
     assert msg["type"] == "completion.done", msg
+
+
+def test_a_body_over_the_proxys_limit_is_refused_in_openais_shape(balanced):
+    """Between the server's 10,000,000 bytes and nginx's 10 MiB the server answered in JSON, above them nginx
+    in HTML (found by a helper)."""
+    url, _ = balanced
+    for size in (10_000_100, 10_600_000):
+        r = httpx.post(url + "/v1/completions", content=b"x" * size, timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", (size, r.text[:200])

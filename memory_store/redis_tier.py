@@ -359,6 +359,18 @@ class RedisTier:
         with self._translate():
             await self._client.ping()
 
+    async def evicts(self) -> str | None:
+        """The eviction policy of a Redis that may drop keys when full (a maxmemory and a policy other than
+        noeviction), else None; None too where CONFIG is not allowed (a managed Redis, an ACL user)."""
+        try:
+            conf = await self._client.config_get("maxmemory*")
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError):
+            return None
+        if not isinstance(conf, dict):
+            return None
+        policy, limit = conf.get("maxmemory-policy"), conf.get("maxmemory")
+        return str(policy) if policy not in (None, "noeviction") and str(limit or "0") != "0" else None
+
     async def read(self, session_id: str, owner: str | None, *, payload: bool,
                    touch: bool = True) -> tuple[bytes | None, bytes | None, bytes | None]:
         """(header, payload, ring) of a session (only the header unless ``payload``), refreshing its TTL and its

@@ -145,6 +145,9 @@ class MemoryStore:
         except BaseException:
             await self.aclose()
             raise
+        if (policy := await self._tier.evicts()) is not None:  # a full Redis then deletes sessions, silently
+            log.warning("Redis at %s evicts keys when full (maxmemory-policy %s): sessions will disappear (404) "
+                        "instead of commits failing (503); set maxmemory-policy noeviction", redact_url(url), policy)
 
     @staticmethod
     async def check_reachable(url: str | None, op_timeout_s: float = 2.0) -> None:

@@ -80,6 +80,23 @@ async def test_a_lease_released_while_redis_was_away_is_released_once_it_is_back
                 await asyncio.sleep(0.1)
 
 
+async def test_a_redis_that_evicts_sessions_is_warned_of_at_start(
+    redis_server: Callable[..., RedisProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a maxmemory and an LRU policy, a full Redis deleted sessions silently (404s) where noeviction fails
+    commits with a 503 (found by a helper): the store says so as it starts, not at the first lost session."""
+    server = redis_server()
+    async with MemoryStore.from_url(server.url, identity=IDENTITY):
+        pass
+    assert "evicts keys" not in caplog.text  # the default: no limit
+    with redis.Redis.from_url(server.url) as admin:
+        admin.config_set("maxmemory", "64mb")
+        admin.config_set("maxmemory-policy", "allkeys-lru")
+    async with MemoryStore.from_url(server.url, identity=IDENTITY):
+        pass
+    assert "evicts keys when full (maxmemory-policy allkeys-lru)" in caplog.text
+
+
 async def test_hung_redis_times_out(redis_server: Callable[..., RedisProcess]) -> None:
     server = redis_server()
     async with MemoryStore.from_url(server.url, identity=IDENTITY, op_timeout_s=OP_TIMEOUT_S) as store:

@@ -67,6 +67,7 @@ class ModelIdentity:
     n_layer: int
     d_model: int
     tokenizer: str = ""  # a session written under the same tokenizer can be rebuilt from its window
+    window_len: int = 0  # the tokens its rebuild reads (n_layer * mem_len + 1): what its writes keep at least
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,9 @@ class Header:
     tokenizer: str = ""
     window_tokens: int = 0  # how many of its last tokens the record holds (0: none, a session from before windows)
     mem_rows: int = 0  # rows of mems in the ring (format 3)
+    # the longest window of the models that wrote it: a model that reads less cuts the window to no fewer tokens,
+    # so that the one that wrote it can still rebuild it (0: written before this field; its window's length)
+    window_span: int = 0
 
     @property
     def revision(self) -> tuple[int, float]:
@@ -113,7 +117,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "payload_bytes": (int,),
 }
 _OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {"form": (str,), "tokenizer": (str,), "window_tokens": (int,),
-                                                 "mem_rows": (int,)}
+                                                 "mem_rows": (int,), "window_span": (int,)}
 
 
 def is_hot_only(name: str) -> bool:

@@ -35,6 +35,7 @@ class SessionInfo:
     fingerprint: str = ""  # of the model (and window) that wrote this session: what a restore must match
     tokenizer: str = ""  # what its token window means
     window_tokens: int = 0  # how many of its last tokens it keeps (0: written before windows)
+    window_span: int = 0  # the longest window of the models that wrote it (what its window is cut to, at least)
 
     @property
     def revision(self) -> tuple[int, float]:
@@ -61,6 +62,7 @@ class SessionInfo:
             fingerprint=header.fingerprint,
             tokenizer=header.tokenizer,
             window_tokens=header.window_tokens,
+            window_span=header.window_span,
         )
 
 

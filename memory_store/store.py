@@ -500,6 +500,7 @@ class MemoryStore:
                 version=prev.version + 1,
                 created_at=prev.created_at,
                 ring=not appended,
+                window_span=prev.window_span,
             )
             ringed = appended and codec.MEMS in tensors and header.format_version >= codec.RING_FORMAT
             patch = codec.ring_patch(tensors[codec.MEMS], before=prev.tokens_seen, tokens_seen=tokens_seen,
@@ -645,6 +646,7 @@ class MemoryStore:
         version: int = 1,
         created_at: float | None = None,
         ring: bool = True,
+        window_span: int = 0,
     ) -> tuple[Header, bytes, bytes | None]:
         """Validate and serialise a state (in a thread unless small: it is CPU-bound) and describe it in a
         header: (header, payload, the whole ring unless ``ring`` is False or the state has no mems)."""
@@ -686,6 +688,7 @@ class MemoryStore:
             form=form,
             tokenizer=self.identity.tokenizer,
             window_tokens=0 if window is None else window.numel(),
+            window_span=max(self.identity.window_len, window_span, 0 if window is None else window.numel()),
             mem_rows=0 if mems is None or legacy else mems.size(1),
         )
         return header, payload, whole

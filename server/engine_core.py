@@ -122,6 +122,7 @@ class _Spec:
     persist: bool  # export what the server commits, and keep the state for its ``keep``
     scored: bool = True  # without params: score the text (an append), or only read it (max_tokens 0)
     window: list[int] | None = None
+    window_span: int = 0  # the stored session's (its header's): what its window is cut to, at least
     tokens_before: int = 0
     source: str | None = None  # "hot" | "redis" | "rebuild" | None (a new state)
     rebuild_seen: int | None = None  # while its window is read: the tokens_seen to renumber it to
@@ -260,6 +261,7 @@ class _Core:
     def _on_run(self, head: dict[str, Any], blob: bytes) -> None:
         key = (head["key"][0], tuple(head["key"][1])) if head["key"] else None  # JSON made the revision a list
         spec = _Spec(head["rid"], key, [], None, head["prompt_logprobs"], head["persist"], head.get("scored", True))
+        spec.window_span = head.get("window_span", 0)
         self.specs[spec.rid] = spec  # first: whatever fails below is answered (_fail)
         spec.ids = ids_from(blob)
         spec.params = None if head["params"] is None else SamplingParams(**head["params"])
@@ -406,7 +408,8 @@ class _Core:
 
     def _export(self, spec: _Spec, done: Any, head: dict[str, Any]) -> None:
         """What the server commits, sent with the request's end; the state waits for its keep or drop."""
-        window = extend_window(spec.window, spec.ids + done.generated, spec.tokens_before, self.engine.window_len)
+        window = extend_window(spec.window, spec.ids + done.generated, spec.tokens_before, self.engine.window_len,
+                               spec.window_span)
         blob = safetensors_bytes(persisted(self.engine, done.state, window, self.storage_dtype))
         self.kept[spec.rid] = (done.state, window)
         self.specs.pop(spec.rid, None)  # only now: an export that fails is still answered (_fail)
@@ -709,7 +712,7 @@ class EngineCore:
 
     def submit(self, ids: list[int], params: SamplingParams | None, *, key: tuple[str, Revision] | None = None,
                history: tuple[list[int], int] | None = None, persist: bool, prompt_logprobs: int | None = None,
-               scored: bool = True, stream: asyncio.Queue | None = None) -> CoreRequest:
+               scored: bool = True, stream: asyncio.Queue | None = None, window_span: int = 0) -> CoreRequest:
         """Start a request in the engine: on session ``key`` (id, revision) or a new state (``history``: a
         window to rebuild from, and its tokens_seen); ``persist``: it ends with what to commit."""
         rid = next(self._ids)
@@ -720,7 +723,8 @@ class EngineCore:
         try:
             self.send({"op": "run", "rid": rid, "key": list(key) if key else None,
                        "params": None if params is None else asdict(params), "prompt_logprobs": prompt_logprobs,
-                       "history": list(history) if history else None, "persist": persist, "scored": scored},
+                       "history": list(history) if history else None, "persist": persist, "scored": scored,
+                       "window_span": window_span},
                       lambda: ids_blob(ids))
         except BaseException:
             self.requests.pop(rid, None)

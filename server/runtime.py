@@ -168,7 +168,8 @@ async def open_runtime(settings: Settings) -> Runtime:
 
 async def _open_store(settings: Settings, engine: Engine | EngineCore, device: torch.device) -> MemoryStore:
     identity = ModelIdentity(fingerprint=engine.fingerprint, n_layer=engine.config.n_layer,
-                             d_model=engine.config.d_model, tokenizer=engine.tokenizer_id)
+                             d_model=engine.config.d_model, tokenizer=engine.tokenizer_id,
+                             window_len=engine.window_len)
     store = MemoryStore.from_url(settings.redis_url, identity=identity, device=device,
                                  hot_cache_mb=0, ttl_s=settings.session_ttl_s,  # hot sessions: HotStates
                                  data_dir=settings.data_dir, lease_ttl_ms=settings.lease_ttl_ms,

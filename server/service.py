@@ -114,7 +114,7 @@ class Run:
                 rt.metrics.restores.labels(source).inc()
                 rt.metrics.restore_time.labels(source).observe(time.monotonic() - t0)
                 done, last = await self._schedule(self._engine_run(state))
-                window = extend_window(window, self.ids + done.generated, cached, size)
+                window = extend_window(window, self.ids + done.generated, cached, size, info.window_span)
                 if done.tokens_seen != cached or source == "rebuild":  # a rebuilt session is stored warm again
                     # a restored state only grew: the store writes only the new tokens' rows of its memory
                     info = await rt.store.commit(lease, await self._persisted(done, window),
@@ -151,7 +151,8 @@ class Run:
                 info = lease.session.info
                 cached = info.tokens_seen
                 req = core.submit(self.ids, self.params, key=(self.session_id, info.revision), persist=True,
-                                  prompt_logprobs=self.prompt_logprobs, scored=self.scored, stream=self.events)
+                                  prompt_logprobs=self.prompt_logprobs, scored=self.scored, stream=self.events,
+                                  window_span=info.window_span)
                 done, last = await self._schedule(self._core_run(req, lease))
                 if done.tokens_seen != cached or done.source == "rebuild":
                     info = await rt.store.commit(lease, done.tensors, tokens_seen=done.tokens_seen,

@@ -15,16 +15,18 @@ from model.engine import Engine
 log = logging.getLogger("txlserve.sessions")
 
 
-def extend_window(window: list[int] | None, fed: list[int], tokens_before: int, size: int) -> list[int] | None:
-    """A session's last ``size`` tokens (this model's window) after ``fed`` joined it, or as many as its stored
-    ``window`` held where that is more: a model that reads less context must not cut the window that a model
-    reading more rebuilds it from (a rollback, or old and new replicas side by side, left such sessions a 422 for
-    the old model after one request on the new). The window stays bounded by the largest window of the models
-    that wrote it (an import keeps only this model's). None while unknown (a session stored before windows existed
-    gets one once ``size`` new tokens have passed)."""
+def extend_window(window: list[int] | None, fed: list[int], tokens_before: int, size: int,
+                  span: int = 0) -> list[int] | None:
+    """A session's last ``size`` tokens (this model's window) after ``fed`` joined it, or as many as ``span`` (the
+    longest window of the models that wrote it, its header's) or its stored ``window`` held, where that is more:
+    a model that reads less context must not cut the window that a model reading more rebuilds it from (a
+    rollback, or old and new replicas side by side, left such sessions a 422 for the old model after one request
+    on the new; and a young session's window, its whole text, was cut to the reader's). The window stays bounded
+    by the largest window of the models that wrote it (an import keeps only this model's). None while unknown (a
+    session stored before windows existed gets one once ``size`` new tokens have passed)."""
     if window is None and tokens_before > 0:
         return fed[-size:] if len(fed) >= size else None
-    return ((window or []) + fed)[-max(size, len(window or [])):]
+    return ((window or []) + fed)[-max(size, span, len(window or [])):]
 
 
 def persisted(engine: Engine, state: DecodeState, window: list[int] | None, dtype: torch.dtype

@@ -115,6 +115,14 @@ def test_a_session_of_another_checkpoint_with_the_same_tokenizer_is_rebuilt(serv
     whole = TEXT * 2 + truth + follow["choices"][0]["text"]
     assert back["session"]["rebuilt"] is True and back["session"]["tokens_seen"] == len(whole) + 24
     assert back["choices"][0]["text"] == _continue(old, prompt=whole)["choices"][0]["text"]
+    # a young session (its window its whole text, shorter than the old model's 49 tokens): the new model kept
+    # its whole text too, not its own 17 tokens of it, which the old model had rebuilt from, inexactly
+    young = _post(old, "/v1/sessions", {"text": "Once upon"}, 201)["id"]
+    grown = _continue(new, young)  # 9 + 24 tokens: over the new model's window, within the old one's
+    info = httpx.get(f"{new.url}/v1/sessions/{young}", timeout=10).json()
+    assert info["tokens_seen"] == 33 and info["window_tokens"] == 33, info
+    text = "Once upon" + grown["choices"][0]["text"]
+    assert _continue(old, young)["choices"][0]["text"] == _continue(old, prompt=text)["choices"][0]["text"]
 
 
 def test_an_exported_session_continues_identically_on_a_server_with_its_own_store(servers):

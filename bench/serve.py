@@ -102,7 +102,7 @@ class _Server:
         tail = self.log.read().decode(errors="replace").strip().splitlines()[-20:]
         self.stop()
         state = f"exited with {code}" if code is not None else "was not ready within 120 s"
-        raise RuntimeError(f"the server {state}: {' '.join(cmd)}\n" + "\n".join(tail))
+        raise ConfigError(f"the server {state} ({' '.join(cmd[2:])}); its log ends: " + " | ".join(tail[-5:]))
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -116,8 +116,9 @@ class _Connection:
     server shares with it (`client_cpu_s` reports what this one takes), and a starved client delays the very
     events it times. Plain ``http://`` only; every read has a deadline."""
 
-    def __init__(self, url: str, model: str, timeout: float = 120) -> None:
+    def __init__(self, url: str, model: str, timeout: float = 120, api_key: str | None = None) -> None:
         parts = urllib.parse.urlsplit(url)
+        self.auth = b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b""
         if parts.scheme != "http":
             raise ValueError(f"bench serve streams over plain http://, not {url!r}")
         self.host, self.port, self.model, self.timeout = parts.hostname, parts.port or 80, model, timeout
@@ -146,8 +147,9 @@ class _Connection:
                 self.reader, self.writer = await asyncio.wait_for(
                     asyncio.open_connection(self.host, self.port), self.timeout)
                 fresh = True
-            self.writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json"
-                              b"\r\nContent-Length: %d\r\n\r\n%s" % (self.host.encode(), self.port, len(raw), raw))
+            self.writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\n%sContent-Type: application/json"
+                              b"\r\nContent-Length: %d\r\n\r\n%s" % (self.host.encode(), self.port, self.auth,
+                                                                      len(raw), raw))
             try:
                 head = (await self._read(self.reader.readuntil(b"\r\n\r\n"))).decode("latin-1").split("\r\n")
             except (asyncio.IncompleteReadError, ConnectionError) as err:
@@ -218,12 +220,32 @@ async def _stream(conn: _Connection, body: dict[str, Any]) -> tuple[float, list[
     return ttft or 0.0, gaps, n, arrivals
 
 
-def served_model(url: str) -> str:
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _refused(what: str, r: httpx.Response) -> ConfigError:
+    """A setup request the server refused, in one line: its status and message (a 401 without --api-key)."""
+    try:
+        message = r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = r.text[:200]
+    hint = " (give --api-key, or set TXLSERVE_API_KEY)" if r.status_code == 401 else ""
+    return ConfigError(f"{what} answered {r.status_code}: {message}{hint}")
+
+
+def served_model(url: str, api_key: str | None = None) -> str:
     """The model a running server serves (its first in /v1/models)."""
     try:
-        return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as err:
+        r = httpx.get(url + "/v1/models", timeout=30, headers=_auth(api_key))
+    except httpx.HTTPError as err:
         raise ConfigError(f"no txlserve server answered /v1/models at {url}: {err or type(err).__name__}") from None
+    if r.status_code != 200:
+        raise _refused(f"{url}/v1/models", r)
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError) as err:
+        raise ConfigError(f"{url}/v1/models is not a txlserve server's answer: {err or type(err).__name__}") from None
 
 
 class EngineAlone:
@@ -407,20 +429,27 @@ class _Window:
     cpu: float = 0.0
 
 
-async def _sessions(url: str, concurrency: int) -> list[str]:
-    async with httpx.AsyncClient(base_url=url, timeout=120) as setup:
-        return [(await setup.post("/v1/sessions", json={"text": f"Client {i} writes: "})).json()["id"]
-                for i in range(concurrency)]
+async def _session(setup: httpx.AsyncClient, text: str) -> str:
+    r = await setup.post("/v1/sessions", json={"text": text})
+    if r.status_code != 201:
+        raise _refused("creating a session, the server", r)
+    return r.json()["id"]
 
 
-async def _load(url: str, model: str, sessions: list[str], duration: float, lengths: Lengths) -> _Window:
+async def _sessions(url: str, concurrency: int, api_key: str | None = None) -> list[str]:
+    async with httpx.AsyncClient(base_url=url, timeout=120, headers=_auth(api_key)) as setup:
+        return [await _session(setup, f"Client {i} writes: ") for i in range(concurrency)]
+
+
+async def _load(url: str, model: str, sessions: list[str], duration: float, lengths: Lengths,
+                api_key: str | None = None) -> _Window:
     """Steady state: every stream first completes one unmeasured request (sessions, connections and the
     server's batch warm up), then all start together, and for ``duration`` seconds the tokens that arrive
     are counted. A request still running at the end is finished but counts only its tokens that arrived in
     the window, so the figure is the rate while all ``len(sessions)`` streams run, as the engine's is."""
     out = _Window(duration)
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(_Connection(url, model)) for _ in sessions]
+        clients = [await stack.enter_async_context(_Connection(url, model, api_key=api_key)) for _ in sessions]
         body = {"prompt": PROMPT, "max_tokens": lengths.mean, "temperature": 0.8}
         warm, go = asyncio.Semaphore(0), asyncio.Event()
         window: list[float] = []
@@ -483,12 +512,12 @@ def _rate_since(timer: EngineAlone | EngineLoop | EngineWakeup, generated: int, 
 
 
 def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, duration: float, lengths: Lengths,
-                    rounds: int, stream_interval: int = 1) -> dict[str, Any]:
+                    rounds: int, stream_interval: int = 1, api_key: str | None = None) -> dict[str, Any]:
     """The load, the engine alone and the engine loop alone in ``rounds`` alternations (engine, engine loop,
     load, engine loop, engine; the next round...), each round's load compared with the slices on either side of
     it: on a machine whose speed wanders (a shared host's neighbours), a ratio of two figures taken seconds apart
     is steadier than of two taken a minute apart, and the rounds' spread shows how steady it was."""
-    sessions = asyncio.run(_sessions(url, concurrency))
+    sessions = asyncio.run(_sessions(url, concurrency, api_key))
     engine_loop = EngineLoop(alone, PROMPT, lengths, stream_interval)
     wakeup = EngineWakeup(alone)
     try:
@@ -498,7 +527,7 @@ def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, 
             alone.run(duration / rounds / 4)
             wakeup.run(duration / rounds / 8)
             engine_loop.run(duration / rounds / 4)
-            windows.append(asyncio.run(_load(url, model, sessions, duration / rounds, lengths)))
+            windows.append(asyncio.run(_load(url, model, sessions, duration / rounds, lengths, api_key)))
             engine_loop.run(duration / rounds / 4)
             wakeup.run(duration / rounds / 8)
             alone.run(duration / rounds / 4)
@@ -523,10 +552,11 @@ def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, 
     return load
 
 
-async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as setup:
-        sid = (await setup.post("/v1/sessions", json={"text": doc})).json()["id"]
-    async with _Connection(url, model, timeout=600) as c:
+async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int,
+                              api_key: str | None = None) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers=_auth(api_key)) as setup:
+        sid = await _session(setup, doc)  # a document over the server's limits: its 413, in one line
+    async with _Connection(url, model, timeout=600, api_key=api_key) as c:
         cont, resend = [], []
         for _ in range(repeats):
             cont.append((await _stream(c, {"prompt": "\n", "max_tokens": 1, "session_id": sid}))[0])
@@ -540,7 +570,7 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
         doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
         rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0, stream_interval: int = 1,
         cpu_latency_qos_us: int | None = None, enforce_eager: bool = False, workers: int = 1,
-        engine_process: bool = True) -> dict[str, Any]:
+        engine_process: bool = True, api_key: str | None = None) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
     from server.cpu_latency import guest_halt_poll_ns
@@ -558,13 +588,14 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                                                                  "--stream-interval", str(stream_interval), *qos],
                                           workers)
         target = url or server.url
-        model = served_model(target)
+        model = served_model(target, api_key)
         try:
             for n in concurrency:
                 alone = EngineAlone(checkpoint, n, max_tokens, device, enforce_eager)
-                loads.append(_against_engine(target, model, alone, n, duration, lengths, rounds, stream_interval))
+                loads.append(_against_engine(target, model, alone, n, duration, lengths, rounds, stream_interval,
+                                             api_key))
             result: dict[str, Any] = {"loads": loads}
-            result.update(asyncio.run(_continue_vs_resend(target, model, doc, repeats)))
+            result.update(asyncio.run(_continue_vs_resend(target, model, doc, repeats, api_key)))
         finally:
             if server is not None:
                 server.stop()
@@ -601,6 +632,7 @@ def _counts(text: str) -> tuple[int, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, help="default: the bundled checkpoint (the engine alone runs it too)")
     p.add_argument("--url", default=None, help="an already running server (default: start one)")
+    p.add_argument("--api-key", default=None, help="Bearer key for --url's server (default: $TXLSERVE_API_KEY)")
     p.add_argument("--concurrency", type=_counts, default=(1, 16, 64), help="streams, e.g. 1,16,64")
     p.add_argument("--duration", type=real(0, above=True), default=10, help="seconds of load per concurrency")
     p.add_argument("--rounds", type=count(1), default=3,
@@ -645,5 +677,6 @@ def main(ns: argparse.Namespace) -> int:
                          max_tokens=ns.max_tokens, doc_kb=ns.doc_kb, url=ns.url, device=ns.device,
                          rounds=ns.rounds, random_range_ratio=ns.random_range_ratio, seed=ns.seed,
                          stream_interval=ns.stream_interval, cpu_latency_qos_us=ns.cpu_latency_qos_us,
-                         enforce_eager=ns.enforce_eager, workers=ns.workers, engine_process=ns.engine_process)))
+                         enforce_eager=ns.enforce_eager, workers=ns.workers, engine_process=ns.engine_process,
+                         api_key=ns.api_key or os.environ.get("TXLSERVE_API_KEY") or None)))
     return 0

@@ -22,6 +22,7 @@ import httpx
 
 from bench.serve import _free_port
 from txlserve.args import count
+from txlserve.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,7 @@ def torch_import_s() -> float:
 
 
 def ready_s(checkpoint: str, extra: list[str], timeout_s: float = 300) -> float:
-    """One server, embedded Redis in a fresh directory: launch, poll /ready every 20 ms, stop it (Ctrl-C)."""
+    """One server, embedded Redis in a fresh directory: launch, poll /ready every 20 ms, stop it (SIGTERM)."""
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="txl-bench-startup-") as data_dir, \
             tempfile.TemporaryFile() as log:
@@ -45,8 +46,8 @@ def ready_s(checkpoint: str, extra: list[str], timeout_s: float = 300) -> float:
             while True:
                 if proc.poll() is not None or time.monotonic() - started > timeout_s:
                     log.seek(0)
-                    raise RuntimeError("the server did not become ready: "
-                                       + log.read().decode(errors="replace")[-2000:])
+                    tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
+                    raise ConfigError("the server did not become ready; its log ends: " + " | ".join(tail))
                 try:
                     if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1, trust_env=False).status_code == 200:
                         return time.monotonic() - started
@@ -55,7 +56,7 @@ def ready_s(checkpoint: str, extra: list[str], timeout_s: float = 300) -> float:
                 time.sleep(0.02)  # poll, bounded by timeout_s
         finally:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
+                proc.send_signal(signal.SIGTERM)  # not SIGINT: a script's background job ignores it, as its child
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:

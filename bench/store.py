@@ -6,7 +6,7 @@ tokens in bf16 (~20 MB); the small one is the same model's 32 tokens. With no
 URL the embedded Redis is used, whose ``appendfsync always`` puts an fsync in
 every write, as in a default deployment.
 
-    python -m bench.store [--iters N] [--state-mb-large MB] [--url redis://...]
+    python -m bench.store [--iters N] [--state-mb-large MiB] [--url redis://...]
 """
 
 from __future__ import annotations
@@ -221,9 +221,10 @@ def restore_vs_recompute(checkpoint: str, *, doc_bytes: int = 100_000, iters: in
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=count(1), default=50, help="round trips timed a state size")
     parser.add_argument("--state-mb-large", type=real(0, above=True), default=LARGE_MB,
-                        help=f"the large session state, MB (default: {LARGE_MB:.1f})")
+                        help=f"the large session state, in MiB (2^20 bytes; the results' \"mb\" is 10^6 bytes) "
+                             f"(default: {LARGE_MB:.1f})")
     parser.add_argument("--state-mb-small", type=real(0, above=True), default=SMALL_MB,
-                        help=f"the small session state, MB (default: {SMALL_MB:.2f})")
+                        help=f"the small session state, in MiB (default: {SMALL_MB:.2f})")
     parser.add_argument("--url", default=None, help="a redis:// URL (default: the embedded Redis)")
     parser.add_argument("--checkpoint", default=None, help="model for restore vs recompute (default: bundled)")
     parser.add_argument("--doc-kb", type=real(0, above=True), default=100,

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -104,6 +105,19 @@ def check_out_dir(out_dir: str | Path, *, allow_checkpoint: bool = False, ignore
         raise ConfigError(f"--out {out} already holds a checkpoint: choose a new or empty directory")
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (os.umask sets it to read it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_checkpoint(model: MemTransformerLM, out_dir: str | Path, *, training: dict[str, Any] | None = None,
                     tokenizer: Tokenizer | None = None, dtype: torch.dtype | None = None) -> str:
     """Write weights (optionally cast to ``dtype``, e.g. bf16 to ship small) and config; return the fingerprint."""
@@ -123,7 +137,8 @@ def save_checkpoint(model: MemTransformerLM, out_dir: str | Path, *, training: d
     with signals_deferred():  # the weights and the config that names them: both, or neither
         tmp = out / (WEIGHTS + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": "txlserve", "fingerprint": fingerprint})
-        os.replace(tmp, out / WEIGHTS)
+        os.chmod(tmp, 0o666 & ~_umask())  # as the config beside it: safetensors writes 0600, which another user
+        os.replace(tmp, out / WEIGHTS)  # (the image's server, uid 10001) could not read
         atomic_write(out / CONFIG, json.dumps(meta, indent=2, sort_keys=True))
     return fingerprint
 
@@ -181,6 +196,9 @@ def load_checkpoint(ckpt_dir: str | Path, *, device: str | torch.device = "cpu",
     weights_path = Path(ckpt_dir) / WEIGHTS
     if not weights_path.is_file():
         raise CheckpointError(f"checkpoint {ckpt_dir} has no {WEIGHTS}{pickles_beside(Path(ckpt_dir), WEIGHTS)}")
+    if not os.access(weights_path, os.R_OK):  # safetensors says "No such file or directory" of it
+        raise CheckpointError(f"{weights_path} cannot be read by this user (permission denied: its mode is "
+                              f"{stat.filemode(weights_path.stat().st_mode)})")
     try:
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:

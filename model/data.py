@@ -299,7 +299,8 @@ class OrderedIterator:
         self.device = torch.device(device)
         self.stream_len = int(data.shape[0]) // n_streams
         if self.stream_len < 2:
-            raise DataError(f"{data.shape[0]} tokens cannot fill {n_streams} streams; lower the batch size")
+            fix = "lower the batch size" if n_streams > 1 else "the text is too short for it"
+            raise DataError(f"{data.shape[0]} tokens cannot fill {n_streams} stream(s) of at least 2 tokens; {fix}")
         grid = data[: n_streams * self.stream_len].reshape(n_streams, -1)  # [n_streams, stream_len]
         self._streams = grid[rank * batch_size : (rank + 1) * batch_size]  # [batch, stream_len] (a view)
         self.n_batches = math.ceil((self.stream_len - 1) / tgt_len)

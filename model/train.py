@@ -134,11 +134,21 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, steps: int) -> float:
 
 
 def pick_device(name: str) -> torch.device:
+    """The device named, checked here: torch's own refusal of a device it was not built for (mps, xpu) or an index
+    past the last is a traceback, from wherever the first tensor is put there."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for but no CUDA device is available")
-    return torch.device(name)
+    device = torch.device(name)
+    backend = {"cuda": torch.cuda, "xpu": getattr(torch, "xpu", None), "mps": getattr(torch.backends, "mps", None)}
+    if device.type in backend:
+        module = backend[device.type]
+        if module is None or not module.is_available():
+            raise ConfigError(f"--device {name} was asked for but no {device.type.upper()} device is available "
+                              "(this torch build or this machine has none; --device cpu runs anywhere)")
+        count = getattr(module, "device_count", lambda: 1)()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"--device {name}: this machine has {count} {device.type.upper()} device(s)")
+    return device
 
 
 def auto_dtype(device: torch.device) -> torch.dtype:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -266,8 +269,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     prompt = engine.encode(ns.prompt)  # before the prompt is echoed: a word it cannot read is one line alone
     scheduler = Scheduler(engine, max_batch=1, prefill_chunk=engine.prefill_chunk)
     scheduler.start()
-    sys.stdout.write(ns.prompt)
-    try:
+    try:  # the echo too: a write that fails (a full disk) left the engine's thread running, and an abort at exit
+        sys.stdout.write(ns.prompt)
         asyncio.run(stream())
     finally:
         scheduler.stop()
@@ -495,6 +498,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_chat(argparse.Namespace(args=argv[1:]))
     ns = build_parser(with_bench=argv[:1] == ["bench"]).parse_args(argv)
     ns.argv = argv
+    if argv[:1] == ["bench"] and threading.current_thread() is threading.main_thread():
+        # SIGTERM as Ctrl-C: the server a benchmark started (its engine, its Redis, its directory) is stopped by
+        # the benchmark's own clean-up, which a plain SIGTERM skipped, leaving them running
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return ns.func(ns)
     except TxlError as err:
@@ -503,8 +510,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:  # a file, socket or binary the command needed: still one line
         print(f"txlserve: error: {err}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as err:  # sizes that do not fit: torch's allocators raise RuntimeError
+        text = str(err)
+        if not isinstance(err, MemoryError) and not _OUT_OF_MEMORY.search(text):
+            raise
+        first = text.strip().splitlines()[0][:300] if text.strip() else type(err).__name__
+        print(f"txlserve: error: not enough memory for these settings (lower the sizes): {first}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
+
+
+_OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory|OutOfMemory", re.I)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ so a port in use is one line at once rather than after the model loads."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import sys
 
@@ -30,7 +31,9 @@ def bind(host: str, port: int, *, group: bool = False, listen: bool = True) -> s
         sock.bind((host, port))
     except OSError as err:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err} (choose another --port)") from None
+        port_taken = err.errno in (errno.EADDRINUSE, errno.EACCES)  # else the host: not a name or not this machine's
+        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror or err} "
+                          f"({'choose another --port' if port_taken else 'check --host'})") from None
     if listen:
         sock.listen(BACKLOG)
     sock.set_inheritable(True)

@@ -55,6 +55,19 @@ def test_save_load_round_trip_identical_logits(tmp_path):
     assert ckpt.model.crit.out_layers[0].weight.data_ptr() == ckpt.model.word_emb.emb_layers[0].weight.data_ptr()
 
 
+def test_a_checkpoints_weights_are_as_readable_as_its_config(tmp_path):
+    """safetensors writes 0600: a checkpoint trained by one user could not be read by another (the image's server
+    runs as uid 10001), and the load said the file did not exist (found by a helper)."""
+    save_checkpoint(MemTransformerLM(tiny_config()), tmp_path)
+    weights, config = tmp_path / "model.safetensors", tmp_path / "config.json"
+    assert weights.stat().st_mode & 0o777 == config.stat().st_mode & 0o777
+    weights.chmod(0)
+    if os.access(weights, os.R_OK):  # root reads anything
+        return
+    with pytest.raises(CheckpointError, match="permission denied"):
+        load_checkpoint(tmp_path)
+
+
 def test_bf16_checkpoint_keeps_fingerprint_of_stored_weights(tmp_path):
     model = MemTransformerLM(tiny_config())
     fp32 = save_checkpoint(model, tmp_path / "a")

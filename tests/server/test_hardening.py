@@ -7,12 +7,14 @@ import contextlib
 import json
 import re
 import socket
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
+import torch
 from websockets.sync.client import connect
 
 from tests.live import LONG, MODEL, LiveServer, wait_for
@@ -220,6 +222,28 @@ def keyed(checkpoint, redis_url, tmp_path_factory):
                      args=("--api-keys", *KEYS, "--body-timeout-s", "1.5")).start()
     yield srv
     srv.stop()
+
+
+def test_bench_serve_takes_an_api_key_and_says_what_a_refusal_was(keyed):
+    """Against a server with keys it had no --api-key, and said no server answered when one had, with a 401; a
+    document over the server's limits was a KeyError (found by a helper)."""
+    import asyncio
+
+    from bench.serve import _Connection, _sessions, _stream, served_model
+    from txlserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="answered 401.*--api-key"):
+        served_model(keyed.url)
+    assert served_model(keyed.url, KEYS[0]) == MODEL
+
+    async def stream() -> int:
+        sid = (await _sessions(keyed.url, 1, KEYS[0]))[0]
+        async with _Connection(keyed.url, MODEL, api_key=KEYS[0]) as conn:
+            return (await _stream(conn, {"prompt": "x", "max_tokens": 3, "session_id": sid}))[2]
+
+    assert asyncio.run(stream()) == 3  # the raw client's requests carry the key
+    with pytest.raises(ConfigError, match="creating a session, the server answered 401"):
+        asyncio.run(_sessions(keyed.url, 1, "wrong-key"))
 
 
 def test_no_key_in_any_log_line(keyed):
@@ -558,6 +582,7 @@ def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Pat
     (["serve", "--port", "0", "--redis-url", "redis://:s3cr/et@h:99999/0"], "could not be parsed"),
     # the embedded Redis's data dir named, at once (a file there was "File exists", after the model loaded)
     (["serve", "--port", "0", "--data-dir", "README.md"], "README.md cannot hold the embedded Redis: it is a file"),
+    (["serve", "--port", "0", "--host", "192.0.2.1"], "(check --host)"),  # not this machine's: not the port's fault
     (["eval", "--threads", "0", "--checkpoint", "x", "--data", "x"], "threads")])
 def test_a_bad_setting_is_refused_before_torch_loads(argv, needle):
     import subprocess
@@ -592,6 +617,54 @@ def test_a_bad_number_or_device_is_one_line_from_argparse(argv, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and len(err.strip().splitlines()) == 1 and "error: argument --" in err, err
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--device", "mps"],
+                                  ["eval", "--checkpoint", "x", "--data", "x", "--device", "xpu"],
+                                  ["generate", "--prompt", "x", "--device", "cuda:7"] if torch.cuda.is_available()
+                                  else ["generate", "--prompt", "x", "--device", "cuda"]])
+def test_a_device_this_torch_or_machine_lacks_is_one_line(argv, capsys):
+    """mps and xpu passed the flag's check and ended in torch's traceback (found by a helper)."""
+    from server.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("txlserve: error: --device ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_settings_too_large_for_memory_are_one_line(monkeypatch, capsys):
+    """torch's allocators raise RuntimeError (a --tgt-len or --batch far too large), which came out as a
+    traceback: a real allocation that cannot succeed, raised where a command's would be."""
+    import server.cli as cli
+
+    monkeypatch.setattr(cli, "_cmd_generate", lambda ns: torch.empty(1 << 50, dtype=torch.uint8))
+    assert cli.main(["generate", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "not enough memory for these settings" in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setattr(cli, "_cmd_generate", lambda ns: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # any other RuntimeError is still a bug, shown as one
+        cli.main(["generate", "--prompt", "x"])
+
+
+def test_generate_into_a_full_disk_is_one_line_and_stops_its_engine(checkpoint, monkeypatch, capsys):
+    """The prompt's echo was written before the engine's thread was in the try that stops it: a full disk ended in
+    an abort at exit (SIGABRT, "terminate called without an active exception")."""
+    import errno
+    import threading
+
+    from server.cli import main
+
+    class Full:
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", "x", "--max-tokens", "2"]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert not [t for t in threading.enumerate() if t.name == "txlserve-engine"]
 
 
 def test_log_levels_are_read_in_any_case():

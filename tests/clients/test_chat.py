@@ -75,7 +75,16 @@ def test_bad_sampling_flags_are_refused_before_a_session_is_made(server: LiveSer
     for flag, value in (("--temperature", "5"), ("--temperature", "nan"), ("--max-tokens", "0")):
         rc, out, err = run_chat(server, "hello\n", flag, value)
         assert rc == 2 and flag in err and out == "", (rc, out, err)
+        assert len(err.strip().splitlines()) == 1 and "(see txlserve-chat --help)" in err, err  # as txlserve's
     assert [s.id for s in client.sessions.list(limit=100).iter_all()] == before
+
+
+def test_a_flag_the_server_refuses_ends_the_chat_with_the_way_back(server: LiveServer) -> None:
+    """--max-tokens past the server's limit: every line was refused with the same 400, and the exit status was 0
+    (found by a helper)."""
+    rc, out, err = run_chat(server, "hello\nagain\n", "--max-tokens", "100000000")
+    assert rc == 2 and err.count("error: ") == 1 and "max_tokens" in err, (rc, err)
+    assert "resume with --session" in out and "another --max-tokens" in out, out
 
 
 def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(server: LiveServer, client: Client) -> None:
@@ -91,7 +100,7 @@ def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(server: LiveSer
 
 def test_unknown_session_is_an_error(server: LiveServer) -> None:
     rc, _, err = run_chat(server, "", "--session", "no-such-session")
-    assert rc == 1 and "404" in err and "not found" in err
+    assert rc == 2 and "404" in err and "not found" in err  # 2, as `txlserve session` exits
 
 
 def test_ctrl_c_cancels_the_generation_not_the_program(server: LiveServer, client: Client) -> None:
@@ -132,7 +141,7 @@ def test_a_server_gone_mid_chat_leaves_the_way_back(checkpoint, redis_url, tmp_p
             session_id = re.search(rf"session ({ID})".encode(), bytes(chat_proc.out)).group(1).decode()
             srv.stop()
             chat_proc.write(b"hello\n")
-            assert chat_proc.wait(timeout=120) == 1
+            assert chat_proc.wait(timeout=120) == 2
             assert f"session {session_id}: resume with --session {session_id}" in chat_proc.out.decode()
             assert b"could not talk to the txlserve server" in chat_proc.proc.stderr.read()
     finally:

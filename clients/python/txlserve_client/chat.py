@@ -14,7 +14,7 @@ import io
 import sys
 import time
 from collections.abc import Sequence
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from txlserve_client._client import Client
 from txlserve_client._exceptions import APIConnectionError, APIError, SessionBusyError
@@ -28,9 +28,15 @@ HELP = ("/info  the session   /fork  fork it and go on in the fork   /new  a fre
 BUSY_WAIT_S = 5.0  # after a cancel the server commits in the background; a 409 until then is worth waiting out
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line pointing at --help, as `txlserve`'s other commands print them."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(prog: str = "txlserve-chat") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--session", default=None, help="continue this session (default: create one)")
     p.add_argument("--url", default=None, help="server URL (default: $TXLSERVE_BASE_URL or http://127.0.0.1:8000)")
     p.add_argument("--api-key", default=None, help="default: $TXLSERVE_API_KEY")
@@ -52,6 +58,9 @@ def _bounded(kind: type, lo: float, hi: float | None):  # noqa: ANN202 (an argpa
                                              f"{text} is less than {lo:g}")
         return value
     return parse
+
+
+_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "model": "--model"}  # request field: flag
 
 
 class Chat:
@@ -88,6 +97,10 @@ class Chat:
                 raise
             except APIError as err:
                 print(f"error: {err}", file=self.err, flush=True)
+                if err.status == 400 and err.param in _FLAGS:  # every line would be refused the same way
+                    self.say(f"session {self.session.id}: resume with --session {self.session.id} and another "
+                             f"{_FLAGS[err.param]}")
+                    return 2
         self.say(f"session {self.session.id}: resume with --session {self.session.id}")
         return 0
 
@@ -148,9 +161,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "txlserve-chat") -> int:
             model = args.model or served[0]
             session = client.sessions.get(args.session) if args.session else client.sessions.create()
             return Chat(client, model, session, args).run()
-    except APIError as err:
-        print(f"{prog}: {err}", file=sys.stderr)
-        return 1
+    except APIError as err:  # the server refused or is gone: one line, status 2 as `txlserve session` exits
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -23,6 +23,15 @@ from memory_store.embedded import find_redis_server
 from tests.live import LiveServer, tiny_checkpoint
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A suite started as a script's background job (``pytest &``, or from a tool that runs commands so) inherits
+    SIGINT ignored, and so do the processes it starts: the tests of what Ctrl-C does then saw nothing happen. They
+    test the program's handling, not the shell's, so the suite takes Ctrl-C as a terminal gives it (Python's own
+    handler; a child started from here begins with the default, since only an ignored signal survives exec)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

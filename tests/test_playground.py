@@ -149,7 +149,9 @@ def test_the_playground_creates_streams_cancels_and_forks(server, browser, tmp_p
     _type(driver, "temperature", "0.8")
     _by_id(driver, "continue").click()
     _wait(driver, lambda d: len(_by_id(d, "generated").get_attribute("textContent")) >= 5, "some streamed text")
-    _by_id(driver, "cancel").click()
+    # the keyboard's focus moved to Cancel (Continue, disabled under it, dropped it to the page), and Escape cancels
+    assert driver.switch_to.active_element.get_attribute("id") == "cancel"
+    driver.switch_to.active_element.send_keys(Keys.ESCAPE)
     _wait(driver, lambda d: "finish_reason: cancelled" in _by_id(d, "finish").text, "the cancelled stream")
     got = httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()["tokens_seen"]
     assert len(DOC) + len("Or to take arms") + 40 < got < len(DOC) + len("Or to take arms") + 40 + LONG
@@ -162,6 +164,34 @@ def test_the_playground_creates_streams_cancels_and_forks(server, browser, tmp_p
     (forked,) = set(_sessions(driver)) - before
     _wait(driver, lambda d: _by_id(d, "current").text == forked, "the fork selected")
     assert _count(driver, "m-tokens") == got
+
+    # a blank control is its default (it was read as 0: greedy, or "max_tokens 0 generates nothing"); letters are
+    # refused by name; the error is in view however far the page is scrolled (it was below the panels)
+    for control in ("max-tokens", "temperature", "top-p", "top-k"):
+        _type(driver, control, "")
+    _type(driver, "prompt", "")
+    _by_id(driver, "continue").click()
+    _wait(driver, lambda d: "finish_reason" in _by_id(d, "finish").text, "a stream with the default settings")
+    assert "finish_reason: length, 200 tokens" in _by_id(driver, "finish").text
+    _by_id(driver, "max-tokens").send_keys("1e")  # what a number field takes of letters: not a number
+    driver.execute_script("window.scrollTo(0, document.body.scrollHeight)")
+    _by_id(driver, "continue").click()
+    _wait(driver, lambda d: "max tokens: not a number" in _by_id(d, "error").text, "the refused control")
+    assert driver.execute_script("const r = document.getElementById('error').getBoundingClientRect(); "
+                                 "return r.top >= 0 && r.bottom <= window.innerHeight")
+    _type(driver, "max-tokens", "16")
+
+    # a session deleted elsewhere (another tab, a replica) is no longer shown as selected with its old figures
+    _wait(driver, lambda d: _by_id(d, "current").text == forked, "the fork still selected")
+    assert httpx.delete(f"{server.url}/v1/sessions/{forked}", timeout=30).status_code == 200
+    long_title = httpx.post(f"{server.url}/v1/sessions", json={"metadata": {"title": "A" * 200}}, timeout=30)
+    _by_id(driver, "refresh").click()
+    _wait(driver, lambda d: _by_id(d, "current").text == "no session selected", "the deleted session deselected")
+    assert _by_id(driver, "m-tokens").text == "—"
+    # and a long unbroken title wraps in its card (it ran off it, and the list scrolled sideways)
+    card = f'#sessions li[data-id="{long_title.json()["id"]}"]'
+    assert driver.execute_script("const li = document.querySelector(arguments[0]); "
+                                 "return li.scrollWidth <= li.clientWidth", card)
 
     # no console errors at any point
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]

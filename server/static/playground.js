@@ -1,19 +1,33 @@
 // The txlserve playground: plain JavaScript over the public API (no build step, no CDN).
 "use strict";
 const $ = (id) => document.getElementById(id);
-const state = { model: null, selected: null, socket: null, running: false, scrolling: false };
+const state = { model: null, selected: null, socket: null, running: false, scrolling: false, offline: false };
 
 function key() { return $("api-key").value.trim(); }
 
 let errorFrom = null;  // what showed the error: the list's refresh (or connecting) clears only its own
 function showError(message, from = null) { $("error").textContent = message || ""; errorFrom = message ? from : null; }
 
+function notConnected() {  // the server did not answer: the header says so until a request gets through
+  state.model = null; state.offline = true;
+  $("model-line").textContent = "not connected: the server does not answer";
+}
+
 async function api(method, path, body) {
   const headers = { "content-type": "application/json" };
   if (key()) headers.authorization = "Bearer " + key();
   if (state.selected && path.startsWith("/v1/sessions/" + state.selected)) headers["x-session-id"] = state.selected;
   // relative to the page: behind a proxy that serves the server under a prefix (/txl/), requests keep it
-  const response = await fetch(path.replace(/^\//, ""), { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  let response;
+  try {
+    response = await fetch(path.replace(/^\//, ""), { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  } catch (e) {  // no answer at all: the browser's own words ("Failed to fetch") say nothing of why
+    notConnected();
+    throw Object.assign(new Error("the server did not answer (is it running? the page retries with your next action)"),
+                        { connection: true });
+  }
+  if (errorFrom === "connection") showError("");  // it answers again: the old "no answer" is stale
+  if (state.offline) { state.offline = false; if (path !== "/v1/models") connect(); }  // and the header says so
   const data = await response.json().catch(() => ({}));
   if (!response.ok) {
     const err = (data && data.error) || {};
@@ -49,9 +63,19 @@ function showMemory(s) {
   $("bar-mem").style.width = scale(Math.min(s.tokens_seen, s.mem_len)) + "%";
 }
 
+function failed(e, from = null) { showError(e.message, e.connection ? "connection" : from); }
+
 async function refreshSelected() {
   if (!state.selected) return showMemory(null);
-  try { showMemory(await api("GET", "/v1/sessions/" + state.selected)); } catch (e) { showError(e.message); }
+  const id = state.selected;
+  try { showMemory(await api("GET", "/v1/sessions/" + id)); }
+  catch (e) {
+    if (String(e.message).startsWith("404") && state.selected === id) {  // deleted elsewhere (another tab, a
+      state.selected = null;  // replica) or another key's: its figures must not stay on screen as if it were there
+      showMemory(null);
+    }
+    failed(e);
+  }
 }
 
 function select(id) {
@@ -97,9 +121,13 @@ async function refreshList() {
       }
       list.appendChild(li);
     }
+    if (state.selected && !all.some((s) => s.id === state.selected)) {  // gone (deleted elsewhere), or another
+      state.selected = null;  // key's: no longer shown as selected, with its last figures, beside 404s
+      showMemory(null);
+    }
     if (state.selected) select(state.selected);
     if (errorFrom === "list") showError("");  // a stream's or an action's error stays until the next action
-  } catch (e) { showError(e.message, "list"); } finally { busy(-1); }
+  } catch (e) { failed(e, "list"); } finally { busy(-1); }
 }
 
 async function create(event) {
@@ -112,13 +140,13 @@ async function create(event) {
     $("new-text").value = ""; $("new-title").value = "";
     state.selected = made.id;
     await refreshList();
-  } catch (e) { showError(e.message); }
+  } catch (e) { failed(e); }
 }
 
 async function fork(id) {
   showError("");
   try { const made = await api("POST", `/v1/sessions/${id}/fork`, {}); state.selected = made.id; await refreshList(); }
-  catch (e) { showError(e.message); }
+  catch (e) { failed(e); }
 }
 
 async function remove(id) {
@@ -127,7 +155,7 @@ async function remove(id) {
     await api("DELETE", "/v1/sessions/" + id);
     if (state.selected === id) state.selected = null;
     await refreshList(); refreshSelected();
-  } catch (e) { showError(e.message); }
+  } catch (e) { failed(e); }
 }
 
 async function append() {
@@ -138,6 +166,8 @@ async function append() {
   if (!text) return showError("nothing to append");
   showError("");
   const t0 = performance.now();
+  $("append").disabled = true;  // one at a time: a second click was the page's own 409, left beside the success
+  $("append-result").textContent = `appending ${text.length.toLocaleString()} characters…`;
   try {
     const r = await api("POST", `/v1/sessions/${state.selected}/append`, { text });
     const ms = performance.now() - t0;
@@ -145,7 +175,7 @@ async function append() {
     $("append-result").textContent = `${r.appended_tokens.toLocaleString()} tokens in ${ms.toFixed(0)} ms ${quality}`;
     $("doc-text").value = ""; $("doc-file").value = "";
     showMemory(r); refreshList();
-  } catch (e) { showError(e.message); }
+  } catch (e) { $("append-result").textContent = ""; failed(e); } finally { $("append").disabled = false; }
 }
 
 function wsUrl() {
@@ -157,13 +187,30 @@ function wsUrl() {
 }
 
 function setRunning(running) {
+  const focused = document.activeElement;  // a button disabled under the keyboard's focus dropped it to the page
   state.running = running;
   $("continue").disabled = running; $("cancel").disabled = !running;
+  if (focused === $("continue") || focused === $("cancel") || focused === document.body) {
+    $(running ? "cancel" : "continue").focus();
+  }
+}
+
+function sampling() {  // the controls' numbers: a blank one is its default; letters are refused, not read as 0
+  const out = {};
+  for (const [id, name] of [["max-tokens", "max_tokens"], ["temperature", "temperature"], ["top-p", "top_p"],
+                            ["top-k", "top_k"]]) {
+    const input = $(id);
+    if (input.validity.badInput) throw new Error(`${input.parentElement.firstChild.textContent.trim()}: not a number`);
+    out[name] = Number(input.value.trim() === "" ? input.defaultValue : input.value);
+  }
+  return out;
 }
 
 async function startContinue() {
   if (!state.selected) return showError("select or create a session first");
   if (!state.model && !(await connect())) return;  // not connected yet (no key when the page loaded)
+  let params;
+  try { params = sampling(); } catch (e) { return showError(e.message); }
   showError("");
   const out = $("output");
   out.replaceChildren();
@@ -175,9 +222,7 @@ async function startContinue() {
   state.socket = socket;
   setRunning(true);
   socket.onopen = () => socket.send(JSON.stringify({
-    type: "completion.create", model: state.model, prompt, session_id: state.selected,
-    max_tokens: Number($("max-tokens").value), temperature: Number($("temperature").value),
-    top_p: Number($("top-p").value), top_k: Number($("top-k").value) }));
+    type: "completion.create", model: state.model, prompt, session_id: state.selected, ...params }));
   // a socket's handlers act only while it is the current one: the previous stream's socket may report its
   // close after this one started, and must not mark this one stopped (its cancel button disabled)
   const current = () => state.socket === socket;
@@ -194,15 +239,26 @@ async function startContinue() {
     }
     if (msg.type === "completion.done") {
       $("finish").textContent = `finish_reason: ${msg.finish_reason}, ${msg.usage.completion_tokens} tokens`;
+    } else if (msg.type === "error" && msg.error.code === "request_cancelled") {  // the user's own cancel, while
+      $("finish").textContent = "cancelled: nothing was stored";  // the prompt was read: not a failure
     } else if (msg.type === "error") {
       showError(`${msg.status || ""} ${msg.error.code}: ${msg.error.message}`);
       $("finish").textContent = "failed";
     }
     setRunning(false); socket.close(); refreshSelected(); refreshList();
   };
-  socket.onerror = () => { if (current()) { showError("the WebSocket connection failed"); setRunning(false); } };
-  socket.onclose = () => {
-    if (current() && state.running) { setRunning(false); $("finish").textContent = "connection closed"; }
+  socket.onerror = () => {  // "streaming…" stayed on screen: the close that follows skipped a stopped stream
+    if (current() && state.running) {
+      showError("the WebSocket connection failed: the server does not answer (is it running?)", "connection");
+      setRunning(false); $("finish").textContent = "failed: no connection";
+    }
+  };
+  socket.onclose = (event) => {  // why, where the close says: 1009 is a message over the server's body limit
+    if (current() && state.running) {
+      setRunning(false);
+      $("finish").textContent = event.code === 1009 ? "closed: the prompt is over the server's message size limit"
+        : `connection closed (${event.code}${event.reason ? ": " + event.reason : ""})`;
+    }
   };
 }
 
@@ -216,6 +272,7 @@ async function start() {
   $("append").addEventListener("click", append);
   $("continue").addEventListener("click", startContinue);
   $("cancel").addEventListener("click", cancel);
+  document.addEventListener("keydown", (e) => { if (e.key === "Escape" && state.running) cancel(); });
   $("api-key").addEventListener("change", connect);  // a key typed after a 401: the model, then the list
   await connect();
 }
@@ -228,8 +285,9 @@ async function connect() {  // the served model (the WebSocket's requests name i
     $("model-line").textContent = `${m.id}: ${m.n_layer} layers, d_model ${m.d_model}, mem_len ${m.mem_len}`;
   } catch (e) {
     state.model = null;
-    $("model-line").textContent = "not connected";
-    showError(e.message + (String(e.message).startsWith("401") ? " (enter an API key above)" : ""), "list");
+    if (!e.connection) $("model-line").textContent = "not connected";
+    showError(e.message + (String(e.message).startsWith("401") ? " (enter an API key above)" : ""),
+              e.connection ? "connection" : "list");
     return false;
   }
   await refreshList();

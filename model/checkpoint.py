@@ -66,6 +66,10 @@ def fingerprint_of(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()[:32]
 
 
+SAVING = ".saving"  # a training's save is written whole here, then moved into place (train_state.commit_save)
+COMMITTED = "COMMITTED"  # in SAVING once it is whole: from then on the save is completed, never dropped
+
+
 def atomic_write(path: Path, data: str) -> None:
     """Readers see the old file or the new one whole (a temp file beside it, renamed over it)."""
     tmp = path.with_name(path.name + ".tmp")
@@ -206,6 +210,9 @@ def load_checkpoint(ckpt_dir: str | Path, *, device: str | torch.device = "cpu",
                               f"{pickle_note(weights_path) or f': {err}'}") from None
     fingerprint = fingerprint_of(tensors)
     if meta.get("fingerprint") and meta["fingerprint"] != fingerprint:
+        if (Path(ckpt_dir) / SAVING / COMMITTED).exists():  # a training's save, moved in part way
+            raise CheckpointError(f"checkpoint {ckpt_dir}: its training was stopped as it saved; `txlserve train "
+                                  f"--out {ckpt_dir} --resume` completes the save (then stop it, or let it train)")
         raise CheckpointError(f"{weights_path} does not match the fingerprint in {CONFIG} (damaged or replaced)")
     tensors = {LEGACY_NAMES.get(k, k): v for k, v in tensors.items()}
     model = build_from_tensors(config, tensors, ckpt_dir=weights_path, device=device, dtype=dtype)

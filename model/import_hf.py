@@ -70,8 +70,8 @@ def _hf_config(data: dict[str, Any]) -> TXLConfig:
     if data["model_type"] != "transfo-xl":
         raise CheckpointError(f"config.json is a {data['model_type']!r} model, not a Transformer-XL (transfo-xl)")
     if data.get("attn_type", 0) != 0:
-        raise CheckpointError(f"attn_type {data['attn_type']} is not supported; txlserve serves the paper's "
-                              "relative attention (attn_type 0)")
+        raise CheckpointError(f"attn_type {data['attn_type']!r} is not supported; txlserve serves the paper's "
+                              "relative attention (attn_type 0, the integer)")
     if data.get("sample_softmax", -1) > 0:
         raise CheckpointError("sample_softmax models are not supported")
     # a key the config leaves out takes TransfoXLConfig's default, as transformers reads it (same_length and

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import threading
 import time
@@ -31,7 +32,15 @@ from model.config import PRESETS, TXLConfig
 from model.data import Corpus, load_corpus
 from model.evaluate import evaluate
 from model.tokenizer import ByteTokenizer, Tokenizer
-from model.train_state import load_train_state, optimizer_from_flat, read_train_info, save_train_state
+from model.train_state import (
+    SAVING,
+    commit_save,
+    load_train_state,
+    optimizer_from_flat,
+    read_train_info,
+    recover_save,
+    save_train_state,
+)
 from model.transformer_xl import MemTransformerLM
 from txlserve.errors import CheckpointError, ConfigError, DataError
 from txlserve.signals import HeldSignals
@@ -262,9 +271,29 @@ def purge_metrics(path: Path, step: int) -> None:
     atomic_write(path, "".join(kept))
 
 
+def _gathered(t: torch.Tensor, world: int, *, dim: int) -> torch.Tensor:
+    """Every rank's ``t`` joined along ``dim`` in rank order (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def _mean_over_ranks(value: float, world: int, device: torch.device) -> float:
+    import torch.distributed as dist
+
+    total = torch.tensor([value], dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    dist.all_reduce(total)
+    return float(total) / world
+
+
 def train(args: TrainArgs) -> dict[str, Any]:
     from model.data import OrderedIterator
 
+    # the last save, interrupted as it moved in, completed (by the one process that writes: rank 0)
+    if os.environ.get("RANK", "0") == "0" and Path(args.out).is_dir() and recover_save(args.out):
+        print(f"txlserve: completed the save that was interrupted in {args.out}", file=sys.stderr)
     if not args.resume and (Path(args.out) / "config.json").exists():  # hours of training, overwritten unasked
         raise ConfigError(f"{args.out} already holds a checkpoint: pass --resume to continue its training, or "
                           "choose another --out")
@@ -290,6 +319,10 @@ def train(args: TrainArgs) -> dict[str, Any]:
             raise ConfigError(f"--resume: {out} was trained with another model config; use the same flags")
         model.load_state_dict(ckpt.model.state_dict())
         tensors, info = load_train_state(out)
+        saved_at = ckpt.meta.get("training", {}).get("steps")
+        if saved_at is not None and saved_at != info["step"]:  # saved by a version that wrote its files one by one
+            raise CheckpointError(f"--resume: {out} holds weights of step {saved_at} but the training state of step "
+                                  f"{info['step']} (a save was cut short): they would resume as neither")
         if info["step"] >= min(opt["steps"], args.stop_at or opt["steps"]):  # it saved the run again, as it was
             raise ConfigError(f"--resume: {out} is at step {info['step']} already: give --steps above it to "
                               f"train further")
@@ -297,10 +330,14 @@ def train(args: TrainArgs) -> dict[str, Any]:
         if "mems" in tensors and tensors["mems"].size(-1) != cfg.d_model:
             raise CheckpointError(f"--resume: the training state in {out} is another model's (its memory is "
                                   f"{tensors['mems'].size(-1)} wide, the model {cfg.d_model})")
-        torch.set_rng_state(tensors["rng.cpu"])
-        if "rng.cuda" in tensors and device.type == "cuda":
-            torch.cuda.set_rng_state(tensors["rng.cuda"])
+        # DDP: a row each (copied: set_rng_state reads a row at a storage offset as the first)
+        own = {k: v[rank].clone() if v.dim() == 2 else v for k, v in tensors.items() if k.startswith("rng.")}
+        torch.set_rng_state(own["rng.cpu"])
+        if "rng.cuda" in own and device.type == "cuda":
+            torch.cuda.set_rng_state(own["rng.cuda"])
         mems = tensors["mems"].to(device) if "mems" in tensors else None
+        if mems is not None and world > 1 and mems.size(1) == opt["batch_size"] * world:  # every rank's streams
+            mems = mems.narrow(1, rank * opt["batch_size"], opt["batch_size"])
         try:
             batches.load_state_dict(info["data"])
         except DataError as err:
@@ -315,7 +352,10 @@ def train(args: TrainArgs) -> dict[str, Any]:
     if world > 1 or "RANK" in os.environ:
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        # an adaptive softmax's cluster that a batch does not reach has no gradient on that rank: DDP must expect
+        # it, or it stops the run ("parameters that were not used in producing loss")
+        ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                      find_unused_parameters=bool(cfg.cutoffs))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def meta() -> dict[str, Any]:
@@ -323,13 +363,22 @@ def train(args: TrainArgs) -> dict[str, Any]:
                 "world_size": world, "command": args.command, "optim": opt, **last_eval}
 
     def save() -> None:
+        run_mems, rng = mems, None
+        if world > 1:  # every rank's own memory of its streams and random state (rank 0 saved its own for all)
+            run_mems = None if mems is None else _gathered(mems, world, dim=1)
+            rng = {"rng.cpu": _gathered(torch.get_rng_state().to(device).unsqueeze(0), world, dim=0).cpu()}
+            if device.type == "cuda":
+                rng["rng.cuda"] = _gathered(torch.cuda.get_rng_state().to(device).unsqueeze(0), world, dim=0).cpu()
         if rank == 0:
             with signals_deferred():  # a Ctrl-C mid-save waits: the checkpoint and its training state agree
-                save_checkpoint(model, out, training=meta(), tokenizer=tokenizer)
-                save_train_state(out, optimizer=optimizer, mems=mems,
+                stage = out / SAVING  # written whole, then moved in: a kill -9 leaves one save or the other
+                shutil.rmtree(stage, ignore_errors=True)
+                save_checkpoint(model, stage, training=meta(), tokenizer=tokenizer)
+                save_train_state(stage, optimizer=optimizer, mems=run_mems, rng=rng,
                                  info={"step": step, "tokens_seen": tokens_seen, "data": batches.state_dict(),
                                        "last_eval": last_eval,
                                        "args": {k: v for k, v in asdict(args).items() if k != "given"}})
+                commit_save(out)
                 if stop is not None:  # before a press held by the save acts
                     stop.saved, stop.step_saved = f"{out} holds step {step}", True
 
@@ -371,6 +420,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
                 step_loss += float(loss.detach()) / args.grad_accum
                 new_mems.append(m)
             mems = None if new_mems[0] is None else torch.cat(new_mems, dim=1).float()
+            if world > 1:  # what is logged is the global batch's loss, not rank 0's share of it
+                step_loss = _mean_over_ranks(step_loss, world, device)
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt["clip"])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

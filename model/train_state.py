@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,56 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import pickle_note, pickles_beside
+from model.checkpoint import COMMITTED, SAVING, pickle_note, pickles_beside
 from txlserve.errors import CheckpointError
 
 STATE_DIR = "train_state"
+
+
+def commit_save(out_dir: str | Path) -> None:
+    """Move the save written whole under ``out_dir/.saving`` into place. A save is four files (the weights, the
+    config that names their fingerprint, the optimizer's state, the step it is at), each replaced atomically but
+    not together: a kill -9 between two left weights no config accepted, or a training state of another step that
+    a resume took without a word (found by a helper). Marked whole first, a save interrupted while it moves is
+    completed by :func:`recover_save`; one interrupted before is dropped, and the last one stands."""
+    stage = Path(out_dir) / SAVING
+    marker = stage / COMMITTED
+    marker.write_text("")
+    _fsync_dir(stage)
+    _move_in(stage)
+
+
+def recover_save(out_dir: str | Path) -> bool:
+    """Complete a save that was marked whole (the process died as it moved it in), or drop one that was not; True
+    when a save was completed. Only the training command calls it: it alone writes the directory."""
+    stage = Path(out_dir) / SAVING
+    if not stage.is_dir():
+        return False
+    if (stage / COMMITTED).exists():
+        _move_in(stage)
+        return True
+    shutil.rmtree(stage)
+    return False
+
+
+def _move_in(stage: Path) -> None:
+    out = stage.parent
+    for path in sorted(p for p in stage.rglob("*") if p.is_file() and p.name != COMMITTED):
+        target = out / path.relative_to(stage)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+    _fsync_dir(out)
+    shutil.rmtree(stage)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # not every file system syncs a directory
+        pass
+    finally:
+        os.close(fd)
 
 
 def optimizer_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
@@ -42,13 +89,17 @@ def optimizer_from_flat(tensors: dict[str, torch.Tensor], param_groups: list[dic
 
 
 def save_train_state(out_dir: str | Path, *, optimizer: torch.optim.Optimizer, mems: torch.Tensor | None,
-                     info: dict[str, Any]) -> None:
+                     info: dict[str, Any], rng: dict[str, torch.Tensor] | None = None) -> None:
+    """``rng``: the random states to keep (DDP: every rank's, a row each), else this process's."""
     path = Path(out_dir) / STATE_DIR
     path.mkdir(parents=True, exist_ok=True)
     tensors, groups = optimizer_to_flat(optimizer)
-    tensors["rng.cpu"] = torch.get_rng_state()
-    if torch.cuda.is_available():
-        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    if rng is not None:
+        tensors.update(rng)
+    else:
+        tensors["rng.cpu"] = torch.get_rng_state()
+        if torch.cuda.is_available():
+            tensors["rng.cuda"] = torch.cuda.get_rng_state()
     if mems is not None:
         tensors["mems"] = mems.detach().float().cpu().contiguous()
     save_file(tensors, str(path / "state.safetensors.tmp"))

@@ -211,8 +211,9 @@ def load_checkpoint(ckpt_dir: str | Path, *, device: str | torch.device = "cpu",
     fingerprint = fingerprint_of(tensors)
     if meta.get("fingerprint") and meta["fingerprint"] != fingerprint:
         if (Path(ckpt_dir) / SAVING / COMMITTED).exists():  # a training's save, moved in part way
-            raise CheckpointError(f"checkpoint {ckpt_dir}: its training was stopped as it saved; `txlserve train "
-                                  f"--out {ckpt_dir} --resume` completes the save (then stop it, or let it train)")
+            raise CheckpointError(f"checkpoint {ckpt_dir}: a save of its training is part way in (it saves now, or "
+                                  f"was stopped as it saved: `txlserve train --out {ckpt_dir} --resume` completes "
+                                  "the save)")
         raise CheckpointError(f"{weights_path} does not match the fingerprint in {CONFIG} (damaged or replaced)")
     tensors = {LEGACY_NAMES.get(k, k): v for k, v in tensors.items()}
     model = build_from_tensors(config, tensors, ckpt_dir=weights_path, device=device, dtype=dtype)

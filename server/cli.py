@@ -498,10 +498,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_chat(argparse.Namespace(args=argv[1:]))
     ns = build_parser(with_bench=argv[:1] == ["bench"]).parse_args(argv)
     ns.argv = argv
+    term = None
     if argv[:1] == ["bench"] and threading.current_thread() is threading.main_thread():
         # SIGTERM as Ctrl-C: the server a benchmark started (its engine, its Redis, its directory) is stopped by
         # the benchmark's own clean-up, which a plain SIGTERM skipped, leaving them running
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        term = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return ns.func(ns)
     except TxlError as err:
@@ -519,6 +520,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        if term is not None:  # put back: main() runs inside other programs too (the tests)
+            signal.signal(signal.SIGTERM, term)
 
 
 _OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory|OutOfMemory", re.I)

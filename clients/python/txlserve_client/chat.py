@@ -60,7 +60,7 @@ def _bounded(kind: type, lo: float, hi: float | None):  # noqa: ANN202 (an argpa
     return parse
 
 
-_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "model": "--model"}  # request field: flag
+_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature"}  # request field: flag (--model: checked first)
 
 
 class Chat:

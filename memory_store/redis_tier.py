@@ -229,6 +229,16 @@ def client_name() -> str:
     return f"txlserve-{socket.gethostname()}-{os.getpid()}".replace(" ", "_")
 
 
+class _Cluster(redis.asyncio.RedisCluster):
+    """redis-py's cluster client, with a timeout not retried, as :func:`connect` does for one server: the retry
+    re-reads the cluster's map and asks the same primary again, so a primary that hangs cost every command on
+    its slots twice ``op_timeout_s`` (and a best-effort touch of an owner's index on it held up every lease).
+    A refused connection is still retried on the new map: a primary that failed over."""
+
+    ERRORS_ALLOW_RETRY = tuple(e for e in redis.asyncio.RedisCluster.ERRORS_ALLOW_RETRY
+                               if e is not redis.exceptions.TimeoutError)
+
+
 def connect(url: str, *, op_timeout_s: float, max_connections: int = 64,
             name: str | None = None) -> redis.asyncio.Redis:
     """A client that fails fast: bounded socket waits, one immediate retry, a bounded wait for a connection.
@@ -244,7 +254,7 @@ def connect(url: str, *, op_timeout_s: float, max_connections: int = 64,
     to its slot's primary (every key of one session shares a slot: the hash tag).
     """
     if url.startswith(CLUSTER_SCHEMES):
-        return redis.asyncio.RedisCluster.from_url(
+        return _Cluster.from_url(
             url.replace("+cluster", "", 1),
             socket_timeout=op_timeout_s,
             socket_connect_timeout=op_timeout_s,
@@ -345,8 +355,7 @@ class RedisTier:
                 results = await pipe.execute(raise_on_error=False)
             missing = [isinstance(r, redis.exceptions.NoScriptError) for r in results]
             if any(missing):
-                for script in (self._acquire, self._touch_script, self._read):
-                    await self._client.script_load(script.script)
+                await self.load_scripts()
             if not missing[0] or attempt:
                 break
         if isinstance(results[0], Exception) and not missing[0]:  # the touches' errors: theirs to repeat
@@ -358,6 +367,14 @@ class RedisTier:
     async def ping(self) -> None:
         with self._translate():
             await self._client.ping()
+
+    async def load_scripts(self) -> None:
+        """Load the scripts pipelines call by sha (a cluster's are sent whole where missing): at start, so that
+        the first uses' TTL touches are not lost to NOSCRIPT on a Redis that never ran them."""
+        if not self._cluster:
+            with self._translate():
+                for script in (self._acquire, self._touch_script, self._read):
+                    await self._client.script_load(script.script)
 
     async def evicts(self) -> str | None:
         """The eviction policy of a Redis that may drop keys when full (a maxmemory and a policy other than

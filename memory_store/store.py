@@ -145,6 +145,10 @@ class MemoryStore:
         except BaseException:
             await self.aclose()
             raise
+        try:
+            await self._tier.load_scripts()
+        except StoreUnavailable as err:  # an ACL user without SCRIPT, where they were loaded for it: NOSCRIPT says
+            log.debug("scripts not loaded at start: %s", err)
         if (policy := await self._tier.evicts()) is not None:  # a full Redis then deletes sessions, silently
             log.warning("Redis at %s evicts keys when full (maxmemory-policy %s): sessions will disappear (404) "
                         "instead of commits failing (503); set maxmemory-policy noeviction", redact_url(url), policy)
@@ -420,8 +424,8 @@ class MemoryStore:
                 raise SessionCorrupt(f"session {session_id!r} has an unreadable header")
             self._hot.pin(session_id)
             try:
-                if tensors:
-                    session = await self._load(session_id, owner)
+                if tensors:  # the lease's script refreshed the session's TTLs, its owner's index beside it
+                    session = await self._load(session_id, owner, touch=False)
                 else:  # the header came with the lease
                     session = Session(self._info(session_id, self._header(session_id, raw, owner)), {})
             except BaseException:
@@ -564,16 +568,17 @@ class MemoryStore:
             return codec.encode_ring(mems, tokens_seen=tokens_seen, mem_len=mem_len)
         return await asyncio.to_thread(codec.encode_ring, mems, tokens_seen=tokens_seen, mem_len=mem_len)
 
-    async def _load(self, session_id: str, owner: str | None) -> Session:
+    async def _load(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session:
+        """``touch``: refresh the idle TTLs as the session is read (False where the caller just refreshed them)."""
         if session_id in self._hot:
-            raw, _, _ = await self._redis.read(session_id, owner, payload=False)
+            raw, _, _ = await self._redis.read(session_id, owner, payload=False, touch=touch)
             header = self._header(session_id, raw, owner)
             entry = self._hot.get(session_id, header.revision)
             if entry is not None:
                 self.metrics.hot_hits += 1
                 return Session(SessionInfo.from_header(session_id, header, tier="hot"), entry.tensors)
         self.metrics.hot_misses += 1
-        raw, payload, ring = await self._redis.read(session_id, owner, payload=True)
+        raw, payload, ring = await self._redis.read(session_id, owner, payload=True, touch=touch)
         header = self._header(session_id, raw, owner)
         try:
             tensors = await asyncio.to_thread(self._decode, payload or b"", header, ring)

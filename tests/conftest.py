@@ -12,6 +12,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from memory_store.embedded import find_redis_server
-from tests.live import LiveServer, tiny_checkpoint
+from tests.live import API_KEYS, LiveServer, tiny_checkpoint
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -211,10 +212,30 @@ def server(checkpoint: Path, redis_url: str, tmp_path_factory: pytest.TempPathFa
     srv.stop()
 
 
-@pytest.fixture(scope="module")
+@dataclass(frozen=True)
+class KeyedServer:
+    live: LiveServer
+    keys: tuple[str, ...]
+
+    @property
+    def url(self) -> str:
+        return self.live.url
+
+
+@pytest.fixture(scope="session")
+def keyed_server(checkpoint: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedServer]:
+    """One server that requires an API key (``API_KEYS``), for every test of keys: sessions belong to the key
+    that made them. Its request bodies time out after 1.5 s, so the tests of a stalled body wait that long."""
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("srv-keyed"),
+                     args=("--api-keys", *API_KEYS, "--body-timeout-s", "1.5")).start()
+    yield KeyedServer(srv, API_KEYS)
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def fuzz_server(checkpoint: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """A server for the fuzzers (HTTP and WebSocket), one per module: short generations, so that their time goes
-    to many cases rather than a few long ones."""
+    """A server for the fuzzers (HTTP, then WebSocket on what HTTP's left): short generations, so that their
+    time goes to many cases rather than a few long ones."""
     srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("fuzz"),
                      args=("--max-tokens-limit", "32")).start()
     yield srv

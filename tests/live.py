@@ -26,6 +26,9 @@ MODEL = "txl-test"
 # itself: the tiny model streams ~2,800 tokens/s on a 2-core VM, so one left running would take over a minute.
 # A 4,000-token stream ended in ~1.4 s there, which a faster machine could beat before the test's stop arrived.
 LONG = 200_000
+# The shared keyed server's API keys (tests/conftest.py ``keyed_server``). The third is test_client's
+# test_list_pages's alone: its list is exactly the sessions that test made.
+API_KEYS = ("key-alpha-123", "key-bravo-456", "key-charlie-789")
 
 
 T = TypeVar("T")

@@ -19,7 +19,7 @@ from txlserve_client import (
     SessionRef,
 )
 
-from tests.clients.conftest import KeyedServer
+from tests.conftest import KeyedServer
 from tests.live import LONG, MODEL
 
 pytestmark = pytest.mark.anyio

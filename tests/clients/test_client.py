@@ -18,7 +18,7 @@ from txlserve_client import (
     Stream,
 )
 
-from tests.clients.conftest import KeyedServer
+from tests.conftest import KeyedServer
 from tests.live import LONG, MODEL, LiveServer, wait_for
 
 
@@ -101,8 +101,8 @@ def test_sessions_crud_append_fork(client: Client) -> None:
 
 
 def test_list_pages(keyed_server: KeyedServer) -> None:
-    # the second key creates sessions in this test only, so its list is exactly what this test made
-    with Client(base_url=keyed_server.url, api_key=keyed_server.keys[1], timeout=30) as client:
+    # the third key creates sessions in this test only, so its list is exactly what this test made
+    with Client(base_url=keyed_server.url, api_key=keyed_server.keys[2], timeout=30) as client:
         mine = [client.sessions.create(metadata={"n": str(i)}).id for i in range(5)]
         page = client.sessions.list(limit=2)
         assert len(page.data) == 2 and page.has_more and page.next_cursor
@@ -178,7 +178,7 @@ def test_request_errors(client: Client) -> None:
 
 
 def test_api_keys(keyed_server: KeyedServer) -> None:
-    k1, k2 = keyed_server.keys
+    k1, k2, _ = keyed_server.keys
     for key in (None, "wrong"):
         with Client(base_url=keyed_server.url, api_key=key, max_retries=0) as client:
             with pytest.raises(AuthenticationError) as info:

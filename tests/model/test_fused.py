@@ -32,9 +32,12 @@ def _same_steps(plain: Decoder, fast: Decoder, lengths: list[int], steps: int, c
         torch.testing.assert_close(getattr(b.table, name), getattr(a.table, name), rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(pre_lnorm=True, untie_r=False),
-                                 dict(n_head=3, d_head=8, d_model=24)])
-@pytest.mark.parametrize("traced", [False, True])
+_CFGS = [dict(), dict(clamp_len=3), dict(pre_lnorm=True, untie_r=False), dict(n_head=3, d_head=8, d_model=24)]
+
+
+# Every model eagerly; traced (a second or more each: a trace per call length), the first and the last only: the
+# traced graph calls the same kernel, and what a trace could change is the call, not the model.
+@pytest.mark.parametrize(("cfg", "traced"), [(c, False) for c in _CFGS] + [(_CFGS[0], True), (_CFGS[-1], True)])
 def test_fused_steps_equal_the_torch_attention(cfg, traced):
     """Rows at every stage (empty, part-filled, wrapped several times) of a slot table, 14 steps past every
     ring's wrap, batch 7 (the C products' rows): the kernels match the torch ops to float rounding."""
@@ -53,8 +56,8 @@ def test_long_rings_are_read_in_chunks_and_prefetched_exactly(mem_len):
     _same_steps(plain, fast, [0, 1, mem_len - 1, mem_len, mem_len + 1, 3 * mem_len + 5], steps=3)
 
 
-@pytest.mark.parametrize("chunk", [2, 3, 5, 6, 7, fused.MAX_CHUNK])
-@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize(("chunk", "traced"), [(c, False) for c in (2, 3, 5, 6, 7, fused.MAX_CHUNK)]
+                         + [(3, True), (fused.MAX_CHUNK, True)])
 def test_short_prompts_read_in_one_kernel_call_equal_the_torch_attention(chunk, traced):
     """A short prompt's tokens attend in one call, reading the ring once: each sees itself, the prompt's tokens
     before it and exactly the ring slots within its window (fewer for later tokens, none for a token mem_len
@@ -540,9 +543,12 @@ def _poisoned_step(plain: Decoder, fast: Decoder, kind: type, lengths: list[int]
     return va.last_logits, vb.last_logits
 
 
-@pytest.mark.parametrize("cfg", [dict(), dict(clamp_len=3), dict(n_head=1, d_head=16), dict(n_head=3, d_head=8),
-                                 dict(d_model=128, n_head=2, d_head=32)])
-@pytest.mark.parametrize("traced", [False, True])
+_WIDE_CFGS = [dict(), dict(clamp_len=3), dict(n_head=1, d_head=16), dict(n_head=3, d_head=8),
+              dict(d_model=128, n_head=2, d_head=32)]
+
+
+@pytest.mark.parametrize(("cfg", "traced"), [(c, False) for c in _WIDE_CFGS] + [(_WIDE_CFGS[0], True),
+                                                                                 (_WIDE_CFGS[-1], True)])
 def test_absorbed_steps_equal_the_torch_attention(cfg, traced):
     """A step that reads the layer inputs' ring for its keys and values (``W_k h``, ``W_v h`` absorbed into the
     query and the output) gives the torch attention's numbers: rows empty, part-filled, full and wrapped at every

@@ -203,10 +203,14 @@ def test_a_checkpoint_whose_tokenizer_outnumbers_its_model_refuses_what_it_canno
     torch.manual_seed(0)
     save_checkpoint(MemTransformerLM(TXLConfig(n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32, vocab_size=100,
                                                tgt_len=8, mem_len=8)), tmp_path / "ck")
-    ok = _cli("generate", "--checkpoint", str(tmp_path / "ck"), "--prompt", "ABC", "--max-tokens", "4")
+    from concurrent.futures import ThreadPoolExecutor
+
+    runs = [("generate", "--prompt", "ABC", "--max-tokens", "4"), ("generate", "--prompt", "zzz", "--max-tokens", "4"),
+            ("eval", "--data", str(corpus))]
+    with ThreadPoolExecutor(2) as pool:  # three processes, two cores
+        ok, *refused = pool.map(lambda args: _cli(args[0], "--checkpoint", str(tmp_path / "ck"), *args[1:]), runs)
     assert ok.returncode == 0, ok.stderr
-    for args in (("generate", "--prompt", "zzz", "--max-tokens", "4"), ("eval", "--data", str(corpus))):
-        r = _cli(args[0], "--checkpoint", str(tmp_path / "ck"), *args[1:])
+    for r in refused:
         assert r.returncode == 2 and "past this model's 100 outputs" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
 

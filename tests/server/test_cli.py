@@ -164,7 +164,7 @@ def test_bench_store_json(checkpoint):
 
 
 def test_bench_serve_json(checkpoint):
-    r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "1,2", "--duration", "1",
+    r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "1,2", "--duration", "0.5",
                  "--rounds", "2", "--max-tokens", "8", "--random-range-ratio", "0.5", "--doc-kb", "1",
                  "--stream-interval", "3", "--workers", "2", timeout=180)
     assert r.returncode == 0, r.stderr
@@ -182,7 +182,7 @@ def test_bench_serve_json(checkpoint):
         assert load["ttft_p50_ms"] > 0 and load["server_over_engine"] == pytest.approx(
             load["tokens_per_s"] / load["engine_tokens_per_s"])
         rounds = load["server_over_engine_rounds"]  # each round's load against the engine slices beside it
-        assert len(rounds) == 2 and all(x > 0 for x in rounds) and load["duration_s"] == pytest.approx(1)
+        assert len(rounds) == 2 and all(x > 0 for x in rounds) and load["duration_s"] == pytest.approx(0.5)
         assert load["server_over_engine_median"] == pytest.approx(sum(rounds) / 2)
         # the engine loop alone (no HTTP, no store) sits between the two: its figure splits the ratio in two
         assert len(load["engine_loop_over_engine_rounds"]) == 2 and load["engine_loop_tokens_per_s"] > 0

@@ -17,7 +17,7 @@ import redis
 import torch
 from websockets.sync.client import connect
 
-from tests.live import LONG, MODEL, LiveServer, wait_for
+from tests.live import API_KEYS, LONG, MODEL, LiveServer, wait_for
 
 OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
@@ -213,15 +213,13 @@ def test_unknown_routes_answer_in_openai_shape(server):
 
 # -- a server with API keys and a short body timeout, whose log the tests read -------------------------------
 
-KEYS = ("key-alpha-123", "key-bravo-456")
+KEYS = API_KEYS
 
 
-@pytest.fixture(scope="module")
-def keyed(checkpoint, redis_url, tmp_path_factory):
-    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("keyed"),
-                     args=("--api-keys", *KEYS, "--body-timeout-s", "1.5")).start()
-    yield srv
-    srv.stop()
+@pytest.fixture
+def keyed(keyed_server):
+    """The shared keyed server (its bodies time out after 1.5 s)."""
+    return keyed_server.live
 
 
 def test_bench_serve_takes_an_api_key_and_says_what_a_refusal_was(keyed):

@@ -11,7 +11,7 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from tests.live import LONG, MODEL, LiveServer
+from tests.live import API_KEYS, LONG, MODEL, LiveServer
 
 
 def test_second_request_on_a_busy_session_gets_409_at_once(server):
@@ -46,12 +46,9 @@ def test_second_request_on_a_busy_session_gets_409_at_once(server):
     assert busy.status_code == 409
 
 
-@pytest.fixture(scope="module")
-def keyed(checkpoint, redis_url, tmp_path_factory):
-    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("keyed"),
-                     args=("--api-keys", "key-one", "key-two")).start()
-    yield srv
-    srv.stop()
+@pytest.fixture
+def keyed(keyed_server):
+    return keyed_server.live
 
 
 def test_api_keys_guard_what_the_readme_says_and_nothing_else(keyed):
@@ -73,7 +70,8 @@ def test_a_body_that_does_not_read_is_refused_for_its_key_first(keyed):
             r = httpx.post(keyed.url + path, content=body, headers=json_type)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, body, r.text)
             assert r.headers["www-authenticate"].startswith("Bearer")
-            r = httpx.post(keyed.url + path, content=body, headers={**json_type, "Authorization": "Bearer key-one"})
+            r = httpx.post(keyed.url + path, content=body,
+                           headers={**json_type, "Authorization": f"Bearer {API_KEYS[0]}"})
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (path, body)
 
 
@@ -100,12 +98,13 @@ def test_the_openapi_document_says_which_operations_take_a_key_and_what_errors_l
             else:
                 assert got.status_code != 401, (method, path)
     assert {"400", "401", "413", "default"} <= set(doc["paths"]["/v1/completions"]["post"]["responses"])
-    bad = httpx.post(keyed.url + "/v1/completions", json={"prompt": 1}, headers={"Authorization": "Bearer key-one"})
+    bad = httpx.post(keyed.url + "/v1/completions", json={"prompt": 1},
+                     headers={"Authorization": f"Bearer {API_KEYS[0]}"})
     assert bad.status_code == 400 and ErrorResponse.model_validate(bad.json()).error.param == "model"
 
 
 def test_api_keys_isolate_sessions(keyed):
-    one, two = {"Authorization": "Bearer key-one"}, {"Authorization": "Bearer key-two"}
+    one, two = {"Authorization": f"Bearer {API_KEYS[0]}"}, {"Authorization": f"Bearer {API_KEYS[1]}"}
     assert httpx.get(keyed.url + "/v1/models").status_code == 401
     r = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
@@ -126,7 +125,7 @@ def test_api_keys_isolate_sessions(keyed):
         connect(keyed.url.replace("http", "ws") + "/v1/ws").recv(timeout=5)
     assert refused.value.response.status_code == 401
     assert json.loads(refused.value.response.body)["error"]["type"] == "authentication_error"
-    with connect(keyed.url.replace("http", "ws") + "/v1/ws?api_key=key-two") as conn:
+    with connect(keyed.url.replace("http", "ws") + f"/v1/ws?api_key={API_KEYS[1]}") as conn:
         conn.send(json.dumps({"type": "completion.create", "model": "txl-test", "prompt": "x", "session_id": sid}))
         assert '"not_found_error"' in conn.recv(timeout=10)
 

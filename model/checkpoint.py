@@ -210,9 +210,11 @@ def load_checkpoint(ckpt_dir: str | Path, *, device: str | torch.device = "cpu",
                               f"{pickle_note(weights_path) or f': {err}'}") from None
     fingerprint = fingerprint_of(tensors)
     if meta.get("fingerprint") and meta["fingerprint"] != fingerprint:
-        if (Path(ckpt_dir) / SAVING / COMMITTED).exists():  # a training's save, moved in part way
+        # a training's save, moved in part way (the run's own directory, or its best beside it)
+        run = next((d for d in (Path(ckpt_dir), Path(ckpt_dir).parent) if (d / SAVING / COMMITTED).exists()), None)
+        if run is not None:
             raise CheckpointError(f"checkpoint {ckpt_dir}: a save of its training is part way in (it saves now, or "
-                                  f"was stopped as it saved: `txlserve train --out {ckpt_dir} --resume` completes "
+                                  f"was stopped as it saved: `txlserve train --out {run} --resume` completes "
                                   "the save)")
         raise CheckpointError(f"{weights_path} does not match the fingerprint in {CONFIG} (damaged or replaced)")
     tensors = {LEGACY_NAMES.get(k, k): v for k, v in tensors.items()}

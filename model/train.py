@@ -7,6 +7,7 @@ mems, and exact resume (optimizer, RNG, mems and data position in safetensors).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -387,6 +388,7 @@ def train(args: TrainArgs) -> dict[str, Any]:
             with open(out / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(record) + "\n")
 
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     bar = None
     if args.progress and rank == 0:
@@ -440,8 +442,12 @@ def train(args: TrainArgs) -> dict[str, Any]:
                 record.update(last_eval)
                 if args.save_best and ev["bpc"] < best_bpc:
                     best_bpc = ev["bpc"]
-                    if rank == 0:
-                        save_checkpoint(model, out / "best", training=meta(), tokenizer=tokenizer)
+                    if rank == 0:  # staged and moved in as a save is: two files, replaced one by one, could disagree
+                        with signals_deferred():
+                            stage = out / SAVING
+                            shutil.rmtree(stage, ignore_errors=True)
+                            save_checkpoint(model, stage / "best", training=meta(), tokenizer=tokenizer)
+                            commit_save(out)
                 model.train()
             log(record)
             if bar is not None:
@@ -456,6 +462,11 @@ def train(args: TrainArgs) -> dict[str, Any]:
         if stop is not None and stop.held:
             print(f"txlserve: interrupted: step {step} saved in {out}; `txlserve train --out {out} --resume` "
                   "continues", file=sys.stderr)
+    except BaseException:
+        if made and rank == 0:  # a run that failed before it wrote anything (too large for memory) leaves no dir
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
     finally:
         if stop is not None:
             stop.release()  # the handlers put back; a held signal acts now (Ctrl-C: KeyboardInterrupt, exit 130)

@@ -76,11 +76,14 @@ def serve_workers(settings: Settings, sock: socket.socket) -> int:
         try:
             if embedded is not None:
                 embedded.start()  # the workers join it; it stops after them
-            return supervisor.run(embedded.url if embedded else None, metrics, embedded)
+            code = supervisor.run(embedded.url if embedded else None, metrics, embedded)
         finally:
             supervisor.stop_all()
             if embedded is not None:
                 embedded.stop()
+    if code == 0 and supervisor.stopped_by is not None:  # stopped cleanly, the signal acts as on one server:
+        signal.raise_signal(supervisor.stopped_by)  # a Ctrl-C exits 130, a SIGTERM as SIGTERM (it exited 0)
+    return code
 
 
 class _Supervisor:
@@ -89,6 +92,7 @@ class _Supervisor:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.stopping = threading.Event()
         self.signalled: set[int] = set()  # workers already asked to stop
+        self.stopped_by: int | None = None  # the first stop signal
 
     @contextlib.contextmanager
     def handling_signals(self) -> Iterator[None]:
@@ -153,6 +157,7 @@ class _Supervisor:
         Ctrl-C stops without waiting (uvicorn's rule)."""
         if not self.stopping.is_set():
             log.info("stopping %d workers (%s)", len(self.procs), signal.Signals(sig).name)
+            self.stopped_by = sig
         self.stopping.set()
         for proc in self.procs:
             self._signal(proc, sig)

@@ -365,6 +365,52 @@ def test_save_best_keeps_the_lowest_valid_bpc(corpus, tmp_path):
     assert not torch.equal(first, next(load_checkpoint(tmp_path).model.parameters()))
 
 
+def test_a_best_cut_short_as_it_moves_in_is_named_and_completed(corpus, tmp_path, monkeypatch):
+    """--save-best's DIR/best was written as two files, one replaced after the other: a kill -9 between them left
+    a config and weights of two steps. It is staged and moved in as a save is, and completed by the next train
+    (its first call, here alone)."""
+    import model.train_state as train_state
+
+    def run(**kw) -> None:
+        train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=3, lr=0.06, warmup_steps=0,
+                        eval_every=1, eval_tokens=2000, save_best=True, progress=False, **kw))
+
+    run(stop_at=1)  # valid bpc ~5.2 at step 1, ~4.5 at step 2: step 2 is a new best
+    real_replace = os.replace
+    moved = []
+
+    def dies_after_one_move(src, dst):
+        if ".saving" in Path(src).parts and ".saving" not in Path(dst).parts:  # a move in
+            if moved:
+                raise SystemExit("killed")
+            moved.append(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(train_state.os, "replace", dies_after_one_move)
+    with pytest.raises(SystemExit):
+        run(resume=True, stop_at=2)
+    monkeypatch.undo()
+    assert [Path(m).name for m in moved] == ["config.json"]  # step 2's config beside step 1's weights
+    with pytest.raises(CheckpointError, match=f"--out {tmp_path} --resume` completes the save"):
+        load_checkpoint(tmp_path / "best")
+    assert train_state.recover_save(tmp_path)  # as the next train does first
+    assert load_checkpoint(tmp_path / "best").meta["training"]["valid_step"] == 2
+
+
+def test_a_run_that_fails_before_writing_leaves_no_directory(corpus, tmp_path, monkeypatch):
+    """A run refused for memory at its first step left its empty --out behind."""
+    import model.train as train_module
+
+    def no_memory(*args, **kw):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(train_module.torch.nn.utils, "clip_grad_norm_", no_memory)
+    with pytest.raises(RuntimeError):
+        train(TrainArgs(data=str(corpus), out=str(tmp_path / "new" / "run"), preset="tiny", steps=2,
+                        progress=False))
+    assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "run").exists()
+
+
 def _steps_logged(out: Path) -> list[int]:
     return [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
 

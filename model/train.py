@@ -35,6 +35,7 @@ from model.evaluate import evaluate
 from model.tokenizer import ByteTokenizer, Tokenizer
 from model.train_state import (
     SAVING,
+    await_recovery,
     commit_save,
     load_train_state,
     optimizer_from_flat,
@@ -293,8 +294,11 @@ def train(args: TrainArgs) -> dict[str, Any]:
     from model.data import OrderedIterator
 
     # the last save, interrupted as it moved in, completed (by the one process that writes: rank 0)
-    if os.environ.get("RANK", "0") == "0" and Path(args.out).is_dir() and recover_save(args.out):
-        print(f"txlserve: completed the save that was interrupted in {args.out}", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":
+        if Path(args.out).is_dir() and recover_save(args.out):
+            print(f"txlserve: completed the save that was interrupted in {args.out}", file=sys.stderr)
+    else:
+        await_recovery(args.out)
     if not args.resume and (Path(args.out) / "config.json").exists():  # hours of training, overwritten unasked
         raise ConfigError(f"{args.out} already holds a checkpoint: pass --resume to continue its training, or "
                           "choose another --out")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,18 @@ def recover_save(out_dir: str | Path) -> bool:
         return True
     shutil.rmtree(stage)
     return False
+
+
+def await_recovery(out_dir: str | Path, timeout_s: float = 600.0) -> None:
+    """For a DDP rank other than 0: wait while rank 0 completes a save interrupted as it moved in (it alone
+    writes), so that no rank reads the run's config or state half moved. A stage not marked whole is dropped by
+    rank 0 without touching what the others read."""
+    marker = Path(out_dir) / SAVING / COMMITTED
+    deadline = time.monotonic() + timeout_s
+    while marker.exists():
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"{out_dir}: rank 0 did not complete the interrupted save in {timeout_s:.0f} s")
+        time.sleep(0.05)  # poll, bounded by the deadline: the ranks have not met yet, so no barrier can be had
 
 
 def _move_in(stage: Path) -> None:

@@ -316,6 +316,29 @@ def test_a_save_cut_short_leaves_one_save_or_the_other_and_the_run_resumes_exact
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
 
 
+def test_other_ranks_read_a_run_only_once_rank_0_completed_its_interrupted_save(tmp_path):
+    """DDP: rank 0 completes a save cut short as it moved in, and the other ranks read the run's config before
+    the ranks meet: they could read it half moved. They wait for the stage marked whole to go, within a bound."""
+    import threading
+
+    from model.checkpoint import COMMITTED, SAVING
+    from model.train_state import await_recovery, recover_save
+
+    (tmp_path / "config.json").write_text("old")
+    (tmp_path / SAVING).mkdir()
+    (tmp_path / SAVING / "config.json").write_text("new")
+    (tmp_path / SAVING / COMMITTED).write_text("")
+    with pytest.raises(CheckpointError, match="rank 0 did not complete"):
+        await_recovery(tmp_path, timeout_s=0.1)
+    read = []
+    rank1 = threading.Thread(target=lambda: (await_recovery(tmp_path, timeout_s=60),
+                                             read.append((tmp_path / "config.json").read_text())))
+    rank1.start()
+    recover_save(tmp_path)  # rank 0
+    rank1.join(60)
+    assert read == ["new"]
+
+
 def test_ddp_with_gloo_on_cpu(corpus, tmp_path):
     """Two ranks, stopped and resumed, train as one process given their global batch does, and log its loss.
     Found by a helper: rank 0 saved its own memory and random state for both ranks (a resume drifted by 2e-3), the

@@ -24,7 +24,8 @@ class Lease:
     """A held lease and the session as read when it was taken.
 
     ``session`` (and so ``version``) advances with every successful commit made
-    under this lease; ``lost`` turns True when a renewal found the lease gone.
+    under this lease; ``lost`` turns True when a renewal found the lease gone, and ``lost_to_outage`` too when
+    it expired while Redis could not be reached (no other request need have taken it: a 503, not a 409).
     """
 
     def __init__(
@@ -44,6 +45,7 @@ class Lease:
         # called once a renewal finds the lease gone, with whether the session went with it (deleted)
         self.on_lost: Callable[[bool], None] | None = None
         self.lost = False
+        self.lost_to_outage = False
         self._tier = tier
         self._on_release = on_release
         self._on_unreleased = on_unreleased  # (session id, token) of a release Redis did not hear: retried later
@@ -65,6 +67,7 @@ class Lease:
         return self._released
 
     async def _renew_forever(self, every_s: float) -> None:
+        unreachable = False  # since the last renewal
         while True:
             await asyncio.sleep(every_s)
             try:
@@ -72,14 +75,17 @@ class Lease:
             except StoreUnavailable as err:
                 # Keep trying: if Redis is back before the TTL runs out, nothing was lost.
                 log.warning("could not renew the lease on session %s: %s", self.session_id, err)
+                unreachable = True
                 continue
             if renewed <= 0:
-                self.lost = True
+                self.lost, self.lost_to_outage = True, renewed == 0 and unreachable
                 log.warning("lease on session %s %s", self.session_id,
-                            "ended: the session was deleted" if renewed < 0 else "expired or was taken over")
+                            "ended: the session was deleted" if renewed < 0 else
+                            "expired while Redis was unreachable" if unreachable else "expired or was taken over")
                 if self.on_lost is not None:  # its holder stops working for a commit that cannot land
                     self.on_lost(renewed < 0)
                 return
+            unreachable = False
 
     async def release(self) -> None:
         """Give the lease back (only if still ours); idempotent, and never raises for Redis.

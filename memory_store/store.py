@@ -547,6 +547,9 @@ class MemoryStore:
                 raise StoreUnavailable(f"Redis at {self._redis.where} took longer than the store timeout to commit "
                                        f"session {lease.session_id!r}; nothing was written")
             if status == "LEASE_LOST":
+                if lease.lost_to_outage:
+                    raise StoreUnavailable(f"Redis at {self._redis.where} could not be reached for longer than the "
+                                           f"lease on session {lease.session_id!r} lasts; nothing was written")
                 raise SessionConflict(f"the lease on session {lease.session_id!r} expired or was taken")
             if status != "OK":
                 raise SessionConflict(

@@ -14,7 +14,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from memory_store import SessionInfo
+from memory_store import Lease, SessionInfo
 from memory_store.codec import INLINE_BYTES
 from model.cache import DecodeState
 from model.engine import TokenEvent
@@ -23,7 +23,14 @@ from server.engine_core import CoreFinished, Need
 from server.runtime import Runtime
 from server.scheduler import EngineRequest, Finished, PromptScores
 from server.session_state import extend_window, importable, persisted, rebuild_window, stored_window
-from txlserve.errors import Overloaded, RequestCancelled, SessionConflict, SessionNotFound, Unavailable
+from txlserve.errors import (
+    Overloaded,
+    RequestCancelled,
+    SessionConflict,
+    SessionNotFound,
+    StoreUnavailable,
+    Unavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +77,7 @@ class Run:
         self.cancelled = False
         self.deleted = False
         self.lost = False
+        self.lease: Lease | None = None  # held while the run continues a session
         self.started = time.monotonic()
         self.task = asyncio.create_task(self._main())
         rt.track(self)
@@ -106,7 +114,7 @@ class Run:
                 await self.events.put(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
             async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
-                lease.on_lost = self.lease_lost  # deleted through another replica, say: stop within a step
+                lease.on_lost, self.lease = self.lease_lost, lease  # deleted through another replica, say: stop
                 info = lease.session.info
                 cached = info.tokens_seen
                 t0 = time.monotonic()
@@ -147,7 +155,7 @@ class Run:
                 await self.events.put(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
             async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
-                lease.on_lost = self.lease_lost
+                lease.on_lost, self.lease = self.lease_lost, lease
                 info = lease.session.info
                 cached = info.tokens_seen
                 req = core.submit(self.ids, self.params, key=(self.session_id, info.revision), persist=True,
@@ -251,6 +259,9 @@ class Run:
         """Why a run cancelled before its text was read stored nothing."""
         if self.deleted:
             return SessionNotFound(f"session {self.session_id!r} was deleted")
+        if self.lost and self.lease is not None and self.lease.lost_to_outage:
+            return StoreUnavailable(f"Redis could not be reached for longer than the lease on session "
+                                    f"{self.session_id!r} lasts: the request was stopped; nothing was stored")
         if self.lost:
             return SessionConflict(f"the lease on session {self.session_id!r} expired or another request took it; "
                                    "nothing was stored")

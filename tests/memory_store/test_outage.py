@@ -177,3 +177,28 @@ async def test_unreachable_redis_at_start(redis_server: Callable[..., RedisProce
     store = MemoryStore.from_url(server.url, identity=IDENTITY, op_timeout_s=OP_TIMEOUT_S)
     await fails_fast(store.start, within_s=2)
     await fails_fast(store.ping, within_s=1)  # and it stays a clean, closed store
+
+
+async def test_a_lease_that_expired_while_redis_was_away_is_an_outage_not_a_conflict(
+    redis_server: Callable[..., RedisProcess], tmp_path: Path
+) -> None:
+    """Redis away for longer than a lease lasts: its holder's commit was a SessionConflict (a 409, "expired or was
+    taken", as if another request had it), where nothing but the outage happened. It is StoreUnavailable (503)."""
+    server = redis_server(tmp_path / "aof")
+    async with MemoryStore.from_url(server.url, identity=IDENTITY, op_timeout_s=OP_TIMEOUT_S,
+                                    lease_ttl_ms=900) as store:  # renewed every 0.3 s
+        sid = (await store.create(tensors=make_state(seed=1), mem_len=8)).session_id
+        lease = await store.lease(sid)
+        server.kill()
+        await asyncio.sleep(1.2)  # past the lease's TTL, on Redis's clock too: renewals fail meanwhile
+        redis_server(server.data_dir, server.port)  # the lease key comes back from the AOF, expired
+        deadline = time.monotonic() + 20
+        while not lease.lost:  # the next renewal finds it gone
+            assert time.monotonic() < deadline, "the lease was never found lost"
+            await asyncio.sleep(0.05)
+        assert lease.lost_to_outage
+        with pytest.raises(StoreUnavailable, match="longer than the lease"):
+            await store.commit(lease, make_state(seed=2), tokens_seen=16)
+        await lease.release()
+        async with store.lease(sid) as again:  # and the session is whole
+            assert again.version == 1

@@ -188,10 +188,28 @@ def test_sigterm_lets_websocket_streams_end_then_closes_the_sockets(own_server, 
 
 def test_redis_outage_is_503_and_the_server_recovers(checkpoint, redis_server, tmp_path):
     redis = redis_server()
+    import threading
+
     srv = LiveServer(checkpoint, redis_url=redis.url, data_dir=tmp_path / "srv",
-                     args=("--store-timeout-s", "0.5")).start()
+                     args=("--store-timeout-s", "0.5", "--lease-ttl-ms", "2500")).start()  # renewed every 0.83 s
+    streamed: list[str] = []
     try:
         sid = httpx.post(srv.url + "/v1/sessions", json={"text": "kept "}).json()["id"]
+        other = httpx.post(srv.url + "/v1/sessions", json={"text": "long "}).json()["id"]
+        started = threading.Event()
+
+        def stream() -> None:  # a run whose lease expires while Redis is away: an outage, not a conflict
+            with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+                    "model": MODEL, "prompt": "x", "max_tokens": LONG, "stream": True, "session_id": other}) as r:
+                for line in r.iter_lines():
+                    started.set()
+                    if line:
+                        streamed.append(line)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(30)
+        killed = time.monotonic()
         redis.kill()
         r = httpx.get(srv.url + "/ready", timeout=10)
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
@@ -201,10 +219,16 @@ def test_redis_outage_is_503_and_the_server_recovers(checkpoint, redis_server, t
         assert r.status_code == 503 and time.monotonic() - t0 < 5
         assert r.json()["error"]["code"] == "store_unavailable"
         assert complete(srv, prompt="stateless still works", max_tokens=3)["usage"]["completion_tokens"] == 3
+        time.sleep(max(0.0, 3.0 - (time.monotonic() - killed)))  # the outage outlasts the stream's 2.5 s lease
         redis.start()  # same port, same append-only file
         wait_for(lambda: httpx.get(srv.url + "/ready").status_code == 200, 20, "/ready to answer 200", every=0.2)
         assert httpx.get(f"{srv.url}/v1/sessions/{sid}").json()["tokens_seen"] == 5
         assert complete(srv, prompt="back", max_tokens=2, session_id=sid)["session"]["tokens_seen"] == 11
+        reader.join(60)
+        assert not reader.is_alive() and streamed[-1] == "data: [DONE]"
+        err = json.loads(streamed[-2][len("data: "):])["error"]
+        assert err["code"] == "store_unavailable" and "longer than the lease" in err["message"], err  # was a 409
+        assert httpx.get(f"{srv.url}/v1/sessions/{other}").json()["tokens_seen"] == 5  # nothing was stored
     finally:
         srv.stop()
 

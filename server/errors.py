@@ -81,6 +81,8 @@ def install(app: FastAPI) -> None:
             headers = {"WWW-Authenticate": 'Bearer realm="txlserve"'}
         if status == 426:  # and a 426 the protocol
             headers = {"Upgrade": "websocket", "Connection": "Upgrade"}
+        if status == 409:  # the OpenAI SDKs retry a 409 unless told not to: a busy session's writes were made
+            headers = {"x-should-retry": "false"}  # one after the other, in an order nobody chose (found by a helper)
         return JSONResponse(body, status_code=status, headers=headers)
 
     async def _key_first(request: Request) -> JSONResponse | None:

@@ -35,6 +35,13 @@ from txlserve.errors import (
 log = logging.getLogger(__name__)
 
 
+# How long a request waits for a stopped run on its session to commit (a commit's Redis write, ms, bounded by the
+# store's timeout): past it, the request finds the session busy as it would have.
+STOPPED_RUN_WAIT_S = 5.0
+# How long a run on the same session that still generates is given to hear that its client left.
+NOTICE_S = 0.1
+
+
 @dataclass
 class Final:
     done: Finished
@@ -79,11 +86,14 @@ class Run:
         self.lost = False
         self.lease: Lease | None = None  # held while the run continues a session
         self.started = time.monotonic()
+        self.stopped = asyncio.Event()  # cancelled, or ended
         self.task = asyncio.create_task(self._main())
+        self.task.add_done_callback(lambda _: self.stopped.set())
         rt.track(self)
 
     def cancel(self) -> None:
         self.cancelled = True
+        self.stopped.set()
         if self.request is not None:
             self.request.cancel()
 
@@ -113,6 +123,7 @@ class Run:
                     rt.hot.put(info.session_id, info.revision, done.state, window)
                 await self.events.put(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
+            await self._after_stopped_runs()
             async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
                 lease.on_lost, self.lease = self.lease_lost, lease  # deleted through another replica, say: stop
                 info = lease.session.info
@@ -154,6 +165,7 @@ class Run:
                     req.keep(info.session_id, info.revision)
                 await self.events.put(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
+            await self._after_stopped_runs()
             async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
                 lease.on_lost, self.lease = self.lease_lost, lease
                 info = lease.session.info
@@ -173,6 +185,25 @@ class Run:
         finally:
             if req is not None:
                 req.close()
+
+    async def _after_stopped_runs(self) -> None:
+        """Wait (a few ms, bounded) for this server's runs on the same session that were stopped (their client
+        left or cancelled) to commit what they made. "Stop generating, then continue" sends its next request at
+        once: it was a 409 nearly every time (and the OpenAI SDK's retries hid it as a second's delay). The
+        client that left may not have been heard yet (its connection's end and the new request can be read in
+        one turn of the event loop): a run still generating gets a moment to be told. One still generating
+        after it serves another request: a 409, at once but for that moment."""
+        others = [r for r in self.rt.runs if r is not self and r.session_id == self.session_id]
+        if not others:
+            return
+        told = [asyncio.ensure_future(r.stopped.wait()) for r in others if not r.stopped.is_set()]
+        if told:
+            await asyncio.wait(told, timeout=NOTICE_S)
+            for waiter in told:
+                waiter.cancel()
+        stopped = [r.task for r in others if r.cancelled]
+        if stopped:
+            await asyncio.wait(stopped, timeout=STOPPED_RUN_WAIT_S)
 
     def _named(self, err: Exception) -> Exception:
         """A session that is not there (or was deleted meanwhile) names the body's field that asked for it."""

@@ -17,7 +17,7 @@ from server.protocol import CompletionRequest
 from server.runtime import Runtime
 from server.scheduler import PromptScores
 from server.service import Final, Run
-from txlserve.errors import UnsupportedEndpoint
+from txlserve.errors import RequestCancelled, UnsupportedEndpoint
 
 router = APIRouter()
 
@@ -40,7 +40,13 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
     comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
     if req.echo:
         comp.echoed = comp.text = await prompt_text(rt, req)
-    async with cancel_on_disconnect(request.receive, rt.metrics.disconnects.inc) as attach:
+    left: list[bool] = []
+
+    def disconnected() -> None:
+        rt.metrics.disconnects.inc()
+        left.append(True)
+
+    async with cancel_on_disconnect(request.receive, disconnected) as attach:
         run, first = await open_run(rt, req, who, attach)
         comp.prev = run.ids[-1] if run.ids else None
         if not req.stream:
@@ -53,7 +59,9 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                     comp.add_prompt(run.ids, item)
                 else:
                     _log_fields(run, item, request)
-                    return Response(comp.body(item, len(run.ids)).dump_json(), media_type="application/json")
+                    # a client that left got nothing: logged and counted as nginx counts it (it was a 200)
+                    return Response(comp.body(item, len(run.ids)).dump_json(), media_type="application/json",
+                                    status_code=RequestCancelled.status if left else 200)
     return StreamingResponse(_stream(rt, run, first, comp, t0, request), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

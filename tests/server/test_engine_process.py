@@ -59,7 +59,8 @@ def test_a_session_continued_hot_read_back_from_redis_and_forked_equals_one_requ
 
 def test_a_large_session_is_exported_and_imported_off_the_engines_threads(checkpoint, redis_url, tmp_path):
     """A session over 1 MiB (INLINE_BYTES): its export, its upload and its import run on threads of their own
-    (server/engine_core.py); the continuation is the one the whole document gives."""
+    (server/engine_core.py); the continuation is the one the whole document gives. A stream of it stopped by its
+    client, and the next request sent at once, is served."""
     srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=("--mem-len", "4200")).start()
     try:
         a, b = "It was the best of times, it was the worst of times, " * 85, "it was the age of wisdom"  # 4,505 tokens
@@ -69,6 +70,18 @@ def test_a_large_session_is_exported_and_imported_off_the_engines_threads(checkp
         fork = httpx.post(f"{srv.url}/v1/sessions/{sid['id']}/fork", timeout=60).json()["id"]  # Redis's alone
         for session in (sid["id"], fork):  # hot, then read from Redis
             assert _complete(srv, prompt=b, max_tokens=16, session_id=session).json()["choices"][0]["text"] == truth
+        # "stop generating", then continue at once: the stopped run still committed its megabytes for a few ms,
+        # and the next request was a 409 nearly every time (found by a helper). It waits for that commit.
+        with httpx.Client(base_url=srv.url, timeout=60) as client:  # made beforehand: a new client takes ms
+            for _ in range(3):
+                with client.stream("POST", "/v1/completions", json={
+                        "model": MODEL, "prompt": " go", "max_tokens": 4000, "stream": True, "session_id": fork}) as r:
+                    for i, _line in enumerate(r.iter_lines()):
+                        if i == 4:
+                            break
+                r = client.post("/v1/completions", json={"model": MODEL, "prompt": " on", "max_tokens": 2,
+                                                         "session_id": fork})
+                assert r.status_code == 200, r.text
     finally:
         srv.stop()
 

@@ -52,6 +52,22 @@ def test_client_disconnect_stops_generation_and_commits(server):
     assert float(line.split()[1]) >= 1
 
 
+def test_a_client_that_leaves_a_whole_answer_is_logged_as_499(server):
+    """A non-streamed completion whose client left: the run stops and commits what it made, and its log line and
+    the requests metric said 200, for a response nobody got (found by a helper). They say 499, as nginx does."""
+    from tests.server.test_hardening import _log_line
+
+    request_id = f"left-{time.monotonic_ns()}"
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(30, read=0.5),
+                   headers={"x-request-id": request_id}, json={"model": MODEL, "prompt": "go", "max_tokens": LONG})
+    line = _log_line(server, request_id)
+    assert line["status"] == 499 and line["finish_reason"] == "cancelled", line
+    assert 0 < line["completion_tokens"] < LONG
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'txlserve_requests_total{route="/v1/completions",status="499"}' in metrics
+
+
 @pytest.fixture
 def own_server(checkpoint, redis_url, tmp_path):
     servers = []

@@ -44,6 +44,8 @@ def test_second_request_on_a_busy_session_gets_409_at_once(server):
         t.join(60)
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
     assert busy.status_code == 409
+    # the OpenAI SDKs retry a 409 unless told not to: the writes were made one after the other behind the user
+    assert r.headers["x-should-retry"] == busy.headers["x-should-retry"] == "false"
 
 
 @pytest.fixture

@@ -100,6 +100,15 @@ def test_sessions_crud_append_fork(client: Client) -> None:
     assert info.value.code == "session_not_found" and info.value.status == 404
 
 
+def test_a_stream_of_text_holding_unicode_line_separators(client: Client) -> None:
+    """U+2028, U+2029 and U+0085 travel raw in the JSON of an SSE event: the stream failed with a JSONDecodeError
+    (the client cut lines where str.splitlines does; found by a helper)."""
+    prompt = "a\u2028b\u2029c\x85d"
+    with client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True, stream=True) as stream:
+        text = "".join(chunk.text for chunk in stream)
+    assert text.startswith(prompt)
+
+
 def test_list_pages(keyed_server: KeyedServer) -> None:
     # the third key creates sessions in this test only, so its list is exactly what this test made
     with Client(base_url=keyed_server.url, api_key=keyed_server.keys[2], timeout=30) as client:

@@ -26,7 +26,7 @@ from txlserve_client import (
     UnprocessableEntityError,
 )
 from txlserve_client._exceptions import error_from_body
-from txlserve_client._streaming import SSEDecoder, chunk_from_event
+from txlserve_client._streaming import SSEDecoder, SSELines, chunk_from_event
 
 from tests.clients.conftest import CLIENT_SRC
 
@@ -137,6 +137,34 @@ def test_sse_decoder() -> None:
     with pytest.raises(SessionBusyError) as info:
         chunk_from_event(json.dumps({**_body("conflict_error", "session_busy", "busy"), "status": 409}))
     assert info.value.status == 409 and info.value.message == "busy"
+
+
+@pytest.mark.parametrize("key", ["sk-secret-KEY\n", "sk-secret\x00KEY", "sk-secret-K\u00c9Y", "sk secret"])
+def test_a_key_no_header_can_carry_is_refused_without_quoting_it(key: str, monkeypatch, capsys) -> None:
+    """A key read from a file keeps its newline: httpx and websockets refused the header in a message that
+    quoted it whole, key and all, and txlserve chat printed it (found by a helper)."""
+    from txlserve_client import AsyncClient, Client
+    from txlserve_client.chat import main
+
+    for make in (Client, AsyncClient):
+        with pytest.raises(ValueError) as info:
+            make(base_url="http://127.0.0.1:9", api_key=key)
+        assert "secret" not in str(info.value) and "api_key" in str(info.value)
+    if "\x00" in key:  # no environment variable can hold it
+        return
+    monkeypatch.setenv("TXLSERVE_API_KEY", key)
+    assert main(["--url", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert "secret" not in err and err.count("\n") == 1, err
+
+
+def test_sse_lines_end_only_where_sse_ends_them() -> None:
+    """U+2028, U+2029 and U+0085 are raw inside JSON strings: httpx's iter_lines cut the event there (found by a
+    helper). CR, LF and CRLF end lines, a CRLF split between two reads too; a last line with no end is held."""
+    lines = SSELines()
+    got = lines.feed('data: {"t": "a\u2028b\u2029c\x85d"}\r') + lines.feed("\n\ndata: x\ry\n") + lines.feed("z")
+    assert got == ['data: {"t": "a\u2028b\u2029c\x85d"}', "", "data: x", "y"]
+    assert lines.feed("\r\n") == ["z"]
 
 
 def test_a_refused_websocket_handshake_is_named_by_its_body() -> None:

@@ -16,10 +16,12 @@ Retries. A call is sent again only when sending it twice cannot change the resul
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import json
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -163,7 +165,7 @@ def error_from_response(response: httpx.Response) -> APIError:
 
 def connection_error(err: Exception) -> APIConnectionError:
     where = _origin(err)
-    if isinstance(err, (httpx.TimeoutException, TimeoutError)):
+    if isinstance(err, (httpx.TimeoutException, TimeoutError, asyncio.TimeoutError)):  # two classes before 3.11
         return APITimeoutError(f"the request{where} timed out ({type(err).__name__}: {err})")
     return APIConnectionError(f"could not talk to the txlserve server{where} ({type(err).__name__}: {err})")
 
@@ -200,6 +202,11 @@ def _retry_after(response: httpx.Response) -> float | None:
     return max(seconds, 0.0) if seconds <= MAX_RETRY_AFTER else None
 
 
+# Visible ASCII: what a Bearer token can be sent as. Anything else failed in httpx or websockets with a message
+# that quoted the whole header, key and all (found by a helper).
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
+
+
 class BaseClient:
     """Configuration and retry policy; see the module docstring for what is retried and why."""
 
@@ -214,6 +221,10 @@ class BaseClient:
         if urlsplit(self.base_url).path.endswith("/v1"):  # the OpenAI SDK's form of the same server's URL
             self.base_url = self.base_url.removesuffix("/v1")
         self.api_key = api_key if api_key is not None else os.environ.get("TXLSERVE_API_KEY") or None
+        if self.api_key and not _HEADER_SAFE.fullmatch(self.api_key):  # the message never quotes the key
+            raise ValueError("api_key holds a character an HTTP header cannot carry (a space, a newline, a "
+                             "control or non-ASCII character; a key read from a file keeps its trailing newline: "
+                             "strip it)")
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
         self.max_retries = max_retries
 

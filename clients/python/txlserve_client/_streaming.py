@@ -20,6 +20,30 @@ from txlserve_client._types import CompletionChunk
 DONE = "[DONE]"
 
 
+class SSELines:
+    """Text in, lines out, ended only where SSE ends them (CR, LF or CRLF). httpx's ``iter_lines`` also ends a
+    line at U+0085, U+2028 and U+2029 (``str.splitlines``), which JSON carries unescaped inside a string: text
+    holding one was cut mid-event and failed to parse (found by a helper). A last line with no end is an event
+    cut short, which SSE discards."""
+
+    def __init__(self) -> None:
+        self._rest = ""
+
+    def feed(self, text: str) -> list[str]:
+        text, self._rest = self._rest + text, ""
+        lines = []
+        start = 0
+        while True:
+            cr, lf = text.find("\r", start), text.find("\n", start)
+            end = min(i for i in (cr, lf) if i >= 0) if cr >= 0 or lf >= 0 else -1
+            if end < 0 or (end == cr and end + 1 == len(text)):  # no end yet, or a CR whose LF may come next
+                break
+            lines.append(text[start:end])
+            start = end + (2 if end == cr and text.startswith("\n", end + 1) else 1)
+        self._rest = text[start:]
+        return lines
+
+
 class SSEDecoder:
     """Lines in, the ``data`` of each complete event out (the parts of the SSE format the server uses)."""
 
@@ -34,9 +58,6 @@ class SSEDecoder:
         if name == "data":
             self._data.append(value[1:] if value.startswith(" ") else value)
         return None  # comments (":...") and other fields are ignored
-
-    def flush(self) -> str | None:
-        return self.feed("")
 
 
 def chunk_from_event(data: str) -> CompletionChunk | None:
@@ -60,17 +81,16 @@ class Stream(Iterator[CompletionChunk]):
         self._chunks = self._iter()
 
     def _iter(self) -> Generator[CompletionChunk, None, None]:
-        decoder = SSEDecoder()
+        decoder, lines = SSEDecoder(), SSELines()
         try:
-            for line in self.response.iter_lines():
-                data = decoder.feed(line)
-                if data is None:
-                    continue
-                if (chunk := chunk_from_event(data)) is None:
-                    return
-                yield chunk
-            if (data := decoder.flush()) is not None and chunk_from_event(data) is None:
-                return
+            for text in self.response.iter_text():
+                for line in lines.feed(text):
+                    data = decoder.feed(line)
+                    if data is None:
+                        continue
+                    if (chunk := chunk_from_event(data)) is None:
+                        return
+                    yield chunk
         except httpx.TransportError as err:
             raise connection_error(err) from err
         finally:
@@ -103,17 +123,16 @@ class AsyncStream(AsyncIterator[CompletionChunk]):
         self._chunks = self._iter()
 
     async def _iter(self) -> AsyncGenerator[CompletionChunk, None]:
-        decoder = SSEDecoder()
+        decoder, lines = SSEDecoder(), SSELines()
         try:
-            async for line in self.response.aiter_lines():
-                data = decoder.feed(line)
-                if data is None:
-                    continue
-                if (chunk := chunk_from_event(data)) is None:
-                    return
-                yield chunk
-            if (data := decoder.flush()) is not None and chunk_from_event(data) is None:
-                return
+            async for text in self.response.aiter_text():
+                for line in lines.feed(text):
+                    data = decoder.feed(line)
+                    if data is None:
+                        continue
+                    if (chunk := chunk_from_event(data)) is None:
+                        return
+                    yield chunk
         except httpx.TransportError as err:
             raise connection_error(err) from err
         finally:

@@ -96,7 +96,7 @@ class WebSocketConnection:
         stack = contextlib.ExitStack()  # websockets >= 17.1 wants connect() entered as a context manager
         try:
             ws = stack.enter_context(websockets.sync.client.connect(client.ws_url, **connect_options(client)))
-        except (OSError, TimeoutError, websockets.exceptions.InvalidHandshake) as err:
+        except (OSError, TimeoutError, asyncio.TimeoutError, websockets.exceptions.InvalidHandshake) as err:
             raise connect_error(err) from err
         return cls(ws, client.timeout.read, stack)
 
@@ -126,7 +126,7 @@ class WebSocketConnection:
             return _message(self._ws.recv(timeout=self._read_timeout))
         except websockets.exceptions.ConnectionClosed as err:
             raise _closed(err) from err
-        except TimeoutError as err:
+        except (TimeoutError, asyncio.TimeoutError) as err:  # two classes before Python 3.11
             raise connection_error(err) from err
 
     def close(self) -> None:
@@ -200,7 +200,7 @@ class AsyncWebSocketConnection:
             raise closed_error()
         try:
             ws = await websockets.asyncio.client.connect(client.ws_url, **connect_options(client))
-        except (OSError, TimeoutError, websockets.exceptions.InvalidHandshake) as err:
+        except (OSError, TimeoutError, asyncio.TimeoutError, websockets.exceptions.InvalidHandshake) as err:
             raise connect_error(err) from err
         return cls(ws, client.timeout.read)
 
@@ -240,7 +240,7 @@ class AsyncWebSocketConnection:
             return _message(await asyncio.wait_for(self._ws.recv(), self._read_timeout))
         except websockets.exceptions.ConnectionClosed as err:
             raise _closed(err) from err
-        except TimeoutError as err:
+        except (TimeoutError, asyncio.TimeoutError) as err:  # two classes before Python 3.11
             raise connection_error(err) from err
 
     async def close(self) -> None:

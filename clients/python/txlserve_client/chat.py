@@ -153,7 +153,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "txlserve-chat") -> int:
     if isinstance(sys.stdin, io.TextIOWrapper):  # bytes that are not UTF-8 reach the server, which says so
         sys.stdin.reconfigure(errors="surrogateescape")
     try:
-        with Client(base_url=args.url, api_key=args.api_key) as client:
+        client = Client(base_url=args.url, api_key=args.api_key)
+    except ValueError as err:  # a key no header can carry: said without quoting it
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        with client:
             served = [m.id for m in client.models.list()]
             if args.model is not None and args.model not in served:  # before a session is made for nothing
                 print(f"{prog}: this server serves {', '.join(served)}, not {args.model!r}", file=sys.stderr)

@@ -158,6 +158,29 @@ def test_a_key_no_header_can_carry_is_refused_without_quoting_it(key: str, monke
     assert "secret" not in err and err.count("\n") == 1, err
 
 
+def test_an_answer_that_is_not_the_servers_is_an_api_error() -> None:
+    """A captive portal's 200 page, JSON cut short or of another shape, an event or a WebSocket message that is
+    not JSON: each raised JSONDecodeError, KeyError or UnicodeDecodeError (found by a helper), where every failure
+    a call meets is to be an APIError."""
+    import httpx
+    from txlserve_client._base import Call
+    from txlserve_client._websocket import _message
+
+    call = Call("GET", "/v1/models", parse=lambda body: [m["id"] for m in body["data"]])
+    for content, kind in ((b"<html>log in</html>", "text/html"), (b'{"data": [', "application/json"),
+                          (b'{"object": "list"}', "application/json"), (b"[1, 2]", "application/json")):
+        with pytest.raises(APIError, match="is not a txlserve server's") as info:
+            call.answer(httpx.Response(200, content=content, headers={"content-type": kind}))
+        assert type(info.value) is APIError and info.value.status == 200
+    assert call.answer(httpx.Response(200, json={"data": [{"id": "m"}]})) == ["m"]
+    for data in ("not json", '{"choices": 3}'):
+        with pytest.raises(APIError, match="is not a txlserve server's"):
+            chunk_from_event(data)
+    for raw in ("not json", b"\xff\xfe\x00"):
+        with pytest.raises(APIError, match="unexpected WebSocket message"):
+            _message(raw)
+
+
 def test_sse_lines_end_only_where_sse_ends_them() -> None:
     """U+2028, U+2029 and U+0085 are raw inside JSON strings: httpx's iter_lines cut the event there (found by a
     helper). CR, LF and CRLF end lines, a CRLF split between two reads too; a last line with no end is held."""

@@ -273,6 +273,21 @@ def test_damaged_checkpoint_gives_one_clear_line(tmp_path, damage, capsys):
     assert err.startswith("txlserve: error: ") and err.count("\n") == 1, err
 
 
+def _dies_after_one_move_in(moves: list):
+    """``os.replace`` for a save's move in that lets one file in (recorded in ``moves``), then dies as a kill -9
+    would; the renames inside the stage go through."""
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if ".saving" in Path(src).parts and ".saving" not in Path(dst).parts:  # a move in
+            if moves:
+                raise SystemExit("killed")
+            moves.append(dst)
+        real_replace(src, dst)
+
+    return replace
+
+
 def test_a_save_cut_short_leaves_one_save_or_the_other_and_the_run_resumes_exactly(corpus, tmp_path, monkeypatch):
     """A kill -9 between a save's four files left weights no config accepted, or a training state of another step
     that a resume took without a word (found by a helper). A save is written whole, then moved in: cut short while
@@ -285,17 +300,8 @@ def test_a_save_cut_short_leaves_one_save_or_the_other_and_the_run_resumes_exact
     run(tmp_path / "whole")
     out = tmp_path / "cut"
     run(out, stop_at=2)
-    moves = []
-    real_replace = os.replace
-
-    def dies_after_one_move(src, dst):  # the process dies once the new config is in, before its weights
-        if ".saving" in Path(src).parts and ".saving" not in Path(dst).parts:  # a move in (the others go through)
-            if moves:
-                raise SystemExit("killed")
-            moves.append(dst)
-        real_replace(src, dst)
-
-    monkeypatch.setattr(train_state.os, "replace", dies_after_one_move)
+    moves: list = []  # the process dies once the new config is in, before its weights
+    monkeypatch.setattr(train_state.os, "replace", _dies_after_one_move_in(moves))
     with pytest.raises(SystemExit):
         run(out, resume=True, stop_at=3)
     monkeypatch.undo()
@@ -399,17 +405,8 @@ def test_a_best_cut_short_as_it_moves_in_is_named_and_completed(corpus, tmp_path
                         eval_every=1, eval_tokens=2000, save_best=True, progress=False, **kw))
 
     run(stop_at=1)  # valid bpc ~5.2 at step 1, ~4.5 at step 2: step 2 is a new best
-    real_replace = os.replace
-    moved = []
-
-    def dies_after_one_move(src, dst):
-        if ".saving" in Path(src).parts and ".saving" not in Path(dst).parts:  # a move in
-            if moved:
-                raise SystemExit("killed")
-            moved.append(dst)
-        real_replace(src, dst)
-
-    monkeypatch.setattr(train_state.os, "replace", dies_after_one_move)
+    moved: list = []
+    monkeypatch.setattr(train_state.os, "replace", _dies_after_one_move_in(moved))
     with pytest.raises(SystemExit):
         run(resume=True, stop_at=2)
     monkeypatch.undo()

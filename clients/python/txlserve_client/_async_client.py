@@ -59,7 +59,7 @@ class AsyncClient(BaseClient):
             attempt += 1
 
     async def _call(self, call: Call[T]) -> T:
-        return call.parse((await self._send(call)).json())
+        return call.answer(await self._send(call))
 
     async def close(self) -> None:
         await self._http.aclose()

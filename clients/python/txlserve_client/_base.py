@@ -56,6 +56,17 @@ class Call(Generic[T]):
     retry: bool = False
     headers: Mapping[str, str] | None = None
 
+    def answer(self, response: httpx.Response) -> T:
+        """The result a 2xx answer carries. One that is not the server's (a captive portal's page, a body cut
+        short, JSON of another shape) is an APIError naming what came, not a JSONDecodeError or a KeyError: every
+        failure a call meets is an APIError (found by a helper)."""
+        try:
+            return self.parse(response.json())
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+            raise APIError(f"the answer to {self.method} {self.path} is not a txlserve server's ({type(err).__name__}"
+                           f"; {response.headers.get('content-type', 'no content type')})",
+                           status=response.status_code) from None
+
     def build(self, http: httpx.Client | httpx.AsyncClient) -> httpx.Request:
         if self.json is None:
             return http.build_request(self.method, self.path, params=self.params, headers=self.headers)

@@ -63,7 +63,7 @@ class Client(BaseClient):
             attempt += 1
 
     def _call(self, call: Call[T]) -> T:
-        return call.parse(self._send(call).json())
+        return call.answer(self._send(call))
 
     def close(self) -> None:
         self._http.close()

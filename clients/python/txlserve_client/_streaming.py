@@ -14,7 +14,7 @@ from types import TracebackType
 import httpx
 
 from txlserve_client._base import connection_error
-from txlserve_client._exceptions import APIConnectionError, error_from_body
+from txlserve_client._exceptions import APIConnectionError, APIError, error_from_body
 from txlserve_client._types import CompletionChunk
 
 DONE = "[DONE]"
@@ -60,14 +60,28 @@ class SSEDecoder:
         return None  # comments (":...") and other fields are ignored
 
 
+class SSEEvents:
+    """Text in, the ``data`` of each complete event out: :class:`SSELines` into :class:`SSEDecoder`."""
+
+    def __init__(self) -> None:
+        self._lines, self._decoder = SSELines(), SSEDecoder()
+
+    def feed(self, text: str) -> list[str]:
+        return [data for line in self._lines.feed(text) if (data := self._decoder.feed(line)) is not None]
+
+
 def chunk_from_event(data: str) -> CompletionChunk | None:
     """The chunk an event carries; None for the final ``[DONE]``; raises the error an error event carries."""
     if data == DONE:
         return None
-    body = json.loads(data)
-    if "error" in body:
-        raise error_from_body(body)
-    return CompletionChunk.from_sse(body)
+    try:
+        body = json.loads(data)
+        if "error" in body:
+            raise error_from_body(body)
+        return CompletionChunk.from_sse(body)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:  # not the server's event
+        raise APIError(f"an event of the stream is not a txlserve server's ({type(err).__name__}): "
+                       f"{data[:200]!r}") from None
 
 
 _ENDED_EARLY = "the stream ended before [DONE]: the server closed the connection"
@@ -81,13 +95,10 @@ class Stream(Iterator[CompletionChunk]):
         self._chunks = self._iter()
 
     def _iter(self) -> Generator[CompletionChunk, None, None]:
-        decoder, lines = SSEDecoder(), SSELines()
+        events = SSEEvents()
         try:
             for text in self.response.iter_text():
-                for line in lines.feed(text):
-                    data = decoder.feed(line)
-                    if data is None:
-                        continue
+                for data in events.feed(text):
                     if (chunk := chunk_from_event(data)) is None:
                         return
                     yield chunk
@@ -123,13 +134,10 @@ class AsyncStream(AsyncIterator[CompletionChunk]):
         self._chunks = self._iter()
 
     async def _iter(self) -> AsyncGenerator[CompletionChunk, None]:
-        decoder, lines = SSEDecoder(), SSELines()
+        events = SSEEvents()
         try:
             async for text in self.response.aiter_text():
-                for line in lines.feed(text):
-                    data = decoder.feed(line)
-                    if data is None:
-                        continue
+                for data in events.feed(text):
                     if (chunk := chunk_from_event(data)) is None:
                         return
                     yield chunk

@@ -61,7 +61,10 @@ def connect_error(err: Exception) -> APIError:
 
 
 def _message(raw: str | bytes) -> dict[str, Any]:
-    msg = json.loads(raw)
+    try:
+        msg = json.loads(raw)
+    except ValueError:  # not JSON, or bytes that are not UTF-8 (a UnicodeDecodeError is a ValueError)
+        raise APIError(f"unexpected WebSocket message: {raw[:200]!r}") from None
     if not isinstance(msg, dict):
         raise APIError(f"unexpected WebSocket message: {raw[:200]!r}")
     return msg

@@ -193,7 +193,8 @@ class Run:
         client that left may not have been heard yet (its connection's end and the new request can be read in
         one turn of the event loop): a run still generating gets a moment to be told. One still generating
         after it serves another request: a 409, at once but for that moment."""
-        others = [r for r in self.rt.runs if r is not self and r.session_id == self.session_id]
+        others = [r for r in self.rt.runs  # those that hold the session: a run that committed has let it go
+                  if r is not self and r.session_id == self.session_id and r.lease is not None and not r.lease.released]
         if not others:
             return
         told = [asyncio.ensure_future(r.stopped.wait()) for r in others if not r.stopped.is_set()]

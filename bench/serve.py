@@ -254,11 +254,11 @@ class EngineAlone:
     for a while, called before and after it so that both see the same state of a noisy machine."""
 
     def __init__(self, checkpoint: str, batch: int, tokens: int = 64, device: str = "auto",
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, overlap: bool = True) -> None:
         import torch
 
         from model.engine import Engine
-        from model.graphs import GraphedStep
+        from model.graphs import GraphedStep, GraphedTable
         from model.train import auto_dtype, pick_device
 
         dev = pick_device(device)  # as the server picks its device and dtype
@@ -267,9 +267,19 @@ class EngineAlone:
         self.state = self.engine.new_state(batch)
         ids = torch.randint(32, 127, (batch, self.engine.mem_len), device=dev)
         self.engine.decoder.prefill(self.state, ids, chunk_size=self.engine.prefill_chunk)
-        # the step at its fastest, as the server runs it: on a GPU one CUDA graph of this batch
-        self.step = GraphedStep(self.engine.decoder, self.state) if self.engine.decoder.cuda_graphs else (
-            lambda tokens: self.engine.decoder.step(self.state, tokens))
+        # the step at its fastest, as the server runs it: on a GPU one CUDA graph of this batch, and with overlap
+        # (the server's default there) the step and its tokens' draw replayed on a graphed table of the batch's
+        # rows, the host accepting one step's tokens while the next step runs
+        self.overlap, self.table = overlap, None
+        if self.engine.decoder.cuda_graphs and overlap:
+            self.table = GraphedTable(self.engine.decoder, batch)
+            self.table.capture_all()
+            for r in range(batch):
+                self.table.join(self.state.rows([r]))
+        elif self.engine.decoder.cuda_graphs:
+            self.step = GraphedStep(self.engine.decoder, self.state)
+        else:
+            self.step = lambda tokens: self.engine.decoder.step(self.state, tokens)
         self.generate(0)  # one request untimed, as the load warms up: the first steps trace and profile the
         # step's graph (at batch 1 the first half second read 808 against 1,040 tokens/s, and biased round 1)
         self.generated, self.elapsed = 0, 0.0
@@ -292,6 +302,20 @@ class EngineAlone:
         while True:
             gens = [Generation(SamplingParams(max_tokens=self.tokens, temperature=0.8), self.engine.tokenizer)
                     for _ in range(self.batch)]
+            if self.table is not None:  # overlapped: each step queued before the last one's tokens are accepted
+                temps, off = [0.8] * self.batch, [False] * self.batch
+                drawn = self.table.draw([True] * self.batch, temps, [g.rng.random() for g in gens])
+                for _ in range(self.tokens):
+                    queued = self.table.launch([0] * self.batch, off, temps, [g.rng.random() for g in gens])
+                    for g, token in zip(gens, drawn.tolist()):
+                        g.accept(token, None)
+                    if wake is not None:
+                        wake()
+                    drawn = queued
+                generated += self.batch * self.tokens
+                if time.perf_counter() - t0 >= seconds:
+                    break
+                continue
             for _ in range(self.tokens):
                 logits = self.state.last_logits.float().cpu()  # [batch, vocab]
                 chosen = Generation.choose(gens, logits)  # as the server's loop samples
@@ -362,7 +386,7 @@ class EngineLoop:
         self.lengths = lengths or Lengths(alone.tokens)
         self.states = [alone.state.rows([r]) for r in range(alone.batch)]  # each client's own session
         self.scheduler = Scheduler(self.engine, prefill_chunk=self.engine.prefill_chunk,  # the server's defaults
-                                   stream_interval=stream_interval)
+                                   stream_interval=stream_interval, overlap=alone.overlap)
         self.scheduler.start()
         self.generated, self.elapsed = 0, 0.0
         try:
@@ -570,7 +594,7 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
         doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
         rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0, stream_interval: int = 1,
         cpu_latency_qos_us: int | None = None, enforce_eager: bool = False, workers: int = 1,
-        engine_process: bool = True, api_key: str | None = None) -> dict[str, Any]:
+        engine_process: bool = True, api_key: str | None = None, overlap: bool = True) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
     from server.cpu_latency import guest_halt_poll_ns
@@ -583,6 +607,7 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
     with tempfile.TemporaryDirectory(prefix="txl-bench-serve-") as data_dir:
         qos = [] if cpu_latency_qos_us is None else ["--cpu-latency-qos-us", str(cpu_latency_qos_us)]
         qos += ["--enforce-eager"] if enforce_eager else []
+        qos += [] if overlap else ["--disable-overlap-schedule"]
         qos += ["--engine-process" if engine_process else "--no-engine-process"]
         server = None if url else _Server(checkpoint, data_dir, ["--device", device,
                                                                  "--stream-interval", str(stream_interval), *qos],
@@ -591,7 +616,7 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
         model = served_model(target, api_key)
         try:
             for n in concurrency:
-                alone = EngineAlone(checkpoint, n, max_tokens, device, enforce_eager)
+                alone = EngineAlone(checkpoint, n, max_tokens, device, enforce_eager, overlap)
                 loads.append(_against_engine(target, model, alone, n, duration, lengths, rounds, stream_interval,
                                              api_key))
             result: dict[str, Any] = {"loads": loads}
@@ -605,6 +630,7 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                    "guest_halt_poll_ns": guest_halt_poll_ns(),
                    "stream_interval": stream_interval,  # the engine loop's, and the spawned server's
                    "enforce_eager": enforce_eager,  # the engine's and the spawned server's (no CUDA graphs)
+                   "overlap_schedule": overlap,  # the same three's, on a GPU's graphed steps
                    "server_stream_interval": None if url else stream_interval,  # a running server's: unknown
                    # the spawned server's CPU latency QoS request (a flag, or its environment), in microseconds
                    "server_cpu_latency_qos_us": qos_us,
@@ -661,6 +687,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="the engine alone, the engine loop and the spawned server run their steps op by op (as "
                         "the server's --enforce-eager): no CUDA graphs, no traced graphs, no C kernels")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="the engine alone, the engine loop and the spawned server draw each step's tokens on the "
+                        "host once the step is done (as the server's --disable-overlap-schedule); on a GPU they "
+                        "are drawn on the device while the next step is queued by default")
     p.add_argument("--workers", type=count(1), default=1,
                    help="the spawned server's --workers (its threads default to each worker's share); the engine "
                         "alone stays one process, so with N > 1 the ratios compare N engines with one")
@@ -678,5 +708,6 @@ def main(ns: argparse.Namespace) -> int:
                          rounds=ns.rounds, random_range_ratio=ns.random_range_ratio, seed=ns.seed,
                          stream_interval=ns.stream_interval, cpu_latency_qos_us=ns.cpu_latency_qos_us,
                          enforce_eager=ns.enforce_eager, workers=ns.workers, engine_process=ns.engine_process,
+                         overlap=not ns.disable_overlap_schedule,
                          api_key=ns.api_key or os.environ.get("TXLSERVE_API_KEY") or None)))
     return 0

@@ -57,7 +57,7 @@ class Generation:
         """Choose the next token from ``logits [vocab]`` and say what text it releases."""
         return self.accept(Generation.choose([self], logits[None])[0], logits)
 
-    def accept(self, token: int, logits: Tensor, row: int | None = None) -> TokenEvent:
+    def accept(self, token: int, logits: Tensor | None, row: int | None = None) -> TokenEvent:
         """Record ``token``, chosen from ``logits [vocab]`` (or row ``row`` of ``logits [rows, vocab]``: a batch's
         scores are indexed only where logprobs are asked for, 0.8 us a row saved on every step otherwise), and say
         what text it releases."""

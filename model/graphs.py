@@ -9,19 +9,21 @@ its rows (vLLM's ``cudagraph_capture_sizes``): 1, 2, 4, then every multiple of 8
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from model.cache import DecodeState, SlotTable
+from model.sampling import sample_on_device
 from txlserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from model.decode import Decoder
 
-__all__ = ["GraphedStep", "GraphedTable", "capture_sizes"]
+__all__ = ["Drawn", "GraphedStep", "GraphedTable", "capture_sizes"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,33 @@ def _release_generator(device: torch.device) -> None:
         gen.graphsafe_set_state(gen.clone_state())
 
 
+@dataclass
+class Drawn:
+    """Tokens drawn on the device for rows [0, n) of a decode table, on their way to the host."""
+
+    tokens: Tensor  # [n] int64 on the host (pinned on a GPU), written once ``ready`` has passed
+    ready: torch.cuda.Event | None  # None: written already (a CPU's table)
+
+    def tolist(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()  # the GIL is released while it waits
+        return self.tokens.tolist()
+
+
+def _capture_ops(device: torch.device, fn: Callable[[], None], pool: tuple[int, int]) -> torch.cuda.CUDAGraph:
+    """``fn`` (a few ops on fixed buffers, no model step) captured after one eager run on a side stream."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            fn()
+    return graph
+
+
 class GraphedStep:
     """One decode step for a fixed batch, captured as a CUDA graph.
 
@@ -106,6 +135,12 @@ class GraphedTable(SlotTable):
     batch), or on some of the rows, run eagerly; so does every step if a capture fails (logged): the results are
     the same.
 
+    Overlapped steps (:meth:`launch`, the engine loop's where every row's tokens may be drawn on the device, as
+    SGLang's overlap scheduler and vLLM's async scheduling run): a step feeds each row the token drawn after its
+    last step, or a token the host gives (a prompt's), then draws the row's next token from the new scores and
+    starts its copy to the host, all queued without waiting for the device; so the host handles one step's tokens
+    (their text, stop strings, the hand-off to the streams) while the next step runs.
+
     ``capture=False`` runs the same padded steps eagerly: how the padding is tested without a GPU."""
 
     def __init__(self, decoder: Decoder, capacity: int, *, capture: bool = True) -> None:
@@ -120,10 +155,26 @@ class GraphedTable(SlotTable):
         # a small part of an eager pass of a few tokens (0.2-0.5 ms against ~3 ms for the bundled model), so
         # MAX_CHUNK tokens in replays cost less than one such pass; False once steps run eagerly
         self.prompts_in_steps = capture
+        dev, cap, pin = decoder.device, self.capacity, decoder.device.type == "cuda"
+        self.next = torch.zeros(cap, dtype=torch.long, device=dev)  # [capacity]: each row's token drawn last
+        self.inputs = torch.zeros(cap, 4, dtype=torch.float64, device=dev)  # [capacity, 4]: token, use it, temp, draw
+        # host sides of the copies, used in turn: one is reused only after the step that read or wrote it passed;
+        # rows [0, n) of each are contiguous, so a copy is one transfer from pinned memory that does not wait
+        self._host_in = [torch.zeros(cap, 4, dtype=torch.float64, pin_memory=pin) for _ in range(4)]
+        self._host_out = [torch.zeros(cap, dtype=torch.long, pin_memory=pin) for _ in range(4)]
+        self._ready = [torch.cuda.Event() if pin else None for _ in range(4)]
+        self._turn = 0
+        self.helpers: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # ("feed" | "draw", size): captured
 
     def size(self, n: int) -> int:
         """The rows a step of ``n`` rows runs: the smallest captured size that holds them."""
         return next(s for s in self.sizes if s >= n)
+
+    def leave(self, row: int) -> None:
+        last = self.n - 1
+        super().leave(row)
+        if row != last:
+            self.next[row] = self.next[last]  # the moved row's drawn token moves with it
 
     def clear(self) -> None:
         """Every row free again (the engine loop's reset after a failed step): rows and graphs stay, where a new
@@ -137,6 +188,7 @@ class GraphedTable(SlotTable):
         for s in reversed(self.sizes):
             if self._graph(s) is None:
                 return
+            self._helper("feed", s), self._helper("draw", s)
 
     def _graph(self, s: int) -> torch.cuda.CUDAGraph | None:
         if s not in self.graphs and self.capture:
@@ -166,8 +218,12 @@ class GraphedTable(SlotTable):
         if tokens.size(1) != 1 or not whole or n == 0:
             self.decoder.advance(view, tokens)
             return
-        s = self.size(n)
         self.tokens[:n].copy_(tokens, non_blocking=True)  # [n, 1]; rows n.. keep earlier (valid) tokens
+        self._step(self.size(n))
+        view.last_logits = self.table.last_logits[:n]  # [n, vocab]
+
+    def _step(self, s: int) -> None:
+        """Rows [0, s) fed ``tokens[:s]``: the graph of ``s`` rows replayed, or the same padded step eagerly."""
         graph = self._graph(s)
         if graph is not None:
             with torch.cuda.device(self.decoder.device):
@@ -176,4 +232,67 @@ class GraphedTable(SlotTable):
             padded = self.table.span(0, s)
             self.decoder.advance(padded, self.tokens[:s])
             self.table.last_logits[:s] = padded.last_logits  # [s, vocab]
-        view.last_logits = self.table.last_logits[:n]  # [n, vocab]
+
+    # -- overlapped steps ------------------------------------------------------------------------------------
+    def launch(self, feed: Sequence[int], use: Sequence[bool], temps: Sequence[float],
+               draws: Sequence[float]) -> Drawn:
+        """Step every row in use, rows [0, n): row ``r`` is fed ``feed[r]`` where ``use[r]``, else the token drawn
+        after its last step; then its next token is drawn from the new scores with temperature ``temps[r]`` and
+        uniform draw ``draws[r]`` (:func:`sample_on_device`). Nothing here waits for the device."""
+        n, s = self.n, self.size(self.n)
+        host_in, host_out, ready = self._take_turn()
+        host_in[:n] = torch.tensor([feed, use, temps, draws], dtype=torch.float64).T  # [n, 4]
+        self.inputs[:n].copy_(host_in[:n], non_blocking=True)  # rows n.. keep earlier (valid) values
+        self._run("feed", s)
+        self._step(s)
+        self._run("draw", s)
+        return self._to_host(host_out, ready, n)
+
+    def draw(self, rows: Sequence[bool], temps: Sequence[float], draws: Sequence[float]) -> Drawn:
+        """Draw the next token of each row ``r`` in use where ``rows[r]``, from the scores it holds (a session that
+        joined from its memory alone, or rows stepped with tokens the host drew), without a step; the others keep
+        the token they had. Rare (a join without a prompt, a switch from host-drawn steps): eager."""
+        n = self.n
+        host_in, host_out, ready = self._take_turn()
+        host_in[:n] = torch.tensor([[0] * n, rows, temps, draws], dtype=torch.float64).T  # [n, 4]
+        self.inputs[:n].copy_(host_in[:n], non_blocking=True)
+        fresh = sample_on_device(self.table.last_logits[:n], self.inputs[:n, 2], self.inputs[:n, 3])  # [n]
+        self.next[:n] = torch.where(self.inputs[:n, 1] > 0, fresh, self.next[:n])
+        return self._to_host(host_out, ready, n)
+
+    def _take_turn(self) -> tuple[Tensor, Tensor, torch.cuda.Event | None]:
+        t, self._turn = self._turn, (self._turn + 1) % len(self._host_in)
+        return self._host_in[t], self._host_out[t], self._ready[t]
+
+    def _to_host(self, host_out: Tensor, ready: torch.cuda.Event | None, n: int) -> Drawn:
+        host_out[:n].copy_(self.next[:n], non_blocking=True)
+        if ready is not None:
+            ready.record(torch.cuda.current_stream(self.decoder.device))  # the copy's stream: on cuda:N, N's
+        return Drawn(host_out[:n], ready)
+
+    def _feed(self, s: int) -> None:
+        self.tokens[:s, 0] = torch.where(self.inputs[:s, 1] > 0, self.inputs[:s, 0].long(), self.next[:s])
+
+    def _draw(self, s: int) -> None:
+        self.next[:s] = sample_on_device(self.table.last_logits[:s], self.inputs[:s, 2], self.inputs[:s, 3])
+
+    def _helper(self, kind: str, s: int) -> torch.cuda.CUDAGraph | None:
+        """The graph of ``_feed`` or ``_draw`` for ``s`` rows (captured with the steps); None: run them eagerly."""
+        if (kind, s) not in self.helpers and self.capture and self._pool is not None:
+            fn = getattr(self, "_" + kind)
+            try:
+                self.helpers[kind, s] = _capture_ops(self.decoder.device, lambda: fn(s), self._pool)
+            except Exception as err:  # the eager ops are exact
+                _release_generator(self.decoder.device)
+                log.warning("a step's token %s runs eagerly: capturing it for %d rows failed (%s: %s)", kind, s,
+                            type(err).__name__, err)
+                self.capture, self.graphs, self.helpers, self.prompts_in_steps = False, {}, {}, False
+        return self.helpers.get((kind, s))
+
+    def _run(self, kind: str, s: int) -> None:
+        graph = self._helper(kind, s)
+        if graph is None:
+            getattr(self, "_" + kind)(s)
+        else:
+            with torch.cuda.device(self.decoder.device):
+                graph.replay()

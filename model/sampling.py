@@ -122,6 +122,27 @@ def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[fl
     return chosen.tolist()
 
 
+def drawn_on_device(params: SamplingParams, vocab: int) -> bool:
+    """Whether a request's tokens can be drawn by :func:`sample_on_device`: temperature alone, no ``top_k``,
+    ``top_p`` or logprobs (which need the scores on the host)."""
+    return not 0 < params.top_k < vocab and params.top_p >= 1.0 and params.logprobs is None
+
+
+def sample_on_device(logits: Tensor, temps: Tensor, u: Tensor) -> Tensor:
+    """One token per row of ``logits [rows, vocab]`` where the scores lie (a GPU's decode batch, so that the next
+    step can be queued before this one's tokens reach the host), from each row's temperature ``temps [rows]``
+    and draw ``u [rows]`` (float64): the inverse CDF of :func:`sample_rows`'s torch ops for rows without
+    ``top_k`` or ``top_p``, so a seeded request draws the same tokens in any batch here too. Fixed shapes and no
+    host reads: it can be captured in a CUDA graph."""
+    greedy = temps < GREEDY_BELOW  # [rows]
+    x = logits.float() / torch.where(greedy, torch.ones_like(temps), temps).float()[:, None]  # [rows, vocab]
+    cdf = torch.softmax(x, -1).cumsum(-1)  # [rows, vocab]
+    total = cdf[:, -1:]  # [rows, 1]
+    below = torch.minimum((u[:, None] * total).float(), torch.nextafter(total, torch.zeros_like(total)))  # < total
+    chosen = torch.searchsorted(cdf, below, right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)  # [rows]
+    return torch.where(greedy, logits.argmax(-1), chosen)  # [rows] int64
+
+
 def token_logprobs(logits: Tensor, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
     """The chosen token's log-probability under the model and the ``top_n`` most likely tokens, plus the chosen
     one when it is not among them: OpenAI's rule ("always the logprob of the sampled token, so up to logprobs+1

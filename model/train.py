@@ -176,9 +176,20 @@ def _dist_setup(device: torch.device) -> tuple[int, int, torch.device]:
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = rank_device(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count())
         torch.cuda.set_device(device)
     return rank, world, device
+
+
+def rank_device(local_rank: int, count: int) -> torch.device:
+    """A DDP rank's GPU: one per process on a node. More processes than GPUs (``--nproc_per_node 2`` on a
+    one-GPU machine, say, or a CPU run resumed without ``--device cpu`` on a GPU machine) failed in a CUDA
+    traceback ("invalid device ordinal") on the second rank."""
+    if local_rank >= count:
+        raise ConfigError(f"this node runs DDP rank {local_rank} but has {count} CUDA device(s): start at most "
+                          f"{count} process(es) a node (torchrun --nproc_per_node), or train on CPUs with "
+                          "--device cpu", param="device")
+    return torch.device("cuda", local_rank)
 
 
 def load_training_corpus(args: TrainArgs) -> tuple[Corpus, Tokenizer]:

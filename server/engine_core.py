@@ -193,7 +193,8 @@ class _Core:
         self.storage_dtype = getattr(torch, settings["storage_dtype"])
         self.scheduler = Scheduler(self.engine, max_batch=settings["max_batch"], batch_bytes=settings["batch_bytes"],
                                    prefill_chunk=self.engine.prefill_chunk,
-                                   stream_interval=settings["stream_interval"])
+                                   stream_interval=settings["stream_interval"],
+                                   overlap=settings["overlap"])
         self.hot = HotStates(settings["hot_bytes"], report_evictions=True)
         # a large session's import (reading its stored tensors, projecting its keys and values) and export run
         # here, off the reader thread (which then still takes other requests' messages) and off the engine thread

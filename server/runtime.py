@@ -154,7 +154,8 @@ async def open_runtime(settings: Settings) -> Runtime:
                                      prefill_products=settings.prefill_products)
     store = await _open_store(settings, engine, device)
     scheduler = Scheduler(engine, max_batch=settings.max_batch, batch_bytes=settings.batch_mb << 20,
-                          prefill_chunk=engine.prefill_chunk, stream_interval=settings.stream_interval)
+                          prefill_chunk=engine.prefill_chunk, stream_interval=settings.stream_interval,
+                          overlap=not settings.disable_overlap_schedule)
     scheduler.start()
     # the engine thread traces (CPU) or captures (GPU) its steps before the server listens: a capture must not
     # meet other threads' work on the GPU, and the first requests must not wait for them
@@ -185,7 +186,8 @@ def core_settings(s: Settings, checkpoint: str, device: torch.device, dtype: tor
             "mem_len": s.mem_len, "clamp_len": s.clamp_len, "prefill_chunk": s.prefill_chunk,
             "enforce_eager": s.enforce_eager, "prefill_products": s.prefill_products,
             "storage_dtype": s.storage_dtype, "max_batch": s.max_batch, "batch_bytes": s.batch_mb << 20,
-            "stream_interval": s.stream_interval, "hot_bytes": s.hot_cache_mb << 20, "threads": s.threads,
+            "stream_interval": s.stream_interval, "overlap": not s.disable_overlap_schedule,
+            "hot_bytes": s.hot_cache_mb << 20, "threads": s.threads,
             "processes": s.workers if s.workers > 1 else None, "log_level": s.log_level,
             "switch_interval_ms": s.switch_interval_ms}
 

@@ -12,7 +12,10 @@ into decode batches). Results go back to the asyncio side once per
 iteration, one wake-up per event loop; with ``stream_interval`` N > 1 (vLLM's setting), a
 request's generated tokens after its first go in groups of N, so a stream wakes its
 event loop once every N steps (each wake-up cost one stream about 8% of its tokens/s:
-BENCHMARKS.md, "What a token's hand-off costs").
+BENCHMARKS.md, "What a token's hand-off costs"). On a GPU's graphed table the steps overlap the host's work: each
+row's next token is drawn on the device at the end of its step and the next step is queued before the host has
+accepted this one's tokens (``_overlapped_step``; SGLang's overlap scheduler), one stream 1.24-1.33x as fast
+through the server on an H100 (BENCHMARKS.md, "Eighth lease").
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from model.cache import RowBatch
 from model.decode import DecodeState
 from model.engine import Engine, Generation, Score, TokenEvent
 from model.fused import MAX_CHUNK
-from model.graphs import GraphedTable
-from model.sampling import SamplingParams
+from model.graphs import Drawn, GraphedTable
+from model.sampling import SamplingParams, drawn_on_device
 from txlserve.errors import InvalidRequestError, Unavailable
 
 log = logging.getLogger("txlserve.scheduler")
@@ -88,6 +91,7 @@ class Job:
     started: float | None = None  # the engine's first work on it (a prompt chunk, or joining the batch)
     read: float | None = None  # its prompt completely read
     generation: Generation | None = None
+    on_device: bool = False  # its tokens can be drawn on the device (temperature alone: no top_k, top_p, logprobs)
     score: Score = field(default_factory=lambda: Score(0, 0.0))
     held: list[TokenEvent] = field(default_factory=list)  # generated tokens not yet handed over (stream_interval)
     handed: int = 0  # generated tokens handed over so far
@@ -148,10 +152,14 @@ class Scheduler:
     # step of a row table: at most what the fused attention takes a row)
 
     def __init__(self, engine: Engine, *, max_batch: int = 256, batch_bytes: int = 1 << 30,
-                 prefill_chunk: int = 512, stream_interval: int = 1) -> None:
+                 prefill_chunk: int = 512, stream_interval: int = 1, overlap: bool = True) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, not {stream_interval}")
         self.engine, self.prefill_chunk, self.stream_interval = engine, prefill_chunk, stream_interval
+        self.overlap = overlap  # on a graphed table: draw tokens on the device, a step queued before the last one's
+        # tokens are handled (``_overlapped_step``)
+        self._drawn: list[tuple[Drawn, list[Job | None]]] = []  # tokens drawn on the device and not yet accepted,
+        # with the job each row's token is for (None: nobody's, a prompt token's step); fed by the next step
         self.capacity = batch_capacity(engine, max_batch=max_batch, batch_bytes=batch_bytes)
         self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.prefilling: deque[Job] = deque()
@@ -285,7 +293,7 @@ class Scheduler:
                 log.exception("engine step failed")
                 for job in list(self.active):
                     self._finish(job, JobFailed(err))
-                self.running = []
+                self.running, self._drawn = [], []
                 if isinstance(self.slots, GraphedTable):
                     self.slots.clear()  # its rows and graphs stay: a new one would take a second capacity first
                 else:
@@ -312,10 +320,14 @@ class Scheduler:
         into a busy one in the decode steps (:meth:`_regroup`); a longer one is prefilled in chunks first.
         Many requests arriving at once then cost one batched pass, not one each."""
         if job.params is not None and len(job.pending) <= self.SHORT_PROMPT and job.prompt_logprobs is None:
-            job.generation = Generation(job.params, self.engine.tokenizer, job.prev)
+            self._generation(job)
             self.ready.append(job)
         else:
             self.prefilling.append(job)
+
+    def _generation(self, job: Job) -> None:
+        job.generation = Generation(job.params, self.engine.tokenizer, job.prev)
+        job.on_device = drawn_on_device(job.params, self.engine.config.vocab_size)
 
     def _prefill(self) -> None:
         """Read up to ``prefill_chunk`` prompt tokens per iteration, across waiting requests in turn: a long
@@ -360,7 +372,7 @@ class Scheduler:
         if job.params is None:
             self._finish(job, self._done(job, None, None))
         else:
-            job.generation = Generation(job.params, self.engine.tokenizer, job.prev)
+            self._generation(job)
             self.ready.append(job)
         self.prefilling.popleft()
         return max(1, len(chunk))
@@ -465,27 +477,99 @@ class Scheduler:
             self.ready.remove(job)
             self._finish(job, self._done(job, None, "cancelled"))
         cancelled = [r for r, job in enumerate(self.running) if job.cancelled]
-        if cancelled or self.ready:
-            self._regroup(cancelled)
+        if cancelled or self.ready:  # a cancelled row's token drawn on the device, not yet accepted, is dropped:
+            self._regroup(cancelled)  # the session holds every token its stream was sent, and no other
         if not self.running:
+            self._drawn = []  # drawn for rows that left: nobody's
             return
-        batch = self.slots.active()  # views of rows [0, n)
-        logits = batch.last_logits.float().cpu()  # [batch, vocab]
+        if self.overlap and isinstance(self.slots, GraphedTable) and all(job.on_device for job in self.running):
+            self._overlapped_step()
+        else:
+            self._step()
+
+    def _accept_drawn(self) -> tuple[dict[int, TokenEvent], dict[int, BaseException], dict[int, int]]:
+        """Accept the tokens drawn on the device for the rows still generating (a row whose last token ended its
+        request, or that left, drew one more that nobody reads) and send them to their streams; by row: the
+        events, the rows whose accept failed, and the tokens."""
+        at = {job: r for r, job in enumerate(self.running)}
         events: dict[int, TokenEvent] = {}
         failed: dict[int, BaseException] = {}
-        fed = [job.pending[0] if job.pending else 0 for job in self.running]  # a prompt still read: its next token
-        sampling = [r for r, job in enumerate(self.running) if not job.pending]
-        riding = len(sampling) < len(self.running)  # some rows still read their prompts
-        rows = logits[sampling] if riding else logits  # [sampling, vocab]
-        chosen = Generation.choose([self.running[r].generation for r in sampling], rows) if sampling else []
-        for r, token in zip(sampling, chosen):  # sampled together
-            try:
-                events[r] = self.running[r].generation.accept(token, logits, r)
-                fed[r] = events[r].token
-            except Exception as err:  # one request's bad luck is not the batch's: its row steps on a filler
-                failed[r] = err  # token and leaves after the step; every other row advances as planned
-        for r, event in events.items():  # sent before the step that feeds them: a token reaches its stream
-            self._emit(self.running[r], event)  # one step sooner (the final one waits for the commit anyway)
+        tokens: dict[int, int] = {}
+        for drawn, jobs in self._drawn:
+            for job, token in zip(jobs, drawn.tolist()):
+                r = at.get(job) if job is not None else None
+                if r is None:  # left: ended on its last token, cancelled or failed
+                    continue
+                tokens[r] = token
+                try:
+                    events[r] = job.generation.accept(token, None)  # no logprobs where tokens are drawn there
+                except Exception as err:  # as in _step: this row alone fails, after the step that fed it
+                    failed[r] = err
+        self._drawn = []
+        for r, event in events.items():
+            self._emit(self.running[r], event)
+        return events, failed, tokens
+
+    def _overlapped_step(self) -> None:
+        """One decode step of every row, queued on the device before the tokens drawn after the last step reach
+        the host; each row's next token is drawn on the device at the end of the step, so the host accepts one
+        step's tokens (text, stop strings, the hand-off to the streams) while the next step runs. Each token is
+        fed by the step after the one that drew it, as in :meth:`_step`: a request that ends on a token has
+        been fed it when it leaves, and the one more token its row drew is nobody's. Each row draws its
+        uniform number from its request's generator once per token, as :meth:`_step` does, so a seeded request
+        draws the same tokens either way, in any batch."""
+        slots = self.slots
+        waiting = {job for _, jobs in self._drawn for job in jobs if job is not None}
+        fresh = [not job.pending and job not in waiting for job in self.running]  # joined from its memory alone,
+        if any(fresh):  # or after steps drawn on the host: its next token comes from the scores it holds
+            jobs = [job if f else None for job, f in zip(self.running, fresh)]
+            draws = [job.generation.rng.random() if f else 0.0 for job, f in zip(self.running, fresh)]
+            self._drawn.append((slots.draw(fresh, [job.generation.params.temperature for job in self.running],
+                                           draws), jobs))
+        feed, use, temps, draws, takes = [], [], [], [], []
+        for job in self.running:
+            riding = bool(job.pending)  # a prompt token to read; the last one's step draws the first token
+            feed.append(job.pending[0] if riding else 0)
+            use.append(riding)
+            temps.append(job.generation.params.temperature)
+            last = len(job.pending) <= 1
+            draws.append(job.generation.rng.random() if last else 0.0)
+            takes.append(job if last else None)
+        drawn = slots.launch(feed, use, temps, draws)
+        self.steps += 1
+        for job in self.running:
+            if job.pending:
+                del job.pending[0]
+                self.prompt_tokens_in_batch += 1
+                if not job.pending:
+                    job.prompt_read()
+        events, failed, _ = self._accept_drawn()  # the tokens the step just queued feeds
+        self._drawn = [(drawn, takes)]
+        self._flush()
+        self._regroup([r for r, ev in events.items() if ev.finish_reason is not None], failed)
+
+    def _step(self) -> None:
+        """One decode step with every token drawn on the host (rows that ask for ``top_k``, ``top_p`` or logprobs,
+        a CPU's table, or ``overlap`` off); tokens the device drew for the batch before are fed as they are."""
+        batch = self.slots.active()  # views of rows [0, n)
+        events, failed, drawn = self._accept_drawn()
+        fed = [job.pending[0] if job.pending else drawn.get(r, 0) for r, job in enumerate(self.running)]
+        sampling = [r for r, job in enumerate(self.running) if not job.pending and r not in drawn]
+        riding = any(job.pending for job in self.running)  # some rows still read their prompts
+        if sampling:
+            logits = batch.last_logits.float().cpu()  # [batch, vocab]
+            rows = logits[sampling] if len(sampling) < len(self.running) else logits  # [sampling, vocab]
+            chosen = Generation.choose([self.running[r].generation for r in sampling], rows)
+            for r, token in zip(sampling, chosen):  # sampled together
+                try:
+                    events[r] = self.running[r].generation.accept(token, logits, r)
+                    fed[r] = events[r].token
+                except Exception as err:  # one request's bad luck is not the batch's: its row steps on a filler
+                    failed[r] = err  # token and leaves after the step; every other row advances as planned
+                    fed[r] = 0
+            for r in sampling:  # sent before the step that feeds them: a token reaches its stream one step
+                if r in events:  # sooner (the final one waits for the commit anyway)
+                    self._emit(self.running[r], events[r])
         self._flush()
         whole = riding and self.slots.ragged  # a joining prompt is read whole in this step, else a token of it
         if whole:

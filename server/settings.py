@@ -91,6 +91,10 @@ class Settings:
                                       "taking the GIL, so the event loop no longer slows it) or as CUDA graphs "
                                       "on a GPU (one per batch size 1, 2, 4, 8, 16, 24, ..., captured at "
                                       "start-up); for debugging and comparison")
+    disable_overlap_schedule: bool = _opt(False, "on a GPU, draw each decode step's tokens on the host once the step "
+                                                 "is done, instead of on the device while the next step is queued "
+                                                 "(as SGLang's --disable-overlap-schedule); for debugging and "
+                                                 "comparison")
     stream_interval: int = _opt(1, "a request's generated tokens after its first are handed to the server's "
                                    "event loop, and so sent, in groups of this many (as vLLM's --stream-interval): "
                                    "fewer wake-ups, more tokens/s, burstier streams; 1 sends every token as it "

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model import fused
-from model.sampling import SamplingParams, sample_rows
+from model.sampling import SamplingParams, drawn_on_device, sample_on_device, sample_rows
 from txlserve.errors import InvalidRequestError
 
 MIXED = [SamplingParams(temperature=0.8), SamplingParams(temperature=0), SamplingParams(temperature=1.3, top_k=5),
@@ -102,3 +102,34 @@ def test_plain_rows_stay_in_the_vocabulary_at_the_ends_of_the_draw():
             got = sample_rows(logits, [SamplingParams(temperature=t) for t in (1.0, 0.5, 2.0)], [Fixed(u)] * 3)
             assert all(0 <= t < vocab for t in got)
             assert got[1] == vocab - 1 or u == 0.0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_tokens_drawn_on_the_device_are_the_hosts_for_the_same_draws(device, path):
+    """A GPU's overlapped steps draw each row's token where its scores lie, from the draw the request's generator
+    gave the host (sample_on_device): for rows of temperature alone it takes the host's token, greedy rows
+    included, at the ends of the draw too, in any batch; what it cannot draw (top_k, top_p, logprobs) the host
+    does."""
+    if path == "torch" and device == "cpu":
+        pytest.skip("the host's torch ops are these ops on a CPU: the C kernel is the other host path")
+    gen = torch.Generator().manual_seed(13)
+    temps = [0.8, 0.0, 1.3, 1e-7, 2.0, 0.5]
+    params = [SamplingParams(temperature=t) for t in temps]
+    t = torch.tensor(temps, dtype=torch.float64, device=device)
+    for trial in range(20):
+        logits = 3 * torch.randn(len(temps), 257, generator=gen)
+        draws = [random.Random(trial * 10 + i).random() for i in range(len(temps))]
+        host = sample_rows(logits, params, [Fixed(x) for x in draws])
+        dev, d = logits.to(device), torch.tensor(draws, dtype=torch.float64, device=device)
+        assert sample_on_device(dev, t, d).tolist() == host
+        assert [int(sample_on_device(dev[r:r + 1], t[r:r + 1], d[r:r + 1])) for r in range(len(temps))] == host
+    # at the very ends of the draw the two may part by rounding (the C kernel sums in float64), never leaving the
+    # tokens that carry the mass
+    logits = 3 * torch.randn(len(temps), 257, generator=gen)
+    logits[:, -1] = -1e4  # a last token of no mass (in float32): no draw takes it, at the far end either
+    for u in (0.0, 1 - 2**-53):
+        got = sample_on_device(logits.to(device), t, torch.full((len(temps),), u, dtype=torch.float64, device=device))
+        assert all(0 <= x < 256 for x in got.tolist())
+    assert [drawn_on_device(p, 257) for p in MIXED] == [True, True, False, False, False, True]
+    assert not drawn_on_device(SamplingParams(logprobs=0), 257) and drawn_on_device(SamplingParams(top_k=257), 257)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_checkpoint, save_checkpoint
-from model.train import TrainArgs, train
+from model.train import TrainArgs, rank_device, train
 from model.transformer_xl import MemTransformerLM
 from tests.model.test_transformer_xl import tiny_config
 from txlserve.errors import CheckpointError, ConfigError
@@ -361,7 +361,7 @@ def test_ddp_with_gloo_on_cpu(corpus, tmp_path):
 
     ddp("--data", str(corpus), "--preset", "tiny", "--steps", "4", "--device", "cpu", "--cutoffs", "100,250",
         "--stop-at", "2")
-    ddp("--resume")
+    ddp("--resume", "--device", "cpu")  # a device is the machine's, not the run's: on a GPU machine auto is cuda
     meta = json.loads((out / "config.json").read_text())["training"]
     assert meta["world_size"] == 2 and meta["tokens_seen"] == 4 * 2 * 8 * 32
     one = tmp_path / "one"
@@ -710,3 +710,11 @@ def test_a_run_resumes_from_another_directory_and_a_memoryless_model_says_how_to
         Engine(load_checkpoint(tmp_path / "run"))
     assert Engine(load_checkpoint(tmp_path / "run"), mem_len=8).mem_len == 8
     capsys.readouterr()
+
+
+def test_a_rank_past_the_nodes_gpus_is_refused_in_one_line():
+    """A GPU machine's second DDP rank with one GPU there (found on a lent H100: a CPU run resumed without
+    --device cpu) is told what to change, not a CUDA traceback."""
+    assert rank_device(1, 2) == torch.device("cuda", 1)
+    with pytest.raises(ConfigError, match=r"rank 1 but has 1 CUDA device\(s\).*--nproc_per_node.*--device cpu"):
+        rank_device(1, 1)

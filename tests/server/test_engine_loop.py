@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model.cache import SlotTable
-from model.checkpoint import save_checkpoint
+from model.checkpoint import load_checkpoint, save_checkpoint
 from model.engine import Engine, TokenEvent
 from model.fused import available as fused_available
 from model.graphs import GraphedTable
@@ -651,3 +651,99 @@ def test_warmed_is_set_once_the_engine_thread_has_warmed_up_even_if_that_failed(
     finally:
         release.set()
         scheduler.stop()
+
+
+def _varied_load(engine, overlap: bool) -> tuple[list[Finished], list[list[int]], int]:
+    """A varied load on a GPU's graphed table (eagerly here): prompts of 0 to 5 tokens (0: a session continued
+    from its memory alone), seeded temperatures and greedy rows, stop strings, requests ending at different steps,
+    a second wave joining a busy batch (one with ``top_k``, whose steps draw every token on the host while it
+    runs) and one request cancelled mid-stream. Each request's Finished, the tokens its stream saw, and how many
+    steps ran overlapped."""
+    overlapped = []
+
+    async def main():
+        scheduler = Scheduler(engine, prefill_chunk=64, max_batch=8, overlap=overlap)
+        assert isinstance(scheduler.slots, GraphedTable)
+        scheduler.start()
+        assert await asyncio.to_thread(scheduler.warmed.wait, 120)  # captured (on a GPU) before anything runs
+        launch = scheduler.slots.launch
+
+        def counted(*args):
+            overlapped.append(scheduler.slots.n)
+            return launch(*args)
+
+        scheduler.slots.launch = counted
+        specs = [(f"Speaker {i} says", " and so"[:i], SamplingParams(max_tokens=4 + 3 * i, temperature=0.9,
+                                                                       seed=i, stop=("e",) if i == 3 else ()))
+                 for i in range(6)]
+        specs[1] = (specs[1][0], specs[1][1], SamplingParams(max_tokens=9, temperature=0))
+        later = [("Later 0", " yes", SamplingParams(max_tokens=6, temperature=0.7, seed=10, top_k=5)),
+                 ("Later 1", "", SamplingParams(max_tokens=12, temperature=0.8, seed=11)),
+                 ("Later 2", " no", SamplingParams(max_tokens=100_000, temperature=1.0, seed=12))]
+
+        def submit(history, prompt, params):
+            state = engine.new_state()
+            engine.feed(state, engine.encode(history))
+            return scheduler.submit(state, engine.encode(prompt), params)
+
+        async def collect(request, cancel_after=None):
+            seen, done = [], None
+            async for item in request:
+                if isinstance(item, TokenEvent):
+                    seen.append(item.token)
+                    if len(seen) == cancel_after:
+                        request.cancel()
+                elif isinstance(item, Finished):
+                    done = item
+            return done, seen
+
+        try:
+            first = [submit(*spec) for spec in specs]
+            tasks = [asyncio.create_task(collect(r)) for r in first]
+            while scheduler.steps < 3:  # the first wave is generating
+                await asyncio.sleep(0.001)
+            tasks += [asyncio.create_task(collect(submit(*spec), cancel_after=7 if i == 2 else None))
+                      for i, spec in enumerate(later)]
+            return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        finally:
+            scheduler.stop()
+
+    results = asyncio.run(main())
+    return [done for done, _ in results], [seen for _, seen in results], len(overlapped)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_overlapped_steps_generate_what_host_drawn_steps_do_and_store_exactly_what_was_streamed(engine, device,
+                                                                                                monkeypatch):
+    """On a graphed table every row's next token is drawn on the device at the end of its step and the next step
+    is queued before the host has it (SGLang's overlap scheduler). The same varied load with and without it: each
+    request draws the same tokens (a seeded request's draw per token is the same either way), and every
+    session ends holding exactly its history, prompt and the tokens its stream was sent, no more: a request that
+    ends, or is cancelled, while its row has drawn one more token stores none of it."""
+    if device == "cuda":  # the same weights, its steps and token draws replayed as CUDA graphs
+        engine = Engine(load_checkpoint(engine.ckpt.path, device="cuda"))
+    else:
+        monkeypatch.setattr(engine.decoder, "table", lambda capacity: GraphedTable(engine.decoder, capacity,
+                                                                                   capture=False))
+        monkeypatch.setattr(engine.decoder, "warm_up", lambda: None)
+    done_on, seen_on, overlapped = _varied_load(engine, overlap=True)
+    done_off, seen_off, none = _varied_load(engine, overlap=False)
+    assert overlapped > 10 and none == 0
+    cancelled = len(seen_on) - 1
+    for i, (a, b) in enumerate(zip(seen_on, seen_off)):
+        if i == cancelled:  # stopped after 7 tokens, give or take the step in flight: one draws a prefix of the other
+            assert a[:7] == b[:7] and len(a) >= 7 and len(b) >= 7
+        else:
+            assert a == b, i
+    histories = [f"Speaker {i} says" for i in range(6)] + [f"Later {i}" for i in range(3)]
+    prompts = [" and so"[:i] for i in range(6)] + [" yes", "", " no"]
+    for done, seen, history, prompt in zip(done_on + done_off, seen_on + seen_off, histories * 2, prompts * 2):
+        assert done.generated == seen
+        ids = engine.encode(history) + engine.encode(prompt) + seen
+        assert done.tokens_seen == len(ids)
+        alone = engine.new_state()
+        engine.feed(alone, ids)
+        torch.testing.assert_close(done.state.last_logits, alone.last_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(done.state.hid, alone.hid, atol=1e-5, rtol=1e-5)
+    assert done_on[-1].finish_reason == "cancelled" and done_on[3].finish_reason in ("stop", "length")

@@ -172,11 +172,11 @@ def _dist_setup(device: torch.device) -> tuple[int, int, torch.device]:
         return 0, 1, device
     import torch.distributed as dist
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend)
+    if device.type == "cuda":  # before the group is made: a rank that cannot run says so at once
+        device = rank_device(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count())
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if device.type == "cuda":
-        device = rank_device(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count())
         torch.cuda.set_device(device)
     return rank, world, device
 

@@ -380,6 +380,8 @@ class Scheduler:
     def _done(self, job: Job, row: int | None, reason: str | None) -> Finished:
         """The request's session as a batch-1 state of its own: the job's, or its ``row`` of the decode table,
         exported (the session that joined; a copy where the table copies sessions in)."""
+        # int() of a device's count waits for the step just queued (a GPU's overlapped steps): once a request, and
+        # by then the host's own work for the step has mostly outlasted it
         if job.pending:  # left while its prompt was still being fed: a partial prompt is never stored
             return Finished(None, int(job.state.seen[0]) if row is None else self.slots.seen_at(row), reason)
         state = job.state if row is None else self.slots.export(row)
@@ -482,19 +484,22 @@ class Scheduler:
         if not self.running:
             self._drawn = []  # drawn for rows that left: nobody's
             return
-        if self.overlap and isinstance(self.slots, GraphedTable) and all(job.on_device for job in self.running):
+        on_device = self.overlap and isinstance(self.slots, GraphedTable)
+        if on_device and all(job.on_device for job in self.running):
             self._overlapped_step()
         else:
-            self._step()
+            self._step(on_device)
 
     def _accept_drawn(self) -> tuple[dict[int, TokenEvent], dict[int, BaseException], dict[int, int]]:
         """Accept the tokens drawn on the device for the rows still generating (a row whose last token ended its
         request, or that left, drew one more that nobody reads) and send them to their streams; by row: the
         events, the rows whose accept failed, and the tokens."""
-        at = {job: r for r, job in enumerate(self.running)}
         events: dict[int, TokenEvent] = {}
         failed: dict[int, BaseException] = {}
         tokens: dict[int, int] = {}
+        if not self._drawn:
+            return events, failed, tokens
+        at = {job: r for r, job in enumerate(self.running)}
         for drawn, jobs in self._drawn:
             for job, token in zip(jobs, drawn.tolist()):
                 r = at.get(job) if job is not None else None
@@ -519,13 +524,7 @@ class Scheduler:
         uniform number from its request's generator once per token, as :meth:`_step` does, so a seeded request
         draws the same tokens either way, in any batch."""
         slots = self.slots
-        waiting = {job for _, jobs in self._drawn for job in jobs if job is not None}
-        fresh = [not job.pending and job not in waiting for job in self.running]  # joined from its memory alone,
-        if any(fresh):  # or after steps drawn on the host: its next token comes from the scores it holds
-            jobs = [job if f else None for job, f in zip(self.running, fresh)]
-            draws = [job.generation.rng.random() if f else 0.0 for job, f in zip(self.running, fresh)]
-            self._drawn.append((slots.draw(fresh, [job.generation.params.temperature for job in self.running],
-                                           draws), jobs))
+        self._draw_fresh()
         feed, use, temps, draws, takes = [], [], [], [], []
         for job in self.running:
             riding = bool(job.pending)  # a prompt token to read; the last one's step draws the first token
@@ -548,10 +547,26 @@ class Scheduler:
         self._flush()
         self._regroup([r for r, ev in events.items() if ev.finish_reason is not None], failed)
 
-    def _step(self) -> None:
-        """One decode step with every token drawn on the host (rows that ask for ``top_k``, ``top_p`` or logprobs,
-        a CPU's table, or ``overlap`` off); tokens the device drew for the batch before are fed as they are."""
+    def _draw_fresh(self) -> None:
+        """Draw on the device, from the scores they hold, the next token of the rows generating with none drawn yet
+        (a session joined from its memory alone, rows after host-drawn steps) whose tokens are drawn there."""
+        waiting = {job for _, jobs in self._drawn for job in jobs if job is not None}
+        fresh = [job.on_device and not job.pending and job not in waiting for job in self.running]
+        if any(fresh):
+            jobs = [job if f else None for job, f in zip(self.running, fresh)]
+            draws = [job.generation.rng.random() if f else 0.0 for job, f in zip(self.running, fresh)]
+            self._drawn.append((self.slots.draw(fresh, [job.generation.params.temperature for job in self.running],
+                                                draws), jobs))
+
+    def _step(self, on_device: bool = False) -> None:
+        """One decode step that waits for its tokens: where a row asks for ``top_k``, ``top_p`` or logprobs (drawn
+        on the host), on a CPU's table, or with ``overlap`` off. ``on_device`` (a GPU's graphed table): the other
+        rows' tokens are still drawn on the device, so a request's tokens never depend on which path its batch
+        mates put it on (the device's softmax and the host's C kernel round apart: ~1e-3 of tokens differed for a
+        32k vocabulary on an H100); tokens the device drew for the batch before are fed as they are."""
         batch = self.slots.active()  # views of rows [0, n)
+        if on_device:
+            self._draw_fresh()
         events, failed, drawn = self._accept_drawn()
         fed = [job.pending[0] if job.pending else drawn.get(r, 0) for r, job in enumerate(self.running)]
         sampling = [r for r, job in enumerate(self.running) if not job.pending and r not in drawn]

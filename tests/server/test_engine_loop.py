@@ -747,3 +747,45 @@ def test_overlapped_steps_generate_what_host_drawn_steps_do_and_store_exactly_wh
         torch.testing.assert_close(done.state.last_logits, alone.last_logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(done.state.hid, alone.hid, atol=1e-5, rtol=1e-5)
     assert done_on[-1].finish_reason == "cancelled" and done_on[3].finish_reason in ("stop", "length")
+
+
+def test_on_a_graphed_table_a_request_is_drawn_where_it_always_is_whatever_its_batch_mates_ask(engine,
+                                                                                               monkeypatch):
+    """The device's draw and the host's C kernel round apart (about 1e-3 of tokens of a 32k vocabulary on an H100),
+    so a request whose tokens can be drawn on the device is drawn there in every step, also while a batch mate
+    asking for ``top_k`` makes the step wait for the host's draws: its tokens do not depend on who it shares the
+    batch with. Here the device's draw is made to differ every time (the token after the one drawn), so a single
+    token drawn on the host would show."""
+    import model.graphs
+
+    real = model.graphs.sample_on_device
+    monkeypatch.setattr(model.graphs, "sample_on_device", lambda *a: (real(*a) + 1) % engine.config.vocab_size)
+    monkeypatch.setattr(engine.decoder, "table", lambda capacity: GraphedTable(engine.decoder, capacity,
+                                                                               capture=False))
+    monkeypatch.setattr(engine.decoder, "warm_up", lambda: None)
+    plain = SamplingParams(max_tokens=12, temperature=0.9, seed=5)
+    mate = SamplingParams(max_tokens=20, temperature=0.9, seed=6, top_k=4)  # drawn on the host: outlives plain
+
+    async def main(with_mate: bool) -> tuple[list[int], int]:
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        requests = []
+        for history, params in [("Speaker 0 says", plain)] + ([("Speaker 1 says", mate)] if with_mate else []):
+            state = engine.new_state()
+            engine.feed(state, engine.encode(history))
+            requests.append(scheduler.submit(state, engine.encode(" and"), params))
+        steps = []
+        step = scheduler._step
+        scheduler._step = lambda on_device: (steps.append(on_device), step(on_device))
+        scheduler.start()
+        try:
+            got = []
+            for r in requests:
+                got.append([item.token async for item in r if isinstance(item, TokenEvent)])
+        finally:
+            scheduler.stop()
+        return got[0], len(steps)
+
+    alone, waited_alone = asyncio.run(main(False))
+    together, waited = asyncio.run(main(True))
+    assert waited_alone == 0 and waited >= 12  # alone every step overlapped; with its mate every step waited
+    assert together == alone

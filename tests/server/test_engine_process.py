@@ -487,3 +487,27 @@ def test_a_hung_engine_process_is_killed_and_fails_its_requests(checkpoint, redi
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
         srv.stop()
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_disable_overlap_schedule_reaches_the_engine_process_scheduler(checkpoint, disable):
+    """``--disable-overlap-schedule`` is the engine's to obey: it crosses to the engine's process in its settings."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    import torch
+
+    from server.engine_core import _Core
+    from server.runtime import core_settings
+    from server.settings import Settings
+
+    ours, theirs = socket.socketpair()
+    settings = core_settings(Settings(checkpoint=str(checkpoint), disable_overlap_schedule=disable), str(checkpoint),
+                             torch.device("cpu"), torch.float32)
+    engine = _Core(Connection(theirs.detach()), settings)
+    try:
+        assert engine.scheduler.overlap is not disable
+    finally:
+        engine.io.shutdown(wait=False)
+        ours.close()
+        engine.conn.close()

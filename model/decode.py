@@ -42,6 +42,7 @@ MAX_TRACED_CHUNK = 8
 _TUNED: dict[tuple[int | bool, ...], dict[str, float]] = {}
 _TUNING = threading.Lock()
 TORCH_MARGIN = 0.95  # torch's products are kept only when they take less than this share of the tiles' time
+STEP_TUNE_ROWS = 16  # the decode batch a step's products are timed at (Decoder.tune_step_products)
 
 
 def default_prefill_chunk(mem_len: int, device: torch.device) -> int:
@@ -150,11 +151,13 @@ class Decoder:
         # with an adaptive input embedding either (it reads which clusters its tokens fall in back to the host).
         self.cuda_graphs = traceable and self.device.type == "cuda" and (cuda_graphs is None or cuda_graphs)
         # Calls of more than MAX_CHUNK tokens a row (a prefill's chunks): their products in the C tiles, or in
-        # torch's where tune_products measured those faster on this host.
-        self.chunk_kernels = True
+        # torch's where tune_products measured those faster on this host; likewise a step's few tokens a row
+        # (tune_step_products), whose attention stays the C kernel's either way.
+        self.chunk_kernels = self.step_kernels = True
         self.ring = tuple(self.empty(1, meta=True).k.stride()[2:])  # a session's ring's strides (head, slot, d)
         self._packings: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}  # a row batch's, by shape
-        self._graphs: dict[tuple[int, bool], torch.jit.ScriptModule] = {}  # by chunk length, and rows or not
+        self._graphs: dict[tuple[int, bool, bool], torch.jit.ScriptModule] = {}  # by chunk length, rows or not,
+        # and the products it records (step_kernels: a trace fixes them)
         self._tracing = threading.Lock()
 
     def _layout(self, t: Tensor) -> Tensor:
@@ -269,7 +272,7 @@ class Decoder:
         ``counts[b]`` of them from ``start[b]`` (``last[b]``: its last): the last layer's outputs [N, L, d_model]
         and the scores after each row's last token [batch, vocab]."""
         cache = RingCache(None, None, None, seen, self.r_head_k, 0, self.kernels, addr=rows, ring=self.ring,
-                          start=start, absorb=self.absorb_min_bytes)
+                          start=start, products=self.kernel_products(1), absorb=self.absorb_min_bytes)  # <= MAX_CHUNK
         h, _ = self.model.hidden(tokens, cache=cache)  # [N, L, d_model]
         seen += counts
         return h, self.model.crit.logits(h.flatten(0, 1).index_select(0, last)).float()  # [batch, vocab]
@@ -281,14 +284,15 @@ class Decoder:
         if not rows and not 1 <= chunk <= MAX_TRACED_CHUNK:
             return None
         chunk = 0 if rows else chunk  # one graph serves every packing of a row batch (its sizes stay symbolic)
+        key = (chunk, rows, self.step_kernels)
         with self._tracing:
-            if (chunk, rows) not in self._graphs and self.traced:
+            if key not in self._graphs and self.traced:
                 try:
-                    self._graphs[chunk, rows] = trace_step(self, chunk, rows)
+                    self._graphs[key] = trace_step(self, chunk, rows)
                 except Exception as err:  # any failure leaves the eager path, which is exact
                     log.warning("steps run eagerly: tracing them failed (%s: %s)", type(err).__name__, err)
                     self.traced = False
-            return self._graphs.get((chunk, rows)) if self.traced else None
+            return self._graphs.get(key) if self.traced else None
 
     def one_token_graph(self) -> torch.jit.ScriptModule | None:
         """The graph of a decode step (:meth:`graph` of one token)."""
@@ -312,9 +316,9 @@ class Decoder:
                         self.advance(batch, tokens)
 
     def kernel_products(self, tokens: int) -> bool:
-        """Whether a call of ``tokens`` a row takes its products from the C tiles: with the kernels, always for
-        a step's few tokens, and for longer calls where :meth:`tune_products` kept them."""
-        return self.kernels and (tokens <= MAX_CHUNK or self.chunk_kernels)
+        """Whether a call of ``tokens`` a row takes its products from the C tiles: with the kernels, where
+        :meth:`tune_step_products` (a step's few tokens) or :meth:`tune_products` (longer calls) kept them."""
+        return self.kernels and (self.step_kernels if tokens <= MAX_CHUNK else self.chunk_kernels)
 
     @torch.no_grad()
     def tune_products(self, chunk: int, rounds: int = 4) -> dict[str, float] | None:
@@ -333,18 +337,37 @@ class Decoder:
         key = (c.d_model, c.n_head, c.d_head, c.d_inner, c.pre_lnorm, self.mem_len, chunk, torch.get_num_threads())
         with _TUNING:
             if key not in _TUNED:
-                _TUNED[key] = self._time_products(chunk, rounds)
+                _TUNED[key] = self._time_products(1, chunk, rounds)
         tuned = _TUNED[key]
         self.chunk_kernels = not tuned["torch_ms"] < TORCH_MARGIN * tuned["kernel_ms"]
         return tuned
 
-    def _time_products(self, chunk: int, rounds: int) -> dict[str, float]:
+    @torch.no_grad()
+    def tune_step_products(self, rows: int = STEP_TUNE_ROWS, rounds: int = 4) -> dict[str, float] | None:
+        """:meth:`tune_products` for a decode step: a layer on ``rows`` sessions' one token each, its products in
+        the C kernel and in torch's, the attention the C kernel's both ways. The C products stream each weight
+        once a row: on AVX-512 hosts faster than torch's few-row products, but on an AVX2-only AMD EPYC (Zen 3)
+        their register tiles ran 10-20x slower than torch's at 8 to 64 rows, and the bundled model's step at
+        64 rows took 120 ms against 21 with torch's (BENCHMARKS.md, "Decode steps on an AVX2-only host")."""
+        if not self.kernels:
+            return None
         c = self.cfg
-        state = self.empty(1)
+        key = ("step", c.d_model, c.n_head, c.d_head, c.d_inner, c.pre_lnorm, self.mem_len, rows,
+               torch.get_num_threads())
+        with _TUNING:
+            if key not in _TUNED:
+                _TUNED[key] = self._time_products(rows, 1, rounds)
+        tuned = _TUNED[key]
+        self.step_kernels = not tuned["torch_ms"] < TORCH_MARGIN * tuned["kernel_ms"]
+        return tuned
+
+    def _time_products(self, rows: int, chunk: int, rounds: int) -> dict[str, float]:
+        c = self.cfg
+        state = self.empty(rows)
         state.seen.fill_(self.mem_len)  # a full ring: the chunk attends to all of it, as a prefill's later ones
         rng = torch.Generator(self.device).manual_seed(0)  # not the global one: loading draws nothing
-        h = torch.randn(1, chunk, c.d_model, dtype=self.dtype, device=self.device, generator=rng)
-        # [1, chunk, d_model]
+        h = torch.randn(rows, chunk, c.d_model, dtype=self.dtype, device=self.device, generator=rng)
+        # [rows, chunk, d_model]
 
         def seconds(kernels: bool, i: int) -> float:
             cache = RingCache(state.hid, state.k, state.v, state.seen, self.r_head_k, chunk, True, products=kernels)
@@ -359,7 +382,9 @@ class Decoder:
             for kernels in ((True, False) if r % 2 else (False, True)):
                 best[kernels] = min(best[kernels], seconds(kernels, (r + 1) % c.n_layer))
         kernel_ms, torch_ms = 1e3 * best[True], 1e3 * best[False]
-        log.info("a prefill chunk's products (%d tokens): %s (a layer: the C tiles %.2f ms, torch's %.2f ms)", chunk,
+        what = f"a decode step's products ({rows} rows)" if chunk == 1 else \
+            f"a prefill chunk's products ({chunk} tokens)"
+        log.info("%s: %s (a layer: the C tiles %.2f ms, torch's %.2f ms)", what,
                  "torch's" if torch_ms < TORCH_MARGIN * kernel_ms else "the C tiles", kernel_ms, torch_ms)
         return {"kernel_ms": kernel_ms, "torch_ms": torch_ms}
 

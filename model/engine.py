@@ -134,6 +134,7 @@ class Engine:
             raise ConfigError(f"prefill_products must be auto, kernel or torch, not {prefill_products!r}")
         if prefill_products == "auto":
             self.decoder.tune_products(self.prefill_chunk)
+            self.decoder.tune_step_products()
         else:
             self.decoder.chunk_kernels = prefill_products == "kernel"
         # Tokens are drawn on the CPU by a C kernel on every device, and building it takes seconds: build (or

@@ -112,8 +112,9 @@ class Settings:
     prefill_chunk: int | None = _opt(None, "tokens read per prefill slice; decode steps run between slices "
                                            "(default: chosen from mem_len and the device)")
     prefill_products: str = _opt("auto", "a prefill slice's matrix products on a CPU: auto (both timed at load, "
-                                         "torch's kept where at least 5% faster), kernel (the C tiles: the same "
-                                         "bits at any thread count) or torch")
+                                         "torch's kept where at least 5% faster; a decode step's products are "
+                                         "timed and chosen the same way), kernel (the C tiles: the same bits at "
+                                         "any thread count) or torch (decode steps keep the C tiles with either)")
     lease_ttl_ms: int = _opt(30_000, "a session lease's TTL in ms (renewed while its request runs)")
     store_timeout_s: float = _opt(2.0, "Redis operation timeout in seconds")
     shutdown_timeout_s: float = _opt(30.0, "on SIGTERM, time in seconds for in-flight requests before they are "

@@ -476,25 +476,32 @@ def test_ring_stores_as_slices_equal_the_indexed_stores(m, chunk, seen):
         assert torch.equal(got, want)
 
 
-def test_tune_products_keeps_torch_only_where_clearly_faster_and_decides_once(monkeypatch, caplog):
+@pytest.mark.parametrize("which", ["chunk", "step"])
+def test_tuning_keeps_torchs_products_only_where_clearly_faster_and_decides_once(which, monkeypatch, caplog):
+    """A prefill chunk's products (tune_products) and a decode step's (tune_step_products) are timed both ways and
+    torch's kept only where clearly faster; once per shape and thread count in a process (engines agree)."""
     from model import decode
 
     monkeypatch.setattr(decode, "_TUNED", {})
     model = _model()
+    chunk = which == "chunk"
+    tune = (lambda d: d.tune_products(32)) if chunk else (lambda d: d.tune_step_products(rows=4))
+    kept = (lambda d: d.chunk_kernels) if chunk else (lambda d: d.step_kernels)
     first = Decoder(model, mem_len=6)
     with caplog.at_level(logging.INFO, logger="model.decode"):
-        tuned = first.tune_products(32)
+        tuned = tune(first)
     assert tuned["kernel_ms"] > 0 and tuned["torch_ms"] > 0
-    assert first.chunk_kernels == (not tuned["torch_ms"] < decode.TORCH_MARGIN * tuned["kernel_ms"])
-    assert "a prefill chunk's products (32 tokens)" in caplog.text
-    # a second decoder of the same shape and threads reuses the decision (engines in a process agree)
+    assert kept(first) == (not tuned["torch_ms"] < decode.TORCH_MARGIN * tuned["kernel_ms"])
+    assert ("a prefill chunk's products (32 tokens)" if chunk else "a decode step's products (4 rows)") in caplog.text
     (key,) = decode._TUNED
     second = Decoder(model, mem_len=6)
     for kernel_ms, torch_ms, kernels in ((2.0, 1.0, False), (1.0, 2.0, True), (1.0, 0.97, True)):
         decode._TUNED[key] = {"kernel_ms": kernel_ms, "torch_ms": torch_ms}
-        assert second.tune_products(32) == decode._TUNED[key] and second.chunk_kernels == kernels
-    assert second.tune_products(fused.MAX_CHUNK) is None  # calls that short always use the tiles
-    assert Decoder(model, mem_len=6, fused=False).tune_products(32) is None  # no kernels, nothing to choose
+        assert tune(second) == decode._TUNED[key] and kept(second) == kernels
+        assert second.kernel_products(32 if chunk else fused.MAX_CHUNK) == kernels
+    if chunk:
+        assert second.tune_products(fused.MAX_CHUNK) is None  # calls that short are a step's
+    assert tune(Decoder(model, mem_len=6, fused=False)) is None  # no kernels, nothing to choose
     assert len(decode._TUNED) == 1
 
 
@@ -510,7 +517,7 @@ def test_engine_prefill_products_setting(tmp_path, monkeypatch):
     assert Engine.from_checkpoint(tmp_path / "ck", prefill_products="kernel").decoder.chunk_kernels
     assert not decode._TUNED  # fixed: nothing timed
     Engine.from_checkpoint(tmp_path / "ck")
-    assert len(decode._TUNED) == 1  # auto: timed at load
+    assert len(decode._TUNED) == 2  # auto: timed at load, a prefill chunk's products and a decode step's
     with pytest.raises(ConfigError, match="prefill_products"):
         Engine.from_checkpoint(tmp_path / "ck", prefill_products="mkl")
 
@@ -653,3 +660,38 @@ def test_the_op_itself_keeps_keys_and_values_for_what_the_absorbed_kernel_cannot
                 table=torch.zeros(heads, m + 1, dh), seen=torch.tensor([3, 20]), scale=1.0,
                 hid=torch.randn(2, m, d), kv=torch.randn(2 * heads * dh, d), absorb_min_bytes=0)
     assert fused.attend_one(**args).isnan().all()
+
+
+@pytest.mark.parametrize("step_kernels", [True, False])
+def test_steps_equal_the_torch_decoder_with_either_products_and_the_trace_follows_the_choice(step_kernels,
+                                                                                             monkeypatch):
+    """A decode step's products come from the C kernel or from torch's, as tune_step_products chose (an
+    AVX2-only host ran the C tiles 10-20x slower than torch's at 8-64 rows): the same numbers either way, the
+    attention the C kernel's both ways, and a traced step records the choice in force when it runs."""
+    model = _model()
+    plain, fast = Decoder(model, mem_len=6, fused=False), Decoder(model, mem_len=6, traced=False)
+    fast.step_kernels = step_kernels
+    calls: list[str] = []
+    for name in ("linear_rows", "attend_one"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, name=name, real=real: calls.append(name) or real(*a))
+    _same_steps(plain, fast, [0, 1, 5, 13], steps=3)
+    assert ("linear_rows" in calls) == step_kernels and "attend_one" in calls
+    calls.clear()  # sessions decoded where they lie (the engine loop's row table on a CPU): the same choice
+    real_rows = fused.attend_rows
+    monkeypatch.setattr(fused, "attend_rows", lambda *a: calls.append("attend_rows") or real_rows(*a))
+    lengths = [0, 5, 13]
+    a, b = _table(plain, lengths), _table(fast, lengths, RowTable)
+    tokens = torch.randint(0, 256, (len(lengths), 1), generator=torch.Generator().manual_seed(4))
+    va, vb = a.active(), b.active()
+    plain.advance(va, tokens)
+    fast.advance(vb, tokens)
+    torch.testing.assert_close(vb.last_logits, va.last_logits, rtol=1e-5, atol=1e-5)
+    assert ("linear_rows" in calls) == step_kernels and "attend_rows" in calls
+    traced = Decoder(model, mem_len=6, traced=True)
+    traced.step_kernels = step_kernels
+    one = traced.one_token_graph()
+    traced.step_kernels = not step_kernels
+    assert traced.one_token_graph() is not one  # another trace for the other products, not the stale one
+    traced.step_kernels = step_kernels
+    assert traced.one_token_graph() is one

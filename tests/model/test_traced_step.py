@@ -105,7 +105,7 @@ def test_short_chunks_traced_per_length_equal_eager_calls(cfg):
             b.stepped(vb)
             assert torch.equal(ha, hb) and torch.equal(va.last_logits, vb.last_logits), chunk
         _same_sessions(a, b)
-    lengths = {n for n, _ in traced._graphs}
+    lengths = {n for n, _, _ in traced._graphs}
     assert {2, 3, 7, decode.MAX_TRACED_CHUNK} <= lengths  # one graph per length (5: the prefills')
     assert max(lengths) == decode.MAX_TRACED_CHUNK and not eager._graphs  # none longer; none when eager
 
@@ -157,7 +157,8 @@ def test_a_traced_step_that_fails_fails_its_call_and_leaves_eager_steps(monkeypa
     with caplog.at_level(logging.WARNING, logger="model.decode"):
         decoder.warm_up()  # meets the failure, logs it, does not raise
     assert not decoder.traced and "graph broke" in caplog.text
-    decoder.traced, decoder._graphs[1, False] = True, failing  # a graph that breaks only later, on a real step
+    # a graph that breaks only later, on a real step
+    decoder.traced, decoder._graphs[1, False, decoder.step_kernels] = True, failing
     a, b, tokens = decoder.empty(2), eager.empty(2), torch.tensor([[3], [4]])
     with pytest.raises(RuntimeError, match="graph broke"):  # the failing call's rows are its caller's to drop
         decoder.step(a, tokens)

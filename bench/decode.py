@@ -156,6 +156,7 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
     def other_step_s(**kw: Any) -> float:
         """The same steps by another decoder of the same model (on a copy of the state), in the same run."""
         other = Decoder(engine.decoder.model, mem_len=mem_len, clamp_len=engine.clamp_len, **kw)
+        other.step_kernels = engine.decoder.step_kernels  # the products the engine chose at load, as it steps
         other.warm_up()
         s = state.rows(list(range(batch)))
         other.step(s, steps[:, :1])
@@ -236,6 +237,7 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
         "clamp_len": engine.clamp_len, "batch": batch, "tokens": tokens, "prefill_tokens": n_prefill,
         "prefill_chunk": chunk,
         "prefill_products": "kernel" if engine.decoder.kernel_products(chunk) else "torch",
+        "step_products": "kernel" if engine.decoder.kernel_products(1) else "torch",  # chosen at load
         "n_layer": engine.config.n_layer, "d_model": engine.config.d_model,
         "torch": torch.__version__, "compiled": compile, "fused": engine.decoder.fused or engine.decoder.gpu_fused,
         "absorbed": engine.decoder.absorbs(batch),

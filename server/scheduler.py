@@ -521,8 +521,10 @@ class Scheduler:
         step's tokens (text, stop strings, the hand-off to the streams) while the next step runs. Each token is
         fed by the step after the one that drew it, as in :meth:`_step`: a request that ends on a token has
         been fed it when it leaves, and the one more token its row drew is nobody's. Each row draws its
-        uniform number from its request's generator once per token, as :meth:`_step` does, so a seeded request
-        draws the same tokens either way, in any batch."""
+        uniform number from its request's generator once per token, as :meth:`_step` does, and on a graphed
+        table such a request's tokens are drawn on the device in every step, overlapped or not, so a seeded
+        request draws the same tokens in any batch (with ``overlap`` off, the host's C kernel draws them from the
+        same numbers: the same tokens up to rounding)."""
         slots = self.slots
         self._draw_fresh()
         feed, use, temps, draws, takes = [], [], [], [], []

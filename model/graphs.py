@@ -188,7 +188,8 @@ class GraphedTable(SlotTable):
         for s in reversed(self.sizes):
             if self._graph(s) is None:
                 return
-            self._helper("feed", s), self._helper("draw", s)
+            self._helper("feed", s)
+            self._helper("draw", s)
 
     def _graph(self, s: int) -> torch.cuda.CUDAGraph | None:
         if s not in self.graphs and self.capture:

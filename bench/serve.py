@@ -293,41 +293,46 @@ class EngineAlone:
         """Generate for at least ``seconds``; the tokens and seconds it took (not added to this timer's totals).
         With ``wake``, it is called once a step where the server's loop hands the step's tokens over (after
         sampling, before the step)."""
-        import torch
-
         from model.engine import Generation
         from model.sampling import SamplingParams
 
         t0, generated = time.perf_counter(), 0
+        request = self._overlapped if self.table is not None else self._host_drawn
         while True:
-            gens = [Generation(SamplingParams(max_tokens=self.tokens, temperature=0.8), self.engine.tokenizer)
-                    for _ in range(self.batch)]
-            if self.table is not None:  # overlapped: each step queued before the last one's tokens are accepted
-                temps, off = [0.8] * self.batch, [False] * self.batch
-                drawn = self.table.draw([True] * self.batch, temps, [g.rng.random() for g in gens])
-                for _ in range(self.tokens):
-                    queued = self.table.launch([0] * self.batch, off, temps, [g.rng.random() for g in gens])
-                    for g, token in zip(gens, drawn.tolist()):
-                        g.accept(token, None)
-                    if wake is not None:
-                        wake()
-                    drawn = queued
-                generated += self.batch * self.tokens
-                if time.perf_counter() - t0 >= seconds:
-                    break
-                continue
-            for _ in range(self.tokens):
-                logits = self.state.last_logits.float().cpu()  # [batch, vocab]
-                chosen = Generation.choose(gens, logits)  # as the server's loop samples
-                for r, g in enumerate(gens):
-                    g.accept(chosen[r], logits, r)
-                if wake is not None:
-                    wake()
-                self.step(torch.tensor(chosen, device=self.engine.device)[:, None])
+            request([Generation(SamplingParams(max_tokens=self.tokens, temperature=0.8), self.engine.tokenizer)
+                     for _ in range(self.batch)], wake)
             generated += self.batch * self.tokens
             if time.perf_counter() - t0 >= seconds:
                 break
         return generated, time.perf_counter() - t0
+
+    def _host_drawn(self, gens: list[Any], wake: Callable[[], None] | None) -> None:
+        """One request a row, each step's tokens drawn on the host before the next step runs."""
+        import torch
+
+        from model.engine import Generation
+
+        for _ in range(self.tokens):
+            logits = self.state.last_logits.float().cpu()  # [batch, vocab]
+            chosen = Generation.choose(gens, logits)  # as the server's loop samples
+            for r, g in enumerate(gens):
+                g.accept(chosen[r], logits, r)
+            if wake is not None:
+                wake()
+            self.step(torch.tensor(chosen, device=self.engine.device)[:, None])
+
+    def _overlapped(self, gens: list[Any], wake: Callable[[], None] | None) -> None:
+        """One request a row, each step queued before the last one's tokens are accepted (the tokens drawn on the
+        device), as the server's engine loop runs on a GPU."""
+        temps, off = [0.8] * self.batch, [False] * self.batch
+        drawn = self.table.draw([True] * self.batch, temps, [g.rng.random() for g in gens])
+        for _ in range(self.tokens):
+            queued = self.table.launch([0] * self.batch, off, temps, [g.rng.random() for g in gens])
+            for g, token in zip(gens, drawn.tolist()):
+                g.accept(token, None)
+            if wake is not None:
+                wake()
+            drawn = queued
 
     @property
     def tokens_per_s(self) -> float:

@@ -75,7 +75,7 @@ def sample_rows(logits: Tensor, params: Sequence[SamplingParams], rngs: Sequence
     those torch ops ~85 us for one row, an eighth of a batch-1 step of the bundled model."""
     rows, vocab = logits.shape
     u = [rng.random() for rng in rngs]  # [rows] in [0, 1): one draw per row, used or not
-    plain = [r for r, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
+    plain = [r for r, p in enumerate(params) if _plain(p, vocab)]
     if not plain or not fused.available():
         return _torch_rows(logits, params, u)
     chosen = [0] * rows
@@ -112,20 +112,30 @@ def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[fl
         drop = probs.cumsum(-1) - probs >= torch.tensor([params[r].top_p for r in nucleus])[:, None]
         drop[:, 0] = False  # the most likely token always stays: a top_p below float32's range rounds to 0
         x[at] = x[at].masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
-    cdf = torch.softmax(x, -1).cumsum(-1)  # [rows, vocab]
-    total = cdf[:, -1:]  # [rows, 1]
-    draws = torch.tensor(list(u), dtype=torch.float64)[:, None]  # [rows, 1] in [0, 1)
-    below = torch.minimum((draws * total).float(), torch.nextafter(total, torch.zeros_like(total)))  # < total
-    chosen = torch.searchsorted(cdf, below, right=True)[:, 0].clamp_(max=vocab - 1)  # [rows]: cdf passes there
+    chosen = _inverse_cdf(x, torch.tensor(list(u), dtype=torch.float64))  # [rows]
     if any(greedy):
         chosen = torch.where(torch.tensor(greedy), torch.argmax(logits, -1), chosen)
     return chosen.tolist()
 
 
+def _plain(params: SamplingParams, vocab: int) -> bool:
+    """Temperature alone: no ``top_k`` below the vocabulary, no ``top_p``."""
+    return not 0 < params.top_k < vocab and params.top_p >= 1.0
+
+
+def _inverse_cdf(x: Tensor, u: Tensor) -> Tensor:
+    """Each row's token where the CDF of ``softmax(x [rows, vocab])`` passes ``u [rows]`` (float64, in [0, 1))
+    of its total: [rows] int64. The host's torch ops and the device's draw share it."""
+    cdf = torch.softmax(x, -1).cumsum(-1)  # [rows, vocab]
+    total = cdf[:, -1:]  # [rows, 1]
+    below = torch.minimum((u[:, None] * total).float(), torch.nextafter(total, torch.zeros_like(total)))  # < total
+    return torch.searchsorted(cdf, below, right=True)[:, 0].clamp_(max=x.shape[-1] - 1)  # [rows]: cdf passes there
+
+
 def drawn_on_device(params: SamplingParams, vocab: int) -> bool:
     """Whether a request's tokens can be drawn by :func:`sample_on_device`: temperature alone, no ``top_k``,
     ``top_p`` or logprobs (which need the scores on the host)."""
-    return not 0 < params.top_k < vocab and params.top_p >= 1.0 and params.logprobs is None
+    return _plain(params, vocab) and params.logprobs is None
 
 
 def sample_on_device(logits: Tensor, temps: Tensor, u: Tensor) -> Tensor:
@@ -136,11 +146,7 @@ def sample_on_device(logits: Tensor, temps: Tensor, u: Tensor) -> Tensor:
     host reads: it can be captured in a CUDA graph."""
     greedy = temps < GREEDY_BELOW  # [rows]
     x = logits.float() / torch.where(greedy, torch.ones_like(temps), temps).float()[:, None]  # [rows, vocab]
-    cdf = torch.softmax(x, -1).cumsum(-1)  # [rows, vocab]
-    total = cdf[:, -1:]  # [rows, 1]
-    below = torch.minimum((u[:, None] * total).float(), torch.nextafter(total, torch.zeros_like(total)))  # < total
-    chosen = torch.searchsorted(cdf, below, right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)  # [rows]
-    return torch.where(greedy, logits.argmax(-1), chosen)  # [rows] int64
+    return torch.where(greedy, logits.argmax(-1), _inverse_cdf(x, u))  # [rows] int64
 
 
 def token_logprobs(logits: Tensor, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:

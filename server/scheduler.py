@@ -537,13 +537,7 @@ class Scheduler:
             draws.append(job.generation.rng.random() if last else 0.0)
             takes.append(job if last else None)
         drawn = slots.launch(feed, use, temps, draws)
-        self.steps += 1
-        for job in self.running:
-            if job.pending:
-                del job.pending[0]
-                self.prompt_tokens_in_batch += 1
-                if not job.pending:
-                    job.prompt_read()
+        self._stepped(riding=any(use), whole=False)
         events, failed, _ = self._accept_drawn()  # the tokens the step just queued feeds
         self._drawn = [(drawn, takes)]
         self._flush()
@@ -598,12 +592,17 @@ class Scheduler:
             else:
                 self.engine.decoder.advance(batch, tokens)
         self.slots.stepped(batch)
+        self._stepped(riding, whole)
+        self._regroup([r for r, ev in events.items() if ev.finish_reason is not None], failed)
+
+    def _stepped(self, riding: bool, whole: bool) -> None:
+        """Count a step and the prompt tokens it read (``riding``: rows still read prompts): each prompt whole
+        (``whole``), else one token of it."""
         self.steps += 1
         for job in self.running if riding else ():
-            if job.pending:  # prompt tokens read in the batch's step
+            if job.pending:
                 n = len(job.pending) if whole else 1
                 del job.pending[:n]
                 self.prompt_tokens_in_batch += n
                 if not job.pending:
                     job.prompt_read()
-        self._regroup([r for r, ev in events.items() if ev.finish_reason is not None], failed)

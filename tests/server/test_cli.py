@@ -170,6 +170,7 @@ def test_bench_serve_json(checkpoint):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [load["concurrency"] for load in out["loads"]] == [1, 2] and out["model"] == "bench-model"
+    assert out["overlap_schedule"] is True  # the default; on a CPU's table it changes nothing
     assert out["server_workers"] == 2  # a spawned server of two workers, both answering before the load began
     assert out["stream_interval"] == out["server_stream_interval"] == 3  # the engine loop's and the server's
     assert out["rounds"] == 2 and out["random_range_ratio"] == 0.5 and out["max_tokens_range"] == [4, 12]

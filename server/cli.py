@@ -382,7 +382,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     check_url(settings.redis_url)
     if settings.redis_url is None:
         check_data_dir(settings.data_dir)
-    group = settings.workers > 1 and REUSE_PORT  # each worker listens on a socket of its own (server.workers)
+    group = settings.server_processes > 1 and REUSE_PORT  # each worker listens on a socket of its own (server.workers)
     sock = bind(settings.host, settings.port, group=group, listen=not group)
     claim = None
     try:
@@ -390,7 +390,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         resolve_checkpoint(settings.checkpoint)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        if settings.workers > 1:  # this process supervises; each worker loads the model
+        if settings.server_processes > 1:  # this process supervises; each worker loads the model, or one engine
             from server.workers import serve_workers
 
             return serve_workers(settings, sock)

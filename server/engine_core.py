@@ -30,7 +30,9 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -41,17 +43,19 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
 
 from memory_store.codec import INLINE_BYTES, safetensors_bytes
+from model.bundled import resolve_checkpoint
 from model.checkpoint import read_meta
 from model.config import TXLConfig
 from model.engine import Engine, Score, TokenEvent, readable_ids
 from model.sampling import SamplingParams
 from model.tokenizer import tokenizer_from_dict
+from model.train import auto_dtype, pick_device
 from server import core_spawn
 from server.hot_states import HotStates, Revision
 from server.scheduler import Finished, Job, JobFailed, PromptScores, Scheduler, streamed
@@ -180,14 +184,24 @@ class _Box:
 
 class _Core:
     """The engine process: the reader thread (this one) takes requests; the scheduler's thread steps and sends
-    each step's items through :meth:`call_soon_threadsafe` (the scheduler's hand-off to an event loop)."""
+    each step's items through :meth:`call_soon_threadsafe` (the scheduler's hand-off to an event loop).
 
-    def __init__(self, conn: Connection, settings: dict[str, Any]) -> None:
-        self.conn, self.settings = conn, settings
-        self.sender = Sender(conn)
+    It serves one connection per API server process (``--api-server-count``, as vLLM's API servers share one
+    engine core): one batch, one hot set. Each server numbers its requests on its own, so here request ``rid`` of
+    connection ``i`` of ``n`` is ``rid * n + i``, and every message about it goes back to connection ``i`` with its
+    own number. A connection that closes (its server stopped, or died) abandons its requests; the process exits
+    once every connection has."""
+
+    def __init__(self, conns: list[Connection], settings: dict[str, Any]) -> None:
+        self.conns, self.settings = conns, settings
+        self.senders = [Sender(conn) for conn in conns]
+        self.live = set(range(len(conns)))  # connections not yet closed
         self.guard = threading.Lock()  # a request's start against its cancel, from different threads
+        device = pick_device(settings["device"])
+        self.checkpoint = resolve_checkpoint(settings["checkpoint"])
         self.engine = Engine.from_checkpoint(
-            settings["checkpoint"], device=settings["device"], dtype=getattr(torch, settings["dtype"]),
+            self.checkpoint, device=device,
+            dtype=auto_dtype(device) if settings["dtype"] == "auto" else getattr(torch, settings["dtype"]),
             mem_len=settings["mem_len"], clamp_len=settings["clamp_len"], prefill_chunk=settings["prefill_chunk"],
             enforce_eager=settings["enforce_eager"], prefill_products=settings["prefill_products"])
         self.storage_dtype = getattr(torch, settings["storage_dtype"])
@@ -205,8 +219,28 @@ class _Core:
         self.specs: dict[int, _Spec] = {}  # accepted, not yet finished
         self.kept: dict[int, tuple[Any, list[int] | None]] = {}  # finished: state and window, awaiting keep/drop
 
-    def send(self, head: dict[str, Any], blob: bytes = b"") -> None:
-        self.sender.send(pack(head, blob))
+    def send(self, head: dict[str, Any], blob: bytes = b"", to: int | None = None) -> None:
+        """To the connection of the request it names (``rid``), the one each token came from (``items``), ``to``
+        the one given, or else to every connection."""
+        n = len(self.conns)
+        if "items" in head and n > 1:
+            split: dict[int, list[Any]] = {}
+            for item in head["items"]:
+                split.setdefault(item[0] % n, []).append([item[0] // n, *item[1:]])
+            for i, items in split.items():
+                self._send(i, pack({**head, "items": items}, blob))
+            return
+        if "items" in head:
+            to = 0
+        elif "rid" in head:
+            to, head = head["rid"] % n, {**head, "rid": head["rid"] // n}
+        data = pack(head, blob)
+        for i in range(n) if to is None else (to,):
+            self._send(i, data)
+
+    def _send(self, i: int, data: bytes) -> None:
+        if i in self.live:
+            self.senders[i].send(data)
 
     def stats(self) -> list[int]:
         s, h = self.scheduler, self.hot
@@ -219,26 +253,47 @@ class _Core:
         self.send({"op": "ready", "fingerprint": e.fingerprint, "mem_len": e.mem_len, "clamp_len": e.clamp_len,
                    "window_len": e.window_len, "tokenizer_id": e.tokenizer_id, "capacity": self.scheduler.capacity,
                    "device": str(e.device), "prefill_chunk": e.prefill_chunk, "threads": torch.get_num_threads(),
-                   "row_bytes": e.row_bytes})
-        while True:
-            try:
-                head, blob = unpack(self.conn.recv_bytes())
-            except (EOFError, OSError):  # the server is gone
-                break
-            if head["op"] == "stop":
-                break
-            try:
-                getattr(self, "_on_" + head["op"])(head, blob)
-            except Exception as err:  # one request's bad input or bug fails that request alone
-                rid = head.get("rid")
-                if rid is None:
-                    log.exception("engine process: %s failed", head["op"])
+                   "row_bytes": e.row_bytes, "checkpoint": self.checkpoint, "pid": os.getpid()})
+        n = len(self.conns)
+        while self.live:
+            for conn in wait([self.conns[i] for i in sorted(self.live)]):
+                i = self.conns.index(conn)  # type: ignore[arg-type]
+                try:
+                    head, blob = unpack(conn.recv_bytes())  # type: ignore[union-attr]
+                except (EOFError, OSError):  # that server is gone
+                    head, blob = {"op": "stop"}, b""
+                if head["op"] == "stop":
+                    self._left(i)
                     continue
-                if not isinstance(err, TxlError):
-                    log.exception("engine process: request %s failed", rid)
-                self._fail(rid, err)
+                if "rid" in head:
+                    head["rid"] = head["rid"] * n + i
+                head["from"] = i
+                self._handle(head, blob)
         self.scheduler.stop()
         self.io.shutdown(wait=False, cancel_futures=True)
+
+    def _handle(self, head: dict[str, Any], blob: bytes) -> None:
+        try:
+            getattr(self, "_on_" + head["op"])(head, blob)
+        except Exception as err:  # one request's bad input or bug fails that request alone
+            rid = head.get("rid")
+            if rid is None:
+                log.exception("engine process: %s failed", head["op"])
+                return
+            if not isinstance(err, TxlError):
+                log.exception("engine process: request %s failed", rid)
+            self._fail(rid, err)
+
+    def _left(self, i: int) -> None:
+        """Connection ``i``'s server stopped: its running requests are cancelled and nothing is kept for them."""
+        n = len(self.conns)
+        self.live.discard(i)  # first: nothing more is sent there (a server that stopped reading must not block us)
+        for rid in [rid for rid in self.specs if rid % n == i]:
+            self._on_cancel({"rid": rid, "abandon": True}, b"")
+        for rid in [rid for rid in self.kept if rid % n == i]:
+            self.kept.pop(rid, None)
+        with contextlib.suppress(OSError):
+            self.conns[i].close()
 
     def _work(self, rid: int, work: Callable[[], None], *, off_thread: bool) -> None:
         """A request's import, renumbering or export: on the io thread, or at once; a failure fails that request."""
@@ -337,13 +392,16 @@ class _Core:
                    "finish_reason": "cancelled", "stats": self.stats()})
 
     def _on_stats(self, head: dict[str, Any], _: bytes) -> None:
-        self.send({"op": "stats", "qid": head["qid"], "stats": self.stats()})
+        self.send({"op": "stats", "qid": head["qid"], "stats": self.stats()}, to=head["from"])
 
     def _on_keep(self, head: dict[str, Any], _: bytes) -> None:
         kept = self.kept.pop(head["rid"], None)
-        if kept is None or not self.hot.put(head["sid"], tuple(head["revision"]), *kept):  # JSON's list
+        hot = kept is not None and self.hot.put(head["sid"], tuple(head["revision"]), *kept)  # JSON's list
+        if not hot:
             self.hot.evicted.append(head["sid"])  # too big for the budget, or deleted meanwhile
-        self.send({"op": "evicted", "sids": self.hot.evicted, "stats": self.stats()})  # /metrics' hot figures
+        # to every server (/metrics' hot figures; a session's tier, whichever server is asked)
+        self.send({"op": "evicted", "sids": self.hot.evicted, "kept": [head["sid"], head["revision"]] if hot else None,
+                   "stats": self.stats()})
         self.hot.evicted.clear()
 
     def _on_drop(self, head: dict[str, Any], _: bytes) -> None:
@@ -418,8 +476,8 @@ class _Core:
 
 
 def core_main() -> None:
-    """The engine process: its connection's descriptor is argv[1]; its settings come on stdin (they may hold
-    nothing secret, but a command line is world-readable anyway)."""
+    """The engine process: its connections' descriptors are argv[1], comma-separated; its settings come on stdin
+    (they may hold nothing secret, but a command line is world-readable anyway)."""
     from model.threads import set_threads
     line = sys.stdin.readline()
     if not line:  # started early by a server that never took it (it failed first, or died): nothing to do
@@ -428,12 +486,14 @@ def core_main() -> None:
     logging.basicConfig(level=settings["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_threads(settings["threads"], processes=settings["processes"])
     sys.setswitchinterval(settings["switch_interval_ms"] / 1000)
-    conn = Connection(int(sys.argv[1]))
+    conns = [Connection(int(fd)) for fd in sys.argv[1].split(",")]
     try:
-        core = _Core(conn, settings)
+        core = _Core(conns, settings)
     except TxlError as err:
-        conn.send_bytes(pack({"op": "failed", **error_head(err)}))
-        return
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(pack({"op": "failed", **error_head(err)}))
+        sys.exit(2)  # as the servers will: a supervisor waits for their one line, not this exit's
     core.serve()
 
 
@@ -528,7 +588,8 @@ class EngineCore:
         self.hot = _HotCounters(self)
         self.dead: str | None = None
         self.on_death: Callable[[str], None] | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None  # None: a shared engine process, the supervisor's
+        self.pid: int | None = None
 
     # facts the server reads as it reads an Engine's
     def encode(self, text: str | bytes) -> list[int]:
@@ -537,18 +598,24 @@ class EngineCore:
     check_window = Engine.check_window  # needs only window_len, mem_len and config.vocab_size
 
     def start(self) -> None:
-        """Spawn the engine process and wait until it has warmed its steps (blocking: run it in a thread)."""
-        self.proc, ours = core_spawn.take() or core_spawn.spawn()  # started early by `txlserve serve`, or now
-        self.conn = Connection(ours.detach())
-        assert self.proc.stdin is not None
+        """Spawn the engine process, or take the shared one's connection (an API server of a supervisor's engine
+        process, :func:`core_spawn.attach`), and wait until it has warmed its steps (blocking: run it in a
+        thread)."""
         head: dict[str, Any] | None = None
-        try:
-            self.proc.stdin.write(json.dumps(self.settings).encode() + b"\n")
-            self.proc.stdin.close()
-        except OSError:  # it died before it read them (a broken pipe): as one that died loading
-            head = {"op": "exited"}
-            with contextlib.suppress(OSError):
+        shared = core_spawn.take_attached()
+        if shared is not None:  # the supervisor started it and gave it its settings
+            self.conn = Connection(shared.detach())
+        else:
+            self.proc, ours = core_spawn.take() or core_spawn.spawn()  # started early by `txlserve serve`, or now
+            self.conn = Connection(ours.detach())
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(json.dumps(self.settings).encode() + b"\n")
                 self.proc.stdin.close()
+            except OSError:  # it died before it read them (a broken pipe): as one that died loading
+                head = {"op": "exited"}
+                with contextlib.suppress(OSError):
+                    self.proc.stdin.close()
         deadline = time.monotonic() + READY_TIMEOUT_S
         while head is None:
             if self.conn.poll(1.0):
@@ -556,19 +623,21 @@ class EngineCore:
                     head, _ = unpack(self.conn.recv_bytes())
                 except (EOFError, OSError):
                     head = {"op": "exited"}
-            elif self.proc.poll() is not None or time.monotonic() > deadline:
+            elif (self.proc is not None and self.proc.poll() is not None) or time.monotonic() > deadline:
                 head = {"op": "exited"}
         if head["op"] == "failed":
             self.stop()
             raise error_from(head)
         if head["op"] != "ready":
             self.stop()
-            raise Unavailable(f"the engine process exited while loading (status {self.proc.poll()}); its log says why")
+            status = "" if self.proc is None else f" (status {self.proc.poll()})"
+            raise Unavailable(f"the engine process exited while loading{status}; its log says why")
+        self.pid = head["pid"]
         self.fingerprint, self.mem_len, self.clamp_len = head["fingerprint"], head["mem_len"], head["clamp_len"]
         self.window_len, self.tokenizer_id, self.capacity = head["window_len"], head["tokenizer_id"], head["capacity"]
         self.device, self.prefill_chunk = torch.device(head["device"]), head["prefill_chunk"]
         self.threads, self.row_bytes, self.hot_bytes = head["threads"], head["row_bytes"], self.settings["hot_bytes"]
-        meta = read_meta(self.settings["checkpoint"])
+        meta = read_meta(head["checkpoint"])
         self.config = TXLConfig.from_dict(meta["model"]).replace(mem_len=self.mem_len, clamp_len=self.clamp_len)
         self.tokenizer = tokenizer_from_dict(meta.get("tokenizer", {"type": "byte"}))
 
@@ -665,6 +734,8 @@ class EngineCore:
             elif op == "evicted":
                 for sid in head["sids"]:
                     self.hot.revisions.pop(sid, None)
+                if head.get("kept"):  # another API server's commit, kept hot by the engine they share
+                    self.hot.revisions[head["kept"][0]] = tuple(head["kept"][1])
 
     async def answers(self, timeout_s: float) -> bool:
         """Whether the engine process answers a ping within ``timeout_s`` (its reader thread answers, so a long
@@ -682,10 +753,13 @@ class EngineCore:
             self.stats_waiting.pop(qid, None)
 
     def kill(self, why: str) -> None:
-        """Take a hung engine process for dead: kill it and fail its requests."""
+        """Take a hung engine process for dead: kill it and fail its requests. A shared one too: its supervisor
+        then stops every API server, for whatever supervises the server to restart it."""
         with contextlib.suppress(OSError):
             if self.proc is not None:
                 self.proc.kill()
+            elif self.pid is not None:
+                os.kill(self.pid, signal.SIGKILL)
         self._died(why)
 
     async def refresh(self, timeout_s: float = 2.0) -> None:

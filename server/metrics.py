@@ -22,26 +22,31 @@ TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 
 
 class _Live(Collector):
-    """Gauges and counters read at scrape time from the scheduler and the store."""
+    """Gauges and counters read at scrape time from the scheduler and the store. ``engine``: whether this
+    process reports its engine's figures (batch, steps, hot set); of API servers sharing one engine process
+    (``--api-server-count``) only the first does, so that a sum over the workers counts that engine once."""
 
     def __init__(self, scheduler: Scheduler, store: MemoryStore, hot: HotStates,
                  cpu_latency: CpuLatencyQos | None) -> None:
         self.scheduler, self.store, self.hot, self.cpu_latency = scheduler, store, hot, cpu_latency
+        self.engine = True
 
     def collect(self) -> Iterator[Metric]:
         s, m, hot = self.scheduler, self.store.metrics, self.hot
-        yield GaugeMetricFamily("txlserve_requests_running", "Requests generating in the decode batch",
-                                value=s.batch_size)
-        yield GaugeMetricFamily("txlserve_requests_waiting", "Requests queued or prefilling", value=s.waiting)
-        yield CounterMetricFamily("txlserve_decode_steps", "Batched decode steps", value=s.steps)
-        yield GaugeMetricFamily("txlserve_hot_bytes", "Bytes of hot sessions (the engine's own form)",
-                                value=hot.nbytes)
-        yield GaugeMetricFamily("txlserve_hot_sessions", "Hot sessions", value=len(hot))
-        for name, value, doc in (("hot_hits", hot.hits, "Session restores served hot, with no copy"),
-                                 ("hot_misses", hot.misses, "Session restores read from Redis"),
-                                 ("redis_hits", m.redis_hits, "Session loads served by Redis"),
+        if self.engine:
+            yield GaugeMetricFamily("txlserve_requests_running", "Requests generating in the decode batch",
+                                    value=s.batch_size)
+            yield GaugeMetricFamily("txlserve_requests_waiting", "Requests queued or prefilling", value=s.waiting)
+            yield CounterMetricFamily("txlserve_decode_steps", "Batched decode steps", value=s.steps)
+            yield GaugeMetricFamily("txlserve_hot_bytes", "Bytes of hot sessions (the engine's own form)",
+                                    value=hot.nbytes)
+            yield GaugeMetricFamily("txlserve_hot_sessions", "Hot sessions", value=len(hot))
+            for name, value, doc in (("hot_hits", hot.hits, "Session restores served hot, with no copy"),
+                                     ("hot_misses", hot.misses, "Session restores read from Redis"),
+                                     ("evictions", hot.evictions, "Hot sessions evicted to stay within the budget")):
+                yield CounterMetricFamily(f"txlserve_{name}", doc, value=value)
+        for name, value, doc in (("redis_hits", m.redis_hits, "Session loads served by Redis"),
                                  ("redis_misses", m.redis_misses, "Session loads Redis did not have"),
-                                 ("evictions", hot.evictions, "Hot sessions evicted to stay within the budget"),
                                  ("store_errors", m.redis_errors, "Redis errors"),
                                  ("session_demotions", m.demotions, "Sessions moved to the cold tier")):
             yield CounterMetricFamily(f"txlserve_{name}", doc, value=value)
@@ -86,7 +91,8 @@ class Metrics:
                                 "(prefilled from the token window: a cold session, or one another checkpoint "
                                 "wrote)", ["source"], registry=r)
         self.websockets = Gauge("txlserve_websocket_connections", "Open WebSocket connections", registry=r)
-        r.register(_Live(scheduler, store, hot, cpu_latency))
+        self.live = _Live(scheduler, store, hot, cpu_latency)
+        r.register(self.live)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

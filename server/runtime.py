@@ -14,6 +14,7 @@ from memory_store import MemoryStore, ModelIdentity
 from model.bundled import resolve_checkpoint
 from model.engine import Engine
 from model.train import auto_dtype, pick_device
+from server.core_spawn import core_settings
 from server.cpu_latency import CpuLatencyQos, guest_halt_poll_ns
 from server.engine_core import EngineCore
 from server.hot_states import HotStates
@@ -178,18 +179,6 @@ async def _open_store(settings: Settings, engine: Engine | EngineCore, device: t
                                  legacy_format=settings.legacy_store_format)
     await store.start()
     return store
-
-
-def core_settings(s: Settings, checkpoint: str, device: torch.device, dtype: torch.dtype) -> dict:
-    """What the engine's process is told: nothing secret (no keys, no Redis URL)."""
-    return {"checkpoint": str(checkpoint), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-            "mem_len": s.mem_len, "clamp_len": s.clamp_len, "prefill_chunk": s.prefill_chunk,
-            "enforce_eager": s.enforce_eager, "prefill_products": s.prefill_products,
-            "storage_dtype": s.storage_dtype, "max_batch": s.max_batch, "batch_bytes": s.batch_mb << 20,
-            "stream_interval": s.stream_interval, "overlap": not s.disable_overlap_schedule,
-            "hot_bytes": s.hot_cache_mb << 20, "threads": s.threads,
-            "processes": s.workers if s.workers > 1 else None, "log_level": s.log_level,
-            "switch_interval_ms": s.switch_interval_ms}
 
 
 async def _open_with_core(settings: Settings, checkpoint: str, device: torch.device, dtype: torch.dtype,

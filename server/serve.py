@@ -158,7 +158,8 @@ def serve(settings: Settings, sock: socket.socket, worker: int | None = None, pe
     """Run the server until it is stopped, on ``sock``, bound by the caller before anything heavy was imported
     (``server.listen``); the caller closes it. ``worker``: this process's index among ``--workers``; ``peers``:
     the directory where the workers share their metrics."""
-    set_threads(settings.threads, processes=settings.workers if settings.workers > 1 else None)  # a worker's share
+    processes = settings.server_processes
+    set_threads(settings.threads, processes=processes if processes > 1 else None)  # a worker's share
     # The engine thread, back from a decode step (which runs without the GIL), waits for the interpreter while
     # the event loop holds it, up to Python's 5 ms switch interval: 1.6-2.0 ms a step at 64 streams on the bundled
     # checkpoint, 0.5-1.1 ms at 0.5 (BENCHMARKS.md, "Where 64 streams lose now").
@@ -194,6 +195,7 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
     shared = None
     try:
         rt.worker, rt.peers = worker, peers
+        rt.metrics.live.engine = settings.api_server_count == 1 or not worker  # a shared engine's, counted once
         shared = await share_metrics(rt, peers) if peers else None  # the other workers' /metrics read this one's
         start_listening(sock)  # a worker's socket takes connections once it can serve them (server.listen)
         app = build_app(settings, runtime=rt)

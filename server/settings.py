@@ -42,6 +42,10 @@ class Settings:
                            "and hot sessions (as uvicorn's --workers): for a host where one process's event loop "
                            "runs out before its engine, as on a GPU; a session moves between them through Redis. "
                            "--hot-cache-mb and --batch-mb are per worker; /metrics labels each worker's samples")
+    api_server_count: int = _opt(1, "API server processes sharing the port and one engine process (as vLLM's "
+                                    "--api-server-count): one batch and one hot set, with HTTP, streaming and each "
+                                    "request's lease and commit spread over N event loops; for a GPU whose engine "
+                                    "outruns one process's event loop. Needs --engine-process; not with --workers")
     engine_process: bool = _opt(True, "run the engine (its scheduler, model and hot sessions) in a process of its "
                                       "own, as vLLM runs its engine core, so that the event loop and the engine do "
                                       "not share one interpreter (each worker gets its own); --no-engine-process "
@@ -132,9 +136,13 @@ class Settings:
                                   f"{getattr(self, name)!r}")
         for name in ("max_batch", "batch_mb", "max_queue", "max_tokens_limit", "prefill_chunk", "max_prompt_bytes",
                      "max_append_bytes", "max_body_bytes", "max_stop_bytes", "lease_ttl_ms", "mem_len",
-                     "stream_interval", "workers"):
+                     "stream_interval", "workers", "api_server_count"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.api_server_count > 1 and (self.workers > 1 or not self.engine_process):
+            raise ConfigError("api_server_count > 1 shares one engine process among the API servers: it needs "
+                              "--engine-process, and cannot be combined with --workers (each worker has an engine "
+                              "of its own)")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, not {self.port}")
         if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
@@ -190,6 +198,11 @@ class Settings:
             return cls(**values)
         except TypeError as err:
             raise ConfigError(str(err)) from None
+
+    @property
+    def server_processes(self) -> int:
+        """Processes serving HTTP on the port: workers, or API servers of one shared engine process."""
+        return max(self.workers, self.api_server_count)
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

@@ -15,6 +15,12 @@ its own stops the rest, and the supervisor exits non-zero, as vLLM's API server 
 orchestrator restarts the whole server. A worker whose supervisor dies drains and exits (its stdin, the
 supervisor's pipe, reaches its end).
 
+``--api-server-count N`` runs the same way, but its workers are API servers of one engine process: the
+supervisor spawns that process first (its model, batch and hot sessions), with a connection for each worker
+(``server.core_spawn.spawn_shared``), and each worker serves HTTP, streams and leases and commits its requests'
+sessions over its connection. The engine process dying stops the workers, as a worker dying does; it exits once
+the last worker has stopped.
+
 Each connection stays with the worker that accepted it; the kernel spreads new connections over the workers'
 sockets by their addresses. ``/ready`` and ``/health`` answer for the worker that got the connection;
 ``/metrics`` for all of them: each worker shares its metrics on a unix socket in a directory of the supervisor's,
@@ -54,6 +60,7 @@ log = logging.getLogger("txlserve")
 
 STOP_MARGIN_S = 20.0  # beyond a worker's own drain (shutdown_timeout_s; its cancelled runs get 10 s more, and the
 # runtime's close comes after), before it is killed
+ENGINE = -2  # the shared engine process's index among what the supervisor watches (the embedded Redis: -1)
 ROOT = Path(__file__).resolve().parents[1]  # the folder holding this ``server`` package
 # a worker imports the supervisor's own code: ``python -m`` would put the current directory first on its path,
 # where a folder named ``server`` or ``model`` would replace ours in the workers alone
@@ -90,6 +97,8 @@ class _Supervisor:
     def __init__(self, settings: Settings, sock: socket.socket) -> None:
         self.settings, self.sock = settings, sock
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.engine: subprocess.Popen[bytes] | None = None  # with --api-server-count: the shared engine process
+        self.engine_socks: list[socket.socket] = []  # its connections' ends, one per worker, until each is handed
         self.stopping = threading.Event()
         self.signalled: set[int] = set()  # workers already asked to stop
         self.stopped_by: int | None = None  # the first stop signal
@@ -108,7 +117,9 @@ class _Supervisor:
         embedded Redis the supervisor started is watched as a worker is: its death stops the workers (they joined
         it, so their /health could not tell, and nothing restarted it), for whatever supervises us to restart."""
         config = json.dumps(worker_settings(self.settings, redis_url)).encode() + b"\n"
-        for index in range(self.settings.workers):
+        if self.settings.api_server_count > 1 and not self.stopping.is_set():
+            self._spawn_engine()
+        for index in range(self.settings.server_processes):
             if not self.stopping.is_set():
                 self._spawn(index, config, metrics)
         for proc in self.procs:  # a signal that came while one was starting did not reach it
@@ -116,9 +127,12 @@ class _Supervisor:
                 self._signal(proc, signal.SIGTERM)
         if not self.procs:  # stopped before the first started
             return 0
-        log.info("started %d workers on port %d (pids %s)", len(self.procs), self.sock.getsockname()[1],
-                 ", ".join(str(p.pid) for p in self.procs))
+        shared = "" if self.engine is None else f", API servers of engine process {self.engine.pid}"
+        log.info("started %d workers on port %d (pids %s%s)", len(self.procs), self.sock.getsockname()[1],
+                 ", ".join(str(p.pid) for p in self.procs), shared)
         index, code = self._wait_first_exit(embedded.process if embedded is not None else None)
+        if index == ENGINE and not self.stopping.is_set():
+            return self._engine_exited(code)
         if index < 0 and not self.stopping.is_set():
             log.error("%s; stopping the workers", embedded.exited if embedded is not None else "Redis exited")
             self.stop_all()
@@ -132,18 +146,48 @@ class _Supervisor:
         clean = (0, -signal.SIGTERM, 130)  # uvicorn raises the signal it stopped on again once it has drained
         return 0 if all(p.returncode in clean for p in self.procs) else 1
 
+    def _spawn_engine(self) -> None:
+        """The engine process the API servers share, told its settings (the engine resolves the checkpoint, device
+        and dtype itself: this process imports no torch)."""
+        from server.core_spawn import core_settings, spawn_shared
+
+        self.engine, self.engine_socks = spawn_shared(self.settings.api_server_count)
+        assert self.engine.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # it died at once: its workers hear of it, and waiting says how
+            self.engine.stdin.write(json.dumps(core_settings(self.settings)).encode() + b"\n")
+            self.engine.stdin.close()
+
+    def _engine_exited(self, code: int) -> int:
+        """The shared engine process exited on its own. One that could not load (status 2) told every worker
+        why, and each says it in one line as it exits: they are waited for, so that line is the server's."""
+        if code == 2:
+            deadline = time.monotonic() + STOP_MARGIN_S
+            for proc in self.procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+        else:
+            log.error("the engine process (pid %d) exited with status %s; stopping the workers", self.engine.pid,
+                      code)
+        self.stop_all()
+        return 2 if code == 2 else 1
+
     def _spawn(self, index: int, config: bytes, metrics: str) -> None:
         own = None
         if REUSE_PORT:  # a socket of its own in the port's group, listened on once the worker can serve
             own = bind(self.settings.host, self.sock.getsockname()[1], group=True, listen=False)
         fd = (own or self.sock).fileno()
+        core = self.engine_socks[index] if self.engine_socks else None  # its connection to the shared engine
+        fds = (fd,) if core is None else (fd, core.fileno())
         try:
-            proc = subprocess.Popen([sys.executable, "-c", WORKER, str(fd), str(index), metrics],
-                                    stdin=subprocess.PIPE, pass_fds=(fd,),
+            proc = subprocess.Popen([sys.executable, "-c", WORKER, str(fd), str(index), metrics,
+                                     *([] if core is None else [str(core.fileno())])],
+                                    stdin=subprocess.PIPE, pass_fds=fds,
                                     start_new_session=True)  # Ctrl-C reaches this process only
         finally:
             if own is not None:  # the worker has its copy
                 own.close()
+            if core is not None:
+                core.close()
         self.procs.append(proc)
         assert proc.stdin is not None
         try:
@@ -168,9 +212,10 @@ class _Supervisor:
             proc.send_signal(sig)
 
     def _wait_first_exit(self, redis: subprocess.Popen[bytes] | None = None) -> tuple[int, int]:
-        """Block until a worker (or ``redis``: index -1) exits, on pidfds where the kernel has them (no polling);
-        its index and status."""
-        watched = list(enumerate(self.procs)) + ([(-1, redis)] if redis is not None else [])
+        """Block until a worker (or ``redis``: index -1, the shared engine process: ``ENGINE``) exits, on pidfds
+        where the kernel has them (no polling); its index and status."""
+        watched = list(enumerate(self.procs)) + ([(-1, redis)] if redis is not None else []) + (
+            [(ENGINE, self.engine)] if self.engine is not None else [])
         fds = {}
         if hasattr(os, "pidfd_open"):
             for i, proc in watched:
@@ -209,6 +254,17 @@ class _Supervisor:
             if proc.stdin is not None:
                 with contextlib.suppress(OSError):
                     proc.stdin.close()
+        for sock in self.engine_socks:  # connections never handed to a worker (stopped while starting them)
+            sock.close()
+        self.engine_socks = []
+        if self.engine is not None:  # it exits once its last worker's connection has closed
+            try:
+                self.engine.wait(STOP_MARGIN_S)
+            except subprocess.TimeoutExpired:
+                log.warning("the engine process (pid %d) did not stop within %.0f s; killing it", self.engine.pid,
+                            STOP_MARGIN_S)
+                self.engine.kill()
+                self.engine.wait()
 
 
 def _metrics_socket(directory: str, index: int) -> str:
@@ -239,7 +295,7 @@ async def all_metrics(rt: Runtime, directory: str, timeout_s: float = 2.0) -> by
             writer.close()
 
     parts = {rt.worker or 0: (await rt.render_metrics()).decode()}
-    for index in range(rt.settings.workers):
+    for index in range(rt.settings.server_processes):
         if index not in parts:
             try:
                 parts[index] = await asyncio.wait_for(read(index), timeout_s)
@@ -274,8 +330,10 @@ def _watch_supervisor(fd: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """A worker (:data:`WORKER`, arguments FD INDEX METRICS_DIR), its settings as one JSON line on stdin."""
+    """A worker (:data:`WORKER`, arguments FD INDEX METRICS_DIR [ENGINE_FD]: its connection to a shared engine
+    process), its settings as one JSON line on stdin."""
     fd, index, metrics = int(argv[0]), int(argv[1]), argv[2] if len(argv) > 2 else None
+    engine_fd = int(argv[3]) if len(argv) > 3 else None
     sock = None
     try:
         settings = _read_settings(sys.stdin.fileno())
@@ -283,9 +341,11 @@ def main(argv: list[str]) -> int:
         logging.basicConfig(level=settings.log_level.upper(),
                             format=f"%(asctime)s %(levelname)s %(name)s [worker {index}]: %(message)s")
         _watch_supervisor(sys.stdin.fileno())
-        if settings.engine_process:  # its imports run beside this process's next ones
-            from server.core_spawn import spawn_early
-            spawn_early()
+        from server import core_spawn
+        if engine_fd is not None:  # an API server of the supervisor's engine process
+            core_spawn.attach(engine_fd)
+        elif settings.engine_process:  # its imports run beside this process's next ones
+            core_spawn.spawn_early()
         from server.serve import serve
 
         return serve(settings, sock, worker=index, peers=metrics)

@@ -166,12 +166,14 @@ def test_bench_store_json(checkpoint):
 def test_bench_serve_json(checkpoint):
     r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "1,2", "--duration", "0.5",
                  "--rounds", "2", "--max-tokens", "8", "--random-range-ratio", "0.5", "--doc-kb", "1",
-                 "--stream-interval", "3", "--workers", "2", timeout=180)
+                 "--stream-interval", "3", "--api-server-count", "2", "--client-processes", "2", timeout=180)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [load["concurrency"] for load in out["loads"]] == [1, 2] and out["model"] == "bench-model"
     assert out["overlap_schedule"] is True  # the default; on a CPU's table it changes nothing
-    assert out["server_workers"] == 2  # a spawned server of two workers, both answering before the load began
+    # a spawned server of two API servers, both answering before the load began; the load's two streams each in a
+    # process of its own (one stream: one process)
+    assert out["server_api_server_count"] == 2 and out["server_workers"] == 1 and out["client_processes"] == 2
     assert out["stream_interval"] == out["server_stream_interval"] == 3  # the engine loop's and the server's
     assert out["rounds"] == 2 and out["random_range_ratio"] == 0.5 and out["max_tokens_range"] == [4, 12]
     for load in out["loads"]:
@@ -224,7 +226,7 @@ def _refused(capsys, *argv: str) -> str:
 
 def test_bench_serve_refuses_bad_flags(capsys):
     assert "--rounds: expected a whole number from 1 up" in _refused(capsys, "bench", "serve", "--rounds", "0")
-    for flag in ("--stream-interval", "--workers"):
+    for flag in ("--stream-interval", "--workers", "--api-server-count", "--client-processes"):
         assert f"{flag}: expected a whole number from 1 up" in _refused(capsys, "bench", "serve", flag, "0")
     for ratio in ("1", "-0.1", "x"):
         assert "--random-range-ratio: expected a number" in _refused(

@@ -186,12 +186,12 @@ def core(checkpoint):
 
     import torch
 
+    from server.core_spawn import core_settings
     from server.engine_core import _Core
-    from server.runtime import core_settings
     from server.settings import Settings
 
     ours, theirs = socket.socketpair()
-    engine = _Core(Connection(theirs.detach()), core_settings(Settings(checkpoint=str(checkpoint)), str(checkpoint),
+    engine = _Core([Connection(theirs.detach())], core_settings(Settings(checkpoint=str(checkpoint)), str(checkpoint),
                                                               torch.device("cpu"), torch.float32))
     thread = threading.Thread(target=engine.serve, daemon=True)
     thread.start()
@@ -338,6 +338,60 @@ def test_a_cancel_while_a_large_session_is_imported_never_starts_it(core, monkey
     while (head := _recv(conn))["op"] != "finished" or head.get("rid") != 3:
         assert head.get("rid") != 2 and not any(i[0] == 2 for i in head.get("items", [])), head  # 2 never ran
     assert 2 not in engine.specs and 2 not in engine.kept
+
+
+def test_api_servers_share_one_engine_each_numbering_its_own_requests(checkpoint):
+    """Two API servers' connections to one engine process (``--api-server-count 2``): the same request number on
+    both is two requests, each answered on its own connection; a session one kept is hot for the other; a
+    server that leaves abandons its requests while the other's run on; the process ends with the last one."""
+    import socket
+    import threading
+    from multiprocessing.connection import Connection
+
+    from server.core_spawn import core_settings
+    from server.engine_core import _Core
+    from server.settings import Settings
+    from tests.live import wait_for
+
+    pairs = [socket.socketpair() for _ in range(2)]
+    engine = _Core([Connection(theirs.detach()) for _, theirs in pairs],
+                   core_settings(Settings(checkpoint=str(checkpoint), device="cpu")))  # resolved by the engine
+    thread = threading.Thread(target=engine.serve, daemon=True)
+    thread.start()
+    a, b = (Connection(ours.detach()) for ours, _ in pairs)
+    try:
+        ready = [_recv(a), _recv(b)]
+        assert all(r["op"] == "ready" and r["checkpoint"] == str(checkpoint) for r in ready)
+        _run(a, 1, [72, 105], max_tokens=3)
+        _run(b, 1, [72, 105], max_tokens=5)
+        end_a, end_b = _until(a, "finished", 1), _until(b, "finished", 1)
+        assert [len([i for i in end["seen"] if i[1] == "t"]) for end in (end_a, end_b)] == [3, 5]
+        assert (end_a["tokens_seen"], end_b["tokens_seen"]) == (2 + 3, 2 + 5)
+        a.send_bytes(pack({"op": "keep", "rid": 1, "sid": "s", "revision": [1, 1.5]}))
+        for conn in (a, b):  # both servers hear it is hot (a session's tier, whichever server is asked)
+            assert _until(conn, "evicted")["kept"] == ["s", [1, 1.5]]
+        b.send_bytes(pack({"op": "drop", "rid": 1}))
+        _run(b, 2, [33], key=["s", [1, 1.5]])
+        end = _until(b, "finished", 2)
+        assert end["source"] == "hot" and end["tokens_seen"] == 2 + 3 + 1 + 4  # a's session, continued by b
+        b.send_bytes(pack({"op": "drop", "rid": 2}))
+        b.send_bytes(pack({"op": "stats", "qid": 9}))
+        assert _until(b, "stats")["qid"] == 9 and not a.poll(0)  # answered to the one that asked
+
+        _run(a, 3, [72], max_tokens=100_000)
+        _until(a, "events", 3)  # generating
+        a.close()  # that server is gone: its request is cancelled and nothing is kept for it
+        wait_for(lambda: not engine.specs and not engine.kept, 30, "the engine to abandon the request of a server "
+                 "that left")
+        _run(b, 4, [72], max_tokens=2, persist=False)
+        assert _until(b, "finished", 4)["finish_reason"] == "length"  # the other server is still served
+        assert thread.is_alive()
+        b.send_bytes(pack({"op": "stop"}))
+        thread.join(30)
+        assert not thread.is_alive(), "the engine outlived its last server"
+    finally:
+        for conn in (a, b):
+            conn.close()
 
 
 class _Wire:
@@ -497,17 +551,17 @@ def test_disable_overlap_schedule_reaches_the_engine_process_scheduler(checkpoin
 
     import torch
 
+    from server.core_spawn import core_settings
     from server.engine_core import _Core
-    from server.runtime import core_settings
     from server.settings import Settings
 
     ours, theirs = socket.socketpair()
     settings = core_settings(Settings(checkpoint=str(checkpoint), disable_overlap_schedule=disable), str(checkpoint),
                              torch.device("cpu"), torch.float32)
-    engine = _Core(Connection(theirs.detach()), settings)
+    engine = _Core([Connection(theirs.detach())], settings)
     try:
         assert engine.scheduler.overlap is not disable
     finally:
         engine.io.shutdown(wait=False)
         ours.close()
-        engine.conn.close()
+        engine.conns[0].close()

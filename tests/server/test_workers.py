@@ -57,6 +57,15 @@ def _answered_by(url: str, path: str, timeout: float = 60) -> set[int]:
     return seen
 
 
+def _stop_drains_all(srv: LiveServer, sig: int, codes: tuple[int, ...], pids: set[int]) -> None:
+    """``sig`` to the supervisor: it exits with one of ``codes`` once both workers have drained and ``pids`` (its
+    workers, and the embedded Redis or the engine process it started) have exited."""
+    srv.proc.send_signal(sig)
+    assert srv.proc.wait(60) in codes
+    assert wait_exit(pids, 30), "a worker, the embedded Redis or the engine process outlived the supervisor"
+    assert srv.log.read_text().count("Finished server process") == 2  # each drained (uvicorn's last line)
+
+
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists() or not hasattr(os, "pidfd_open"),
                                 reason="reads /proc, waits on pidfds")
 
@@ -98,10 +107,8 @@ def test_workers_share_the_port_the_sessions_and_the_embedded_redis(checkpoint: 
                                capture_output=True, text=True, timeout=60)
             assert r.returncode == 2 and "cannot listen" in r.stderr and "Traceback" not in r.stderr, r.stderr
         redis_pid = int((tmp_path / "data" / "redis.pid").read_text())
-        srv.proc.send_signal(signal.SIGINT)  # Ctrl-C (SIGTERM takes the same handler): every worker drains
-        assert srv.proc.wait(60) == 130  # as one server exits on Ctrl-C (it was 0)
-        assert wait_exit(workers | {redis_pid}, 30), "a worker or the embedded Redis outlived the supervisor"
-        assert srv.log.read_text().count("Finished server process") == 2  # each drained (uvicorn's last line)
+        # Ctrl-C (SIGTERM takes the same handler): every worker drains, and it exits as one server does (it was 0)
+        _stop_drains_all(srv, signal.SIGINT, (130,), workers | {redis_pid})
     finally:
         srv.stop()
 
@@ -149,6 +156,73 @@ def test_workers_drain_and_exit_when_their_supervisor_is_killed(checkpoint: Path
                 os.kill(pid, signal.SIGKILL)
 
 
+API_SERVERS = ("--api-server-count", "2", "--threads", "1")
+
+
+def _engines_of(pid: int) -> set[int]:
+    """The engine processes among ``pid``'s children."""
+    found = set()
+    for p in _children(pid):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if "core_main" in Path(f"/proc/{p}/cmdline").read_text():
+                found.add(p)
+    return found
+
+
+def test_api_servers_share_one_engine_process_and_its_hot_sessions(checkpoint: Path, tmp_path: Path):
+    """``--api-server-count 2``: two API servers on one port, one engine process between them, so a session
+    continued by either is hot (with --workers the other worker reads it from Redis); the engine's figures are
+    counted once in /metrics; a SIGTERM drains both servers and the engine process ends after them."""
+    srv = LiveServer(checkpoint, redis_url=None, data_dir=tmp_path / "data", args=API_SERVERS).start(timeout=120)
+    try:
+        assert _answered_by(srv.url, "/ready") == {0, 1}
+        workers, (engine,) = _workers_of(srv), _engines_of(srv.proc.pid)
+        assert not any(_engines_of(w) for w in workers), "an API server started an engine of its own"
+        sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Once"}, timeout=30).json()["id"]
+        seen, served = 4, set()
+        for i in range(60):  # each request on a new connection: either server, the same engine
+            r = httpx.post(srv.url + "/v1/completions", timeout=30, json={
+                "model": MODEL, "prompt": " and", "max_tokens": 3, "temperature": 0, "session_id": sid})
+            assert r.status_code == 200, r.text
+            seen += 4 + r.json()["usage"]["completion_tokens"]
+            assert r.json()["session"]["tokens_seen"] == seen
+            lines = [line for line in srv.log.read_text().splitlines() if "/v1/completions" in line and sid in line]
+            assert all('"restored_from":"hot"' in line for line in lines), lines  # never read back from Redis
+            served = {w for w in (0, 1) for line in lines if f"[worker {w}]" in line}
+            if served == {0, 1} and i >= 3:
+                break
+        assert served == {0, 1}, "one server served every continuation"
+        tiers = {httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=30).json()["tier"] for _ in range(6)}
+        assert tiers == {"hot"}  # whichever server answers
+        text = httpx.get(srv.url + "/metrics", timeout=30).text
+        hot = [line for line in text.splitlines() if line.startswith("txlserve_hot_sessions{")]
+        assert len(hot) == 1 and 'worker="0"' in hot[0] and float(hot[0].split()[-1]) == 1.0, hot
+        _stop_drains_all(srv, signal.SIGTERM, (0, -signal.SIGTERM), workers | {engine})
+    finally:
+        srv.stop()
+
+
+def test_the_shared_engine_process_dying_stops_the_api_servers(checkpoint: Path, redis_url: str, tmp_path: Path):
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=API_SERVERS).start(timeout=120)
+    try:
+        workers, (engine,) = _workers_of(srv), _engines_of(srv.proc.pid)
+        os.kill(engine, signal.SIGKILL)
+        assert srv.proc.wait(60) == 1
+        assert wait_exit(workers, 30)
+        assert f"the engine process (pid {engine}) exited with status -9; stopping the workers" in srv.log.read_text()
+    finally:
+        srv.stop()
+
+
+def test_api_servers_of_an_engine_that_cannot_load_say_why_in_one_line(tmp_path: Path):
+    (tmp_path / "ckpt").mkdir()  # a directory, as the command line checks, but no checkpoint in it
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "0", "--checkpoint",
+                        str(tmp_path / "ckpt"), "--data-dir", str(tmp_path / "data"), *API_SERVERS], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "txlserve: error: [worker 0]" in r.stderr and "config.json" in r.stderr, r.stderr
+
+
 def test_a_worker_refuses_settings_not_from_a_supervisor():
     r = subprocess.run([sys.executable, "-m", "server.workers", "0", "0"], cwd=REPO, input=b"", capture_output=True,
                        timeout=60)
@@ -164,6 +238,9 @@ def test_each_worker_gets_its_share_of_the_cores():
     from txlserve.errors import ConfigError
     with pytest.raises(ConfigError, match="workers"):
         Settings(workers=0)
+    for refused in ({"workers": 2}, {"engine_process": False}):  # a shared engine process, or none to share
+        with pytest.raises(ConfigError, match="api_server_count"):
+            Settings(api_server_count=2, **refused)
 
 
 def test_a_lone_server_names_no_worker(server: LiveServer):

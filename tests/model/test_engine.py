@@ -133,6 +133,15 @@ def test_persisted_nbytes_is_the_size_of_a_full_export(tmp_path):
         assert engine.persisted_nbytes(dtype) == sum(t.nbytes for t in exported.values())
 
 
+def test_row_bytes_is_what_one_session_holds(tmp_path):
+    """The hot set's byte budget counts each session by it: one row's rings, scores and count, in any batch."""
+    engine = make_engine(tmp_path)
+    one = engine.new_state()
+    held = sum(t.nbytes for t in (one.hid, one.k, one.v, one.last_logits)) + 8  # and its int64 count
+    assert one.row_bytes == held
+    assert DecodeState.cat([one, engine.new_state(), engine.new_state()]).row_bytes == held
+
+
 def test_state_round_trip_continues_identically(tmp_path):
     engine = make_engine(tmp_path)
     greedy = SamplingParams(max_tokens=15, temperature=0)

@@ -126,4 +126,5 @@ def core_settings(s: Settings, checkpoint: object = None, device: object = None,
             "stream_interval": s.stream_interval, "overlap": not s.disable_overlap_schedule,
             "hot_bytes": s.hot_cache_mb << 20, "threads": s.threads,
             "processes": s.workers if s.workers > 1 else None, "log_level": s.log_level,
-            "switch_interval_ms": s.switch_interval_ms}
+            "switch_interval_ms": s.switch_interval_ms,
+            "stall_timeout_s": s.engine_timeout_s}  # a shared engine drops an API server that reads nothing this long

@@ -33,6 +33,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -175,6 +176,53 @@ class Sender:
             self.conn.send_bytes(data)
 
 
+class QueuedSender:
+    """One connection of an engine process that several API servers share: every message is queued and sent by
+    this connection's own thread, so a server that stops reading (stopped, or wedged) holds up only its own
+    messages: never the engine's thread, the io thread, or another server's requests (a finished session's export,
+    larger than the socket's buffer, had blocked the io thread and with it every server's commits). A send blocked
+    for ``stall_s`` marks the server stalled (:meth:`stalled`), and the engine drops it."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self.conn = conn
+        self.queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.blocked_since: float | None = None  # when the send under way began
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def send(self, data: bytes) -> None:
+        self.queue.put(data)
+
+    def stalled(self, stall_s: float) -> bool:
+        since = self.blocked_since
+        return since is not None and time.monotonic() - since > stall_s
+
+    def close(self) -> None:
+        """Stop sending; a send blocked on a server that reads nothing is woken (its socket is shut down)."""
+        self.queue.put(None)
+        with contextlib.suppress(OSError):  # closed already
+            _shut_down(self.conn)
+
+    def _run(self) -> None:
+        while (data := self.queue.get()) is not None:
+            self.blocked_since = time.monotonic()
+            try:
+                self.conn.send_bytes(data)
+            except OSError:  # that server is gone: the reader thread hears it too
+                return
+            finally:
+                self.blocked_since = None
+
+
+def _shut_down(conn: Connection) -> None:
+    """Shut down ``conn``'s socket (both ways), waking a thread blocked sending on it; the descriptor stays open."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    finally:
+        sock.close()
+
+
 class _Box:
     """A job's inbox in the engine process: where its items go is its request id."""
 
@@ -194,7 +242,9 @@ class _Core:
 
     def __init__(self, conns: list[Connection], settings: dict[str, Any]) -> None:
         self.conns, self.settings = conns, settings
-        self.senders = [Sender(conn) for conn in conns]
+        self.senders: list[Sender | QueuedSender] = [Sender(conns[0])] if len(conns) == 1 else [
+            QueuedSender(conn, f"txlserve-engine-send-{i}") for i, conn in enumerate(conns)]
+        self.stall_s = settings.get("stall_timeout_s") or None  # a server reading nothing this long is dropped
         self.live = set(range(len(conns)))  # connections not yet closed
         self.guard = threading.Lock()  # a request's start against its cancel, from different threads
         device = pick_device(settings["device"])
@@ -255,8 +305,9 @@ class _Core:
                    "device": str(e.device), "prefill_chunk": e.prefill_chunk, "threads": torch.get_num_threads(),
                    "row_bytes": e.row_bytes, "checkpoint": self.checkpoint, "pid": os.getpid()})
         n = len(self.conns)
+        look = 1.0 if n > 1 and self.stall_s else None  # how often a stalled server is looked for
         while self.live:
-            for conn in wait([self.conns[i] for i in sorted(self.live)]):
+            for conn in wait([self.conns[i] for i in sorted(self.live)], look):
                 i = self.conns.index(conn)  # type: ignore[arg-type]
                 try:
                     head, blob = unpack(conn.recv_bytes())  # type: ignore[union-attr]
@@ -269,6 +320,11 @@ class _Core:
                     head["rid"] = head["rid"] * n + i
                 head["from"] = i
                 self._handle(head, blob)
+            for i in sorted(self.live) if look else ():
+                if self.senders[i].stalled(self.stall_s):  # type: ignore[union-attr]
+                    log.error("engine process: API server %d has read nothing for %.0f s; dropping its connection "
+                              "and its requests", i, self.stall_s)
+                    self._left(i)
         self.scheduler.stop()
         self.io.shutdown(wait=False, cancel_futures=True)
 
@@ -285,13 +341,19 @@ class _Core:
             self._fail(rid, err)
 
     def _left(self, i: int) -> None:
-        """Connection ``i``'s server stopped: its running requests are cancelled and nothing is kept for them."""
+        """Connection ``i``'s server stopped (or stalled): its running requests are cancelled and nothing is kept
+        for them. The scheduler's and io threads add and remove requests meanwhile: the connection leaves ``live``
+        and the requests are listed under ``guard``, which an export holds to keep a state (:meth:`_export`)."""
         n = len(self.conns)
-        self.live.discard(i)  # first: nothing more is sent there (a server that stopped reading must not block us)
-        for rid in [rid for rid in self.specs if rid % n == i]:
+        with self.guard:
+            self.live.discard(i)  # first: nothing more is sent or kept there
+            running = [rid for rid in list(self.specs) if rid % n == i]
+            for rid in [rid for rid in list(self.kept) if rid % n == i]:
+                self.kept.pop(rid, None)
+        for rid in running:
             self._on_cancel({"rid": rid, "abandon": True}, b"")
-        for rid in [rid for rid in self.kept if rid % n == i]:
-            self.kept.pop(rid, None)
+        if isinstance(self.senders[i], QueuedSender):
+            self.senders[i].close()  # type: ignore[union-attr]
         with contextlib.suppress(OSError):
             self.conns[i].close()
 
@@ -387,7 +449,7 @@ class _Core:
             if spec.job is not None:
                 spec.job.cancel()
                 return
-            self.specs.pop(spec.rid)  # waiting for its stored state: nothing was read
+            self.specs.pop(spec.rid, None)  # waiting for its stored state: nothing was read
         self.send({"op": "finished", "rid": spec.rid, "state": False, "tokens_seen": spec.tokens_before,
                    "finish_reason": "cancelled", "stats": self.stats()})
 
@@ -470,7 +532,9 @@ class _Core:
         window = extend_window(spec.window, spec.ids + done.generated, spec.tokens_before, self.engine.window_len,
                                spec.window_span)
         blob = safetensors_bytes(persisted(self.engine, done.state, window, self.storage_dtype))
-        self.kept[spec.rid] = (done.state, window)
+        with self.guard:  # against a server leaving (_left): nothing is kept for a server that is gone
+            if spec.rid % len(self.conns) in self.live:
+                self.kept[spec.rid] = (done.state, window)
         self.specs.pop(spec.rid, None)  # only now: an export that fails is still answered (_fail)
         self.send({**head, "stats": self.stats()}, blob)
 
@@ -650,7 +714,9 @@ class EngineCore:
         self._writer.start()
 
     def _read(self) -> None:
-        why = "the engine process exited"
+        why = "the engine process exited" if self.proc is not None else (
+            "the shared engine process closed this API server's connection (it exited, or it dropped this server "
+            "after it read nothing for --engine-timeout-s)")
         try:
             while True:
                 batch = [self._next()]

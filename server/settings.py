@@ -52,8 +52,9 @@ class Settings:
                                       "runs it in the server's process, on a thread")
     engine_timeout_s: float = _opt(60.0, "with --engine-process: an engine that answers no ping for this long while "
                                          "requests run is taken for hung; it is killed, its requests fail (503) "
-                                         "and /health turns 503, for a liveness probe to restart the server "
-                                         "(0: never)")
+                                         "and /health turns 503, for a liveness probe to restart the server; with "
+                                         "--api-server-count, an API server that reads nothing from the engine this "
+                                         "long is dropped by it, so that the others go on (0: never)")
     mem_len: int | None = _opt(None, "attention window at inference (default: the checkpoint's)")
     clamp_len: int | None = _opt(None, "largest relative distance (default: the checkpoint's)")
     redis_url: str | None = _opt(None, "redis://, rediss:// or unix:// URL, or redis+cluster://host:port "
@@ -80,7 +81,8 @@ class Settings:
     batch_mb: int = _opt(1024, "memory for the sessions generating together (their key/value rings), in MiB: "
                                "every waiting request joins the decode batch while it fits (on a GPU it is taken "
                                "whole at start-up: CUDA graphs read fixed addresses)")
-    max_queue: int = _opt(256, "requests waiting beyond the batch before 429")
+    max_queue: int = _opt(256, "requests waiting beyond the batch before 429 (each server process's, with --workers "
+                               "or --api-server-count)")
     max_tokens_limit: int = _opt(4096, "the largest max_tokens a request may ask for")
     max_prompt_bytes: int = _opt(1_000_000, "largest prompt, in tokens (bytes for a byte model)")
     max_append_bytes: int = _opt(8_000_000, "largest appended document, in tokens (bytes for a byte model)")

@@ -144,7 +144,8 @@ class _Supervisor:
             return code if code > 0 else 1  # a worker's own status (2: its one-line error), else 1
         self.stop_all()
         clean = (0, -signal.SIGTERM, 130)  # uvicorn raises the signal it stopped on again once it has drained
-        return 0 if all(p.returncode in clean for p in self.procs) else 1
+        engine_clean = self.engine is None or self.engine.returncode == 0  # it exits 0 after its last server
+        return 0 if engine_clean and all(p.returncode in clean for p in self.procs) else 1
 
     def _spawn_engine(self) -> None:
         """The engine process the API servers share, told its settings (the engine resolves the checkpoint, device

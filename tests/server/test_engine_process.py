@@ -340,10 +340,9 @@ def test_a_cancel_while_a_large_session_is_imported_never_starts_it(core, monkey
     assert 2 not in engine.specs and 2 not in engine.kept
 
 
-def test_api_servers_share_one_engine_each_numbering_its_own_requests(checkpoint):
-    """Two API servers' connections to one engine process (``--api-server-count 2``): the same request number on
-    both is two requests, each answered on its own connection; a session one kept is hot for the other; a
-    server that leaves abandons its requests while the other's run on; the process ends with the last one."""
+def _shared_core(checkpoint, buffer_bytes: int | None = None):
+    """An engine process's ``_Core`` serving two API servers' connections (``--api-server-count 2``), on a thread;
+    the servers' ends, each with the engine's ``ready`` read (``buffer_bytes``: the sockets' buffers)."""
     import socket
     import threading
     from multiprocessing.connection import Connection
@@ -351,17 +350,29 @@ def test_api_servers_share_one_engine_each_numbering_its_own_requests(checkpoint
     from server.core_spawn import core_settings
     from server.engine_core import _Core
     from server.settings import Settings
-    from tests.live import wait_for
 
     pairs = [socket.socketpair() for _ in range(2)]
+    for sock in (sock for pair in pairs for sock in pair) if buffer_bytes else ():
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
     engine = _Core([Connection(theirs.detach()) for _, theirs in pairs],
                    core_settings(Settings(checkpoint=str(checkpoint), device="cpu")))  # resolved by the engine
     thread = threading.Thread(target=engine.serve, daemon=True)
     thread.start()
     a, b = (Connection(ours.detach()) for ours, _ in pairs)
+    ready = [_recv(a), _recv(b)]
+    assert all(r["op"] == "ready" and r["checkpoint"] == str(checkpoint) for r in ready)
+    return engine, thread, a, b
+
+
+def test_api_servers_share_one_engine_each_numbering_its_own_requests(checkpoint):
+    """Two API servers' connections to one engine process (``--api-server-count 2``): the same request number on
+    both is two requests, each answered on its own connection; a session one kept is hot for the other; a
+    server that leaves abandons its requests while the other's run on; the process ends with the last one."""
+    from tests.live import wait_for
+
+    engine, thread, a, b = _shared_core(checkpoint)
     try:
-        ready = [_recv(a), _recv(b)]
-        assert all(r["op"] == "ready" and r["checkpoint"] == str(checkpoint) for r in ready)
         _run(a, 1, [72, 105], max_tokens=3)
         _run(b, 1, [72, 105], max_tokens=5)
         end_a, end_b = _until(a, "finished", 1), _until(b, "finished", 1)
@@ -391,6 +402,36 @@ def test_api_servers_share_one_engine_each_numbering_its_own_requests(checkpoint
         assert not thread.is_alive(), "the engine outlived its last server"
     finally:
         for conn in (a, b):
+            conn.close()
+
+
+def test_an_api_server_that_reads_nothing_holds_up_only_itself_and_is_dropped(checkpoint):
+    """Of two API servers sharing the engine, one stops reading (a stopped process): the engine's messages to it
+    pile up on its connection's own thread, the other's requests run and commit as before, and after
+    ``stall_timeout_s`` the engine drops the stalled one and its requests. Sent inline, the first message over the
+    socket's buffer blocked the engine's thread (or an export, its io thread) and with it every server."""
+    from tests.live import wait_for
+
+    engine, thread, stalled, b = _shared_core(checkpoint, buffer_bytes=4096)  # a few steps' messages fill them
+    try:
+        _run(stalled, 1, [72], max_tokens=100_000)  # its tokens keep coming; nobody reads them
+        wait_for(lambda: engine.senders[0].blocked_since is not None, 30, "the stalled server's socket to fill")
+        for rid in (1, 2):  # the other server's requests run, end and are kept, while the first stays stalled
+            _run(b, rid, [72, 105], max_tokens=3)
+            end = _until(b, "finished", rid)
+            assert end["state"] is True and end["blob"], end
+            b.send_bytes(pack({"op": "keep", "rid": rid, "sid": f"s{rid}", "revision": [1, 1.5]}))
+            assert _until(b, "evicted")["kept"] == [f"s{rid}", [1, 1.5]]
+        assert 0 in engine.live and engine.senders[0].blocked_since is not None  # still stalled, not yet dropped
+        engine.stall_s = 0.5  # as if a minute had passed: looked at within a second
+        wait_for(lambda: 0 not in engine.live and not engine.specs, 30, "the engine to drop the stalled server")
+        _run(b, 3, [72], max_tokens=2, persist=False)
+        assert _until(b, "finished", 3)["finish_reason"] == "length"
+        b.send_bytes(pack({"op": "stop"}))
+        thread.join(30)
+        assert not thread.is_alive(), "the engine outlived its last server"
+    finally:
+        for conn in (stalled, b):
             conn.close()
 
 

@@ -472,6 +472,8 @@ class _Core:
     def _on_hot(self, head: dict[str, Any], _: bytes) -> None:
         if head["what"] == "deleted":
             self.hot.deleted(head["sid"])
+            if len(self.conns) > 1:  # a request on it through another API server stops now, not at its lease's
+                self.send({"op": "deleted", "sid": head["sid"]})  # next renewal (as one on the same server)
         else:
             self.hot.discard(head["sid"])
 
@@ -652,6 +654,7 @@ class EngineCore:
         self.hot = _HotCounters(self)
         self.dead: str | None = None
         self.on_death: Callable[[str], None] | None = None
+        self.on_deleted: Callable[[str], None] | None = None  # a session deleted through another API server
         self.proc: subprocess.Popen[bytes] | None = None  # None: a shared engine process, the supervisor's
         self.pid: int | None = None
 
@@ -797,6 +800,9 @@ class EngineCore:
                 fut = self.stats_waiting.pop(head["qid"], None)
                 if fut is not None and not fut.done():
                     fut.set_result(None)
+            elif op == "deleted":  # through another API server of this engine
+                if self.on_deleted is not None:
+                    self.on_deleted(head["sid"])
             elif op == "evicted":
                 for sid in head["sids"]:
                     self.hot.revisions.pop(sid, None)

@@ -197,7 +197,12 @@ async def _open_with_core(settings: Settings, checkpoint: str, device: torch.dev
 
     def died(why: str) -> None:  # /ready turns 503 and new requests are refused; an orchestrator restarts us
         rt.ready = False
-    core.on_death = died
+
+    def deleted(session_id: str) -> None:  # through another API server of the engine: as a DELETE here
+        for run in list(rt.runs):
+            if run.session_id == session_id:
+                run.lease_lost(deleted=True)
+    core.on_death, core.on_deleted = died, deleted
     core.listen(asyncio.get_running_loop())
     return _opened(rt, checkpoint, device, core.threads)
 

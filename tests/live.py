@@ -183,3 +183,21 @@ def start_all(*servers: LiveServer, timeout: float = 90) -> tuple[LiveServer, ..
             srv.stop()
         raise
     return servers
+
+
+def stream_deleted_midway(url: str, sid: str) -> list[dict]:
+    """The events of a long streamed completion on session ``sid`` whose session is deleted (on a new connection)
+    once three events have come: a DELETE wins over a running request, which ends with a 404 event."""
+    import json
+
+    import httpx
+
+    events: list[dict] = []
+    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "go", "max_tokens": 4000, "stream": True, "session_id": sid}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if len(events) == 3:
+                    assert httpx.delete(f"{url}/v1/sessions/{sid}", timeout=30).status_code == 200
+    return events

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from server.engine_core import error_from, error_head, pack, unpack
-from tests.live import MODEL, LiveServer, start_all, wait_for
+from tests.live import MODEL, LiveServer, start_all, stream_deleted_midway, wait_for
 from tests.procs import pid_alive, wait_exit
 
 
@@ -104,14 +104,7 @@ def test_what_the_engine_refuses_is_the_same_error(server):
 
 def test_a_delete_stops_the_request_running_on_the_session(server):
     sid = httpx.post(server.url + "/v1/sessions", json={"text": "Story: "}, timeout=60).json()["id"]
-    events = []
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": "go", "max_tokens": 4000, "stream": True, "session_id": sid}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                events.append(json.loads(line[6:]))
-                if len(events) == 3:
-                    assert httpx.delete(f"{server.url}/v1/sessions/{sid}", timeout=30).status_code == 200
+    events = stream_deleted_midway(server.url, sid)
     assert events[-1]["error"]["code"] == "session_not_found" and len(events) < 4000, events[-1]
     assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=10).status_code == 404
 
@@ -388,6 +381,9 @@ def test_api_servers_share_one_engine_each_numbering_its_own_requests(checkpoint
         b.send_bytes(pack({"op": "drop", "rid": 2}))
         b.send_bytes(pack({"op": "stats", "qid": 9}))
         assert _until(b, "stats")["qid"] == 9 and not a.poll(0)  # answered to the one that asked
+        a.send_bytes(pack({"op": "hot", "what": "deleted", "sid": "s"}))  # a DELETE through server a
+        for conn in (a, b):  # b stops its requests on the session now, as a does (not at a lease renewal)
+            assert _until(conn, "deleted")["sid"] == "s"
 
         _run(a, 3, [72], max_tokens=100_000)
         _until(a, "events", 3)  # generating

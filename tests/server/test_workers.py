@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.live import MODEL, REPO, LiveServer
+from tests.live import MODEL, REPO, LiveServer, stream_deleted_midway
 from tests.procs import pid_alive, wait_exit
 
 WORKERS = ("--workers", "2", "--threads", "1")
@@ -169,11 +169,35 @@ def _engines_of(pid: int) -> set[int]:
     return found
 
 
+def _served_by(lines: list[str], *needles: str) -> set[int]:
+    """The workers whose request log lines among ``lines`` hold every one of ``needles``."""
+    return {w for w in (0, 1) for line in lines if all(n in line for n in (f"[worker {w}]", *needles))}
+
+
+def _a_delete_through_the_other_server_stops_a_stream(srv: LiveServer, tries: int = 16) -> bool:
+    """A session deleted through one API server while the other streams on it: the stream ends at once with a
+    404, as when both requests reach one server (the engine tells every server; else only the running request's
+    next lease renewal would find out). Tried on fresh connections until the two requests reached different
+    servers; whether they did."""
+    for _ in range(tries):
+        sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Story: "}, timeout=30).json()["id"]
+        mark = len(srv.log.read_text().splitlines())
+        events = stream_deleted_midway(srv.url, sid)
+        assert events[-1]["error"]["code"] == "session_not_found" and len(events) < 4000, events[-1]
+        lines = srv.log.read_text().splitlines()[mark:]
+        # the stream's line names no session (it ended in an error): this try's one completion is it
+        stream, delete = _served_by(lines, '"route":"/v1/completions"'), _served_by(lines, '"method":"DELETE"')
+        if len(stream) == len(delete) == 1 and stream != delete:
+            return True
+    return False
+
+
 def test_api_servers_share_one_engine_process_and_its_hot_sessions(checkpoint: Path, tmp_path: Path):
     """``--api-server-count 2``: two API servers on one port, one engine process between them, so a session
     continued by either is hot (with --workers the other worker reads it from Redis); the engine's figures are
     counted once in /metrics; a SIGTERM drains both servers and the engine process ends after them."""
-    srv = LiveServer(checkpoint, redis_url=None, data_dir=tmp_path / "data", args=API_SERVERS).start(timeout=120)
+    srv = LiveServer(checkpoint, redis_url=None, data_dir=tmp_path / "data",  # leases renewed every 200 s: only
+                     args=(*API_SERVERS, "--lease-ttl-ms", "600000")).start(timeout=120)  # the engine tells of a DELETE
     try:
         assert _answered_by(srv.url, "/ready") == {0, 1}
         workers, (engine,) = _workers_of(srv), _engines_of(srv.proc.pid)
@@ -197,6 +221,7 @@ def test_api_servers_share_one_engine_process_and_its_hot_sessions(checkpoint: P
         text = httpx.get(srv.url + "/metrics", timeout=30).text
         hot = [line for line in text.splitlines() if line.startswith("txlserve_hot_sessions{")]
         assert len(hot) == 1 and 'worker="0"' in hot[0] and float(hot[0].split()[-1]) == 1.0, hot
+        assert _a_delete_through_the_other_server_stops_a_stream(srv), "no DELETE reached the other server"
         _stop_drains_all(srv, signal.SIGTERM, (0, -signal.SIGTERM), workers | {engine})
     finally:
         srv.stop()

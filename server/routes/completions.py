@@ -103,8 +103,13 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
                     out.append(_sse(comp.usage_chunk(item, len(run.ids)).dump()))
                 _log_fields(run, item, request)
         except Exception as err:  # mid-stream: the tokens read so far, an error event, then [DONE]
-            out.append(_sse(stream_error(err)))
+            event = stream_error(err)
+            out.append(_sse(event))
             finished = True
+            # its log line (a 200: the stream had begun) says what the client got and how it ended
+            request_fields(request.scope).update(prompt_tokens=len(run.ids), completion_tokens=streamed,
+                                                 session_id=run.session_id, error=event["error"]["code"],
+                                                 error_status=event["status"])
         yield "".join(out) + "data: [DONE]\n\n"  # a client that leaves before this write did not get the end
         finished = True
     finally:

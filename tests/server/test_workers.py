@@ -185,7 +185,9 @@ def _a_delete_through_the_other_server_stops_a_stream(srv: LiveServer, tries: in
         events = stream_deleted_midway(srv.url, sid)
         assert events[-1]["error"]["code"] == "session_not_found" and len(events) < 4000, events[-1]
         lines = srv.log.read_text().splitlines()[mark:]
-        # the stream's line names no session (it ended in an error): this try's one completion is it
+        (logged,) = [line for line in lines if '"route":"/v1/completions"' in line]
+        for field in (sid, '"error":"session_not_found"', '"error_status":404'):  # its log line (a 200: the
+            assert field in logged, logged  # stream had begun) says how it ended
         stream, delete = _served_by(lines, '"route":"/v1/completions"'), _served_by(lines, '"method":"DELETE"')
         if len(stream) == len(delete) == 1 and stream != delete:
             return True

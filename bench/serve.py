@@ -531,7 +531,7 @@ async def _load(url: str, model: str, sessions: list[str], duration: float, leng
 def _load_part(args: tuple[Any, ...], first: int, barrier: Any, results: Any) -> None:
     """One load process of :func:`_load_split` (spawned): its streams' window, as a dict, on ``results``."""
     window = asyncio.run(_load(*args, first=first, together=lambda: barrier.wait(SPLIT_TIMEOUT_S)))
-    results.put((first, dataclasses.asdict(window)))
+    results.put(dataclasses.asdict(window))
 
 
 SPLIT_TIMEOUT_S = 300.0  # a load process's warm-up, and its whole window's wait beyond the duration
@@ -556,7 +556,7 @@ def _load_split(url: str, model: str, sessions: list[str], duration: float, leng
     for proc in procs:
         proc.start()
     try:
-        windows = [_Window(**results.get(timeout=duration + SPLIT_TIMEOUT_S)[1]) for _ in procs]
+        windows = [_Window(**results.get(timeout=duration + SPLIT_TIMEOUT_S)) for _ in procs]
     except Exception as err:  # a load process that died (it printed why) or hung
         raise ConfigError(f"a load process of bench serve failed or hung ({type(err).__name__}); its error is "
                           "above") from None
@@ -565,14 +565,11 @@ def _load_split(url: str, model: str, sessions: list[str], duration: float, leng
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
-    total = _Window(duration)
+    total = _Window(duration)  # the same window, seen by every process: its counts add up, its samples join
     for w in windows:
-        total.tokens, total.reported, total.requested = (total.tokens + w.tokens, total.reported + w.reported,
-                                                         total.requested + w.requested)
-        total.errors, total.cpu = total.errors + w.errors, total.cpu + w.cpu
-        total.samples += w.samples
-        total.ttfts += w.ttfts
-        total.gaps += w.gaps
+        for f in dataclasses.fields(_Window):
+            if f.name != "duration":
+                setattr(total, f.name, getattr(total, f.name) + getattr(w, f.name))
     total.samples = total.samples[:3]
     return total
 

@@ -171,6 +171,13 @@ class Sender:
         while self.queued:
             self._write(self.queued.popleft())
 
+    def stalled(self, stall_s: float | None) -> bool:
+        """The one server of an engine is never dropped: a stall holds up only that server."""
+        return False
+
+    def close(self) -> None:
+        """Nothing to stop: sends run on the callers' threads."""
+
     def _write(self, data: bytes) -> None:
         with contextlib.suppress(OSError):  # the server is gone: the reader thread ends this process
             self.conn.send_bytes(data)
@@ -193,9 +200,9 @@ class QueuedSender:
     def send(self, data: bytes) -> None:
         self.queue.put(data)
 
-    def stalled(self, stall_s: float) -> bool:
+    def stalled(self, stall_s: float | None) -> bool:
         since = self.blocked_since
-        return since is not None and time.monotonic() - since > stall_s
+        return since is not None and stall_s is not None and time.monotonic() - since > stall_s
 
     def close(self) -> None:
         """Stop sending; a send blocked on a server that reads nothing is woken (its socket is shut down)."""
@@ -321,7 +328,7 @@ class _Core:
                 head["from"] = i
                 self._handle(head, blob)
             for i in sorted(self.live) if look else ():
-                if self.senders[i].stalled(self.stall_s):  # type: ignore[union-attr]
+                if self.senders[i].stalled(self.stall_s):
                     log.error("engine process: API server %d has read nothing for %.0f s; dropping its connection "
                               "and its requests", i, self.stall_s)
                     self._left(i)
@@ -352,8 +359,7 @@ class _Core:
                 self.kept.pop(rid, None)
         for rid in running:
             self._on_cancel({"rid": rid, "abandon": True}, b"")
-        if isinstance(self.senders[i], QueuedSender):
-            self.senders[i].close()  # type: ignore[union-attr]
+        self.senders[i].close()
         with contextlib.suppress(OSError):
             self.conns[i].close()
 

@@ -333,9 +333,11 @@ def test_a_cancel_while_a_large_session_is_imported_never_starts_it(core, monkey
     assert 2 not in engine.specs and 2 not in engine.kept
 
 
+@contextlib.contextmanager
 def _shared_core(checkpoint, buffer_bytes: int | None = None):
-    """An engine process's ``_Core`` serving two API servers' connections (``--api-server-count 2``), on a thread;
-    the servers' ends, each with the engine's ``ready`` read (``buffer_bytes``: the sockets' buffers)."""
+    """An engine process's ``_Core`` serving two API servers' connections (``--api-server-count 2``), on a thread:
+    yields it and the servers' ends, each with the engine's ``ready`` read (``buffer_bytes``: the sockets'
+    buffers). Both servers leave at the end, and the engine must then have ended."""
     import socket
     import threading
     from multiprocessing.connection import Connection
@@ -353,9 +355,15 @@ def _shared_core(checkpoint, buffer_bytes: int | None = None):
     thread = threading.Thread(target=engine.serve, daemon=True)
     thread.start()
     a, b = (Connection(ours.detach()) for ours, _ in pairs)
-    ready = [_recv(a), _recv(b)]
-    assert all(r["op"] == "ready" and r["checkpoint"] == str(checkpoint) for r in ready)
-    return engine, thread, a, b
+    try:
+        ready = [_recv(a), _recv(b)]
+        assert all(r["op"] == "ready" and r["checkpoint"] == str(checkpoint) for r in ready)
+        yield engine, a, b
+    finally:
+        for conn in (a, b):  # a server that left already is closed already
+            conn.close()
+    thread.join(30)
+    assert not thread.is_alive(), "the engine outlived its last server"
 
 
 def test_api_servers_share_one_engine_each_numbering_its_own_requests(checkpoint):
@@ -364,8 +372,7 @@ def test_api_servers_share_one_engine_each_numbering_its_own_requests(checkpoint
     server that leaves abandons its requests while the other's run on; the process ends with the last one."""
     from tests.live import wait_for
 
-    engine, thread, a, b = _shared_core(checkpoint)
-    try:
+    with _shared_core(checkpoint) as (engine, a, b):
         _run(a, 1, [72, 105], max_tokens=3)
         _run(b, 1, [72, 105], max_tokens=5)
         end_a, end_b = _until(a, "finished", 1), _until(b, "finished", 1)
@@ -392,13 +399,7 @@ def test_api_servers_share_one_engine_each_numbering_its_own_requests(checkpoint
                  "that left")
         _run(b, 4, [72], max_tokens=2, persist=False)
         assert _until(b, "finished", 4)["finish_reason"] == "length"  # the other server is still served
-        assert thread.is_alive()
-        b.send_bytes(pack({"op": "stop"}))
-        thread.join(30)
-        assert not thread.is_alive(), "the engine outlived its last server"
-    finally:
-        for conn in (a, b):
-            conn.close()
+        assert engine.live == {1}  # the engine runs on for it
 
 
 def test_an_api_server_that_reads_nothing_holds_up_only_itself_and_is_dropped(checkpoint):
@@ -408,8 +409,7 @@ def test_an_api_server_that_reads_nothing_holds_up_only_itself_and_is_dropped(ch
     socket's buffer blocked the engine's thread (or an export, its io thread) and with it every server."""
     from tests.live import wait_for
 
-    engine, thread, stalled, b = _shared_core(checkpoint, buffer_bytes=4096)  # a few steps' messages fill them
-    try:
+    with _shared_core(checkpoint, buffer_bytes=4096) as (engine, stalled, b):  # a few steps' messages fill them
         _run(stalled, 1, [72], max_tokens=100_000)  # its tokens keep coming; nobody reads them
         wait_for(lambda: engine.senders[0].blocked_since is not None, 30, "the stalled server's socket to fill")
         for rid in (1, 2):  # the other server's requests run, end and are kept, while the first stays stalled
@@ -423,12 +423,6 @@ def test_an_api_server_that_reads_nothing_holds_up_only_itself_and_is_dropped(ch
         wait_for(lambda: 0 not in engine.live and not engine.specs, 30, "the engine to drop the stalled server")
         _run(b, 3, [72], max_tokens=2, persist=False)
         assert _until(b, "finished", 3)["finish_reason"] == "length"
-        b.send_bytes(pack({"op": "stop"}))
-        thread.join(30)
-        assert not thread.is_alive(), "the engine outlived its last server"
-    finally:
-        for conn in (stalled, b):
-            conn.close()
 
 
 class _Wire:

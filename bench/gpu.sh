@@ -61,6 +61,10 @@ if [[ $steps == *" serve "* ]]; then  # the server with CUDA graphs, then op by 
 round(l['tokens_per_s']), round(l['engine_tokens_per_s']), round(l['server_over_engine'], 3), \
 round(l['engine_loop_tokens_per_s']), round(l['engine_loop_over_engine'], 3), l.get('ttft_p50_ms'), \
 l.get('ttft_p99_ms'), l.get('itl_p50_ms')) for l in r['loads']]" "$out/serve-$mode.json" $mode
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(sys.argv[2], l['concurrency'], p, \
+round(l.get(p + '_steps_per_s') or 0), round(l.get(p + '_tokens_per_step') or 0, 1), round(l.get(p + '_cpu_share') or 0, 2), \
+l.get(p + '_phase_us_per_step')) for l in r['loads'] for p in ('server_engine_loop', 'engine_loop')]" \
+            "$out/serve-$mode.json" $mode  # where each loop's steps went: us a step by phase
     done
 fi
 [[ -s $out/decode.jsonl ]] || exit 0  # no decode rows to tabulate

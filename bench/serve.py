@@ -8,8 +8,12 @@ in-process: no HTTP, no store) splits that share into the engine loop's and the 
 path's, and the engine alone waking a waiting thread once a step bounds the engine loop's
 share on this host (what handing tokens to another thread or process costs at the least).
 All alternate in rounds (``--rounds``), so that all see the same state of a machine whose
-speed wanders. Then the product's reason to exist: time to first token when
-continuing a long document from its session vs re-sending the whole document.
+speed wanders. Where each loop's steps went is read from the loops themselves
+(``server.scheduler.PHASES``; the server's from its /metrics at the load window's edges): the
+microseconds a step in each phase, the tokens a step, and the share of its thread's wall time
+spent on a CPU rather than waiting (for the GIL, the device or work). Then the product's reason
+to exist: time to first token when continuing a long document from its session vs re-sending
+the whole document.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
+import operator
 import os
 import random
 import socket
@@ -397,12 +403,14 @@ class EngineLoop:
                                    stream_interval=stream_interval, overlap=alone.overlap)
         self.scheduler.start()
         self.generated, self.elapsed = 0, 0.0
+        self.time = LoopTime({}, None, 0)
         try:
             self.run(0)  # one request a client untimed, as the load and the engine alone warm up
         except BaseException:
             self.scheduler.stop()
             raise
         self.generated, self.elapsed = 0, 0.0
+        self.time = LoopTime.of(self.scheduler) - LoopTime.of(self.scheduler)  # its loop over the runs' windows
 
     def run(self, seconds: float) -> None:
         asyncio.run(self._run(seconds))
@@ -429,7 +437,12 @@ class EngineLoop:
                 if time.perf_counter() >= end:
                     break
 
-        await asyncio.gather(*(client(i) for i in range(len(self.states))))
+        async def window() -> None:  # from the start to ``end``: not the last requests' tail, when rows leave
+            start = LoopTime.of(self.scheduler)
+            await asyncio.sleep(seconds)
+            self.time = self.time + (LoopTime.of(self.scheduler) - start)
+
+        await asyncio.gather(window(), *(client(i) for i in range(len(self.states))))
         self.generated += counted
         self.elapsed += time.perf_counter() - t0
 
@@ -459,6 +472,7 @@ class _Window:
     ttfts: list[float] = dataclasses.field(default_factory=list)
     gaps: list[float] = dataclasses.field(default_factory=list)
     cpu: float = 0.0
+    engine: LoopTime | None = None  # the server's engine loop(s) over the window (/metrics), where it reports them
 
 
 async def _session(setup: httpx.AsyncClient, text: str) -> str:
@@ -473,14 +487,22 @@ async def _sessions(url: str, concurrency: int, api_key: str | None = None) -> l
         return [await _session(setup, f"Client {i} writes: ") for i in range(concurrency)]
 
 
+async def _engine_at(url: str, api_key: str | None, when: float) -> LoopTime | None:
+    """The server's engine loop at ``when`` (``time.perf_counter``), read from its /metrics."""
+    await asyncio.sleep(max(0.0, when - time.perf_counter()))
+    return await asyncio.to_thread(LoopTime.scrape, url, api_key)
+
+
 async def _load(url: str, model: str, sessions: list[str], duration: float, lengths: Lengths,
-                api_key: str | None = None, first: int = 0, together: Callable[[], object] | None = None) -> _Window:
+                api_key: str | None = None, first: int = 0, together: Callable[[], object] | None = None,
+                scrape: bool = True) -> _Window:
     """Steady state: every stream first completes one unmeasured request (sessions, connections and the
     server's batch warm up), then all start together, and for ``duration`` seconds the tokens that arrive
     are counted. A request still running at the end is finished but counts only its tokens that arrived in
     the window, so the figure is the rate while all ``len(sessions)`` streams run, as the engine's is.
     ``first``: the first stream's number (its lengths' seed); ``together``: blocks until the other load
-    processes' streams have warmed up too (:func:`_load_split`)."""
+    processes' streams have warmed up too (:func:`_load_split`); ``scrape``: read the server's engine loop over
+    the window from its /metrics (one process of a split load does)."""
     out = _Window(duration)
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(_Connection(url, model, api_key=api_key)) for _ in sessions]
@@ -520,17 +542,23 @@ async def _load(url: str, model: str, sessions: list[str], duration: float, leng
             await warm.acquire()
         if together is not None:
             await asyncio.to_thread(together)
+        # the engine loop read once every stream waits to start (its time until the start counts as idle), and at
+        # the window's end: a reading within the window would leave out its start
+        start = await asyncio.to_thread(LoopTime.scrape, url, api_key) if scrape else None
         window.extend([time.perf_counter(), time.perf_counter() + duration])
         cpu0 = time.process_time()
         go.set()
+        end = None if start is None else asyncio.create_task(_engine_at(url, api_key, window[1]))
         await asyncio.gather(*tasks)
         out.cpu = time.process_time() - cpu0  # this process: the load generator alone while the load runs
+        if end is not None and (at_end := await end) is not None:
+            out.engine = at_end - start
     return out
 
 
 def _load_part(args: tuple[Any, ...], first: int, barrier: Any, results: Any) -> None:
     """One load process of :func:`_load_split` (spawned): its streams' window, as a dict, on ``results``."""
-    window = asyncio.run(_load(*args, first=first, together=lambda: barrier.wait(SPLIT_TIMEOUT_S)))
+    window = asyncio.run(_load(*args, first=first, together=lambda: barrier.wait(SPLIT_TIMEOUT_S), scrape=first == 0))
     results.put(dataclasses.asdict(window))
 
 
@@ -557,6 +585,8 @@ def _load_split(url: str, model: str, sessions: list[str], duration: float, leng
         proc.start()
     try:
         windows = [_Window(**results.get(timeout=duration + SPLIT_TIMEOUT_S)) for _ in procs]
+        for w in windows:  # came back as a dict
+            w.engine = None if w.engine is None else LoopTime(**w.engine)
     except Exception as err:  # a load process that died (it printed why) or hung
         raise ConfigError(f"a load process of bench serve failed or hung ({type(err).__name__}); its error is "
                           "above") from None
@@ -568,9 +598,10 @@ def _load_split(url: str, model: str, sessions: list[str], duration: float, leng
     total = _Window(duration)  # the same window, seen by every process: its counts add up, its samples join
     for w in windows:
         for f in dataclasses.fields(_Window):
-            if f.name != "duration":
+            if f.name not in ("duration", "engine"):
                 setattr(total, f.name, getattr(total, f.name) + getattr(w, f.name))
     total.samples = total.samples[:3]
+    total.engine = next((w.engine for w in windows if w.engine is not None), None)  # one process read it
     return total
 
 
@@ -586,6 +617,68 @@ def _summary(concurrency: int, windows: list[_Window]) -> dict[str, Any]:
             "ttft_p50_ms": _pct(ttfts, 0.5), "ttft_p99_ms": _pct(ttfts, 0.99),
             "itl_p50_ms": _pct(gaps, 0.5), "itl_p99_ms": _pct(gaps, 0.99),
             "client_cpu_s": sum(w.cpu for w in windows)}
+
+
+@dataclasses.dataclass
+class LoopTime:
+    """An engine loop's counters (``server.scheduler``): its thread's wall time by phase, its CPU time, its steps;
+    the difference of two readings says where a window's steps went."""
+
+    phases: dict[str, float]
+    cpu: float | None
+    steps: int
+    tokens: int = 0  # generated
+
+    @staticmethod
+    def of(scheduler: Any) -> LoopTime:
+        return LoopTime(scheduler.loop_seconds(), scheduler.cpu_seconds(), scheduler.steps, scheduler.generated)
+
+    @staticmethod
+    def scrape(url: str, api_key: str | None = None) -> LoopTime | None:
+        """A running server's, from /metrics (every engine's added up: ``--workers`` has one each); None where it
+        reports none (an older server) or does not answer."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            r = httpx.get(url + "/metrics", timeout=30, headers=_auth(api_key))
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        phases: dict[str, float] = {}
+        cpu, steps, tokens = None, 0, 0
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                if sample.name == "txlserve_engine_loop_seconds_total":
+                    phases[sample.labels["phase"]] = phases.get(sample.labels["phase"], 0.0) + sample.value
+                elif sample.name == "txlserve_engine_loop_cpu_seconds_total":
+                    cpu = (cpu or 0.0) + sample.value
+                elif sample.name == "txlserve_decode_steps_total":
+                    steps += int(sample.value)
+                elif sample.name == "txlserve_engine_loop_tokens_total":
+                    tokens += int(sample.value)
+        return LoopTime(phases, cpu, steps, tokens) if phases else None
+
+    def __sub__(self, other: LoopTime) -> LoopTime:
+        cpu = None if self.cpu is None or other.cpu is None else self.cpu - other.cpu
+        return LoopTime({k: v - other.phases.get(k, 0.0) for k, v in self.phases.items()}, cpu,
+                        self.steps - other.steps, self.tokens - other.tokens)
+
+    def __add__(self, other: LoopTime) -> LoopTime:
+        cpu = None if self.cpu is None or other.cpu is None else self.cpu + other.cpu
+        return LoopTime({k: v + other.phases.get(k, 0.0) for k, v in self.phases.items()}, cpu,
+                        self.steps + other.steps, self.tokens + other.tokens)
+
+    def report(self, prefix: str) -> dict[str, Any]:
+        """What a load's JSON says of a loop over its windows: steps/s, the tokens a step (the rows generating,
+        on average), each phase's microseconds a step, and the share of its wall time the thread ran on a CPU
+        (the rest it waited: for the GIL, the device or work)."""
+        wall = sum(self.phases.values())
+        return {f"{prefix}_steps_per_s": self.steps / wall if wall else None,
+                f"{prefix}_tokens_per_step": self.tokens / self.steps if self.steps else None,
+                f"{prefix}_phase_us_per_step": {k: round(1e6 * v / self.steps, 1) for k, v in self.phases.items()}
+                if self.steps else {},
+                f"{prefix}_cpu_share": None if self.cpu is None or not wall else self.cpu / wall}
 
 
 def _rate_since(timer: EngineAlone | EngineLoop | EngineWakeup, generated: int, elapsed: float) -> float:
@@ -632,6 +725,11 @@ def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, 
     load["engine_wakeup_tokens_per_s"] = wakeup.tokens_per_s  # the engine waking a waiting thread once a step
     load["engine_wakeup_over_engine"] = wakeup.tokens_per_s / alone.tokens_per_s  # bounds engine_loop_over_engine
     load["engine_wakeup_over_engine_rounds"] = wakeup_ratios
+    # where each loop's steps went (server.scheduler.PHASES): the server's engine loop during the load (its
+    # /metrics; absent from a server that reports none), and the engine loop alone during its slices
+    if all(w.engine is not None for w in windows):
+        load.update(functools.reduce(operator.add, (w.engine for w in windows)).report("server_engine_loop"))
+    load.update(engine_loop.time.report("engine_loop"))
     return load
 
 

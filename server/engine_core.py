@@ -460,7 +460,12 @@ class _Core:
                    "finish_reason": "cancelled", "stats": self.stats()})
 
     def _on_stats(self, head: dict[str, Any], _: bytes) -> None:
-        self.send({"op": "stats", "qid": head["qid"], "stats": self.stats()}, to=head["from"])
+        """A scrape's figures: with the batch and hot set, where the engine loop's time went (only here: they
+        would cost every step's message)."""
+        self.send({"op": "stats", "qid": head["qid"], "stats": self.stats(),
+                   "phases": self.scheduler.loop_seconds(), "cpu": self.scheduler.cpu_seconds(),
+                   "generated": self.scheduler.generated},
+                  to=head["from"])
 
     def _on_keep(self, head: dict[str, Any], _: bytes) -> None:
         kept = self.kept.pop(head["rid"], None)
@@ -657,12 +662,23 @@ class EngineCore:
         self._out: queue.SimpleQueue[tuple[dict[str, Any], Any] | None] = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self.batch_size = self.waiting = self.steps = 0
+        self._loop_seconds: dict[str, float] = {}  # the engine loop's, as of the last refresh (a scrape)
+        self.generated = 0  # the tokens its loop generated, as of the last refresh
+        self._cpu_seconds: float | None = None
         self.hot = _HotCounters(self)
         self.dead: str | None = None
         self.on_death: Callable[[str], None] | None = None
         self.on_deleted: Callable[[str], None] | None = None  # a session deleted through another API server
         self.proc: subprocess.Popen[bytes] | None = None  # None: a shared engine process, the supervisor's
         self.pid: int | None = None
+
+    def loop_seconds(self) -> dict[str, float]:
+        """The engine loop thread's wall time by phase, as of the last refresh."""
+        return self._loop_seconds
+
+    def cpu_seconds(self) -> float | None:
+        """The engine loop thread's CPU time, as of the last refresh."""
+        return self._cpu_seconds
 
     # facts the server reads as it reads an Engine's
     def encode(self, text: str | bytes) -> list[int]:
@@ -803,6 +819,8 @@ class EngineCore:
                     head.get("prefill_s"), head.get("text", ""), rid=head["rid"], source=head.get("source"),
                     tensors=head.get("tensors"), restore_s=head.get("restore_s")))
             elif op == "stats":
+                self._loop_seconds, self._cpu_seconds = head.get("phases", {}), head.get("cpu")
+                self.generated = head.get("generated", 0)
                 fut = self.stats_waiting.pop(head["qid"], None)
                 if fut is not None and not fut.done():
                     fut.set_result(None)

@@ -38,6 +38,18 @@ class _Live(Collector):
                                     value=s.batch_size)
             yield GaugeMetricFamily("txlserve_requests_waiting", "Requests queued or prefilling", value=s.waiting)
             yield CounterMetricFamily("txlserve_decode_steps", "Batched decode steps", value=s.steps)
+            phases = CounterMetricFamily("txlserve_engine_loop_seconds", "The engine loop thread's wall time by "
+                                         "what it did (they add up; server/scheduler.py PHASES)", labels=["phase"])
+            for phase, seconds in s.loop_seconds().items():
+                phases.add_metric([phase], seconds)
+            yield phases
+            yield CounterMetricFamily("txlserve_engine_loop_tokens", "Tokens the engine loop generated, counted as "
+                                      "its steps and phases are (the requests' count comes as each ends)",
+                                      value=s.generated)
+            if (cpu := s.cpu_seconds()) is not None:
+                yield CounterMetricFamily("txlserve_engine_loop_cpu_seconds", "The engine loop thread's CPU time "
+                                          "(its wall time less this: waiting for the GIL, the device or work)",
+                                          value=cpu)
             yield GaugeMetricFamily("txlserve_hot_bytes", "Bytes of hot sessions (the engine's own form)",
                                     value=hot.nbytes)
             yield GaugeMetricFamily("txlserve_hot_sessions", "Hot sessions", value=len(hot))

@@ -16,6 +16,12 @@ BENCHMARKS.md, "What a token's hand-off costs"). On a GPU's graphed table the st
 row's next token is drawn on the device at the end of its step and the next step is queued before the host has
 accepted this one's tokens (``_overlapped_step``; SGLang's overlap scheduler), one stream 1.24-1.33x as fast
 through the server on an H100 (BENCHMARKS.md, "Eighth lease").
+
+Every moment of the loop's thread after its warm-up is counted in one of :data:`PHASES` (``phase_seconds``, the
+metric ``txlserve_engine_loop_seconds_total``; they add up to the thread's wall time), and the thread's CPU time
+is read from the kernel (:meth:`Scheduler.cpu_seconds`): where a step's host period goes, and how much of it the
+thread waited (for the GIL, the device or work) rather than ran, is then measured on the machine that serves, in
+the same run as its load (``bench serve``), not guessed from a sampling profiler.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +50,21 @@ from model.sampling import SamplingParams, drawn_on_device
 from txlserve.errors import InvalidRequestError, Unavailable
 
 log = logging.getLogger("txlserve.scheduler")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's unit of CPU time
+
+# Where the engine loop's thread spends its time (``Scheduler.phase_seconds``), each moment in exactly one:
+PHASES = (
+    "idle",  # waiting for a request, nothing to do
+    "admit",  # taking submitted requests
+    "prefill",  # reading long prompts a chunk at a time
+    "regroup",  # rows leaving and joining the decode table, and each leaving request's end (its export)
+    "prepare",  # a step's per-row inputs: the tokens to feed, the draws' temperatures and numbers
+    "forward",  # running (CPU) or queuing (GPU) a step of the model, and the device's draws of tokens
+    "sync",  # waiting for the device's results: drawn tokens, next-token scores to the host
+    "sample",  # drawing tokens on the host
+    "accept",  # each generated token's text, stop strings and length, and its event
+    "handoff",  # handing the events to the event loops (in an engine process: packing and sending them)
+)
 
 
 @dataclass
@@ -168,11 +191,18 @@ class Scheduler:
         self.running: list[Job] = []  # the job of each active row
         self.active: set[Job] = set()  # accepted and not yet answered
         self.steps = 0
+        self.generated = 0  # tokens accepted (each request's generated tokens)
         self.prompt_tokens_in_batch = 0  # prompt tokens read in the decode table as rows joined, not by prefill
         self._outbox: list[tuple[Job, asyncio.Queue, Any]] = []  # items and their queues, handed over per iteration
         self._stop = threading.Event()
         self.warmed = threading.Event()  # set once the engine thread has traced or captured its steps
         self._thread = threading.Thread(target=self._run, name="txlserve-engine", daemon=True)
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)  # written by the loop's thread alone; read loop_seconds()
+        self._lap_t = 0.0
+        self._waiting = False  # blocked for a request: the time since the last lap is idle so far
+        self._read = dict.fromkeys(PHASES, 0.0)  # the last loop_seconds(), which the next never undercuts
+        self._read_lock = threading.Lock()
+        self._native_id: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -191,6 +221,36 @@ class Scheduler:
 
     def start(self) -> None:
         self._thread.start()
+
+    def _lap(self, phase: str) -> None:
+        """Count the time since the last lap in ``phase``: the loop laps as it moves from one phase to the next."""
+        now = time.perf_counter()
+        self.phase_seconds[phase] += now - self._lap_t
+        self._lap_t = now
+
+    def loop_seconds(self) -> dict[str, float]:
+        """``phase_seconds`` as of now, from any thread: a loop blocked for a request (up to half a second at a
+        time) has been idle since its last lap, which a reading would otherwise count in the window after it.
+        Never less than an earlier reading (a reading races the loop's laps by microseconds, and a counter that
+        went back would read as a reset to Prometheus)."""
+        phases, since = dict(self.phase_seconds), self._lap_t
+        if self._waiting:
+            phases["idle"] += max(0.0, time.perf_counter() - since)
+        with self._read_lock:
+            for phase, seconds in phases.items():
+                phases[phase] = self._read[phase] = max(seconds, self._read[phase])
+        return phases
+
+    def cpu_seconds(self) -> float | None:
+        """The loop thread's CPU time (user and system) from the kernel, read from any thread at no cost to the
+        loop; None where there is no /proc (or the thread has not started)."""
+        if self._native_id is None:
+            return None
+        try:
+            fields = Path(f"/proc/self/task/{self._native_id}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime (fields 14, 15 of stat)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -269,6 +329,7 @@ class Scheduler:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _run(self) -> None:
+        self._native_id = threading.get_native_id()
         try:
             try:
                 self.engine.decoder.warm_up()  # before the first request, not during it
@@ -278,6 +339,7 @@ class Scheduler:
                 log.exception("the engine's warm-up failed")
             finally:
                 self.warmed.set()
+            self._lap_t = time.perf_counter()  # the phases count from here: the warm-up is not the loop's
             self._loop()
         finally:
             self._fail_all()  # whatever is still active when the loop ends is answered by this thread
@@ -285,10 +347,16 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self._drain(block=not (self.prefilling or self.ready or self.running))
+                idle = not (self.prefilling or self.ready or self.running)
+                self._waiting = idle
+                self._drain(block=idle)
+                self._waiting = False
+                self._lap("idle" if idle else "admit")
                 self._prefill()
+                self._lap("prefill")
                 self._decode_step()
                 self._flush()
+                self._lap("handoff")
             except Exception as err:  # a bug must fail the requests involved, never the loop
                 log.exception("engine step failed")
                 for job in list(self.active):
@@ -301,6 +369,7 @@ class Scheduler:
                 self.prefilling.clear()
                 self.ready.clear()
                 self._flush()
+                self._lap("regroup")
 
     def _drain(self, block: bool) -> None:
         try:
@@ -422,7 +491,10 @@ class Scheduler:
                 job.prompt_read()
         if first == 0 and not self.slots.prompts_in_steps:  # no other row to hold up; on a GPU's graphed steps
             # the prompts ride along here too, a token a replay (GraphedTable.prompts_in_steps)
-            self._drop(set(), self._read_prompts(first))
+            self._lap("regroup")
+            failed = self._read_prompts(first)
+            self._lap("forward")
+            self._drop(set(), failed)
 
     def _read_prompts(self, first: int) -> dict[int, BaseException]:
         """Feed the prompts of rows [first, n) that joined with tokens to read, on the decode table's rows in place:
@@ -481,6 +553,7 @@ class Scheduler:
         cancelled = [r for r, job in enumerate(self.running) if job.cancelled]
         if cancelled or self.ready:  # a cancelled row's token drawn on the device, not yet accepted, is dropped:
             self._regroup(cancelled)  # the session holds every token its stream was sent, and no other
+        self._lap("regroup")
         if not self.running:
             self._drawn = []  # drawn for rows that left: nobody's
             return
@@ -500,8 +573,11 @@ class Scheduler:
         if not self._drawn:
             return events, failed, tokens
         at = {job: r for r, job in enumerate(self.running)}
-        for drawn, jobs in self._drawn:
-            for job, token in zip(jobs, drawn.tolist()):
+        self._lap("prepare")
+        drawns = [(drawn.tolist(), jobs) for drawn, jobs in self._drawn]  # waits for the steps that drew them
+        self._lap("sync")
+        for drawn, jobs in drawns:
+            for job, token in zip(jobs, drawn):
                 r = at.get(job) if job is not None else None
                 if r is None:  # left: ended on its last token, cancelled or failed
                     continue
@@ -513,6 +589,8 @@ class Scheduler:
         self._drawn = []
         for r, event in events.items():
             self._emit(self.running[r], event)
+        self.generated += len(events)
+        self._lap("accept")
         return events, failed, tokens
 
     def _overlapped_step(self) -> None:
@@ -527,6 +605,7 @@ class Scheduler:
         same numbers: the same tokens up to rounding)."""
         slots = self.slots
         self._draw_fresh()
+        self._lap("forward")
         feed, use, temps, draws, takes = [], [], [], [], []
         for job in self.running:
             riding = bool(job.pending)  # a prompt token to read; the last one's step draws the first token
@@ -536,12 +615,16 @@ class Scheduler:
             last = len(job.pending) <= 1
             draws.append(job.generation.rng.random() if last else 0.0)
             takes.append(job if last else None)
+        self._lap("prepare")
         drawn = slots.launch(feed, use, temps, draws)
+        self._lap("forward")
         self._stepped(riding=any(use), whole=False)
         events, failed, _ = self._accept_drawn()  # the tokens the step just queued feeds
         self._drawn = [(drawn, takes)]
         self._flush()
+        self._lap("handoff")
         self._regroup([r for r, ev in events.items() if ev.finish_reason is not None], failed)
+        self._lap("regroup")
 
     def _draw_fresh(self) -> None:
         """Draw on the device, from the scores they hold, the next token of the rows generating with none drawn yet
@@ -563,14 +646,18 @@ class Scheduler:
         batch = self.slots.active()  # views of rows [0, n)
         if on_device:
             self._draw_fresh()
+            self._lap("forward")
         events, failed, drawn = self._accept_drawn()
         fed = [job.pending[0] if job.pending else drawn.get(r, 0) for r, job in enumerate(self.running)]
         sampling = [r for r, job in enumerate(self.running) if not job.pending and r not in drawn]
         riding = any(job.pending for job in self.running)  # some rows still read their prompts
+        self._lap("prepare")
         if sampling:
             logits = batch.last_logits.float().cpu()  # [batch, vocab]
+            self._lap("sync")
             rows = logits[sampling] if len(sampling) < len(self.running) else logits  # [sampling, vocab]
             chosen = Generation.choose([self.running[r].generation for r in sampling], rows)
+            self._lap("sample")
             for r, token in zip(sampling, chosen):  # sampled together
                 try:
                     events[r] = self.running[r].generation.accept(token, logits, r)
@@ -581,7 +668,10 @@ class Scheduler:
             for r in sampling:  # sent before the step that feeds them: a token reaches its stream one step
                 if r in events:  # sooner (the final one waits for the commit anyway)
                     self._emit(self.running[r], events[r])
+            self.generated += sum(r in events for r in sampling)
+            self._lap("accept")
         self._flush()
+        self._lap("handoff")
         whole = riding and self.slots.ragged  # a joining prompt is read whole in this step, else a token of it
         if whole:
             self._advance_packed(batch, [job.pending or [fed[r]] for r, job in enumerate(self.running)])
@@ -593,7 +683,9 @@ class Scheduler:
                 self.engine.decoder.advance(batch, tokens)
         self.slots.stepped(batch)
         self._stepped(riding, whole)
+        self._lap("forward")
         self._regroup([r for r, ev in events.items() if ev.finish_reason is not None], failed)
+        self._lap("regroup")
 
     def _stepped(self, riding: bool, whole: bool) -> None:
         """Count a step and the prompt tokens it read (``riding``: rows still read prompts): each prompt whole

@@ -165,6 +165,10 @@ def test_histograms_have_samples_and_the_grafana_dashboard_uses_only_real_metric
                  "txlserve_time_to_first_token_seconds", "txlserve_inter_token_latency_seconds"):
         assert value(f"{name}_count") >= 2, name
     assert value('txlserve_session_restore_seconds_count{source="hot"}') >= 1
+    # the engine loop's time by phase, from the engine process as of this scrape: where its steps ran
+    phases = dict(re.findall(r'^txlserve_engine_loop_seconds_total\{phase="([a-z]+)"\} (\S+)$', text, re.M))
+    assert len(phases) == 10 and float(phases["forward"]) > 0 and float(phases["accept"]) > 0
+    assert value("txlserve_engine_loop_cpu_seconds_total") > 0
     dashboard = json.loads((REPO / "docker" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     used = {m for e in exprs for m in re.findall(r"\b(txlserve_[a-z_]+)", e)}

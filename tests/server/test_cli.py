@@ -15,6 +15,7 @@ import torch
 
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.transformer_xl import MemTransformerLM
+from server.scheduler import PHASES
 from tests.model.test_transformer_xl import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -197,6 +198,13 @@ def test_bench_serve_json(checkpoint):
         assert len(load["engine_wakeup_over_engine_rounds"]) == 2 and load["engine_wakeup_tokens_per_s"] > 0
         assert load["engine_wakeup_over_engine"] == pytest.approx(
             load["engine_wakeup_tokens_per_s"] / load["engine_tokens_per_s"])
+        # where each engine loop's steps went over the windows (the server's from its /metrics, read by one of
+        # the load's processes): every phase, the rows a step generated for, and how much of it ran on a CPU
+        for loop in ("server_engine_loop", "engine_loop"):
+            phases = load[f"{loop}_phase_us_per_step"]
+            assert tuple(phases) == PHASES and phases["forward"] > 0 and load[f"{loop}_steps_per_s"] > 0
+            assert 0 < load[f"{loop}_tokens_per_step"] <= load["concurrency"] + 0.5, loop
+            assert 0 < load[f"{loop}_cpu_share"] <= 1.1, loop
     assert out["continue_speedup"] > 0
     poll = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")  # the host's idle polling, where it says
     assert out["guest_halt_poll_ns"] == (int(poll.read_text()) if poll.exists() else None)

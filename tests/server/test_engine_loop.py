@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -420,6 +421,49 @@ def test_with_a_stream_every_token_but_the_last_goes_straight_to_it(engine):
     assert [type(item) for item in items] == [TokenEvent, Finished]
     assert all(ev.finish_reason is None for ev in streamed) and items[0].finish_reason == "length"
     assert [ev.token for ev in streamed] + [items[0].token] == want
+
+
+def test_the_loops_time_adds_up_to_its_wall_time_and_names_where_it_went(engine):
+    """Every moment of the loop's thread after its warm-up is in one phase: the phases add up to the time since,
+    a generation's steps show up where they run, and a loop waiting for work is idle as it waits (not only once a
+    request wakes it). The tokens it counts are the tokens it generated."""
+    import time
+
+    from server.scheduler import PHASES
+
+    async def main():
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        scheduler.start()
+        try:
+            await asyncio.to_thread(scheduler.warmed.wait, 60)
+            started = time.perf_counter()
+            generated, readings = 0, []
+            for n in (5, 7):
+                request = scheduler.submit(engine.new_state(), engine.encode("abc"), SamplingParams(max_tokens=n))
+                items = []
+                async for item in request:
+                    items.append(item)
+                    readings.append(scheduler.loop_seconds())  # while the loop laps: a counter never goes back
+                generated += items[-1].completion_tokens
+            assert all(b[k] >= a[k] for a, b in zip(readings, readings[1:]) for k in PHASES)
+            busy = scheduler.loop_seconds()
+            await asyncio.sleep(0.3)  # nothing to do: blocked for a request, and counted idle while it waits
+            idle = scheduler.loop_seconds()
+            return (started, time.perf_counter(), generated, busy, idle, scheduler.steps, scheduler.generated,
+                    scheduler.cpu_seconds())
+        finally:
+            scheduler.stop()
+
+    started, ended, generated, busy, idle, steps, counted, cpu = asyncio.run(main())
+    assert tuple(busy) == PHASES
+    assert sum(idle.values()) <= ended - started + 0.05  # the phases count from the end of the warm-up
+    assert sum(idle.values()) >= (ended - started) / 2  # and cover everything since (less the loop's start)
+    assert idle["idle"] - busy["idle"] >= 0.25
+    assert busy["forward"] > 0 and busy["accept"] > 0 and busy["handoff"] > 0 and busy["sample"] > 0
+    assert counted == generated == 12 and steps >= 12
+    if Path("/proc/self/task").is_dir():  # the thread's CPU time, from the kernel
+        assert cpu is not None and cpu >= 0
+    assert Scheduler(engine).cpu_seconds() is None  # a loop not started has no thread to read
 
 
 def _deliveries(monkeypatch) -> list[list]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.live import MODEL, REPO, LiveServer, stream_deleted_midway
+from tests.live import MODEL, REPO, LiveServer, stream_deleted_midway, wait_for
 from tests.procs import pid_alive, wait_exit
 
 WORKERS = ("--workers", "2", "--threads", "1")
@@ -184,7 +184,13 @@ def _a_delete_through_the_other_server_stops_a_stream(srv: LiveServer, tries: in
         mark = len(srv.log.read_text().splitlines())
         events = stream_deleted_midway(srv.url, sid)
         assert events[-1]["error"]["code"] == "session_not_found" and len(events) < 4000, events[-1]
-        lines = srv.log.read_text().splitlines()[mark:]
+
+        def logged_lines(mark: int = mark) -> list[str] | None:  # a request's line is written once its response
+            lines = srv.log.read_text().splitlines()[mark:]  # has ended: the client may read the end first
+            done = all(any(n in line for line in lines) for n in ('"route":"/v1/completions"', '"method":"DELETE"'))
+            return lines if done else None
+
+        lines = wait_for(logged_lines, 30, "the stream's and the DELETE's request log lines")
         (logged,) = [line for line in lines if '"route":"/v1/completions"' in line]
         for field in (sid, '"error":"session_not_found"', '"error_status":404'):  # its log line (a 200: the
             assert field in logged, logged  # stream had begun) says how it ended

@@ -545,6 +545,8 @@ async def _load(url: str, model: str, sessions: list[str], duration: float, leng
         # the engine loop read once every stream waits to start (its time until the start counts as idle), and at
         # the window's end: a reading within the window would leave out its start
         start = await asyncio.to_thread(LoopTime.scrape, url, api_key) if scrape else None
+        if together is not None:  # the other load processes start once it is read
+            await asyncio.to_thread(together)
         window.extend([time.perf_counter(), time.perf_counter() + duration])
         cpu0 = time.process_time()
         go.set()
@@ -635,8 +637,9 @@ class LoopTime:
 
     @staticmethod
     def scrape(url: str, api_key: str | None = None) -> LoopTime | None:
-        """A running server's, from /metrics (every engine's added up: ``--workers`` has one each); None where it
-        reports none (an older server) or does not answer."""
+        """A running server's, from /metrics (every engine's added up: ``--workers`` has one each, and the
+        figures a step are then each engine's on average); None where it reports none (an older server) or does
+        not answer."""
         from prometheus_client.parser import text_string_to_metric_families
 
         try:
@@ -647,16 +650,19 @@ class LoopTime:
             return None
         phases: dict[str, float] = {}
         cpu, steps, tokens = None, 0, 0
-        for family in text_string_to_metric_families(r.text):
-            for sample in family.samples:
-                if sample.name == "txlserve_engine_loop_seconds_total":
-                    phases[sample.labels["phase"]] = phases.get(sample.labels["phase"], 0.0) + sample.value
-                elif sample.name == "txlserve_engine_loop_cpu_seconds_total":
-                    cpu = (cpu or 0.0) + sample.value
-                elif sample.name == "txlserve_decode_steps_total":
-                    steps += int(sample.value)
-                elif sample.name == "txlserve_engine_loop_tokens_total":
-                    tokens += int(sample.value)
+        try:
+            samples = [s for family in text_string_to_metric_families(r.text) for s in family.samples]
+        except ValueError:  # not Prometheus's text: not a server that reports its loop
+            return None
+        for sample in samples:
+            if sample.name == "txlserve_engine_loop_seconds_total":
+                phases[sample.labels["phase"]] = phases.get(sample.labels["phase"], 0.0) + sample.value
+            elif sample.name == "txlserve_engine_loop_cpu_seconds_total":
+                cpu = (cpu or 0.0) + sample.value
+            elif sample.name == "txlserve_decode_steps_total":
+                steps += int(sample.value)
+            elif sample.name == "txlserve_engine_loop_tokens_total":
+                tokens += int(sample.value)
         return LoopTime(phases, cpu, steps, tokens) if phases else None
 
     def __sub__(self, other: LoopTime) -> LoopTime:

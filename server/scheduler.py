@@ -52,12 +52,28 @@ from txlserve.errors import InvalidRequestError, Unavailable
 log = logging.getLogger("txlserve.scheduler")
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's unit of CPU time
 
+
+def _thread_cpu(native_id: int) -> float | None:
+    """A thread of this process's CPU time in seconds: the scheduler's nanoseconds where the kernel keeps them,
+    else user and system time in clock ticks (10 ms); None without /proc."""
+    task = Path(f"/proc/self/task/{native_id}")
+    try:
+        return int((task / "schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime (fields 14, 15 of stat)
+    except (OSError, ValueError, IndexError):
+        return None
+
 # Where the engine loop's thread spends its time (``Scheduler.phase_seconds``), each moment in exactly one:
 PHASES = (
     "idle",  # waiting for a request, nothing to do
     "admit",  # taking submitted requests
     "prefill",  # reading long prompts a chunk at a time
-    "regroup",  # rows leaving and joining the decode table, and each leaving request's end (its export)
+    "regroup",  # rows leaving and joining the decode table, and each leaving request's end (its export: on a
+    # GPU's overlapped steps, that waits for the step just queued, as "sync" does)
     "prepare",  # a step's per-row inputs: the tokens to feed, the draws' temperatures and numbers
     "forward",  # running (CPU) or queuing (GPU) a step of the model, and the device's draws of tokens
     "sync",  # waiting for the device's results: drawn tokens, next-token scores to the host
@@ -199,7 +215,8 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="txlserve-engine", daemon=True)
         self.phase_seconds = dict.fromkeys(PHASES, 0.0)  # written by the loop's thread alone; read loop_seconds()
         self._lap_t = 0.0
-        self._waiting = False  # blocked for a request: the time since the last lap is idle so far
+        self._idle_since: float | None = None  # blocked for a request since then (its last lap): idle so far
+        self._cpu_base = 0.0  # the thread's CPU time at the end of its warm-up (the phases count from there)
         self._read = dict.fromkeys(PHASES, 0.0)  # the last loop_seconds(), which the next never undercuts
         self._read_lock = threading.Lock()
         self._native_id: int | None = None
@@ -233,24 +250,23 @@ class Scheduler:
         time) has been idle since its last lap, which a reading would otherwise count in the window after it.
         Never less than an earlier reading (a reading races the loop's laps by microseconds, and a counter that
         went back would read as a reset to Prometheus)."""
-        phases, since = dict(self.phase_seconds), self._lap_t
-        if self._waiting:
-            phases["idle"] += max(0.0, time.perf_counter() - since)
+        phases = dict(self.phase_seconds)  # first the phases, then the clock, then the wait: a lap in between is
+        now = time.perf_counter()  # then under-counted (and held up by the clamp below), never counted twice
+        since = self._idle_since
+        if since is not None:
+            phases["idle"] += max(0.0, now - since)
         with self._read_lock:
             for phase, seconds in phases.items():
                 phases[phase] = self._read[phase] = max(seconds, self._read[phase])
         return phases
 
     def cpu_seconds(self) -> float | None:
-        """The loop thread's CPU time (user and system) from the kernel, read from any thread at no cost to the
-        loop; None where there is no /proc (or the thread has not started)."""
+        """The loop thread's CPU time since its warm-up, as its phases count, from the kernel, read from any
+        thread at no cost to the loop; None where there is no /proc (or the thread has not started)."""
         if self._native_id is None:
             return None
-        try:
-            fields = Path(f"/proc/self/task/{self._native_id}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            return None
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime (fields 14, 15 of stat)
+        cpu = _thread_cpu(self._native_id)
+        return None if cpu is None else max(0.0, cpu - self._cpu_base)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -340,6 +356,7 @@ class Scheduler:
             finally:
                 self.warmed.set()
             self._lap_t = time.perf_counter()  # the phases count from here: the warm-up is not the loop's
+            self._cpu_base = _thread_cpu(self._native_id) or 0.0
             self._loop()
         finally:
             self._fail_all()  # whatever is still active when the loop ends is answered by this thread
@@ -348,9 +365,9 @@ class Scheduler:
         while not self._stop.is_set():
             try:
                 idle = not (self.prefilling or self.ready or self.running)
-                self._waiting = idle
+                self._idle_since = self._lap_t if idle else None
                 self._drain(block=idle)
-                self._waiting = False
+                self._idle_since = None  # before the lap: a reading between the two under-counts, never twice
                 self._lap("idle" if idle else "admit")
                 self._prefill()
                 self._lap("prefill")
@@ -358,6 +375,7 @@ class Scheduler:
                 self._flush()
                 self._lap("handoff")
             except Exception as err:  # a bug must fail the requests involved, never the loop
+                self._idle_since = None
                 log.exception("engine step failed")
                 for job in list(self.active):
                     self._finish(job, JobFailed(err))

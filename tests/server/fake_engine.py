@@ -19,7 +19,7 @@ import torch
 
 from model.engine import TokenEvent
 from model.tokenizer import ByteTokenizer
-from server.scheduler import Finished
+from server.scheduler import PHASES, Finished
 from txlserve.errors import InvalidRequestError
 
 N_LAYER, D_MODEL, MEM_LEN = 2, 8, 16
@@ -140,6 +140,14 @@ class FakeScheduler:
     @property
     def batch_size(self) -> int:
         return len(self.running)
+
+    generated = 0  # /metrics' engine loop figures: a fake loop spends no time
+
+    def loop_seconds(self) -> dict[str, float]:
+        return dict.fromkeys(PHASES, 0.0)
+
+    def cpu_seconds(self) -> float | None:
+        return None
 
     def submit(self, state: FakeState, ids: list[int], params: object, *, stream: asyncio.Queue | None = None,
                scored: bool = True, **_: object) -> FakeRequest:

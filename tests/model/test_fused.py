@@ -304,6 +304,14 @@ def test_the_library_is_built_once_per_machine_and_without_a_cache_still_built(m
     ``CC`` that carries an argument (so it is a new build, and the argument reaches the compiler as a word)."""
     cached = fused._build()
     assert cached is not None and cached.parent == fused._cache_dir() and fused._build() == cached
+    # the second build is of small sources of its own (the first built the real ones: theirs took 15 s here); its C
+    # file compiles only if the argument in CC reached the compiler
+    (tmp_path / "k.c").write_text("#ifndef TXL_TEST_ARG\n#error CC's argument did not arrive\n#endif\n"
+                                  "int txl_test_kernel(void) { return TXL_TEST_ARG; }\n")
+    (tmp_path / "ops.cpp").write_text("extern \"C\" int txl_test_kernel(void);\n"
+                                      "extern \"C\" int txl_test_op() { return txl_test_kernel(); }\n")
+    monkeypatch.setattr(fused, "C_SOURCES", (tmp_path / "k.c",))
+    monkeypatch.setattr(fused, "SOURCES", (tmp_path / "k.c", tmp_path / "ops.cpp"))
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # a file: no directory can be made under it
     monkeypatch.setenv("CC", "cc -DTXL_TEST_ARG=1")

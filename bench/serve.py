@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
 import operator
 import os
@@ -403,14 +402,13 @@ class EngineLoop:
                                    stream_interval=stream_interval, overlap=alone.overlap)
         self.scheduler.start()
         self.generated, self.elapsed = 0, 0.0
-        self.time = LoopTime({}, None, 0)
+        self.time = ZERO  # its loop over the runs' windows
         try:
             self.run(0)  # one request a client untimed, as the load and the engine alone warm up
         except BaseException:
             self.scheduler.stop()
             raise
-        self.generated, self.elapsed = 0, 0.0
-        self.time = LoopTime.of(self.scheduler) - LoopTime.of(self.scheduler)  # its loop over the runs' windows
+        self.generated, self.elapsed, self.time = 0, 0.0, ZERO
 
     def run(self, seconds: float) -> None:
         asyncio.run(self._run(seconds))
@@ -621,7 +619,7 @@ def _summary(concurrency: int, windows: list[_Window]) -> dict[str, Any]:
             "client_cpu_s": sum(w.cpu for w in windows)}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LoopTime:
     """An engine loop's counters (``server.scheduler``): its thread's wall time by phase, its CPU time, its steps;
     the difference of two readings says where a window's steps went."""
@@ -665,15 +663,17 @@ class LoopTime:
                 tokens += int(sample.value)
         return LoopTime(phases, cpu, steps, tokens) if phases else None
 
+    def _with(self, other: LoopTime, op: Callable[[Any, Any], Any]) -> LoopTime:
+        """Field by field (a phase either lacks counts 0; a CPU time either lacks is unknown)."""
+        cpu = None if self.cpu is None or other.cpu is None else op(self.cpu, other.cpu)
+        phases = {k: op(self.phases.get(k, 0.0), other.phases.get(k, 0.0)) for k in self.phases | other.phases}
+        return LoopTime(phases, cpu, op(self.steps, other.steps), op(self.tokens, other.tokens))
+
     def __sub__(self, other: LoopTime) -> LoopTime:
-        cpu = None if self.cpu is None or other.cpu is None else self.cpu - other.cpu
-        return LoopTime({k: v - other.phases.get(k, 0.0) for k, v in self.phases.items()}, cpu,
-                        self.steps - other.steps, self.tokens - other.tokens)
+        return self._with(other, operator.sub)
 
     def __add__(self, other: LoopTime) -> LoopTime:
-        cpu = None if self.cpu is None or other.cpu is None else self.cpu + other.cpu
-        return LoopTime({k: v + other.phases.get(k, 0.0) for k, v in self.phases.items()}, cpu,
-                        self.steps + other.steps, self.tokens + other.tokens)
+        return self._with(other, operator.add)
 
     def report(self, prefix: str) -> dict[str, Any]:
         """What a load's JSON says of a loop over its windows: steps/s, the tokens a step (the rows generating,
@@ -685,6 +685,9 @@ class LoopTime:
                 f"{prefix}_phase_us_per_step": {k: round(1e6 * v / self.steps, 1) for k, v in self.phases.items()}
                 if self.steps else {},
                 f"{prefix}_cpu_share": None if self.cpu is None or not wall else self.cpu / wall}
+
+
+ZERO = LoopTime({}, 0.0, 0)  # what a sum of loop readings starts from
 
 
 def _rate_since(timer: EngineAlone | EngineLoop | EngineWakeup, generated: int, elapsed: float) -> float:
@@ -734,7 +737,7 @@ def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, 
     # where each loop's steps went (server.scheduler.PHASES): the server's engine loop during the load (its
     # /metrics; absent from a server that reports none), and the engine loop alone during its slices
     if all(w.engine is not None for w in windows):
-        load.update(functools.reduce(operator.add, (w.engine for w in windows)).report("server_engine_loop"))
+        load.update(sum((w.engine for w in windows), ZERO).report("server_engine_loop"))
     load.update(engine_loop.time.report("engine_loop"))
     return load
 

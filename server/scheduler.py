@@ -67,6 +67,7 @@ def _thread_cpu(native_id: int) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
 
+
 # Where the engine loop's thread spends its time (``Scheduler.phase_seconds``), each moment in exactly one:
 PHASES = (
     "idle",  # waiting for a request, nothing to do

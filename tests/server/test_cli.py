@@ -210,6 +210,36 @@ def test_bench_serve_json(checkpoint):
     assert out["guest_halt_poll_ns"] == (int(poll.read_text()) if poll.exists() else None)
 
 
+def test_bench_serve_reads_no_engine_loop_from_a_metrics_page_that_is_not_prometheus():
+    """``bench serve --url`` at a server whose /metrics is something else (HTML, or a 404): its engine loop is
+    unknown, not an error after the load's warm-up."""
+    import http.server
+    import threading
+
+    from bench.serve import LoopTime
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            body = b"<html><body>{not: prometheus}</body></html>"
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page) as httpd:
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        thread.start()
+        try:
+            url = f"http://127.0.0.1:{httpd.server_address[1]}"
+            assert LoopTime.scrape(url) is None and LoopTime.scrape(url + "/elsewhere") is None
+        finally:
+            httpd.shutdown()
+            thread.join(10)
+
+
 def test_bench_startup_json(checkpoint, capsys):
     from server.cli import main  # in this process: the servers and imports it times are processes of their own
 

@@ -65,6 +65,8 @@ l.get('ttft_p99_ms'), l.get('itl_p50_ms')) for l in r['loads']]" "$out/serve-$mo
 round(l.get(p + '_steps_per_s') or 0), round(l.get(p + '_tokens_per_step') or 0, 1), round(l.get(p + '_cpu_share') or 0, 2), \
 l.get(p + '_phase_us_per_step')) for l in r['loads'] for p in ('server_engine_loop', 'engine_loop')]" \
             "$out/serve-$mode.json" $mode  # where each loop's steps went: us a step by phase
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(sys.argv[2], l['concurrency'], 'request_ms', \
+l.get('server_request_ms')) for l in r['loads']]" "$out/serve-$mode.json" $mode  # where a request's time went
     done
 fi
 [[ -s $out/decode.jsonl ]] || exit 0  # no decode rows to tabulate

@@ -96,15 +96,19 @@ class _Server:
         self.proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
                                      stderr=self.log, env={**os.environ})
         deadline, ready = time.monotonic() + 120, set()
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:  # each connection is one worker's: ask on new ones until every worker has answered
-                r = httpx.get(self.url + "/ready", timeout=1, trust_env=False)
-                if r.status_code == 200:
-                    ready.add(r.json().get("worker"))
-                    if len(ready) == processes:
-                        return
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        # one client for every poll (each new one built a TLS context: 37 ms of CPU, taken from the starting
+        # server), and a new connection for each (each connection is one worker's: ask on new ones until every
+        # worker has answered)
+        with httpx.Client(timeout=1, trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    r = http.get(self.url + "/ready")
+                    if r.status_code == 200:
+                        ready.add(r.json().get("worker"))
+                        if len(ready) == processes:
+                            return
+                except httpx.HTTPError:
+                    time.sleep(0.2)
         code = self.proc.poll()
         self.log.seek(0)
         tail = self.log.read().decode(errors="replace").strip().splitlines()[-20:]
@@ -628,6 +632,9 @@ class LoopTime:
     cpu: float | None
     steps: int
     tokens: int = 0  # generated
+    # a server's: its requests' seconds and count by lifecycle phase (server.metrics.LIFECYCLE), and "ttft" and
+    # "e2e", as its histograms sum them
+    requests: dict[str, tuple[float, int]] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def of(scheduler: Any) -> LoopTime:
@@ -648,6 +655,8 @@ class LoopTime:
             return None
         phases: dict[str, float] = {}
         cpu, steps, tokens = None, 0, 0
+        requests: dict[str, list[float]] = {}
+        histograms = {"txlserve_time_to_first_token_seconds": "ttft", "txlserve_e2e_request_latency_seconds": "e2e"}
         try:
             samples = [s for family in text_string_to_metric_families(r.text) for s in family.samples]
         except ValueError:  # not Prometheus's text: not a server that reports its loop
@@ -661,13 +670,22 @@ class LoopTime:
                 steps += int(sample.value)
             elif sample.name == "txlserve_engine_loop_tokens_total":
                 tokens += int(sample.value)
-        return LoopTime(phases, cpu, steps, tokens) if phases else None
+            elif sample.name.endswith(("_sum", "_count")):
+                base, _, kind = sample.name.rpartition("_")
+                what = (sample.labels.get("phase") if base == "txlserve_request_lifecycle_seconds"
+                        else histograms.get(base))
+                if what is not None:
+                    requests.setdefault(what, [0.0, 0])[kind == "count"] += sample.value
+        return LoopTime(phases, cpu, steps, tokens, {k: (v[0], int(v[1])) for k, v in requests.items()}) \
+            if phases else None
 
     def _with(self, other: LoopTime, op: Callable[[Any, Any], Any]) -> LoopTime:
         """Field by field (a phase either lacks counts 0; a CPU time either lacks is unknown)."""
         cpu = None if self.cpu is None or other.cpu is None else op(self.cpu, other.cpu)
         phases = {k: op(self.phases.get(k, 0.0), other.phases.get(k, 0.0)) for k in self.phases | other.phases}
-        return LoopTime(phases, cpu, op(self.steps, other.steps), op(self.tokens, other.tokens))
+        requests = {k: tuple(op(a, b) for a, b in zip(self.requests.get(k, (0.0, 0)), other.requests.get(k, (0.0, 0))))
+                    for k in self.requests | other.requests}
+        return LoopTime(phases, cpu, op(self.steps, other.steps), op(self.tokens, other.tokens), requests)
 
     def __sub__(self, other: LoopTime) -> LoopTime:
         return self._with(other, operator.sub)
@@ -685,6 +703,11 @@ class LoopTime:
                 f"{prefix}_phase_us_per_step": {k: round(1e6 * v / self.steps, 1) for k, v in self.phases.items()}
                 if self.steps else {},
                 f"{prefix}_cpu_share": None if self.cpu is None or not wall else self.cpu / wall}
+
+    def request_ms(self) -> dict[str, float]:
+        """A server's requests that ended in the window: each lifecycle phase's mean milliseconds (they add up to
+        a request's run), and the mean time to first token and end to end (HTTP: first byte in to last out)."""
+        return {k: round(1e3 * seconds / n, 2) for k, (seconds, n) in self.requests.items() if n}
 
 
 ZERO = LoopTime({}, 0.0, 0)  # what a sum of loop readings starts from
@@ -737,7 +760,9 @@ def _against_engine(url: str, model: str, alone: EngineAlone, concurrency: int, 
     # where each loop's steps went (server.scheduler.PHASES): the server's engine loop during the load (its
     # /metrics; absent from a server that reports none), and the engine loop alone during its slices
     if all(w.engine is not None for w in windows):
-        load.update(sum((w.engine for w in windows), ZERO).report("server_engine_loop"))
+        server = sum((w.engine for w in windows), ZERO)
+        load.update(server.report("server_engine_loop"))
+        load["server_request_ms"] = server.request_ms()  # where its requests' time went
     load.update(engine_loop.time.report("engine_loop"))
     return load
 

@@ -135,22 +135,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     summary = {k: v for k, v in result.items() if k != "losses"}
     summary["final_loss"] = result["losses"][-1] if result["losses"] else None
     print(json.dumps(summary))
-    if "RANK" in os.environ:
-        _leave_without_finalizing()
-    return 0
-
-
-def _leave_without_finalizing() -> NoReturn:
-    """A torchrun worker ends here, its checkpoint saved and closed, without Python's finalization.
-
-    gloo's worker threads drop their last collective's work object after the main thread has moved on, and that
-    needs the GIL; a thread that asks for it once the interpreter is finalizing is killed mid-destructor and the
-    process aborts ("terminate called without an active exception", seen in 1 run in 6 of a 2-rank CPU run). The
-    process group cannot be freed first: torch keeps references to it until exit (pytorch#109478).
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return 0  # a torchrun worker then leaves without Python's teardown, which gloo's threads can abort (main)
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
@@ -492,8 +477,21 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+_LEAVE_QUICKLY = {"train", "eval", "generate", "import"}  # compute, print, done: nothing runs at the process's exit
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``txlserve`` command (``argv``: given by a program that runs it inside its own process)."""
+    own = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    code = _main(argv)
+    if own and argv[:1] and argv[0] in _LEAVE_QUICKLY:  # once torch has loaded a model, Python's teardown takes
+        from server.leave import leave_without_finalizing  # ~0.4 s, and a torchrun worker's can abort (leave.py)
+        leave_without_finalizing(code)
+    return code
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["chat"]:  # every flag after `chat` belongs to the client's own parser
         return _cmd_chat(argparse.Namespace(args=argv[1:]))
     ns = build_parser(with_bench=argv[:1] == ["bench"]).parse_args(argv)

@@ -59,6 +59,7 @@ from model.tokenizer import tokenizer_from_dict
 from model.train import auto_dtype, pick_device
 from server import core_spawn
 from server.hot_states import HotStates, Revision
+from server.leave import leave_without_finalizing
 from server.scheduler import Finished, Job, JobFailed, PromptScores, Scheduler, streamed
 from server.session_state import extend_window, importable, persisted, rebuild_window, stored_window
 from txlserve import errors
@@ -531,7 +532,7 @@ class _Core:
                 "finish_reason": done.finish_reason, "completion_tokens": done.completion_tokens,
                 "score": None if done.score is None else [done.score.tokens, done.score.logprob],
                 "generated": done.generated, "queue_s": done.queue_s, "prefill_s": done.prefill_s,
-                "text": done.text, "source": spec.source, "restore_s": spec.restore_s}
+                "text": done.text, "source": spec.source, "restore_s": spec.restore_s, "ended": done.ended}
         if done.state is None or not spec.persist or spec.abandoned:
             self.specs.pop(spec.rid, None)
             self.send({**head, "state": False if spec.abandoned else head["state"], "stats": self.stats()})
@@ -572,6 +573,7 @@ def core_main() -> None:
                 conn.send_bytes(pack({"op": "failed", **error_head(err)}))
         sys.exit(2)  # as the servers will: a supervisor waits for their one line, not this exit's
     core.serve()
+    leave_without_finalizing()  # its work answered; the teardown only delayed every stop
 
 
 # -- the server's side -----------------------------------------------------------------------------------
@@ -816,8 +818,8 @@ class EngineCore:
                 req.inbox.put_nowait(CoreFinished(
                     head["state"] or None, head["tokens_seen"], head["finish_reason"],
                     head.get("completion_tokens", 0), score, head.get("generated") or [], head.get("queue_s"),
-                    head.get("prefill_s"), head.get("text", ""), rid=head["rid"], source=head.get("source"),
-                    tensors=head.get("tensors"), restore_s=head.get("restore_s")))
+                    head.get("prefill_s"), head.get("text", ""), head.get("ended"), rid=head["rid"],
+                    source=head.get("source"), tensors=head.get("tensors"), restore_s=head.get("restore_s")))
             elif op == "stats":
                 self._loop_seconds, self._cpu_seconds = head.get("phases", {}), head.get("cpu")
                 self.generated = head.get("generated", 0)

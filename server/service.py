@@ -86,6 +86,8 @@ class Run:
         self.lost = False
         self.lease: Lease | None = None  # held while the run continues a session
         self.started = time.monotonic()
+        self.submitted: float | None = None  # the request handed to the engine (its lifecycle's phases: _final)
+        self.answered: float | None = None  # the engine's end of it in hand
         self.stopped = asyncio.Event()  # cancelled, or ended
         self.task = asyncio.create_task(self._main())
         self.task.add_done_callback(lambda _: self.stopped.set())
@@ -121,7 +123,7 @@ class Run:
                                                  mem_len=rt.engine.mem_len, tokens_seen=done.tokens_seen,
                                                  metadata=self.create_metadata)
                     rt.hot.put(info.session_id, info.revision, done.state, window)
-                await self.events.put(Final(done, last, info, 0, "rebuild" if seen else None))
+                await self._final(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
             await self._after_stopped_runs()
             async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
@@ -141,7 +143,7 @@ class Run:
                                                  release=True, appended=source != "rebuild")
                 rt.hot.put(self.session_id, info.revision, done.state, window)
             # the lease is released before the client hears the end, so its next request finds the session free
-            await self.events.put(Final(done, last, info, cached, source))
+            await self._final(Final(done, last, info, cached, source))
         except Exception as err:  # delivered to the handler, which answers in OpenAI's error shape
             await self.events.put(Failed(self._named(err)))
 
@@ -154,6 +156,7 @@ class Run:
         try:
             if self.session_id is None:
                 window, seen = self.history or ([], 0)  # the engine checks the window, as it rebuilds it
+                self.submitted = time.monotonic()
                 req = core.submit(self.ids, self.params, history=(window, seen) if seen else None,
                                   persist=self.create, prompt_logprobs=self.prompt_logprobs, scored=self.scored,
                                   stream=self.events)
@@ -163,13 +166,14 @@ class Run:
                     info = await rt.store.create(owner=self.owner, tensors=done.tensors, mem_len=core.mem_len,
                                                  tokens_seen=done.tokens_seen, metadata=self.create_metadata)
                     req.keep(info.session_id, info.revision)
-                await self.events.put(Final(done, last, info, 0, "rebuild" if seen else None))
+                await self._final(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
             await self._after_stopped_runs()
             async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
                 lease.on_lost, self.lease = self.lease_lost, lease
                 info = lease.session.info
                 cached = info.tokens_seen
+                self.submitted = time.monotonic()
                 req = core.submit(self.ids, self.params, key=(self.session_id, info.revision), persist=True,
                                   prompt_logprobs=self.prompt_logprobs, scored=self.scored, stream=self.events,
                                   window_span=info.window_span)
@@ -179,12 +183,31 @@ class Run:
                                                  mem_len=core.mem_len, release=True,
                                                  appended=done.source != "rebuild")
                 req.keep(self.session_id, info.revision)
-            await self.events.put(Final(done, last, info, cached, done.source))
+            await self._final(Final(done, last, info, cached, done.source))
         except Exception as err:
             await self.events.put(Failed(self._named(err)))
         finally:
             if req is not None:
                 req.close()
+
+    async def _final(self, final: Final) -> None:
+        """End the run with ``final``, first counting where its time went (``txlserve_request_lifecycle_seconds``),
+        each moment in one phase: ``start`` until the engine had it (a stopped run's commit waited for, the
+        lease, a session restored in this process), ``engine`` until the engine ended it (queued, its prompt
+        read, its tokens generated), ``handoff`` until this server had that end and the state to store (an
+        engine process's export and its message, an event loop's wake-up), ``commit`` until it was stored and
+        the lease released. The engine's end is read on its own clock: ``time.monotonic`` is the system's,
+        every process's alike."""
+        now, submitted, answered = time.monotonic(), self.submitted, self.answered
+        if submitted is not None and answered is not None:
+            ended = final.done.ended
+            ended = answered if ended is None else min(max(ended, submitted), answered)
+            phases = self.rt.metrics.lifecycle
+            phases["start"].observe(submitted - self.started)
+            phases["engine"].observe(ended - submitted)
+            phases["handoff"].observe(answered - ended)
+            phases["commit"].observe(now - answered)
+        await self.events.put(final)
 
     async def _after_stopped_runs(self) -> None:
         """Wait (a few ms, bounded) for this server's runs on the same session that were stopped (their client
@@ -223,6 +246,7 @@ class Run:
                 req.provide(tensors, tokens_seen=lease.session.info.tokens_seen,
                             fingerprint=lease.session.info.fingerprint)
             elif isinstance(item, CoreFinished):
+                self.answered = time.monotonic()
                 if lease is not None and item.source is not None:  # a restored session, cancelled or not
                     self.rt.metrics.restores.labels(item.source).inc()
                     if item.restore_s is not None:  # measured in the engine's process: from its start to its state
@@ -305,6 +329,7 @@ class Run:
 
     async def _engine_run(self, state) -> tuple[Finished, TokenEvent | None]:
         rt = self.rt
+        self.submitted = time.monotonic()
         # tokens straight to the client, all but the last
         self.request = rt.scheduler.submit(state, self.ids, self.params, prompt_logprobs=self.prompt_logprobs,
                                            scored=self.scored, stream=self.events)
@@ -313,6 +338,7 @@ class Run:
         last = None
         async for item in self.request:  # the token that ended generation, held back until the commit; Finished
             if isinstance(item, Finished):
+                self.answered = time.monotonic()
                 return item, last
             last = item
         raise RuntimeError("the engine ended a request without its Finished")  # pragma: no cover

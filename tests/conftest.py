@@ -31,6 +31,34 @@ def pytest_configure(config: pytest.Config) -> None:
     handler; a child started from here begins with the default, since only an ignored signal survives exec)."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    _one_tls_context_per_settings()
+
+
+def _one_tls_context_per_settings() -> None:
+    """Every ``httpx.get`` (and post, stream, ...) builds a client, and every client a TLS context from the CA bundle:
+    37 ms of CPU a call, for tests that speak plain HTTP to loopback, ~35 times what the request costs. The suite
+    makes a few thousand such calls, several a second while it waits for a server to start, on a 2-core machine
+    where that server is importing torch. A context built once for the same settings is the same context: it is
+    reused (httpx 0.28's transports build it through ``create_ssl_context``; any other httpx is left alone)."""
+    import httpx._transports.default as transports
+
+    build = getattr(transports, "create_ssl_context", None)
+    if build is None or getattr(build, "reused", False):
+        return
+    built: dict[tuple, object] = {}
+
+    def reused(verify=True, cert=None, trust_env=True):
+        try:
+            key = (verify, cert, trust_env)
+            hash(key)
+        except TypeError:  # an SSLContext given, or a cert as a dict: nothing to build
+            return build(verify=verify, cert=cert, trust_env=trust_env)
+        if key not in built:
+            built[key] = build(verify=verify, cert=cert, trust_env=trust_env)
+        return built[key]
+
+    reused.reused = True
+    transports.create_ssl_context = reused
 
 
 def _free_port() -> int:

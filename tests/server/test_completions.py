@@ -358,3 +358,27 @@ def test_every_surface_counts_in_the_metrics_alike(server):
     assert grew("txlserve_inter_token_latency_seconds_count") == 3 * 4
     assert grew("txlserve_generation_tokens_total") == grew("txlserve_request_generation_tokens_sum") == 15
     assert grew("txlserve_prompt_tokens_total") == grew("txlserve_request_prompt_tokens_sum") == 3 * 5 + 12
+
+
+def test_a_requests_lifecycle_phases_are_counted_once_each_and_fit_in_its_latency(server):
+    """``txlserve_request_lifecycle_seconds``: each request's run, split where its time went (the lease and
+    restore, the engine, the hand-over of its end and state, the commit), one sample a phase; the phases of a run
+    lie inside its request, so they cannot add up to more than its end-to-end latency."""
+    from server.metrics import LIFECYCLE
+
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Once upon"}, timeout=60).json()["id"]
+    before = _scrape(server)
+    complete(server, prompt=" a time", max_tokens=6, session_id=sid)  # a session: leased, committed
+    sse_events(server, prompt=" there", max_tokens=6, session_id=sid)
+    complete(server, prompt="Hello", max_tokens=6)  # none: nothing to lease or commit
+    after = _scrape(server)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    phase = 'txlserve_request_lifecycle_seconds_{}{{phase="{}"}}'
+    assert [grew(phase.format("count", p)) for p in LIFECYCLE] == [3] * len(LIFECYCLE)
+    seconds = {p: grew(phase.format("sum", p)) for p in LIFECYCLE}
+    assert all(s >= 0 for s in seconds.values()) and seconds["engine"] > 0, seconds
+    e2e = grew("txlserve_e2e_request_latency_seconds_sum")
+    assert 0 < sum(seconds.values()) <= e2e, (seconds, e2e)

@@ -23,7 +23,7 @@ pytest.importorskip("schemathesis")
 
 
 SECONDS = os.environ.get("TXLSERVE_FUZZ_SECONDS")
-EXAMPLES = 12  # per operation, in each of the fuzzing and stateful phases
+EXAMPLES = 8  # per operation, in each of the fuzzing and stateful phases
 
 
 @pytest.mark.timeout(int(float(SECONDS or 0)) + 280)  # the suite's 300 s would cut a longer release run

@@ -16,6 +16,7 @@ import pytest
 
 from tests.live import LiveServer
 from tests.server.test_completions import (  # noqa: F401  (collected here again, against this module's server)
+    test_a_requests_lifecycle_phases_are_counted_once_each_and_fit_in_its_latency,
     test_completion_shape,
     test_error_mid_stream_is_an_error_event_then_done,
     test_fork_independence,

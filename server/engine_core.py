@@ -535,7 +535,8 @@ class _Core:
                 "text": done.text, "source": spec.source, "restore_s": spec.restore_s, "ended": done.ended}
         if done.state is None or not spec.persist or spec.abandoned:
             self.specs.pop(spec.rid, None)
-            self.send({**head, "state": False if spec.abandoned else head["state"], "stats": self.stats()})
+            self.send({**head, "state": False if spec.abandoned else head["state"], "stats": self.stats(),
+                       "sent": time.monotonic()})
         else:  # while other requests run, off the engine's thread: their steps do not wait for this export; an
             # idle engine's at once, without a thread's wake-up
             self._work(spec.rid, lambda: self._export(spec, done, head),
@@ -550,7 +551,7 @@ class _Core:
             if spec.rid % len(self.conns) in self.live:
                 self.kept[spec.rid] = (done.state, window)
         self.specs.pop(spec.rid, None)  # only now: an export that fails is still answered (_fail)
-        self.send({**head, "stats": self.stats()}, blob)
+        self.send({**head, "stats": self.stats(), "sent": time.monotonic()}, blob)  # its export done
 
 
 def core_main() -> None:
@@ -586,6 +587,7 @@ class CoreFinished(Finished):
     source: str | None = None
     tensors: dict[str, torch.Tensor] | None = None
     restore_s: float | None = None
+    sent: float | None = None  # time.monotonic() as the engine process sent it (its export done)
 
 
 class Need:
@@ -819,7 +821,8 @@ class EngineCore:
                     head["state"] or None, head["tokens_seen"], head["finish_reason"],
                     head.get("completion_tokens", 0), score, head.get("generated") or [], head.get("queue_s"),
                     head.get("prefill_s"), head.get("text", ""), head.get("ended"), rid=head["rid"],
-                    source=head.get("source"), tensors=head.get("tensors"), restore_s=head.get("restore_s")))
+                    source=head.get("source"), tensors=head.get("tensors"), restore_s=head.get("restore_s"),
+                    sent=head.get("sent")))
             elif op == "stats":
                 self._loop_seconds, self._cpu_seconds = head.get("phases", {}), head.get("cpu")
                 self.generated = head.get("generated", 0)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 RESTORE = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120, 600)
 PHASE = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-LIFECYCLE = ("start", "engine", "handoff", "commit")  # a request's run, in order (server/service.py Run._final)
+LIFECYCLE = ("start", "engine", "export", "handoff", "commit")  # a request's run, in order (service.py Run._final)
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 
 
@@ -99,8 +99,9 @@ class Metrics:
         lifecycle = Histogram("txlserve_request_lifecycle_seconds", "Where a request's time went, by phase (each "
                               "moment in one; they add up to the request's run): start (until the engine had it: "
                               "lease, restore), engine (until the engine ended it: queue, prompt, generation), "
-                              "handoff (until this server had its end and state), commit (storing it, releasing "
-                              "the lease)", ["phase"], buckets=PHASE, registry=r)
+                              "export (an engine process's export of the state), handoff (until this server had "
+                              "the end and state), commit (storing it, releasing the lease)", ["phase"],
+                              buckets=PHASE, registry=r)
         self.lifecycle = {phase: lifecycle.labels(phase) for phase in LIFECYCLE}
         self.prompt_tokens = Counter("txlserve_prompt_tokens", "Prompt tokens read", registry=r)
         self.generation_tokens = Counter("txlserve_generation_tokens", "Tokens generated", registry=r)

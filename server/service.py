@@ -194,18 +194,20 @@ class Run:
         """End the run with ``final``, first counting where its time went (``txlserve_request_lifecycle_seconds``),
         each moment in one phase: ``start`` until the engine had it (a stopped run's commit waited for, the
         lease, a session restored in this process), ``engine`` until the engine ended it (queued, its prompt
-        read, its tokens generated), ``handoff`` until this server had that end and the state to store (an
-        engine process's export and its message, an event loop's wake-up), ``commit`` until it was stored and
-        the lease released. The engine's end is read on its own clock: ``time.monotonic`` is the system's,
-        every process's alike."""
+        read, its tokens generated; in this process, its state exported too), ``export`` until an engine
+        process had exported the state and sent the end, ``handoff`` until this server had them (the message,
+        the event loop's wake-up), ``commit`` until it was stored and the lease released. The engine's times
+        are read on its own clock: ``time.monotonic`` is the system's, every process's alike."""
         now, submitted, answered = time.monotonic(), self.submitted, self.answered
         if submitted is not None and answered is not None:
-            ended = final.done.ended
+            ended, sent = final.done.ended, getattr(final.done, "sent", None)
             ended = answered if ended is None else min(max(ended, submitted), answered)
+            sent = ended if sent is None else min(max(sent, ended), answered)
             phases = self.rt.metrics.lifecycle
             phases["start"].observe(submitted - self.started)
             phases["engine"].observe(ended - submitted)
-            phases["handoff"].observe(answered - ended)
+            phases["export"].observe(sent - ended)
+            phases["handoff"].observe(answered - sent)
             phases["commit"].observe(now - answered)
         await self.events.put(final)
 

@@ -207,7 +207,7 @@ def test_bench_serve_json(checkpoint):
             assert 0 < load[f"{loop}_cpu_share"] <= 1.1, loop
         # where the server's requests' time went (its /metrics): each lifecycle phase's mean, inside a request's
         request_ms = load["server_request_ms"]
-        assert set(request_ms) == {"start", "engine", "handoff", "commit", "ttft", "e2e"}, request_ms
+        assert set(request_ms) == {"start", "engine", "export", "handoff", "commit", "ttft", "e2e"}, request_ms
         assert request_ms["engine"] > 0 and request_ms["ttft"] <= request_ms["e2e"]
     assert out["continue_speedup"] > 0
     poll = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")  # the host's idle polling, where it says

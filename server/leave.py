@@ -10,7 +10,8 @@ from typing import NoReturn
 
 
 def leave_without_finalizing(code: int = 0) -> NoReturn:
-    """Exit now, after what the process says (logging, stdout, stderr) is flushed. Once torch is loaded, the
+    """Exit now, after what the process says (logging, stdout, stderr) is flushed (status 120 where that failed,
+    as Python's own exit). Once torch is loaded, the
     interpreter's teardown is slow and can crash, and nothing a finished process still needs happens in it:
 
     - an engine process's teardown took ~0.4 s (torch's C++ objects, every module's garbage), and every server's
@@ -22,7 +23,14 @@ def leave_without_finalizing(code: int = 0) -> NoReturn:
       (pytorch#109478).
     """
     logging.shutdown()
+    failed = False
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
+        try:
             stream.flush()
+        except Exception:  # a full disk, a closed pipe: what it printed is lost, so it did not succeed
+            failed = True
+    if failed:  # as Python's own exit says it (status 120), not a success whose output is gone
+        with contextlib.suppress(OSError):
+            os.write(2, b"txlserve: error: the output could not be written\n")
+        code = code or 120
     os._exit(code)

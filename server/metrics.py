@@ -100,7 +100,9 @@ class Metrics:
                               "moment in one; they add up to the request's run): start (until the engine had it: "
                               "lease, restore), engine (until the engine ended it: queue, prompt, generation), "
                               "export (an engine process's export of the state), handoff (until this server had "
-                              "the end and state), commit (storing it, releasing the lease)", ["phase"],
+                              "the end and state), commit (storing it, releasing the lease); every run, appends "
+                              "and session creations too; a restore from Redis is in start in-process, in engine "
+                              "with an engine process", ["phase"],
                               buckets=PHASE, registry=r)
         self.lifecycle = {phase: lifecycle.labels(phase) for phase in LIFECYCLE}
         self.prompt_tokens = Counter("txlserve_prompt_tokens", "Prompt tokens read", registry=r)

@@ -38,8 +38,9 @@ def _one_tls_context_per_settings() -> None:
     """Every ``httpx.get`` (and post, stream, ...) builds a client, and every client a TLS context from the CA bundle:
     37 ms of CPU a call, for tests that speak plain HTTP to loopback, ~35 times what the request costs. The suite
     makes a few thousand such calls, several a second while it waits for a server to start, on a 2-core machine
-    where that server is importing torch. A context built once for the same settings is the same context: it is
-    reused (httpx 0.28's transports build it through ``create_ssl_context``; any other httpx is left alone)."""
+    where that server is importing torch. A default context (verify on or off, the CA variables unchanged) built
+    once is the same context: it is reused; one given a context, CA path or client certificate is built as before
+    (httpx 0.28's transports build it through ``create_ssl_context``; any other httpx is left alone)."""
     import httpx._transports.default as transports
 
     build = getattr(transports, "create_ssl_context", None)
@@ -48,11 +49,9 @@ def _one_tls_context_per_settings() -> None:
     built: dict[tuple, object] = {}
 
     def reused(verify=True, cert=None, trust_env=True):
-        try:
-            key = (verify, cert, trust_env)
-            hash(key)
-        except TypeError:  # an SSLContext given, or a cert as a dict: nothing to build
+        if verify not in (True, False) or cert is not None:  # a context, CA path or client certificate given
             return build(verify=verify, cert=cert, trust_env=trust_env)
+        key = (verify, trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
         if key not in built:
             built[key] = build(verify=verify, cert=cert, trust_env=trust_env)
         return built[key]

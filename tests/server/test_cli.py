@@ -444,3 +444,21 @@ def test_bench_decode_takes_a_shape_or_a_checkpoint_not_both(capsys):
     assert cli.main(["bench", "decode", "--shape", "2x64", "--checkpoint", "somewhere"]) == 2  # the shape had won
     err = capsys.readouterr().err
     assert err == "txlserve: error: give --shape (random weights) or --checkpoint, not both\n"
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_leaving_without_finalizing_still_fails_when_its_output_is_lost(code):
+    """train, eval, generate, import and the engine process end with ``leave_without_finalizing``: output it could
+    not write (a full disk) is a failure, status 120 as Python's own exit gives, never a success with the JSON
+    gone; its own status otherwise, and its output flushed."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    program = ("from server.leave import leave_without_finalizing; print('{\"ok\": 1}'); "
+               f"leave_without_finalizing({code})")
+    env = {**os.environ, "PYTHONUNBUFFERED": ""}
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-c", program], cwd=REPO, stdout=full, stderr=subprocess.PIPE, text=True,
+                           timeout=60, env=env)
+    assert r.returncode == (code or 120) and "could not be written" in r.stderr, (r.returncode, r.stderr)
+    r = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == code and r.stdout == '{"ok": 1}\n', (r.returncode, r.stdout)

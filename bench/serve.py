@@ -706,10 +706,10 @@ class LoopTime:
 
     def request_ms(self) -> dict[str, float]:
         """A server's requests that ended in the window: each lifecycle phase's mean milliseconds (they add up to
-        a request's run), and the mean time to first token and end to end (HTTP: first byte in to last out)."""
+        a request's run), and the mean time to first token and end to end (HTTP: first byte in to last out). A
+        phase left negative (a ``--workers`` worker that answered one of the window's two scrapes and not the
+        other) is unknown, as one no request reached."""
         return {k: round(1e3 * seconds / n, 2) for k, (seconds, n) in self.requests.items() if n > 0 and seconds >= 0}
-        # (a --workers worker that answered one of the window's two scrapes and not the other leaves a phase
-        # negative: unknown, as a phase no request reached)
 
 
 ZERO = LoopTime({}, 0.0, 0)  # what a sum of loop readings starts from

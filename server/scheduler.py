@@ -98,7 +98,8 @@ class Finished:
     queue_s: float | None = None  # submitted until the engine first worked on it
     prefill_s: float | None = None  # from then until its prompt was read
     text: str = ""  # text the generation still held back as it was cancelled, released after its last token
-    ended: float | None = None  # time.monotonic() as the engine ended it (a clock every process reads alike)
+    ended: float | None = field(default_factory=time.monotonic)  # as the engine ended it: made then (the system's
+    # clock, every process's alike; None: not known)
 
 
 @dataclass
@@ -432,7 +433,7 @@ class Scheduler:
         job = self.prefilling[0]  # stays counted as waiting while its chunk runs
         if job.cancelled:  # the prompt joins the session only once completely read
             self.prefilling.popleft()
-            self._finish(job, Finished(None, int(job.state.seen[0]), "cancelled", ended=time.monotonic()))
+            self._finish(job, Finished(None, int(job.state.seen[0]), "cancelled"))
             return 0
         chunk, job.pending = job.pending[:budget], job.pending[budget:]
         job.start()
@@ -472,16 +473,14 @@ class Scheduler:
         # int() of a device's count waits for the step just queued (a GPU's overlapped steps): once a request, and
         # by then the host's own work for the step has mostly outlasted it
         if job.pending:  # left while its prompt was still being fed: a partial prompt is never stored
-            return Finished(None, int(job.state.seen[0]) if row is None else self.slots.seen_at(row), reason,
-                            ended=time.monotonic())
+            return Finished(None, int(job.state.seen[0]) if row is None else self.slots.seen_at(row), reason)
         state = job.state if row is None else self.slots.export(row)
         generated = list(job.generation.tokens) if job.generation else []
         queue_s = None if job.started is None else job.started - job.submitted
         prefill_s = None if job.read is None or job.started is None else job.read - job.started
         held = job.generation.release() if job.generation and reason == "cancelled" else ""
         return Finished(state, int(state.seen[0]), reason, len(generated),
-                        job.score if job.params is None else None, generated, queue_s, prefill_s, held,
-                        time.monotonic())
+                        job.score if job.params is None else None, generated, queue_s, prefill_s, held)
 
     def _regroup(self, leaving: list[int], failed: dict[int, BaseException] | None = None) -> None:
         """Finished (or failed) rows leave the decode table and waiting requests join it while it has rows; no

@@ -58,7 +58,10 @@ def describe_errors(app: FastAPI, routers: list[APIRouter]) -> None:
                 if "{" in path:
                     responses["404"] = _error("no such session (or model)")
                 if "requestBody" in op:
-                    responses["413"] = _error("the body is larger than the server's --max-body-bytes")
+                    responses["413"] = _error("the body is larger than the server's --max-body-bytes, or its prompt "
+                                              "or document more tokens than --max-prompt-bytes or --max-append-bytes "
+                                              "(code payload_too_large: where OpenAI and vLLM answer an over-long "
+                                              "prompt with a 400, this is the operator's limit, not a context window)")
                 if reads or (path, method) in keyed:
                     responses["default"] = _error("any other error, e.g. 409 session_busy, 429 (retry after "
                                                   "Retry-After), 503 while the server starts or stops")

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("txlserve")
 
+# How long a drain waits for the engine process to answer a ping once it cancelled the runs still going: its reader
+# thread answers within milliseconds even while a long prompt is read; a stopped or wedged one is killed past it.
+DRAIN_PING_S = 5.0
+
 
 @dataclass
 class Runtime:
@@ -114,11 +118,21 @@ class Runtime:
         if not runs:
             return
         _, pending = await asyncio.wait([r.task for r in runs], timeout=self.settings.shutdown_timeout_s)
+        if not pending:
+            return
+        log.info("draining: %d request(s) still running after %g s; cancelling them (each commits what it "
+                 "generated)", len(pending), self.settings.shutdown_timeout_s)
         for r in runs:
             if r.task in pending:
                 r.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=10)
+        core = self.core
+        if core is not None and core.dead is None and not await core.answers(
+                min(DRAIN_PING_S, self.settings.engine_timeout_s or DRAIN_PING_S)):
+            # a stopped or wedged engine never hears the cancels: its runs would wait out the drain's 10 s, then
+            # uvicorn's cut their streams mid-event and the process exited ~25 s past --shutdown-timeout-s, longer
+            # than a container's stop grace; killed, its runs end now, each stream with a 503 event and [DONE]
+            core.kill("the engine process answered nothing while the server drained (hung or stopped)")
+        await asyncio.wait(pending, timeout=10)
 
     @property
     def engine_dead(self) -> str | None:

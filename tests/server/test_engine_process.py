@@ -8,12 +8,14 @@ import contextlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from server.engine_core import error_from, error_head, pack, unpack
+from server.runtime import DRAIN_PING_S
 from tests.live import MODEL, LiveServer, start_all, stream_deleted_midway, wait_for
 from tests.procs import pid_alive, wait_exit
 
@@ -568,6 +570,38 @@ def test_a_hung_engine_process_is_killed_and_fails_its_requests(checkpoint, redi
         health = httpx.get(srv.url + "/health", timeout=10)
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
         assert httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=10).json()["tokens_seen"] == len("Kept ")
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        srv.stop()
+
+
+def test_a_drain_kills_an_engine_process_that_does_not_hear_its_cancels(checkpoint, redis_url, tmp_path):
+    """SIGTERM while the engine process was stopped (found by a helper): the drain's cancels were never heard, so
+    it waited out its 10 s, uvicorn then cut the stream mid-body (no end, no [DONE]), and the engine's own stop
+    waited 10 s more: the process exited ~25 s past --shutdown-timeout-s, past a container's stop grace. Now an
+    engine that answers no ping once the runs are cancelled is killed: the stream ends with a 503 event and
+    [DONE], and the server exits soon after."""
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=("--shutdown-timeout-s", "1")).start()
+    pid = _engine_pid(srv)
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "go", "max_tokens": 4000, "stream": True}) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        events = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
+        assert events and events[-1]["status"] == 503, events[-1:]
+        assert "answered nothing while the server drained" in events[-1]["error"]["message"]
+        assert rest[-1] == "data: [DONE]" or rest[-2:] == ["data: [DONE]", ""], rest[-3:]
+        assert srv.proc.wait(30) in (0, -signal.SIGTERM)
+        # 1 s of drain, at most DRAIN_PING_S for the ping, then the stop; it took ~25 s more before
+        assert time.monotonic() - t0 < 1 + DRAIN_PING_S + 8, time.monotonic() - t0
+        assert "Traceback" not in srv.log.read_text()
     finally:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)

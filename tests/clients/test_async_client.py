@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 from txlserve_client import (
@@ -77,6 +78,23 @@ async def test_session_busy_and_early_close(aclient: AsyncClient) -> None:
         if (s := await aclient.sessions.get(session.id)).tokens_seen > 4:
             break
         await asyncio.sleep(0.05)
+    assert 4 < s.tokens_seen < 4 + LONG
+
+
+async def test_a_stream_dropped_after_break_closes_at_once(aclient: AsyncClient) -> None:
+    """As the sync client's: with the cyclic collector off, a stream left by ``break`` closes as it is dropped."""
+    session = await aclient.sessions.create(text="abc")
+    gc.disable()
+    try:
+        async for _ in await aclient.completions.create(model=MODEL, prompt="d", max_tokens=LONG,
+                                                        session_id=session.id, stream=True):
+            break
+        for _ in range(600):  # the cancelled run commits what it generated
+            if (s := await aclient.sessions.get(session.id)).tokens_seen > 4:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        gc.enable()
     assert 4 < s.tokens_seen < 4 + LONG
 
 

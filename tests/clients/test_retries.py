@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from txlserve_client import (
     APIConnectionError,
+    APIError,
     APITimeoutError,
     AsyncClient,
     Client,
@@ -215,3 +216,41 @@ async def test_async_client_retries_the_same_way(scripted: Scripted) -> None:
         with pytest.raises(ServiceUnavailableError):
             await client.sessions.append("s1", "x")
     assert len(scripted.seen) == 1
+
+
+def test_a_negative_retry_after_backs_off_as_if_none_was_given(scripted: Scripted) -> None:
+    """RFC 9110's Retry-After is digits only: a negative one retried at once, as a hammering loop would."""
+    scripted.script(unavailable(retry_after="-5"), Reply(200, json.dumps(SESSION).encode()))
+    with Client(base_url=scripted.url) as client:
+        assert client.sessions.get("s1").tokens_seen == 3
+    assert 0.375 <= scripted.gaps()[0] < 3  # the first backoff, 0.5 s less up to 25% jitter
+
+
+def test_a_redirect_is_not_followed_and_says_where_it_points(scripted: Scripted) -> None:
+    scripted.script(Reply(301, b"", {"Location": "https://elsewhere.example/v1/completions"}))
+    with Client(base_url=scripted.url) as client, pytest.raises(APIError, match="redirected to 'https://else") as info:
+        client.completions.create(model="m", prompt="x")
+    assert info.value.status == 301 and len(scripted.seen) == 1  # a POST is never sent again elsewhere
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_body_that_its_content_encoding_does_not_describe_is_an_api_error(scripted: Scripted, stream: bool
+                                                                            ) -> None:
+    """httpx's DecodingError is no TransportError: a proxy labelling plain JSON gzip reached the caller raw."""
+    plain = json.dumps(COMPLETION).encode()
+    scripted.script(Reply(200, plain if not stream else b"data: " + plain + b"\n\n", {"Content-Encoding": "gzip"}))
+    with Client(base_url=scripted.url, max_retries=3) as client, pytest.raises(APIError, match="Content-Encoding"):
+        list(client.completions.create(model="m", prompt="x", stream=True)) if stream else \
+            client.completions.create(model="m", prompt="x")
+    assert len(scripted.seen) == 1  # the same answer would come again: not retried
+    scripted.script(Reply(503, plain, {"Content-Encoding": "deflate"}))  # an error body too
+    with Client(base_url=scripted.url, max_retries=0) as client, pytest.raises(APIError, match="Content-Encoding"):
+        client.models.list()
+
+
+@pytest.mark.anyio
+async def test_the_async_client_names_an_undecodable_body_too(scripted: Scripted) -> None:
+    scripted.script(Reply(200, json.dumps(COMPLETION).encode(), {"Content-Encoding": "gzip"}))
+    async with AsyncClient(base_url=scripted.url) as client:
+        with pytest.raises(APIError, match="Content-Encoding"):
+            await client.completions.create(model="m", prompt="x")

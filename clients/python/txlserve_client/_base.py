@@ -167,6 +167,10 @@ def models_call() -> Call[list[Model]]:
 
 def error_from_response(response: httpx.Response) -> APIError:
     """The exception for a non-2xx answer whose body has been read."""
+    location = response.headers.get("location")
+    if 300 <= response.status_code < 400 and location:  # not followed (httpx's default): say where it points
+        return APIError(f"the server redirected to {location[:200]!r}, and this client follows no redirect: set "
+                        f"base_url to the server's own URL (its scheme, host and port)", status=response.status_code)
     try:
         body = response.json()
     except ValueError:
@@ -179,6 +183,13 @@ def connection_error(err: Exception) -> APIConnectionError:
     if isinstance(err, (httpx.TimeoutException, TimeoutError, asyncio.TimeoutError)):  # two classes before 3.11
         return APITimeoutError(f"the request{where} timed out ({type(err).__name__}: {err})")
     return APIConnectionError(f"could not talk to the txlserve server{where} ({type(err).__name__}: {err})")
+
+
+def decoding_error(err: Exception, status: int | None = None) -> APIError:
+    """A body that httpx could not decode: its Content-Encoding (gzip, deflate...) does not match it, as where a
+    proxy labels plain text gzip. httpx's DecodingError is no TransportError, and reached the caller as itself."""
+    return APIError(f"the answer{_origin(err)} could not be decoded: its Content-Encoding does not match its body "
+                    f"({type(err).__name__}: {err})", status=status)
 
 
 def closed_error() -> APIConnectionError:
@@ -205,6 +216,8 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
     try:
         seconds = float(raw)
+        if seconds < 0:  # no delay-seconds (RFC 9110 allows digits only): the normal backoff, not an instant retry
+            return None
     except ValueError:  # an HTTP date
         try:
             seconds = email.utils.parsedate_to_datetime(raw).timestamp() - time.time()
@@ -229,6 +242,13 @@ class BaseClient:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
         self.base_url = (base_url or os.environ.get("TXLSERVE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
+        parts = urlsplit(self.base_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            # "localhost:8000" parsed as scheme "localhost": httpx named it an unsupported protocol (after the
+            # retries), and ws.connect() raised a bare ValueError from ws_url
+            raise ValueError(f"base_url must be an http:// or https:// URL, such as http://127.0.0.1:8000 (got "
+                             f"{self.base_url!r}" + ("" if "://" in self.base_url else
+                                                     f"; did you mean 'http://{self.base_url}'?") + ")")
         if urlsplit(self.base_url).path.endswith("/v1"):  # the OpenAI SDK's form of the same server's URL
             self.base_url = self.base_url.removesuffix("/v1")
         self.api_key = api_key if api_key is not None else os.environ.get("TXLSERVE_API_KEY") or None

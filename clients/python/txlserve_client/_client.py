@@ -49,6 +49,10 @@ class Client(BaseClient):
                 response = self._http.send(request, stream=stream)
                 if not response.is_success:
                     response.read()  # the error body, even of a stream
+            except httpx.DecodingError as err:  # never retried: the same answer comes again
+                if stream:  # an error body read here (httpx closes the response of a call without stream)
+                    response.close()
+                raise api.decoding_error(err, response.status_code if stream else None) from err
             except httpx.TransportError as err:
                 if (delay := self._retry_delay(call, attempt)) is None:
                     raise api.connection_error(err) from err

@@ -1,19 +1,20 @@
 """Server-sent events of ``/v1/completions`` with ``stream=True``, as iterators of ``CompletionChunk``.
 
-Closing a stream before its end (``close()``, leaving its ``with`` block, breaking out of the
-loop of a ``with`` block) closes the HTTP response; the server then cancels the generation and
-commits what it generated so far to the session, if there is one.
+Closing a stream before its end (``close()``, leaving its ``with`` block or breaking out of its loop there, or
+dropping its last reference) closes the HTTP response; the server then cancels the generation and commits what it
+generated so far to the session, if there is one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
 from types import TracebackType
 
 import httpx
 
-from txlserve_client._base import connection_error
+from txlserve_client._base import connection_error, decoding_error
 from txlserve_client._exceptions import APIConnectionError, APIError, error_from_body
 from txlserve_client._types import CompletionChunk
 
@@ -87,26 +88,59 @@ def chunk_from_event(data: str) -> CompletionChunk | None:
 _ENDED_EARLY = "the stream ended before [DONE]: the server closed the connection"
 
 
+def _iter_chunks(response: httpx.Response) -> Generator[CompletionChunk, None, None]:
+    """The chunks of ``response``. A function of the response, not a method of the stream: a generator that
+    held the stream (``self``) made a reference cycle, so a stream dropped after ``break`` without ``with``
+    or ``close()`` kept its connection open, and the server generating into the session, until the cyclic
+    garbage collector ran (seconds or minutes later)."""
+    events = SSEEvents()
+    try:
+        for text in response.iter_text():
+            for data in events.feed(text):
+                if (chunk := chunk_from_event(data)) is None:
+                    return
+                yield chunk
+    except httpx.TransportError as err:
+        raise connection_error(err) from err
+    except httpx.DecodingError as err:
+        raise decoding_error(err, response.status_code) from err
+    finally:
+        response.close()
+    raise APIConnectionError(_ENDED_EARLY)
+
+
+async def _aiter_chunks(response: httpx.Response) -> AsyncGenerator[CompletionChunk, None]:
+    """As ``_iter_chunks``, for ``AsyncStream``."""
+    events = SSEEvents()
+    try:
+        async for text in response.aiter_text():
+            for data in events.feed(text):
+                if (chunk := chunk_from_event(data)) is None:
+                    return
+                yield chunk
+    except httpx.TransportError as err:
+        raise connection_error(err) from err
+    except httpx.DecodingError as err:
+        raise decoding_error(err, response.status_code) from err
+    finally:
+        await response.aclose()
+    raise APIConnectionError(_ENDED_EARLY)
+
+
 class Stream(Iterator[CompletionChunk]):
-    """The chunks of one streamed completion; a context manager that closes the HTTP response."""
+    """The chunks of one streamed completion; a context manager that closes the HTTP response.
+
+    A stream dropped unfinished (its last reference gone, as after ``break`` out of a ``for`` over
+    ``create(..., stream=True)``) closes its response at once; one still referenced stays open until
+    ``close()``: prefer ``with``."""
 
     def __init__(self, response: httpx.Response) -> None:
         self.response = response
-        self._chunks = self._iter()
+        self._chunks = _iter_chunks(response)
 
-    def _iter(self) -> Generator[CompletionChunk, None, None]:
-        events = SSEEvents()
-        try:
-            for text in self.response.iter_text():
-                for data in events.feed(text):
-                    if (chunk := chunk_from_event(data)) is None:
-                        return
-                    yield chunk
-        except httpx.TransportError as err:
-            raise connection_error(err) from err
-        finally:
+    def __del__(self) -> None:  # a stream never iterated: its generator never started, so its finally never runs
+        with contextlib.suppress(Exception):  # at interpreter exit, or a response already torn down
             self.response.close()
-        raise APIConnectionError(_ENDED_EARLY)
 
     def __next__(self) -> CompletionChunk:
         return next(self._chunks)
@@ -131,21 +165,7 @@ class AsyncStream(AsyncIterator[CompletionChunk]):
 
     def __init__(self, response: httpx.Response) -> None:
         self.response = response
-        self._chunks = self._iter()
-
-    async def _iter(self) -> AsyncGenerator[CompletionChunk, None]:
-        events = SSEEvents()
-        try:
-            async for text in self.response.aiter_text():
-                for data in events.feed(text):
-                    if (chunk := chunk_from_event(data)) is None:
-                        return
-                    yield chunk
-        except httpx.TransportError as err:
-            raise connection_error(err) from err
-        finally:
-            await self.response.aclose()
-        raise APIConnectionError(_ENDED_EARLY)
+        self._chunks = _aiter_chunks(response)  # no cycle: asyncio's finalizer closes it once the stream is dropped
 
     async def __anext__(self) -> CompletionChunk:
         return await self._chunks.__anext__()

@@ -10,6 +10,9 @@ The keyword options of ``completion`` are those of ``completions.create`` (less 
 ``stream_options``: the WebSocket always streams and always reports usage on its last chunk).
 A completion left before its end is cancelled and read to its end when the next one starts or
 the stream is closed, so the connection is always ready for the next one.
+
+A connection is not thread-safe: it runs one completion at a time, read by one thread (``cancel()`` may come
+from another). Open one connection per thread; the ``Client`` itself may be shared.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from types import TracebackType
 from typing import Any
@@ -91,6 +95,8 @@ class WebSocketConnection:
                  exit_stack: contextlib.ExitStack) -> None:
         self._ws, self._read_timeout, self._exit_stack = ws, read_timeout, exit_stack
         self._active: WebSocketStream | None = None
+        self._owner: threading.Thread | None = None  # the thread that started the running completion
+        self._lock = threading.Lock()
 
     @classmethod
     def open(cls, client: BaseClient) -> WebSocketConnection:
@@ -99,7 +105,8 @@ class WebSocketConnection:
         stack = contextlib.ExitStack()  # websockets >= 17.1 wants connect() entered as a context manager
         try:
             ws = stack.enter_context(websockets.sync.client.connect(client.ws_url, **connect_options(client)))
-        except (OSError, TimeoutError, asyncio.TimeoutError, websockets.exceptions.InvalidHandshake) as err:
+        except (OSError, TimeoutError, asyncio.TimeoutError, websockets.exceptions.InvalidHandshake,
+                websockets.exceptions.InvalidURI) as err:  # a redirect to http(s)://, which websockets follows
             raise connect_error(err) from err
         return cls(ws, client.timeout.read, stack)
 
@@ -107,11 +114,19 @@ class WebSocketConnection:
         return self._start(completion_body(model, prompt, False, options))
 
     def _start(self, body: dict[str, Any], *, owns_connection: bool = False) -> WebSocketStream:
-        if self._active is not None:
-            self._active.close()
-        self._send({"type": "completion.create", **body})
-        self._active = WebSocketStream(self, owns_connection=owns_connection)
-        return self._active
+        """As ``AsyncWebSocketConnection._begin``: two threads' completions on one connection cancelled each other,
+        got each other's errors, or failed with the websockets library's own ConcurrencyError."""
+        me = threading.current_thread()
+        with self._lock:
+            owner = self._owner
+            if self._active is not None and not self._active.done and owner not in (None, me) and owner.is_alive():
+                raise APIError("a completion is streaming on this connection in another thread: a connection runs "
+                               "one completion at a time (open one connection per thread, or wait for that one)")
+            if self._active is not None:
+                self._active.close()
+            self._send({"type": "completion.create", **body})
+            self._active, self._owner = WebSocketStream(self, owns_connection=owns_connection), me
+            return self._active
 
     def cancel(self) -> None:
         """Stop the running completion; its stream then ends with finish_reason "cancelled"."""
@@ -131,6 +146,9 @@ class WebSocketConnection:
             raise _closed(err) from err
         except (TimeoutError, asyncio.TimeoutError) as err:  # two classes before Python 3.11
             raise connection_error(err) from err
+        except RuntimeError as err:  # websockets' ConcurrencyError (a RuntimeError before 14.0): a second reader
+            raise APIError("another thread is reading this WebSocket: a connection is read by one thread at a "
+                           "time (open one connection per thread)") from err
 
     def close(self) -> None:
         self._exit_stack.close()
@@ -203,7 +221,8 @@ class AsyncWebSocketConnection:
             raise closed_error()
         try:
             ws = await websockets.asyncio.client.connect(client.ws_url, **connect_options(client))
-        except (OSError, TimeoutError, asyncio.TimeoutError, websockets.exceptions.InvalidHandshake) as err:
+        except (OSError, TimeoutError, asyncio.TimeoutError, websockets.exceptions.InvalidHandshake,
+                websockets.exceptions.InvalidURI) as err:  # a redirect to http(s)://, which websockets follows
             raise connect_error(err) from err
         return cls(ws, client.timeout.read)
 

@@ -141,6 +141,21 @@ async def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
                session_param="session_id", scored=params is not None)  # max_tokens 0: no log-likelihood wanted
 
 
+def text_start(decoder: codecs.IncrementalDecoder, data: bytes, chars: int) -> tuple[int, int]:
+    """Where a token's text starts, given the ``chars`` characters its predecessors decoded to, and that count
+    after it (``decoder``, errors="replace", is fed its bytes). A token that completes a character begun before it
+    starts where that character does; one after bytes that begin no character it can complete starts after the
+    U+FFFD they become: a stray lead byte, then "A", gave "A" the offset of the U+FFFD before it."""
+    held = decoder.getstate()[0]
+    start = chars
+    if held and data:
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(held + data[:1])
+        except UnicodeDecodeError:  # the held bytes end as they are: their U+FFFD comes first
+            start += len(held.decode("utf-8", errors="replace"))
+    return start, chars + len(decoder.decode(data))
+
+
 def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
     """Scored prompt (or appended) tokens in OpenAI's logprobs shape: the first entry is null when nothing
     precedes it; offsets count characters from the start of the text."""
@@ -151,8 +166,8 @@ def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores) 
         out.tokens.append(name(token))
         out.token_logprobs.append(lp)
         out.top_logprobs.append(None if lp is None else {name(t): v for t, v in alts})
-        out.text_offset.append(offset)
-        offset += len(decoder.decode(tokenizer.token_bytes(token, prev)))
+        start, offset = text_start(decoder, tokenizer.token_bytes(token, prev), offset)
+        out.text_offset.append(start)
         prev = token
     return out
 
@@ -189,8 +204,8 @@ class Completion:
         self.text += ev.text
         if self.req.logprobs is None:
             return None
-        start = len(self.echoed) + self._chars
-        self._chars += len(self._decoder.decode(self.tokenizer.token_bytes(ev.token, self.prev)))
+        start, self._chars = text_start(self._decoder, self.tokenizer.token_bytes(ev.token, self.prev), self._chars)
+        start += len(self.echoed)
         self.prev = ev.token
         name = self.tokenizer.token_name
         top = {name(t): lp for t, lp in (ev.top_logprobs or [])}

@@ -121,6 +121,15 @@ def test_text_offsets_count_the_tokens_held_back_for_a_stop_string(server):
     assert streamed == list(range(30))
 
 
+def test_a_stray_byte_moves_the_next_tokens_offset_past_its_replacement(server):
+    """A byte that begins no character becomes U+FFFD only once the next token shows it cannot complete: that token
+    was given the U+FFFD's offset (found by a helper). A byte that completes a character keeps its start."""
+    ids = [195, 65, 0xE2, 0x82, 0xAC, 66]  # a stray lead byte, "A", "€" in three bytes, "B"
+    got = complete(server, prompt=ids, max_tokens=0, echo=True, logprobs=0)["choices"][0]
+    assert got["text"] == "\ufffdA€B"
+    assert got["logprobs"]["text_offset"] == [0, 1, 2, 2, 2, 3]
+
+
 def test_max_tokens_zero_with_echo_scores_the_prompt(server):
     """OpenAI's and vLLM's way to score a prompt: max_tokens 0 with echo gives the prompt back (with logprobs, its
     tokens' scores) and generates nothing; it was a 400. A session keeps the prompt, as an append would."""

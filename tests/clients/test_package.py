@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import txlserve_client
@@ -205,3 +206,28 @@ def test_a_refused_websocket_handshake_is_named_by_its_body() -> None:
     assert type(refused) is PermissionDeniedError and refused.code == "origin_not_allowed"
     assert type(connect_error(InvalidStatus(Response(403, "Forbidden", Headers(), b"")))) is AuthenticationError
 
+
+
+def test_a_stream_dropped_unread_closes_its_response() -> None:
+    """A stream never iterated: its generator never started, so no ``finally`` of it closes the response; the
+    stream's own ``__del__`` does, with the cyclic collector off (nothing may wait for it)."""
+    import gc
+
+    import httpx
+    from txlserve_client import Stream
+
+    closed: list[bool] = []
+
+    class Body(httpx.SyncByteStream):
+        def __iter__(self) -> Iterator[bytes]:
+            yield b"data: [DONE]\n\n"
+
+        def close(self) -> None:
+            closed.append(True)
+
+    gc.disable()
+    try:
+        Stream(httpx.Response(200, stream=Body(), request=httpx.Request("POST", "http://x/v1/completions")))
+        assert closed == [True]
+    finally:
+        gc.enable()

@@ -249,7 +249,7 @@ class BaseClient:
             raise ValueError(f"base_url must be an http:// or https:// URL, such as http://127.0.0.1:8000 (got "
                              f"{self.base_url!r}" + ("" if "://" in self.base_url else
                                                      f"; did you mean 'http://{self.base_url}'?") + ")")
-        if urlsplit(self.base_url).path.endswith("/v1"):  # the OpenAI SDK's form of the same server's URL
+        if parts.path.endswith("/v1"):  # the OpenAI SDK's form of the same server's URL
             self.base_url = self.base_url.removesuffix("/v1")
         self.api_key = api_key if api_key is not None else os.environ.get("TXLSERVE_API_KEY") or None
         if self.api_key and not _HEADER_SAFE.fullmatch(self.api_key):  # the message never quotes the key

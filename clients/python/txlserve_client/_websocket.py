@@ -35,6 +35,10 @@ from txlserve_client._types import CompletionChunk
 
 MAX_MESSAGE_BYTES = 16 * 2**20
 _END_TYPES = ("completion.done", "error")
+# what opening a connection can raise, said as connect_error: InvalidURI where a redirect points to http(s)://
+# (websockets follows redirects itself)
+_CONNECT_ERRORS = (OSError, TimeoutError, asyncio.TimeoutError, websockets.exceptions.InvalidHandshake,
+                   websockets.exceptions.InvalidURI)
 
 
 def connect_options(client: BaseClient) -> dict[str, Any]:
@@ -105,8 +109,7 @@ class WebSocketConnection:
         stack = contextlib.ExitStack()  # websockets >= 17.1 wants connect() entered as a context manager
         try:
             ws = stack.enter_context(websockets.sync.client.connect(client.ws_url, **connect_options(client)))
-        except (OSError, TimeoutError, asyncio.TimeoutError, websockets.exceptions.InvalidHandshake,
-                websockets.exceptions.InvalidURI) as err:  # a redirect to http(s)://, which websockets follows
+        except _CONNECT_ERRORS as err:
             raise connect_error(err) from err
         return cls(ws, client.timeout.read, stack)
 
@@ -221,8 +224,7 @@ class AsyncWebSocketConnection:
             raise closed_error()
         try:
             ws = await websockets.asyncio.client.connect(client.ws_url, **connect_options(client))
-        except (OSError, TimeoutError, asyncio.TimeoutError, websockets.exceptions.InvalidHandshake,
-                websockets.exceptions.InvalidURI) as err:  # a redirect to http(s)://, which websockets follows
+        except _CONNECT_ERRORS as err:
             raise connect_error(err) from err
         return cls(ws, client.timeout.read)
 

@@ -885,3 +885,49 @@ def test_a_websockets_log_line_has_a_numeric_status_on_every_path(caplog):
     caplog.set_level(logging.INFO, logger="txlserve.requests")
     got = [asyncio.run(run(app)) for app in (fails_after_accept, refuses, closes, fails_first)]
     assert [(x["status"], x.get("close_code")) for x in got] == [(101, 1011), (401, None), (403, 1008), (500, None)]
+
+
+def test_a_request_is_counted_when_its_last_byte_goes_out_not_when_its_app_returns():
+    """CI saw a static file's request missing from the scrape that followed it: the count came after the app
+    returned, and a static file's close (on a thread) let the client's next request run first. Here the app
+    holds on after its last byte, a HEAD included, and the count is already there."""
+    import asyncio
+    import types
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from server.app import HeadAsGet, RequestLog
+
+    requests = Counter("r", "", ["route", "status"], registry=CollectorRegistry())
+    runtime = types.SimpleNamespace(metrics=types.SimpleNamespace(requests=requests))
+
+    async def run(method: str) -> None:
+        sent, release = asyncio.Event(), asyncio.Event()
+
+        async def slow_close(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+            sent.set()
+            await release.wait()  # the file's close, still to come
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b""}
+
+        async def send(msg: dict) -> None:
+            pass
+        scope = {"type": "http", "method": method, "path": "/x", "headers": [], "query_string": b""}
+
+        async def routed(scope, receive, send):  # the router leaves the route it matched in the scope
+            scope["route"] = types.SimpleNamespace(path="/x")
+            await slow_close(scope, receive, send)
+        app = RequestLog(HeadAsGet(routed), lambda: runtime)
+        task = asyncio.create_task(app(scope, receive, send))
+        await asyncio.wait_for(sent.wait(), 30)
+        assert requests.labels("/x", "200")._value.get() == counts[method]
+        release.set()
+        await asyncio.wait_for(task, 30)
+        assert requests.labels("/x", "200")._value.get() == counts[method]  # once, not again as the app returns
+
+    counts = {"GET": 1, "HEAD": 2}
+    asyncio.run(run("GET"))
+    asyncio.run(run("HEAD"))

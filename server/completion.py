@@ -40,6 +40,11 @@ def check_model(rt: Runtime, model: str) -> None:
                             param="model")
 
 
+# OpenAI's and vLLM's parameters this server takes at the value that changes nothing, and only there
+_NEUTRAL = (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("min_p", 0),
+            ("min_tokens", 0))
+
+
 def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | None:
     """The request's sampling, checked; None for ``max_tokens: 0`` with ``echo``: the prompt is read (and with
     ``logprobs`` scored) and given back, nothing generated, as OpenAI and vLLM answer it (how a prompt is scored)."""
@@ -48,9 +53,9 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
         raise InvalidRequestError("only n=1 is supported", param="n")
     if req.best_of not in (None, 1):
         raise InvalidRequestError("only best_of=1 is supported", param="best_of")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise InvalidRequestError(f"{name} is not supported (only 0)", param=name)
+    for name, neutral in _NEUTRAL:
+        if getattr(req, name) not in (None, neutral):
+            raise InvalidRequestError(f"{name} is not supported (only {neutral})", param=name)
     if req.logit_bias:
         raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
     if req.suffix:

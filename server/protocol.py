@@ -65,6 +65,12 @@ class CompletionRequest(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
+    # vLLM's sampling extensions, accepted where they change nothing here: `vllm bench serve` sends
+    # repetition_penalty 1.0, and ignore_eos with --ignore-eos
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None  # either: no model here has an end-of-text token to stop on
 
     @field_validator("prompt", mode="wrap")
     @classmethod

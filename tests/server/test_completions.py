@@ -199,6 +199,21 @@ def new_session(server, text: str = "", **kw) -> dict:
     return r.json()
 
 
+def test_vllm_benchs_body_is_served_as_the_plain_request_is(server):
+    """`vllm bench serve` sends repetition_penalty 1.0 on every request (and ignore_eos with --ignore-eos): they
+    were refused as unknown arguments. vLLM's extensions at the values that change nothing are now the plain
+    request; other values are a 400 naming them (test_bad_inputs)."""
+    plain = sse_events(server, prompt="To be", max_tokens=6, temperature=0, stream_options={"include_usage": True})
+    vllm = sse_events(server, prompt="To be", max_tokens=6, temperature=0, stream_options={"include_usage": True},
+                      repetition_penalty=1.0, logprobs=None, ignore_eos=True, min_p=0.0, min_tokens=0,
+                      presence_penalty=0.0, frequency_penalty=0, best_of=1)
+    text = ["".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) for events in (plain, vllm)]
+    assert text[0] == text[1] and len(text[0]) > 0
+    assert vllm[-2]["usage"]["completion_tokens"] == 6 and vllm[-1] == "[DONE]"
+    assert complete(server, prompt="To be", max_tokens=6, temperature=0, ignore_eos=False)["choices"][0]["text"] == \
+        text[0]
+
+
 def test_split_invariance_through_http(server):
     whole = complete(server, prompt=TEXT_A + TEXT_B + TEXT_C, max_tokens=40, temperature=0)
     sid = new_session(server, TEXT_A)["id"]

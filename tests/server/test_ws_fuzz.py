@@ -27,7 +27,7 @@ SECONDS = float(os.environ.get("TXLSERVE_FUZZ_SECONDS", "0"))
 MESSAGES = 800  # at least, and until one completion has run to its end
 FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "logprobs", "echo", "n",
           "best_of", "stream_options", "user", "session_id", "frequency_penalty", "presence_penalty",
-          "logit_bias", "suffix", "stream")
+          "logit_bias", "suffix", "stream", "repetition_penalty", "min_p", "min_tokens", "ignore_eos")
 
 
 json_values = st.recursive(

@@ -254,12 +254,21 @@ class Completion:
             CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)])
 
     def piece(self, text: str, finish_reason: FinishReason | None = None, logprobs: CompletionLogprobs | None = None,
-              *, session: SessionRef | None = None) -> dict[str, Any]:
+              *, session: SessionRef | None = None, usage: dict[str, int] | None = None) -> dict[str, Any]:
         """A stream chunk's JSON object; with ``stream_options.include_usage`` it says ``"usage": null``, as
-        OpenAI's chunks before the usage chunk do."""
+        OpenAI's chunks before the usage chunk do, or (``continuous_usage_stats``) the ``usage`` so far."""
         options = self.req.stream_options
-        return self.chunk(text, finish_reason, logprobs, session=session).dump(
+        out = self.chunk(text, finish_reason, logprobs, session=session).dump(
             usage_null=bool(options and options.include_usage))
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    @staticmethod
+    def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+        """vLLM's ``continuous_usage_stats``: a chunk's counts, the prompt's and the tokens generated so far."""
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
 
     @staticmethod
     def usage(final: Final, prompt_tokens: int) -> Usage:

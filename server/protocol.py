@@ -37,6 +37,8 @@ Metadata = Annotated[dict[str, str] | None, Field(default=None, max_length=16), 
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (clients count tokens a chunk holds)
+    continuous_usage_stats: bool = False
 
 
 class CompletionRequest(BaseModel):

@@ -71,23 +71,28 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
     """The SSE body. Every token is its own event, but the events of tokens already waiting when one is read (a
     group of ``--stream-interval``, or a stream whose event loop fell behind) leave in one write, and the last
     token with the end: on a VM a socket write and its trip through the ASGI layers cost the event loop ~40 us."""
-    include_usage = bool(comp.req.stream_options and comp.req.stream_options.include_usage)
+    options = comp.req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = include_usage and options.continuous_usage_stats  # vLLM's: each chunk with the usage so far
     finished = False
     streamed = 0
     out: list[str] = []  # events not yet written: written once nothing else is waiting
+
+    def so_far() -> dict[str, int] | None:
+        return comp.usage_so_far(len(run.ids), streamed) if continuous else None
     try:
         try:
             if comp.req.echo and comp.echoed and run.prompt_logprobs is None:
-                yield _sse(comp.piece(comp.echoed))
+                yield _sse(comp.piece(comp.echoed, usage=so_far()))
             async for item in events(run, first, t0):
                 if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores come first
-                    yield _sse(comp.piece(comp.echoed, None, comp.add_prompt(run.ids, item)))
+                    yield _sse(comp.piece(comp.echoed, None, comp.add_prompt(run.ids, item), usage=so_far()))
                     continue
                 if isinstance(item, TokenEvent):
                     streamed += 1
                     logprobs = comp.add(item)
-                    if logprobs is not None:
-                        out.append(_sse(comp.piece(item.text, None, logprobs)))
+                    if logprobs is not None or (continuous and item.text):
+                        out.append(_sse(comp.piece(item.text, None, logprobs, usage=so_far())))
                     elif item.text:
                         out.append(comp.text_event(item.text))
                     if out and item.finish_reason is None and run.events.empty():  # the last waits for the end
@@ -96,9 +101,10 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
                     continue
                 if isinstance(item, str):  # held back until the run was cancelled
                     comp.add_text(item)
-                    out.append(comp.text_event(item))
+                    out.append(_sse(comp.piece(item, usage=so_far())) if continuous else comp.text_event(item))
                     continue
-                out.append(_sse(comp.piece("", comp.finish(item), session=comp.session(item))))
+                usage = comp.usage(item, len(run.ids)).model_dump() if continuous else None
+                out.append(_sse(comp.piece("", comp.finish(item), session=comp.session(item), usage=usage)))
                 if include_usage:
                     out.append(_sse(comp.usage_chunk(item, len(run.ids)).dump()))
                 _log_fields(run, item, request)

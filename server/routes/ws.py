@@ -156,6 +156,10 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
             await ws.send_json(_invalid("a WebSocket completion always streams: leave stream out or set it true",
                                         "stream"))
             return
+        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+            await ws.send_json(_invalid("stream_options.continuous_usage_stats is for SSE streams; a WebSocket's "
+                                        "completion.done carries the usage", "stream_options"))
+            return
         comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
         if req.echo:
             comp.echoed = comp.text = await prompt_text(rt, req)

@@ -214,6 +214,23 @@ def test_vllm_benchs_body_is_served_as_the_plain_request_is(server):
         text[0]
 
 
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(server):
+    """vLLM's stream option, which benchmark clients send to count the tokens a chunk holds: it was refused."""
+    plain = sse_events(server, prompt="To be", max_tokens=8, temperature=0)
+    events = sse_events(server, prompt="To be", max_tokens=8, temperature=0,
+                        stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(
+        e["choices"][0]["text"] for e in plain[:-1] if e["choices"])
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 8, counts
+    assert all(c["usage"]["prompt_tokens"] == 5 and c["usage"]["total_tokens"] == 5 + n
+               for c, n in zip(chunks, counts))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 8
+    assert all("usage" not in e for e in plain[:-1])  # without the option, nothing changes
+
+
 def test_split_invariance_through_http(server):
     whole = complete(server, prompt=TEXT_A + TEXT_B + TEXT_C, max_tokens=40, temperature=0)
     sid = new_session(server, TEXT_A)["id"]

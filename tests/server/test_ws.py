@@ -117,6 +117,10 @@ def test_ws_errors_keep_the_connection(server):
         assert err["param"] == "top_p" and "finite" in err["message"], err
         conn.send(json.dumps({"type": "completion.create", "model": "nope", "prompt": "x"}))
         assert json.loads(conn.recv(timeout=10))["error"]["type"] == "not_found_error"
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x",  # SSE's alone: said so
+                              "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+        err = json.loads(conn.recv(timeout=10))["error"]
+        assert err["param"] == "stream_options" and "completion.done" in err["message"], err
         conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "ok", "max_tokens": 2}))
         assert collect(conn)[-1]["type"] == "completion.done"
 

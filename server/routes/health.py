@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from importlib import metadata
+
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -13,6 +15,10 @@ from server.workers import all_metrics
 from txlserve.errors import StoreUnavailable
 
 router = APIRouter()
+try:
+    _VERSION = metadata.version("txlserve")  # the installed distribution's, as `pip show txlserve` says
+except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    _VERSION = "unknown"
 
 
 @router.get("/health")  # HEAD too (app.HeadAsGet), as monitors and some load balancers probe
@@ -42,6 +48,11 @@ async def ready(request: Request) -> Response:
     if rt.worker is not None:  # which of the --workers answered (each connection stays with one)
         body["worker"] = rt.worker
     return JSONResponse(body)
+
+
+@router.get("/version")  # vLLM's; open, as its /health is
+async def version() -> dict:
+    return {"version": _VERSION}
 
 
 @router.get("/metrics")

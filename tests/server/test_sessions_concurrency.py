@@ -59,8 +59,10 @@ def test_api_keys_guard_what_the_readme_says_and_nothing_else(keyed):
                                ("POST", "/v1/chat/completions", {}),
                                ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]})):
         assert httpx.request(method, keyed.url + path, json=body).status_code == 401, path
-    for path in ("/health", "/ready", "/metrics", "/docs", "/openapi.json", "/"):  # probes, scrapes, the page
-        assert httpx.get(keyed.url + path).status_code == 200, path
+    for path in ("/health", "/ready", "/metrics", "/docs", "/openapi.json", "/", "/version"):  # probes, scrapes,
+        assert httpx.get(keyed.url + path).status_code == 200, path  # the page, vLLM's version
+    from importlib import metadata
+    assert httpx.get(keyed.url + "/version").json() == {"version": metadata.version("txlserve")}
 
 
 def test_a_body_that_does_not_read_is_refused_for_its_key_first(keyed):

@@ -31,6 +31,7 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | None while generating
+    prev: int | None = None  # on a generation's first token: the token before it, where known (a word's spacing)
 
 
 @dataclass
@@ -61,8 +62,10 @@ class Generation:
         """Record ``token``, chosen from ``logits [vocab]`` (or row ``row`` of ``logits [rows, vocab]``: a batch's
         scores are indexed only where logprobs are asked for, 0.8 us a row saved on every step otherwise), and say
         what text it releases."""
-        self.tokens.append(token)
         event = TokenEvent(token, self.streamer.push(self.tokenizer.token_bytes(token, self.prev)))
+        if not self.tokens:  # a server's offsets space the first word as this did
+            event.prev = self.prev
+        self.tokens.append(token)
         self.prev = token
         if self.params.logprobs is not None:
             scores = logits if row is None else logits[row]  # [vocab]

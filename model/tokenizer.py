@@ -32,6 +32,8 @@ class Tokenizer(Protocol):
 
     def token_bytes(self, token: int, prev: int | None) -> bytes: ...
 
+    def offsets(self, text: str) -> list[int]: ...
+
     def token_name(self, token: int) -> str: ...
 
     def to_dict(self) -> dict[str, Any]: ...
@@ -66,6 +68,10 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def offsets(self, text: str) -> list[int]:
+        """Where each token of ``encode(text)`` begins in ``text``: every byte of a character at that character."""
+        return [i for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))]
 
     def token_bytes(self, token: int, prev: int | None) -> bytes:
         return bytes([token])
@@ -167,6 +173,29 @@ class WordTokenizer:
             if i < len(lines) - 1:
                 ids.append(self.eos_id)
         return ids
+
+    def offsets(self, text: str) -> list[int]:
+        """Where each token of ``encode(text)`` begins in ``text``, as OpenAI's ``text_offset`` counts: a word at
+        its first character (an unknown word at the word it stands for), a joiner such as ``@,@`` at its mark,
+        ``<eos>`` at its newline. Decoding does not give the text back (spacing, unknown words), so offsets
+        counted over the decoded text pointed elsewhere in an echoed prompt."""
+        out: list[int] = []
+        base = 0
+        for line in _text(text).split("\n"):
+            at = 0
+            for chunk in line.split():
+                at = line.index(chunk, at)
+                cursor = 0
+                for word in self._split(chunk):
+                    mark = word if chunk.startswith(word, cursor) else JOINERS.get(word, word)
+                    found = chunk.find(mark, cursor)
+                    cursor = cursor if found < 0 else found  # every piece lies where the last one ended
+                    out.append(base + at + cursor)
+                    cursor += len(mark) if found >= 0 else 0
+                at += len(chunk)
+            base += len(line) + 1
+            out.append(base - 1)  # the line's <eos>, at its newline
+        return out[:-1]  # the last line has none
 
     def token_bytes(self, token: int, prev: int | None) -> bytes:
         sym = self.symbols[token]

@@ -161,16 +161,22 @@ def text_start(decoder: codecs.IncrementalDecoder, data: bytes, chars: int) -> t
     return start, chars + len(decoder.decode(data))
 
 
-def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
+def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores,
+                    text: str | None = None) -> CompletionLogprobs:
     """Scored prompt (or appended) tokens in OpenAI's logprobs shape: the first entry is null when nothing
-    precedes it; offsets count characters from the start of the text."""
-    name, decoder = tokenizer.token_name, codecs.getincrementaldecoder("utf-8")(errors="replace")
+    precedes it; offsets count characters from the start of ``text``, the text the ids were read from (echoed as
+    it was sent), else of the ids' decoded text (a token-id prompt's echo)."""
+    name = tokenizer.token_name
     out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    offset, prev = 0, START
     for token, (lp, alts) in zip(ids, scores.entries, strict=True):
         out.tokens.append(name(token))
         out.token_logprobs.append(lp)
         out.top_logprobs.append(None if lp is None else {name(t): v for t, v in alts})
+    if text is not None and len(offsets := tokenizer.offsets(text)) == len(ids):
+        out.text_offset = offsets
+        return out
+    decoder, offset, prev = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0, START
+    for token in ids:
         start, offset = text_start(decoder, tokenizer.token_bytes(token, prev), offset)
         out.text_offset.append(start)
         prev = token
@@ -209,6 +215,8 @@ class Completion:
         self.text += ev.text
         if self.req.logprobs is None:
             return None
+        if ev.prev is not None:  # the first token's: a session's last when the prompt was empty
+            self.prev = ev.prev
         start, self._chars = text_start(self._decoder, self.tokenizer.token_bytes(ev.token, self.prev), self._chars)
         start += len(self.echoed)
         self.prev = ev.token
@@ -226,7 +234,8 @@ class Completion:
 
     def add_prompt(self, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
         """The echoed prompt's logprobs, first in the choice; the piece for a stream chunk."""
-        piece = prompt_logprobs(self.tokenizer, ids, scores)
+        piece = prompt_logprobs(self.tokenizer, ids, scores, self.echoed if isinstance(the_prompt(self.req), str)
+                                else None)
         self.lps[:0], self.tops[:0], self.offsets[:0] = piece.token_logprobs, piece.top_logprobs, piece.text_offset
         self.tokens[:0] = ids
         return piece

@@ -435,7 +435,8 @@ class _Core:
 
     def _enqueue(self, spec: _Spec, state: Any, ids: list[int], params: SamplingParams | None, *, scored: bool,
                  prompt_logprobs: int | None) -> None:
-        job = Job(state, list(ids), params, self, _Box(spec), None, prev=ids[-1] if ids else None,  # type: ignore[arg-type]
+        last = ids[-1] if ids else spec.window[-1] if spec.window else None  # an empty prompt: the session's last
+        job = Job(state, list(ids), params, self, _Box(spec), None, prev=last,  # type: ignore[arg-type]
                   scored=scored, prompt_logprobs=prompt_logprobs)
         with self.guard:
             if self.specs.get(spec.rid) is not spec:  # cancelled and answered while its state was made
@@ -497,7 +498,8 @@ class _Core:
         for box, item in items:
             rid = box.spec.rid
             if isinstance(item, TokenEvent):
-                out.append([rid, "t", [item.token, item.text, item.logprob, item.top_logprobs, item.finish_reason]])
+                event = [item.token, item.text, item.logprob, item.top_logprobs, item.finish_reason]
+                out.append([rid, "t", event if item.prev is None else [*event, item.prev]])  # prev: a first token's
             elif isinstance(item, PromptScores):
                 out.append([rid, "p", item.entries])
             elif isinstance(item, JobFailed):
@@ -793,9 +795,9 @@ class EngineCore:
                     if req is None:
                         continue
                     if kind == "t":
-                        token, text, logprob, top, reason = payload
+                        token, text, logprob, top, reason, *prev = payload
                         item: Any = TokenEvent(token, text, logprob, None if top is None else [tuple(t) for t in top],
-                                               reason)
+                                               reason, prev[0] if prev else None)
                         (req.stream if req.stream is not None and streamed(item) else req.inbox).put_nowait(item)
                     elif kind == "p":
                         scores = PromptScores([(lp, [tuple(t) for t in top]) for lp, top in payload])

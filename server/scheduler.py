@@ -288,15 +288,16 @@ class Scheduler:
 
     def submit(self, state: DecodeState, ids: list[int], params: SamplingParams | None, *,
                scored: bool = True, prompt_logprobs: int | None = None,
-               stream: asyncio.Queue | None = None) -> EngineRequest:
+               stream: asyncio.Queue | None = None, last: int | None = None) -> EngineRequest:
         """Feed ``ids`` to ``state`` (a batch-1 session the engine now owns) and, with ``params``, generate;
         without, score them (``scored``) or only read them. Called on an event loop. With ``stream``, every token
         but the one that ends generation (and the PromptScores) is put there directly, and the request yields
         only that last token and the Finished: a run that streams tokens to its client and holds back the last
-        one until its commit then costs the event loop one hop per token, not two."""
+        one until its commit then costs the event loop one hop per token, not two. ``last``: the state's last
+        token (a session's), which spaces the first generated word when ``ids`` is empty."""
         self.check(state, ids, params)
         loop = asyncio.get_running_loop()
-        job = Job(state, list(ids), params, loop, asyncio.Queue(), stream, prev=ids[-1] if ids else None,
+        job = Job(state, list(ids), params, loop, asyncio.Queue(), stream, prev=ids[-1] if ids else last,
                   scored=scored, prompt_logprobs=prompt_logprobs)
         self.inbox.put(job)
         return EngineRequest(job)

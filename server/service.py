@@ -115,7 +115,7 @@ class Run:
             if self.session_id is None:
                 window, seen = self.history or ([], 0)
                 state = await self._rebuild(window, seen) if seen else rt.engine.new_state()
-                done, last = await self._schedule(self._engine_run(state))
+                done, last = await self._schedule(self._engine_run(state, window))
                 info = None
                 if self.create:
                     window = extend_window(window, self.ids + done.generated, seen, size)
@@ -134,7 +134,7 @@ class Run:
                 state, window, source = await self._restore(lease)
                 rt.metrics.restores.labels(source).inc()
                 rt.metrics.restore_time.labels(source).observe(time.monotonic() - t0)
-                done, last = await self._schedule(self._engine_run(state))
+                done, last = await self._schedule(self._engine_run(state, window))
                 window = extend_window(window, self.ids + done.generated, cached, size, info.window_span)
                 if done.tokens_seen != cached or source == "rebuild":  # a rebuilt session is stored warm again
                     # a restored state only grew: the store writes only the new tokens' rows of its memory
@@ -329,12 +329,13 @@ class Run:
         return RequestCancelled("the request was cancelled before its text was read (the client left or cancelled "
                                 "it); nothing was stored")
 
-    async def _engine_run(self, state) -> tuple[Finished, TokenEvent | None]:
+    async def _engine_run(self, state, window: list[int] | None) -> tuple[Finished, TokenEvent | None]:
         rt = self.rt
         self.submitted = time.monotonic()
         # tokens straight to the client, all but the last
         self.request = rt.scheduler.submit(state, self.ids, self.params, prompt_logprobs=self.prompt_logprobs,
-                                           scored=self.scored, stream=self.events)
+                                           scored=self.scored, stream=self.events,
+                                           last=window[-1] if window else None)
         if self.cancelled:
             self.request.cancel()
         last = None

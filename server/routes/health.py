@@ -65,8 +65,8 @@ def _served(rt: Runtime) -> dict:
     cfg = rt.engine.config
     return {"id": rt.settings.model_name, "object": "model", "created": rt.started, "owned_by": "txlserve",
             "root": rt.settings.model_name, "parent": None,  # vLLM's card; clients read max_model_len from it
-            "max_model_len": rt.settings.max_prompt_bytes, "n_layer": cfg.n_layer, "d_model": cfg.d_model, "mem_len": rt.engine.mem_len,
-            "clamp_len": rt.engine.clamp_len, "fingerprint": rt.engine.fingerprint}
+            "max_model_len": rt.settings.max_prompt_bytes, "n_layer": cfg.n_layer, "d_model": cfg.d_model,
+            "mem_len": rt.engine.mem_len, "clamp_len": rt.engine.clamp_len, "fingerprint": rt.engine.fingerprint}
 
 
 @router.get("/v1/models")

@@ -103,7 +103,7 @@ async def append(session_id: str, body: SessionAppend, request: Request, rt: Run
     run = Run(rt, ids=ids, params=None, owner=who, session_id=session_id,
               prompt_logprobs=body.logprobs if ids else None)
     final = await _final(request, run)
-    return _appended(rt, final, len(ids), run)
+    return _appended(rt, final, len(ids), run, body.text)
 
 
 @router.get("/{session_id}/export", response_model=SessionExport)
@@ -148,10 +148,10 @@ async def fork(session_id: str, body: SessionFork | None = None, rt: Runtime = D
     return session_object(rt, info)
 
 
-def _appended(rt: Runtime, final: Final, n: int, run: Run | None = None) -> AppendResult:
+def _appended(rt: Runtime, final: Final, n: int, run: Run | None = None, text: str | None = None) -> AppendResult:
     score = final.done.score
     scores = None if run is None else run.scores
-    logprobs = None if scores is None else prompt_logprobs(rt.engine.tokenizer, run.ids, scores)
+    logprobs = None if scores is None else prompt_logprobs(rt.engine.tokenizer, run.ids, scores, text)
     base = session_object(rt, final.info).model_dump()
     has = score is not None and score.tokens > 0
     return AppendResult(**base, appended_tokens=n, rebuilt=final.source == "rebuild",

@@ -40,6 +40,19 @@ def test_word_tokenizer_wikitext_conventions():
     assert [tok.symbols[i] for i in tok.encode(" = Valkyria = \n")] == ["=", "Valkyria", "=", "<eos>"]
 
 
+def test_word_offsets_point_at_each_tokens_source_in_the_text_as_sent():
+    """OpenAI's text_offset for a prompt echoed as it was sent: each word where it stands, a joiner at its mark,
+    <eos> at its newline, an unknown word at the word it replaced; one offset a token, whatever the spacing."""
+    tok = WordTokenizer(SYMBOLS)
+    text = "  the\tcat don't,  1,000 \r\n(the) dog's\n\n = U.S. ="
+    ids, offsets = tok.encode(text), tok.offsets(text)
+    assert len(offsets) == len(ids) and offsets == sorted(offsets)
+    source = {"<unk>": "dog", "<eos>": "\n", **{j: j[1] for j in ("@,@", "@-@", "@.@")}}
+    for i, at in zip(ids, offsets):
+        assert text.startswith(source.get(tok.symbols[i], tok.symbols[i]), at), (tok.symbols[i], text[at:])
+    assert tok.offsets("1 @,@ 000") == [0, 2, 6] and tok.offsets("") == [] and tok.offsets("\n") == [0]
+
+
 def test_word_tokens_released_one_by_one_join_to_the_decoded_text():
     tok = WordTokenizer(SYMBOLS)
     ids = tok.encode("the cat don't, 1,000\nthe (cat)")

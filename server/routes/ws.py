@@ -156,7 +156,8 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
             await ws.send_json(_invalid("a WebSocket completion always streams: leave stream out or set it true",
                                         "stream"))
             return
-        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        options = req.stream_options  # include_usage alone changes nothing here: completion.done has the usage
+        if options is not None and options.include_usage and options.continuous_usage_stats:
             await ws.send_json(_invalid("stream_options.continuous_usage_stats is for SSE streams; a WebSocket's "
                                         "completion.done carries the usage", "stream_options"))
             return

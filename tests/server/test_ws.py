@@ -121,6 +121,9 @@ def test_ws_errors_keep_the_connection(server):
                               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
         err = json.loads(conn.recv(timeout=10))["error"]
         assert err["param"] == "stream_options" and "completion.done" in err["message"], err
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x", "max_tokens": 2,
+                              "stream_options": {"continuous_usage_stats": True}}))  # without include_usage: as SSE,
+        assert collect(conn)[-1]["type"] == "completion.done"  # nothing to carry, nothing refused
         conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "ok", "max_tokens": 2}))
         assert collect(conn)[-1]["type"] == "completion.done"
 

@@ -44,9 +44,10 @@ def is_hf_dir(path: str | Path) -> bool:
     return isinstance(data, dict) and data.get("model_type") == "transfo-xl"
 
 
-def refuse_pickles(src: Path, wanted: str, safe: str) -> None:
-    """One line naming the safe file when only a pickled form of ``wanted`` is there."""
-    if (src / safe).is_file():
+def refuse_pickles(src: Path, wanted: str, safe: str, also: str | None = None) -> None:
+    """One line naming the safe file when only a pickled form of ``wanted`` is there (``also``: another safe
+    form that serves as well)."""
+    if (src / safe).is_file() or also is not None and (src / also).is_file():
         return
     for name, instead in PICKLED.items():
         if instead == safe and (src / name).is_file():
@@ -106,7 +107,7 @@ def _hf_config(data: dict[str, Any]) -> TXLConfig:
 def read_vocab(src: Path) -> list[str]:
     """Symbols in id order from ``vocab.json`` (a list, ``{"idx2sym": [...]}``, or ``{symbol: id}``,
     also under ``"sym2idx"``) or ``vocab.txt`` (the original code's: the first field of each line)."""
-    refuse_pickles(src, "vocabulary", "vocab.json")
+    refuse_pickles(src, "vocabulary", "vocab.json", also="vocab.txt")
     if (src / "vocab.json").is_file():
         try:
             data = json.loads((src / "vocab.json").read_text(encoding="utf-8"))
@@ -162,6 +163,11 @@ def import_hf(src: str | Path, out: str | Path, *, dtype: torch.dtype | None = N
     """Convert ``src`` into a checkpoint at ``out``; the fingerprint of the written weights."""
     src, out = Path(src), Path(out)
     check_out_dir(out)  # never over a checkpoint, or into a directory of other files
+    if src.is_file():
+        raise CheckpointError(f"{src} is a file{pickle_note(src)}; give the Hugging Face TransfoXL directory "
+                              "(config.json, model.safetensors, vocab.json)")
+    refuse_pickles(src, "weights", "model.safetensors")  # first: a pickled model's folder says that, not what its
+    refuse_pickles(src, "vocabulary", "vocab.json", also="vocab.txt")  # config lacks
     if not (src / "config.json").is_file():
         raise CheckpointError(f"{src} has no config.json (expected a Hugging Face TransfoXL directory)")
     try:

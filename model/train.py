@@ -15,7 +15,7 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,10 @@ def resumed_args(args: TrainArgs) -> TrainArgs:
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool):
             raise CheckpointError(f"--resume: training state in {args.out} is damaged: its {f} is {value!r}")
     if isinstance(changes.get("model_overrides"), dict):  # JSON made its tuples lists
+        unknown = sorted(set(changes["model_overrides"]) - {f.name for f in fields(TXLConfig)})
+        if unknown:
+            raise CheckpointError(f"--resume: training state in {args.out} is damaged: its model_overrides name "
+                                  f"{unknown[0]!r}, which is no model setting")
         changes["model_overrides"] = {k: tuple(v) if isinstance(v, list) else v
                                       for k, v in changes["model_overrides"].items()}
     return replace(args, **changes)
@@ -213,7 +217,15 @@ def load_training_corpus(args: TrainArgs) -> tuple[Corpus, Tokenizer]:
 def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], info: dict[str, Any],
                     out: Path) -> None:
     """The run's optimizer state, checked against this model's parameters (one copied from another run loaded,
-    and failed at the first step)."""
+    and failed at the first step) and its settings against this optimizer's (a hand edit of a group's betas,
+    eps or amsgrad loaded, and failed inside the first step)."""
+    for saved, fresh in zip(info["param_groups"], optimizer.param_groups):
+        wrong = next((k for k, v in fresh.items() if k != "params" and not _same_kind(saved.get(k, _MISSING), v)),
+                     None) if isinstance(saved, dict) else "param_groups"
+        if wrong is not None:
+            value = saved.get(wrong, "nothing") if isinstance(saved, dict) else saved
+            raise CheckpointError(f"--resume: training state in {out} is damaged: its optimizer's {wrong} is "
+                                  f"{value!r}, where {fresh.get(wrong)!r} was expected")
     try:
         optimizer.load_state_dict(optimizer_from_flat(tensors, info["param_groups"]))
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
@@ -226,6 +238,23 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.T
                                           f"{list(t.shape)} for a parameter {list(p.shape)})")
 
 
+_MISSING = object()
+
+
+def _same_kind(saved: Any, fresh: Any) -> bool:
+    """Whether a saved optimizer setting can stand for this optimizer's: a number for a number, the same switch
+    (amsgrad on where it was off needs moments the run never kept), a pair of numbers for a pair."""
+    number = (int, float)
+    if isinstance(fresh, bool) or fresh is None:  # a switch another torch version did not save: its default
+        return saved is _MISSING or saved == fresh or fresh is None and (saved is None or isinstance(saved, bool))
+    if isinstance(fresh, number):
+        return isinstance(saved, number) and not isinstance(saved, bool) and math.isfinite(saved)
+    if isinstance(fresh, (tuple, list)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(fresh) and all(
+            _same_kind(a, b) for a, b in zip(saved, fresh))
+    return type(saved) is type(fresh)
+
+
 def _best_so_far(best: Path) -> float:
     """The valid bpc of the weights in ``best`` (what a resumed ``--save-best`` run must beat): the directory is
     the record, so a run that stopped between writing it and its training state, or that first ran without the
@@ -234,6 +263,13 @@ def _best_so_far(best: Path) -> float:
         return float(json.loads((best / "config.json").read_text())["training"]["valid_bpc"])
     except (OSError, ValueError, KeyError, TypeError):
         return math.inf
+
+
+def _mems_fit(mems: torch.Tensor, cfg: TXLConfig) -> bool:
+    """A saved training memory this run can carry on: ``[n_layer, batch, mlen <= mem_len, d_model]`` (a batch
+    that is not the run's starts the memory over, as the loop does)."""
+    return (mems.dim() == 4 and mems.size(0) == cfg.n_layer and mems.size(2) <= cfg.mem_len
+            and mems.is_floating_point())
 
 
 def _check_fits(cfg: TXLConfig, device: torch.device) -> None:
@@ -339,24 +375,38 @@ def train(args: TrainArgs) -> dict[str, Any]:
         if saved_at is not None and saved_at != info["step"]:  # saved by a version that wrote its files one by one
             raise CheckpointError(f"--resume: {out} holds weights of step {saved_at} but the training state of step "
                                   f"{info['step']} (a save was cut short): they would resume as neither")
-        if info["step"] >= min(opt["steps"], args.stop_at or opt["steps"]):  # it saved the run again, as it was
+        if args.stop_at is not None and info["step"] >= args.stop_at and info["step"] < opt["steps"]:
+            raise ConfigError(f"--resume: {out} is at step {info['step']} already: give a --stop-at above it, or "
+                              f"leave it out to train to step {opt['steps']}")
+        if info["step"] >= opt["steps"]:  # it saved the run again, as it was
             raise ConfigError(f"--resume: {out} is at step {info['step']} already: give --steps above it to "
                               f"train further")
         _load_optimizer(optimizer, tensors, info, out)
         if "mems" in tensors and tensors["mems"].size(-1) != cfg.d_model:
             raise CheckpointError(f"--resume: the training state in {out} is another model's (its memory is "
                                   f"{tensors['mems'].size(-1)} wide, the model {cfg.d_model})")
-        # DDP: a row each (copied: set_rng_state reads a row at a storage offset as the first)
-        own = {k: v[rank].clone() if v.dim() == 2 else v for k, v in tensors.items() if k.startswith("rng.")}
-        torch.set_rng_state(own["rng.cpu"])
-        if "rng.cuda" in own and device.type == "cuda":
-            torch.cuda.set_rng_state(own["rng.cuda"])
+        if "mems" in tensors and not _mems_fit(tensors["mems"], cfg):
+            raise CheckpointError(f"--resume: training state in {out} is damaged: its memory is "
+                                  f"{list(tensors['mems'].shape)}, not [{cfg.n_layer}, batch, <= {cfg.mem_len}, "
+                                  f"{cfg.d_model}]")
+        try:  # DDP: a row each (copied: set_rng_state reads a row at a storage offset as the first)
+            own = {k: v[rank].clone() if v.dim() == 2 else v for k, v in tensors.items() if k.startswith("rng.")}
+            torch.set_rng_state(own["rng.cpu"])
+            if "rng.cuda" in own and device.type == "cuda":
+                torch.cuda.set_rng_state(own["rng.cuda"])
+        except (KeyError, IndexError, RuntimeError, TypeError) as err:
+            why = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CheckpointError(f"--resume: training state in {out} is damaged: its random state cannot be "
+                                  f"restored ({why})") from None
         mems = tensors["mems"].to(device) if "mems" in tensors else None
         if mems is not None and world > 1 and mems.size(1) == opt["batch_size"] * world:  # every rank's streams
             mems = mems.narrow(1, rank * opt["batch_size"], opt["batch_size"])
         try:
             batches.load_state_dict(info["data"])
         except DataError as err:
+            if args.given is not None and not args.given & {"data", "batch_size"}:  # the run's own: not the flags
+                raise CheckpointError(f"--resume: training state in {out} is damaged: its data position does not "
+                                      f"fit the run's data ({err})") from None
             raise ConfigError(f"--resume: this command's --data or --batch-size is not the run's ({err}); leave them "
                               "out to take the run's") from None
         step, tokens_seen, last_eval = info["step"], info["tokens_seen"], info.get("last_eval", {})

@@ -511,6 +511,8 @@ def _main(argv: list[str]) -> int:
         return 2
     except (MemoryError, RuntimeError) as err:  # sizes that do not fit: torch's allocators raise RuntimeError
         text = str(err)
+        if _interrupted(err):  # a Ctrl-C inside an import (torch's) comes wrapped in the RuntimeError it broke
+            return 130
         if not isinstance(err, MemoryError) and not _OUT_OF_MEMORY.search(text):
             raise
         first = text.strip().splitlines()[0][:300] if text.strip() else type(err).__name__
@@ -524,6 +526,18 @@ def _main(argv: list[str]) -> int:
 
 
 _OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory|OutOfMemory", re.I)
+
+
+def _interrupted(err: BaseException) -> bool:
+    """Whether a KeyboardInterrupt lies behind ``err`` (Python wraps one raised in ``__set_name__`` as a class
+    is made, which is where a Ctrl-C during ``import torch`` can land)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
 
 
 if __name__ == "__main__":

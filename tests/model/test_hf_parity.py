@@ -166,7 +166,20 @@ def test_pickled_files_are_refused(tmp_path):
     (src / "vocab.txt").rename(src / "vocab.pkl")
     with pytest.raises(CheckpointError, match=r"vocab\.pkl is a pickle.*fetch vocab\.json"):
         import_hf(src, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    # the pickle itself given (it said "has no config.json"), and a pickled folder whose config lacks a field (it
+    # named the field first); and vocab.txt serves beside a vocab.pkl (it was refused for want of vocab.json)
+    import pickle
+
+    (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps({"w": 1}))
+    with pytest.raises(CheckpointError, match=r"is a file \(pytorch_model\.bin is a pickle.*give the Hugging Face"):
+        import_hf(tmp_path / "pytorch_model.bin", tmp_path / "out")
+    (src / "model.safetensors").rename(src / "pytorch_model.bin")
+    (src / "config.json").write_text(json.dumps({"model_type": "transfo-xl"}))
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin is a pickle.*fetch model\.safetensors"):
+        import_hf(src, tmp_path / "out")
+    _export(hf, src)  # whole again, a vocab.txt written
+    assert (src / "vocab.pkl").exists() and (src / "vocab.txt").exists()
+    import_hf(src, tmp_path / "out")
 
 
 def test_an_import_never_writes_over_a_checkpoint_or_among_other_files(tmp_path):

@@ -624,6 +624,13 @@ def test_best_so_far_reads_best_and_treats_a_missing_or_damaged_one_as_none(tmp_
     (lambda s: s.update(param_groups=[]), "param_groups must be a non-empty list"),
     (lambda s: s.update(args=7), "args must be an object"),
     (lambda s: s["args"].update(steps="many"), "its steps is 'many'"),
+    # each of these was a traceback too, inside the first step or the config (found by a helper)
+    (lambda s: s["param_groups"][0].update(betas="x"), "its optimizer's betas is 'x'"),
+    (lambda s: s["param_groups"][0].update(eps="x"), "its optimizer's eps is 'x'"),
+    (lambda s: s["param_groups"][0].update(weight_decay=None), "its optimizer's weight_decay is None"),
+    (lambda s: s["param_groups"][0].update(amsgrad=True), "its optimizer's amsgrad is True"),
+    (lambda s: s["args"].update(model_overrides={"bogus": 1}), "its model_overrides name 'bogus'"),
+    (lambda s: s["data"].update(segment=-3), "its data position does not fit the run's data"),
 ])
 def test_a_hand_edited_training_state_is_one_line(corpus, tmp_path, edit, says):
     """Each of these was a traceback later in the run (a TypeError, a KeyError, torch's ValueError)."""
@@ -635,6 +642,27 @@ def test_a_hand_edited_training_state_is_one_line(corpus, tmp_path, edit, says):
     info.write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match=f"damaged: {says}"):
         train(TrainArgs(resume=True, given=frozenset(), **common))
+
+
+def test_a_training_state_whose_memory_or_random_state_is_damaged_is_one_line(corpus, tmp_path):
+    """A memory of another shape (only its width was checked) and a random state of ten bytes were torch's
+    RuntimeErrors at the first step or at the resume."""
+    from safetensors.torch import load_file, save_file
+
+    common = dict(data=str(corpus), out=str(tmp_path), preset="tiny", steps=4, progress=False)
+    train(TrainArgs(stop_at=2, **common))
+    path = tmp_path / "train_state" / "state.safetensors"
+    good = load_file(str(path))
+    mems = good["mems"]
+    for name, bad, says in (("mems", torch.zeros(mems.size(0) + 1, *mems.shape[1:]), "its memory is"),
+                            ("rng.cpu", torch.zeros(10, dtype=torch.uint8), "its random state cannot be restored")):
+        save_file({**good, name: bad}, str(path))
+        with pytest.raises(CheckpointError, match=f"damaged: {says}"):
+            train(TrainArgs(resume=True, given=frozenset(), **common))
+    save_file(good, str(path))
+    with pytest.raises(ConfigError, match="at step 2 already: give a --stop-at above it, or leave it out"):
+        train(TrainArgs(resume=True, given=frozenset(), stop_at=2, **common))  # was: "give --steps above it"
+    train(TrainArgs(resume=True, given=frozenset(), **common))  # the good state still resumes
 
 
 def test_a_resume_refuses_another_runs_state_a_finished_run_and_the_other_tokenizer(corpus, tmp_path):

@@ -462,3 +462,30 @@ def test_leaving_without_finalizing_still_fails_when_its_output_is_lost(code):
     assert r.returncode == (code or 120) and "could not be written" in r.stderr, (r.returncode, r.stderr)
     r = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == code and r.stdout == '{"ok": 1}\n', (r.returncode, r.stdout)
+
+
+def test_a_ctrl_c_that_an_import_wrapped_in_a_runtime_error_exits_130_without_a_traceback(monkeypatch):
+    """Python wraps an interrupt raised in ``__set_name__`` (as ``import torch`` makes its classes) in a
+    RuntimeError; the command re-raised it, a traceback and exit 1 for a Ctrl-C (found by a helper)."""
+    import argparse
+
+    from server import cli
+
+    def interrupted_import(ns: argparse.Namespace) -> int:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("Error calling __set_name__ on 'cached_property' instance 'guard_source'") from None
+
+    def fails(ns: argparse.Namespace) -> int:
+        raise RuntimeError("a bug")
+
+    for func, want in ((interrupted_import, 130), (fails, None)):
+        parser = argparse.ArgumentParser()
+        parser.set_defaults(func=func)
+        monkeypatch.setattr(cli, "build_parser", lambda with_bench=False, parser=parser: parser)
+        if want is None:
+            with pytest.raises(RuntimeError, match="a bug"):  # any other RuntimeError is still a bug's traceback
+                cli._main([])
+        else:
+            assert cli._main([]) == want

@@ -164,13 +164,30 @@ def test_the_playground_creates_streams_cancels_and_forks(server, browser, tmp_p
     (forked,) = set(_sessions(driver)) - before
     _wait(driver, lambda d: _by_id(d, "current").text == forked, "the fork selected")
     assert _count(driver, "m-tokens") == got
+    # from the keyboard: the list redrawn under a focused button keeps the focus on that button (it fell to the
+    # page, and Tab began again at the top)
+    _settled(driver)
+    before = set(_sessions(driver))
+    driver.execute_script("document.querySelector(arguments[0]).focus()", f'#sessions li[data-id="{forked}"] .fork')
+    driver.switch_to.active_element.send_keys(Keys.ENTER)
+    _wait(driver, lambda d: len(set(_sessions(d)) - before) == 1, "the keyboard's fork in the list")
+    (again,) = set(_sessions(driver)) - before
+    _wait(driver, lambda d: _by_id(d, "current").text == again, "the keyboard's fork selected")
+    _settled(driver)
+    assert driver.execute_script("const e = document.activeElement; return e.closest('li') && "
+                                 "[e.closest('li').dataset.id, e.className]") == [forked, "fork secondary"]
+    assert httpx.delete(f"{server.url}/v1/sessions/{again}", timeout=30).status_code == 200
+    _by_id(driver, "refresh").click()
+    _settled(driver)
+    _click(driver, f'#sessions li[data-id="{forked}"] button.select')
+    _wait(driver, lambda d: _by_id(d, "current").text == forked, "the fork selected again")
 
     # a blank control is its default (it was read as 0: greedy, or "max_tokens 0 generates nothing"); letters are
     # refused by name; the error is in view however far the page is scrolled (it was below the panels)
     for control in ("max-tokens", "temperature", "top-p", "top-k"):
         _type(driver, control, "")
     _type(driver, "prompt", "")
-    _by_id(driver, "continue").click()
+    _by_id(driver, "prompt").send_keys(Keys.CONTROL, Keys.ENTER)  # the keyboard's way to stream
     _wait(driver, lambda d: "finish_reason" in _by_id(d, "finish").text, "a stream with the default settings")
     assert "finish_reason: length, 200 tokens" in _by_id(driver, "finish").text
     _by_id(driver, "max-tokens").send_keys("1e")  # what a number field takes of letters: not a number
@@ -286,5 +303,26 @@ def test_the_playground_with_api_keys_connects_once_a_key_is_typed_and_shows_a_s
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"
                   and "401" not in e["message"]]  # the refused first call, logged by the browser
         assert not errors, errors
+
+        # a key that changed without the field's change event (autofill; a key rotated on the server): the
+        # WebSocket's refused handshake read "the server does not answer", the model line still connected
+        driver.execute_script("document.getElementById('api-key').value = 'sk-not-the-key'")
+        _type(driver, "prompt", " more")
+        _by_id(driver, "continue").click()
+        _wait(driver, lambda d: "401" in _by_id(d, "error").text, "the refused key, said")
+        assert "enter an API key" in _by_id(driver, "error").text and "does not answer" not in _by_id(
+            driver, "error").text
+        assert _by_id(driver, "model-line").text == "not connected"
+        _by_id(driver, "api-key").clear()
+        _by_id(driver, "api-key").send_keys(key, Keys.TAB)
+        _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "connected again with the key")
+
+        # the server killed mid-stream: the page said only "connection closed (1006)", still "connected"
+        _type(driver, "max-tokens", str(LONG))
+        _by_id(driver, "continue").click()
+        _wait(driver, lambda d: len(_by_id(d, "generated").get_attribute("textContent")) >= 5, "a long stream")
+        srv.kill()
+        _wait(driver, lambda d: "connection to the server was lost" in _by_id(d, "error").text, "the lost server")
+        assert "does not answer" in _by_id(driver, "model-line").text
     finally:
         srv.stop()

@@ -78,8 +78,15 @@ async function refreshSelected() {
   }
 }
 
+function clearOutput() {  // the continuation shown is the selected session's, or none
+  if (!state.running) { $("output").replaceChildren(); $("finish").textContent = ""; }
+}
+
 function select(id) {
-  if (state.selected !== id) showError("");  // another session chosen: an action's error was about the last
+  if (state.selected !== id) {  // another session chosen: an action's error, and the output, were the last one's
+    showError("");
+    clearOutput();
+  }
   state.selected = id;
   for (const li of document.querySelectorAll("#sessions li")) li.classList.toggle("selected", li.dataset.id === id);
   refreshSelected();
@@ -101,6 +108,10 @@ async function refreshList() {
       cursor = page.next_cursor;
     }
     const list = $("sessions");
+    // the keyboard's focus, on a button of the list about to be redrawn: put back on the same button, else on
+    // the selected session's (a fork made, a session deleted); it fell to the page, and Tab began at the top
+    const had = list.contains(document.activeElement) ? document.activeElement : null;
+    const was = had && had.closest("li") ? [had.closest("li").dataset.id, had.className.split(" ")[0]] : null;
     list.replaceChildren();
     for (const s of all) {
       const li = document.createElement("li");
@@ -126,6 +137,11 @@ async function refreshList() {
       showMemory(null);
     }
     if (state.selected) select(state.selected);
+    if (had) {
+      const same = was && list.querySelector(`li[data-id="${CSS.escape(was[0])}"] button.${was[1]}`);
+      const chosen = state.selected && list.querySelector(`li[data-id="${CSS.escape(state.selected)}"] button.select`);
+      (same || chosen || $("refresh")).focus();
+    }
     if (errorFrom === "list") showError("");  // a stream's or an action's error stays until the next action
   } catch (e) { failed(e, "list"); } finally { busy(-1); }
 }
@@ -138,14 +154,18 @@ async function create(event) {
     const made = await api("POST", "/v1/sessions", { text: $("new-text").value,
                                                     metadata: title ? { title } : undefined });
     $("new-text").value = ""; $("new-title").value = "";
-    state.selected = made.id;
+    state.selected = made.id; clearOutput();
     await refreshList();
   } catch (e) { failed(e); }
 }
 
 async function fork(id) {
   showError("");
-  try { const made = await api("POST", `/v1/sessions/${id}/fork`, {}); state.selected = made.id; await refreshList(); }
+  try {
+    const made = await api("POST", `/v1/sessions/${id}/fork`, {});
+    state.selected = made.id; clearOutput();
+    await refreshList();
+  }
   catch (e) { failed(e); }
 }
 
@@ -172,7 +192,8 @@ async function append() {
     const r = await api("POST", `/v1/sessions/${state.selected}/append`, { text });
     const ms = performance.now() - t0;
     const quality = r.bpc != null ? `${r.bpc.toFixed(3)} bits per token` : "";
-    $("append-result").textContent = `${r.appended_tokens.toLocaleString()} tokens in ${ms.toFixed(0)} ms ${quality}`;
+    $("append-result").textContent = `${r.appended_tokens.toLocaleString()} tokens in ${ms.toFixed(0)} ms` +
+      (quality ? `, ${quality}` : "");
     $("doc-text").value = ""; $("doc-file").value = "";
     showMemory(r); refreshList();
   } catch (e) { $("append-result").textContent = ""; failed(e); } finally { $("append").disabled = false; }
@@ -221,8 +242,11 @@ async function startContinue() {
   const socket = new WebSocket(wsUrl());
   state.socket = socket;
   setRunning(true);
-  socket.onopen = () => socket.send(JSON.stringify({
-    type: "completion.create", model: state.model, prompt, session_id: state.selected, ...params }));
+  socket.onopen = () => {
+    socket.send(JSON.stringify({ type: "completion.create", model: state.model, prompt, session_id: state.selected,
+                                 ...params }));
+    if ($("prompt").value === prompt) $("prompt").value = "";  // in the session now: a second click sent it again
+  };
   // a socket's handlers act only while it is the current one: the previous stream's socket may report its
   // close after this one started, and must not mark this one stopped (its cancel button disabled)
   const current = () => state.socket === socket;
@@ -249,8 +273,8 @@ async function startContinue() {
   };
   socket.onerror = () => {  // "streaming…" stayed on screen: the close that follows skipped a stopped stream
     if (current() && state.running) {
-      showError("the WebSocket connection failed: the server does not answer (is it running?)", "connection");
       setRunning(false); $("finish").textContent = "failed: no connection";
+      whyRefused();
     }
   };
   socket.onclose = (event) => {  // why, where the close says: 1009 is a message over the server's body limit
@@ -258,8 +282,27 @@ async function startContinue() {
       setRunning(false);
       $("finish").textContent = event.code === 1009 ? "closed: the prompt is over the server's message size limit"
         : `connection closed (${event.code}${event.reason ? ": " + event.reason : ""})`;
+      if (event.code === 1006) {  // no close from the server: it went away mid-stream (killed, or the network)
+        notConnected();
+        showError("the connection to the server was lost mid-stream (is it running? the page retries with your " +
+                  "next action)", "connection");
+      }
     }
   };
+}
+
+async function whyRefused() {
+  // a browser tells a page nothing of why a WebSocket's handshake failed (a refused key, a server gone): the
+  // HTTP API, asked the same, says it; a refused key said "the server does not answer", the model line connected
+  try {
+    await api("GET", "/v1/models");
+    showError("the WebSocket connection was refused while HTTP is answered: a proxy without the WebSocket upgrade, " +
+              "or this page's origin not allowed (--cors-origins)");
+  } catch (e) {
+    const refused = String(e.message).startsWith("401");
+    if (refused) { state.model = null; $("model-line").textContent = "not connected"; }
+    showError(e.message + (refused ? " (enter an API key above)" : ""), e.connection ? "connection" : null);
+  }
 }
 
 function cancel() {
@@ -273,6 +316,13 @@ async function start() {
   $("continue").addEventListener("click", startContinue);
   $("cancel").addEventListener("click", cancel);
   document.addEventListener("keydown", (e) => { if (e.key === "Escape" && state.running) cancel(); });
+  // Ctrl+Enter (Cmd+Enter) in the prompt, Enter in a sampling control: stream (Enter alone is a prompt's newline)
+  $("prompt").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey) && !state.running) { e.preventDefault(); startContinue(); }
+  });
+  for (const id of ["max-tokens", "temperature", "top-p", "top-k"]) {
+    $(id).addEventListener("keydown", (e) => { if (e.key === "Enter" && !state.running) startContinue(); });
+  }
   $("api-key").addEventListener("change", connect);  // a key typed after a 401: the model, then the list
   await connect();
 }

@@ -381,6 +381,10 @@ def train(args: TrainArgs) -> dict[str, Any]:
         if info["step"] >= opt["steps"]:  # it saved the run again, as it was
             raise ConfigError(f"--resume: {out} is at step {info['step']} already: give --steps above it to "
                               f"train further")
+        ran_on = info["data"].get("world_size", world)
+        if ran_on != world:  # each rank's random state and streams are its own: they do not spread over others
+            raise ConfigError(f"--resume: {out} was trained on {ran_on} process(es) and this run has {world}: "
+                              f"resume it on {ran_on} (torchrun --nproc-per-node {ran_on}, or none for 1)")
         _load_optimizer(optimizer, tensors, info, out)
         if "mems" in tensors and tensors["mems"].size(-1) != cfg.d_model:
             raise CheckpointError(f"--resume: the training state in {out} is another model's (its memory is "
@@ -405,6 +409,9 @@ def train(args: TrainArgs) -> dict[str, Any]:
             batches.load_state_dict(info["data"])
         except DataError as err:
             if args.given is not None and not args.given & {"data", "batch_size"}:  # the run's own: not the flags
+                if info["data"].get("stream_len") not in (None, batches.stream_len):
+                    raise ConfigError(f"--resume: {args.data} is not the data {out} was trained on: it has changed "
+                                      f"since ({err})") from None
                 raise CheckpointError(f"--resume: training state in {out} is damaged: its data position does not "
                                       f"fit the run's data ({err})") from None
             raise ConfigError(f"--resume: this command's --data or --batch-size is not the run's ({err}); leave them "

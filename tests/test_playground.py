@@ -136,6 +136,7 @@ def test_the_playground_creates_streams_cancels_and_forks(server, browser, tmp_p
     _by_id(driver, "continue").click()
     _wait(driver, lambda d: "finish_reason" in _by_id(d, "finish").text, "the end of the stream")
     assert "finish_reason: length, 40 tokens" in _by_id(driver, "finish").text
+    assert _by_id(driver, "prompt").get_attribute("value") == ""  # in the session now: a second click resent it
     streamed = _by_id(driver, "generated").get_attribute("textContent")
     http = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": "Or to take arms", "max_tokens": 40, "temperature": 0, "session_id": twin})
@@ -313,6 +314,7 @@ def test_the_playground_with_api_keys_connects_once_a_key_is_typed_and_shows_a_s
         assert "enter an API key" in _by_id(driver, "error").text and "does not answer" not in _by_id(
             driver, "error").text
         assert _by_id(driver, "model-line").text == "not connected"
+        assert _by_id(driver, "prompt").get_attribute("value") == " more"  # refused: not in the session, kept
         _by_id(driver, "api-key").clear()
         _by_id(driver, "api-key").send_keys(key, Keys.TAB)
         _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "connected again with the key")

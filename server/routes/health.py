@@ -64,8 +64,8 @@ async def metrics(rt: Runtime = Depends(runtime)) -> Response:
 def _served(rt: Runtime) -> dict:
     cfg = rt.engine.config
     return {"id": rt.settings.model_name, "object": "model", "created": rt.started, "owned_by": "txlserve",
-            "root": rt.settings.model_name, "parent": None,  # vLLM's card; clients read max_model_len from it
-            "max_model_len": rt.settings.max_prompt_bytes, "n_layer": cfg.n_layer, "d_model": cfg.d_model,
+            "root": rt.settings.model_name, "parent": None,  # vLLM's card, without max_model_len: no context
+            "n_layer": cfg.n_layer, "d_model": cfg.d_model,  # length bounds a Transformer-XL's prompt and output
             "mem_len": rt.engine.mem_len, "clamp_len": rt.engine.clamp_len, "fingerprint": rt.engine.fingerprint}
 
 

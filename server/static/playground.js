@@ -134,7 +134,7 @@ async function refreshList() {
     }
     if (state.selected && !all.some((s) => s.id === state.selected)) {  // gone (deleted elsewhere), or another
       state.selected = null;  // key's: no longer shown as selected, with its last figures, beside 404s
-      showMemory(null);
+      showMemory(null); clearOutput();
     }
     if (state.selected) select(state.selected);
     if (had) {
@@ -173,7 +173,7 @@ async function remove(id) {
   showError("");
   try {
     await api("DELETE", "/v1/sessions/" + id);
-    if (state.selected === id) state.selected = null;
+    if (state.selected === id) { state.selected = null; clearOutput(); }
     await refreshList(); refreshSelected();
   } catch (e) { failed(e); }
 }
@@ -242,10 +242,15 @@ async function startContinue() {
   const socket = new WebSocket(wsUrl());
   state.socket = socket;
   setRunning(true);
+  let opened = false, taken = false;
   socket.onopen = () => {
+    opened = true;
     socket.send(JSON.stringify({ type: "completion.create", model: state.model, prompt, session_id: state.selected,
                                  ...params }));
-    if ($("prompt").value === prompt) $("prompt").value = "";  // in the session now: a second click sent it again
+  };
+  const took = () => {  // the prompt is in the session once the stream runs: cleared then (a second click sent
+    if (!taken && $("prompt").value === prompt) $("prompt").value = "";  // it again); a refusal keeps it
+    taken = true;
   };
   // a socket's handlers act only while it is the current one: the previous stream's socket may report its
   // close after this one started, and must not mark this one stopped (its cancel button disabled)
@@ -254,6 +259,7 @@ async function startContinue() {
     if (!current()) return;
     const msg = JSON.parse(event.data);
     if (msg.type === "completion.delta") {  // a text node per delta (O(1), where textContent += copies it all)
+      took();
       gen.append(msg.text);  // and one scroll per frame: the page keeps up with a fast stream, so cancel is prompt
       if (!state.scrolling) {
         state.scrolling = true;
@@ -262,6 +268,7 @@ async function startContinue() {
       return;
     }
     if (msg.type === "completion.done") {
+      took();
       $("finish").textContent = `finish_reason: ${msg.finish_reason}, ${msg.usage.completion_tokens} tokens`;
     } else if (msg.type === "error" && msg.error.code === "request_cancelled") {  // the user's own cancel, while
       $("finish").textContent = "cancelled: nothing was stored";  // the prompt was read: not a failure
@@ -272,7 +279,7 @@ async function startContinue() {
     setRunning(false); socket.close(); refreshSelected(); refreshList();
   };
   socket.onerror = () => {  // "streaming…" stayed on screen: the close that follows skipped a stopped stream
-    if (current() && state.running) {
+    if (current() && state.running && !opened) {  // the handshake failed (an open socket's end is onclose's)
       setRunning(false); $("finish").textContent = "failed: no connection";
       whyRefused();
     }

@@ -660,6 +660,14 @@ def test_a_training_state_whose_memory_or_random_state_is_damaged_is_one_line(co
         with pytest.raises(CheckpointError, match=f"damaged: {says}"):
             train(TrainArgs(resume=True, given=frozenset(), **common))
     save_file(good, str(path))
+    info = tmp_path / "train_state" / "state.json"  # not damaged: another process count, or the data changed
+    saved = json.loads(info.read_text())
+    for edit, says in (({"world_size": 2}, "trained on 2 process\\(es\\) and this run has 1: resume it on 2"),
+                       ({"stream_len": saved["data"]["stream_len"] + 1}, "is not the data .* has changed since")):
+        info.write_text(json.dumps({**saved, "data": {**saved["data"], **edit}}))
+        with pytest.raises(ConfigError, match=says):
+            train(TrainArgs(resume=True, given=frozenset(), **common))
+    info.write_text(json.dumps(saved))
     with pytest.raises(ConfigError, match="at step 2 already: give a --stop-at above it, or leave it out"):
         train(TrainArgs(resume=True, given=frozenset(), stop_at=2, **common))  # was: "give --steps above it"
     train(TrainArgs(resume=True, given=frozenset(), **common))  # the good state still resumes

@@ -304,8 +304,7 @@ def test_a_model_is_retrieved_by_name_as_openais_models_retrieve_does(server):
     got = httpx.get(f"{server.url}/v1/models/{MODEL}")
     assert got.status_code == 200 and [got.json()] == listed
     assert time.time() - 3600 < listed[0]["created"] <= time.time()  # when the server loaded it, as vLLM's (was 0)
-    tokenized = httpx.post(server.url + "/tokenize", json={"prompt": "x"}).json()  # vLLM's card: the same limit
-    assert listed[0]["max_model_len"] == tokenized["max_model_len"] > 0 and listed[0]["root"] == MODEL
+    assert listed[0]["root"] == MODEL and "max_model_len" not in listed[0]  # vLLM's card; no context length here
     missing = httpx.get(server.url + "/v1/models/org/other-model")  # a name may hold '/': still this route
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 

@@ -228,7 +228,7 @@ def _opened(rt: Runtime, checkpoint: str, device: torch.device, threads: int) ->
              "http://%s:%d", checkpoint, settings.model_name, engine.config.n_layer, engine.config.d_model,
              engine.mem_len, device, where, threads, store.where, settings.host, settings.port)
     if settings.cpu_latency_qos_us is None and device.type == "cpu" and guest_halt_poll_ns() == 0:
-        log.info("tip: --cpu-latency-qos-us 0 streams one request ~10% faster on this VM, whose idle CPUs halt at "
+        log.info("tip: --cpu-latency-qos-us 0 streams one request 10-15% faster on this VM, whose idle CPUs halt at "
                  "once (README, Deployment)")
     rt.start_sweeper()
     rt.start_watchdog()

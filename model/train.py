@@ -364,9 +364,12 @@ def train(args: TrainArgs) -> dict[str, Any]:
     batches = OrderedIterator(corpus.train, opt["batch_size"], cfg.tgt_len, rank=rank, world_size=world,
                               device=device)
     step, tokens_seen, mems, last_eval = 0, 0, None, {}
+    commands: list[str] = []  # every command that trained this run, the first one first (a resume kept only its own)
     best_bpc = _best_so_far(out / "best") if args.resume and args.save_best else math.inf
     if args.resume:
         ckpt = load_checkpoint(out, device=device)
+        before = ckpt.meta.get("training") if isinstance(ckpt.meta.get("training"), dict) else {}
+        commands = [c for c in before.get("commands") or [before.get("command")] if isinstance(c, str)]
         if ckpt.config != cfg.replace(dropout=0.0, dropatt=0.0):
             raise ConfigError(f"--resume: {out} was trained with another model config; use the same flags")
         model.load_state_dict(ckpt.model.state_dict())
@@ -433,7 +436,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
 
     def meta() -> dict[str, Any]:
         return {"data": str(args.data), "preset": args.preset, "steps": step, "tokens_seen": tokens_seen,
-                "world_size": world, "command": args.command, "optim": opt, **last_eval}
+                "world_size": world, "command": args.command,
+                "commands": [*commands, args.command] if args.command else commands, "optim": opt, **last_eval}
 
     def save() -> None:
         run_mems, rng = mems, None

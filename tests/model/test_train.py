@@ -530,6 +530,10 @@ def test_resume_takes_the_runs_settings_where_the_command_gives_none(corpus, tmp
         assert _steps_logged(out) == list(range(1, 11))
         assert cli.main(["train", "--out", str(out), "--resume", "--steps", "12", "--no-progress"]) == 0
         assert _steps_logged(out) == list(range(1, 13))
+        meta = json.loads((out / "config.json").read_text())["training"]  # every command that trained it, in order
+        assert meta["commands"] == ["txlserve " + " ".join(first), f"txlserve train --out {out} --resume --no-progress",
+                                    f"txlserve train --out {out} --resume --steps 12 --no-progress"]
+        assert meta["command"] == meta["commands"][-1]  # the resume kept only its own (a helper lost the first)
         capsys.readouterr()
         assert cli.main(["train", "--out", str(out), "--resume", "--steps", "14", "--batch-size", "4"]) == 2
         err = capsys.readouterr().err

@@ -143,7 +143,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                                     "checkpoint on a corpus split")
     p.add_argument("--checkpoint", required=True, help="a checkpoint directory")
     p.add_argument("--data", required=True, help="a byte corpus, or for word models a WikiText folder or file")
-    p.add_argument("--split", default="test", choices=["train", "valid", "test", "all"], help="default: test")
+    p.add_argument("--split", default="test", choices=["train", "valid", "test", "all", "whole"],
+                   help="default: test; all: each split in turn; whole: every token of --data in order, as one text "
+                        "(a held-out file scored entire, where a byte corpus's file is otherwise split 90/5/5)")
     p.add_argument("--tgt-len", type=count(1), default=None, help="tokens a segment (default: the checkpoint's)")
     p.add_argument("--mem-len", type=MEM, default=None, help="default: the checkpoint's")
     p.add_argument("--clamp-len", type=count(0), default=None,
@@ -179,15 +181,22 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
     cfg = ckpt.config
     tgt_len = ns.tgt_len or cfg.tgt_len
     splits = ["train", "valid", "test"] if ns.split == "all" else [ns.split]
+    parts = ["train", "valid", "test"] if ns.split == "whole" else splits  # whole: the three in order, as one
     if ckpt.tokenizer.name == "word":
-        from model.words import load_word_corpus
+        from pathlib import Path
 
-        corpus, _ = load_word_corpus(ns.data, ckpt.tokenizer, splits=tuple(splits))
+        from model.words import load_word_corpus, split_path
+
+        if ns.split == "whole":  # a file stands for every split: read once; a folder's splits, those it has
+            parts = ["test"] if Path(ns.data).is_file() else [n for n in parts if split_path(ns.data, n)]
+            if not parts:
+                raise DataError(f"{ns.data} has no split to read (expected wiki.test.tokens, or test.txt, and so on)")
+        corpus, _ = load_word_corpus(ns.data, ckpt.tokenizer, splits=tuple(parts))
     else:
         corpus = load_corpus(ns.data)
     results = {}
     for name in splits:
-        data = corpus.split(name)
+        data = np.concatenate([corpus.split(n) for n in parts]) if name == "whole" else corpus.split(name)
         top = int(np.asarray(data).max()) if len(data) else 0
         if top >= cfg.vocab_size:  # a hand-made checkpoint's tokenizer names more symbols than the model reads
             raise DataError(f"the {name} split holds token {top}, past this model's {cfg.vocab_size:,} outputs "

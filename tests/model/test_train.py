@@ -174,7 +174,7 @@ def _cli(*args: str, env: dict | None = None, timeout: int = 180) -> subprocess.
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def test_cli_train_then_eval_json(corpus, tmp_path):
+def test_cli_train_then_eval_json(corpus, tmp_path, capsys):
     out = tmp_path / "ck"
     r = _cli("train", "--data", str(corpus), "--out", str(out), "--preset", "tiny", "--steps", "3",
              "--no-progress")
@@ -192,6 +192,18 @@ def test_cli_train_then_eval_json(corpus, tmp_path):
     assert result["tokens"] > 1000 and 0 < result["bpc"] < 9
     assert abs(result["ppl"] - 2 ** result["bpc"]) < 1e-6 * result["ppl"]
     assert json.loads(again.stdout)["bpc"] == result["bpc"]  # evaluation is deterministic
+    # --split whole: a held-out file scored entire (a byte corpus's one file was only ever read 90/5/5 by split)
+    import server.cli as cli
+
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(["eval", "--checkpoint", str(out), "--data", str(corpus), "--split", "whole", "--json",
+                         "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    whole = json.loads(capsys.readouterr().out)
+    streams = whole["batch_size"]  # the file cut into equal streams, each one's first byte unscored
+    assert whole["split"] == "whole" and whole["tokens"] == (corpus.stat().st_size // streams - 1) * streams
 
 
 def test_a_checkpoint_whose_tokenizer_outnumbers_its_model_refuses_what_it_cannot_read(corpus, tmp_path):

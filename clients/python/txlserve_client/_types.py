@@ -69,9 +69,10 @@ class Completion:
 
 @dataclass(frozen=True)
 class CompletionChunk:
-    """One piece of a streamed completion (SSE or WebSocket). The last piece has ``finish_reason``
-    (and ``session``); ``usage`` comes on the last piece over a WebSocket, and over SSE on a piece
-    of its own with empty text when ``stream_options={"include_usage": True}``."""
+    """One piece of a streamed completion (SSE or WebSocket). The piece with ``finish_reason`` has
+    ``session``; ``usage`` comes on that piece over a WebSocket, and over SSE on a last piece of its
+    own, with empty text and no session, when ``stream_options={"include_usage": True}`` (with
+    ``"continuous_usage_stats": True`` too, every piece carries the usage so far)."""
 
     id: str
     text: str

@@ -165,6 +165,8 @@ def test_the_playground_creates_streams_cancels_and_forks(server, browser, tmp_p
     (forked,) = set(_sessions(driver)) - before
     _wait(driver, lambda d: _by_id(d, "current").text == forked, "the fork selected")
     assert _count(driver, "m-tokens") == got
+    titled = httpx.get(f"{server.url}/v1/sessions/{forked}", timeout=30).json()["metadata"]
+    assert titled == {"title": "hamlet (fork)"}  # two cards of one title were told apart by id alone
     # from the keyboard: the list redrawn under a focused button keeps the focus on that button (it fell to the
     # page, and Tab began again at the top)
     _settled(driver)

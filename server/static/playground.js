@@ -119,10 +119,10 @@ async function refreshList() {
       const title = (s.metadata && s.metadata.title) || "untitled";
       li.innerHTML = `<strong></strong> <span class="muted small"></span><div class="sid"></div>`;
       li.querySelector("strong").textContent = title;
-      li.querySelector("span").textContent = `${s.tokens_seen} tokens, ${s.tier}`;
+      li.querySelector("span").textContent = `${s.tokens_seen.toLocaleString()} tokens, ${s.tier}`;
       li.querySelector(".sid").textContent = s.id;
       for (const [label, cls, act] of [["Select", "select", () => select(s.id)],
-                                       ["Fork", "fork", () => fork(s.id)],
+                                       ["Fork", "fork", () => fork(s.id, s.metadata)],
                                        ["Delete", "delete", () => remove(s.id)]]) {
         const b = document.createElement("button");
         b.type = "button"; b.textContent = label; b.className = cls + (cls === "select" ? "" : " secondary");
@@ -159,10 +159,12 @@ async function create(event) {
   } catch (e) { failed(e); }
 }
 
-async function fork(id) {
+async function fork(id, metadata) {
   showError("");
-  try {
-    const made = await api("POST", `/v1/sessions/${id}/fork`, {});
+  try {  // the parent's metadata, its title marked: two cards of one title were told apart by id alone
+    const title = metadata && metadata.title;  // (a huge one is inherited as it is: never a fork's 413)
+    const body = title && title.length < 1000 ? { metadata: { ...metadata, title: title + " (fork)" } } : {};
+    const made = await api("POST", `/v1/sessions/${id}/fork`, body);
     state.selected = made.id; clearOutput();
     await refreshList();
   }

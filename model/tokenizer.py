@@ -186,12 +186,11 @@ class WordTokenizer:
             for chunk in line.split():
                 at = line.index(chunk, at)
                 cursor = 0
-                for word in self._split(chunk):
+                for word in self._split(chunk):  # the pieces of a chunk, in order: each where the last ended
                     mark = word if chunk.startswith(word, cursor) else JOINERS.get(word, word)
-                    found = chunk.find(mark, cursor)
-                    cursor = cursor if found < 0 else found  # every piece lies where the last one ended
+                    cursor = max(chunk.find(mark, cursor), cursor)
                     out.append(base + at + cursor)
-                    cursor += len(mark) if found >= 0 else 0
+                    cursor += len(mark)
                 at += len(chunk)
             base += len(line) + 1
             out.append(base - 1)  # the line's <eos>, at its newline

@@ -194,7 +194,7 @@ def test_word_corpus_reads_the_wikitext_layout(tmp_path):
     assert np.array_equal(again.test, corpus.test)
 
 
-def test_tiny_word_model_with_adaptive_softmax_learns(tmp_path):
+def test_tiny_word_model_with_adaptive_softmax_learns(tmp_path, capsys):
     data = _wikitext(tmp_path / "wt")
     result = train(TrainArgs(data=str(data), out=str(tmp_path / "ck"), preset="tiny", steps=120, lr=5e-3,
                              progress=False, tokenizer="word", eval_every=60,
@@ -214,6 +214,24 @@ def test_tiny_word_model_with_adaptive_softmax_learns(tmp_path):
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["tokens"] > 0 and 1 < report["ppl"] < ckpt.config.vocab_size / 2
+    # --split whole: a folder's splits in order as one text, a file read once, a folder of none said in one line
+    import server.cli as cli
+
+    threads = torch.get_num_threads()
+    scored = {}
+    try:
+        for where in (data, data / "wiki.test.tokens.gz"):
+            assert cli.main(["eval", "--checkpoint", str(tmp_path / "ck"), "--data", str(where), "--split", "whole",
+                             "--json", "--threads", "1"]) == 0
+            scored[where] = json.loads(capsys.readouterr().out)["tokens"]
+        (tmp_path / "none").mkdir()
+        assert cli.main(["eval", "--checkpoint", str(tmp_path / "ck"), "--data", str(tmp_path / "none"), "--split",
+                         "whole"]) == 2
+        assert "has no split to read" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
+    assert scored[data / "wiki.test.tokens.gz"] == report["tokens"]  # the file whole, once: the test split's
+    assert scored[data] > 10 * scored[data / "wiki.test.tokens.gz"]  # train, valid and test
 
 
 @pytest.mark.skipif(not (SHARED / "wiki.valid.tokens.gz").is_file(), reason="../shared/data/wikitext-2 is absent")

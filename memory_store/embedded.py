@@ -19,6 +19,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -89,8 +90,15 @@ class EmbeddedRedis:
         """Why the server this object started is gone (it was killed, or crashed: a full disk ends it), else None:
         nothing starts it again, so the process that uses it cannot serve sessions until it is restarted."""
         code = None if self._proc is None else self._proc.poll()
-        return None if code is None else f"the embedded Redis server exited (status {code}); its log says: " \
-            f"{self._log_tail(2)[-300:]}"
+        if code is None:
+            return None
+        if code < 0:  # a signal: its log's last lines were whatever it said before (a start-up warning, say)
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"the embedded Redis server was killed by {name} (by another process, or the kernel out of memory)"
+        return f"the embedded Redis server exited (status {code}); its log says: {self._log_tail(2)[-300:]}"
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> None:
         """Log the death of the server this object started, when it dies and why (its log's last lines), unless

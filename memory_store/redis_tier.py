@@ -6,6 +6,8 @@ one Redis Cluster slot and a script may touch all three)::
     txl:{<session id>}          hash: header (JSON), payload (safetensors bytes)
     txl:{<session id>}:ring     string: the memory's raw ring (format 3, :mod:`memory_store.codec`)
     txl:{<session id>}:lease    string: the holder's random token, PX lease_ttl_ms
+    txl:{<session id>}:ending   string: the token of a holder whose client left (it commits what it made and
+                                lets go), PX lease_ttl_ms; meaningful only while that token holds the lease
     txl:owner:{<owner hash>}    sorted set: session id -> created_at in ms
 
 Every key has an idle TTL. Writes reset it; reads refresh it only once a tenth
@@ -39,11 +41,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from memory_store.metrics import StoreMetrics
-from txlserve.errors import ConfigError, SessionCorrupt, StoreUnavailable
+from txlserve.errors import ConfigError, SessionCorrupt, StoreOverloaded, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 ANY_VERSION = "*"
+POOL_EXHAUSTED = "No connection available."  # redis-py's BlockingConnectionPool, once its wait for one ran out
 ABSENT = -1
 
 # Compare-and-set write. KEYS: the session, its lease, its ring. ARGV[1] is the
@@ -114,7 +117,8 @@ return {h[1], h[2], redis.call('GET', KEYS[2])}
 """
 
 # Take the lease only on an existing session of this owner, so that another
-# owner learns 'not found' rather than 'busy'. Returns {status} or {'OK', header,
+# owner learns 'not found' rather than 'busy'. Returns {status}, {'BUSY', the
+# lease's milliseconds left, 1 if its holder is ending} or {'OK', header,
 # seconds, microseconds}: the holder reads the header it leased, and this Redis's
 # clock (for its commits' deadlines), in the same round trip.
 _ACQUIRE = """
@@ -129,7 +133,9 @@ else
   mine = (doc.owner == ARGV[4])
 end
 if not mine then return 'NOT_FOUND' end
-if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {'BUSY', redis.call('PTTL', KEYS[2])} end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return {'BUSY', redis.call('PTTL', KEYS[2]), redis.call('GET', KEYS[4]) == redis.call('GET', KEYS[2]) and 1 or 0}
+end
 if ARGV[5] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[5]); redis.call('PEXPIRE', KEYS[3], ARGV[5]) end
 local t = redis.call('TIME')
 return {'OK', h, t[1], t[2]}
@@ -159,10 +165,24 @@ redis.call('DEL', KEYS[3])
 return 'OK'
 """
 
-# 1: renewed; 0: the lease is gone (expired, taken); -1: and so is the session (deleted). KEYS: lease, session.
+# 1: renewed; 0: the lease is gone (expired, taken); -1: and so is the session (deleted). KEYS: lease, session,
+# ring. A leased session is not idle: its TTL is held at least a lease's (ARGV[3], '0': it has none), or a request
+# running longer than --session-ttl-s lost the session it was making (found by a helper).
 _RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  if ARGV[3] ~= '0' then
+    redis.call('PEXPIRE', KEYS[2], ARGV[3]); redis.call('PEXPIRE', KEYS[3], ARGV[3])
+  end
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
 if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+return 0
+"""
+
+# A holder marks that it is ending (its client left; it commits and lets go), only while it holds the lease.
+# KEYS: lease, ending.
+_ENDING = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2]) and 1 end
 return 0
 """
 
@@ -193,6 +213,10 @@ class RedisClock:
 
 def session_key(session_id: str) -> str:
     return f"txl:{{{session_id}}}"
+
+
+def ending_key(session_id: str) -> str:
+    return f"txl:{{{session_id}}}:ending"
 
 
 def ring_key(session_id: str) -> str:
@@ -317,11 +341,14 @@ class RedisTier:
         self._ttl_ms = ttl_s * 1000
         self._touch_slack_ms = min(self._ttl_ms // 10, 3_600_000)
         self._lease_ttl_ms = lease_ttl_ms
+        # a leased session's TTL, renewed with its lease: whichever is longer (0: sessions never expire)
+        self._held_ttl_ms = max(self._ttl_ms, lease_ttl_ms) if self._ttl_ms else 0
         self._metrics = metrics
         self._write = client.register_script(_WRITE)
         self._acquire = client.register_script(_ACQUIRE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
+        self._ending = client.register_script(_ENDING)
         self._touch_script = client.register_script(_TOUCH)
         self._demote = client.register_script(_DEMOTE)
         self._read = client.register_script(_READ)
@@ -337,6 +364,9 @@ class RedisTier:
             raise StoreUnavailable(f"Redis at {self.where} refused a command: {err}") from err
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError, TimeoutError) as err:
             self._metrics.redis_errors += 1
+            if isinstance(err, redis.exceptions.ConnectionError) and str(err) == POOL_EXHAUSTED:
+                raise StoreOverloaded(f"every connection to Redis at {self.where} stayed busy for the store's timeout "
+                                      "(more requests at once than connections); retry shortly") from err
             raise StoreUnavailable(f"Redis at {self.where} is unavailable: {err}") from err
 
     def _touch(self, pipe: redis.asyncio.client.Pipeline, *keys: str) -> None:
@@ -537,17 +567,18 @@ class RedisTier:
     async def delete(self, session_id: str, owner: str | None) -> bool:
         """Drop a session and its lease (a holder's next commit then fails); True if it existed."""
         with self._translate():
-            removed = await self._client.delete(session_key(session_id), lease_key(session_id), ring_key(session_id))
+            removed = await self._client.delete(session_key(session_id), lease_key(session_id), ring_key(session_id),
+                                                ending_key(session_id))
             await self._client.zrem(owner_key(owner), session_id)
         return removed > 0
 
     async def acquire(self, session_id: str, owner: str | None,
-                      token: str) -> tuple[str, bytes | int | None, RedisClock | None]:
-        """Try to take the lease: (OK, the session's header, Redis's clock), (BUSY, the milliseconds the holder's
-        lease has left, None), or (NOT_FOUND or CORRUPT, None, None). The owner's index TTL is refreshed in the
-        same round trip, as a read refreshes it."""
-        keys = [session_key(session_id), lease_key(session_id), ring_key(session_id)]
-        args = [token, self._lease_ttl_ms, "1" if owner is None else "0", owner or "", self._ttl_ms]
+                      token: str) -> tuple[str, bytes | tuple[int, bool] | None, RedisClock | None]:
+        """Try to take the lease: (OK, the session's header, Redis's clock), (BUSY, (the milliseconds the holder's
+        lease has left, whether its holder is ending), None), or (NOT_FOUND or CORRUPT, None, None). The owner's
+        index TTL is refreshed in the same round trip, as a read refreshes it."""
+        keys = [session_key(session_id), lease_key(session_id), ring_key(session_id), ending_key(session_id)]
+        args = [token, self._lease_ttl_ms, "1" if owner is None else "0", owner or "", self._held_ttl_ms]
         with self._translate():
             if self._cluster or not self._ttl_ms:  # the index lives in another slot: its touch runs beside
                 touches = [self._touch_script(keys=[owner_key(owner)], args=[self._ttl_ms, self._touch_slack_ms])
@@ -564,14 +595,20 @@ class RedisTier:
         if isinstance(reply, bytes):
             return reply.decode(), None, None
         if reply[0] == b"BUSY":
-            return "BUSY", int(reply[1]), None
+            return "BUSY", (int(reply[1]), len(reply) > 2 and int(reply[2]) == 1), None
         return reply[0].decode(), reply[1], RedisClock.read(reply[2], reply[3])
 
     async def renew(self, session_id: str, token: str) -> int:
         """Extend the lease if ``token`` still holds it."""
         with self._translate():
-            return int(await self._renew(keys=[lease_key(session_id), session_key(session_id)],
-                                         args=[token, self._lease_ttl_ms]))
+            return int(await self._renew(keys=[lease_key(session_id), session_key(session_id), ring_key(session_id)],
+                                         args=[token, self._lease_ttl_ms, self._held_ttl_ms]))
+
+    async def ending(self, session_id: str, token: str) -> bool:
+        """Mark the lease ``token`` holds as ending; False if it no longer holds it."""
+        with self._translate():
+            return bool(await self._ending(keys=[lease_key(session_id), ending_key(session_id)],
+                                           args=[token, self._lease_ttl_ms]))
 
     async def release(self, session_id: str, token: str) -> bool:
         with self._translate():

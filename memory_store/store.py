@@ -207,6 +207,19 @@ class MemoryStore:
         with self.metrics.timed("get"):
             return await self._load(_checked_id(session_id), owner)
 
+    async def window(self, session_id: str, *, owner: str | None = None) -> tuple[SessionInfo, list[int] | None]:
+        """A session's header and token window (None: stored before windows), whichever model wrote it: giving a
+        document away needs no model, so a replica of another model or tokenizer exports it as it is (a 422
+        before). Read from Redis, and checked as every read is."""
+        with self.metrics.timed("get"):
+            session_id = _checked_id(session_id)
+            raw, payload, ring = await self._redis.read(session_id, owner, payload=True)
+            header = self._header(session_id, raw, owner, compatible=False)
+            tensors = await asyncio.to_thread(codec.decode_payload, payload or b"", header, ring)
+            window = tensors.get(codec.WINDOW)
+            return (SessionInfo.from_header(session_id, header, tier="redis"),
+                    None if window is None else window.tolist())
+
     async def info(self, session_id: str, *, owner: str | None = None) -> SessionInfo:
         """Header fields only; no tensors are read."""
         with self.metrics.timed("info"):
@@ -417,9 +430,10 @@ class MemoryStore:
             if status == "NOT_FOUND":
                 raise SessionNotFound(f"session {session_id!r} not found")
             if status == "BUSY":  # a holder that died (or lost Redis as it released) holds it until its TTL
-                left = f"; if none of yours runs, its holder has gone and it is free within {raw / 1000:.0f} s" \
-                    if isinstance(raw, int) and raw > 0 else ""
-                raise SessionBusy(f"session {session_id!r} is in use by another request{left}")
+                ms, ending = raw if isinstance(raw, tuple) else (None, False)
+                left = f"; if none of yours runs, its holder has gone and it is free within {ms / 1000:.0f} s" \
+                    if ms is not None and ms > 0 else ""
+                raise SessionBusy(f"session {session_id!r} is in use by another request{left}", ending=ending)
             if status == "CORRUPT":
                 raise SessionCorrupt(f"session {session_id!r} has an unreadable header")
             self._hot.pin(session_id)

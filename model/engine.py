@@ -199,14 +199,15 @@ class Engine:
         state.seen[0] = tokens_seen
 
     def check_window(self, window: list[int], tokens_seen: int) -> list[int]:
-        """The part of a session's token window this model reads (its last ``window_len``), or why it cannot."""
+        """The part of a session's token window this model reads (its last ``window_len``), or why it cannot (every
+        id of ``window`` is checked: a session keeps a window longer than it reads for a model that reads more)."""
         if len(window) > tokens_seen:
             raise InvalidRequestError(f"the window holds {len(window)} tokens, more than tokens_seen "
                                       f"({tokens_seen})", param="tokens_seen")
-        window = window[-self.window_len:]  # older tokens cannot reach this model's state: never read
         if window and not 0 <= min(window) <= max(window) < self.config.vocab_size:
             raise InvalidRequestError(f"the window holds token ids outside 0..{self.config.vocab_size - 1}",
                                       param="window")
+        window = window[-self.window_len:]  # older tokens cannot reach this model's state: never read
         if len(window) < min(tokens_seen, self.mem_len):  # the ring would hold empty slots as real positions
             why = "every token it has seen" if tokens_seen < self.mem_len else "a full memory of this model"
             raise SessionIncompatible(f"the session's window holds {len(window)} tokens; rebuilding it needs "

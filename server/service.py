@@ -26,6 +26,7 @@ from server.session_state import extend_window, importable, persisted, rebuild_w
 from txlserve.errors import (
     Overloaded,
     RequestCancelled,
+    SessionBusy,
     SessionConflict,
     SessionNotFound,
     StoreUnavailable,
@@ -89,6 +90,7 @@ class Run:
         self.submitted: float | None = None  # the request handed to the engine (its lifecycle's phases: _final)
         self.answered: float | None = None  # the engine's end of it in hand
         self.stopped = asyncio.Event()  # cancelled, or ended
+        self._marking: asyncio.Future | None = None  # the lease marked ending in Redis (_ending)
         self.task = asyncio.create_task(self._main())
         self.task.add_done_callback(lambda _: self.stopped.set())
         rt.track(self)
@@ -98,6 +100,13 @@ class Run:
         self.stopped.set()
         if self.request is not None:
             self.request.cancel()
+        self._ending()
+
+    def _ending(self) -> None:
+        """A stopped run that holds its session's lease says so in Redis, so that another replica's request for
+        the session waits for its commit (:meth:`_leased`), as this server's own do (:meth:`_after_stopped_runs`)."""
+        if self.cancelled and self.lease is not None and not self.lease.released and self._marking is None:
+            self._marking = asyncio.ensure_future(self.lease.ending())
 
     def lease_lost(self, deleted: bool) -> None:
         """Its lease is gone: ``deleted``, the session with it (a DELETE wins over a running request, here or
@@ -126,8 +135,9 @@ class Run:
                 await self._final(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
             await self._after_stopped_runs()
-            async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
+            async with await self._leased() as lease:
                 lease.on_lost, self.lease = self.lease_lost, lease  # deleted through another replica, say: stop
+                self._ending()  # its client left while it waited for the lease
                 info = lease.session.info
                 cached = info.tokens_seen
                 t0 = time.monotonic()
@@ -169,8 +179,9 @@ class Run:
                 await self._final(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
             await self._after_stopped_runs()
-            async with rt.store.lease(self.session_id, owner=self.owner, tensors=False) as lease:
+            async with await self._leased() as lease:
                 lease.on_lost, self.lease = self.lease_lost, lease
+                self._ending()  # its client left while it waited for the lease
                 info = lease.session.info
                 cached = info.tokens_seen
                 self.submitted = time.monotonic()
@@ -230,6 +241,29 @@ class Run:
         stopped = [r.task for r in others if r.cancelled]
         if stopped:
             await asyncio.wait(stopped, timeout=STOPPED_RUN_WAIT_S)
+
+    async def _leased(self) -> Lease:
+        """The session's lease. One held by another replica's run whose client left (:meth:`_ending`) is waited
+        for while that run commits (bounded), as this server's own stopped runs are; one held by a run not known
+        to be ending is asked again once, after the moment its server may need to hear its client left, then is
+        a 409."""
+        deadline, pause, asked_again = None, 0.002, False
+        while True:
+            try:
+                return await self.rt.store.lease(self.session_id, owner=self.owner, tensors=False)
+            except SessionBusy as err:
+                now = time.monotonic()
+                if err.ending:
+                    deadline = deadline or now + STOPPED_RUN_WAIT_S
+                    if now >= deadline or self.cancelled:
+                        raise
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, 0.05)
+                elif asked_again or self.cancelled:
+                    raise
+                else:
+                    asked_again = True
+                    await asyncio.sleep(NOTICE_S)
 
     def _named(self, err: Exception) -> Exception:
         """A session that is not there (or was deleted meanwhile) names the body's field that asked for it."""

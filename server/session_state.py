@@ -22,7 +22,7 @@ def extend_window(window: list[int] | None, fed: list[int], tokens_before: int, 
     a model that reads less context must not cut the window that a model reading more rebuilds it from (a
     rollback, or old and new replicas side by side, left such sessions a 422 for the old model after one request
     on the new; and a young session's window, its whole text, was cut to the reader's). The window stays bounded
-    by the largest window of the models that wrote it (an import keeps only this model's). None while unknown (a
+    by the largest window of the models that wrote it (an import's, by ``IMPORT_WINDOW_TOKENS``). None while unknown (a
     session stored before windows existed gets one once ``size`` new tokens have passed)."""
     if window is None and tokens_before > 0:
         return fed[-size:] if len(fed) >= size else None

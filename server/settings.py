@@ -62,7 +62,8 @@ class Settings:
     data_dir: str = _opt("./.txlserve", "where the embedded Redis keeps its append-only file")
     hot_cache_mb: int = _opt(1024, "byte budget of hot sessions, kept on the device in the engine's own form (a hot "
                                    "hit costs no copy and no restore), in MiB")
-    session_ttl_s: int = _opt(7 * 86400, "idle TTL of a stored session in seconds (0 keeps sessions forever)")
+    session_ttl_s: int = _opt(7 * 86400, "idle TTL of a stored session in seconds (0 keeps sessions forever; a "
+                                         "session in use is not idle)")
     cold_after_s: float = _opt(86400.0, "a session idle this many seconds keeps only its token window in Redis (the "
                                         "cold tier) and is rebuilt from it on its next use; 0 never")
     warm_budget_mb: int = _opt(0, "most hidden-state bytes kept in Redis, in MiB: beyond it the least recently "

@@ -30,6 +30,7 @@ are translated into these at the package boundary that meets them. This module i
     │                               was read (nginx's status; over
     │                               HTTP only logs and metrics see it)
     ├── StoreUnavailable            Redis unreachable / timed out       503  service_unavailable_error
+    │   └── StoreOverloaded         every pooled connection busy        429  rate_limit_error
     └── Unavailable                 starting, draining, or shut down    503  service_unavailable_error
 
 Anything else that escapes is a bug: 500 ``server_error``, logged, never shown.
@@ -107,7 +108,14 @@ class RouteNotFound(TxlError):
 
 
 class SessionBusy(TxlError):
+    """``ending``: its holder's client has left and it is committing what it made, so the session is free in
+    milliseconds (a replica's request waits for that rather than answering 409)."""
+
     status, type, code = 409, "conflict_error", "session_busy"
+
+    def __init__(self, message: str, *, param: str | None = None, ending: bool = False) -> None:
+        super().__init__(message, param=param)
+        self.ending = ending
 
 
 class SessionConflict(TxlError):
@@ -139,6 +147,14 @@ class RequestCancelled(TxlError):
 
 class StoreUnavailable(TxlError):
     status, type, code = 503, "service_unavailable_error", "store_unavailable"
+
+
+class StoreOverloaded(StoreUnavailable):
+    """A burst held every pooled connection to Redis past the store's timeout: Redis answers, this server has
+    more requests at once than connections (a 503 "Redis is unavailable" said otherwise). A StoreUnavailable, so
+    that what retries an unreachable Redis (a lease's renewal, its release) retries this too."""
+
+    status, type, code = 429, "rate_limit_error", "store_overloaded"
 
 
 class Unavailable(TxlError):

@@ -7,9 +7,9 @@ import math
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memory_store import SessionInfo
-from memory_store.codec import WINDOW
 from server.completion import cancel_on_disconnect, prompt_ids, prompt_logprobs
 from server.deps import owner, request_fields, runtime
 from server.protocol import (
@@ -29,6 +29,10 @@ from txlserve.errors import InvalidRequestError, SessionIncompatible
 router = APIRouter(prefix="/v1/sessions")
 # More than any document, and far below what a stored header holds (2^62): an imported session can keep growing.
 MAX_IMPORT_TOKENS = 1 << 53
+# The last tokens of an imported window a session keeps, at least this model's window: longer than any model's here
+# (the published WikiText-103 model's is 28,801), so that the model that wrote a document can still rebuild it after
+# it passed through a model that reads less; bounded (256 KB as stored), as a session's memory is.
+IMPORT_WINDOW_TOKENS = 1 << 16
 log = logging.getLogger("txlserve.sessions")
 
 
@@ -80,6 +84,13 @@ async def list_sessions(request: Request, limit: int = Query(20, ge=1, le=100),
     return SessionList(data=[session_object(rt, i) for i in infos], has_more=cursor is not None, next_cursor=cursor)
 
 
+@router.api_route("/import", methods=["GET", "DELETE"], include_in_schema=False)
+async def import_wrong_method() -> None:
+    """``/import`` names no session (no id is that word): a GET or DELETE there matched ``/{session_id}``, a 404
+    "session 'import' not found" where every other wrong method is a 405 (found by a helper)."""
+    raise StarletteHTTPException(405, headers={"Allow": "POST"})
+
+
 @router.get("/{session_id}", response_model=SessionObject)
 async def get_session(session_id: str, rt: Runtime = Depends(runtime),
                       who: str | None = Depends(owner)) -> SessionObject:
@@ -111,14 +122,13 @@ async def export_session(session_id: str, rt: Runtime = Depends(runtime),
                          who: str | None = Depends(owner)) -> SessionExport:
     """llama.cpp's slot save, made portable: the session's last tokens, not its hidden states, so that any
     server with the same tokenizer (another replica, cluster or checkpoint) can recreate it."""
-    session = await rt.store.get(session_id, owner=who)
-    info = session.info
-    if WINDOW not in session.tensors:
+    info, window = await rt.store.window(session_id, owner=who)
+    if window is None:
         raise SessionIncompatible(f"session {session_id!r} was stored before sessions kept their token window; "
                                   "it cannot be exported until it has read another "
                                   f"{rt.engine.window_len} tokens", param="session_id")
     return SessionExport(tokenizer=info.tokenizer or rt.engine.tokenizer_id, tokens_seen=info.tokens_seen,
-                         window=session.tensors[WINDOW].tolist(), metadata=info.metadata or {},
+                         window=window, metadata=info.metadata or {},
                          model=rt.settings.model_name, created_at=int(info.created_at))
 
 
@@ -132,7 +142,8 @@ async def import_session(request: Request, body: SessionExport, rt: Runtime = De
     if body.tokenizer != rt.engine.tokenizer_id:
         raise SessionIncompatible(f"the session was written under tokenizer {body.tokenizer!r}; this server reads "
                                   f"text with {rt.engine.tokenizer_id!r}", param="tokenizer")
-    window = rt.engine.check_window(body.window, body.tokens_seen)
+    window = body.window[-max(rt.engine.window_len, IMPORT_WINDOW_TOKENS):]
+    rt.engine.check_window(window, body.tokens_seen)  # why this model cannot rebuild it, if it cannot
     if len(body.window) < min(body.tokens_seen, rt.engine.window_len):
         log.info("importing a session whose window (%d tokens) is shorter than this model's (%d): rebuilt from "
                  "what it holds", len(body.window), rt.engine.window_len)

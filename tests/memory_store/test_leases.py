@@ -52,6 +52,31 @@ async def test_lease_is_exclusive_across_stores(store: MemoryStore, other_store:
     await lease.release()  # idempotent
 
 
+async def test_a_holder_marked_ending_is_told_apart_from_one_still_running(
+        store: MemoryStore, other_store: MemoryStore) -> None:
+    """A holder whose client left marks its lease ending (it commits and lets go in milliseconds): another
+    store's attempt says so, so that its request waits rather than answering 409. The mark names its holder: the
+    next holder of the session is not ending because the last one was."""
+    info = await store.create(tensors=make_state(), mem_len=8)
+    async with store.lease(info.session_id) as lease:
+        with pytest.raises(SessionBusy) as busy:
+            await other_store.lease(info.session_id)
+        assert busy.value.ending is False
+        await lease.ending()
+        with pytest.raises(SessionBusy) as busy:
+            await other_store.lease(info.session_id)
+        assert busy.value.ending is True and busy.value.status == 409
+    async with other_store.lease(info.session_id) as next_holder:  # the ending one let go
+        with pytest.raises(SessionBusy) as busy:
+            await store.lease(info.session_id)
+        assert busy.value.ending is False  # the old mark is the old holder's
+        await lease.ending()  # a holder that let go marks nothing
+        with pytest.raises(SessionBusy) as busy:
+            await store.lease(info.session_id)
+        assert busy.value.ending is False
+        assert next_holder.version == 1
+
+
 async def test_renewal_keeps_the_lease_past_its_ttl(short: tuple[MemoryStore, MemoryStore]) -> None:
     a, b = short
     info = await a.create(tensors=make_state(), mem_len=8)

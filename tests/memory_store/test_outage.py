@@ -202,3 +202,36 @@ async def test_a_lease_that_expired_while_redis_was_away_is_an_outage_not_a_conf
         await lease.release()
         async with store.lease(sid) as again:  # and the session is whole
             assert again.version == 1
+
+
+async def test_a_burst_past_the_connection_pool_is_a_429_not_an_outage(redis_url: str) -> None:
+    """Every pooled connection busy past the store's timeout: Redis answers, the server has more requests at once
+    than connections. It was a 503 "Redis ... is unavailable: No connection available" (found by a helper with
+    2,000 concurrent creates); it is a 429 to retry, and still a StoreUnavailable to what retries those."""
+    import redis.asyncio
+
+    from memory_store.metrics import StoreMetrics
+    from memory_store.redis_tier import RedisTier
+    from txlserve.errors import StoreOverloaded
+
+    pool = redis.asyncio.BlockingConnectionPool.from_url(redis_url, max_connections=1, timeout=0.2, socket_timeout=10)
+    client = redis.asyncio.Redis.from_pool(pool)
+    watcher = redis.asyncio.Redis.from_url(redis_url)
+    tier = RedisTier(client, where="test", ttl_s=60, lease_ttl_ms=1000, metrics=StoreMetrics())
+    try:
+        held = asyncio.ensure_future(client.blpop(["txl-test-never-pushed"], timeout=3))  # the one connection
+        deadline = time.monotonic() + 10
+        while not any(c.get("cmd") == "blpop" for c in await watcher.client_list()):
+            assert time.monotonic() < deadline, "the blocking command never reached Redis"
+            await asyncio.sleep(0.01)
+        with pytest.raises(StoreOverloaded) as err:
+            await tier.ping()
+        assert isinstance(err.value, StoreUnavailable) and err.value.status == 429
+        assert err.value.type == "rate_limit_error" and "retry" in err.value.message
+        await watcher.lpush("txl-test-never-pushed", "x")  # frees the connection
+        assert await held is not None
+        await tier.ping()
+    finally:
+        await watcher.delete("txl-test-never-pushed")
+        await watcher.aclose()
+        await client.aclose()

@@ -282,6 +282,20 @@ async def test_idle_ttl_expires_sessions(redis_url: str, raw: redis.asyncio.Redi
         assert store.metrics.hot_sessions == 0
 
 
+async def test_a_leased_session_outlives_its_idle_ttl(redis_url: str, raw: redis.asyncio.Redis) -> None:
+    """A session under a renewed lease is not idle: a request running longer than --session-ttl-s lost the session
+    it was making (its commit a 404; found by a helper). Its TTL is held at least a lease's while leased, and is
+    the idle TTL again from its commit."""
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=1, lease_ttl_ms=900) as store:
+        info = await store.create(tensors=make_state(), mem_len=8)
+        async with store.lease(info.session_id) as lease:
+            await asyncio.sleep(2.5)  # past the idle TTL twice over; renewed every 300 ms
+            assert not lease.lost
+            await store.commit(lease, make_state(seed=1), tokens_seen=8, release=True)
+        assert 0 < await raw.pttl(session_key(info.session_id)) <= 1000
+        assert (await store.info(info.session_id)).version == 2
+
+
 async def test_a_lease_refreshes_the_owner_index_in_its_round_trip(redis_url: str, raw: redis.asyncio.Redis) -> None:
     """A session used only through leases (completions) keeps its owner's listing alive."""
     async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=3) as store:
@@ -332,6 +346,25 @@ async def test_a_fork_of_another_models_session_is_cold(redis_url: str) -> None:
         assert (await new.get(mine.session_id)).info.fingerprint == new_model.fingerprint
         same = await old.fork(info.session_id)  # and the old model's own fork keeps its hidden states
         assert_same((await old.get(same.session_id)).tensors, state)
+
+
+async def test_any_model_reads_a_sessions_window_to_export_it(redis_url: str) -> None:
+    """Giving a session away needs no model: a server of another tokenizer and shape, which cannot use the
+    session, still reads its window and header (its export was a 422; found by a helper)."""
+    writer = dataclasses.replace(IDENTITY, tokenizer="byte:test")
+    other = ModelIdentity("a-word-model", IDENTITY.n_layer + 1, IDENTITY.d_model, tokenizer="word:test")
+    state = {**make_state(), "window": torch.arange(8, dtype=torch.int32)}
+    async with MemoryStore.from_url(redis_url, identity=writer) as a, \
+            MemoryStore.from_url(redis_url, identity=other) as b:
+        made = await a.create(tensors=state, mem_len=8, tokens_seen=8)
+        with pytest.raises(SessionIncompatible):
+            await b.get(made.session_id)
+        info, window = await b.window(made.session_id)
+        assert window == list(range(8)) and info.tokenizer == "byte:test" and info.tokens_seen == 8
+        with pytest.raises(SessionNotFound):  # still the owner's alone
+            await b.window(made.session_id, owner="someone else")
+        bare = await a.create(tensors=make_state(), mem_len=8, tokens_seen=8)  # stored before windows
+        assert (await b.window(bare.session_id))[1] is None
 
 
 async def test_fingerprint_and_shape_mismatch(redis_url: str, store: MemoryStore) -> None:

@@ -91,6 +91,8 @@ CASES = [
     ("list limit huge", "GET", "/v1/sessions?limit=100000", None, 400, "limit"),
     ("unknown route", "GET", "/v1/nothing-here", None, 404, None),
     ("wrong method", "PUT", "/v1/completions", {}, 405, None),
+    ("get import", "GET", "/v1/sessions/import", None, 405, None),  # not a session named "import"
+    ("delete import", "DELETE", "/v1/sessions/import", None, 405, None),
 ]
 
 

@@ -138,8 +138,15 @@ def test_an_exported_session_continues_identically_on_a_server_with_its_own_stor
     here, there = _continue(src, sid), _continue(dst, made["id"])
     assert there["choices"][0]["text"] == here["choices"][0]["text"]
     assert there["session"]["tokens_seen"] == here["session"]["tokens_seen"]
-    # another model with the same tokenizer takes it too
-    assert _post(upgraded, "/v1/sessions/import", doc, 201)["tokens_seen"] == 3 * len(TEXT)
+    # another model with the same tokenizer takes it too, and keeps the window it reads less of (17 of 49 tokens):
+    # carried on from there, the model that wrote it rebuilds it exactly (it was cut to 17 tokens, and the writer
+    # refused it with a 422; found by a helper)
+    passed = _post(upgraded, "/v1/sessions/import", doc, 201)
+    assert passed["tokens_seen"] == 3 * len(TEXT) and passed["window_tokens"] == 2 * 24 + 1
+    again = httpx.get(f"{upgraded.url}/v1/sessions/{passed['id']}/export", timeout=10).json()
+    assert again["window"] == doc["window"]
+    back = _post(dst, "/v1/sessions/import", again, 201)["id"]
+    assert _continue(dst, back)["choices"][0]["text"] == here["choices"][0]["text"]
 
 
 @pytest.mark.parametrize(("change", "status", "code"), [

@@ -64,7 +64,8 @@ def load_word_corpus(path: str | Path, tokenizer: WordTokenizer | None = None, *
     paths = {name: split_path(path, name) for name in SPLITS}
     for name in splits:
         if paths[name] is None:
-            raise DataError(f"{path} has no {name} split (expected wiki.{name}.tokens or {name}.txt)")
+            raise DataError(f"{path} has no {name} split (expected wiki.{name}.tokens or {name}.txt, either "
+                            "optionally .gz)")
     if tokenizer is None:
         if paths["train"] is None:
             raise DataError(f"{path} has no train split to build a vocabulary from")

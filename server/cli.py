@@ -161,6 +161,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                         "scored)")
     p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (shown on a terminal's stderr: scoring a whole file can take minutes)")
     _add_threads(p)
     p.set_defaults(func=_cmd_eval)
 
@@ -168,6 +170,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 def _cmd_eval(ns: argparse.Namespace) -> int:
     _set_threads(ns)
     import numpy as np
+    from tqdm import tqdm
 
     from model.checkpoint import load_checkpoint
     from model.data import load_corpus
@@ -201,8 +204,11 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
         if top >= cfg.vocab_size:  # a hand-made checkpoint's tokenizer names more symbols than the model reads
             raise DataError(f"the {name} split holds token {top}, past this model's {cfg.vocab_size:,} outputs "
                             "(its checkpoint's tokenizer names more symbols than the model has)")
-        results[name] = evaluate(ckpt.model, np.asarray(data), tgt_len=tgt_len, batch_size=ns.batch_size,
-                                 max_tokens=ns.max_tokens, device=device)
+        total = max(0, min(len(data) - 1, ns.max_tokens or len(data)))
+        with tqdm(total=total, unit="tok", unit_scale=True, desc=name, dynamic_ncols=True, leave=False,
+                  disable=True if ns.no_progress else None) as bar:  # None: shown on a terminal only
+            results[name] = evaluate(ckpt.model, np.asarray(data), tgt_len=tgt_len, batch_size=ns.batch_size,
+                                     max_tokens=ns.max_tokens, device=device, scored=bar.update)
     settings = {"checkpoint": str(ns.checkpoint), "data": str(ns.data), "tgt_len": tgt_len, "mem_len": cfg.mem_len,
                 "clamp_len": cfg.clamp_len, "same_length": cfg.same_length, "device": str(device)}
     if len(splits) == 1:  # the streams read (fewer than --batch-size where the split is short); else each split's
@@ -377,7 +383,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     if settings.redis_url is None:
         check_data_dir(settings.data_dir)
     group = settings.server_processes > 1 and REUSE_PORT  # each worker listens on a socket of its own (server.workers)
-    sock = bind(settings.host, settings.port, group=group, listen=not group)
+    # held, not listening: a connection is refused until the server can answer it (server.listen.start_listening),
+    # as vLLM's; one that listened at once left a probe's or a newcomer's first request hanging through the load
+    sock = bind(settings.host, settings.port, group=group, listen=False)
     claim = None
     try:
         claim = claim_port(sock.getsockname()[1]) if group else None

@@ -41,9 +41,11 @@ def bind(host: str, port: int, *, group: bool = False, listen: bool = True) -> s
 
 
 def start_listening(sock: socket.socket) -> None:
-    """Take connections from now on: a worker's socket in the port's group joins the kernel's share of
-    connections only once the worker can serve them (a loading worker would hold its share unanswered while
-    another's /ready says 200). On a socket already listening it only sets the backlog again."""
+    """Take connections from now on, once the server can serve them: before, a connection is refused, where one
+    that listened during the load hung unanswered until it ended (a newcomer's first curl, a probe's timeout); and
+    a worker's socket in the port's group joins the kernel's share of connections only then (a loading worker
+    would hold its share unanswered while another's /ready says 200). On a socket already listening it only sets
+    the backlog again."""
     sock.listen(BACKLOG)
 
 

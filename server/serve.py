@@ -4,7 +4,8 @@ generated and end their streams normally before the connections close.
 
 Start-up binds the port first and then loads the model and opens the store, both before
 uvicorn runs, so a port in use or a bad checkpoint is one line on stderr, not a
-traceback after a long load."""
+traceback after a long load. The port takes connections only once the server can answer
+them: before, a connection is refused (a probe fails at once, as vLLM's does)."""
 
 from __future__ import annotations
 

@@ -198,7 +198,7 @@ def test_cli_train_then_eval_json(corpus, tmp_path, capsys):
     threads = torch.get_num_threads()
     try:
         assert cli.main(["eval", "--checkpoint", str(out), "--data", str(corpus), "--split", "whole", "--json",
-                         "--threads", "1"]) == 0
+                         "--threads", "1", "--no-progress"]) == 0
     finally:
         torch.set_num_threads(threads)
     whole = json.loads(capsys.readouterr().out)
@@ -240,6 +240,9 @@ def test_eval_with_longer_memory_than_training(corpus, tmp_path):
     # (the eval command reported the number asked for, with another score than that many streams give)
     few = evaluate(load_checkpoint(tmp_path).model, valid, tgt_len=16, batch_size=8, max_tokens=100)
     assert few["batch_size"] == 6 and 0 < few["tokens"] <= 100
+    heard: list[int] = []  # what eval's progress bar hears: each segment's tokens, adding up to the score's
+    assert evaluate(load_checkpoint(tmp_path).model, valid, tgt_len=16, scored=heard.append) == short
+    assert len(heard) > 1 and sum(heard) == short["tokens"]
 
 
 @pytest.mark.parametrize("damage", ["no_dir", "no_config", "no_weights", "garbage_weights", "bad_json",

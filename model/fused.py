@@ -141,7 +141,7 @@ def _build() -> Path | None:
         return target
     cache, torch_dir = target.parent, Path(torch.__file__).parent
     started = time.monotonic()
-    log.info("building the fused decode attention for this CPU (seconds, once: it is cached in %s)", cache)
+    log.info("building the fused decode attention for this CPU (up to a minute, once: it is cached in %s)", cache)
     with tempfile.TemporaryDirectory(prefix="txlserve-kernel-") as tmp:
         objects = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
         lib = Path(tmp) / "kernels.so"

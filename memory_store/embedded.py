@@ -92,13 +92,18 @@ class EmbeddedRedis:
         code = None if self._proc is None else self._proc.poll()
         if code is None:
             return None
-        if code < 0:  # a signal: its log's last lines were whatever it said before (a start-up warning, say)
+        tail = self._log_tail(2)[-300:]
+        if -code in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):  # stopped from outside: its log's last lines
+            # were whatever it said before (a start-up warning, read as the reason)
+            return (f"the embedded Redis server was killed by {signal.Signals(-code).name} (by another process, or "
+                    "the kernel out of memory)")
+        if code < 0:  # a crash: Redis writes its report, then raises the signal again
             try:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = f"signal {-code}"
-            return f"the embedded Redis server was killed by {name} (by another process, or the kernel out of memory)"
-        return f"the embedded Redis server exited (status {code}); its log says: {self._log_tail(2)[-300:]}"
+            return f"the embedded Redis server crashed ({name}); its log says: {tail}"
+        return f"the embedded Redis server exited (status {code}); its log says: {tail}"
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> None:
         """Log the death of the server this object started, when it dies and why (its log's last lines), unless

@@ -15,7 +15,7 @@ from types import TracebackType
 
 from memory_store.redis_tier import RedisClock, RedisTier
 from memory_store.session import Session
-from txlserve.errors import StoreUnavailable
+from txlserve.errors import StoreUnavailable, TxlError
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Lease:
         while True:
             await asyncio.sleep(every_s)
             try:
-                renewed = await self._tier.renew(self.session_id, self.token)
+                renewed = await self._tier.renew(self.session_id, self.token, self.session.info.owner)
             except StoreUnavailable as err:
                 # Keep trying: if Redis is back before the TTL runs out, nothing was lost.
                 log.warning("could not renew the lease on session %s: %s", self.session_id, err)
@@ -95,7 +95,7 @@ class Lease:
             return
         try:
             await self._tier.ending(self.session_id, self.token)
-        except StoreUnavailable as err:
+        except TxlError as err:  # Redis away, or a key of the wrong type: the commit meets it and says so
             log.debug("could not mark the lease on session %s ending: %s", self.session_id, err)
 
     async def release(self) -> None:

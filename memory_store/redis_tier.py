@@ -49,7 +49,7 @@ ANY_VERSION = "*"
 POOL_EXHAUSTED = "No connection available."  # redis-py's BlockingConnectionPool, once its wait for one ran out
 ABSENT = -1
 
-# Compare-and-set write. KEYS: the session, its lease, its ring. ARGV[1] is the
+# Compare-and-set write. KEYS: the session, its lease, its ring, its ending mark. ARGV[1] is the
 # version the caller read ('-1': must not exist, '*': overwrite whatever is
 # there); ARGV[2] the lease token that must still be held ('' when the write is
 # not under a lease); ARGV[7] '1' gives the lease back with the write (a
@@ -101,7 +101,7 @@ else
   redis.call('DEL', KEYS[3])
 end
 if ARGV[2] ~= '' then
-  if ARGV[7] == '1' then redis.call('DEL', KEYS[2]) else redis.call('PEXPIRE', KEYS[2], ARGV[6]) end
+  if ARGV[7] == '1' then redis.call('DEL', KEYS[2], KEYS[4]) else redis.call('PEXPIRE', KEYS[2], ARGV[6]) end
 end
 redis.call('HSET', KEYS[1], 'header', ARGV[3], 'payload', ARGV[4])
 for _, key in ipairs({KEYS[1], KEYS[3]}) do
@@ -186,8 +186,9 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[2], 
 return 0
 """
 
+# KEYS: lease, ending mark (its holder's, gone with it).
 _RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[2]); return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
@@ -418,33 +419,35 @@ class RedisTier:
         policy, limit = conf.get("maxmemory-policy"), conf.get("maxmemory")
         return str(policy) if policy not in (None, "noeviction") and str(limit or "0") != "0" else None
 
-    async def read(self, session_id: str, owner: str | None, *, payload: bool,
+    async def read(self, session_id: str, owner: str | None, *, payload: bool, ring: bool = True,
                    touch: bool = True) -> tuple[bytes | None, bytes | None, bytes | None]:
-        """(header, payload, ring) of a session (only the header unless ``payload``), refreshing its TTL and its
-        owner's index TTL (unless ``touch`` is False: the cold-tier sweep reads without making a session look
-        used)."""
+        """(header, payload, ring) of a session (only the header unless ``payload``; no ring unless ``ring``),
+        refreshing its TTL and its owner's index TTL (unless ``touch`` is False: the cold-tier sweep reads without
+        making a session look used)."""
         record = [session_key(session_id), ring_key(session_id)]
+        fields = ("header", "payload") if payload else ("header",)
+        whole = payload and ring
         with self._translate():
             if self._cluster:  # a cluster pipeline cannot carry scripts: the touches run beside the read
                 keys = (record, [owner_key(owner)]) if touch and self._ttl_ms else ()
-                read = (self._read(keys=record) if payload
-                        else self._client.hmget(session_key(session_id), ("header",)))
+                read = (self._read(keys=record) if whole
+                        else self._client.hmget(session_key(session_id), fields))
                 values, *_ = await asyncio.gather(read, *(self._touch_script(keys=k, args=[
                     self._ttl_ms, self._touch_slack_ms]) for k in keys), return_exceptions=True)
                 if isinstance(values, BaseException):  # a touch that failed is the next use's to repeat
                     raise values
             else:
                 def build(pipe: redis.asyncio.client.Pipeline) -> None:
-                    if payload:
+                    if whole:
                         pipe.evalsha(self._read.sha, len(record), *record)
                     else:
-                        pipe.hmget(session_key(session_id), ("header",))
+                        pipe.hmget(session_key(session_id), fields)
                     if touch:
                         self._touch(pipe, *record)
                         self._touch(pipe, owner_key(owner))
 
                 values = (await self._pipeline(build))[0]
-        return (values[0], values[1], values[2]) if payload else (values[0], None, None)
+        return (values[0], values[1], values[2] if whole else None) if payload else (values[0], None, None)
 
     async def write(
         self, session_id: str, *, header: bytes, payload: bytes, expected: int | str, token: str = "",
@@ -460,7 +463,7 @@ class RedisTier:
         fingerprint, n_layer, d_model, dtype, mem_len, tokens_seen, least rows and length the stored record must
         have) it is patched with ``runs`` of (byte offset, bytes); or with neither (a record without one) it is
         removed."""
-        keys = [session_key(session_id), lease_key(session_id), ring_key(session_id)]
+        keys = [session_key(session_id), lease_key(session_id), ring_key(session_id), ending_key(session_id)]
         args = [str(expected), token, header, payload, self._ttl_ms, self._lease_ttl_ms, "1" if release else "0",
                 "" if deadline_ms is None else str(int(deadline_ms))]
         if guard is not None:
@@ -598,11 +601,19 @@ class RedisTier:
             return "BUSY", (int(reply[1]), len(reply) > 2 and int(reply[2]) == 1), None
         return reply[0].decode(), reply[1], RedisClock.read(reply[2], reply[3])
 
-    async def renew(self, session_id: str, token: str) -> int:
-        """Extend the lease if ``token`` still holds it."""
+    async def renew(self, session_id: str, token: str, owner: str | None = None) -> int:
+        """Extend the lease if ``token`` still holds it, and hold the session's TTL and its ``owner``'s list's (a
+        session in use is not idle: a request longer than the TTL kept its session but left its owner's list)."""
         with self._translate():
-            return int(await self._renew(keys=[lease_key(session_id), session_key(session_id), ring_key(session_id)],
-                                         args=[token, self._lease_ttl_ms, self._held_ttl_ms]))
+            renewed = int(await self._renew(keys=[lease_key(session_id), session_key(session_id),
+                                                  ring_key(session_id)],
+                                            args=[token, self._lease_ttl_ms, self._held_ttl_ms]))
+        if renewed > 0 and self._ttl_ms:  # best effort, as a read's touch: the next renewal repeats it
+            try:
+                await self._touch_script(keys=[owner_key(owner)], args=[self._held_ttl_ms, self._touch_slack_ms])
+            except (redis.exceptions.RedisError, OSError, TimeoutError) as err:
+                log.debug("renewing session %s's lease: its owner's list was not touched: %s", session_id, err)
+        return renewed
 
     async def ending(self, session_id: str, token: str) -> bool:
         """Mark the lease ``token`` holds as ending; False if it no longer holds it."""
@@ -612,7 +623,7 @@ class RedisTier:
 
     async def release(self, session_id: str, token: str) -> bool:
         with self._translate():
-            return bool(await self._release(keys=[lease_key(session_id)], args=[token]))
+            return bool(await self._release(keys=[lease_key(session_id), ending_key(session_id)], args=[token]))
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -210,15 +210,16 @@ class MemoryStore:
     async def window(self, session_id: str, *, owner: str | None = None) -> tuple[SessionInfo, list[int] | None]:
         """A session's header and token window (None: stored before windows), whichever model wrote it: giving a
         document away needs no model, so a replica of another model or tokenizer exports it as it is (a 422
-        before). Read from Redis, and checked as every read is."""
+        before). Read from Redis without its memory's ring (a WikiText-103 session's is tens of MB)."""
         with self.metrics.timed("get"):
             session_id = _checked_id(session_id)
-            raw, payload, ring = await self._redis.read(session_id, owner, payload=True)
+            raw, payload, _ = await self._redis.read(session_id, owner, payload=True, ring=False)
             header = self._header(session_id, raw, owner, compatible=False)
-            tensors = await asyncio.to_thread(codec.decode_payload, payload or b"", header, ring)
-            window = tensors.get(codec.WINDOW)
-            return (SessionInfo.from_header(session_id, header, tier="redis"),
-                    None if window is None else window.tolist())
+            info = SessionInfo.from_header(session_id, header, tier="redis")
+            if not header.window_tokens:  # an empty session's window is empty; an old one's, absent
+                return info, [] if header.tokens_seen == 0 else None
+            tensors = await asyncio.to_thread(codec.decode_payload, payload or b"", header, None)
+            return info, tensors[codec.WINDOW].tolist()
 
     async def info(self, session_id: str, *, owner: str | None = None) -> SessionInfo:
         """Header fields only; no tensors are read."""
@@ -321,7 +322,7 @@ class MemoryStore:
                     session_id, header=codec.encode_header(header), payload=payload, expected=expected, ring=ring
                 )
                 if status == "OK":
-                    await self._redis.index(owner, session_id, header.created_at)
+                    await self._index(owner, session_id, header.created_at)
                     return self._cache(session_id, header, self._on_device(tensors))
             raise SessionConflict(f"session {session_id!r} kept changing during put; try again")
 
@@ -647,8 +648,19 @@ class MemoryStore:
         )
         if status != "OK":  # 128 random bits: never seen in practice
             raise SessionConflict(f"new session id {session_id!r} already exists")
-        await self._redis.index(owner, session_id, header.created_at)
+        await self._index(owner, session_id, header.created_at)
         return self._cache(session_id, header, self._on_device(tensors))
+
+    async def _index(self, owner: str | None, session_id: str, created_at: float) -> None:
+        """List a session just written. It exists whether or not this lands: an error here (a burst that held
+        every connection, say) answered a 429 or 503 for a session that was made, so a client's retry made it
+        twice; it is logged, and the session is missing from its owner's list, as after a crash between the two
+        writes."""
+        try:
+            await self._redis.index(owner, session_id, created_at)
+        except StoreUnavailable as err:
+            log.warning("session %s was stored, but its owner's list could not be updated (it is not listed): %s",
+                        session_id, err)
 
     def _creation_time(self, now: float) -> float:
         """``now``, or a millisecond after the last session this store created: the owner index lists sessions

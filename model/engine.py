@@ -198,16 +198,19 @@ class Engine:
             state.v.copy_(state.v.roll(shift, dims=3))
         state.seen[0] = tokens_seen
 
-    def check_window(self, window: list[int], tokens_seen: int) -> list[int]:
-        """The part of a session's token window this model reads (its last ``window_len``), or why it cannot (every
-        id of ``window`` is checked: a session keeps a window longer than it reads for a model that reads more)."""
+    def check_window(self, window: list[int], tokens_seen: int, *, every_id: bool = False) -> list[int]:
+        """The part of a session's token window this model reads (its last ``window_len``), or why it cannot.
+        ``every_id``: the ids it does not read are checked too (an import keeps a window longer than it reads,
+        for a model that reads more; a stored session's older ids are that model's business)."""
         if len(window) > tokens_seen:
             raise InvalidRequestError(f"the window holds {len(window)} tokens, more than tokens_seen "
                                       f"({tokens_seen})", param="tokens_seen")
-        if window and not 0 <= min(window) <= max(window) < self.config.vocab_size:
+        read = window[-self.window_len:]  # older tokens cannot reach this model's state: never read
+        checked = window if every_id else read
+        if checked and not 0 <= min(checked) <= max(checked) < self.config.vocab_size:
             raise InvalidRequestError(f"the window holds token ids outside 0..{self.config.vocab_size - 1}",
                                       param="window")
-        window = window[-self.window_len:]  # older tokens cannot reach this model's state: never read
+        window = read
         if len(window) < min(tokens_seen, self.mem_len):  # the ring would hold empty slots as real positions
             why = "every token it has seen" if tokens_seen < self.mem_len else "a full memory of this model"
             raise SessionIncompatible(f"the session's window holds {len(window)} tokens; rebuilding it needs "

@@ -369,7 +369,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from memory_store.embedded import check_data_dir
     from memory_store.redis_tier import check_url
     from model.bundled import resolve_checkpoint
-    from server.listen import REUSE_PORT, bind, claim_port
+    from server.listen import HOLDS_PORT, REUSE_PORT, bind, claim_port
     from server.settings import Settings
 
     overrides = {k: getattr(ns, k) for k in Settings.__dataclass_fields__ if getattr(ns, k, None) is not None}
@@ -383,12 +383,13 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     if settings.redis_url is None:
         check_data_dir(settings.data_dir)
     group = settings.server_processes > 1 and REUSE_PORT  # each worker listens on a socket of its own (server.workers)
-    # held, not listening: a connection is refused until the server can answer it (server.listen.start_listening),
-    # as vLLM's; one that listened at once left a probe's or a newcomer's first request hanging through the load
-    sock = bind(settings.host, settings.port, group=group, listen=False)
+    # held, not listening (where it can be claimed): a connection is refused until the server can answer it
+    # (server.listen.start_listening), as vLLM's; one that listened at once hung through the load
+    held = group or HOLDS_PORT
+    sock = bind(settings.host, settings.port, group=group, listen=not held)
     claim = None
     try:
-        claim = claim_port(sock.getsockname()[1]) if group else None
+        claim = claim_port(sock.getsockname()[1]) if held else None
         resolve_checkpoint(settings.checkpoint)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -10,6 +10,9 @@ import sys
 from txlserve.errors import ConfigError
 
 REUSE_PORT = hasattr(socket, "SO_REUSEPORT") and sys.platform == "linux"  # where the kernel spreads connections
+# Where a port can be claimed (claim_port: Linux's abstract sockets), a server holds it bound but not listening until
+# it can answer; elsewhere it listens at once (two sockets with SO_REUSEADDR that do not listen may share a port).
+HOLDS_PORT = sys.platform == "linux"
 BACKLOG = 2048
 
 
@@ -46,20 +49,25 @@ def start_listening(sock: socket.socket) -> None:
     a worker's socket in the port's group joins the kernel's share of connections only then (a loading worker
     would hold its share unanswered while another's /ready says 200). On a socket already listening it only sets
     the backlog again."""
-    sock.listen(BACKLOG)
+    try:
+        sock.listen(BACKLOG)
+    except OSError as err:  # a process that is not a txlserve (no claim) took the port since it was bound
+        raise ConfigError(f"cannot listen on port {sock.getsockname()[1]}: {err.strerror or err} (choose another "
+                          "--port)") from None
 
 
 def claim_port(port: int) -> socket.socket:
-    """A Linux abstract unix socket named after ``port``, held by a supervisor of ``--workers`` while it runs: the
-    sockets of a group share their port with any process of the same user that asks as they do, so without it a
-    second ``txlserve serve --workers`` on the port would join the first's group and take some of its connections
-    rather than fail as a port in use does. Named after the port alone: ``localhost`` and ``127.0.0.1`` are one
-    address. The kernel drops it when the process exits."""
+    """A Linux abstract unix socket named after ``port``, held by ``txlserve serve`` (a supervisor of ``--workers``)
+    while it runs: the sockets of a group share their port with any process of the same user that asks as they do,
+    and two bound sockets that do not listen yet share it too, so without it a second ``txlserve serve`` on the port
+    would join the first's group, or load beside the first until one of them failed to listen, rather than fail as
+    a port in use does. Named after the port alone: ``localhost`` and ``127.0.0.1`` are one address. The kernel
+    drops it when the process exits."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(f"\0txlserve-workers-port-{port}")
     except OSError:
         sock.close()
-        raise ConfigError(f"cannot listen on port {port}: another txlserve serve --workers is using it (choose "
-                          "another --port)") from None
+        raise ConfigError(f"cannot listen on port {port}: it is in use by another txlserve serve (choose another "
+                          "--port)") from None
     return sock

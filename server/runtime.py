@@ -118,8 +118,8 @@ class Runtime:
         if not runs:
             return
         # said at once: an operator's SIGTERM was otherwise met by silence until the streams ended (found by a helper)
-        log.info("draining: waiting up to %g s for %d request(s) running (new connections are refused; a second "
-                 "Ctrl-C stops at once)", self.settings.shutdown_timeout_s, len(runs))
+        log.info("draining: waiting up to %g s for %d request(s) running (new connections are refused; SIGINT "
+                 "(Ctrl-C) stops the server at once)", self.settings.shutdown_timeout_s, len(runs))
         _, pending = await asyncio.wait([r.task for r in runs], timeout=self.settings.shutdown_timeout_s)
         if not pending:
             return

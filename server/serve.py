@@ -198,7 +198,6 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
         rt.worker, rt.peers = worker, peers
         rt.metrics.live.engine = settings.api_server_count == 1 or not worker  # a shared engine's, counted once
         shared = await share_metrics(rt, peers) if peers else None  # the other workers' /metrics read this one's
-        start_listening(sock)  # a worker's socket takes connections once it can serve them (server.listen)
         app = build_app(settings, runtime=rt)
         freeze_startup_objects()
         # uvicorn's own deadline comes after ours, so cancelled streams can still say goodbye
@@ -219,6 +218,7 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
         if hold is not None and hold.held:
             log.info("stopping before serving (%s)", signal.Signals(hold.held[0]).name)
         else:
+            start_listening(sock)  # connections are taken once the server can answer them (server.listen)
             await server.serve(sockets=[sock])
     finally:
         try:

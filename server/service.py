@@ -8,6 +8,7 @@ run still collects the engine's final state and commits what was generated.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Coroutine
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 STOPPED_RUN_WAIT_S = 5.0
 # How long a run on the same session that still generates is given to hear that its client left.
 NOTICE_S = 0.1
+# The same, for a run on another replica: it must also say so in Redis (Lease.ending), on a machine that may be busy.
+REMOTE_NOTICE_S = 0.5
 
 
 @dataclass
@@ -134,8 +137,7 @@ class Run:
                     rt.hot.put(info.session_id, info.revision, done.state, window)
                 await self._final(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
-            await self._after_stopped_runs()
-            async with await self._leased() as lease:
+            async with await self._leased(await self._after_stopped_runs()) as lease:
                 lease.on_lost, self.lease = self.lease_lost, lease  # deleted through another replica, say: stop
                 self._ending()  # its client left while it waited for the lease
                 info = lease.session.info
@@ -178,8 +180,7 @@ class Run:
                     req.keep(info.session_id, info.revision)
                 await self._final(Final(done, last, info, 0, "rebuild" if seen else None))
                 return
-            await self._after_stopped_runs()
-            async with await self._leased() as lease:
+            async with await self._leased(await self._after_stopped_runs()) as lease:
                 lease.on_lost, self.lease = self.lease_lost, lease
                 self._ending()  # its client left while it waited for the lease
                 info = lease.session.info
@@ -222,17 +223,17 @@ class Run:
             phases["commit"].observe(now - answered)
         await self.events.put(final)
 
-    async def _after_stopped_runs(self) -> None:
+    async def _after_stopped_runs(self) -> bool:
         """Wait (a few ms, bounded) for this server's runs on the same session that were stopped (their client
         left or cancelled) to commit what they made. "Stop generating, then continue" sends its next request at
         once: it was a 409 nearly every time (and the OpenAI SDK's retries hid it as a second's delay). The
         client that left may not have been heard yet (its connection's end and the new request can be read in
-        one turn of the event loop): a run still generating gets a moment to be told. One still generating
-        after it serves another request: a 409, at once but for that moment."""
+        one turn of the event loop): a run still generating gets a moment to be told. Whether one of this
+        server's runs still holds the session, generating after that moment (the lease's 409 is then certain)."""
         others = [r for r in self.rt.runs  # those that hold the session: a run that committed has let it go
                   if r is not self and r.session_id == self.session_id and r.lease is not None and not r.lease.released]
         if not others:
-            return
+            return False
         told = [asyncio.ensure_future(r.stopped.wait()) for r in others if not r.stopped.is_set()]
         if told:
             await asyncio.wait(told, timeout=NOTICE_S)
@@ -241,29 +242,27 @@ class Run:
         stopped = [r.task for r in others if r.cancelled]
         if stopped:
             await asyncio.wait(stopped, timeout=STOPPED_RUN_WAIT_S)
+        return any(not r.cancelled and r.lease is not None and not r.lease.released for r in others)
 
-    async def _leased(self) -> Lease:
+    async def _leased(self, held_here: bool) -> Lease:
         """The session's lease. One held by another replica's run whose client left (:meth:`_ending`) is waited
         for while that run commits (bounded), as this server's own stopped runs are; one held by a run not known
-        to be ending is asked again once, after the moment its server may need to hear its client left, then is
-        a 409."""
-        deadline, pause, asked_again = None, 0.002, False
+        to be ending is asked again for ``REMOTE_NOTICE_S`` (the time another replica may need to hear its client
+        left and say so), then is a 409, at once where this server's own run holds it (``held_here``). A run
+        cancelled meanwhile stops waiting, as one that had the lease stops generating."""
+        started, pause = time.monotonic(), 0.005
         while True:
+            if self.cancelled:
+                raise self._cancelled()
             try:
                 return await self.rt.store.lease(self.session_id, owner=self.owner, tensors=False)
             except SessionBusy as err:
-                now = time.monotonic()
-                if err.ending:
-                    deadline = deadline or now + STOPPED_RUN_WAIT_S
-                    if now >= deadline or self.cancelled:
-                        raise
-                    await asyncio.sleep(pause)
-                    pause = min(2 * pause, 0.05)
-                elif asked_again or self.cancelled:
+                waited = time.monotonic() - started
+                if held_here or waited >= (STOPPED_RUN_WAIT_S if err.ending else REMOTE_NOTICE_S):
                     raise
-                else:
-                    asked_again = True
-                    await asyncio.sleep(NOTICE_S)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stopped.wait(), timeout=pause)  # a cancel ends the wait at once
+            pause = min(2 * pause, 0.05)
 
     def _named(self, err: Exception) -> Exception:
         """A session that is not there (or was deleted meanwhile) names the body's field that asked for it."""

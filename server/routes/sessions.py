@@ -31,8 +31,8 @@ router = APIRouter(prefix="/v1/sessions")
 MAX_IMPORT_TOKENS = 1 << 53
 # The last tokens of an imported window a session keeps, at least this model's window: longer than any model's here
 # (the published WikiText-103 model's is 28,801), so that the model that wrote a document can still rebuild it after
-# it passed through a model that reads less; bounded (256 KB as stored), as a session's memory is.
-IMPORT_WINDOW_TOKENS = 1 << 16
+# it passed through a model that reads less; bounded (128 KB as stored), as a session's memory is.
+IMPORT_WINDOW_TOKENS = 1 << 15
 log = logging.getLogger("txlserve.sessions")
 
 
@@ -127,6 +127,9 @@ async def export_session(session_id: str, rt: Runtime = Depends(runtime),
         raise SessionIncompatible(f"session {session_id!r} was stored before sessions kept their token window; "
                                   "it cannot be exported until it has read another "
                                   f"{rt.engine.window_len} tokens", param="session_id")
+    if not info.tokenizer and info.fingerprint != rt.engine.fingerprint:  # written before headers named it
+        raise SessionIncompatible(f"session {session_id!r} was written by another model before sessions named "
+                                  "their tokenizer: its window cannot be read here", param="session_id")
     return SessionExport(tokenizer=info.tokenizer or rt.engine.tokenizer_id, tokens_seen=info.tokens_seen,
                          window=window, metadata=info.metadata or {},
                          model=rt.settings.model_name, created_at=int(info.created_at))
@@ -143,7 +146,7 @@ async def import_session(request: Request, body: SessionExport, rt: Runtime = De
         raise SessionIncompatible(f"the session was written under tokenizer {body.tokenizer!r}; this server reads "
                                   f"text with {rt.engine.tokenizer_id!r}", param="tokenizer")
     window = body.window[-max(rt.engine.window_len, IMPORT_WINDOW_TOKENS):]
-    rt.engine.check_window(window, body.tokens_seen)  # why this model cannot rebuild it, if it cannot
+    rt.engine.check_window(window, body.tokens_seen, every_id=True)  # why this model cannot rebuild it, if so
     if len(body.window) < min(body.tokens_seen, rt.engine.window_len):
         log.info("importing a session whose window (%d tokens) is shorter than this model's (%d): rebuilt from "
                  "what it holds", len(body.window), rt.engine.window_len)

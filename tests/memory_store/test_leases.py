@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio
 
 from memory_store import MemoryStore
-from memory_store.redis_tier import lease_key
+from memory_store.redis_tier import ending_key, lease_key
 from tests.memory_store import holder
 from tests.memory_store.support import IDENTITY, assert_same, make_state, start_holder, state_bytes
 from txlserve.errors import SessionBusy, SessionConflict, SessionNotFound, StoreUnavailable
@@ -53,7 +53,7 @@ async def test_lease_is_exclusive_across_stores(store: MemoryStore, other_store:
 
 
 async def test_a_holder_marked_ending_is_told_apart_from_one_still_running(
-        store: MemoryStore, other_store: MemoryStore) -> None:
+        store: MemoryStore, other_store: MemoryStore, raw: redis.asyncio.Redis) -> None:
     """A holder whose client left marks its lease ending (it commits and lets go in milliseconds): another
     store's attempt says so, so that its request waits rather than answering 409. The mark names its holder: the
     next holder of the session is not ending because the last one was."""
@@ -66,6 +66,7 @@ async def test_a_holder_marked_ending_is_told_apart_from_one_still_running(
         with pytest.raises(SessionBusy) as busy:
             await other_store.lease(info.session_id)
         assert busy.value.ending is True and busy.value.status == 409
+    assert not await raw.exists(ending_key(info.session_id))  # the mark goes with its holder's lease
     async with other_store.lease(info.session_id) as next_holder:  # the ending one let go
         with pytest.raises(SessionBusy) as busy:
             await store.lease(info.session_id)
@@ -75,6 +76,11 @@ async def test_a_holder_marked_ending_is_told_apart_from_one_still_running(
             await store.lease(info.session_id)
         assert busy.value.ending is False
         assert next_holder.version == 1
+        await next_holder.ending()
+        await other_store.commit(next_holder, make_state(seed=1), tokens_seen=8, release=True)  # let go as it wrote
+    assert not await raw.exists(ending_key(info.session_id))
+    async with store.lease(info.session_id) as lease:
+        assert lease.version == 2
 
 
 async def test_renewal_keeps_the_lease_past_its_ttl(short: tuple[MemoryStore, MemoryStore]) -> None:

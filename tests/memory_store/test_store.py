@@ -287,13 +287,16 @@ async def test_a_leased_session_outlives_its_idle_ttl(redis_url: str, raw: redis
     it was making (its commit a 404; found by a helper). Its TTL is held at least a lease's while leased, and is
     the idle TTL again from its commit."""
     async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=1, lease_ttl_ms=900) as store:
-        info = await store.create(tensors=make_state(), mem_len=8)
-        async with store.lease(info.session_id) as lease:
+        owner = new_owner()
+        info = await store.create(owner=owner, tensors=make_state(), mem_len=8)
+        async with store.lease(info.session_id, owner=owner) as lease:
             await asyncio.sleep(2.5)  # past the idle TTL twice over; renewed every 300 ms
             assert not lease.lost
             await store.commit(lease, make_state(seed=1), tokens_seen=8, release=True)
         assert 0 < await raw.pttl(session_key(info.session_id)) <= 1000
-        assert (await store.info(info.session_id)).version == 2
+        assert (await store.info(info.session_id, owner=owner)).version == 2
+        listed, _ = await store.list(owner=owner)  # and its owner's list kept it
+        assert [i.session_id for i in listed] == [info.session_id]
 
 
 async def test_a_lease_refreshes_the_owner_index_in_its_round_trip(redis_url: str, raw: redis.asyncio.Redis) -> None:

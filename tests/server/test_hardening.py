@@ -717,6 +717,21 @@ def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path: Path):
         r = _serve("--port", str(port), "--checkpoint", "/nope/nothing", "--data-dir", str(tmp_path))
     assert r.returncode == 2 and f"{port}" in r.stderr and "in use" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    # a txlserve still loading holds its port bound, not listening, and claimed: two such sockets with SO_REUSEADDR
+    # share a port, so a second server loaded beside the first until one of them failed to listen (found by a review)
+    from server.listen import HOLDS_PORT, bind, claim_port
+
+    if HOLDS_PORT:
+        loading = bind("127.0.0.1", 0, listen=False)
+        port = loading.getsockname()[1]
+        claim = claim_port(port)
+        try:
+            r = _serve("--port", str(port), "--checkpoint", "/nope/nothing", "--data-dir", str(tmp_path))
+        finally:
+            claim.close()
+            loading.close()
+        assert r.returncode == 2 and f"{port}" in r.stderr and "in use" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_serve_help_describes_every_option():

@@ -41,7 +41,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from memory_store.metrics import StoreMetrics
-from txlserve.errors import ConfigError, SessionCorrupt, StoreOverloaded, StoreUnavailable
+from txlserve.errors import ConfigError, SessionCorrupt, StoreOverloaded, StoreUnavailable, TxlError
 
 log = logging.getLogger(__name__)
 
@@ -610,8 +610,9 @@ class RedisTier:
                                             args=[token, self._lease_ttl_ms, self._held_ttl_ms]))
         if renewed > 0 and self._ttl_ms:  # best effort, as a read's touch: the next renewal repeats it
             try:
-                await self._touch_script(keys=[owner_key(owner)], args=[self._held_ttl_ms, self._touch_slack_ms])
-            except (redis.exceptions.RedisError, OSError, TimeoutError) as err:
+                with self._translate():
+                    await self._touch_script(keys=[owner_key(owner)], args=[self._held_ttl_ms, self._touch_slack_ms])
+            except TxlError as err:  # never out of the renewer: the lease must go on being renewed
                 log.debug("renewing session %s's lease: its owner's list was not touched: %s", session_id, err)
         return renewed
 

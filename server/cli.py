@@ -369,7 +369,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from memory_store.embedded import check_data_dir
     from memory_store.redis_tier import check_url
     from model.bundled import resolve_checkpoint
-    from server.listen import HOLDS_PORT, REUSE_PORT, bind, claim_port
+    from server.listen import HOLDS_PORT, REUSE_PORT, bind, claim_port, start_listening
     from server.settings import Settings
 
     overrides = {k: getattr(ns, k) for k in Settings.__dataclass_fields__ if getattr(ns, k, None) is not None}
@@ -390,6 +390,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     claim = None
     try:
         claim = claim_port(sock.getsockname()[1]) if held else None
+        if held and claim is None and not group:  # no claim to be had here: listen at once, as where none exists
+            start_listening(sock)
         resolve_checkpoint(settings.checkpoint)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -56,18 +56,21 @@ def start_listening(sock: socket.socket) -> None:
                           "--port)") from None
 
 
-def claim_port(port: int) -> socket.socket:
+def claim_port(port: int) -> socket.socket | None:
     """A Linux abstract unix socket named after ``port``, held by ``txlserve serve`` (a supervisor of ``--workers``)
     while it runs: the sockets of a group share their port with any process of the same user that asks as they do,
     and two bound sockets that do not listen yet share it too, so without it a second ``txlserve serve`` on the port
     would join the first's group, or load beside the first until one of them failed to listen, rather than fail as
-    a port in use does. Named after the port alone: ``localhost`` and ``127.0.0.1`` are one address. The kernel
-    drops it when the process exits."""
+    a port in use does. Named after the port alone (``localhost`` and ``127.0.0.1`` are one address), so two servers
+    on one port of two addresses of a machine are one too many. The kernel drops it when the process exits. None
+    where it cannot be made (a sandbox that refuses abstract sockets): the caller listens at once then."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(f"\0txlserve-workers-port-{port}")
-    except OSError:
+    except OSError as err:
         sock.close()
-        raise ConfigError(f"cannot listen on port {port}: it is in use by another txlserve serve (choose another "
-                          "--port)") from None
+        if err.errno != errno.EADDRINUSE:
+            return None
+        raise ConfigError(f"cannot listen on port {port}: it is in use by another txlserve serve (on this machine, "
+                          "whatever its host; choose another --port)") from None
     return sock

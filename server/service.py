@@ -223,33 +223,46 @@ class Run:
             phases["commit"].observe(now - answered)
         await self.events.put(final)
 
-    async def _after_stopped_runs(self) -> bool:
+    async def _after_stopped_runs(self) -> list[Run]:
         """Wait (a few ms, bounded) for this server's runs on the same session that were stopped (their client
         left or cancelled) to commit what they made. "Stop generating, then continue" sends its next request at
         once: it was a 409 nearly every time (and the OpenAI SDK's retries hid it as a second's delay). The
         client that left may not have been heard yet (its connection's end and the new request can be read in
-        one turn of the event loop): a run still generating gets a moment to be told. Whether one of this
-        server's runs still holds the session, generating after that moment (the lease's 409 is then certain)."""
+        one turn of the event loop): a run still generating gets a moment to be told. This server's runs that
+        held the session (:meth:`_leased` reads how they stand when the lease is refused). A cancel of this run
+        ends the wait."""
         others = [r for r in self.rt.runs  # those that hold the session: a run that committed has let it go
                   if r is not self and r.session_id == self.session_id and r.lease is not None and not r.lease.released]
         if not others:
-            return False
+            return others
         told = [asyncio.ensure_future(r.stopped.wait()) for r in others if not r.stopped.is_set()]
         if told:
-            await asyncio.wait(told, timeout=NOTICE_S)
+            await self._until(told, NOTICE_S)
             for waiter in told:
                 waiter.cancel()
-        stopped = [r.task for r in others if r.cancelled]
-        if stopped:
-            await asyncio.wait(stopped, timeout=STOPPED_RUN_WAIT_S)
-        return any(not r.cancelled and r.lease is not None and not r.lease.released for r in others)
+        await self._until([r.task for r in others if r.cancelled], STOPPED_RUN_WAIT_S)
+        return others
 
-    async def _leased(self, held_here: bool) -> Lease:
-        """The session's lease. One held by another replica's run whose client left (:meth:`_ending`) is waited
-        for while that run commits (bounded), as this server's own stopped runs are; one held by a run not known
-        to be ending is asked again for ``REMOTE_NOTICE_S`` (the time another replica may need to hear its client
-        left and say so), then is a 409, at once where this server's own run holds it (``held_here``). A run
-        cancelled meanwhile stops waiting, as one that had the lease stops generating."""
+    async def _until(self, aws: list[asyncio.Future], timeout: float) -> None:
+        """Wait for all of ``aws`` (none is cancelled here), for ``timeout`` at most, or until this run is
+        cancelled."""
+        loop, pending = asyncio.get_running_loop(), set(aws)
+        deadline = loop.time() + timeout
+        me = asyncio.ensure_future(self.stopped.wait())
+        try:
+            while pending and not self.cancelled and (left := deadline - loop.time()) > 0:
+                done, _ = await asyncio.wait(pending | {me}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                pending -= done
+        finally:
+            me.cancel()
+
+    async def _leased(self, here: list[Run]) -> Lease:
+        """The session's lease. One held by a run whose client left is waited for while that run commits
+        (bounded): this server's own (``here``, as :meth:`_after_stopped_runs` left them), or another replica's
+        that said so in Redis (:meth:`_ending`). One that this server's own running request holds is a 409 at once;
+        one another replica holds, not known to be ending, is asked again for ``REMOTE_NOTICE_S`` (the time that
+        replica may need to hear its client left and say so), then is a 409. A cancel of this run ends the wait
+        (a 499), and it never takes the lease then."""
         started, pause = time.monotonic(), 0.005
         while True:
             if self.cancelled:
@@ -257,8 +270,11 @@ class Run:
             try:
                 return await self.rt.store.lease(self.session_id, owner=self.owner, tensors=False)
             except SessionBusy as err:
-                waited = time.monotonic() - started
-                if held_here or waited >= (STOPPED_RUN_WAIT_S if err.ending else REMOTE_NOTICE_S):
+                held = [r for r in here if r.lease is not None and not r.lease.released]
+                stopping = err.ending or any(r.cancelled for r in held)
+                if held and not stopping:
+                    raise
+                if time.monotonic() - started >= (STOPPED_RUN_WAIT_S if stopping else REMOTE_NOTICE_S):
                     raise
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stopped.wait(), timeout=pause)  # a cancel ends the wait at once

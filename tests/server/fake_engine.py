@@ -42,7 +42,7 @@ class FakeEngine:
     tokenizer_id = "byte:fake"
     window_len = N_LAYER * MEM_LEN + 1
 
-    def check_window(self, window: list[int], tokens_seen: int) -> list[int]:
+    def check_window(self, window: list[int], tokens_seen: int, *, every_id: bool = False) -> list[int]:
         return window[-self.window_len:]
 
     def renumber(self, state: FakeState, tokens_seen: int) -> None:

@@ -345,6 +345,55 @@ async def test_the_lease_is_released_before_the_answer_ends(redis_url, tmp_path)
         await raw.aclose()
 
 
+async def test_a_session_another_replica_holds_is_waited_for_only_while_that_holder_is_ending(redis_url, tmp_path,
+                                                                                           monkeypatch):
+    """Another replica's lease (a second store on the same Redis): not known to be ending, a 409; marked ending
+    (its client left, it commits), waited for until it lets go, then served; and a request whose client leaves
+    while it waits ends there (a 499 in the log), taking nothing. Every wait is on an event: the store's refusal
+    of the lease is observed, not timed."""
+    from txlserve.errors import SessionBusy
+
+    async with running_app(redis_url, tmp_path) as (app, rt, _), _client(app) as c:
+        refused = asyncio.Queue()
+        lease_of = rt.store.lease
+
+        async def observed(*args, **kwargs):
+            try:
+                return await lease_of(*args, **kwargs)
+            except SessionBusy as err:
+                refused.put_nowait(err.ending)
+                raise
+
+        monkeypatch.setattr(rt.store, "lease", observed)
+        sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]
+        body = {"model": MODEL, "prompt": "yo", "max_tokens": 2, "session_id": sid}
+        async with MemoryStore.from_url(redis_url, identity=rt.store.identity, data_dir=str(tmp_path)) as other:
+            held = await other.lease(sid)
+            r = await c.post("/v1/completions", json=body)  # running elsewhere: asked again, then refused
+            assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy", r.text
+            while not refused.empty():
+                assert refused.get_nowait() is False
+            await held.ending()
+            waiting = asyncio.create_task(c.post("/v1/completions", json=body))
+            assert await asyncio.wait_for(refused.get(), 30) is True  # it met the ending holder
+            assert not waiting.done()
+            await held.release()  # the holder let go: the waiting request is served
+            r = await asyncio.wait_for(waiting, 30)
+            assert r.status_code == 200 and r.json()["session"]["tokens_seen"] == 2 + 2 + 2, r.text
+            # a client that leaves while its request waits: it ends, and never takes the lease
+            held = await other.lease(sid)
+            await held.ending()
+            sent, leave = asyncio.Queue(), asyncio.Event()
+            post = asyncio.create_task(asgi_post(app, "/v1/completions", body, sent=sent, leave=leave))
+            assert await asyncio.wait_for(refused.get(), 30) is True
+            leave.set()
+            await asyncio.wait_for(post, 30)
+            await asyncio.wait_for(settle(rt), 30)  # its run ended while the other replica still holds the lease
+            assert not held.released and not held.lost
+            await held.release()
+        assert (await rt.store.info(sid)).tokens_seen == 6  # nothing more was stored
+
+
 async def test_a_session_deleted_while_a_request_runs_on_it_does_not_come_back_hot(redis_url, tmp_path):
     from model.sampling import SamplingParams
     from server.service import Run

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -69,6 +69,7 @@ class EmbeddedRedis:
         self._start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._ready = False  # the server it started answered once: a death after that is logged (_watch)
+        self.on_exit: Callable[[str], None] | None = None  # told why, on the watcher's thread, when it dies
         self._joined = False  # it joined one another process started
 
     @property
@@ -110,8 +111,10 @@ class EmbeddedRedis:
         this object stopped it: its reason (a full disk) was in its own log alone."""
         proc.wait()
         if self._proc is proc and self._ready:
-            log.error("%s (in %s): sessions are unavailable until the server is restarted", self.exited,
-                      self.data_dir)
+            why = self.exited or "the embedded Redis server exited"
+            log.error("%s (in %s): sessions are unavailable until the server is restarted", why, self.data_dir)
+            if self.on_exit is not None:
+                self.on_exit(why)
 
     def start(self) -> None:
         """Join the live server of ``data_dir`` or start one; blocking, so run it in a thread."""

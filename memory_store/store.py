@@ -22,7 +22,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -162,6 +162,12 @@ class MemoryStore:
             probe = MemoryStore.from_url(url, identity=ModelIdentity("", 0, 0), op_timeout_s=op_timeout_s)
             await probe.start()
             await probe.aclose()
+
+    def on_embedded_exit(self, callback: Callable[[str], None]) -> None:
+        """Have ``callback`` told why (on a thread of the store's) if the embedded Redis this store started dies:
+        nothing starts it again, so what runs on a session can no longer be stored."""
+        if self._embedded is not None:
+            self._embedded.on_exit = callback
 
     @property
     def embedded_exited(self) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -67,6 +68,17 @@ class Runtime:
     def _untrack(self, run: Run) -> None:
         self.runs.discard(run)
         self.cpu_latency.idle()
+
+    def store_died(self, why: str) -> None:
+        """The embedded Redis this server started is gone and nothing starts it again: what a request makes on a
+        session can no longer be stored, so each one that holds a lease stops now (its commit then fails: a 503
+        event) rather than streaming until its end or its lease's next renewal (a helper's 4,096-token streams ran
+        8 s past the death, every token thrown away)."""
+        held = [run for run in self.runs if run.lease is not None and not run.lease.released]
+        if held:
+            log.error("%s: stopping the %d request(s) on sessions (nothing they make can be stored)", why, len(held))
+        for run in held:
+            run.cancel()
 
     def start_watchdog(self) -> None:
         """Ping the engine's process while requests run; one that answers none for ``engine_timeout_s`` is hung
@@ -226,6 +238,13 @@ async def _open_with_core(settings: Settings, checkpoint: str, device: torch.dev
 
 def _opened(rt: Runtime, checkpoint: str, device: torch.device, threads: int) -> Runtime:
     settings, engine, store = rt.settings, rt.engine, rt.store
+    loop = asyncio.get_running_loop()
+
+    def store_died(why: str) -> None:  # on the store's watcher thread
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the server is gone already
+            loop.call_soon_threadsafe(rt.store_died, why)
+
+    store.on_embedded_exit(store_died)
     where = "in its own process, " if rt.core is not None else ""
     log.info("loaded %s (%s, %d layers, d_model %d, mem_len %d) on %s, %s%d torch threads; sessions in %s; "
              "http://%s:%d", checkpoint, settings.model_name, engine.config.n_layer, engine.config.d_model,

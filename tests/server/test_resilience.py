@@ -434,7 +434,21 @@ def test_an_embedded_redis_that_dies_turns_health_to_503(checkpoint, tmp_path):
     srv = LiveServer(checkpoint, redis_url=None, data_dir=tmp_path / "srv").start()
     try:
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
-        os.kill(int((tmp_path / "srv" / "redis.pid").read_text()), signal.SIGKILL)
+        sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Doomed "}, timeout=30).json()["id"]
+        lines = []
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "x", "max_tokens": LONG, "stream": True, "session_id": sid}) as r:
+            for i, line in enumerate(r.iter_lines()):
+                if i == 1:
+                    os.kill(int((tmp_path / "srv" / "redis.pid").read_text()), signal.SIGKILL)
+                if line:
+                    lines.append(line)
+        # the stream stopped as the store died (its tokens could not be stored), not at its 200,000th token or
+        # its lease's next renewal (found by a helper: 4,095 tokens over 8 s, then the 503)
+        assert lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2][len("data: "):])
+        assert err["error"]["code"] == "store_unavailable" and err["status"] == 503, err
+        assert len(lines) < LONG // 4, len(lines)
 
         def unhealthy() -> httpx.Response | None:
             health = httpx.get(srv.url + "/health", timeout=10)

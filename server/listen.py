@@ -66,7 +66,7 @@ def claim_port(port: int) -> socket.socket | None:
     where it cannot be made (a sandbox that refuses abstract sockets): the caller listens at once then."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(f"\0txlserve-workers-port-{port}")
+        sock.bind(f"\0txlserve-port-{port}")
     except OSError as err:
         sock.close()
         if err.errno != errno.EADDRINUSE:

@@ -47,6 +47,21 @@ def wait_for(probe: Callable[[], T], timeout: float, what: str, every: float = 0
     return value
 
 
+def stop_then_continue(stop_at: httpx.Client, go_on: httpx.Client, session_id: str, max_tokens: int) -> None:
+    """"Stop generating, then continue at once", three times: a stream on ``stop_at`` closed after a few events, and
+    the next request sent through ``go_on`` (the same server, or another replica) the moment it closed, which must
+    wait for the stopped run's commit, never be a 409. The clients are made beforehand: a new one takes ms."""
+    for _ in range(3):
+        body = {"model": MODEL, "prompt": " go", "max_tokens": max_tokens, "stream": True, "session_id": session_id}
+        with stop_at.stream("POST", "/v1/completions", json=body) as r:
+            for i, _line in enumerate(r.iter_lines()):
+                if i == 4:
+                    break
+        r = go_on.post("/v1/completions", json={"model": MODEL, "prompt": " on", "max_tokens": 2,
+                                                "session_id": session_id})
+        assert r.status_code == 200, r.text
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

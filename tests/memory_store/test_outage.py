@@ -223,7 +223,7 @@ async def test_a_burst_past_the_connection_pool_is_a_429_not_an_outage(redis_url
         deadline = time.monotonic() + 10
         while not any(c.get("cmd") == "blpop" for c in await watcher.client_list()):
             assert time.monotonic() < deadline, "the blocking command never reached Redis"
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # poll, bounded by the deadline
         with pytest.raises(StoreOverloaded) as err:
             await tier.ping()
         assert isinstance(err.value, StoreUnavailable) and err.value.status == 429

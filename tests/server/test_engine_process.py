@@ -16,7 +16,7 @@ import pytest
 
 from server.engine_core import error_from, error_head, pack, unpack
 from server.runtime import DRAIN_PING_S
-from tests.live import MODEL, LiveServer, start_all, stream_deleted_midway, wait_for
+from tests.live import MODEL, LiveServer, start_all, stop_then_continue, stream_deleted_midway, wait_for
 from tests.procs import pid_alive, wait_exit
 
 
@@ -74,16 +74,8 @@ def test_a_large_session_is_exported_and_imported_off_the_engines_threads(checkp
             assert _complete(srv, prompt=b, max_tokens=16, session_id=session).json()["choices"][0]["text"] == truth
         # "stop generating", then continue at once: the stopped run still committed its megabytes for a few ms,
         # and the next request was a 409 nearly every time (found by a helper). It waits for that commit.
-        with httpx.Client(base_url=srv.url, timeout=60) as client:  # made beforehand: a new client takes ms
-            for _ in range(3):
-                with client.stream("POST", "/v1/completions", json={
-                        "model": MODEL, "prompt": " go", "max_tokens": 4000, "stream": True, "session_id": fork}) as r:
-                    for i, _line in enumerate(r.iter_lines()):
-                        if i == 4:
-                            break
-                r = client.post("/v1/completions", json={"model": MODEL, "prompt": " on", "max_tokens": 2,
-                                                         "session_id": fork})
-                assert r.status_code == 200, r.text
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            stop_then_continue(client, client, fork, 4000)
     finally:
         srv.stop()
 

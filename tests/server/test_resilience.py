@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.live import LONG, MODEL, LiveServer, wait_for
+from tests.live import LONG, MODEL, LiveServer, stop_then_continue, wait_for
 from tests.server.test_scheduling import wait_gauge
 
 
@@ -118,15 +118,7 @@ def test_two_servers_alternate_like_one(own_server, server):
     # waits for that commit as a does for its own runs
     sid = httpx.post(a.url + "/v1/sessions", json={"text": "Stopped: "}).json()["id"]
     with httpx.Client(base_url=a.url, timeout=60) as at_a, httpx.Client(base_url=b.url, timeout=60) as at_b:
-        for _ in range(3):
-            with at_a.stream("POST", "/v1/completions", json={
-                    "model": MODEL, "prompt": " go", "max_tokens": LONG, "stream": True, "session_id": sid}) as r:
-                for i, _line in enumerate(r.iter_lines()):
-                    if i == 4:
-                        break
-            r = at_b.post("/v1/completions", json={"model": MODEL, "prompt": " on", "max_tokens": 2,
-                                                   "session_id": sid})
-            assert r.status_code == 200, r.text
+        stop_then_continue(at_a, at_b, sid, LONG)
 
 
 def test_sigterm_lets_streams_finish_and_commit(own_server, server):
@@ -479,20 +471,20 @@ def test_the_port_refuses_connections_until_the_server_can_answer_them(checkpoin
     srv = LiveServer(checkpoint, redis_url=None, data_dir=tmp_path / "srv").launch()
     refused_while_bound = 0
     try:
-        deadline = time.monotonic() + 60
         with httpx.Client(timeout=10) as http:
-            while True:
-                assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log.read_text()[-2000:]
+            def answered() -> httpx.Response | None:
+                nonlocal refused_while_bound
+                assert srv.proc.poll() is None, srv.log.read_text()[-2000:]
                 # the port bound: its claim is there (read, not bound beside it, which could fail the server's bind)
-                bound = f"@txlserve-workers-port-{srv.port}\n" in Path("/proc/net/unix").read_text()
+                bound = f"@txlserve-port-{srv.port}\n" in Path("/proc/net/unix").read_text()
                 try:
-                    r = http.get(srv.url + "/ready")  # a hung connection would take the 10 s and fail the test
+                    return http.get(srv.url + "/ready")  # a hung connection would take the 10 s and fail the test
                 except httpx.ConnectError:
                     refused_while_bound += bound
-                    time.sleep(0.05)
-                    continue
-                assert r.status_code == 200, r.text
-                break
+                    return None
+
+            r = wait_for(answered, 60, "the server to answer")
+        assert r.status_code == 200, r.text
         assert refused_while_bound > 0, "the load's window was never seen: the test proved nothing"
     finally:
         srv.stop()

@@ -616,6 +616,13 @@ class RedisTier:
                 log.debug("renewing session %s's lease: its owner's list was not touched: %s", session_id, err)
         return renewed
 
+    async def lease_state(self, session_id: str) -> tuple[bool, bool]:
+        """Whether the session's lease is held, and whether its holder said it is ending (one MGET: the two keys
+        share the session's hash slot)."""
+        with self._translate():
+            lease, ending = await self._client.mget(lease_key(session_id), ending_key(session_id))
+        return lease is not None, lease is not None and ending == lease
+
     async def ending(self, session_id: str, token: str) -> bool:
         """Mark the lease ``token`` holds as ending; False if it no longer holds it."""
         with self._translate():

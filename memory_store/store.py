@@ -235,6 +235,12 @@ class MemoryStore:
             header = self._header(session_id, raw, owner, compatible=False)
             return self._info(session_id, header)
 
+    async def lease_state(self, session_id: str) -> tuple[bool, bool]:
+        """Whether a request (of any replica) holds the session's lease, and whether it said it is ending: its
+        client left, and it commits what it made. A read waits for such a commit (the server's ``settled``)."""
+        with self.metrics.timed("lease_state"):
+            return await self._redis.lease_state(_checked_id(session_id))
+
     async def list(
         self, *, owner: str | None = None, limit: int = 20, after: str | None = None, order: str = "asc"
     ) -> tuple[list[SessionInfo], str | None]:

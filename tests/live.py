@@ -62,6 +62,31 @@ def stop_then_continue(stop_at: httpx.Client, go_on: httpx.Client, session_id: s
         assert r.status_code == 200, r.text
 
 
+def stop_then_read(stop_at: httpx.Client, read_at: httpx.Client, session_id: str, max_tokens: int) -> None:
+    """"Stop generating, then save or branch at once": a stream on ``stop_at`` closed after a few events, then the
+    session read through ``read_at`` (the same server, or another replica) the moment it closed, its fork, export
+    and info each first in turn. Each must see what the stopped stream committed, which a request sent next (it
+    waits for that commit) confirms: they read the session as it stood before the stream, 4 times in 6 (found by
+    a helper)."""
+    at = f"/v1/sessions/{session_id}"
+    paths = {"fork": ("POST", f"{at}/fork"), "export": ("GET", f"{at}/export"), "info": ("GET", at)}
+    for first in paths:
+        body = {"model": MODEL, "prompt": " go", "max_tokens": max_tokens, "stream": True, "session_id": session_id}
+        with stop_at.stream("POST", "/v1/completions", json=body) as r:
+            for i, _line in enumerate(r.iter_lines()):
+                if i == 4:
+                    break
+        seen = {}
+        for what in (first, *(p for p in paths if p != first)):
+            r = read_at.request(*paths[what])
+            assert r.status_code in (200, 201), r.text
+            seen[what] = r.json()["tokens_seen"]
+        r = read_at.post("/v1/completions", json={"model": MODEL, "prompt": "", "max_tokens": 1,
+                                                   "session_id": session_id})
+        assert r.status_code == 200, r.text
+        assert seen == dict.fromkeys(paths, r.json()["session"]["tokens_seen"] - 1), first
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -23,7 +23,7 @@ from server.protocol import (
 )
 from server.runtime import Runtime
 from server.scheduler import PromptScores
-from server.service import Final, Run, first_item
+from server.service import Final, Run, first_item, settled
 from txlserve.errors import InvalidRequestError, SessionIncompatible
 
 router = APIRouter(prefix="/v1/sessions")
@@ -94,6 +94,7 @@ async def import_wrong_method() -> None:
 @router.get("/{session_id}", response_model=SessionObject)
 async def get_session(session_id: str, rt: Runtime = Depends(runtime),
                       who: str | None = Depends(owner)) -> SessionObject:
+    await settled(rt, session_id)
     return session_object(rt, await rt.store.info(session_id, owner=who))
 
 
@@ -122,6 +123,7 @@ async def export_session(session_id: str, rt: Runtime = Depends(runtime),
                          who: str | None = Depends(owner)) -> SessionExport:
     """llama.cpp's slot save, made portable: the session's last tokens, not its hidden states, so that any
     server with the same tokenizer (another replica, cluster or checkpoint) can recreate it."""
+    await settled(rt, session_id)
     info, window = await rt.store.window(session_id, owner=who)
     if window is None:
         raise SessionIncompatible(f"session {session_id!r} was stored before sessions kept their token window; "
@@ -158,6 +160,7 @@ async def import_session(request: Request, body: SessionExport, rt: Runtime = De
 @router.post("/{session_id}/fork", status_code=201, response_model=SessionObject)
 async def fork(session_id: str, body: SessionFork | None = None, rt: Runtime = Depends(runtime),
                who: str | None = Depends(owner)) -> SessionObject:
+    await settled(rt, session_id)
     info = await rt.store.fork(session_id, owner=who, metadata=(body.metadata if body else None))
     return session_object(rt, info)
 

@@ -58,20 +58,25 @@ async def test_a_holder_marked_ending_is_told_apart_from_one_still_running(
     store's attempt says so, so that its request waits rather than answering 409. The mark names its holder: the
     next holder of the session is not ending because the last one was."""
     info = await store.create(tensors=make_state(), mem_len=8)
+    assert await other_store.lease_state(info.session_id) == (False, False)  # what a read waits on: none held
     async with store.lease(info.session_id) as lease:
         with pytest.raises(SessionBusy) as busy:
             await other_store.lease(info.session_id)
         assert busy.value.ending is False
+        assert await other_store.lease_state(info.session_id) == (True, False)
         await lease.ending()
         with pytest.raises(SessionBusy) as busy:
             await other_store.lease(info.session_id)
         assert busy.value.ending is True and busy.value.status == 409
+        assert await other_store.lease_state(info.session_id) == (True, True)
     assert not await raw.exists(ending_key(info.session_id))  # the mark goes with its holder's lease
+    assert await other_store.lease_state(info.session_id) == (False, False)
     async with other_store.lease(info.session_id) as next_holder:  # the ending one let go
         with pytest.raises(SessionBusy) as busy:
             await store.lease(info.session_id)
         assert busy.value.ending is False  # the old mark is the old holder's
         await lease.ending()  # a holder that let go marks nothing
+        assert await store.lease_state(info.session_id) == (True, False)
         with pytest.raises(SessionBusy) as busy:
             await store.lease(info.session_id)
         assert busy.value.ending is False

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.live import LONG, MODEL, LiveServer, stop_then_continue, wait_for
+from tests.live import LONG, MODEL, LiveServer, stop_then_continue, stop_then_read, wait_for
 from tests.server.test_scheduling import wait_gauge
 
 
@@ -119,6 +119,9 @@ def test_two_servers_alternate_like_one(own_server, server):
     sid = httpx.post(a.url + "/v1/sessions", json={"text": "Stopped: "}).json()["id"]
     with httpx.Client(base_url=a.url, timeout=60) as at_a, httpx.Client(base_url=b.url, timeout=60) as at_b:
         stop_then_continue(at_a, at_b, sid, LONG)
+        # and a read of the session (its info, export or fork) sent at once, here or there, sees what it made
+        stop_then_read(at_a, at_a, sid, LONG)
+        stop_then_read(at_a, at_b, sid, LONG)
 
 
 def test_sigterm_lets_streams_finish_and_commit(own_server, server):

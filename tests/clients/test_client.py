@@ -157,6 +157,28 @@ def test_a_stream_dropped_after_break_closes_at_once(client: Client) -> None:
     assert after.tokens_seen < 4 + LONG
 
 
+@pytest.mark.parametrize("drop", ["stream", "connection"])
+def test_a_dropped_websocket_stream_or_connection_closes_at_once(client: Client, drop: str) -> None:
+    """``ws.stream`` left by ``break``, or a connection dropped unclosed after one: the server generated on to
+    max_tokens into a busy session (found by a helper). With the collector off, each closes as its last reference
+    goes."""
+    session = client.sessions.create(text="abc")
+    gc.disable()
+    try:
+        if drop == "stream":
+            for _ in client.ws.stream(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id):
+                break
+        else:
+            conn = client.ws.connect()
+            for _ in conn.completion(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id):
+                break
+            del conn
+        after = wait_for_tokens(client, session.id, above=4, timeout=30)  # the cancelled run's commit
+    finally:
+        gc.enable()
+    assert after.tokens_seen < 4 + LONG
+
+
 def test_a_websocket_connection_refuses_a_second_thread_plainly(client: Client) -> None:
     """Two threads on one connection cancelled each other's completions, got each other's errors, or failed with
     the websockets library's own ConcurrencyError; the second now gets an APIError and the first runs on."""

@@ -22,6 +22,7 @@ from txlserve_client import (
     PayloadTooLargeError,
     PermissionDeniedError,
     RateLimitError,
+    RequestCancelledError,
     ServiceUnavailableError,
     SessionBusyError,
     UnprocessableEntityError,
@@ -39,7 +40,8 @@ PUBLIC = {
     "AsyncWebSocketStream",
     "APIError", "APIConnectionError", "APITimeoutError", "BadRequestError", "AuthenticationError",
     "PermissionDeniedError", "NotFoundError", "ConflictError", "SessionBusyError", "PayloadTooLargeError",
-    "UnprocessableEntityError", "RateLimitError", "ServiceUnavailableError", "InternalServerError",
+    "UnprocessableEntityError", "RateLimitError", "RequestCancelledError", "ServiceUnavailableError",
+    "InternalServerError",
 }
 
 
@@ -97,6 +99,7 @@ def _body(type_: str, code: str | None, message: str = "m", param: str | None = 
     (413, "invalid_request_error", "payload_too_large", PayloadTooLargeError),
     (422, "invalid_request_error", "session_incompatible", UnprocessableEntityError),
     (429, "rate_limit_error", "overloaded", RateLimitError),
+    (499, "invalid_request_error", "request_cancelled", RequestCancelledError),
     (503, "service_unavailable_error", "store_unavailable", ServiceUnavailableError),
     (500, "server_error", "internal_error", InternalServerError),
     (502, None, None, InternalServerError),

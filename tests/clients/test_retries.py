@@ -18,6 +18,7 @@ from txlserve_client import (
     AsyncClient,
     Client,
     InternalServerError,
+    NotFoundError,
     RateLimitError,
     ServiceUnavailableError,
     SessionBusyError,
@@ -53,6 +54,7 @@ class Reply:
     body: bytes
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
+    drop: bool = False  # close the connection without an answer: the request ran, its answer was lost
 
 
 @dataclass
@@ -76,6 +78,9 @@ class Scripted:
                 script.seen.append(Seen(self.command, self.path, time.monotonic()))
                 reply = script.replies.pop(0) if len(script.replies) > 1 else script.replies[0]
                 time.sleep(reply.delay)  # bounded: the scripted server's slow reply is what the test is about
+                if reply.drop:
+                    self.close_connection = True
+                    return
                 self.send_response(reply.status)
                 for k, v in {"Content-Type": "application/json", **reply.headers}.items():
                     self.send_header(k, v)
@@ -182,6 +187,30 @@ def test_errors_inside_a_stream(scripted: Scripted) -> None:
         scripted.script(sse(chunk))  # the connection ends without [DONE]
         with pytest.raises(APIConnectionError, match=r"\[DONE\]"):
             list(client.completions.create(model="m", prompt="x", stream=True))
+
+
+def test_a_retried_delete_that_finds_nothing_reports_the_first_tries_delete(scripted: Scripted) -> None:
+    """A DELETE is retried after a lost answer; its first try may have deleted the session, and the retry's 404
+    then raised NotFoundError for a delete that succeeded (found by a helper). A 404 with no answer lost is one."""
+    gone = error(404, "invalid_request_error", "session_not_found", retry_after=None)
+    scripted.script(Reply(200, b"", drop=True), gone)
+    with Client(base_url=scripted.url) as client:
+        deleted = client.sessions.delete("s1")
+        assert (deleted.id, deleted.deleted) == ("s1", True) and len(scripted.seen) == 2
+        scripted.script(gone)
+        with pytest.raises(NotFoundError):
+            client.sessions.delete("s1")
+
+
+@pytest.mark.anyio
+async def test_the_async_client_reports_a_retried_delete_the_same_way(scripted: Scripted) -> None:
+    gone = error(404, "invalid_request_error", "session_not_found", retry_after=None)
+    scripted.script(Reply(200, b"", drop=True), gone)
+    async with AsyncClient(base_url=scripted.url) as client:
+        assert (await client.sessions.delete("s1")).deleted is True
+        scripted.script(gone)
+        with pytest.raises(NotFoundError):
+            await client.sessions.delete("s1")
 
 
 def test_non_json_error_body(scripted: Scripted) -> None:

@@ -29,6 +29,7 @@ from txlserve_client._exceptions import (
     PayloadTooLargeError,
     PermissionDeniedError,
     RateLimitError,
+    RequestCancelledError,
     ServiceUnavailableError,
     SessionBusyError,
     UnprocessableEntityError,
@@ -66,5 +67,6 @@ __all__ = [
     # errors
     "APIError", "APIConnectionError", "APITimeoutError", "BadRequestError", "AuthenticationError",
     "PermissionDeniedError", "NotFoundError", "ConflictError", "SessionBusyError", "PayloadTooLargeError",
-    "UnprocessableEntityError", "RateLimitError", "ServiceUnavailableError", "InternalServerError",
+    "UnprocessableEntityError", "RateLimitError", "RequestCancelledError", "ServiceUnavailableError",
+    "InternalServerError",
 ]

@@ -37,7 +37,7 @@ class AsyncClient(BaseClient):
     async def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
         """The answer to ``call``, retried as the policy allows; raises the APIError of a failure."""
         request = call.build(self._http)
-        attempt = 0
+        attempt, lost = 0, False
         while True:
             if self._http.is_closed:  # before the first try, or closed while a retry waited
                 raise api.closed_error()
@@ -52,10 +52,13 @@ class AsyncClient(BaseClient):
             except httpx.TransportError as err:
                 if (delay := self._retry_delay(call, attempt)) is None:
                     raise api.connection_error(err) from err
+                lost = True
             else:
                 if response.is_success:
                     return response
                 await response.aclose()
+                if (done := self._done_before(call, response, lost)) is not None:
+                    return done
                 if (delay := self._retry_delay(call, attempt, response)) is None:
                     raise api.error_from_response(response)
             log.info("retrying %s %s in %.2f s (attempt %d)", call.method, call.path, delay, attempt + 1)

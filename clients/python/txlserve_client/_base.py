@@ -17,13 +17,14 @@ Retries. A call is sent again only when sending it twice cannot change the resul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import json
 import os
 import random
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote, urlsplit
@@ -42,6 +43,7 @@ RETRY_STATUSES = frozenset({429, 503})
 MAX_RETRY_AFTER = 60.0  # a longer Retry-After is not waited for: the normal backoff applies
 
 T = TypeVar("T")
+_CLOSING: set[asyncio.Task] = set()  # closes begun by finalizers (``close_soon``), held until they end
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class Call(Generic[T]):
     params: Mapping[str, Any] | None = None
     retry: bool = False
     headers: Mapping[str, str] | None = None
+    gone: Any = None  # the answer a 404 stands for once the call was sent again after its answer was lost: a
+    # DELETE whose first try did its work (the retry then found nothing to delete)
 
     def answer(self, response: httpx.Response) -> T:
         """The result a 2xx answer carries. One that is not the server's (a captive portal's page, a body cut
@@ -137,7 +141,8 @@ def session_list_call(limit: int | None, after: str | None, order: str | None = 
 
 
 def session_delete_call(session_id: str) -> Call[SessionDeleted]:
-    return Call("DELETE", f"/v1/sessions/{_sid(session_id)}", SessionDeleted.from_dict, retry=True)
+    return Call("DELETE", f"/v1/sessions/{_sid(session_id)}", SessionDeleted.from_dict, retry=True,
+                gone={"id": session_id, "object": "session.deleted", "deleted": True})
 
 
 def session_append_call(session_id: str, text: str, logprobs: int | None = None) -> Call[AppendResult]:
@@ -196,6 +201,25 @@ def closed_error() -> APIConnectionError:
     """A call on a client after ``close()`` (or after its ``with`` block): httpx's bare RuntimeError, said plainly."""
     return APIConnectionError("this client is closed: make a new one (a client used in a `with` block is closed "
                               "when the block ends)")
+
+
+def close_soon(loop: asyncio.AbstractEventLoop | None, close: Callable[[], Awaitable[Any]]) -> None:
+    """Run ``close()`` on ``loop`` from a finalizer, which cannot await: a dropped async stream or connection is
+    closed as a dropped sync one is. Nothing where the loop is gone (its sockets closed with it)."""
+    if loop is None or loop.is_closed():
+        return
+
+    async def quietly() -> None:
+        with contextlib.suppress(Exception):  # a connection already broken: closed either way
+            await close()
+
+    def start() -> None:
+        task = loop.create_task(quietly())
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+        loop.call_soon_threadsafe(start)
 
 
 def _origin(err: Exception) -> str:
@@ -275,6 +299,15 @@ class BaseClient:
     def ws_url(self) -> str:
         scheme, rest = self.base_url.split("://", 1)
         return {"http": "ws", "https": "wss"}.get(scheme, scheme) + "://" + rest + "/v1/ws"
+
+    @staticmethod
+    def _done_before(call: Call[Any], response: httpx.Response, lost: bool) -> httpx.Response | None:
+        """The answer a 404 to ``call`` stands for where an earlier try's answer was ``lost`` (a connection that
+        broke after the request was sent): a retried DELETE whose first try deleted the session raised
+        NotFoundError for a delete that succeeded (found by a helper). None: the 404 is the answer."""
+        if not lost or call.gone is None or response.status_code != 404:
+            return None
+        return httpx.Response(200, json=call.gone, request=response.request)
 
     def _retry_delay(self, call: Call[Any], attempt: int, response: httpx.Response | None = None) -> float | None:
         """Seconds to wait before sending ``call`` again after a failed ``attempt``, or None to give up."""

@@ -11,6 +11,7 @@
     ├── PayloadTooLargeError        413
     ├── UnprocessableEntityError    422  a stored session that this model cannot use
     ├── RateLimitError              429  the server's queue is full
+    ├── RequestCancelledError       499  cancelled while its prompt was read: nothing was made or stored
     ├── ServiceUnavailableError     503  starting, draining, or its store is down
     └── InternalServerError         other 5xx
 
@@ -89,6 +90,12 @@ class RateLimitError(APIError):
     pass
 
 
+class RequestCancelledError(APIError):
+    """499 (nginx's count of a client that left): a WebSocket completion cancelled before its first token, while
+    its prompt was still being read. Nothing was generated and nothing was stored: a session is as it was, and
+    the prompt is to be sent again to add it."""
+
+
 class ServiceUnavailableError(APIError):
     pass
 
@@ -99,7 +106,8 @@ class InternalServerError(APIError):
 
 _BY_STATUS: dict[int, type[APIError]] = {
     400: BadRequestError, 401: AuthenticationError, 403: PermissionDeniedError, 404: NotFoundError, 409: ConflictError,
-    413: PayloadTooLargeError, 422: UnprocessableEntityError, 429: RateLimitError, 503: ServiceUnavailableError,
+    413: PayloadTooLargeError, 422: UnprocessableEntityError, 429: RateLimitError, 499: RequestCancelledError,
+    503: ServiceUnavailableError,
 }
 
 

@@ -7,6 +7,7 @@ generated so far to the session, if there is one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
@@ -14,7 +15,7 @@ from types import TracebackType
 
 import httpx
 
-from txlserve_client._base import connection_error, decoding_error
+from txlserve_client._base import close_soon, connection_error, decoding_error
 from txlserve_client._exceptions import APIConnectionError, APIError, error_from_body
 from txlserve_client._types import CompletionChunk
 
@@ -166,6 +167,14 @@ class AsyncStream(AsyncIterator[CompletionChunk]):
     def __init__(self, response: httpx.Response) -> None:
         self.response = response
         self._chunks = _aiter_chunks(response)  # no cycle: asyncio's finalizer closes it once the stream is dropped
+        self._loop = asyncio.get_running_loop()
+
+    def __del__(self) -> None:
+        """A stream never iterated: its generator never started, so asyncio has nothing to finalize, and the
+        server generated on into a busy session (found by a helper). Its response is closed on its loop."""
+        response = getattr(self, "response", None)
+        if response is not None and not response.is_closed:
+            close_soon(getattr(self, "_loop", None), response.aclose)
 
     async def __anext__(self) -> CompletionChunk:
         return await self._chunks.__anext__()

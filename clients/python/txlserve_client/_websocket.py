@@ -9,7 +9,13 @@
 The keyword options of ``completion`` are those of ``completions.create`` (less ``stream`` and
 ``stream_options``: the WebSocket always streams and always reports usage on its last chunk).
 A completion left before its end is cancelled and read to its end when the next one starts or
-the stream is closed, so the connection is always ready for the next one.
+the stream is closed, so the connection is always ready for the next one. A cancel that arrives
+while the prompt is still being read ends the loop with ``RequestCancelledError`` instead: no token
+was made, and nothing was stored (a session is as it was).
+
+A stream of ``ws.stream`` dropped unfinished closes its connection, and a connection dropped unclosed
+closes itself, as a dropped SSE stream does: the server then stops the completion and commits what it
+made, where the session stayed busy until the completion ran to its end (found by a helper).
 
 A connection is not thread-safe: it runs one completion at a time, read by one thread (``cancel()`` may come
 from another). Open one connection per thread; the ``Client`` itself may be shared.
@@ -20,16 +26,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import threading
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import websockets.asyncio.client
 import websockets.exceptions
 import websockets.sync.client
+from websockets.protocol import State
 
-from txlserve_client._base import BaseClient, Prompt, closed_error, completion_body, connection_error
+from txlserve_client._base import BaseClient, Prompt, close_soon, closed_error, completion_body, connection_error
 from txlserve_client._exceptions import APIConnectionError, APIError, AuthenticationError, error_from_body
 from txlserve_client._types import CompletionChunk
 
@@ -39,6 +48,34 @@ _END_TYPES = ("completion.done", "error")
 # (websockets follows redirects itself)
 _CONNECT_ERRORS = (OSError, TimeoutError, asyncio.TimeoutError, websockets.exceptions.InvalidHandshake,
                    websockets.exceptions.InvalidURI)
+
+
+T = TypeVar("T")
+
+
+async def _within(aw: Awaitable[T], timeout: float) -> T:
+    """``aw``'s result, or TimeoutError after ``timeout`` s. Not ``asyncio.wait_for``: before Python 3.12 it returns
+    a result that arrives as its task is cancelled and drops the cancel, so ``task.cancel()`` of a task reading a
+    stream (a "stop" button) was lost a third of the time, and the stream read on to its end (found by a helper)."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout):
+            return await aw
+    task, expired = asyncio.current_task(), False  # Python 3.10: asyncio.timeout's way, by hand
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        task.cancel()
+
+    handle = asyncio.get_running_loop().call_later(timeout, expire)
+    try:
+        return await aw
+    except asyncio.CancelledError:
+        if expired:
+            raise asyncio.TimeoutError from None
+        raise
+    finally:
+        handle.cancel()
 
 
 def connect_options(client: BaseClient) -> dict[str, Any]:
@@ -93,12 +130,17 @@ def _closed(err: websockets.exceptions.ConnectionClosed) -> APIConnectionError:
 
 
 class WebSocketConnection:
-    """One open WebSocket; a context manager that closes it."""
+    """One open WebSocket; a context manager that closes it (and closed once dropped)."""
 
     def __init__(self, ws: websockets.sync.client.ClientConnection, read_timeout: float | None,
                  exit_stack: contextlib.ExitStack) -> None:
         self._ws, self._read_timeout, self._exit_stack = ws, read_timeout, exit_stack
-        self._active: WebSocketStream | None = None
+        # The running completion: whether its end is still to be read, its id once named, and its stream while
+        # referenced. Not the stream itself: a stream that held its connection and was held by it made a cycle
+        # that kept both, and the socket, open until the cyclic collector ran.
+        self._running = False
+        self._running_id: str | None = None
+        self._active: weakref.ref[WebSocketStream] | None = None
         self._owner: threading.Thread | None = None  # the thread that started the running completion
         self._lock = threading.Lock()
 
@@ -122,25 +164,45 @@ class WebSocketConnection:
         me = threading.current_thread()
         with self._lock:
             owner = self._owner
-            if self._active is not None and not self._active.done and owner not in (None, me) and owner.is_alive():
+            if self._running and owner not in (None, me) and owner.is_alive():
                 raise APIError("a completion is streaming on this connection in another thread: a connection runs "
                                "one completion at a time (open one connection per thread, or wait for that one)")
-            if self._active is not None:
-                self._active.close()
+            self._finish()
             self._send({"type": "completion.create", **body})
-            self._active, self._owner = WebSocketStream(self, owns_connection=owns_connection), me
-            return self._active
+            stream = WebSocketStream(self, owns_connection=owns_connection)
+            self._running, self._running_id, self._active, self._owner = True, None, weakref.ref(stream), me
+            return stream
+
+    def _finish(self) -> None:
+        """Cancel the running completion, if any, and read it to its end (its stream may be gone)."""
+        try:
+            if self._running:
+                self._send(_cancel(self._running_id))
+                while self._running:
+                    _chunk(self._next())
+        except APIError:
+            pass  # the completion is over either way
 
     def cancel(self) -> None:
         """Stop the running completion; its stream then ends with finish_reason "cancelled"."""
-        if self._active is not None and not self._active.done:
-            self._send(_cancel(self._active.id))
+        if self._running:
+            self._send(_cancel(self._running_id))
 
     def _send(self, msg: dict[str, Any]) -> None:
         try:
             self._ws.send(json.dumps(msg))
         except websockets.exceptions.ConnectionClosed as err:
             raise _closed(err) from err
+
+    def _next(self) -> dict[str, Any]:
+        """The running completion's next message (its end: the completion is over, and its stream done)."""
+        msg = self._recv()
+        self._running_id = msg.get("id") or self._running_id
+        if msg.get("type") in _END_TYPES:
+            self._running = False
+            if (stream := self._active and self._active()) is not None:
+                stream.done = True
+        return msg
 
     def _recv(self) -> dict[str, Any]:
         try:
@@ -156,6 +218,10 @@ class WebSocketConnection:
     def close(self) -> None:
         self._exit_stack.close()
 
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit, or a socket already torn down
+            self.close()
+
     def __enter__(self) -> WebSocketConnection:
         return self
 
@@ -165,18 +231,18 @@ class WebSocketConnection:
 
 
 class WebSocketStream(Iterator[CompletionChunk]):
-    """The chunks of one completion on a connection; a context manager that cancels it if unfinished."""
+    """The chunks of one completion on a connection; a context manager that cancels it if unfinished. One of
+    ``ws.stream`` owns its connection, and closes it once dropped unfinished."""
 
     def __init__(self, conn: WebSocketConnection, *, owns_connection: bool = False) -> None:
         self._conn, self._owns = conn, owns_connection
-        self.done = False
+        self.done = False  # its end was read (by it, or by the connection as the next completion started)
         self.id: str | None = None  # the completion's, once the server has named it
 
     def __next__(self) -> CompletionChunk:
         while not self.done:
-            msg = self._conn._recv()
+            msg = self._conn._next()
             self.id = msg.get("id") or self.id
-            self.done = msg.get("type") in _END_TYPES
             if self.done and self._owns:
                 self._conn.close()
             if (chunk := _chunk(msg)) is not None:
@@ -187,19 +253,21 @@ class WebSocketStream(Iterator[CompletionChunk]):
         return self
 
     def cancel(self) -> None:
-        self._conn.cancel()
+        if not self.done:
+            self._conn.cancel()
 
     def close(self) -> None:
         """Cancel the completion if it still runs and read it to its end."""
         try:
             if not self.done:
-                self._conn.cancel()
-                for _ in self:
-                    pass
-        except APIError:
-            pass  # the completion is over either way
+                self._conn._finish()
         finally:
             if self._owns:
+                self._conn.close()
+
+    def __del__(self) -> None:
+        if self._owns and not self.done:  # its connection is this stream's alone: closing it stops the completion
+            with contextlib.suppress(Exception):
                 self._conn.close()
 
     def __enter__(self) -> WebSocketStream:
@@ -211,11 +279,14 @@ class WebSocketStream(Iterator[CompletionChunk]):
 
 
 class AsyncWebSocketConnection:
-    """One open WebSocket; an async context manager that closes it."""
+    """One open WebSocket; an async context manager that closes it (and closed once dropped)."""
 
     def __init__(self, ws: websockets.asyncio.client.ClientConnection, read_timeout: float | None) -> None:
         self._ws, self._read_timeout = ws, read_timeout
-        self._active: AsyncWebSocketStream | None = None
+        self._loop = asyncio.get_running_loop()
+        self._running = False  # as WebSocketConnection's: the running completion, and its stream while referenced
+        self._running_id: str | None = None
+        self._active: weakref.ref[AsyncWebSocketStream] | None = None
         self._owner: asyncio.Task | None = None  # the task that started the running completion
 
     @classmethod
@@ -235,21 +306,34 @@ class AsyncWebSocketConnection:
 
     async def cancel(self) -> None:
         """Stop the running completion; its stream then ends with finish_reason "cancelled"."""
-        if self._active is not None and not self._active.done:
-            await self._send(_cancel(self._active.id))
+        if self._running:
+            await self._send(_cancel(self._running_id))
 
     async def _begin(self, stream: AsyncWebSocketStream) -> None:
         """A new completion closes (cancels) the one before it, unless another task, still running, started that
         one: two tasks' completions on one connection cancelled the first and failed the second with the
         websockets library's own error."""
         owner, me = self._owner, asyncio.current_task()
-        if self._active is not None and not self._active.done and owner not in (None, me) and not owner.done():
+        if self._running and owner not in (None, me) and not owner.done():
             raise APIError("a completion is streaming on this connection in another task: a connection runs "
                            "one completion at a time (open one connection per task, or wait for that one)")
-        if self._active is not None:
-            await self._active.close()
-        self._active, self._owner = stream, me
-        await self._send(stream.request)
+        await self._finish()
+        self._running, self._running_id, self._active, self._owner = True, None, weakref.ref(stream), me
+        try:
+            await self._send(stream.request)
+        except BaseException:
+            self._running = False  # nothing runs: the request never left
+            raise
+
+    async def _finish(self) -> None:
+        """Cancel the running completion, if any, and read it to its end (its stream may be gone)."""
+        try:
+            if self._running:
+                await self._send(_cancel(self._running_id))
+                while self._running:
+                    _chunk(await self._next())
+        except APIError:
+            pass  # the completion is over either way
 
     async def _send(self, msg: dict[str, Any]) -> None:
         try:
@@ -257,11 +341,21 @@ class AsyncWebSocketConnection:
         except websockets.exceptions.ConnectionClosed as err:
             raise _closed(err) from err
 
+    async def _next(self) -> dict[str, Any]:
+        """As ``WebSocketConnection._next``."""
+        msg = await self._recv()
+        self._running_id = msg.get("id") or self._running_id
+        if msg.get("type") in _END_TYPES:
+            self._running = False
+            if (stream := self._active and self._active()) is not None:
+                stream.done = True
+        return msg
+
     async def _recv(self) -> dict[str, Any]:
         try:
             if self._read_timeout is None:
                 return _message(await self._ws.recv())
-            return _message(await asyncio.wait_for(self._ws.recv(), self._read_timeout))
+            return _message(await _within(self._ws.recv(), self._read_timeout))
         except websockets.exceptions.ConnectionClosed as err:
             raise _closed(err) from err
         except (TimeoutError, asyncio.TimeoutError) as err:  # two classes before Python 3.11
@@ -269,6 +363,11 @@ class AsyncWebSocketConnection:
 
     async def close(self) -> None:
         await self._ws.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit
+            if (ws := getattr(self, "_ws", None)) is not None and ws.state is not State.CLOSED:
+                close_soon(getattr(self, "_loop", None), ws.close)
 
     async def __aenter__(self) -> AsyncWebSocketConnection:
         return self
@@ -301,7 +400,8 @@ class AsyncConnect:
 class AsyncWebSocketStream(AsyncIterator[CompletionChunk]):
     """The chunks of one completion; an async context manager that cancels it if unfinished.
 
-    It runs on ``conn``, or (for ``ws.stream``) on a connection it opens with ``open`` and closes."""
+    It runs on ``conn``, or (for ``ws.stream``) on a connection it opens with ``open`` and closes (as it is
+    dropped, if unfinished)."""
 
     def __init__(self, request: dict[str, Any], *, conn: AsyncWebSocketConnection | None = None,
                  open: Callable[[], Awaitable[AsyncWebSocketConnection]] | None = None) -> None:
@@ -321,9 +421,8 @@ class AsyncWebSocketStream(AsyncIterator[CompletionChunk]):
     async def __anext__(self) -> CompletionChunk:
         conn = await self._start()
         while not self.done:
-            msg = await conn._recv()
+            msg = await conn._next()
             self.id = msg.get("id") or self.id
-            self.done = msg.get("type") in _END_TYPES
             if self.done and self._owns:
                 await conn.close()
             if (chunk := _chunk(msg)) is not None:
@@ -334,21 +433,22 @@ class AsyncWebSocketStream(AsyncIterator[CompletionChunk]):
         return self
 
     async def cancel(self) -> None:
-        if self._conn is not None:
+        if self._conn is not None and self.started and not self.done:
             await self._conn.cancel()
 
     async def close(self) -> None:
         """Cancel the completion if it still runs and read it to its end."""
         try:
             if self.started and not self.done and self._conn is not None:
-                await self._conn.cancel()
-                async for _ in self:
-                    pass
-        except APIError:
-            pass  # the completion is over either way
+                await self._conn._finish()
         finally:
             if self._owns and self._conn is not None:
                 await self._conn.close()
+
+    def __del__(self) -> None:
+        if self._owns and self._conn is not None and not self.done:  # its connection is this stream's alone
+            with contextlib.suppress(Exception):
+                close_soon(self._conn._loop, self._conn._ws.close)
 
     async def __aenter__(self) -> AsyncWebSocketStream:
         await self._start()

@@ -258,7 +258,9 @@ class SessionExport(BaseModel):
     object: Literal["session.export"] = "session.export"
     format: Literal["txlserve.session.v1"] = SESSION_FORMAT
     tokenizer: str = Field(min_length=1, max_length=200)
-    tokens_seen: int = Field(ge=0, le=1 << 62)  # what a header holds; an import takes at most 2^53 (sessions.py)
+    tokens_seen: int = Field(ge=0, le=1 << 62)  # what a header holds: whatever a session was exported at imports
+    # (a cap of 2^53 refused the export of a session imported there and grown, found by a helper); a request that
+    # would take a session past it is a 400 (the store refuses the commit)
     window: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=1 << 20)
     metadata: Metadata = None
     model: str | None = Field(default=None, max_length=256)  # informative: the model that wrote it

@@ -103,15 +103,24 @@ class Runtime:
             self.sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
 
     async def _sweep_forever(self) -> None:
+        """A failure is logged once, and its end once: with Redis gone for good (a dead embedded one), a warning on
+        every tick filled the log (every second with ``--cold-sweep-s 1``, found by a helper)."""
         s = self.settings
+        failing = False
         while True:
             await asyncio.sleep(s.cold_sweep_s)
             try:
                 moved = await self.store.sweep(idle_s=s.cold_after_s or None,
                                                warm_budget_bytes=(s.warm_budget_mb << 20) or None)
             except Exception as err:  # Redis away: try again next time
-                log.warning("cold-tier sweep failed: %s", err)
+                if not failing:
+                    log.warning("cold-tier sweep failed (retried every %g s, logged again once it works): %s",
+                                s.cold_sweep_s, err)
+                failing = True
                 continue
+            if failing:
+                log.info("cold-tier sweep works again")
+                failing = False
             if moved:
                 log.info("cold tier: %d sessions now keep only their token window", moved)
 

@@ -447,3 +447,34 @@ async def test_a_frame_taken_as_a_websocket_stream_ends_keeps_its_place(redis_ur
     assert [e["type"] for e in out] == ["completion.delta", "completion.done", "error", "error"], out
     assert [e["error"]["message"].split(":")[0] for e in out[2:]] == ['unknown message type "first"',
                                                                       'unknown message type "second"']
+
+
+async def test_a_failing_cold_sweep_is_logged_once_until_it_works_again(caplog) -> None:
+    """With Redis gone for good (a dead embedded one), the cold-tier sweep logged a warning on every tick (every
+    second with --cold-sweep-s 1, found by a helper). Its own seam: a store whose sweeps fail, then work."""
+    results = [RuntimeError("Redis is gone")] * 4 + [0, RuntimeError("gone again"), 0]
+    swept = asyncio.Event()
+
+    class Store:
+        async def sweep(self, **_) -> int:
+            result = results.pop(0)
+            if not results:
+                swept.set()
+            if isinstance(result, Exception):
+                raise result
+            return result
+
+    class Holder:  # what _sweep_forever reads of a Runtime
+        settings = Settings(cold_after_s=1, cold_sweep_s=1e-4)
+        store = Store()
+
+    caplog.set_level(logging.INFO, logger="txlserve")
+    task = asyncio.create_task(Runtime._sweep_forever(Holder()))  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(swept.wait(), 30)
+    finally:
+        task.cancel()
+    said = [r.getMessage() for r in caplog.records if "cold-tier sweep" in r.getMessage()]
+    assert [m.split(" (")[0].split(":")[0] for m in said] == [
+        "cold-tier sweep failed", "cold-tier sweep works again", "cold-tier sweep failed",
+        "cold-tier sweep works again"], said

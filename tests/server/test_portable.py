@@ -154,7 +154,7 @@ def test_an_exported_session_continues_identically_on_a_server_with_its_own_stor
     ({"window": [300]}, 400, None),
     ({"window": [-1]}, 400, None),
     ({"tokens_seen": 3}, 400, "invalid_request"),  # fewer than the window holds
-    ({"tokens_seen": (1 << 53) + 1}, 400, None),  # more than any document, and near what a header holds
+    ({"tokens_seen": (1 << 62) + 1}, 400, None),  # more than a header holds
     ({"format": "txlserve.session.v9"}, 400, None),
     ({"window": "abc"}, 400, None),
     ({"extra": 1}, 400, None),
@@ -171,15 +171,23 @@ def test_bad_imports_are_refused_with_the_right_status(servers, change, status, 
 
 def test_a_session_imported_at_the_largest_position_keeps_working(servers):
     """An import near the header's limit (2^62) used to be accepted, then its first completion stored a header
-    no read accepts: every later request on it was a 422. Imports now stop at 2^53, far below it."""
+    no read accepts: every later request on it was a 422. The store now refuses a commit past it: the request is
+    a 400 and the session stays as it was. And whatever a session is exported at imports again: a cap of 2^53 on
+    imports refused the export of a session imported there and grown (found by a helper)."""
     srv = servers["elsewhere"]
     sid = _post(srv, "/v1/sessions", {"text": TEXT}, 201)["id"]
     doc = httpx.get(f"{srv.url}/v1/sessions/{sid}/export", timeout=10).json()
-    big = _post(srv, "/v1/sessions/import", {**doc, "tokens_seen": 1 << 53}, 201)["id"]
+    top = 1 << 62
+    big = _post(srv, "/v1/sessions/import", {**doc, "tokens_seen": top - 4}, 201)["id"]
+    r = httpx.post(srv.url + "/v1/completions", timeout=30, json={"model": MODEL, "prompt": "x", "max_tokens": 4,
+                                                                 "session_id": big})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens_seen", r.text
     out = _post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, "session_id": big}, 200)
-    assert out["session"]["tokens_seen"] == (1 << 53) + 4
-    assert httpx.get(f"{srv.url}/v1/sessions/{big}", timeout=10).json()["tokens_seen"] == (1 << 53) + 4
-    assert httpx.get(f"{srv.url}/v1/sessions/{big}/export", timeout=10).status_code == 200
+    assert out["session"]["tokens_seen"] == top
+    assert httpx.get(f"{srv.url}/v1/sessions/{big}", timeout=10).json()["tokens_seen"] == top
+    exported = httpx.get(f"{srv.url}/v1/sessions/{big}/export", timeout=10).json()
+    again = _post(srv, "/v1/sessions/import", exported, 201)
+    assert again["tokens_seen"] == top
 
 
 def test_a_window_too_short_for_this_model_is_refused(servers):

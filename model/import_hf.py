@@ -70,6 +70,12 @@ def _hf_config(data: dict[str, Any]) -> TXLConfig:
                               "\"transfo-xl\") configs")
     if data["model_type"] != "transfo-xl":
         raise CheckpointError(f"config.json is a {data['model_type']!r} model, not a Transformer-XL (transfo-xl)")
+    numbers = ("n_layer", "d_model", "n_head", "d_head", "d_inner", "tgt_len", "mem_len", "clamp_len", "vocab_size",
+               "n_token", "d_embed", "div_val", "attn_type", "sample_softmax", "init_std", "layer_norm_epsilon")
+    for name in numbers:  # named, not the TypeError of the comparison it broke (found by a helper)
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise CheckpointError(f"config.json's {name!r} is {json.dumps(value)[:60]}, not a number")
     if data.get("attn_type", 0) != 0:
         raise CheckpointError(f"attn_type {data['attn_type']!r} is not supported; txlserve serves the paper's "
                               "relative attention (attn_type 0, the integer)")

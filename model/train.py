@@ -210,8 +210,17 @@ def load_training_corpus(args: TrainArgs) -> tuple[Corpus, Tokenizer]:
         raise ConfigError(f"unknown tokenizer {args.tokenizer!r}; choose byte or word", param="tokenizer")
     from model.words import load_word_corpus
 
+    # the splits a run reads: valid only where it evaluates (a folder of train alone was refused for want of
+    # valid, and test, that the run never read); a file stands for every split, so a run that evaluates on one
+    # would score its own training text (both found by a helper)
+    evaluates = bool(resolve(args)[1]["eval_every"])
+    if evaluates and Path(args.data).expanduser().is_file():
+        raise DataError(f"{args.data} is one file, and this run evaluates on a valid split: a file would be its own "
+                        "validation. Give a WikiText folder (wiki.train.tokens and wiki.valid.tokens), or "
+                        "--eval-every 0")
     known = load_checkpoint(args.out).tokenizer if args.resume else None
-    return load_word_corpus(args.data, known, max_vocab=args.max_vocab, min_freq=args.min_freq)
+    return load_word_corpus(args.data, known, splits=("train", "valid") if evaluates else ("train",),
+                            max_vocab=args.max_vocab, min_freq=args.min_freq)
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], info: dict[str, Any],
@@ -382,8 +391,9 @@ def train(args: TrainArgs) -> dict[str, Any]:
             raise ConfigError(f"--resume: {out} is at step {info['step']} already: give a --stop-at above it, or "
                               f"leave it out to train to step {opt['steps']}")
         if info["step"] >= opt["steps"]:  # it saved the run again, as it was
-            raise ConfigError(f"--resume: {out} is at step {info['step']} already: give --steps above it to "
-                              f"train further")
+            behind = "" if args.stop_at is None else f" (and a --stop-at above it; {args.stop_at} is not)"
+            raise ConfigError(f"--resume: {out} is at step {info['step']} already, its last: give --steps above it "
+                              f"to train further{behind}")
         ran_on = info["data"].get("world_size", world)
         if ran_on != world:  # each rank's random state and streams are its own: they do not spread over others
             raise ConfigError(f"--resume: {out} was trained on {ran_on} process(es) and this run has {world}: "

@@ -190,8 +190,10 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 
         from model.words import load_word_corpus, split_path
 
-        if ns.split == "whole":  # a file stands for every split: read once; a folder's splits, those it has
-            parts = ["test"] if Path(ns.data).is_file() else [n for n in parts if split_path(ns.data, n)]
+        if Path(ns.data).expanduser().is_file():  # a file stands for every split: read once, as itself (--split
+            splits, parts = ["whole"], ["test"]  # all printed the one file's figures three times, as three splits)
+        elif ns.split == "whole":  # a folder's splits, those it has
+            parts = [n for n in parts if split_path(ns.data, n)]
             if not parts:
                 raise DataError(f"{ns.data} has no split to read (expected wiki.test.tokens, or test.txt, and so on)")
         corpus, _ = load_word_corpus(ns.data, ckpt.tokenizer, splits=tuple(parts))
@@ -272,6 +274,9 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     try:  # the echo too: a write that fails (a full disk) left the engine's thread running, and an abort at exit
         sys.stdout.write(ns.prompt)
         asyncio.run(stream())
+    except KeyboardInterrupt:  # Ctrl-C: the line ends, as after the last token (the shell's prompt was left on it)
+        sys.stdout.write("\n")
+        raise
     finally:
         scheduler.stop()
     sys.stdout.write("\n")

@@ -700,8 +700,11 @@ def test_a_resume_refuses_another_runs_state_a_finished_run_and_the_other_tokeni
     train(TrainArgs(out=str(tmp_path / "a"), steps=4, stop_at=2, **common))
     train(TrainArgs(out=str(tmp_path / "wide"), steps=2, d_model=64, **common))
     saved = (tmp_path / "a" / "config.json").read_text()
-    with pytest.raises(ConfigError, match="at step 2 already: give --steps above it"):
+    with pytest.raises(ConfigError, match="at step 2 already, its last: give --steps above it to train further$"):
         train(TrainArgs(out=str(tmp_path / "a"), steps=2, resume=True, **common))
+    with pytest.raises(ConfigError, match="give --steps above it to train further \\(and a --stop-at above it; 1 "
+                       "is not\\)"):  # the flag given is named too (found by a helper)
+        train(TrainArgs(out=str(tmp_path / "a"), steps=2, stop_at=1, resume=True, **common))
     assert (tmp_path / "a" / "config.json").read_text() == saved  # not saved again
     with pytest.raises(ConfigError, match="reads bytes, not words"):
         train(TrainArgs(out=str(tmp_path / "a"), steps=4, resume=True, tokenizer="word", **common))

@@ -21,6 +21,7 @@ from model.tokenizer import START, WordTokenizer, tokenizer_from_dict
 from model.train import TrainArgs, train
 from model.transformer_xl import MemTransformerLM
 from model.words import load_word_corpus
+from server.cli import main as cli_main
 from txlserve.errors import CheckpointError, ConfigError, DataError, InvalidRequestError
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2"
@@ -192,6 +193,31 @@ def test_word_corpus_reads_the_wikitext_layout(tmp_path):
     (folder / "wiki.test.tokens.gz").rename(folder / "wiki.test.tokens")
     again, _ = load_word_corpus(folder, tok)
     assert np.array_equal(again.test, corpus.test)
+
+
+def test_a_word_run_reads_the_splits_it_uses(tmp_path, capsys):
+    """A folder of wiki.train.tokens alone was refused for want of a valid split that a run with no evaluations
+    never reads (and a test split no run reads); a single file, which stands for every split, was taken for a run
+    that evaluates, whose validation then scored its own training text (both found by a helper)."""
+    data = _wikitext(tmp_path / "wt")
+    (data / "wiki.valid.tokens").unlink()
+    (data / "wiki.test.tokens.gz").unlink()
+    common = dict(preset="tiny", steps=2, progress=False, tokenizer="word")
+    train(TrainArgs(data=str(data), out=str(tmp_path / "a"), eval_every=0, **common))
+    assert load_checkpoint(tmp_path / "a").tokenizer.name == "word"
+    with pytest.raises(DataError, match="no valid split"):
+        train(TrainArgs(data=str(data), out=str(tmp_path / "b"), eval_every=1, **common))
+    one = data / "wiki.train.tokens"
+    with pytest.raises(DataError, match="a file would be its own validation"):
+        train(TrainArgs(data=str(one), out=str(tmp_path / "c"), eval_every=1, **common))
+    train(TrainArgs(data=str(one), out=str(tmp_path / "d"), eval_every=0, **common))
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    # eval on one file: its figures once, as the whole file (--split all printed them three times, as three splits)
+    for split in ("all", "test", "whole"):
+        assert cli_main(["eval", "--checkpoint", str(tmp_path / "d"), "--data", str(one), "--split", split,
+                         "--max-tokens", "200", "--no-progress"]) == 0
+        rows = capsys.readouterr().out.splitlines()
+        assert len(rows) == 1 and rows[0].startswith("whole  ppl "), rows
 
 
 def test_tiny_word_model_with_adaptive_softmax_learns(tmp_path, capsys):

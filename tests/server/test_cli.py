@@ -46,6 +46,29 @@ def test_generate_streams_prompt_and_continuation(checkpoint):
     assert again.stdout == r.stdout  # seeded
 
 
+def test_generate_stopped_by_ctrl_c_ends_its_line(checkpoint):
+    """Ctrl-C during ``generate`` left the output mid-line, the shell's prompt glued to it (found by a helper)."""
+    import select
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "generate", "--checkpoint", str(checkpoint),
+                             "--prompt", "Hello", "--max-tokens", "1000000"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)  # the first tokens (each is flushed)
+        assert ready, "generate wrote nothing within 120 s"
+        first = os.read(proc.stdout.fileno(), 1 << 16)
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    out = first + rest
+    assert proc.returncode == 130 and out.startswith(b"Hello") and out.endswith(b"\n"), (proc.returncode, err[-2000:])
+    assert b"Traceback" not in err
+
+
 @pytest.mark.parametrize("flags,needle", [(["--temperature", "-1"], "temperature"), (["--top-p", "0"], "--top-p"),
                                           (["--max-tokens", "0"], "--max-tokens"), (["--prompt", ""], "nothing to")])
 def test_generate_bad_input_one_line(checkpoint, flags, needle, capsys):

@@ -84,39 +84,24 @@ async def test_session_busy_and_early_close(aclient: AsyncClient) -> None:
     assert 4 < s.tokens_seen < 4 + LONG
 
 
-async def test_a_stream_dropped_after_break_closes_at_once(aclient: AsyncClient) -> None:
-    """As the sync client's: with the cyclic collector off, a stream left by ``break`` closes as it is dropped."""
+@pytest.mark.parametrize("drop", ["break", "unread", "ws"])
+async def test_a_stream_dropped_closes_at_once(aclient: AsyncClient, drop: str) -> None:
+    """As the sync client's: with the cyclic collector off, a stream left by ``break`` closes as it is dropped; so
+    does one dropped before it was read (asyncio has no generator of it to finalize), and ``ws.stream`` left by
+    ``break`` (both generated on to max_tokens into a busy session, found by a helper), on the stream's loop."""
     session = await aclient.sessions.create(text="abc")
     gc.disable()
     try:
-        async for _ in await aclient.completions.create(model=MODEL, prompt="d", max_tokens=LONG,
-                                                        session_id=session.id, stream=True):
-            break
-        for _ in range(600):  # the cancelled run commits what it generated
-            if (s := await aclient.sessions.get(session.id)).tokens_seen > 4:
-                break
-            await asyncio.sleep(0.05)
-    finally:
-        gc.enable()
-    assert 4 < s.tokens_seen < 4 + LONG
-
-
-@pytest.mark.parametrize("drop", ["sse", "ws"])
-async def test_a_stream_never_read_or_a_websocket_stream_dropped_closes_at_once(aclient: AsyncClient,
-                                                                                drop: str) -> None:
-    """An SSE stream dropped before it was read (asyncio has no generator of it to finalize), or ``ws.stream``
-    dropped after ``break``: the server generated on to max_tokens into a busy session (found by a helper). With
-    the collector off, each is closed on its loop as its last reference goes."""
-    session = await aclient.sessions.create(text="abc")
-    gc.disable()
-    try:
-        if drop == "sse":
-            stream = await aclient.completions.create(model=MODEL, prompt="d", max_tokens=LONG,
-                                                      session_id=session.id, stream=True)
-            del stream
-        else:
+        if drop == "ws":
             async for _ in aclient.ws.stream(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id):
                 break
+        else:
+            stream = await aclient.completions.create(model=MODEL, prompt="d", max_tokens=LONG,
+                                                      session_id=session.id, stream=True)
+            if drop == "break":
+                async for _ in stream:
+                    break
+            del stream
         for _ in range(600):  # the cancelled run commits what it generated
             if (s := await aclient.sessions.get(session.id)).tokens_seen > 4:
                 break

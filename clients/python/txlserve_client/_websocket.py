@@ -129,18 +129,33 @@ def _closed(err: websockets.exceptions.ConnectionClosed) -> APIConnectionError:
     return APIConnectionError(f"the WebSocket closed ({err})")
 
 
-class WebSocketConnection:
+class _Running:
+    """What a connection knows of its running completion: whether its end is still to be read, its id once named,
+    and its stream while referenced. Not the stream itself: a stream that held its connection and was held by it
+    made a cycle that kept both, and the socket, open until the cyclic collector ran."""
+
+    def __init__(self) -> None:
+        self._running = False
+        self._running_id: str | None = None
+        self._active: weakref.ref[Any] | None = None
+
+    def _heard(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Note a message of the running completion (its end: the completion is over, and its stream done)."""
+        self._running_id = msg.get("id") or self._running_id
+        if msg.get("type") in _END_TYPES:
+            self._running = False
+            if (stream := self._active and self._active()) is not None:
+                stream.done = True
+        return msg
+
+
+class WebSocketConnection(_Running):
     """One open WebSocket; a context manager that closes it (and closed once dropped)."""
 
     def __init__(self, ws: websockets.sync.client.ClientConnection, read_timeout: float | None,
                  exit_stack: contextlib.ExitStack) -> None:
+        super().__init__()
         self._ws, self._read_timeout, self._exit_stack = ws, read_timeout, exit_stack
-        # The running completion: whether its end is still to be read, its id once named, and its stream while
-        # referenced. Not the stream itself: a stream that held its connection and was held by it made a cycle
-        # that kept both, and the socket, open until the cyclic collector ran.
-        self._running = False
-        self._running_id: str | None = None
-        self._active: weakref.ref[WebSocketStream] | None = None
         self._owner: threading.Thread | None = None  # the thread that started the running completion
         self._lock = threading.Lock()
 
@@ -195,14 +210,7 @@ class WebSocketConnection:
             raise _closed(err) from err
 
     def _next(self) -> dict[str, Any]:
-        """The running completion's next message (its end: the completion is over, and its stream done)."""
-        msg = self._recv()
-        self._running_id = msg.get("id") or self._running_id
-        if msg.get("type") in _END_TYPES:
-            self._running = False
-            if (stream := self._active and self._active()) is not None:
-                stream.done = True
-        return msg
+        return self._heard(self._recv())
 
     def _recv(self) -> dict[str, Any]:
         try:
@@ -278,15 +286,13 @@ class WebSocketStream(Iterator[CompletionChunk]):
         self.close()
 
 
-class AsyncWebSocketConnection:
+class AsyncWebSocketConnection(_Running):
     """One open WebSocket; an async context manager that closes it (and closed once dropped)."""
 
     def __init__(self, ws: websockets.asyncio.client.ClientConnection, read_timeout: float | None) -> None:
+        super().__init__()
         self._ws, self._read_timeout = ws, read_timeout
         self._loop = asyncio.get_running_loop()
-        self._running = False  # as WebSocketConnection's: the running completion, and its stream while referenced
-        self._running_id: str | None = None
-        self._active: weakref.ref[AsyncWebSocketStream] | None = None
         self._owner: asyncio.Task | None = None  # the task that started the running completion
 
     @classmethod
@@ -342,14 +348,7 @@ class AsyncWebSocketConnection:
             raise _closed(err) from err
 
     async def _next(self) -> dict[str, Any]:
-        """As ``WebSocketConnection._next``."""
-        msg = await self._recv()
-        self._running_id = msg.get("id") or self._running_id
-        if msg.get("type") in _END_TYPES:
-            self._running = False
-            if (stream := self._active and self._active()) is not None:
-                stream.done = True
-        return msg
+        return self._heard(await self._recv())
 
     async def _recv(self) -> dict[str, Any]:
         try:

@@ -182,6 +182,9 @@ class Settings:
             raise ConfigError("an API key may not be empty or start or end with white space")
         if any(not (k.isascii() and k.isprintable()) for k in self.api_keys):  # HTTP headers carry ASCII
             raise ConfigError("an API key must be printable ASCII: a client could never send it in a header")
+        if any(" " in k or "," in k for k in self.api_keys):  # one key made of a list given in the other form: it
+            raise ConfigError("an API key may not hold a space or a comma: keys are separated by commas in "  # locked
+                              "TXLSERVE_API_KEYS and by spaces after --api-keys (--api-keys k1 k2)")  # all out
         for o in self.cors_origins:  # an origin as a browser sends it: no path, so a trailing / never matched
             if not isinstance(o, str) or not (o == "*" or re.fullmatch(r"https?://[^/?#@\s]+", o)):
                 raise ConfigError(f"CORS origin {o!r} is not * or an origin as browsers send it, scheme://host[:port] "
@@ -189,12 +192,15 @@ class Settings:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
-        """``TXLSERVE_<NAME>`` for every field; explicit ``overrides`` (CLI flags, not None) win."""
+        """``TXLSERVE_<NAME>`` for every field; explicit ``overrides`` (CLI flags, not None) win. An empty variable
+        is an unset one (the default), as a compose file passes a variable it was not given: an empty
+        TXLSERVE_ENGINE_PROCESS turned the engine process off, and an empty TXLSERVE_PORT was refused (found by a
+        helper)."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         for f in fields(cls):
             raw = env.get(f"TXLSERVE_{f.name.upper()}")
-            if raw is not None and overrides.get(f.name) is None:  # a flag's value wins, unread or not
+            if raw is not None and raw.strip() and overrides.get(f.name) is None:  # a flag's value wins
                 values[f.name] = _parse(f, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:
@@ -219,12 +225,10 @@ def _parse(f: dataclasses.Field, raw: str) -> Any:
     kind = str(f.type)
     try:
         if f.name in ("api_keys", "cors_origins"):  # an empty item is refused, never silently dropped
-            return tuple(k.strip() for k in raw.split(",")) if raw.strip() else ()
-        if raw == "" and "None" in kind:
-            return None
+            return tuple(k.strip() for k in raw.split(","))
         if kind.startswith("bool"):
             flag = raw.strip().lower()
-            if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+            if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
                 raise ValueError(raw)
             return flag in ("1", "true", "yes", "on")
         if kind.startswith("int"):
@@ -234,6 +238,5 @@ def _parse(f: dataclasses.Field, raw: str) -> Any:
     except ValueError:
         what = next(w for k, w in (("bool", "true or false (1/0, yes/no, on/off)"), ("int", "a whole number"),
                                    ("float", "a number"), ("", kind)) if kind.startswith(k))
-        unset = " (or empty, for the default)" if "None" in kind else ""
-        raise ConfigError(f"TXLSERVE_{f.name.upper()}={raw!r} is not {what}{unset}") from None
+        raise ConfigError(f"TXLSERVE_{f.name.upper()}={raw!r} is not {what} (or empty, for the default)") from None
     return raw

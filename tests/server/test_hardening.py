@@ -687,6 +687,29 @@ def test_an_environment_value_of_the_wrong_kind_says_what_it_should_be(env, says
     assert str(err.value).startswith(says) and "|" not in str(err.value), err.value
 
 
+def test_an_empty_environment_variable_is_an_unset_one():
+    """A compose file passes a variable it was not given as an empty one: an empty TXLSERVE_ENGINE_PROCESS turned
+    the engine process off (its default is on), and an empty TXLSERVE_PORT was refused (found by a helper)."""
+    from server.settings import Settings
+
+    default = Settings()
+    given = Settings.from_env({"TXLSERVE_ENGINE_PROCESS": "", "TXLSERVE_PORT": " ", "TXLSERVE_API_KEYS": "",
+                               "TXLSERVE_MEM_LEN": "", "TXLSERVE_SHUTDOWN_TIMEOUT_S": ""})
+    assert given == default and given.engine_process is True
+
+
+@pytest.mark.parametrize("env, flags", [({"TXLSERVE_API_KEYS": "kA kB"}, {}), ({}, {"api_keys": ("kA,kB",)})])
+def test_api_keys_listed_in_the_other_forms_separator_are_refused(env, flags):
+    """Spaces in the variable, or commas after the flag, made one key of two, and locked every client out without a
+    word (found by a helper)."""
+    from server.settings import Settings
+    from txlserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="may not hold a space or a comma"):
+        Settings.from_env(env, **flags)
+    assert Settings.from_env({"TXLSERVE_API_KEYS": "kA, kB"}).api_keys == ("kA", "kB")
+
+
 def test_enforce_eager_is_a_flag_and_an_environment_variable():
     from server.cli import build_parser
     from server.settings import Settings

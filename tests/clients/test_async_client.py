@@ -212,6 +212,20 @@ async def test_a_second_task_on_a_websocket_connection_is_refused_and_the_first_
         assert again[-1].usage.completion_tokens == 2
 
 
+async def test_a_completion_left_and_dropped_is_taken_over_by_another_task(aclient: AsyncClient) -> None:
+    """A completion left by ``break`` (its stream dropped) is read to its end by the next completion, whichever task
+    starts it: another task was refused as if the first still read it (found by a helper)."""
+    async with aclient.ws.connect() as conn:
+        async for _ in conn.completion(model=MODEL, prompt="a", max_tokens=LONG):
+            break
+
+        async def other() -> list:
+            return [c async for c in conn.completion(model=MODEL, prompt="b", max_tokens=2)]
+
+        again = await asyncio.wait_for(asyncio.create_task(other()), 60)
+        assert again[-1].usage.completion_tokens == 2
+
+
 async def test_many_concurrent_completions(aclient: AsyncClient) -> None:
     results = await asyncio.gather(*(aclient.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=8)
                                      for i in range(8)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import pytest
@@ -177,6 +178,53 @@ def test_a_dropped_websocket_stream_or_connection_closes_at_once(client: Client,
     finally:
         gc.enable()
     assert after.tokens_seen < 4 + LONG
+
+
+SCRIPT_END = {
+    "sync": """
+from txlserve_client import Client
+c = Client(base_url=URL)
+idle = c.ws.connect()
+busy = c.ws.connect()
+stream = busy.completion(model=MODEL, prompt="a", max_tokens=LONG)
+next(stream)
+own = c.ws.stream(model=MODEL, prompt="b", max_tokens=LONG)
+next(own)
+print("end")
+""",
+    "async": """
+import asyncio
+from txlserve_client import AsyncClient
+async def main():
+    async with AsyncClient(base_url=URL) as c:
+        async for _ in c.ws.stream(model=MODEL, prompt="a", max_tokens=LONG):
+            break
+        conn = await c.ws.connect()
+        async for _ in conn.completion(model=MODEL, prompt="b", max_tokens=LONG):
+            break
+        del conn
+asyncio.run(main())
+print("end")
+"""}
+
+
+@pytest.mark.parametrize("kind", SCRIPT_END)
+def test_a_script_that_ends_holding_websockets_exits_cleanly(server: LiveServer, kind: str) -> None:
+    """A script that ended with a sync connection (idle, or mid-completion) or ``ws.stream`` still held hung for
+    ever: the connection's finalizer closed it at interpreter exit and waited on the websockets library's frozen
+    reader thread. An async one that dropped its stream and connection just before ``asyncio.run`` returned left
+    their closes to be cancelled there: unclosed sockets (both found by a helper). Dev mode: warnings are errors."""
+    import subprocess
+    import sys
+
+    from tests.clients.conftest import CLIENT_SRC
+
+    code = f"URL, MODEL, LONG = {server.url!r}, {MODEL!r}, {LONG}\n" + SCRIPT_END[kind]
+    done = subprocess.run([sys.executable, "-X", "dev", "-W", "error::ResourceWarning", "-c", code],
+                          capture_output=True, text=True, timeout=60, env={"PYTHONPATH": str(CLIENT_SRC),
+                                                                          "PATH": os.environ.get("PATH", "")})
+    assert done.returncode == 0 and done.stdout == "end\n", done.stderr[-3000:]
+    assert "Warning" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
 
 
 def test_a_websocket_connection_refuses_a_second_thread_plainly(client: Client) -> None:

@@ -69,6 +69,7 @@ class AsyncClient(BaseClient):
         return call.answer(await self._send(call))
 
     async def close(self) -> None:
+        await api.closes_begun()
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncClient:

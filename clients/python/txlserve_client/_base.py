@@ -203,6 +203,16 @@ def closed_error() -> APIConnectionError:
                               "when the block ends)")
 
 
+async def closes_begun() -> None:
+    """Wait (bounded) for the closes that finalizers began on this loop: an ``AsyncClient`` closed right after a
+    stream was dropped (``break`` at the end of ``async with``) left them to ``asyncio.run``'s end, which
+    cancelled them, an unclosed socket (found by a helper)."""
+    await asyncio.sleep(0)  # those scheduled from a finalizer start now
+    loop = asyncio.get_running_loop()
+    if pending := [t for t in _CLOSING if t.get_loop() is loop and not t.done()]:
+        await asyncio.wait(pending, timeout=5)
+
+
 def close_soon(loop: asyncio.AbstractEventLoop | None, close: Callable[[], Awaitable[Any]]) -> None:
     """Run ``close()`` on ``loop`` from a finalizer, which cannot await: a dropped async stream or connection is
     closed as a dropped sync one is. Nothing where the loop is gone (its sockets closed with it)."""

@@ -139,6 +139,11 @@ class _Running:
         self._running_id: str | None = None
         self._active: weakref.ref[Any] | None = None
 
+    def _read_elsewhere(self) -> bool:
+        """Whether a completion runs whose stream someone still holds: one left by ``break`` and dropped is read
+        to its end by whoever starts the next, in any thread or task (found by a helper)."""
+        return self._running and self._active is not None and self._active() is not None
+
     def _heard(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Note a message of the running completion (its end: the completion is over, and its stream done)."""
         self._running_id = msg.get("id") or self._running_id
@@ -179,7 +184,7 @@ class WebSocketConnection(_Running):
         me = threading.current_thread()
         with self._lock:
             owner = self._owner
-            if self._running and owner not in (None, me) and owner.is_alive():
+            if self._read_elsewhere() and owner not in (None, me) and owner.is_alive():
                 raise APIError("a completion is streaming on this connection in another thread: a connection runs "
                                "one completion at a time (open one connection per thread, or wait for that one)")
             self._finish()
@@ -227,7 +232,9 @@ class WebSocketConnection(_Running):
         self._exit_stack.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter exit, or a socket already torn down
+        if sys.is_finalizing():  # the library's reader thread is frozen by now: a close would wait on it for ever
+            return  # (a script ending with a connection held hung, found by a helper); the process's exit closes it
+        with contextlib.suppress(Exception):  # a socket already torn down
             self.close()
 
     def __enter__(self) -> WebSocketConnection:
@@ -274,8 +281,8 @@ class WebSocketStream(Iterator[CompletionChunk]):
                 self._conn.close()
 
     def __del__(self) -> None:
-        if self._owns and not self.done:  # its connection is this stream's alone: closing it stops the completion
-            with contextlib.suppress(Exception):
+        if self._owns and not self.done and not sys.is_finalizing():  # its connection is this stream's alone:
+            with contextlib.suppress(Exception):  # closing it stops the completion (at exit: as the connection's)
                 self._conn.close()
 
     def __enter__(self) -> WebSocketStream:
@@ -320,7 +327,7 @@ class AsyncWebSocketConnection(_Running):
         one: two tasks' completions on one connection cancelled the first and failed the second with the
         websockets library's own error."""
         owner, me = self._owner, asyncio.current_task()
-        if self._running and owner not in (None, me) and not owner.done():
+        if self._read_elsewhere() and owner not in (None, me) and not owner.done():
             raise APIError("a completion is streaming on this connection in another task: a connection runs "
                            "one completion at a time (open one connection per task, or wait for that one)")
         await self._finish()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -269,16 +270,26 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
                 sys.stdout.flush()
 
     prompt = engine.encode(ns.prompt)  # before the prompt is echoed: a word it cannot read is one line alone
+    # the loop is made before anything is written: a Ctrl-C that landed while asyncio.run made it (after the echo)
+    # printed a half-made loop's traceback at exit
+    loop = asyncio.new_event_loop()
     scheduler = Scheduler(engine, max_batch=1, prefill_chunk=engine.prefill_chunk)
     scheduler.start()
+    task = None
     try:  # the echo too: a write that fails (a full disk) left the engine's thread running, and an abort at exit
         sys.stdout.write(ns.prompt)
-        asyncio.run(stream())
+        task = loop.create_task(stream())
+        loop.run_until_complete(task)
     except KeyboardInterrupt:  # Ctrl-C: the line ends, as after the last token (the shell's prompt was left on it)
         sys.stdout.write("\n")
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                loop.run_until_complete(task)
         raise
     finally:
         scheduler.stop()
+        loop.close()
     sys.stdout.write("\n")
     return 0
 

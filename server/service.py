@@ -404,7 +404,6 @@ async def first_item(run: Run) -> Any:
     return item
 
 
-
 async def settled(rt: Runtime, session_id: str) -> None:
     """Wait (bounded) for a request whose client left to commit what it made on the session before the session is
     read (its info, export or fork), as a request on the session waits (:meth:`Run._after_stopped_runs`,

@@ -224,6 +224,13 @@ async def test_a_completion_left_and_dropped_is_taken_over_by_another_task(aclie
 
         again = await asyncio.wait_for(asyncio.create_task(other()), 60)
         assert again[-1].usage.completion_tokens == 2
+        # two tasks at once after a dropped one: one takes over, the other is refused plainly (both read the dropped
+        # completion, and one failed with the websockets library's own error, found by a review)
+        async for _ in conn.completion(model=MODEL, prompt="c", max_tokens=LONG):
+            break
+        got = await asyncio.wait_for(asyncio.gather(other(), other(), return_exceptions=True), 60)
+        assert sorted(type(g).__name__ for g in got) == ["APIError", "list"], got
+        assert "in another task" in str(next(g for g in got if isinstance(g, APIError)))
 
 
 async def test_many_concurrent_completions(aclient: AsyncClient) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from txlserve_client import (
     APIConnectionError,
@@ -200,6 +201,22 @@ def test_a_retried_delete_that_finds_nothing_reports_the_first_tries_delete(scri
         scripted.script(gone)
         with pytest.raises(NotFoundError):
             client.sessions.delete("s1")
+    # a first try that never connected lost no answer: the 404 is the answer (a review's finding)
+    scripted.script(gone)
+    with Client(base_url=scripted.url) as client:
+        real = client._http._transport.handle_request
+        tries = []
+
+        def refuse_first(request):
+            tries.append(request)
+            if len(tries) == 1:
+                raise httpx.ConnectError("refused", request=request)
+            return real(request)
+
+        client._http._transport.handle_request = refuse_first
+        with pytest.raises(NotFoundError):
+            client.sessions.delete("s1")
+        assert len(tries) == 2
 
 
 @pytest.mark.anyio

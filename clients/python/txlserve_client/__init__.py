@@ -15,6 +15,7 @@ Light on purpose: it needs httpx and websockets only, never torch or the server.
 from httpx import Timeout
 
 from txlserve_client._async_client import AsyncClient
+from txlserve_client._async_websocket import AsyncWebSocketConnection, AsyncWebSocketStream
 from txlserve_client._base import __version__
 from txlserve_client._client import Client
 from txlserve_client._exceptions import (
@@ -48,12 +49,7 @@ from txlserve_client._types import (
     SessionRef,
     Usage,
 )
-from txlserve_client._websocket import (
-    AsyncWebSocketConnection,
-    AsyncWebSocketStream,
-    WebSocketConnection,
-    WebSocketStream,
-)
+from txlserve_client._websocket import WebSocketConnection, WebSocketStream
 
 __all__ = [
     # clients

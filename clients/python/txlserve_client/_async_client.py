@@ -12,10 +12,10 @@ from typing import Any, Literal, TypeVar, overload
 import httpx
 
 from txlserve_client import _base as api
+from txlserve_client._async_websocket import AsyncConnect, AsyncWebSocketConnection, AsyncWebSocketStream
 from txlserve_client._base import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, BaseClient, Call
 from txlserve_client._streaming import AsyncStream
 from txlserve_client._types import AppendResult, AsyncSessionPage, Completion, Model, Session, SessionDeleted
-from txlserve_client._websocket import AsyncConnect, AsyncWebSocketConnection, AsyncWebSocketStream
 
 log = logging.getLogger("txlserve_client")
 T = TypeVar("T")
@@ -52,7 +52,7 @@ class AsyncClient(BaseClient):
             except httpx.TransportError as err:
                 if (delay := self._retry_delay(call, attempt)) is None:
                     raise api.connection_error(err) from err
-                lost = True
+                lost = lost or not isinstance(err, api.UNSENT)
             else:
                 if response.is_success:
                     return response

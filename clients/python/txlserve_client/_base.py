@@ -40,6 +40,8 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)  # read: the longest wait for the next byte of an answer
 DEFAULT_MAX_RETRIES = 2
 RETRY_STATUSES = frozenset({429, 503})
+# failures before a request left: its answer was not lost, as a broken connection's may be (``_done_before``)
+UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 MAX_RETRY_AFTER = 60.0  # a longer Retry-After is not waited for: the normal backoff applies
 
 T = TypeVar("T")
@@ -313,8 +315,9 @@ class BaseClient:
     @staticmethod
     def _done_before(call: Call[Any], response: httpx.Response, lost: bool) -> httpx.Response | None:
         """The answer a 404 to ``call`` stands for where an earlier try's answer was ``lost`` (a connection that
-        broke after the request was sent): a retried DELETE whose first try deleted the session raised
-        NotFoundError for a delete that succeeded (found by a helper). None: the 404 is the answer."""
+        broke after the request was sent, not one that never connected): a retried DELETE whose first try deleted
+        the session raised NotFoundError for a delete that succeeded (found by a helper). None: the 404 is the
+        answer."""
         if not lost or call.gone is None or response.status_code != 404:
             return None
         return httpx.Response(200, json=call.gone, request=response.request)

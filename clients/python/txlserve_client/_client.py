@@ -56,7 +56,7 @@ class Client(BaseClient):
             except httpx.TransportError as err:
                 if (delay := self._retry_delay(call, attempt)) is None:
                     raise api.connection_error(err) from err
-                lost = True
+                lost = lost or not isinstance(err, api.UNSENT)
             else:
                 if response.is_success:
                     return response

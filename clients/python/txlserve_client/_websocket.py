@@ -29,16 +29,14 @@ import json
 import sys
 import threading
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
+from collections.abc import Iterator
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
-import websockets.asyncio.client
 import websockets.exceptions
 import websockets.sync.client
-from websockets.protocol import State
 
-from txlserve_client._base import BaseClient, Prompt, close_soon, closed_error, completion_body, connection_error
+from txlserve_client._base import BaseClient, Prompt, closed_error, completion_body, connection_error
 from txlserve_client._exceptions import APIConnectionError, APIError, AuthenticationError, error_from_body
 from txlserve_client._types import CompletionChunk
 
@@ -48,34 +46,6 @@ _END_TYPES = ("completion.done", "error")
 # (websockets follows redirects itself)
 _CONNECT_ERRORS = (OSError, TimeoutError, asyncio.TimeoutError, websockets.exceptions.InvalidHandshake,
                    websockets.exceptions.InvalidURI)
-
-
-T = TypeVar("T")
-
-
-async def _within(aw: Awaitable[T], timeout: float) -> T:
-    """``aw``'s result, or TimeoutError after ``timeout`` s. Not ``asyncio.wait_for``: before Python 3.12 it returns
-    a result that arrives as its task is cancelled and drops the cancel, so ``task.cancel()`` of a task reading a
-    stream (a "stop" button) was lost a third of the time, and the stream read on to its end (found by a helper)."""
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(timeout):
-            return await aw
-    task, expired = asyncio.current_task(), False  # Python 3.10: asyncio.timeout's way, by hand
-
-    def expire() -> None:
-        nonlocal expired
-        expired = True
-        task.cancel()
-
-    handle = asyncio.get_running_loop().call_later(timeout, expire)
-    try:
-        return await aw
-    except asyncio.CancelledError:
-        if expired:
-            raise asyncio.TimeoutError from None
-        raise
-    finally:
-        handle.cancel()
 
 
 def connect_options(client: BaseClient) -> dict[str, Any]:
@@ -291,175 +261,3 @@ class WebSocketStream(Iterator[CompletionChunk]):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
-
-
-class AsyncWebSocketConnection(_Running):
-    """One open WebSocket; an async context manager that closes it (and closed once dropped)."""
-
-    def __init__(self, ws: websockets.asyncio.client.ClientConnection, read_timeout: float | None) -> None:
-        super().__init__()
-        self._ws, self._read_timeout = ws, read_timeout
-        self._loop = asyncio.get_running_loop()
-        self._owner: asyncio.Task | None = None  # the task that started the running completion
-
-    @classmethod
-    async def open(cls, client: BaseClient) -> AsyncWebSocketConnection:
-        if client.is_closed:
-            raise closed_error()
-        try:
-            ws = await websockets.asyncio.client.connect(client.ws_url, **connect_options(client))
-        except _CONNECT_ERRORS as err:
-            raise connect_error(err) from err
-        return cls(ws, client.timeout.read)
-
-    def completion(self, *, model: str, prompt: Prompt = "", **options: Any) -> AsyncWebSocketStream:
-        """The request is sent when the stream is first read (or entered with ``async with``)."""
-        body = completion_body(model, prompt, False, options)
-        return AsyncWebSocketStream({"type": "completion.create", **body}, conn=self)
-
-    async def cancel(self) -> None:
-        """Stop the running completion; its stream then ends with finish_reason "cancelled"."""
-        if self._running:
-            await self._send(_cancel(self._running_id))
-
-    async def _begin(self, stream: AsyncWebSocketStream) -> None:
-        """A new completion closes (cancels) the one before it, unless another task, still running, started that
-        one: two tasks' completions on one connection cancelled the first and failed the second with the
-        websockets library's own error."""
-        owner, me = self._owner, asyncio.current_task()
-        if self._read_elsewhere() and owner not in (None, me) and not owner.done():
-            raise APIError("a completion is streaming on this connection in another task: a connection runs "
-                           "one completion at a time (open one connection per task, or wait for that one)")
-        await self._finish()
-        self._running, self._running_id, self._active, self._owner = True, None, weakref.ref(stream), me
-        try:
-            await self._send(stream.request)
-        except BaseException:
-            self._running = False  # nothing runs: the request never left
-            raise
-
-    async def _finish(self) -> None:
-        """Cancel the running completion, if any, and read it to its end (its stream may be gone)."""
-        try:
-            if self._running:
-                await self._send(_cancel(self._running_id))
-                while self._running:
-                    _chunk(await self._next())
-        except APIError:
-            pass  # the completion is over either way
-
-    async def _send(self, msg: dict[str, Any]) -> None:
-        try:
-            await self._ws.send(json.dumps(msg))
-        except websockets.exceptions.ConnectionClosed as err:
-            raise _closed(err) from err
-
-    async def _next(self) -> dict[str, Any]:
-        return self._heard(await self._recv())
-
-    async def _recv(self) -> dict[str, Any]:
-        try:
-            if self._read_timeout is None:
-                return _message(await self._ws.recv())
-            return _message(await _within(self._ws.recv(), self._read_timeout))
-        except websockets.exceptions.ConnectionClosed as err:
-            raise _closed(err) from err
-        except (TimeoutError, asyncio.TimeoutError) as err:  # two classes before Python 3.11
-            raise connection_error(err) from err
-
-    async def close(self) -> None:
-        await self._ws.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter exit
-            if (ws := getattr(self, "_ws", None)) is not None and ws.state is not State.CLOSED:
-                close_soon(getattr(self, "_loop", None), ws.close)
-
-    async def __aenter__(self) -> AsyncWebSocketConnection:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.close()
-
-
-class AsyncConnect:
-    """What ``AsyncClient.ws.connect()`` returns: ``await`` it, or ``async with`` it to close the connection."""
-
-    def __init__(self, client: BaseClient) -> None:
-        self._client = client
-        self._conn: AsyncWebSocketConnection | None = None
-
-    def __await__(self) -> Generator[Any, None, AsyncWebSocketConnection]:
-        return AsyncWebSocketConnection.open(self._client).__await__()
-
-    async def __aenter__(self) -> AsyncWebSocketConnection:
-        self._conn = await AsyncWebSocketConnection.open(self._client)
-        return self._conn
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        if self._conn is not None:
-            await self._conn.close()
-
-
-class AsyncWebSocketStream(AsyncIterator[CompletionChunk]):
-    """The chunks of one completion; an async context manager that cancels it if unfinished.
-
-    It runs on ``conn``, or (for ``ws.stream``) on a connection it opens with ``open`` and closes (as it is
-    dropped, if unfinished)."""
-
-    def __init__(self, request: dict[str, Any], *, conn: AsyncWebSocketConnection | None = None,
-                 open: Callable[[], Awaitable[AsyncWebSocketConnection]] | None = None) -> None:
-        self.request, self._conn, self._open, self._owns = request, conn, open, conn is None
-        self.started = self.done = False
-        self.id: str | None = None  # the completion's, once the server has named it
-
-    async def _start(self) -> AsyncWebSocketConnection:
-        if self._conn is None:
-            assert self._open is not None
-            self._conn = await self._open()
-        if not self.started:
-            self.started = True
-            await self._conn._begin(self)
-        return self._conn
-
-    async def __anext__(self) -> CompletionChunk:
-        conn = await self._start()
-        while not self.done:
-            msg = await conn._next()
-            self.id = msg.get("id") or self.id
-            if self.done and self._owns:
-                await conn.close()
-            if (chunk := _chunk(msg)) is not None:
-                return chunk
-        raise StopAsyncIteration
-
-    def __aiter__(self) -> AsyncWebSocketStream:
-        return self
-
-    async def cancel(self) -> None:
-        if self._conn is not None and self.started and not self.done:
-            await self._conn.cancel()
-
-    async def close(self) -> None:
-        """Cancel the completion if it still runs and read it to its end."""
-        try:
-            if self.started and not self.done and self._conn is not None:
-                await self._conn._finish()
-        finally:
-            if self._owns and self._conn is not None:
-                await self._conn.close()
-
-    def __del__(self) -> None:
-        if self._owns and self._conn is not None and not self.done:  # its connection is this stream's alone
-            with contextlib.suppress(Exception):
-                close_soon(self._conn._loop, self._conn._ws.close)
-
-    async def __aenter__(self) -> AsyncWebSocketStream:
-        await self._start()
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.close()

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,16 +231,8 @@ class Run:
         one turn of the event loop): a run still generating gets a moment to be told. This server's runs that
         held the session (:meth:`_leased` reads how they stand when the lease is refused). A cancel of this run
         ends the wait."""
-        others = [r for r in self.rt.runs  # those that hold the session: a run that committed has let it go
-                  if r is not self and r.session_id == self.session_id and r.lease is not None and not r.lease.released]
-        if not others:
-            return others
-        told = [asyncio.ensure_future(r.stopped.wait()) for r in others if not r.stopped.is_set()]
-        if told:
-            await self._until(told, NOTICE_S)
-            for waiter in told:
-                waiter.cancel()
-        await self._until([r.task for r in others if r.cancelled], STOPPED_RUN_WAIT_S)
+        others = _holders(self.rt, self.session_id, but=self)
+        await _stopped_committed(others, self._until)
         return others
 
     async def _until(self, aws: list[asyncio.Future], timeout: float) -> None:
@@ -412,15 +404,8 @@ async def settled(rt: Runtime, session_id: str) -> None:
     be told its client left (``NOTICE_S`` here, ``REMOTE_NOTICE_S`` through another replica); past it the
     session is read as its last commit left it: a read never waits for a generation."""
     loop = asyncio.get_running_loop()
-    here = [r for r in rt.runs if r.session_id == session_id and r.lease is not None and not r.lease.released]
-    if here:
-        told = [asyncio.ensure_future(r.stopped.wait()) for r in here if not r.stopped.is_set()]
-        if told:
-            await asyncio.wait(told, timeout=NOTICE_S)
-            for waiter in told:
-                waiter.cancel()
-        if stopping := [r.task for r in here if r.cancelled and not r.task.done()]:
-            await asyncio.wait(stopping, timeout=STOPPED_RUN_WAIT_S)
+    if here := _holders(rt, session_id):
+        await _stopped_committed(here, _wait)
         return
     started, pause = loop.time(), 0.005
     while True:  # another replica's request, or none
@@ -429,3 +414,26 @@ async def settled(rt: Runtime, session_id: str) -> None:
             return
         await asyncio.sleep(pause)
         pause = min(2 * pause, 0.05)
+
+
+def _holders(rt: Runtime, session_id: str | None, but: Run | None = None) -> list[Run]:
+    """This server's runs (but ``but``) that hold the session's lease: a run that committed has let it go."""
+    return [r for r in rt.runs
+            if r is not but and r.session_id == session_id and r.lease is not None and not r.lease.released]
+
+
+async def _stopped_committed(runs: list[Run], until: Callable[[list[asyncio.Future], float], Awaitable[None]]
+                             ) -> None:
+    """Give ``runs`` still generating ``NOTICE_S`` to hear their client left, then wait for those stopped to
+    commit (``STOPPED_RUN_WAIT_S`` at most): waits made by ``until(futures, timeout)``."""
+    told = [asyncio.ensure_future(r.stopped.wait()) for r in runs if not r.stopped.is_set()]
+    if told:
+        await until(told, NOTICE_S)
+        for waiter in told:
+            waiter.cancel()
+    await until([r.task for r in runs if r.cancelled], STOPPED_RUN_WAIT_S)
+
+
+async def _wait(aws: list[asyncio.Future], timeout: float) -> None:
+    if aws:
+        await asyncio.wait(aws, timeout=timeout)

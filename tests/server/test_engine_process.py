@@ -16,7 +16,7 @@ import pytest
 
 from server.engine_core import error_from, error_head, pack, unpack
 from server.runtime import DRAIN_PING_S
-from tests.live import MODEL, LiveServer, start_all, stop_then_continue, stream_deleted_midway, wait_for
+from tests.live import MODEL, LiveServer, stop_then_continue, stream_deleted_midway, wait_for
 from tests.procs import pid_alive, wait_exit
 
 
@@ -62,9 +62,11 @@ def test_a_session_continued_hot_read_back_from_redis_and_forked_equals_one_requ
 def test_a_large_session_is_exported_and_imported_off_the_engines_threads(checkpoint, redis_url, tmp_path):
     """A session over 1 MiB (INLINE_BYTES): its export, its upload and its import run on threads of their own
     (server/engine_core.py); the continuation is the one the whole document gives. A stream of it stopped by its
-    client, and the next request sent at once, is served."""
+    client, and the next request sent at once, is served. Its server then stops (SIGTERM), and its engine process
+    with it (the kill -9 case is below)."""
     srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=("--mem-len", "4200")).start()
     try:
+        pid = _engine_pid(srv)
         a, b = "It was the best of times, it was the worst of times, " * 85, "it was the age of wisdom"  # 4,505 tokens
         truth = _complete(srv, prompt=a + b, max_tokens=16).json()["choices"][0]["text"]
         sid = httpx.post(srv.url + "/v1/sessions", json={"text": a}, timeout=60).json()
@@ -76,6 +78,8 @@ def test_a_large_session_is_exported_and_imported_off_the_engines_threads(checkp
         # and the next request was a 409 nearly every time (found by a helper). It waits for that commit.
         with httpx.Client(base_url=srv.url, timeout=60) as client:
             stop_then_continue(client, client, fork, 4000)
+        assert srv.terminate(timeout=30) in (0, -signal.SIGTERM)
+        assert wait_exit([pid], timeout=30) and not pid_alive(pid), "the engine process outlived its server"
     finally:
         srv.stop()
 
@@ -149,18 +153,16 @@ def test_an_engine_process_that_dies_fails_requests_and_health_and_the_server_st
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="waits on pidfds")
 def test_the_engine_process_stops_with_the_server_even_when_it_is_killed(checkpoint, redis_url, tmp_path):
-    servers = {stop: LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path / stop)
-               for stop in ("terminate", "kill")}
-    start_all(*servers.values())  # side by side
+    """kill -9 of the API server: the engine process sees its parent go and exits (a SIGTERM's stop is checked at
+    the end of the large-session test above, on a server that test starts anyway)."""
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path).start()
     try:
-        for stop, srv in servers.items():
-            pid = _engine_pid(srv)
-            assert _complete(srv, prompt="hi", max_tokens=2).status_code == 200
-            getattr(srv, stop)()
-            assert wait_exit([pid], timeout=30) and not pid_alive(pid), f"the engine process outlived a {stop}"
+        pid = _engine_pid(srv)
+        assert _complete(srv, prompt="hi", max_tokens=2).status_code == 200
+        srv.kill()
+        assert wait_exit([pid], timeout=30) and not pid_alive(pid), "the engine process outlived a kill -9"
     finally:
-        for srv in servers.values():
-            srv.stop()
+        srv.stop()
 
 
 # -- the engine process's side of the wire, driven directly (in this process, on threads) ------------------------

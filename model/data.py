@@ -59,6 +59,18 @@ class Corpus:
         return {name: int(self.split(name).size) for name in SPLITS}
 
 
+def corpus_path(path: str | Path) -> Path:
+    """A corpus is a file or a folder: a device or a pipe (``--data /dev/null``, ``<(zcat ...)``) was read as a
+    folder holding no .txt files, and a file is memory-mapped, which neither can be."""
+    src = Path(path).expanduser()
+    if not src.exists():
+        raise DataError(f"corpus not found: {src}")
+    if not (src.is_file() or src.is_dir()):
+        raise DataError(f"not a file or a folder: {src} (a corpus is read from a file, or a folder of them: "
+                        "write a pipe's text to a file first)")
+    return src
+
+
 def load_corpus(path: str | Path, kind: str = "auto", cache_dir: str | Path | None = None) -> Corpus:
     """Open a corpus as memory-mapped train/valid/test byte arrays.
 
@@ -66,9 +78,7 @@ def load_corpus(path: str | Path, kind: str = "auto", cache_dir: str | Path | No
     otherwise "text". ``cache_dir`` (default $TXLSERVE_DATA_CACHE or
     ~/.cache/txlserve/data) holds extracted and concatenated files.
     """
-    src = Path(path).expanduser()
-    if not src.exists():
-        raise DataError(f"corpus not found: {src}")
+    src = corpus_path(path)
     if kind == "auto":
         kind = _detect_kind(src)
     if kind in _PAPER_KINDS:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model.data import SPLITS, Corpus, gzipped
+from model.data import SPLITS, Corpus, corpus_path, gzipped
 from model.tokenizer import WordTokenizer
 from txlserve.errors import DataError
 
@@ -25,9 +25,7 @@ _NAMES = ("wiki.{}.tokens", "wiki.{}.tokens.gz", "{}.txt", "{}.txt.gz", "{}.toke
 
 def split_path(path: str | Path, split: str) -> Path | None:
     """The file holding ``split`` (a file stands for every split); None when the folder has none."""
-    src = Path(path).expanduser()
-    if not src.exists():
-        raise DataError(f"corpus not found: {src}")
+    src = corpus_path(path)
     if src.is_file():
         return src
     return next((src / n.format(split) for n in _NAMES if (src / n.format(split)).is_file()), None)

@@ -227,6 +227,10 @@ def test_text_errors(tmp_path: Path) -> None:
     (tmp_path / "none").mkdir()
     with pytest.raises(DataError, match=r"no \.txt \(or \.txt\.gz\) files"):
         load_corpus(tmp_path / "none")
+    os.mkfifo(tmp_path / "pipe")  # as `--data <(zcat ...)` gives: it was read as a folder of no .txt files
+    for odd in (tmp_path / "pipe", Path(os.devnull)):
+        with pytest.raises(DataError, match=f"not a file or a folder: {odd} .*write a pipe's text to a file"):
+            load_corpus(odd)
     (tmp_path / "empty-gz").mkdir()
     for name in ("a.txt.gz", "b.txt.gz", "c.txt"):  # gzip files of no text: not counted by their own bytes
         (tmp_path / "empty-gz" / name).write_bytes(gzip.compress(b""))

@@ -188,6 +188,8 @@ def test_word_corpus_reads_the_wikitext_layout(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no train split"):
         load_word_corpus(tmp_path / "empty", tok)
+    with pytest.raises(DataError, match="not a file or a folder: /dev/null"):
+        load_word_corpus("/dev/null", tok)
     # a gzipped split not named .gz is read by its bytes (it was refused as "not UTF-8")
     folder = tmp_path / "wt"
     (folder / "wiki.test.tokens.gz").rename(folder / "wiki.test.tokens")

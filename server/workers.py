@@ -75,8 +75,12 @@ def worker_settings(settings: Settings, redis_url: str | None) -> dict[str, Any]
 def serve_workers(settings: Settings, sock: socket.socket) -> int:
     """Supervise ``settings.workers`` workers on ``sock`` (the port, held) until they stop; the exit status.
     The signal handlers cover the embedded Redis's start and stop too: a SIGTERM then must not orphan it."""
+    from memory_store import MemoryStore
     from memory_store.embedded import EmbeddedRedis
 
+    # a Redis that does not answer is one line, now, as one server says it: each worker said it once its model
+    # had loaded, and the supervisor then a line more
+    asyncio.run(MemoryStore.check_reachable(settings.redis_url, settings.store_timeout_s))
     supervisor = _Supervisor(settings, sock)
     with supervisor.handling_signals(), tempfile.TemporaryDirectory(prefix="txlserve-metrics-") as metrics:
         embedded = None if settings.redis_url else EmbeddedRedis(settings.data_dir)

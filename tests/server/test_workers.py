@@ -256,6 +256,18 @@ def test_api_servers_of_an_engine_that_cannot_load_say_why_in_one_line(tmp_path:
     assert "txlserve: error: [worker 0]" in r.stderr and "config.json" in r.stderr, r.stderr
 
 
+def test_an_unreachable_redis_is_one_line_before_any_worker_starts(checkpoint: Path, tmp_path: Path):
+    """Each worker said it after loading its model, and the supervisor a line more (four lines, seconds later);
+    one server says it in one line before the model loads, and so does a supervisor now (of workers, or of API
+    servers: the same supervisor)."""
+    r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", "0", "--checkpoint", str(checkpoint),
+                        "--data-dir", str(tmp_path), "--redis-url", "redis://127.0.0.1:1/0", *WORKERS], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines() == [line for line in r.stderr.splitlines() if "txlserve: error: Redis at" in line]
+    assert len(r.stderr.splitlines()) == 1 and "is unavailable" in r.stderr, r.stderr
+
+
 def test_a_worker_refuses_settings_not_from_a_supervisor():
     r = subprocess.run([sys.executable, "-m", "server.workers", "0", "0"], cwd=REPO, input=b"", capture_output=True,
                        timeout=60)

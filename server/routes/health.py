@@ -66,7 +66,8 @@ def _served(rt: Runtime) -> dict:
     return {"id": rt.settings.model_name, "object": "model", "created": rt.started, "owned_by": "txlserve",
             "root": rt.settings.model_name, "parent": None,  # vLLM's card, without max_model_len: no context
             "n_layer": cfg.n_layer, "d_model": cfg.d_model,  # length bounds a Transformer-XL's prompt and output
-            "mem_len": rt.engine.mem_len, "clamp_len": rt.engine.clamp_len, "fingerprint": rt.engine.fingerprint}
+            "mem_len": rt.engine.mem_len, "clamp_len": rt.engine.clamp_len, "fingerprint": rt.engine.fingerprint,
+            "max_tokens_limit": rt.settings.max_tokens_limit}  # a client checks max_tokens before it makes anything
 
 
 @router.get("/v1/models")

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
 import subprocess
 import sys
 
+import httpx
 from txlserve_client import Client
+from txlserve_client import chat as chat_module
+from txlserve_client._types import Session
 
 from tests.clients.conftest import CLIENT_SRC
-from tests.live import LiveServer, wait_for
+from tests.live import LONG, LiveServer, wait_for
 from tests.procs import Streamed
 
 ID = r"[\w-]+"
@@ -79,12 +83,41 @@ def test_bad_sampling_flags_are_refused_before_a_session_is_made(server: LiveSer
     assert [s.id for s in client.sessions.list(limit=100).iter_all()] == before
 
 
-def test_a_flag_the_server_refuses_ends_the_chat_with_the_way_back(server: LiveServer) -> None:
-    """--max-tokens past the server's limit: every line was refused with the same 400, and the exit status was 0
-    (found by a helper)."""
-    rc, out, err = run_chat(server, "hello\nagain\n", "--max-tokens", "100000000")
-    assert rc == 2 and err.count("error: ") == 1 and "max_tokens" in err, (rc, err)
-    assert "resume with --session" in out and "another --max-tokens" in out, out
+def test_max_tokens_over_the_servers_limit_is_refused_before_a_session_is_made(server: LiveServer,
+                                                                              client: Client) -> None:
+    """The server's card says its limit (``max_tokens_limit``): the chat had made a session, then ended at the
+    first line's 400 (found by a helper)."""
+    limit = client.models.list()[0].max_tokens_limit
+    assert limit == LONG, limit  # as the suite's servers are started
+    before = [s.id for s in client.sessions.list(limit=100).iter_all()]
+    rc, out, err = run_chat(server, "hello\n", "--max-tokens", str(limit + 1))
+    assert rc == 2 and out == "" and err.strip() == (f"txlserve-chat: error: --max-tokens {limit + 1} is over "
+                                                     f"this server's limit of {limit}"), (rc, out, err)
+    assert [s.id for s in client.sessions.list(limit=100).iter_all()] == before
+    rc, _, err = run_chat(server, "", "--max-tokens", str(limit))  # the limit itself is taken
+    assert rc == 0, err
+
+
+def test_a_flag_an_older_server_refuses_ends_the_chat_with_the_way_back(monkeypatch) -> None:
+    """A server that does not say its limit refuses every line with the same 400: the chat ends at the first, with
+    the way back (its exit status had been 0 after one error a line)."""
+    sent = []
+
+    def older_server(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        return httpx.Response(400, json={"error": {"message": "max_tokens must be at most 4096", "code": None,
+                                                   "type": "invalid_request_error", "param": "max_tokens"}})
+
+    with Client(base_url="http://older.invalid") as client:
+        client._http = httpx.Client(base_url="http://older.invalid", transport=httpx.MockTransport(older_server))
+        session = Session("s-1", "m", 0, 8, 0, "hot", 0, 0)
+        out, err = io.StringIO(), io.StringIO()
+        monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nagain\n"))
+        args = chat_module.build_parser("txlserve-chat").parse_args(["--max-tokens", "100000"])
+        rc = chat_module.Chat(client, "m", session, args, out=out, err=err).run()
+    assert rc == 2 and sent == ["/v1/completions"], (rc, sent)  # the second line was not sent
+    assert err.getvalue().count("error: ") == 1 and "max_tokens" in err.getvalue(), err.getvalue()
+    assert "resume with --session s-1 and another --max-tokens" in out.getvalue(), out.getvalue()
 
 
 def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(server: LiveServer, client: Client) -> None:

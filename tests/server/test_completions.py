@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.live import MODEL
+from tests.live import LONG, MODEL
 
 TEXT_A = "It was the best of times, it was the worst of times, "
 TEXT_B = "it was the age of wisdom, it was the age of foolishness, "
@@ -305,6 +305,7 @@ def test_a_model_is_retrieved_by_name_as_openais_models_retrieve_does(server):
     assert got.status_code == 200 and [got.json()] == listed
     assert time.time() - 3600 < listed[0]["created"] <= time.time()  # when the server loaded it, as vLLM's (was 0)
     assert listed[0]["root"] == MODEL and "max_model_len" not in listed[0]  # vLLM's card; no context length here
+    assert listed[0]["max_tokens_limit"] == LONG  # --max-tokens-limit: what a client checks first
     missing = httpx.get(server.url + "/v1/models/org/other-model")  # a name may hold '/': still this route
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 

@@ -158,10 +158,11 @@ class Model:
     id: str
     owned_by: str
     mem_len: int | None = None
+    max_tokens_limit: int | None = None  # the largest max_tokens the server takes (None: it does not say)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Model:
-        return cls(d["id"], d.get("owned_by", ""), d.get("mem_len"))
+        return cls(d["id"], d.get("owned_by", ""), d.get("mem_len"), d.get("max_tokens_limit"))
 
 
 @dataclass(frozen=True)

@@ -159,11 +159,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "txlserve-chat") -> int:
         return 2
     try:
         with client:
-            served = [m.id for m in client.models.list()]
-            if args.model is not None and args.model not in served:  # before a session is made for nothing
-                print(f"{prog}: this server serves {', '.join(served)}, not {args.model!r}", file=sys.stderr)
+            cards = {m.id: m for m in client.models.list()}
+            if args.model is not None and args.model not in cards:  # before a session is made for nothing
+                print(f"{prog}: this server serves {', '.join(cards)}, not {args.model!r}", file=sys.stderr)
                 return 2
-            model = args.model or served[0]
+            model = args.model or next(iter(cards))
+            limit = cards[model].max_tokens_limit
+            if limit is not None and args.max_tokens > limit:  # every line would be refused
+                print(f"{prog}: error: --max-tokens {args.max_tokens} is over this server's limit of {limit}",
+                      file=sys.stderr)
+                return 2
             session = client.sessions.get(args.session) if args.session else client.sessions.create()
             return Chat(client, model, session, args).run()
     except APIError as err:  # the server refused or is gone: one line, status 2 as `txlserve session` exits

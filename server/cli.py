@@ -327,34 +327,25 @@ def _add_bench_placeholder(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda ns: main(["bench", *ns.args]))
 
 
+_BENCHES = {  # `txlserve bench NAME`: the module bench.NAME (imported when the parser is built)
+    "decode": "ring-buffer decoder vs the naive re-projecting decoder",
+    "store": "memory-store latency, and restoring a session vs recomputing it",
+    "serve": "concurrent streaming load, and continuing a session vs re-sending",
+    "startup": "seconds from `txlserve serve` to /ready, against importing torch",
+    "scale": "the published WikiText-103 shape (random weights): load, decode, sessions",
+}
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from bench import decode
+    import importlib
 
     p = sub.add_parser("bench", help=_BENCH_HELP)
     kinds = p.add_subparsers(dest="bench", required=True)
-    d = kinds.add_parser("decode", help="ring-buffer decoder vs the naive re-projecting decoder")
-    decode.add_arguments(d)
-    d.set_defaults(func=decode.main)
-    from bench import store
-
-    st = kinds.add_parser("store", help="memory-store latency, and restoring a session vs recomputing it")
-    store.add_arguments(st)
-    st.set_defaults(func=store.main)
-    from bench import serve
-
-    sv = kinds.add_parser("serve", help="concurrent streaming load, and continuing a session vs re-sending")
-    serve.add_arguments(sv)
-    sv.set_defaults(func=serve.main)
-    from bench import startup
-
-    su = kinds.add_parser("startup", help="seconds from `txlserve serve` to /ready, against importing torch")
-    startup.add_arguments(su)
-    su.set_defaults(func=startup.main)
-    from bench import scale
-
-    sc = kinds.add_parser("scale", help="the published WikiText-103 shape (random weights): load, decode, sessions")
-    scale.add_arguments(sc)
-    sc.set_defaults(func=scale.main)
+    for name, summary in _BENCHES.items():
+        module = importlib.import_module(f"bench.{name}")
+        k = kinds.add_parser(name, help=summary)
+        module.add_arguments(k)
+        k.set_defaults(func=module.main)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

@@ -98,6 +98,16 @@ def test_max_tokens_over_the_servers_limit_is_refused_before_a_session_is_made(s
     assert rc == 0, err
 
 
+def test_the_default_max_tokens_is_the_servers_limit_where_that_is_lower(fuzz_server: LiveServer) -> None:
+    """A server whose limit is under the chat's default of 200 (the fuzzers' server takes 32): a chat started
+    without --max-tokens had every line refused over a flag the user never gave."""
+    rc, out, err = run_chat(fuzz_server, "hi\n")
+    assert rc == 0, err
+    session_id = re.search(rf"^session ({ID}) \(0 tokens\)", out, re.M).group(1)
+    with Client(base_url=fuzz_server.url, timeout=30) as client:
+        assert client.sessions.get(session_id).tokens_seen == len("hi\n") + 32
+
+
 def test_a_flag_an_older_server_refuses_ends_the_chat_with_the_way_back(monkeypatch) -> None:
     """A server that does not say its limit refuses every line with the same 400: the chat ends at the first, with
     the way back (its exit status had been 0 after one error a line)."""

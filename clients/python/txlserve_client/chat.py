@@ -25,6 +25,7 @@ from txlserve_client._types import Session
 _CONTROLS = dict.fromkeys(c for c in range(32) if c not in (9, 10)) | {127: None}
 HELP = ("/info  the session   /fork  fork it and go on in the fork   /new  a fresh session   /quit  leave   "
         "//...  a line that starts with /")
+MAX_TOKENS = 200  # a line's continuation, unless --max-tokens says otherwise
 BUSY_WAIT_S = 5.0  # after a cancel the server commits in the background; a 409 until then is worth waiting out
 
 
@@ -41,7 +42,8 @@ def build_parser(prog: str = "txlserve-chat") -> argparse.ArgumentParser:
     p.add_argument("--url", default=None, help="server URL (default: $TXLSERVE_BASE_URL or http://127.0.0.1:8000)")
     p.add_argument("--api-key", default=None, help="default: $TXLSERVE_API_KEY")
     p.add_argument("--model", default=None, help="default: the server's model")
-    p.add_argument("--max-tokens", type=_bounded(int, 1, None), default=200, help="per line (default: 200)")
+    p.add_argument("--max-tokens", type=_bounded(int, 1, None), default=None,
+                   help=f"per line (default: {MAX_TOKENS}, or the server's limit where that is lower)")
     p.add_argument("--temperature", type=_bounded(float, 0.0, 2.0), default=0.8, help="0 to 2 (default: 0.8)")
     return p
 
@@ -165,7 +167,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "txlserve-chat") -> int:
                 return 2
             model = args.model or next(iter(cards))
             limit = cards[model].max_tokens_limit
-            if limit is not None and args.max_tokens > limit:  # every line would be refused
+            if args.max_tokens is None:  # a default the server refuses is not the user's to mend
+                args.max_tokens = min(MAX_TOKENS, limit or MAX_TOKENS)
+            elif limit is not None and args.max_tokens > limit:  # every line would be refused
                 print(f"{prog}: error: --max-tokens {args.max_tokens} is over this server's limit of {limit}",
                       file=sys.stderr)
                 return 2

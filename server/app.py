@@ -247,7 +247,7 @@ class RequestLog:
             raise
         finally:
             fields = {} if close_code is None else {"close_code": close_code}
-            _log_line(request_id=request_id, method="WEBSOCKET", route=scope.get("path"),
+            _log_line(request_id=request_id, method="WEBSOCKET", route=_route_label(scope) or "unmatched",
                       status=500 if status is None else status,
                       total_ms=round(1000 * (time.monotonic() - t0), 1), **fields, **request_fields(scope))
 

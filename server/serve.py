@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import json
 import logging
 import os
 import re
@@ -94,14 +95,19 @@ class Redact(logging.Filter):
     query value that decodes to a configured key; and the configured keys wherever they appear. Arguments keep
     their places, since uvicorn's access formatter unpacks them."""
 
-    # a value ends where the query or the access log's quoted request line does: a wrong key holding a ' or a #
-    # (often a near miss of the real one) was otherwise masked only up to that character
-    _PAIR = re.compile(r"([?&])([^=&\s\"'#]+)=([^&\s\"]*)")
+    # a value ends where the query does, or the quoted text it stands in: a " followed by a space, a line's end or
+    # JSON's , } ] (uvicorn's request line, the request log's JSON). A wrong key holding a ', a # or a " (often a
+    # near miss of the real one) was otherwise masked only up to that character
+    _PAIR = re.compile(r"([?&])([^=&\s\"'#]+)=((?:[^&\s\"]|\"(?![\s,}\]]|$))*)")
     _SECRET_NAME = re.compile(r"(?i)(?:api[_-]?key|key|token|access[_-]?token|password|passwd|pass|auth)")
 
     def __init__(self, secrets: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.secrets = tuple(sorted((s for s in secrets if s), key=len, reverse=True))  # one inside another
+        # each key as it is, and as uvicorn's request line (percent-encoded) or a JSON log line (escaped) writes it
+        # where it stands in a path: a key holding a " or a + showed whole in a 404's lines (found by a helper)
+        forms = {form for s in secrets if s for form in (s, urllib.parse.quote(s), urllib.parse.quote(s, safe=""),
+                                                          json.dumps(s)[1:-1], json.dumps(s, ensure_ascii=False)[1:-1])}
+        self.secrets = tuple(sorted(forms, key=len, reverse=True))  # one inside another
 
     def _pair(self, m: re.Match) -> str:
         name, value = urllib.parse.unquote(m[2]), urllib.parse.unquote(m[3])

@@ -255,6 +255,8 @@ def test_no_key_in_any_log_line(keyed):
     from websockets.exceptions import InvalidStatus
     with pytest.raises(InvalidStatus, match="401"):  # a WebSocket refused at the handshake
         connect(ws_url(keyed, "?api_key=wrong-key-789")).close()
+    with pytest.raises(InvalidStatus, match="404"):  # a key pasted into the path: its line names no path
+        connect(ws_url(keyed, f"/{KEYS[1]}")).close()
     httpx.get(keyed.url + f"/v1/models?api_key={KEYS[0]}", headers={"authorization": f"Bearer {KEYS[0]}"})
     httpx.get(keyed.url + "/v1/models?key=wrong-key-789")
     # Starlette decodes names and values, so a percent-encoded key authenticates: its log line must not show it
@@ -263,7 +265,7 @@ def test_no_key_in_any_log_line(keyed):
         with connect(ws_url(keyed, query), additional_headers={"Authorization": f"Bearer {KEYS[1]}"}) as conn:
             conn.send(json.dumps({"type": "nothing"}))
             recv(conn)
-    expected = {("/v1/ws", 101), ("/v1/ws", 401), ("/v1/models", 200), ("/v1/models", 401)}
+    expected = {("/v1/ws", 101), ("/v1/ws", 401), ("/{path:path}", 404), ("/v1/models", 200), ("/v1/models", 401)}
 
     def logged() -> list[dict]:  # a request's line is written after its response
         lines = [json.loads(line.split("txlserve.requests: ", 1)[1]) for line in keyed.log.read_text().splitlines()
@@ -336,6 +338,24 @@ def test_the_log_filter_masks_every_form_of_a_secret(text):
 
     masked = Redact(("sk-secret-1", "k'ey#sk-secret-1")).redact(text)
     assert "secret" not in masked and "hunter2" not in masked and "ey#" not in masked and "***" in masked, masked
+
+
+@pytest.mark.parametrize("text", [
+    '"WebSocket /v1/ws?api_key=sk-Q"zx%2Fwv%2Byu" [accepted]',  # uvicorn's line, the key partly encoded
+    '"WebSocket /v1/ws?api_key="sk-Q"zx/wv+y"" 401',  # a quoted near miss
+    '"WebSocket /v1/ws/sk-Q%22zx/wv%2Byu" 404',  # the key in a path, as uvicorn's line quotes it
+    '"WebSocket /v1/ws/sk-Q%22zx%2Fwv%2Byu" 404',
+    '{"method": "WEBSOCKET", "route": "/v1/ws/sk-Q\\"zx/wv+yu", "status": 404}',  # a JSON line's escape
+    '{"route":"/v1/ws?api_key=sk-Q\\"zx/wv+yu","status":401}',
+])
+def test_the_log_filter_masks_a_key_that_holds_a_quote(text):
+    """A " ended a query value, so the rest of a key holding one stayed in uvicorn's line; and a key in a path
+    was logged percent-encoded or JSON-escaped, forms the whole-key replacement did not know (found by a helper)."""
+    from server.serve import Redact
+
+    masked = Redact(('sk-Q"zx/wv+yu',)).redact(text)
+    assert not any(part in masked for part in ("zx", "wv", "yu")) and "***" in masked, masked
+    assert masked[-5:] == text[-5:] and masked[:10] == text[:10], masked  # the line around it kept
 
 
 def test_the_log_filter_leaves_other_queries_alone():

@@ -139,8 +139,9 @@ class Runtime:
         if not runs:
             return
         # said at once: an operator's SIGTERM was otherwise met by silence until the streams ended (found by a helper)
-        log.info("draining: waiting up to %g s for %d request(s) running (new connections are refused; SIGINT "
-                 "(Ctrl-C) stops the server at once)", self.settings.shutdown_timeout_s, len(runs))
+        # "now": the Ctrl-C that began a drain printed this line, which read as if that one should have stopped it
+        log.info("draining: waiting up to %g s for %d request(s) running (new connections are refused; a Ctrl-C "
+                 "now stops the server at once)", self.settings.shutdown_timeout_s, len(runs))
         _, pending = await asyncio.wait([r.task for r in runs], timeout=self.settings.shutdown_timeout_s)
         if not pending:
             return

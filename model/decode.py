@@ -42,6 +42,7 @@ MAX_TRACED_CHUNK = 8
 _TUNED: dict[tuple[int | bool, ...], dict[str, float]] = {}
 _TUNING = threading.Lock()
 TORCH_MARGIN = 0.95  # torch's products are kept only when they take less than this share of the tiles' time
+TUNE_RING = 2048  # the longest ring the products are timed against (Decoder._time_products)
 STEP_TUNE_ROWS = 16  # the decode batch a step's products are timed at (Decoder.tune_step_products)
 
 
@@ -163,23 +164,26 @@ class Decoder:
     def _layout(self, t: Tensor) -> Tensor:
         return column_major(t) if self.columns else t
 
-    def _ring(self, batch: int, new: Callable[..., Tensor], device: torch.device | str) -> Tensor:
-        """A ring [n_layer, batch, H, mem_len, Dh] made by ``new`` (zeros, empty), in its layout (no copy)."""
+    def _ring(self, batch: int, new: Callable[..., Tensor], device: torch.device | str, m: int) -> Tensor:
+        """A ring [n_layer, batch, H, m, Dh] made by ``new`` (zeros, empty), in its layout (no copy)."""
         c, kw = self.cfg, dict(device=device, dtype=self.dtype)
         if self.columns:
-            return new(c.n_layer, batch, c.n_head, c.d_head, self.mem_len, **kw).transpose(-1, -2)
-        return new(c.n_layer, batch, c.n_head, self.mem_len, c.d_head, **kw)
+            return new(c.n_layer, batch, c.n_head, c.d_head, m, **kw).transpose(-1, -2)
+        return new(c.n_layer, batch, c.n_head, m, c.d_head, **kw)
 
-    def empty(self, batch: int = 1, *, zeroed: bool = True, meta: bool = False) -> DecodeState:
+    def empty(self, batch: int = 1, *, zeroed: bool = True, meta: bool = False,
+              ring: int | None = None) -> DecodeState:
         """``batch`` sessions with nothing seen. ``zeroed=False`` leaves the memory unwritten, for a state every
         row of which is about to be copied over (a session leaving the batch: 1.5 MB of zeros saved per request
-        on the bundled checkpoint); ``meta=True`` gives the shapes and layouts alone, with no memory."""
-        c, m, dev = self.cfg, self.mem_len, "meta" if meta else self.device
+        on the bundled checkpoint); ``meta=True`` gives the shapes and layouts alone, with no memory. ``ring``:
+        rings of that many slots, not ``mem_len`` (the tuning's scratch state only: no call of this decoder's
+        reads such a state but :meth:`_time_products`)."""
+        c, m, dev = self.cfg, ring or self.mem_len, "meta" if meta else self.device
         new = torch.zeros if zeroed else torch.empty
         return DecodeState(
             hid=new(c.n_layer, batch, m, c.d_model, device=dev, dtype=self.dtype),
-            k=self._ring(batch, new, dev),
-            v=self._ring(batch, new, dev),
+            k=self._ring(batch, new, dev, m),
+            v=self._ring(batch, new, dev, m),
             seen=torch.zeros(batch, dtype=torch.long, device=dev),
             last_logits=torch.zeros(batch, c.vocab_size, device=dev, dtype=torch.float32),
         )
@@ -363,14 +367,20 @@ class Decoder:
 
     def _time_products(self, rows: int, chunk: int, rounds: int) -> dict[str, float]:
         c = self.cfg
-        state = self.empty(rows)
-        state.seen.fill_(self.mem_len)  # a full ring: the chunk attends to all of it, as a prefill's later ones
+        # a full ring (the chunk attends to all of it, as a prefill's later ones do) of up to TUNE_RING slots:
+        # past that both ways' time grows alike with the ring, and a longer one only took longer to time and
+        # filled the memory (mem_len 65,536: 40 s and 13 GB at start-up for the bundled model's 16-row step)
+        m = min(self.mem_len, TUNE_RING)
+        state = self.empty(rows, ring=m)
+        state.seen.fill_(m)
+        r_head_k = self._layout(self.r_head_k[:, :, : m + 1].contiguous())
+        # [n_layer, n_head, m+1, d_head]: distances 0..m
         rng = torch.Generator(self.device).manual_seed(0)  # not the global one: loading draws nothing
         h = torch.randn(rows, chunk, c.d_model, dtype=self.dtype, device=self.device, generator=rng)
         # [rows, chunk, d_model]
 
         def seconds(kernels: bool, i: int) -> float:
-            cache = RingCache(state.hid, state.k, state.v, state.seen, self.r_head_k, chunk, True, products=kernels)
+            cache = RingCache(state.hid, state.k, state.v, state.seen, r_head_k, chunk, True, products=kernels)
             u, v = self.model.biases(i)
             t0 = time.perf_counter()
             self.model.layers[i](h, cache.positions, u, v, None, cache.layer(i))

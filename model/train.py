@@ -281,18 +281,31 @@ def _mems_fit(mems: torch.Tensor, cfg: TXLConfig) -> bool:
             and mems.is_floating_point())
 
 
-def _check_fits(cfg: TXLConfig, device: torch.device) -> None:
-    """Refuse a model whose training cannot fit in this machine's memory, in one line before any allocation (a
-    huge --d-model had been torch's allocator traceback). Counted on the meta device: nothing is allocated."""
+def _check_fits(cfg: TXLConfig, device: torch.device, *, micro_batch: int, stream_len: int) -> None:
+    """Refuse a training that cannot fit in this machine's memory, in one line before any allocation: a huge
+    --d-model had been torch's allocator traceback, and a huge --tgt-len the kernel's OOM kill (exit 137, no word).
+    Parameters are counted on the meta device (nothing is allocated); attention's activations are a lower bound, so
+    a run refused could never have fit."""
     with torch.device("meta"):
         n = sum(p.numel() for p in MemTransformerLM(cfg).parameters())
-    need = 16 * n  # fp32 weights, their gradients and AdamW's two moments; activations come on top
+    weights = 16 * n  # fp32 weights, their gradients and AdamW's two moments
+    qlen = max(1, min(cfg.tgt_len, stream_len - 1))  # a segment is cut to its stream's end
+    klen = qlen + cfg.mem_len
+    # each layer keeps at least its scores and probabilities [batch, heads, qlen, klen] for the backward pass
+    # (measured on CPU: 2.6 to 4 such tensors a layer); bf16 under CUDA's autocast
+    attention = 2 * cfg.n_layer * micro_batch * cfg.n_head * qlen * klen * (2 if device.type == "cuda" else 4)
     have = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    if need > have:
-        raise ConfigError(f"the model has {n:,} parameters: training it needs about {need / 2**30:,.1f} GiB "
+    if weights > have:
+        raise ConfigError(f"the model has {n:,} parameters: training it needs about {weights / 2**30:,.1f} GiB "
                           f"(weights, gradients, AdamW's moments), more than this {device.type}'s "
                           f"{have / 2**30:,.1f} GiB")
+    if weights + attention > have:
+        cut = "" if qlen == cfg.tgt_len else f" {cfg.tgt_len:,}, cut to a stream's length"
+        raise ConfigError(f"a segment of {qlen:,} tokens (--tgt-len{cut}) attending to {klen:,} keys (with --mem-len "
+                          f"{cfg.mem_len:,}) needs at least {attention / 2**30:,.1f} GiB for attention's scores at "
+                          f"a batch of {micro_batch}, more than this {device.type}'s {have / 2**30:,.1f} GiB: "
+                          "lower --tgt-len, --mem-len or --batch-size (or raise --grad-accum)")
 
 
 class StopAtStepEnd(HeldSignals):
@@ -363,7 +376,9 @@ def train(args: TrainArgs) -> dict[str, Any]:
     corpus, tokenizer = load_training_corpus(args)
     cfg, opt = resolve(args, tokenizer.vocab_size)
     device = pick_device(args.device)
-    _check_fits(cfg, device)
+    world_size = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else 1  # torchrun sets both
+    _check_fits(cfg, device, micro_batch=opt["batch_size"] // args.grad_accum,
+                stream_len=len(corpus.train) // (opt["batch_size"] * world_size))
     rank, world, device = _dist_setup(device)
     out = Path(args.out)
     torch.manual_seed(args.seed + rank)

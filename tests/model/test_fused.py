@@ -513,6 +513,32 @@ def test_tuning_keeps_torchs_products_only_where_clearly_faster_and_decides_once
     assert len(decode._TUNED) == 1
 
 
+@pytest.mark.parametrize("which", ["chunk", "step"])
+def test_tuning_times_a_ring_of_at_most_tune_ring_slots(which, monkeypatch):
+    """The products were timed against a full ring of mem_len slots, 16 of them for a step: at mem_len 65,536 the
+    bundled model's start-up took 40 s and 13 GB, and the tiny model's at 1,048,576 did not end. The attention both
+    ways grows alike with the ring past a few thousand slots, so a ring of TUNE_RING slots decides as well."""
+    from model import decode
+
+    monkeypatch.setattr(decode, "_TUNED", {})
+    monkeypatch.setattr(decode, "TUNE_RING", 8)
+    rings = []
+    empty = Decoder.empty
+
+    def spy(self, batch=1, **kw):
+        state = empty(self, batch, **kw)
+        rings.append(state.k.size(3))
+        return state
+
+    monkeypatch.setattr(Decoder, "empty", spy)
+    for mem_len, ring in ((40, 8), (6, 6)):
+        decoder = Decoder(_model(), mem_len=mem_len)
+        rings.clear()
+        tuned = decoder.tune_products(32) if which == "chunk" else decoder.tune_step_products(rows=4)
+        assert tuned["kernel_ms"] > 0 and tuned["torch_ms"] > 0  # the C kernels ran on the shorter ring
+        assert rings == [ring]
+
+
 def test_engine_prefill_products_setting(tmp_path, monkeypatch):
     from model import decode
     from model.checkpoint import save_checkpoint

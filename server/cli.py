@@ -264,10 +264,13 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     from server.scheduler import Scheduler
 
     async def stream() -> None:  # the server's engine loop, one request: one generation loop everywhere
-        async for item in scheduler.submit(engine.new_state(), prompt, params):
-            if isinstance(item, TokenEvent):
-                sys.stdout.write(item.text)
-                sys.stdout.flush()
+        # closed here when a write fails (`| head`): left to the collector, it was "Task was destroyed but it is
+        # pending!" at exit
+        async with contextlib.aclosing(aiter(scheduler.submit(engine.new_state(), prompt, params))) as events:
+            async for item in events:
+                if isinstance(item, TokenEvent):
+                    sys.stdout.write(item.text)
+                    sys.stdout.flush()
 
     prompt = engine.encode(ns.prompt)  # before the prompt is echoed: a word it cannot read is one line alone
     # the loop is made before anything is written: a Ctrl-C that landed while asyncio.run made it (after the echo)
@@ -534,6 +537,8 @@ def _main(argv: list[str]) -> int:
         print(f"txlserve: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a file, socket or binary the command needed: still one line
+        if isinstance(err, BrokenPipeError) and _reader_left():  # `txlserve generate ... | head`: as cat does
+            return 141
         print(f"txlserve: error: {err}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as err:  # sizes that do not fit: torch's allocators raise RuntimeError
@@ -550,6 +555,25 @@ def _main(argv: list[str]) -> int:
     finally:
         if term is not None:  # put back: main() runs inside other programs too (the tests)
             signal.signal(signal.SIGTERM, term)
+
+
+def _reader_left() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (``| head``). Then stdout becomes /dev/null, so that
+    the interpreter's last flush fails no more, and the command ends quietly with SIGPIPE's status (Python's
+    "Note on SIGPIPE"); a broken socket is still an error."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no stdout, or not a file
+        return False
+    if gone:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return gone
 
 
 _OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory|OutOfMemory", re.I)

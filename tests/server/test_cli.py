@@ -72,6 +72,34 @@ def test_generate_stopped_by_ctrl_c_ends_its_line(checkpoint):
     assert b"Traceback" not in err
 
 
+def test_generate_into_a_pipe_its_reader_closes_ends_quietly(checkpoint):
+    """``txlserve generate ... | head -c 100`` printed "Task was destroyed but it is pending!" and "error: [Errno 32]
+    Broken pipe", exit 2 (found by a helper); now quiet, with SIGPIPE's status, as ``cat`` into ``head``."""
+    import select
+
+    read, write = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "generate", "--checkpoint", str(checkpoint),
+                             "--prompt", "Hello", "--max-tokens", "1000000"], cwd=REPO, stdout=write,
+                            stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(write)
+    try:
+        first = b""
+        while len(first) <= len("Hello") + 8:  # mid-stream, as head's
+            ready, _, _ = select.select([read], [], [], 120)
+            assert ready, f"generate wrote no more than {first!r} within 120 s"
+            first += os.read(read, 1 << 16)
+        os.close(read)
+        read = None
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if read is not None:
+            os.close(read)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert (proc.returncode, err) == (141, b"")
+
+
 @pytest.mark.parametrize("flags,needle", [(["--temperature", "-1"], "temperature"), (["--top-p", "0"], "--top-p"),
                                           (["--max-tokens", "0"], "--max-tokens"), (["--prompt", ""], "nothing to")])
 def test_generate_bad_input_one_line(checkpoint, flags, needle, capsys):

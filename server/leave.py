@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -21,7 +22,12 @@ def leave_without_finalizing(code: int = 0) -> NoReturn:
       mid-destructor and the process aborts ("terminate called without an active exception", 1 run in 6 of a
       2-rank CPU run). The process group cannot be freed first: torch keeps references to it until exit
       (pytorch#109478).
+
+    A Ctrl-C from here on is ignored: the process is leaving already, and one pressed again during
+    ``logging.shutdown``'s lock waits printed a KeyboardInterrupt traceback over the run's last line.
     """
+    with contextlib.suppress(ValueError):  # only the main thread sets handlers
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.shutdown()
     failed = False
     for stream in (sys.stdout, sys.stderr):

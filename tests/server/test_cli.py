@@ -522,6 +522,27 @@ def test_leaving_without_finalizing_still_fails_when_its_output_is_lost(code):
     assert r.returncode == code and r.stdout == '{"ok": 1}\n', (r.returncode, r.stdout)
 
 
+def test_a_ctrl_c_while_leaving_is_ignored():
+    """A second Ctrl-C that landed in ``logging.shutdown``'s lock waits, as a stopped ``train`` left, printed a
+    KeyboardInterrupt traceback (1 run in ~22 of a helper's). Here a log handler's flush presses it itself."""
+    program = """if True:
+        import logging, os, signal
+        from server.leave import leave_without_finalizing
+
+        class Pressing(logging.Handler):
+            def emit(self, record): pass
+            def flush(self):
+                os.kill(os.getpid(), signal.SIGINT)
+                sum(range(10000))  # the interpreter checks its signals here
+
+        logging.getLogger().addHandler(Pressing())
+        print("saved")
+        leave_without_finalizing(130)
+    """
+    r = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (130, "saved\n", "")
+
+
 def test_a_ctrl_c_that_an_import_wrapped_in_a_runtime_error_exits_130_without_a_traceback(monkeypatch):
     """Python wraps an interrupt raised in ``__set_name__`` (as ``import torch`` makes its classes) in a
     RuntimeError; the command re-raised it, a traceback and exit 1 for a Ctrl-C (found by a helper)."""

@@ -281,6 +281,23 @@ def _mems_fit(mems: torch.Tensor, cfg: TXLConfig) -> bool:
             and mems.is_floating_point())
 
 
+_FLAGS = ("tgt_len", "mem_len", "n_layer", "d_model", "cutoffs", "div_val", "d_embed")  # the model's train flags
+
+
+def _differences(saved: TXLConfig, now: TXLConfig) -> str:
+    """What a resuming command changes of the run's model, each by its flag where it has one (a bare "use the same
+    flags" left the user to guess which)."""
+    said = []
+    for f in fields(TXLConfig):
+        if f.name in ("dropout", "dropatt"):  # a saved config has none: they are training's alone
+            continue
+        was, now_is = getattr(saved, f.name), getattr(now, f.name)
+        if was != now_is:
+            name = "--" + f.name.replace("_", "-") if f.name in _FLAGS else f.name
+            said.append(f"its {name} is {was!r}, this command's {now_is!r}")
+    return "; ".join(said) or "its weights' config differs"
+
+
 def _check_fits(cfg: TXLConfig, device: torch.device, *, micro_batch: int, stream_len: int) -> None:
     """Refuse a training that cannot fit in this machine's memory, in one line before any allocation: a huge
     --d-model had been torch's allocator traceback, and a huge --tgt-len the kernel's OOM kill (exit 137, no word).
@@ -395,7 +412,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
         before = ckpt.meta.get("training") if isinstance(ckpt.meta.get("training"), dict) else {}
         commands = [c for c in before.get("commands") or [before.get("command")] if isinstance(c, str)]
         if ckpt.config != cfg.replace(dropout=0.0, dropatt=0.0):
-            raise ConfigError(f"--resume: {out} was trained with another model config; use the same flags")
+            raise ConfigError(f"--resume: {out} was trained with another model config: "
+                              f"{_differences(ckpt.config, cfg)}; leave those flags out to take the run's")
         model.load_state_dict(ckpt.model.state_dict())
         tensors, info = load_train_state(out)
         saved_at = ckpt.meta.get("training", {}).get("steps")

@@ -96,9 +96,11 @@ def test_resume_refuses_a_different_model(corpus, tmp_path):
     from txlserve.errors import ConfigError
 
     train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=2, progress=False))
-    with pytest.raises(ConfigError, match="another model config"):
-        train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=4, n_layer=3, resume=True,
-                        progress=False))
+    with pytest.raises(ConfigError, match="another model config: its --n-layer is 2, this command's 3; its "
+                                          "--mem-len is 32, this command's 8; leave those flags out to take the "
+                                          "run's$"):  # it said "use the same flags", and not which
+        train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=4, n_layer=3, mem_len=8,
+                        resume=True, progress=False))
 
 
 def test_a_run_without_resume_does_not_overwrite_a_checkpoint(corpus, tmp_path):

@@ -398,7 +398,9 @@ def test_start_up_objects_are_frozen_out_of_the_collectors_reach():
     made_at_start_up = [["a container the collector tracks"]]
     assert any(o is made_at_start_up for o in gc.get_objects())
     try:
-        assert freeze_startup_objects() == gc.get_freeze_count() > 0
+        # at most as many are frozen a moment later: the suite's other threads free frozen objects meanwhile (two
+        # did once under load), and objects made since go to the young generation, never the frozen one
+        assert freeze_startup_objects() >= gc.get_freeze_count() > 0
         assert not any(o is made_at_start_up for o in gc.get_objects())  # no generation holds it any more
     finally:
         gc.unfreeze()

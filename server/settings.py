@@ -136,48 +136,54 @@ class Settings:
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, not "
-                                  f"{getattr(self, name)!r}")
+                                  f"{getattr(self, name)!r}", param=name)
         for name in ("max_batch", "batch_mb", "max_queue", "max_tokens_limit", "prefill_chunk", "max_prompt_bytes",
                      "max_append_bytes", "max_body_bytes", "max_stop_bytes", "lease_ttl_ms", "mem_len",
                      "stream_interval", "workers", "api_server_count"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}", param=name)
         if self.api_server_count > 1 and (self.workers > 1 or not self.engine_process):
             raise ConfigError("api_server_count > 1 shares one engine process among the API servers: it needs "
                               "--engine-process, and cannot be combined with --workers (each worker has an engine "
                               "of its own)")
         if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in 0..65535, not {self.port}")
+            raise ConfigError(f"port must be in 0..65535, not {self.port}", param="port")
         if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
-            raise ConfigError(f"threads must be from 1 to {MAX_THREADS}, not {self.threads}")
-        if self.cold_after_s < 0 or self.warm_budget_mb < 0 or not self.cold_sweep_s > 0:
-            raise ConfigError("cold_after_s and warm_budget_mb must be >= 0, cold_sweep_s > 0")
+            raise ConfigError(f"threads must be from 1 to {MAX_THREADS}, not {self.threads}", param="threads")
+        for name in ("cold_after_s", "warm_budget_mb"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}", param=name)
+        if not self.cold_sweep_s > 0:
+            raise ConfigError(f"cold_sweep_s must be > 0, not {self.cold_sweep_s}", param="cold_sweep_s")
         if not self.body_timeout_s > 0:
-            raise ConfigError(f"body_timeout_s must be > 0, not {self.body_timeout_s}")
+            raise ConfigError(f"body_timeout_s must be > 0, not {self.body_timeout_s}", param="body_timeout_s")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}", param="device")
         object.__setattr__(self, "log_level", self.log_level.lower())  # INFO, as containers often set it
         if self.log_level not in _LOG_LEVELS:
-            raise ConfigError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, not {self.log_level!r}")
+            raise ConfigError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, not {self.log_level!r}",
+                              param="log_level")
         if not self.model_name.strip() or self.model_name != self.model_name.strip() or len(self.model_name) > 256:
             raise ConfigError(f"model_name must be 1 to 256 characters with no surrounding white space, not "
-                              f"{self.model_name!r}")
+                              f"{self.model_name!r}", param="model_name")
         for name in ("hot_cache_mb", "session_ttl_s", "max_stop", "clamp_len", "shutdown_timeout_s",
                      "cpu_latency_qos_us", "engine_timeout_s"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}", param=name)
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{f.name} must be a finite number, not {value}")
+                raise ConfigError(f"{f.name} must be a finite number, not {value}", param=f.name)
         if self.cpu_latency_qos_us is not None and self.cpu_latency_qos_us > 2_000_000_000:  # the kernel's "none"
-            raise ConfigError(f"cpu_latency_qos_us must be at most 2000000000, not {self.cpu_latency_qos_us}")
+            raise ConfigError(f"cpu_latency_qos_us must be at most 2000000000, not {self.cpu_latency_qos_us}",
+                              param="cpu_latency_qos_us")
         if self.mem_len is not None and self.mem_len > 1 << 20:
-            raise ConfigError(f"mem_len must be at most {1 << 20}, not {self.mem_len}")
+            raise ConfigError(f"mem_len must be at most {1 << 20}, not {self.mem_len}", param="mem_len")
         if not 0 < self.switch_interval_ms <= 1000:
-            raise ConfigError(f"switch_interval_ms must be in (0, 1000], not {self.switch_interval_ms}")
+            raise ConfigError(f"switch_interval_ms must be in (0, 1000], not {self.switch_interval_ms}",
+                              param="switch_interval_ms")
         if not self.store_timeout_s > 0:
-            raise ConfigError(f"store_timeout_s must be > 0, not {self.store_timeout_s}")
+            raise ConfigError(f"store_timeout_s must be > 0, not {self.store_timeout_s}", param="store_timeout_s")
         if any(not isinstance(k, str) or not k.strip() or k != k.strip() for k in self.api_keys):
             raise ConfigError("an API key may not be empty or start or end with white space")
         if any(not (k.isascii() and k.isprintable()) for k in self.api_keys):  # HTTP headers carry ASCII
@@ -207,6 +213,12 @@ class Settings:
             return cls(**values)
         except TypeError as err:
             raise ConfigError(str(err)) from None
+        except ConfigError as err:  # named as the user gave it: the flag, or the variable (not the field)
+            name = err.param
+            if name not in values:
+                raise
+            given = f"--{name.replace('_', '-')}" if name in overrides else f"TXLSERVE_{name.upper()}"
+            raise ConfigError(err.message.replace(name, given, 1), param=name) from None
 
     @property
     def server_processes(self) -> int:

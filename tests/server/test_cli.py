@@ -342,7 +342,7 @@ def test_bench_serve_says_why_its_server_did_not_start(checkpoint, tmp_path):
     with pytest.raises(ConfigError) as err:  # one line, as every error of the CLI (it was a traceback)
         _Server(str(checkpoint), str(tmp_path), ["--max-batch", "0"])
     message = str(err.value)
-    assert "the server exited with 2" in message and "max_batch must be >= 1" in message and "\n" not in message
+    assert "the server exited with 2" in message and "--max-batch must be >= 1" in message and "\n" not in message
 
 
 def test_bench_serve_lengths_spread_and_repeat():

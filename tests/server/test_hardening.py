@@ -707,6 +707,26 @@ def test_an_environment_value_of_the_wrong_kind_says_what_it_should_be(env, says
     assert str(err.value).startswith(says) and "|" not in str(err.value), err.value
 
 
+@pytest.mark.parametrize("env, flags, says", [
+    ({"TXLSERVE_MAX_BATCH": "0"}, {}, "TXLSERVE_MAX_BATCH must be >= 1, not 0"),
+    ({"TXLSERVE_MAX_BATCH": "0"}, {"max_batch": 2, "max_queue": 0}, "--max-queue must be >= 1, not 0"),
+    ({}, {"session_ttl_s": -1}, "--session-ttl-s must be >= 0, not -1"),
+    ({"TXLSERVE_LOG_LEVEL": "loud"}, {}, "TXLSERVE_LOG_LEVEL must be one of debug"),
+    ({"TXLSERVE_COLD_SWEEP_S": "0"}, {}, "TXLSERVE_COLD_SWEEP_S must be > 0, not 0.0"),
+    ({"TXLSERVE_THREADS": "2000"}, {}, "TXLSERVE_THREADS must be from 1 to"),
+    ({"TXLSERVE_STORE_TIMEOUT_S": "inf"}, {}, "TXLSERVE_STORE_TIMEOUT_S must be a finite number, not inf"),
+])
+def test_a_setting_out_of_range_is_named_as_it_was_given(env, flags, says):
+    """As the flag or the variable that gave it: a bad TXLSERVE_MAX_BATCH said "max_batch must be >= 1", a name
+    the user had written nowhere (found by a helper)."""
+    from server.settings import Settings
+    from txlserve.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        Settings.from_env(env, **flags)
+    assert str(err.value).startswith(says), err.value
+
+
 def test_an_empty_environment_variable_is_an_unset_one():
     """A compose file passes a variable it was not given as an empty one: an empty TXLSERVE_ENGINE_PROCESS turned
     the engine process off (its default is on), and an empty TXLSERVE_PORT was refused (found by a helper)."""

@@ -169,6 +169,10 @@ def import_hf(src: str | Path, out: str | Path, *, dtype: torch.dtype | None = N
     """Convert ``src`` into a checkpoint at ``out``; the fingerprint of the written weights."""
     src, out = Path(src), Path(out)
     check_out_dir(out)  # never over a checkpoint, or into a directory of other files
+    if not src.exists():  # a hub name, say: the import reads a folder on disk
+        raise CheckpointError(f"{src} does not exist: give a Hugging Face TransfoXL directory on disk, downloaded "
+                              f"first (huggingface-cli download transfo-xl/transfo-xl-wt103 config.json "
+                              f"model.safetensors vocab.json --local-dir DIR)")
     if src.is_file():
         raise CheckpointError(f"{src} is a file{pickle_note(src)}; give the Hugging Face TransfoXL directory "
                               "(config.json, model.safetensors, vocab.json)")

@@ -182,6 +182,14 @@ def test_pickled_files_are_refused(tmp_path):
     import_hf(src, tmp_path / "out")
 
 
+def test_a_source_that_does_not_exist_says_so(tmp_path):
+    """A hub name given as the source (``import hf transfo-xl/transfo-xl-wt103``) said it "has no config.json"."""
+    with pytest.raises(CheckpointError, match=r"transfo-xl-wt103 does not exist: give a Hugging Face TransfoXL "
+                                              r"directory on disk, downloaded first \(huggingface-cli download"):
+        import_hf(tmp_path / "transfo-xl" / "transfo-xl-wt103", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_import_never_writes_over_a_checkpoint_or_among_other_files(tmp_path):
     """It replaced a trained checkpoint's weights and config without a word, leaving its training state behind."""
     from txlserve.errors import ConfigError

@@ -63,8 +63,19 @@ def test_a_model_the_server_does_not_serve_is_refused_before_a_session_is_made(s
                                                                                 client: Client) -> None:
     before = [s.id for s in client.sessions.list(limit=100).iter_all()]
     rc, out, err = run_chat(server, "hello\n", "--model", "gpt-4")
-    assert rc == 2 and "gpt-4" in err and "not" in err and out == "", (rc, out, err)
+    assert rc == 2 and err.startswith("txlserve-chat: error: this server serves ") and out == "", (rc, out, err)
+    assert err.endswith(", not 'gpt-4'\n")
     assert [s.id for s in client.sessions.list(limit=100).iter_all()] == before
+
+
+def test_the_help_reads_as_text() -> None:
+    """It showed the docstring's reStructuredText quotes (``txlserve-chat``), and that name under ``txlserve chat``
+    (found by a helper)."""
+    from txlserve_client.chat import build_parser
+
+    for prog in ("txlserve-chat", "txlserve chat"):
+        text = build_parser(prog).format_help()
+        assert "``" not in text and f"\n{prog}: continue a session from the terminal." in text, text
 
 
 def test_a_line_that_starts_with_a_slash_is_sent_after_a_second_one(server: LiveServer, client: Client) -> None:

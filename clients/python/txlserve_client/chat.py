@@ -37,7 +37,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "txlserve-chat") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    about = __doc__.replace("``txlserve-chat``", prog).replace("``", "")  # as the terminal shows it, not as rST
+    p = _Parser(prog=prog, description=about, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--session", default=None, help="continue this session (default: create one)")
     p.add_argument("--url", default=None, help="server URL (default: $TXLSERVE_BASE_URL or http://127.0.0.1:8000)")
     p.add_argument("--api-key", default=None, help="default: $TXLSERVE_API_KEY")
@@ -163,7 +164,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "txlserve-chat") -> int:
         with client:
             cards = {m.id: m for m in client.models.list()}
             if args.model is not None and args.model not in cards:  # before a session is made for nothing
-                print(f"{prog}: this server serves {', '.join(cards)}, not {args.model!r}", file=sys.stderr)
+                print(f"{prog}: error: this server serves {', '.join(cards)}, not {args.model!r}", file=sys.stderr)
                 return 2
             model = args.model or next(iter(cards))
             limit = cards[model].max_tokens_limit

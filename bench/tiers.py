@@ -121,9 +121,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _tiers(text: str) -> str:
-    for name in filter(None, (x.strip() for x in text.split(","))):
+    for name in filter(None, (x.strip().lower() for x in text.split(","))):
         if name not in ("bundled", "wt103"):
-            shape_arg(name)  # LxD, or argparse's one-line refusal
+            try:
+                shape_arg(name)  # LxD
+            except argparse.ArgumentTypeError as err:  # it named the LxD form alone
+                raise argparse.ArgumentTypeError(str(err).replace("expected ", "expected bundled, wt103 or ", 1)
+                                                 ) from None
     return text.lower()
 
 

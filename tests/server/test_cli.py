@@ -333,6 +333,15 @@ def test_bench_serve_refuses_bad_flags(capsys):
             capsys, "bench", "serve", "--random-range-ratio", ratio)
 
 
+def test_bench_store_tiers_names_every_form_it_takes(capsys):
+    """It named the LxD form alone, not the bundled and wt103 it takes as well (found by a helper)."""
+    err = _refused(capsys, "bench", "store", "--tiers", "bundled,bogus")
+    assert "--tiers: expected bundled, wt103 or LAYERSxD_MODEL such as 12x512" in err and "got 'bogus'" in err, err
+    from bench.tiers import _tiers
+
+    assert _tiers("Bundled,WT103,2x64") == "bundled,wt103,2x64"  # in any case, as LxD was
+
+
 def test_bench_serve_says_why_its_server_did_not_start(checkpoint, tmp_path):
     """A spawned server that exits shows its status and its own last lines (on a GPU machine it was a missing
     package), at once rather than after the start-up deadline."""

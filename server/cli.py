@@ -539,7 +539,7 @@ def _main(argv: list[str]) -> int:
     except OSError as err:  # a file, socket or binary the command needed: still one line
         if isinstance(err, BrokenPipeError) and _reader_left():  # `txlserve generate ... | head`: as cat does
             return 141
-        print(f"txlserve: error: {err}", file=sys.stderr)
+        print(f"txlserve: error: {_os_error(err)}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as err:  # sizes that do not fit: torch's allocators raise RuntimeError
         text = str(err)
@@ -555,6 +555,14 @@ def _main(argv: list[str]) -> int:
     finally:
         if term is not None:  # put back: main() runs inside other programs too (the tests)
             signal.signal(signal.SIGTERM, term)
+
+
+def _os_error(err: OSError) -> str:
+    """``PATH: reason``, as cat and cp say it, not Python's ``[Errno 2] No such file or directory: 'PATH'``."""
+    if err.filename is None or not err.strerror:
+        return re.sub(r"^\[Errno \d+\] ", "", str(err))
+    both = f"{err.filename} -> {err.filename2}" if err.filename2 is not None else str(err.filename)
+    return f"{both}: {err.strerror}"
 
 
 def _reader_left() -> bool:

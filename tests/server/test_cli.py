@@ -333,6 +333,15 @@ def test_bench_serve_refuses_bad_flags(capsys):
             capsys, "bench", "serve", "--random-range-ratio", ratio)
 
 
+def test_a_file_that_cannot_be_read_or_written_is_named_as_cat_names_it(tmp_path, capsys):
+    """``PATH: reason``; it was Python's ``[Errno 2] No such file or directory: 'PATH'`` (found by a helper)."""
+    from server.cli import main
+
+    missing = tmp_path / "nowhere" / "export.json"
+    assert main(["session", "import", str(missing), "--url", "http://127.0.0.1:9"]) == 2
+    assert capsys.readouterr().err == f"txlserve: error: {missing}: No such file or directory\n"
+
+
 def test_bench_store_tiers_names_every_form_it_takes(capsys):
     """It named the LxD form alone, not the bundled and wt103 it takes as well (found by a helper)."""
     err = _refused(capsys, "bench", "store", "--tiers", "bundled,bogus")

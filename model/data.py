@@ -200,8 +200,11 @@ def _load_text(src: Path, cache_dir: str | Path | None) -> Corpus:
         _copy_utf8(text, None, src, unwrap=False)  # the bytes mapped below
         return _byte_split(_map(text), src)
     files = sorted((p for p in (*src.glob("*.txt"), *src.glob("*.txt.gz")) if p.is_file()), key=lambda p: p.name)
-    if not files:
-        raise DataError(f"no .txt (or .txt.gz) files in {src}")
+    if not files:  # a folder of other text (WikiText's .tokens.gz): any one file is a corpus
+        others = sorted(p.name for p in src.iterdir() if p.is_file() and not p.name.startswith("."))
+        held = f"; it holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}: give one file as the data " \
+            "(any text file, gzipped or not)" if others else ""
+        raise DataError(f"no .txt (or .txt.gz) files in {src}{held}")
     root, key = _cache_root(cache_dir), _folder_key(src, files)
     names = ("all",) if len(files) < 3 else SPLITS  # too few files to keep works apart: the byte split
     dests = {name: root / f"{key}.{name}.bin" for name in names}

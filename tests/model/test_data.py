@@ -346,3 +346,13 @@ def test_iterator_errors() -> None:
         OrderedIterator(_positions(100), 2, 5, rank=2, world_size=2)
     with pytest.raises(DataError, match="outside"):
         OrderedIterator(_positions(100), 2, 5).iter_from(99)
+
+
+def test_a_folder_of_other_text_files_names_them(tmp_path):
+    """A WikiText folder given to a byte model's eval said only "no .txt (or .txt.gz) files" (found by a helper):
+    any one of its files is a corpus."""
+    for name in ("wiki.valid.tokens.gz", "wiki.test.tokens.gz", ".hidden"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(DataError, match=r"no \.txt \(or \.txt\.gz\) files in .*; it holds wiki\.test\.tokens\.gz, "
+                                        r"wiki\.valid\.tokens\.gz: give one file as the data"):
+        load_corpus(tmp_path, cache_dir=tmp_path / "cache")

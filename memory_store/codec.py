@@ -48,12 +48,13 @@ WINDOW = "window"
 STATE_FORM, WINDOW_FORM = "state", "window"
 MAX_METADATA_BYTES = 64 * 1024
 _RING_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)}  # of a memory
+TOKENS_SEEN_MAX = 1 << 62  # the most tokens a session counts (a header's bound)
 # Bounds no real model comes near; a header outside them was not written by txlserve.
 _RANGES: dict[str, tuple[int, int]] = {
     "n_layer": (1, 4096),
     "d_model": (1, 1 << 20),
     "mem_len": (0, 1 << 20),
-    "tokens_seen": (0, 1 << 62),
+    "tokens_seen": (0, TOKENS_SEEN_MAX),
     "version": (0, 1 << 62),
     "payload_bytes": (0, 1 << 40),
 }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memory_store import Lease, SessionInfo
-from memory_store.codec import INLINE_BYTES
+from memory_store.codec import INLINE_BYTES, TOKENS_SEEN_MAX
 from model.cache import DecodeState
 from model.engine import TokenEvent
 from model.sampling import SamplingParams
@@ -25,6 +25,7 @@ from server.runtime import Runtime
 from server.scheduler import EngineRequest, Finished, PromptScores
 from server.session_state import extend_window, importable, persisted, rebuild_window, stored_window
 from txlserve.errors import (
+    InvalidRequestError,
     Overloaded,
     RequestCancelled,
     SessionBusy,
@@ -119,6 +120,22 @@ class Run:
         self.lost, self.deleted = True, self.deleted or deleted
         self.cancel()
 
+    def _check_count(self, seen: int) -> None:
+        """Refuse, before anything runs, a request that would take its session past the tokens a session counts
+        (an imported session's, near 2^62): it generated in full, then its commit was refused (as vLLM refuses a
+        prompt and max_tokens past the context before it generates)."""
+        n, most = len(self.ids), len(self.ids) + (self.params.max_tokens if self.params is not None else 0)
+        if seen + most <= TOKENS_SEEN_MAX:
+            return
+        past = f"past {TOKENS_SEEN_MAX:,}, the most a session counts"
+        if self.params is None:  # an append
+            raise InvalidRequestError(f"this session has seen {seen:,} tokens: {n:,} more would take it {past}; "
+                                      "start a new session", param="text")
+        room = TOKENS_SEEN_MAX - seen - n
+        fix = f"ask for at most {room:,}" if room > 0 else "start a new session"
+        raise InvalidRequestError(f"this session has seen {seen:,} tokens: {n:,} prompt tokens and max_tokens "
+                                  f"{self.params.max_tokens:,} would take it {past}; {fix}", param="max_tokens")
+
     async def _main(self) -> None:
         if self.rt.core is not None:
             return await self._main_core()
@@ -142,6 +159,7 @@ class Run:
                 self._ending()  # its client left while it waited for the lease
                 info = lease.session.info
                 cached = info.tokens_seen
+                self._check_count(cached)
                 t0 = time.monotonic()
                 state, window, source = await self._restore(lease)
                 rt.metrics.restores.labels(source).inc()
@@ -185,6 +203,7 @@ class Run:
                 self._ending()  # its client left while it waited for the lease
                 info = lease.session.info
                 cached = info.tokens_seen
+                self._check_count(cached)
                 self.submitted = time.monotonic()
                 req = core.submit(self.ids, self.params, key=(self.session_id, info.revision), persist=True,
                                   prompt_logprobs=self.prompt_logprobs, scored=self.scored, stream=self.events,

@@ -181,7 +181,13 @@ def test_a_session_imported_at_the_largest_position_keeps_working(servers):
     big = _post(srv, "/v1/sessions/import", {**doc, "tokens_seen": top - 4}, 201)["id"]
     r = httpx.post(srv.url + "/v1/completions", timeout=30, json={"model": MODEL, "prompt": "x", "max_tokens": 4,
                                                                  "session_id": big})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens_seen", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text  # refused before it ran
+    assert r.json()["error"]["message"].endswith(f"past {top:,}, the most a session counts; ask for at most 3")
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=30, json={  # it streamed 4 tokens, then the 400
+            "model": MODEL, "prompt": "x", "max_tokens": 4, "session_id": big, "stream": True}) as s:
+        assert s.status_code == 400 and "choices" not in s.read().decode()
+    r = httpx.post(f"{srv.url}/v1/sessions/{big}/append", json={"text": "abcde"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text
     out = _post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, "session_id": big}, 200)
     assert out["session"]["tokens_seen"] == top
     assert httpx.get(f"{srv.url}/v1/sessions/{big}", timeout=10).json()["tokens_seen"] == top

@@ -127,6 +127,9 @@ class LayerCache:
     ring: tuple[int, int, int] = (0, 0, 0)  # with addr: a ring's element strides (head, slot, d_head)
     start: Tensor | None = None  # with addr: [batch+1] int64, row b's tokens are [start[b], start[b+1]) of the call
     softmax: bool = False  # a chunk's probabilities in one C pass a query (model.fused.chunk_softmax)
+    # with ``softmax``: ring slots [0, filled) hold the rows' keys, the rest nothing yet (young sessions'); None:
+    # score them all
+    filled: int | None = None
     # a CPU step whose keys and values of a layer come to this many bytes or more reads the layer inputs' ring in
     # their place (fused.attend_one); None: never
     absorb: int | None = None
@@ -190,6 +193,9 @@ class RingCache:
         self.products = fused if products is None else products  # the C products (fused.linear_rows, matmul)
         # a CPU's longer chunk: torch's (or the C) products, then its probabilities in one C pass a query
         self.softmax = fused and dev.type == "cpu" and not self.fused
+        # the slots any row has written (they fill in order until the ring wraps): the rest are never read, so a
+        # young session's prefill chunk scores only these (one host read a call)
+        self.filled = min(m, int(seen.max())) if self.softmax and batch else None
         # bytes from which a step absorbs the keys and values (the op decides per call: fused.attend_one)
         self.absorb = absorb if self.fused and dev.type == "cpu" else None
         if addr is not None:  # a RowBatch's rows, tokens packed (``start``); the kernel checks each row's count
@@ -218,7 +224,7 @@ class RingCache:
             return LayerCache(None, None, None, self.r_head_k[i], None, None, self.seen, self.fused, self.products,
                               self.addr[:, i], self.ring, self.start, absorb=self.absorb)
         return LayerCache(self.hid[i], self.k[i], self.v[i], self.r_head_k[i], self.rows, self.slots, self.seen,
-                          self.fused, self.products, softmax=self.softmax, absorb=self.absorb)
+                          self.fused, self.products, softmax=self.softmax, filled=self.filled, absorb=self.absorb)
 
 
 class SlotTable:

@@ -9,6 +9,7 @@ updated under no-grad, detached.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,18 @@ def linear(layer: nn.Linear, x: Tensor, kernel: bool = False, weight: Tensor | N
     return fused.linear_rows(x, w, b) if kernel else F.linear(x, w, b)
 
 
+def _first(mm: Callable[[Tensor, Tensor], Tensor], a: Tensor, b: Tensor, n: int | None) -> Tensor:
+    """``mm(a, b)`` [..., R, N] with only its first ``n`` columns computed (all where ``n`` is None), the rest left
+    unwritten: the scores of a young ring, whose later slots the chunk's softmax never reads (it writes their
+    probabilities 0). The same dot products, which a narrower product may round differently in the last bit."""
+    if n is None or n >= b.size(-1):
+        return mm(a, b).contiguous()
+    out = a.new_empty(*a.shape[:-1], b.size(-1))  # [..., R, N]
+    if n:
+        out[..., :n] = mm(a, b[..., :n])
+    return out
+
+
 class RelPartialLearnableMultiHeadAttn(nn.Module):
     """score(i, j) = (q_i + u)·k_j  +  (q_i + v)·W_r R_{i-j}  — terms (a)+(c) and (b)+(d).
 
@@ -169,15 +182,18 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         # the scale applied to the queries, not to the scores: one pass over [bsz, H, qlen, Dh] instead of
         # [bsz, H, qlen, klen] (exact for power-of-two d_head, where the scale is too)
         q_u, q_v = (q + r_w_bias[:, None]) * self.scale, (q + r_r_bias[:, None]) * self.scale  # [bsz, H, qlen, Dh]
-        acs = [mm(q_u, kb.transpose(-1, -2)) for kb, _ in blocks]  # [bsz, H, qlen, len(block)] each
         # one [H, bsz*qlen, Dh] x [H, Dh, n_dist] product: broadcasting the table over the batch would copy it
-        bd = mm(q_v.transpose(0, 1).reshape(self.n_head, -1, self.d_head), r_head_k.transpose(-1, -2))
+        q_v = q_v.transpose(0, 1).reshape(self.n_head, -1, self.d_head)  # [H, bsz*qlen, Dh]
         if cache is not None and cache.softmax:  # a CPU's chunk (no dropout: never while training): the next
             # five passes, in one pass a query; the products' outputs are contiguous already (free if so)
-            probs = [a.contiguous() for a in acs]
-            fused.chunk_softmax(*probs, bd.contiguous().view(self.n_head, bsz, qlen, -1), cache.seen)  # in place
+            n = cache.filled  # a young ring's scores: its slots [0, n), distances below n + qlen
+            probs = [_first(mm, q_u, cache.k.transpose(-1, -2), n), mm(q_u, k.transpose(-1, -2)).contiguous()]
+            bd = _first(mm, q_v, r_head_k.transpose(-1, -2), None if n is None else n + qlen)  # [H, bsz*qlen, m+1]
+            fused.chunk_softmax(*probs, bd.view(self.n_head, bsz, qlen, -1), cache.seen)  # in place
         else:
-            bd = bd.view(self.n_head, bsz, qlen, -1).transpose(0, 1)  # [bsz, H, qlen, n_dist]
+            acs = [mm(q_u, kb.transpose(-1, -2)) for kb, _ in blocks]  # [bsz, H, qlen, len(block)] each
+            bd = mm(q_v, r_head_k.transpose(-1, -2)).view(self.n_head, bsz, qlen, -1).transpose(0, 1)
+            # [bsz, H, qlen, n_dist]
             bd = bd.gather(-1, pos.dist.expand(bsz, self.n_head, qlen, -1))  # [bsz, H, qlen, klen]
             ac = acs[0] if len(acs) == 1 else torch.cat(acs, -1)  # [bsz, H, qlen, klen]
             score = ac.add_(bd).masked_fill_(pos.blocked, float("-inf"))  # [bsz, H, qlen, klen], in place

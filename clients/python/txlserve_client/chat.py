@@ -1,8 +1,8 @@
 """``txlserve-chat``: continue a session from the terminal.
 
 Each line you type is added to the session (with its newline) and the model's continuation
-streams back; an empty line asks for more of the same. Ctrl-C during a generation stops it (what
-was generated stays in the session); Ctrl-C or Ctrl-D at the prompt quits. The session persists
+streams back; an empty line asks for more of the same. Ctrl-C during a generation stops it (the
+session keeps exactly what was shown); Ctrl-C or Ctrl-D at the prompt quits. The session persists
 on the server: come back to it with ``--session ID``.
 """
 
@@ -11,20 +11,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import signal
 import sys
 import time
-from collections.abc import Sequence
-from typing import NoReturn, TextIO
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn, TextIO
 
 from txlserve_client._client import Client
-from txlserve_client._exceptions import APIConnectionError, APIError, SessionBusyError
-from txlserve_client._streaming import Stream
-from txlserve_client._types import Session
+from txlserve_client._exceptions import APIConnectionError, APIError, RequestCancelledError, SessionBusyError
+from txlserve_client._types import CompletionChunk, Session
+from txlserve_client._websocket import WebSocketConnection, WebSocketStream
 
 # a model's output must not drive the terminal: C0 controls (ESC above all) but newline and tab are dropped
 _CONTROLS = dict.fromkeys(c for c in range(32) if c not in (9, 10)) | {127: None}
 HELP = ("/info  the session   /fork  fork it and go on in the fork   /new  a fresh session   /quit  leave   "
         "//...  a line that starts with /")
+COMMANDS = """in the chat:
+  /info     the session: its tokens, memory, tier and model
+  /fork     fork the session and go on in the fork (the original stays as it was)
+  /new      a fresh session
+  /quit     leave (as /exit, Ctrl-D, or Ctrl-C at the prompt)
+  //...     send a line that starts with / (the first slash is dropped)"""
 MAX_TOKENS = 200  # a line's continuation, unless --max-tokens says otherwise
 BUSY_WAIT_S = 5.0  # after a cancel the server commits in the background; a 409 until then is worth waiting out
 
@@ -38,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(prog: str = "txlserve-chat") -> argparse.ArgumentParser:
     about = __doc__.replace("``txlserve-chat``", prog).replace("``", "")  # as the terminal shows it, not as rST
-    p = _Parser(prog=prog, description=about, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog=prog, description=about, epilog=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--session", default=None, help="continue this session (default: create one)")
     p.add_argument("--url", default=None, help="server URL (default: $TXLSERVE_BASE_URL or http://127.0.0.1:8000)")
     p.add_argument("--api-key", default=None, help="default: $TXLSERVE_API_KEY")
@@ -66,10 +73,31 @@ def _bounded(kind: type, lo: float, hi: float | None):  # noqa: ANN202 (an argpa
 _FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature"}  # request field: flag (--model: checked first)
 
 
+@contextlib.contextmanager
+def _on_ctrl_c(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` for SIGINT meanwhile, where this is the main thread (elsewhere Ctrl-C stays as it was)."""
+    try:
+        before = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 class Chat:
+    """Each line is a completion over one WebSocket, whose cancel (Ctrl-C) stops the generation where the user
+    saw it: over an SSE stream, closing it left the session the tokens generated before the server noticed, one
+    or more past the screen, and the next line joined them mid-word (found by a helper)."""
+
     def __init__(self, client: Client, model: str, session: Session, args: argparse.Namespace,
                  out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
         self.client, self.model, self.session, self.args, self.out, self.err = client, model, session, args, out, err
+        self.seen = session.tokens_seen  # the session's tokens, as its completions report them
+        self._conn: WebSocketConnection | None = None
+        self._stream: WebSocketStream | None = None  # the generation running, for Ctrl-C's cancel
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -79,6 +107,14 @@ class Chat:
             with contextlib.suppress(ImportError):  # line editing and history where the platform has it
                 import readline  # noqa: F401
         self.say(f"session {self.session.id} ({self.session.tokens_seen} tokens). {HELP}")
+        try:
+            return self._lines()
+        finally:
+            if self._conn is not None:
+                with contextlib.suppress(Exception):
+                    self._conn.close()
+
+    def _lines(self) -> int:
         while True:
             try:
                 line = input("> ")
@@ -110,45 +146,89 @@ class Chat:
     def command(self, command: str) -> None:
         if command == "/info":
             s = self.client.sessions.get(self.session.id)
+            self.seen = s.tokens_seen
             self.say(f"session {s.id}: tokens_seen={s.tokens_seen} mem_len={s.mem_len} bytes={s.bytes} "
                      f"tier={s.tier} model={s.model}")
         elif command == "/fork":
             fork = self.client.sessions.fork(self.session.id)
             self.say(f"forked {self.session.id} -> {fork.id}")
-            self.session = fork
+            self.session, self.seen = fork, fork.tokens_seen
         elif command == "/new":
-            self.session = self.client.sessions.create()
+            self.session, self.seen = self.client.sessions.create(), 0
             self.say(f"new session {self.session.id}")
         else:
             self.say(f"unknown command {command.split()[0]}: {HELP}")
 
     def generate(self, prompt: str) -> None:
-        at_line_start = True
-        try:
-            with self.open_stream(prompt) as stream:
-                for chunk in stream:
+        if not prompt and not self.seen:  # the server's 400 spoke of "no session" to a user in one
+            self.say("nothing to continue yet: type some text first (an empty line continues what the session "
+                     "holds)")
+            return
+        at_line_start, end, pressed = True, None, False
+
+        def cancel(sig: int, frame: Any) -> None:  # the first Ctrl-C stops the generation, a second one the chat
+            nonlocal pressed
+            if pressed:
+                raise KeyboardInterrupt
+            pressed = True
+            if self._stream is not None:
+                self._stream.cancel()
+
+        with _on_ctrl_c(cancel):
+            try:
+                for chunk in self._chunks(prompt):
                     if chunk.text:
                         self.out.write(chunk.text.translate(_CONTROLS) if self.out.isatty() else chunk.text)
                         self.out.flush()
                         at_line_start = chunk.text.endswith("\n")
-        except KeyboardInterrupt:  # the stream is closed: the server stops and keeps what it generated
-            self.out.write(" [cancelled]")
+                    if chunk.finish_reason is not None:
+                        end = chunk
+            except RequestCancelledError:  # Ctrl-C while the line was read: nothing was stored
+                self.out.write(" [cancelled: the line was not added]")
+                at_line_start = False
+            finally:
+                self._stream = None
+        if end is not None and end.session is not None:
+            self.seen = end.session.tokens_seen
+        if end is not None and end.finish_reason == "cancelled":
+            kept = end.usage.completion_tokens if end.usage is not None else None
+            self.out.write(" [cancelled]" if kept is None else f" [cancelled: {kept} tokens kept, as shown]")
             at_line_start = False
         if not at_line_start:
             self.out.write("\n")
         self.out.flush()
 
-    def open_stream(self, prompt: str) -> Stream:
-        deadline = time.monotonic() + BUSY_WAIT_S
+    def _chunks(self, prompt: str) -> Iterator[CompletionChunk]:
+        """The completion's chunks, on the chat's connection: a busy session (a cancelled run still committing)
+        is asked again for a few seconds, and a connection found closed (a server restarted between two lines)
+        is opened again once; either before anything was generated."""
+        deadline, reopened = time.monotonic() + BUSY_WAIT_S, False
         while True:
             try:
-                return self.client.completions.create(
+                if self._conn is None:
+                    self._conn = self.client.ws.connect()
+                self._stream = self._conn.completion(
                     model=self.model, prompt=prompt, max_tokens=self.args.max_tokens,
-                    temperature=self.args.temperature, session_id=self.session.id, stream=True)
-            except SessionBusyError:  # refused before anything was fed to the session: safe to ask again
+                    temperature=self.args.temperature, session_id=self.session.id)
+                first = next(self._stream, None)
+            except SessionBusyError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+                continue
+            except APIConnectionError:
+                if self._conn is not None:
+                    with contextlib.suppress(Exception):
+                        self._conn.close()
+                    self._conn = None
+                if reopened:
+                    raise
+                reopened = True
+                continue
+            if first is not None:
+                yield first
+            yield from self._stream
+            return
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "txlserve-chat") -> int:

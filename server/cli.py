@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import re
@@ -22,7 +23,7 @@ MEM = count(0, 1 << 20)  # a memory length, as serve bounds it
 
 
 def _add_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None,  # checked with TXLSERVE_THREADS (_set_threads)
+    p.add_argument("--threads", type=count(1, MAX_THREADS), default=None,  # TXLSERVE_THREADS: _set_threads
                    help="torch CPU threads [TXLSERVE_THREADS] (default: half the usable cores, at least 1)")
 
 
@@ -238,13 +239,21 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=real(0, 2), default=0.8, help="0: greedy (default: 0.8)")
     p.add_argument("--top-k", type=count(0), default=0, help="0: off")
     p.add_argument("--top-p", type=real(0, 1, above=True), default=1.0, help="nucleus sampling (1: off)")
-    p.add_argument("--seed", type=int, default=None, help="the same seed, the same continuation")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--mem-len", type=MEM, default=None, help="default: the checkpoint's")
+    p.add_argument("--seed", type=count(-(1 << 63), (1 << 63) - 1), default=None,
+                   help="the same seed, the same continuation")
+    p.add_argument("--stop", type=_stop, action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--mem-len", type=count(1, 1 << 20), default=None,  # decoding keeps a memory
+                   help="default: the checkpoint's")
     p.add_argument("--clamp-len", type=count(0), default=None, help="default: the checkpoint's")
     p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda")
     _add_threads(p)
     p.set_defaults(func=_cmd_generate)
+
+
+def _stop(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a string of one character or more, got ''")
+    return text
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
@@ -268,11 +277,18 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         # pending!" at exit
         async with contextlib.aclosing(aiter(scheduler.submit(engine.new_state(), prompt, params))) as events:
             async for item in events:
-                if isinstance(item, TokenEvent):
+                if isinstance(item, TokenEvent) and item.text:
+                    nonlocal ends_line
                     sys.stdout.write(item.text)
                     sys.stdout.flush()
+                    ends_line = item.text.endswith("\n")
 
-    prompt = engine.encode(ns.prompt)  # before the prompt is echoed: a word it cannot read is one line alone
+    if isinstance(sys.stdout, io.TextIOWrapper):  # a prompt's bytes that are not UTF-8 are echoed as they came
+        sys.stdout.reconfigure(errors="surrogateescape")
+    # before the prompt is echoed: a word it cannot read is one line alone; a byte model reads the bytes given,
+    # UTF-8 or not (they had been refused as "not valid Unicode")
+    prompt = engine.encode(os.fsencode(ns.prompt) if engine.tokenizer.name == "byte" else ns.prompt)
+    ends_line = ns.prompt.endswith("\n")
     # the loop is made before anything is written: a Ctrl-C that landed while asyncio.run made it (after the echo)
     # printed a half-made loop's traceback at exit
     loop = asyncio.new_event_loop()
@@ -284,7 +300,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         task = loop.create_task(stream())
         loop.run_until_complete(task)
     except KeyboardInterrupt:  # Ctrl-C: the line ends, as after the last token (the shell's prompt was left on it)
-        sys.stdout.write("\n")
+        if not ends_line:
+            sys.stdout.write("\n")
         if task is not None and not task.done():
             task.cancel()
             with contextlib.suppress(BaseException):
@@ -293,7 +310,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     finally:
         scheduler.stop()
         loop.close()
-    sys.stdout.write("\n")
+    if not ends_line:  # the shell's prompt on a line of its own; a text that ends one is written as it is
+        sys.stdout.write("\n")
     return 0
 
 

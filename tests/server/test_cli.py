@@ -100,8 +100,35 @@ def test_generate_into_a_pipe_its_reader_closes_ends_quietly(checkpoint):
     assert (proc.returncode, err) == (141, b"")
 
 
-@pytest.mark.parametrize("flags,needle", [(["--temperature", "-1"], "temperature"), (["--top-p", "0"], "--top-p"),
-                                          (["--max-tokens", "0"], "--max-tokens"), (["--prompt", ""], "nothing to")])
+def test_generate_reads_a_byte_models_prompt_as_its_bytes_and_ends_one_line(tmp_path):
+    """A prompt that is not UTF-8 (a Latin-1 terminal's "caf\\xe9") was refused as "not valid Unicode" by a model
+    that reads bytes; a text that ended its line was given a second newline (found by a helper)."""
+    from tests.live import tiny_checkpoint
+
+    ck = str(tiny_checkpoint(tmp_path / "ck"))  # it writes printable ASCII and newlines
+    run = [sys.executable, "-m", "server.cli", "generate", "--checkpoint", ck, "--temperature", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    latin = subprocess.run([*run, "--prompt", b"caf\xe9", "--max-tokens", "4"], cwd=REPO, capture_output=True,
+                           timeout=120, env=env)
+    assert latin.returncode == 0 and latin.stdout.startswith(b"caf\xe9"), latin
+    text = latin.stdout[4:8]  # 4 tokens of 1 byte; then a newline unless the text ended its line
+    assert latin.stdout[8:] == (b"" if text.endswith(b"\n") else b"\n"), latin.stdout
+    first = subprocess.run([*run, "--prompt", "ab\n", "--max-tokens", "1"], cwd=REPO, capture_output=True,
+                           timeout=120, env=env).stdout[3:4]  # the greedy first token, a character
+    stopped = subprocess.run([*run, "--prompt", "ab\n", "--stop", first.decode()], cwd=REPO, capture_output=True,
+                             timeout=120, env=env)
+    assert (stopped.returncode, stopped.stdout) == (0, b"ab\n"), stopped  # nothing generated: the prompt's line
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--temperature", "-1"], "temperature"), (["--top-p", "0"], "--top-p"), (["--max-tokens", "0"], "--max-tokens"),
+    (["--prompt", ""], "nothing to"),
+    # the request's checks had said these, in the API's words ("seed must be ...", "stop must be ... a list"), and
+    # --mem-len 0, in range by --help, was refused after the model loaded (found by a helper)
+    (["--seed", "9" * 23], "generate: error: argument --seed: expected a whole number from -"),
+    (["--stop", ""], "generate: error: argument --stop: expected a string of one character or more"),
+    (["--mem-len", "0"], "generate: error: argument --mem-len: expected a whole number from 1 to"),
+])
 def test_generate_bad_input_one_line(checkpoint, flags, needle, capsys):
     """In this process (an exception let through would fail the test with its traceback): the parser's refusals
     exit 2, the command's own return 2; either way one line."""

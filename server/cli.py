@@ -273,12 +273,12 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     from server.scheduler import Scheduler
 
     async def stream() -> None:  # the server's engine loop, one request: one generation loop everywhere
+        nonlocal ends_line
         # closed here when a write fails (`| head`): left to the collector, it was "Task was destroyed but it is
         # pending!" at exit
         async with contextlib.aclosing(aiter(scheduler.submit(engine.new_state(), prompt, params))) as events:
             async for item in events:
                 if isinstance(item, TokenEvent) and item.text:
-                    nonlocal ends_line
                     sys.stdout.write(item.text)
                     sys.stdout.flush()
                     ends_line = item.text.endswith("\n")

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 
 import httpx
+import pytest
 from txlserve_client import Client
 from txlserve_client import chat as chat_module
 from txlserve_client._types import Session
@@ -234,3 +235,80 @@ def test_a_server_gone_mid_chat_leaves_the_way_back(checkpoint, redis_url, tmp_p
             assert b"could not talk to the txlserve server" in chat_proc.proc.stderr.read()
     finally:
         srv.stop()
+
+
+class _PressingConnection:
+    """The chat's WebSocket (a fake of the client's own seam) on which Ctrl-C lands at a chosen moment: while the
+    connection opens, as the completion is sent, or twice while tokens stream."""
+
+    def __init__(self, chat: chat_module.Chat, when: str) -> None:
+        self.chat, self.when, self.sent, self.cancels = chat, when, [], 0
+        if when == "connecting":
+            chat._on_ctrl_c(signal.SIGINT, None)
+
+    def completion(self, **body: object) -> Iterator[object]:
+        from txlserve_client._types import CompletionChunk, SessionRef, Usage
+
+        self.sent.append(body["prompt"])
+        conn = self
+
+        class Stream:
+            done = False
+
+            def cancel(self) -> None:
+                conn.cancels += 1
+
+            def __iter__(self) -> Stream:
+                return self
+
+            def __next__(self) -> CompletionChunk:
+                if self.done:
+                    raise StopIteration
+                if conn.when == "streaming" and not conn.cancels:
+                    conn.chat._on_ctrl_c(signal.SIGINT, None)
+                    conn.chat._on_ctrl_c(signal.SIGINT, None)  # a second press: no KeyboardInterrupt
+                    return CompletionChunk("c", "ab")
+                self.done = True
+                return CompletionChunk("c", "", "cancelled", Usage(3, 2, 5), SessionRef("s-1", 5))
+
+        if self.when == "sending":
+            self.chat._on_ctrl_c(signal.SIGINT, None)  # before the chat holds the stream
+        return Stream()
+
+    def close(self) -> None:
+        pass
+
+
+def test_ctrl_c_cancels_whenever_it_lands_after_the_prompt(monkeypatch) -> None:
+    """A press while the connection opened was lost (the whole generation ran), and a second press while the cancel
+    drained quit with the session holding tokens never shown (both found by a helper)."""
+    for when, sent, cancels, says in (("connecting", [], 0, " [cancelled: the line was not added]\n"),
+                                      ("sending", ["hi\n"], 1, " [cancelled: 2 tokens kept, as shown]\n"),
+                                      ("streaming", ["hi\n"], 1, "ab [cancelled: 2 tokens kept, as shown]\n")):
+        with Client(base_url="http://fake.invalid") as client:
+            out = io.StringIO()
+            chat = chat_module.Chat(client, "m", Session("s-1", "m", 3, 8, 0, "hot", 0, 0),
+                                    chat_module.build_parser().parse_args([]), out=out, err=io.StringIO())
+            conns = []
+            monkeypatch.setattr(client.ws, "connect", lambda conns=conns, chat=chat, when=when: conns.append(
+                _PressingConnection(chat, when)) or conns[-1])
+            chat.generate("hi\n")
+        assert (conns[0].sent, conns[0].cancels, out.getvalue()) == (sent, cancels, says), when
+
+
+def test_a_terminal_keeps_the_chats_output_on_ctrl_c(monkeypatch) -> None:
+    """A terminal's Ctrl-C flushed output not yet shown: a token vanished from the screen that the session kept."""
+    termios = pytest.importorskip("termios")
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        with os.fdopen(follower, "r", closefd=False) as tty:
+            monkeypatch.setattr(sys, "stdin", tty)
+            assert not termios.tcgetattr(follower)[3] & termios.NOFLSH
+            with chat_module._output_kept_on_ctrl_c():
+                assert termios.tcgetattr(follower)[3] & termios.NOFLSH
+            assert not termios.tcgetattr(follower)[3] & termios.NOFLSH
+    finally:
+        os.close(leader)
+        os.close(follower)

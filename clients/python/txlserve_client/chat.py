@@ -87,6 +87,32 @@ def _on_ctrl_c(handler: Callable[[int, Any], None]) -> Iterator[None]:
         signal.signal(signal.SIGINT, before)
 
 
+@contextlib.contextmanager
+def _output_kept_on_ctrl_c() -> Iterator[None]:
+    """A terminal's Ctrl-C flushes the output it has not yet shown (unless NOFLSH): a token the chat had written
+    vanished from the screen while the session kept it, "as shown" off by one (1 press in 10, found by a
+    helper). Set meanwhile where stdin is a terminal."""
+    try:
+        import termios
+    except ImportError:  # not POSIX
+        yield
+        return
+    try:
+        fd = sys.stdin.fileno()
+        before = termios.tcgetattr(fd)
+    except (termios.error, OSError, ValueError):  # not a terminal
+        yield
+        return
+    kept = list(before)
+    kept[3] |= termios.NOFLSH  # local modes
+    try:
+        termios.tcsetattr(fd, termios.TCSANOW, kept)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            termios.tcsetattr(fd, termios.TCSANOW, before)
+
+
 class Chat:
     """Each line is a completion over one WebSocket, whose cancel (Ctrl-C) stops the generation where the user
     saw it: over an SSE stream, closing it left the session the tokens generated before the server noticed, one
@@ -98,6 +124,8 @@ class Chat:
         self.seen = session.tokens_seen  # the session's tokens, as its completions report them
         self._conn: WebSocketConnection | None = None
         self._stream: WebSocketStream | None = None  # the generation running, for Ctrl-C's cancel
+        self._at_prompt = False  # Ctrl-C there quits; elsewhere it cancels the line's generation
+        self._pressed = False  # Ctrl-C since the line was entered
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -108,17 +136,34 @@ class Chat:
                 import readline  # noqa: F401
         self.say(f"session {self.session.id} ({self.session.tokens_seen} tokens). {HELP}")
         try:
-            return self._lines()
+            with _on_ctrl_c(self._on_ctrl_c), _output_kept_on_ctrl_c():
+                return self._lines()
         finally:
             if self._conn is not None:
                 with contextlib.suppress(Exception):
                     self._conn.close()
 
+    def _on_ctrl_c(self, sig: int, frame: Any) -> None:
+        """At the prompt, quit; after it, cancel the line's generation, once: one pressed before the stream
+        existed (the connection still opening) was lost and the whole generation ran, and a second one quit
+        while the cancel drained, leaving the session tokens never shown (both found by a helper). Further
+        presses wait for the drain, which ends within a decode step."""
+        if self._at_prompt:
+            raise KeyboardInterrupt
+        if not self._pressed:
+            self._pressed = True
+            if self._stream is not None:
+                self._stream.cancel()
+
     def _lines(self) -> int:
         while True:
+            self._pressed = False
             try:
+                self._at_prompt = True
                 line = input("> ")
+                self._at_prompt = False
             except (EOFError, KeyboardInterrupt):
+                self._at_prompt = False
                 self.say("")
                 break
             command = line.strip()
@@ -164,30 +209,23 @@ class Chat:
             self.say("nothing to continue yet: type some text first (an empty line continues what the session "
                      "holds)")
             return
-        at_line_start, end, pressed = True, None, False
-
-        def cancel(sig: int, frame: Any) -> None:  # the first Ctrl-C stops the generation, a second one the chat
-            nonlocal pressed
-            if pressed:
-                raise KeyboardInterrupt
-            pressed = True
-            if self._stream is not None:
-                self._stream.cancel()
-
-        with _on_ctrl_c(cancel):
-            try:
-                for chunk in self._chunks(prompt):
-                    if chunk.text:
-                        self.out.write(chunk.text.translate(_CONTROLS) if self.out.isatty() else chunk.text)
-                        self.out.flush()
-                        at_line_start = chunk.text.endswith("\n")
-                    if chunk.finish_reason is not None:
-                        end = chunk
-            except RequestCancelledError:  # Ctrl-C while the line was read: nothing was stored
-                self.out.write(" [cancelled: the line was not added]")
-                at_line_start = False
-            finally:
-                self._stream = None
+        at_line_start, end, sent = True, None, False
+        try:
+            for chunk in self._chunks(prompt):
+                sent = True
+                if chunk.text:
+                    self.out.write(chunk.text.translate(_CONTROLS) if self.out.isatty() else chunk.text)
+                    self.out.flush()
+                    at_line_start = chunk.text.endswith("\n")
+                if chunk.finish_reason is not None:
+                    end = chunk
+        except RequestCancelledError:  # Ctrl-C while the line was read: nothing was stored
+            sent = False
+        finally:
+            self._stream = None
+        if not sent and self._pressed:
+            self.out.write(" [cancelled: the line was not added]")
+            at_line_start = False
         if end is not None and end.session is not None:
             self.seen = end.session.tokens_seen
         if end is not None and end.finish_reason == "cancelled":
@@ -207,9 +245,13 @@ class Chat:
             try:
                 if self._conn is None:
                     self._conn = self.client.ws.connect()
+                if self._pressed:  # Ctrl-C before it was sent: nothing is
+                    return
                 self._stream = self._conn.completion(
                     model=self.model, prompt=prompt, max_tokens=self.args.max_tokens,
                     temperature=self.args.temperature, session_id=self.session.id)
+                if self._pressed:  # pressed as it was sent, before the handler could see the stream
+                    self._stream.cancel()
                 first = next(self._stream, None)
             except SessionBusyError:
                 if time.monotonic() > deadline:

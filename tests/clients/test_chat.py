@@ -245,6 +245,7 @@ class _PressingConnection:
         self.chat, self.when, self.sent, self.cancels = chat, when, [], 0
         if when == "connecting":
             chat._on_ctrl_c(signal.SIGINT, None)
+            chat._on_ctrl_c(signal.SIGINT, None)
 
     def completion(self, **body: object) -> Iterator[object]:
         from txlserve_client._types import CompletionChunk, SessionRef, Usage
@@ -293,6 +294,8 @@ def test_ctrl_c_cancels_whenever_it_lands_after_the_prompt(monkeypatch) -> None:
             monkeypatch.setattr(client.ws, "connect", lambda conns=conns, chat=chat, when=when: conns.append(
                 _PressingConnection(chat, when)) or conns[-1])
             chat.generate("hi\n")
+            with pytest.raises(KeyboardInterrupt):  # between lines (a command's call, the prompt): Python's own
+                chat._on_ctrl_c(signal.SIGINT, None)
         assert (conns[0].sent, conns[0].cancels, out.getvalue()) == (sent, cancels, says), when
 
 

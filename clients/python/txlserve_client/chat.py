@@ -124,7 +124,7 @@ class Chat:
         self.seen = session.tokens_seen  # the session's tokens, as its completions report them
         self._conn: WebSocketConnection | None = None
         self._stream: WebSocketStream | None = None  # the generation running, for Ctrl-C's cancel
-        self._at_prompt = False  # Ctrl-C there quits; elsewhere it cancels the line's generation
+        self._generating = False  # Ctrl-C cancels the line's generation while it runs, and elsewhere quits
         self._pressed = False  # Ctrl-C since the line was entered
 
     def say(self, text: str) -> None:
@@ -144,11 +144,11 @@ class Chat:
                     self._conn.close()
 
     def _on_ctrl_c(self, sig: int, frame: Any) -> None:
-        """At the prompt, quit; after it, cancel the line's generation, once: one pressed before the stream
-        existed (the connection still opening) was lost and the whole generation ran, and a second one quit
-        while the cancel drained, leaving the session tokens never shown (both found by a helper). Further
-        presses wait for the drain, which ends within a decode step."""
-        if self._at_prompt:
+        """During a line's generation, cancel it, once: one pressed before the stream existed (the connection
+        still opening) was lost and the whole generation ran, and a second one quit while the cancel drained,
+        leaving the session tokens never shown (both found by a helper). Further presses wait for the drain,
+        which ends within a decode step. Elsewhere (the prompt, a command), as Python's own Ctrl-C."""
+        if not self._generating:
             raise KeyboardInterrupt
         if not self._pressed:
             self._pressed = True
@@ -159,11 +159,8 @@ class Chat:
         while True:
             self._pressed = False
             try:
-                self._at_prompt = True
                 line = input("> ")
-                self._at_prompt = False
             except (EOFError, KeyboardInterrupt):
-                self._at_prompt = False
                 self.say("")
                 break
             command = line.strip()
@@ -210,6 +207,7 @@ class Chat:
                      "holds)")
             return
         at_line_start, end, sent = True, None, False
+        self._generating = True
         try:
             for chunk in self._chunks(prompt):
                 sent = True
@@ -222,7 +220,7 @@ class Chat:
         except RequestCancelledError:  # Ctrl-C while the line was read: nothing was stored
             sent = False
         finally:
-            self._stream = None
+            self._stream, self._generating = None, False
         if not sent and self._pressed:
             self.out.write(" [cancelled: the line was not added]")
             at_line_start = False

@@ -30,13 +30,13 @@ def _add_threads(p: argparse.ArgumentParser) -> None:
 def _set_threads(ns: argparse.Namespace) -> None:
     import os
 
-    threads, given = ns.threads, "--threads"
+    threads = ns.threads  # the flag's range is its parser's (_add_threads)
     if threads is None and (raw := os.environ.get("TXLSERVE_THREADS")):
         if not raw.isdigit():
             raise ConfigError(f"TXLSERVE_THREADS={raw!r} is not a whole number")
-        threads, given = int(raw), "TXLSERVE_THREADS"
-    if threads is not None and not 1 <= threads <= MAX_THREADS:  # 100,000 crashed torch's thread pool (SIGSEGV)
-        raise ConfigError(f"{given} must be from 1 to {MAX_THREADS}, got {threads}")
+        threads = int(raw)
+        if not 1 <= threads <= MAX_THREADS:  # 100,000 crashed torch's thread pool (SIGSEGV)
+            raise ConfigError(f"TXLSERVE_THREADS must be from 1 to {MAX_THREADS}, got {threads}")
     from model.threads import set_threads  # imports torch: only once the flags are known to be good
 
     set_threads(threads)

@@ -77,7 +77,8 @@ class Settings:
                                          "belongs to the key that made it", )
     cors_origins: tuple[str, ...] = _opt((), "origins allowed to call the API from a browser (CORS), e.g. "
                                              "https://app.example.com, or * for any; none by default")
-    model_name: str = _opt("txl-shakespeare-small", "the model name clients send")
+    model_name: str | None = _opt(None, "the model name clients send (default: txl- and the checkpoint directory's "
+                                        "name, as txl-shakespeare-small for the bundled one)")
     max_batch: int = _opt(256, "sessions advanced together per decode step, at most (fewer if --batch-mb is reached)")
     batch_mb: int = _opt(1024, "memory for the sessions generating together (their key/value rings), in MiB: "
                                "every waiting request joins the decode batch while it fits (on a GPU it is taken "
@@ -163,6 +164,8 @@ class Settings:
         if self.log_level not in _LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, not {self.log_level!r}",
                               param="log_level")
+        if self.model_name is None:
+            object.__setattr__(self, "model_name", default_model_name(self.checkpoint))
         if not self.model_name.strip() or self.model_name != self.model_name.strip() or len(self.model_name) > 256:
             raise ConfigError(f"model_name must be 1 to 256 characters with no surrounding white space, not "
                               f"{self.model_name!r}", param="model_name")
@@ -227,6 +230,15 @@ class Settings:
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+
+def default_model_name(checkpoint: str | None) -> str:
+    """What a server answers to when it is not told: the checkpoint directory's name (vLLM's default is the model's
+    path), under a prefix that keeps the bundled checkpoint's name, and so its clients, as they were when every
+    checkpoint was served as txl-shakespeare-small."""
+    name = "shakespeare-small" if checkpoint is None else os.path.basename(os.path.abspath(checkpoint))
+    name = name.strip()[:252] or "model"  # a name the check below accepts, whatever the directory is called
+    return name if name.startswith("txl-") else f"txl-{name}"
 
 
 def env_names() -> list[str]:

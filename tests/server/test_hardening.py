@@ -592,6 +592,19 @@ def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Pat
     assert "s3cr" not in r.stderr + r.stdout  # no part of a password
 
 
+def test_the_model_name_defaults_to_the_checkpoint_s_directory(tmp_path: Path):
+    """Every checkpoint had been served as txl-shakespeare-small, so /v1/models named the bundled model while a
+    WikiText-103 one answered."""
+    from server.settings import Settings
+    assert Settings().model_name == "txl-shakespeare-small"  # the bundled one's, as before
+    assert Settings(checkpoint=str(tmp_path / "wt103") + "/").model_name == "txl-wt103"
+    assert Settings(checkpoint=str(tmp_path / "txl-big")).model_name == "txl-big"  # not txl-txl-big
+    assert Settings(checkpoint="/").model_name == "txl-model"
+    assert Settings(checkpoint=str(tmp_path / ("x" * 255))).model_name == "txl-" + "x" * 252  # within the limit
+    assert Settings.from_env({"TXLSERVE_MODEL_NAME": "mine"}, checkpoint=str(tmp_path)).model_name == "mine"
+    assert Settings(checkpoint="wt103").replace(port=1).model_name == "txl-wt103"
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["serve", "--port", "70000"], "port"),
     (["serve", "--port", "0", "--checkpoint", "/nope/nothing"], "does not exist"),

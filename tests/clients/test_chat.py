@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -23,14 +24,15 @@ from tests.procs import Streamed
 ID = r"[\w-]+"
 
 
-def chat(server: LiveServer, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def chat(server: LiveServer | str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(CLIENT_SRC), "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "txlserve_client.chat", "--url", server.url, *args],
+    url = server if isinstance(server, str) else server.url
+    return subprocess.Popen([sys.executable, "-m", "txlserve_client.chat", "--url", url, *args],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             cwd=CLIENT_SRC)
 
 
-def run_chat(server: LiveServer, lines: str | bytes, *args: str,
+def run_chat(server: LiveServer | str, lines: str | bytes, *args: str,
              env: dict[str, str] | None = None) -> tuple[int, str, str]:
     with chat(server, *args, env=env) as proc:
         out, err = proc.communicate(lines.encode() if isinstance(lines, str) else lines, timeout=60)
@@ -315,3 +317,118 @@ def test_a_terminal_keeps_the_chats_output_on_ctrl_c(monkeypatch) -> None:
     finally:
         os.close(leader)
         os.close(follower)
+
+
+class _NoWebSocketProxy:
+    """A reverse proxy as nginx is without its WebSocket lines: it forwards HTTP and drops the hop-by-hop Upgrade
+    and Connection headers, so that the server answers the chat's handshake with its 426."""
+
+    def __init__(self, upstream: str) -> None:
+        import socket
+        import threading
+
+        host, port = httpx.URL(upstream).host, httpx.URL(upstream).port
+        self.upstream, self.socks, self.threads = (host, port), [], []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.stopping = threading.Event()
+        self._spawn(self._accept)
+
+    def _spawn(self, target, *args) -> None:
+        import threading
+
+        t = threading.Thread(target=target, args=args, daemon=True)
+        self.threads.append(t)
+        t.start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self.stopping.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            server = socket.create_connection(self.upstream, timeout=10)
+            server.settimeout(None)
+            self.socks += [client, server]
+            self._spawn(self._forward, client, server, True)
+            self._spawn(self._forward, server, client, False)
+
+    @staticmethod
+    def _forward(src, dst, first_head: bool) -> None:
+        head = first_head
+        buf = b""
+        try:
+            while data := src.recv(65536):
+                if head:  # the first request's head, as the proxy passes it on
+                    buf += data
+                    if b"\r\n\r\n" not in buf:
+                        continue
+                    lines, rest = buf.split(b"\r\n\r\n", 1)
+                    kept = [h for h in lines.split(b"\r\n") if not h.lower().startswith((b"upgrade:", b"connection:"))]
+                    data, head = b"\r\n".join(kept) + b"\r\n\r\n" + rest, False
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            import socket
+
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    def __enter__(self) -> _NoWebSocketProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import socket
+
+        self.stopping.set()
+        self.listener.close()
+        for s in self.socks:  # a shutdown wakes a thread's recv, which a close alone does not
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        for t in self.threads:
+            t.join(timeout=10)
+            assert not t.is_alive(), "a proxy thread outlived its sockets"
+
+
+def test_a_proxy_that_drops_websockets_streams_the_lines_over_http(server: LiveServer, client: Client) -> None:
+    """Every line had been refused with the WebSocket's 426 where a proxy did not pass WebSockets."""
+    with _NoWebSocketProxy(server.url) as proxy:
+        rc, out, err = run_chat(proxy.url, "hello\n\n/info\n", "--max-tokens", "5")
+    assert rc == 0, err
+    assert err.count("note: the server's WebSocket is out of reach (426") == 1, err  # said once, not per line
+    session_id = re.search(rf"^session ({ID}) \(0 tokens\)", out, re.M).group(1)
+    assert f"session {session_id}: tokens_seen={len('hello') + 1 + 5 + 5} " in out, out
+    assert client.sessions.get(session_id).tokens_seen == len("hello\n") + 5 + 5
+
+
+def test_ctrl_c_over_http_cancels_the_line_and_the_chat_goes_on(server: LiveServer, client: Client) -> None:
+    env = {**os.environ, "PYTHONPATH": str(CLIENT_SRC), "PYTHONUNBUFFERED": "1"}
+    with _NoWebSocketProxy(server.url) as proxy:
+        cmd = [sys.executable, "-m", "txlserve_client.chat", "--url", proxy.url, "--max-tokens", "4000"]
+        inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the WebSocket's test above
+        try:
+            chat = Streamed(cmd, env=env, cwd=CLIENT_SRC)
+        finally:
+            signal.signal(signal.SIGINT, inherited)
+        with chat as chat_proc:
+            chat_proc.wait_for(b"> ")
+            header = bytes(chat_proc.out)
+            session_id = re.search(rf"session ({ID})".encode(), header).group(1).decode()
+            chat_proc.write(b"hello\n")
+            chat_proc.wait_until(lambda out: len(out) >= len(header) + 3, 120, "the continuation streaming")
+            chat_proc.proc.send_signal(signal.SIGINT)
+            chat_proc.wait_for(b" [cancelled]\n> ")
+            chat_proc.write(b"/info\n")  # the chat goes on: the server's count, once its commit is done
+            chat_proc.wait_until(lambda out: re.search(rb"tokens_seen=(\d+) ", out), 60, "/info's answer")
+            chat_proc.close_stdin()
+            assert chat_proc.wait(timeout=60) == 0
+    seen = client.sessions.get(session_id).tokens_seen
+    assert len("hello\n") < seen < len("hello\n") + 4000  # stopped: some tokens, not all of them

@@ -19,6 +19,7 @@ from typing import Any, NoReturn, TextIO
 
 from txlserve_client._client import Client
 from txlserve_client._exceptions import APIConnectionError, APIError, RequestCancelledError, SessionBusyError
+from txlserve_client._streaming import Stream
 from txlserve_client._types import CompletionChunk, Session
 from txlserve_client._websocket import WebSocketConnection, WebSocketStream
 
@@ -34,6 +35,9 @@ COMMANDS = """in the chat:
   //...     send a line that starts with / (the first slash is dropped)"""
 MAX_TOKENS = 200  # a line's continuation, unless --max-tokens says otherwise
 BUSY_WAIT_S = 5.0  # after a cancel the server commits in the background; a 409 until then is worth waiting out
+# a WebSocket handshake answered so, by a server whose HTTP API answers, is a proxy's doing (or the server's own 426
+# to a request a proxy stripped of its Upgrade header): 401, 403 (a key, an origin) and 429/503 are the server's
+_NO_WEBSOCKET = (400, 404, 405, 426, 501, 502)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -116,14 +120,16 @@ def _output_kept_on_ctrl_c() -> Iterator[None]:
 class Chat:
     """Each line is a completion over one WebSocket, whose cancel (Ctrl-C) stops the generation where the user
     saw it: over an SSE stream, closing it left the session the tokens generated before the server noticed, one
-    or more past the screen, and the next line joined them mid-word (found by a helper)."""
+    or more past the screen, and the next line joined them mid-word (found by a helper). Where a proxy does not
+    pass WebSockets, lines stream over SSE after all (said once), rather than every line being refused."""
 
     def __init__(self, client: Client, model: str, session: Session, args: argparse.Namespace,
                  out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
         self.client, self.model, self.session, self.args, self.out, self.err = client, model, session, args, out, err
         self.seen = session.tokens_seen  # the session's tokens, as its completions report them
         self._conn: WebSocketConnection | None = None
-        self._stream: WebSocketStream | None = None  # the generation running, for Ctrl-C's cancel
+        self._stream: WebSocketStream | Stream | None = None  # the generation running, for Ctrl-C's cancel
+        self._sse = False  # the WebSocket was out of reach: lines stream over HTTP
         self._generating = False  # Ctrl-C cancels the line's generation while it runs, and elsewhere quits
         self._pressed = False  # Ctrl-C since the line was entered
 
@@ -152,6 +158,8 @@ class Chat:
             raise KeyboardInterrupt
         if not self._pressed:
             self._pressed = True
+            if self._sse:  # an HTTP stream's cancel is its close: out of the read it waits in, in generate()
+                raise KeyboardInterrupt
             if self._stream is not None:
                 self._stream.cancel()
 
@@ -206,10 +214,11 @@ class Chat:
             self.say("nothing to continue yet: type some text first (an empty line continues what the session "
                      "holds)")
             return
-        at_line_start, end, sent = True, None, False
+        at_line_start, end, sent, closed = True, None, False, False
         self._generating = True
+        chunks = self._chunks(prompt)
         try:
-            for chunk in self._chunks(prompt):
+            for chunk in chunks:
                 sent = True
                 if chunk.text:
                     self.out.write(chunk.text.translate(_CONTROLS) if self.out.isatty() else chunk.text)
@@ -219,9 +228,21 @@ class Chat:
                     end = chunk
         except RequestCancelledError:  # Ctrl-C while the line was read: nothing was stored
             sent = False
+        except KeyboardInterrupt:
+            if not (self._sse and self._pressed):
+                raise
+            closed = True
         finally:
+            chunks.close()
+            if isinstance(self._stream, Stream):  # an HTTP stream's response, where Ctrl-C left it
+                self._stream.close()
             self._stream, self._generating = None, False
-        if not sent and self._pressed:
+        if closed:  # the server stops once it notices: what it made by then is the session's, shown or not
+            with contextlib.suppress(APIError):
+                self.seen = self.client.sessions.get(self.session.id).tokens_seen
+            self.out.write(" [cancelled]")
+            at_line_start = False
+        if not sent and self._pressed and not closed:
             self.out.write(" [cancelled: the line was not added]")
             at_line_start = False
         if end is not None and end.session is not None:
@@ -241,15 +262,9 @@ class Chat:
         deadline, reopened = time.monotonic() + BUSY_WAIT_S, False
         while True:
             try:
-                if self._conn is None:
-                    self._conn = self.client.ws.connect()
-                if self._pressed:  # Ctrl-C before it was sent: nothing is
+                self._stream = self._send(prompt)
+                if self._stream is None:  # Ctrl-C before it was sent: nothing is
                     return
-                self._stream = self._conn.completion(
-                    model=self.model, prompt=prompt, max_tokens=self.args.max_tokens,
-                    temperature=self.args.temperature, session_id=self.session.id)
-                if self._pressed:  # pressed as it was sent, before the handler could see the stream
-                    self._stream.cancel()
                 first = next(self._stream, None)
             except SessionBusyError:
                 if time.monotonic() > deadline:
@@ -261,7 +276,7 @@ class Chat:
                     with contextlib.suppress(Exception):
                         self._conn.close()
                     self._conn = None
-                if reopened:
+                if reopened or self._sse:  # an HTTP request may have reached the server: never sent twice
                     raise
                 reopened = True
                 continue
@@ -269,6 +284,30 @@ class Chat:
                 yield first
             yield from self._stream
             return
+
+    def _send(self, prompt: str) -> WebSocketStream | Stream | None:
+        """The line's completion, sent on the chat's WebSocket, opened the first time (or over HTTP where a proxy
+        refused the WebSocket); None where Ctrl-C came first."""
+        if self._conn is None and not self._sse:
+            try:
+                self._conn = self.client.ws.connect()
+            except APIError as err:
+                if err.status not in _NO_WEBSOCKET:  # a connection error has none
+                    raise
+                self._sse = True
+                print(f"note: the server's WebSocket is out of reach ({err.status}: a proxy that does not pass "
+                      f"WebSockets?); lines stream over HTTP instead, where Ctrl-C can leave the session a few "
+                      f"tokens past the screen", file=self.err, flush=True)
+        if self._pressed:
+            return None
+        body = dict(model=self.model, prompt=prompt, max_tokens=self.args.max_tokens,
+                    temperature=self.args.temperature, session_id=self.session.id)
+        if self._sse:
+            return self.client.completions.create(**body, stream=True)
+        stream = self._conn.completion(**body)
+        if self._pressed:  # pressed as it was sent, before the handler could see the stream
+            stream.cancel()
+        return stream
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "txlserve-chat") -> int:

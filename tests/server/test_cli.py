@@ -367,6 +367,12 @@ def test_a_file_that_cannot_be_read_or_written_is_named_as_cat_names_it(tmp_path
     missing = tmp_path / "nowhere" / "export.json"
     assert main(["session", "import", str(missing), "--url", "http://127.0.0.1:9"]) == 2
     assert capsys.readouterr().err == f"txlserve: error: {missing}: No such file or directory\n"
+    import errno
+
+    from server.cli import _os_error
+    assert _os_error(OSError(errno.EXDEV, "Invalid cross-device link", "a.tmp", None, "b")) == (  # a rename's two
+        "a.tmp -> b: Invalid cross-device link")
+    assert _os_error(OSError("no path at all")) == "no path at all"
 
 
 def test_bench_store_tiers_names_every_form_it_takes(capsys):

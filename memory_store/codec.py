@@ -372,6 +372,15 @@ def decode_header(raw: bytes) -> Header:
     return Header(**{name: doc[name] for name in (*_FIELD_TYPES, *_OPTIONAL_FIELDS)})
 
 
+def header_owner(raw: bytes) -> Any:
+    """The owner a header names, whatever its format: a delete of a record a newer server wrote needs no more."""
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return doc.get("owner") if isinstance(doc, dict) else None
+
+
 def check_compatible(header: Header, identity: ModelIdentity) -> str:
     """How the running model can use a stored session: ``"state"`` (its hidden states as they are) or
     ``"window"`` (rebuilt from its last tokens: a cold record, or one written by another checkpoint with the
@@ -426,4 +435,9 @@ def decode_payload(payload: bytes, header: Header, ring: bytes | None = None) ->
     _check_mems_shape(tuple(mems.shape), identity=identity, mem_len=header.mem_len, error=SessionCorrupt)
     if str(mems.dtype) != header.dtype:
         raise SessionCorrupt(f"{MEMS} is {mems.dtype}, its header declares {header.dtype}")
+    if not bool(torch.isfinite(mems).all()):  # a damaged memory had continued as NaNs: 200s of garbage, committed
+        if window is not None and window.numel() >= min(header.tokens_seen, header.mem_len):
+            del tensors[MEMS]  # rebuilt from its window, as a session whose ring was lost
+            return tensors
+        raise SessionCorrupt(f"session {MEMS} hold values that are not finite, and no window to rebuild them from")
     return tensors

@@ -261,8 +261,11 @@ class MemoryStore:
             for _, session_id, raw in page:
                 try:
                     header = codec.decode_header(raw)
-                except (SessionCorrupt, SessionIncompatible) as err:
+                except SessionCorrupt as err:
                     log.warning("listing skips session %s: %s", session_id, err)
+                    continue
+                except SessionIncompatible as err:  # a newer server's, as during a rollback: not a fault, and
+                    log.debug("listing skips session %s: %s", session_id, err)  # said at every list call
                     continue
                 if header.owner == owner:
                     infos.append(self._info(session_id, header))
@@ -361,6 +364,9 @@ class MemoryStore:
                 self._header(session_id, raw, owner, compatible=False)
             except SessionCorrupt:
                 log.warning("deleting corrupt session %s", session_id)
+            except SessionIncompatible:  # a newer server's record, after a rollback: its owner is all a delete
+                if codec.header_owner(raw) != owner:  # needs (a user could not delete their own sessions)
+                    raise SessionNotFound(f"session {session_id!r} not found") from None
             await self._redis.delete(session_id, owner)
             self._hot.discard(session_id)
 
@@ -616,7 +622,8 @@ class MemoryStore:
             self._hot.discard(session_id)
             raise
         if header.form == codec.STATE_FORM and codec.MEMS not in tensors:  # its ring was lost: its window is left
-            log.warning("session %s lost its memory (the ring key is gone): it is rebuilt from its window",
+            log.warning("session %s lost its memory (its ring key is gone, or holds values that are not finite): "
+                        "it is rebuilt from its window",
                         session_id)
             header = dataclasses.replace(header, form=codec.WINDOW_FORM)  # what it is now: cold
         self.metrics.redis_hits += 1

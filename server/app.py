@@ -36,7 +36,8 @@ from server.settings import Settings
 
 class BodyLimit:
     """413 for bodies over the limit, counted as they arrive (Content-Length may be absent or lie), and 408
-    for a body that stops arriving for ``timeout_s``, so a slow sender cannot pin a request forever.
+    for a body that stops arriving for ``timeout_s``, so a slow sender cannot pin a request forever; 415 for a
+    body with a Content-Encoding (RFC 9110's answer to a coding the server does not decode).
 
     A body whose Content-Length is over the limit is refused before it is read. One found too large as it
     arrives is read and discarded to its end first (up to ``DRAIN_FACTOR`` times the limit), so that a client
@@ -68,6 +69,11 @@ class BodyLimit:
             # timeout for its answer; the HTTP protocol reads and drops whatever of the body still comes, so a
             # client still uploading reads this answer, not a reset connection
             return await _refuse(send, 413, too_large, "payload_too_large")
+        coding = dict(scope["headers"]).get(b"content-encoding", b"").decode("latin-1").strip()
+        if coding.lower() not in ("", "identity"):  # a body read as it was not sent: a br body was taken for JSON
+            return await _refuse(send, 415, f"the request body is sent with Content-Encoding {coding[:40]!r}: this "
+                                 f"server reads bodies as they are, so send it uncompressed, without that header",
+                                 "unsupported_content_encoding", headers=[(b"accept-encoding", b"identity")])
         seen, started, refused, complete = 0, False, False, False
 
         async def counted() -> Message:
@@ -280,9 +286,11 @@ class Cors(CORSMiddleware):
                             status_code=response.status_code, headers=headers)
 
 
-async def _refuse(send: Send, status: int, message: str, code: str, *, close: bool = False) -> None:
+async def _refuse(send: Send, status: int, message: str, code: str, *, close: bool = False,
+                  headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *(headers or [])]
     await send({"type": "http.response.start", "status": status,
                 "headers": headers + ([(b"connection", b"close")] if close else [])})
     await send({"type": "http.response.body", "body": body})

@@ -61,7 +61,7 @@ from server import core_spawn
 from server.hot_states import HotStates, Revision
 from server.leave import leave_without_finalizing
 from server.scheduler import Finished, Job, JobFailed, PromptScores, Scheduler, streamed
-from server.session_state import extend_window, importable, persisted, rebuild_window, stored_window
+from server.session_state import extend_window, importable, persisted, rebuild_window, restore, stored_window
 from txlserve import errors
 from txlserve.errors import TxlError, Unavailable
 
@@ -417,7 +417,7 @@ class _Core:
         spec.window = stored_window(tensors)
         if importable(self.engine, tensors, head["fingerprint"]):
             spec.source, spec.tokens_before = "redis", seen
-            self._submit(spec, self.engine.import_state(tensors, tokens_seen=seen, fingerprint=head["fingerprint"]))
+            self._submit(spec, restore(self.engine, tensors, seen, head["fingerprint"]))
         else:
             self._rebuild(spec, spec.window or [], seen)
 

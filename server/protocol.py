@@ -263,7 +263,7 @@ class SessionExport(BaseModel):
     # would take a session past it is a 400 (the store refuses the commit)
     window: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=1 << 20)
     metadata: Metadata = None
-    model: str | None = Field(default=None, max_length=256)  # informative: the model that wrote it
+    model: str | None = Field(default=None, max_length=256)  # informative: the exporting server's model name
     created_at: int | None = None
 
 

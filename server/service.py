@@ -23,7 +23,7 @@ from model.sampling import SamplingParams
 from server.engine_core import CoreFinished, Need
 from server.runtime import Runtime
 from server.scheduler import EngineRequest, Finished, PromptScores
-from server.session_state import extend_window, importable, persisted, rebuild_window, stored_window
+from server.session_state import extend_window, importable, persisted, rebuild_window, restore, stored_window
 from txlserve.errors import (
     InvalidRequestError,
     Overloaded,
@@ -328,8 +328,8 @@ class Run:
         tensors = await rt.store.read_tensors(lease)
         window = stored_window(tensors)
         if importable(rt.engine, tensors, info.fingerprint):
-            state = await asyncio.to_thread(rt.engine.import_state, tensors, tokens_seen=info.tokens_seen,
-                                            fingerprint=info.fingerprint)  # as it was written
+            state = await asyncio.to_thread(restore, rt.engine, tensors, info.tokens_seen,
+                                            info.fingerprint)  # as it was written
             return state, window, "redis"
         return await self._rebuild(window or [], info.tokens_seen), window, "rebuild"
 

@@ -11,6 +11,7 @@ import torch
 from memory_store.codec import MEMS, WINDOW
 from model.decode import DecodeState
 from model.engine import Engine
+from txlserve.errors import SessionCorrupt, StateIncompatible
 
 log = logging.getLogger("txlserve.sessions")
 
@@ -47,6 +48,16 @@ def importable(engine: Engine, tensors: dict[str, torch.Tensor], fingerprint: st
     """Whether a stored record's hidden states are this engine's to import; else it is rebuilt from its window
     (a cold session, or one another checkpoint or attention window wrote)."""
     return MEMS in tensors and fingerprint == engine.fingerprint
+
+
+def restore(engine: Engine, tensors: dict[str, torch.Tensor], tokens_seen: int, fingerprint: str) -> DecodeState:
+    """The stored hidden states, imported (:func:`importable`). Written by this very model, a memory it cannot
+    hold is a damaged record: the model's 400 (state_incompatible) had blamed the client for it (found by a
+    helper)."""
+    try:
+        return engine.import_state(tensors, tokens_seen=tokens_seen, fingerprint=fingerprint)
+    except StateIncompatible as err:
+        raise SessionCorrupt(f"the stored session does not fit the model that wrote it: {err.message}") from None
 
 
 def rebuild_window(engine: Engine, window: list[int], tokens_seen: int, session_id: str | None) -> list[int]:

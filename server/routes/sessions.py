@@ -143,7 +143,10 @@ async def import_session(request: Request, body: SessionExport, rt: Runtime = De
         raise SessionIncompatible(f"the session was written under tokenizer {body.tokenizer!r}; this server reads "
                                   f"text with {rt.engine.tokenizer_id!r}", param="tokenizer")
     window = body.window[-max(rt.engine.window_len, IMPORT_WINDOW_TOKENS):]
-    rt.engine.check_window(window, body.tokens_seen, every_id=True)  # why this model cannot rebuild it, if so
+    try:
+        rt.engine.check_window(window, body.tokens_seen, every_id=True)  # why this model cannot rebuild it, if so
+    except SessionIncompatible as err:  # a window too short for this model: the body's window, named
+        raise SessionIncompatible(err.message, param=err.param or "window") from None
     if len(body.window) < min(body.tokens_seen, rt.engine.window_len):
         log.info("importing a session whose window (%d tokens) is shorter than this model's (%d): rebuilt from "
                  "what it holds", len(body.window), rt.engine.window_len)

@@ -50,9 +50,8 @@ def record(state: dict[str, torch.Tensor], *, tokens_seen: int = MEM, mem_len: i
 @pytest.mark.parametrize(("rows", "tokens_seen"), [(8, 8), (8, 21), (3, 3), (3, 40), (0, 0), (5, 2)])
 def test_record_round_trip_is_bit_exact(dtype: torch.dtype, rows: int, tokens_seen: int) -> None:
     state = make_state(rows, dtype=dtype)
-    if rows:
-        state["mems"][0, 0, 0] = float("nan")
     state["extra"] = torch.arange(5, dtype=torch.int64)
+    state["last_logits"] = torch.tensor([float("nan"), float("-inf"), 1.0], dtype=dtype)  # their bits kept too
     payload, ring, header = record(state, tokens_seen=tokens_seen)
     held = tokens_seen if rows <= tokens_seen < 8 else 8  # a memory that has not wrapped stores only its rows
     assert len(ring) == codec.ring_nbytes(header) == held * N_LAYER * D_MODEL * state["mems"].element_size()
@@ -128,6 +127,22 @@ def test_a_ring_that_disagrees_with_its_header_is_corrupt() -> None:
     assert "mems" in codec.decode_payload(with_mems, dataclasses.replace(header, payload_bytes=len(with_mems)), ring)
     with pytest.raises(SessionCorrupt, match="rows"):
         codec.decode_header(codec.encode_header(dataclasses.replace(header, mem_rows=9)))
+
+
+def test_a_memory_that_is_not_finite_is_rebuilt_from_its_window_or_refused() -> None:
+    """A damaged ring (NaNs) had continued as NaNs: 200s of garbage, and the garbage committed (found by a helper)."""
+    window = torch.arange(8, dtype=torch.int32)
+    state = make_state()
+    state["mems"][1, 2, 3] = float("nan")
+    payload, ring, header = record({**state, "window": window}, window_tokens=8)
+    assert set(codec.decode_payload(payload, header, ring)) == {"window"}  # as a ring that was lost
+    payload, ring, header = record(state)
+    with pytest.raises(SessionCorrupt, match="not finite"):
+        codec.decode_payload(payload, header, ring)
+    state["mems"][1, 2, 3] = float("inf")
+    payload, ring, header = record({**state, "window": window[:5]}, window_tokens=5)  # too short to rebuild from
+    with pytest.raises(SessionCorrupt, match="not finite"):
+        codec.decode_payload(payload, header, ring)
 
 
 def test_a_lost_ring_leaves_the_window_to_rebuild_from() -> None:

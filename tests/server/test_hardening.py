@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import socket
 import sys
@@ -166,8 +167,23 @@ def test_deeply_nested_json_is_malformed_input(server):
         r = httpx.post(server.url + path, content=nested, headers={"content-type": "application/json"}, timeout=60)
         assert "nested too deeply" in assert_openai_error(r, 400)["message"]
     r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "\xff"}', timeout=30,
-                   headers={"content-type": "application/json", "content-encoding": "gzip"})
+                   headers={"content-type": "application/json"})
     assert "not UTF-8" in assert_openai_error(r, 400)["message"]
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br", "Deflate, gzip"])
+def test_a_body_with_a_content_encoding_is_415(server, coding):
+    """A br body was read as JSON and a plain one sent with ``Content-Encoding: br`` served: the header was ignored
+    (found by a helper)."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+    r = httpx.post(server.url + "/v1/completions", content=body, timeout=30,
+                   headers={"content-type": "application/json", "content-encoding": coding})
+    err = assert_openai_error(r, 415)
+    assert err["code"] == "unsupported_content_encoding" and "uncompressed" in err["message"], err
+    assert r.headers["accept-encoding"] == "identity"  # RFC 9110: a 415 for a coding says which it takes
+    r = httpx.post(server.url + "/v1/completions", content=body, timeout=30,
+                   headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert r.status_code == 200, r.text
 
 
 def test_wrong_redis_type_is_a_corrupt_session(server, redis_url):
@@ -199,6 +215,39 @@ def test_header_values_out_of_range_are_422(server, redis_url, field, value):
     body = {**OK, "session_id": sid}
     assert assert_openai_error(httpx.post(server.url + "/v1/completions", json=body), 422)["code"] == "session_corrupt"
     assert httpx.delete(f"{server.url}/v1/sessions/{sid}").status_code == 200
+
+
+def _cold_fork(server, text: str) -> str:
+    """A session whose next use reads Redis: a fork of one just made (the original's state is hot)."""
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": text}, timeout=30).json()["id"]
+    return httpx.post(f"{server.url}/v1/sessions/{sid}/fork", timeout=30).json()["id"]
+
+
+def test_a_memory_the_model_cannot_hold_is_a_corrupt_session(server, redis_url):
+    """A header declaring fewer memory rows than its tokens gave the model's 400, blaming the client (found by a
+    helper); the session is left as it was, and can be deleted."""
+    sid = _cold_fork(server, "some text")
+    r = redis.Redis.from_url(redis_url)
+    key = f"txl:{{{sid}}}"
+    header = json.loads(r.hget(key, "header"))
+    header["mem_rows"] = 0
+    r.hset(key, "header", json.dumps(header))
+    body = {**OK, "session_id": sid}
+    assert assert_openai_error(httpx.post(server.url + "/v1/completions", json=body), 422)["code"] == "session_corrupt"
+    assert json.loads(r.hget(key, "header")) == header  # nothing committed
+    assert httpx.delete(f"{server.url}/v1/sessions/{sid}").status_code == 200
+
+
+def test_a_memory_that_is_not_finite_is_rebuilt_from_the_window(server, redis_url):
+    """NaNs in a stored ring had continued as NaNs: 200s of NUL bytes, and the NaNs committed (found by a helper)."""
+    sid = _cold_fork(server, "some text")
+    r = redis.Redis.from_url(redis_url)
+    ring = r.get(f"txl:{{{sid}}}:ring")
+    r.set(f"txl:{{{sid}}}:ring", b"\xff\xff\xff\x7f" * (len(ring) // 4))  # NaN in every float32
+    out = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        **OK, "max_tokens": 4, "temperature": 0, "logprobs": 1, "session_id": sid}).json()
+    assert all(math.isfinite(lp) for lp in out["choices"][0]["logprobs"]["token_logprobs"]), out
+    assert r.get(f"txl:{{{sid}}}:ring") != b"\xff\xff\xff\x7f" * (len(ring) // 4)  # what was committed is sound
 
 
 def test_unknown_routes_answer_in_openai_shape(server):

@@ -203,6 +203,7 @@ def test_a_window_too_short_for_this_model_is_refused(servers):
            "tokens_seen": 500, "window": [65] * 10}
     r = httpx.post(srv.url + "/v1/sessions/import", json=doc, timeout=30)
     assert r.status_code == 422 and "window" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "window"  # it was null, where every other import error names its field
 
 
 def test_client_and_cli_carry_a_session_between_servers(servers, tmp_path):

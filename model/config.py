@@ -98,7 +98,8 @@ class TXLConfig:
         ints = all(isinstance(c, int) and not isinstance(c, bool) for c in cutoffs)
         if not ints or list(cutoffs) != sorted(set(cutoffs)) or \
                 (cutoffs and not 0 < cutoffs[0] <= cutoffs[-1] < self.vocab_size):
-            raise ConfigError(f"config.cutoffs must increase strictly within (0, vocab_size), got {list(cutoffs)}",
+            raise ConfigError(f"config.cutoffs must increase strictly within (0, vocab_size {self.vocab_size:,}), got "
+                              f"{list(cutoffs)}",
                               param="cutoffs")
         if any(self.d_embed // self.div_val**i < 1 for i in range(len(cutoffs) + 1)):
             raise ConfigError(f"config.div_val {self.div_val} leaves a cluster with no embedding dimensions",

@@ -119,7 +119,6 @@ def resolve(args: TrainArgs, vocab_size: int = 256) -> tuple[TXLConfig, dict[str
     if args.preset not in PRESETS:
         raise ConfigError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
     model_kw = {**PRESETS[args.preset]["model"], "vocab_size": vocab_size}
-    opt = {"clip": 0.25, "warmup_steps": 0, **PRESETS[args.preset]["train"]}
     for key in ("tgt_len", "mem_len", "n_layer"):
         if getattr(args, key) is not None:
             model_kw[key] = getattr(args, key)
@@ -127,9 +126,7 @@ def resolve(args: TrainArgs, vocab_size: int = 256) -> tuple[TXLConfig, dict[str
         n_head = model_kw.get("n_head", 8)
         model_kw.update(d_model=args.d_model, d_head=max(1, args.d_model // n_head), d_inner=4 * args.d_model)
     model_kw.update(args.model_overrides)
-    for key in ("steps", "batch_size", "lr", "warmup_steps", "eval_every", "clip"):
-        if getattr(args, key) is not None:
-            opt[key] = getattr(args, key)
+    opt = train_settings(args)
     if args.grad_accum < 1 or opt["batch_size"] < 1 or opt["steps"] < 1:
         raise ConfigError(f"--batch-size, --grad-accum and --steps must be at least 1, not {opt['batch_size']}, "
                           f"{args.grad_accum} and {opt['steps']}")
@@ -139,6 +136,18 @@ def resolve(args: TrainArgs, vocab_size: int = 256) -> tuple[TXLConfig, dict[str
     if opt["batch_size"] % args.grad_accum:
         raise ConfigError(f"--batch-size {opt['batch_size']} is not divisible by --grad-accum {args.grad_accum}")
     return TXLConfig(**model_kw), opt
+
+
+def train_settings(args: TrainArgs) -> dict[str, Any]:
+    """The preset's optimisation settings, then the flags': known before the vocabulary, which the model's config
+    needs (a word run's --cutoffs were checked against 256 bytes while its data was chosen, found by a helper)."""
+    if args.preset not in PRESETS:
+        raise ConfigError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    opt = {"clip": 0.25, "warmup_steps": 0, **PRESETS[args.preset]["train"]}
+    for key in ("steps", "batch_size", "lr", "warmup_steps", "eval_every", "clip"):
+        if getattr(args, key) is not None:
+            opt[key] = getattr(args, key)
+    return opt
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, steps: int) -> float:
@@ -213,7 +222,7 @@ def load_training_corpus(args: TrainArgs) -> tuple[Corpus, Tokenizer]:
     # the splits a run reads: valid only where it evaluates (a folder of train alone was refused for want of
     # valid, and test, that the run never read); a file stands for every split, so a run that evaluates on one
     # would score its own training text (both found by a helper)
-    evaluates = bool(resolve(args)[1]["eval_every"])
+    evaluates = bool(train_settings(args)["eval_every"])
     if evaluates and Path(args.data).expanduser().is_file():
         raise DataError(f"{args.data} is one file, and this run evaluates on a valid split: a file would be its own "
                         "validation. Give a WikiText folder (wiki.train.tokens and wiki.valid.tokens), or "

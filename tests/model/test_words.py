@@ -222,6 +222,19 @@ def test_a_word_run_reads_the_splits_it_uses(tmp_path, capsys):
         assert len(rows) == 1 and rows[0].startswith("whole  ppl "), rows
 
 
+def test_a_word_runs_cutoffs_are_checked_against_its_vocabulary(tmp_path):
+    """Any cutoff past 255 was refused, checked against a byte model's vocabulary while the run chose the splits it
+    reads: the README's --cutoffs 20000,40000,200000 could never run (found by a helper)."""
+    (tmp_path / "wt").mkdir()
+    words = [f"w{i}" for i in range(400)]
+    (tmp_path / "wt" / "wiki.train.tokens").write_text("\n".join(" ".join(words[i:i + 20]) for i in range(0, 400, 20)))
+    common = dict(data=str(tmp_path / "wt"), preset="tiny", steps=1, progress=False, tokenizer="word", eval_every=0)
+    train(TrainArgs(out=str(tmp_path / "a"), model_overrides={"cutoffs": (300, 350)}, **common))
+    assert load_checkpoint(tmp_path / "a").config.cutoffs == (300, 350)
+    with pytest.raises(ConfigError, match=r"within \(0, vocab_size 401\), got \[300, 500\]"):  # the words and <eos>
+        train(TrainArgs(out=str(tmp_path / "b"), model_overrides={"cutoffs": (300, 500)}, **common))
+
+
 def test_tiny_word_model_with_adaptive_softmax_learns(tmp_path, capsys):
     data = _wikitext(tmp_path / "wt")
     result = train(TrainArgs(data=str(data), out=str(tmp_path / "ck"), preset="tiny", steps=120, lr=5e-3,

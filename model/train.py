@@ -335,18 +335,21 @@ def _check_fits(cfg: TXLConfig, device: torch.device, *, micro_batch: int, strea
 
 
 class StopAtStepEnd(HeldSignals):
-    """A Ctrl-C (or SIGTERM) in a one-process run ends the step, and the run saves the checkpoint at it before the
-    signal acts: it lost every step since the last ``--save-every``. A second one acts at once. Not under DDP, where
-    the ranks could stop at different steps and wait on each other."""
+    """A Ctrl-C (or SIGTERM) ends the step, and the run saves the checkpoint at it before the signal acts: it lost
+    every step since the last ``--save-every``. In one process a second one acts at once. Under DDP (``together``)
+    the ranks agree on the step to stop at (the signal rides on each step's loss all-reduce), and none acts at once:
+    torchrun forwards the Ctrl-C it got to ranks that got it from the terminal too, and its own deadline (a SIGKILL
+    30 s later) is the hard stop. Before, a Ctrl-C under torchrun saved nothing (found by a helper)."""
 
-    def __init__(self, saved: str) -> None:
+    def __init__(self, saved: str, *, together: bool = False) -> None:
         super().__init__()
         self.saved = saved  # what the checkpoint directory holds, for the second press's line
         self.step_saved = False  # the step last run is in it (a second press held while its save ran)
+        self.together = together
 
     def _on_signal(self, sig: int, frame: Any) -> None:
         super()._on_signal(sig, frame)
-        if len(self.held) > 1:
+        if len(self.held) > 1 and not self.together:
             lost = "" if self.step_saved else "this step is not saved; "
             print(f"txlserve: interrupted again: {lost}{self.saved}", file=sys.stderr)
             self.release()
@@ -377,12 +380,14 @@ def _gathered(t: torch.Tensor, world: int, *, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _mean_over_ranks(value: float, world: int, device: torch.device) -> float:
+def _mean_over_ranks(value: float, world: int, device: torch.device, flag: bool = False) -> tuple[float, bool]:
+    """The mean of ``value`` over the ranks, and whether any rank raised ``flag``: one all-reduce."""
     import torch.distributed as dist
 
-    total = torch.tensor([value], dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    total = torch.tensor([value, float(flag)], dtype=torch.float64 if device.type == "cpu" else torch.float32,
+                         device=device)
     dist.all_reduce(total)
-    return float(total) / world
+    return float(total[0]) / world, bool(total[1] > 0)
 
 
 def train(args: TrainArgs) -> dict[str, Any]:
@@ -528,11 +533,12 @@ def train(args: TrainArgs) -> dict[str, Any]:
     losses: list[float] = []
     model.train()
     last_step = min(opt["steps"], args.stop_at or opt["steps"])
-    alone = world == 1 and "RANK" not in os.environ and threading.current_thread() is threading.main_thread()
     held = f"{out} holds step {step}" if args.resume else f"{out} holds no checkpoint"
-    stop = StopAtStepEnd(held) if alone else None  # None: a signal acts as it always does
+    stop = (StopAtStepEnd(held, together="RANK" in os.environ)  # None: a signal acts as it always does
+            if threading.current_thread() is threading.main_thread() else None)
+    stopping = world == 1 and stop is not None and bool(stop.held)  # under DDP, every rank's at the same step
     try:
-        while step < last_step and not (stop is not None and stop.held):
+        while step < last_step and not stopping:
             if stop is not None:
                 stop.step_saved = False
             inp, tgt = next(stream)
@@ -550,8 +556,9 @@ def train(args: TrainArgs) -> dict[str, Any]:
                 step_loss += float(loss.detach()) / args.grad_accum
                 new_mems.append(m)
             mems = None if new_mems[0] is None else torch.cat(new_mems, dim=1).float()
+            stopping = stop is not None and bool(stop.held)
             if world > 1:  # what is logged is the global batch's loss, not rank 0's share of it
-                step_loss = _mean_over_ranks(step_loss, world, device)
+                step_loss, stopping = _mean_over_ranks(step_loss, world, device, stopping)
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt["clip"])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -584,10 +591,11 @@ def train(args: TrainArgs) -> dict[str, Any]:
                 bar.update(1)
             if args.save_every and step % args.save_every == 0:
                 save()
+            stopping = stopping or (world == 1 and stop is not None and bool(stop.held))  # held during the step's end
         if bar is not None:
             bar.close()
         save()
-        if stop is not None and stop.held:
+        if stopping and rank == 0:
             print(f"txlserve: interrupted: step {step} saved in {out}; `txlserve train --out {out} --resume` "
                   "continues", file=sys.stderr)
     except BaseException:

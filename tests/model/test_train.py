@@ -399,6 +399,43 @@ def test_ddp_with_gloo_on_cpu(corpus, tmp_path):
     assert len(losses[out]) == 4 and losses[out] == pytest.approx(losses[one], abs=1e-5)
 
 
+def test_ctrl_c_under_torchrun_saves_the_step_every_rank_stopped_at(corpus, tmp_path):
+    """torchrun's Ctrl-C (here sent to it alone, which it forwards to its ranks) saved nothing: each rank raised
+    KeyboardInterrupt wherever it was, and the run lost every step since its last --save-every (found by a
+    helper). The ranks now agree on a step, save it, and a resume goes on from it."""
+    import signal
+    import time
+
+    from tests.procs import Streamed
+
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "server.cli",
+           "train", "--out", str(out), "--no-progress", "--data", str(corpus), "--preset", "tiny", "--steps", "100000",
+           "--device", "cpu", "--eval-every", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # ranks of a background test run would
+    try:  # inherit SIGINT ignored (a shell's background job), and ignore what torchrun forwards
+        run = Streamed(cmd, cwd=REPO, env=env)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    with run:
+        deadline = time.monotonic() + 180
+        metrics = out / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):  # a few steps run
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.proc.stderr.read()[-3000:]
+            time.sleep(0.05)
+        run.proc.send_signal(signal.SIGINT)
+        run.proc.wait(120)
+        err = run.proc.stderr.read().decode()
+    step = json.loads((out / "config.json").read_text())["training"]["steps"]
+    assert f"txlserve: interrupted: step {step} saved in {out}" in err, err[-3000:]
+    assert step >= 3 and metrics.read_text().count("\n") == step
+    r = subprocess.run([*cmd[:cmd.index("--data")], "--resume", "--steps", str(step + 2), "--device", "cpu"], cwd=REPO,
+                       capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, step + 3))
+
+
 def _valid_curve(out: Path) -> dict[int, float]:
     """Valid bpc by step, from a run's metrics.jsonl."""
     return {r["step"]: r["valid_bpc"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}

@@ -402,6 +402,10 @@ def train(args: TrainArgs) -> dict[str, Any]:
     if not args.resume and (Path(args.out) / "config.json").exists():  # hours of training, overwritten unasked
         raise ConfigError(f"{args.out} already holds a checkpoint: pass --resume to continue its training, or "
                           "choose another --out")
+    out_dir = Path(args.out)
+    if args.resume and out_dir.is_dir() and {p.name for p in out_dir.iterdir()} == {"metrics.jsonl"}:
+        raise ConfigError(f"--resume: the run in {args.out} stopped before its first save, so there is nothing to "
+                          "continue: start it again without --resume (its metrics.jsonl starts over)")
     check_out_dir(args.out, allow_checkpoint=args.resume, ignore=() if args.resume else ("metrics.jsonl",))
     args = resumed_args(args)
     corpus, tokenizer = load_training_corpus(args)
@@ -521,6 +525,10 @@ def train(args: TrainArgs) -> dict[str, Any]:
             with open(out / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(record) + "\n")
 
+    if opt["warmup_steps"] > opt["steps"] and step == 0 and rank == 0:  # a short try of a preset barely moved
+        print(f"txlserve: warning: the run's {opt['steps']:,} steps end inside its warm-up of "
+              f"{opt['warmup_steps']:,}: the learning rate never reaches {opt['lr']:g} (--warmup-steps sets it)",
+              file=sys.stderr)
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     bar = None

@@ -136,7 +136,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     result = train(args)
     summary = {k: v for k, v in result.items() if k != "losses"}
     summary["final_loss"] = result["losses"][-1] if result["losses"] else None
-    print(json.dumps(summary))
+    if os.environ.get("RANK", "0") == "0":  # the run's, once: every rank printed it (found by a helper)
+        print(json.dumps(summary))
     return 0  # a torchrun worker then leaves without Python's teardown, which gloo's threads can abort (main)
 
 

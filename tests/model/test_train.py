@@ -383,6 +383,8 @@ def test_ddp_with_gloo_on_cpu(corpus, tmp_path):
                            cwd=REPO, capture_output=True, text=True, timeout=240,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert r.returncode == 0, r.stderr[-3000:]
+        assert len(r.stdout.splitlines()) == 1 and json.loads(r.stdout)["out"] == str(out), r.stdout  # once, not
+        # once per rank (found by a helper)
 
     ddp("--data", str(corpus), "--preset", "tiny", "--steps", "4", "--device", "cpu", "--cutoffs", "100,250",
         "--stop-at", "2")
@@ -404,8 +406,8 @@ def test_ctrl_c_under_torchrun_saves_the_step_every_rank_stopped_at(corpus, tmp_
     KeyboardInterrupt wherever it was, and the run lost every step since its last --save-every (found by a
     helper). The ranks now agree on a step, save it, and a resume goes on from it."""
     import signal
-    import time
 
+    from tests.live import wait_for
     from tests.procs import Streamed
 
     out = tmp_path / "ddp"
@@ -418,12 +420,14 @@ def test_ctrl_c_under_torchrun_saves_the_step_every_rank_stopped_at(corpus, tmp_
         run = Streamed(cmd, cwd=REPO, env=env)
     finally:
         signal.signal(signal.SIGINT, inherited)
+    metrics = out / "metrics.jsonl"
+
+    def stepped() -> bool:
+        assert run.proc.poll() is None, "the run ended before it logged a step"
+        return metrics.is_file() and metrics.read_text().count("\n") >= 3  # a few steps run
+
     with run:
-        deadline = time.monotonic() + 180
-        metrics = out / "metrics.jsonl"
-        while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):  # a few steps run
-            assert run.proc.poll() is None and time.monotonic() < deadline, run.proc.stderr.read()[-3000:]
-            time.sleep(0.05)
+        wait_for(stepped, 180, "three logged steps")  # the file is all a test can see of the run
         run.proc.send_signal(signal.SIGINT)
         run.proc.wait(120)
         err = run.proc.stderr.read().decode()
@@ -632,6 +636,26 @@ def test_a_resumed_run_logs_each_step_once(corpus, tmp_path):
         fh.write('{"step": 9, "lo')
     train(TrainArgs(resume=True, **common))
     assert _steps_logged(tmp_path) == list(range(1, 11))
+
+
+def test_a_run_shorter_than_its_warm_up_says_so(corpus, tmp_path, capsys):
+    """--preset small --steps 20 barely moved: its learning rate never left the warm-up (found by a helper)."""
+    common = dict(data=str(corpus), preset="tiny", steps=2, progress=False)
+    train(TrainArgs(out=str(tmp_path / "a"), warmup_steps=5, **common))
+    assert "warning: the run's 2 steps end inside its warm-up of 5" in capsys.readouterr().err
+    train(TrainArgs(out=str(tmp_path / "b"), warmup_steps=2, **common))
+    assert "warm-up" not in capsys.readouterr().err
+
+
+def test_resuming_a_run_that_never_saved_says_to_start_it_again(corpus, tmp_path):
+    """It said the directory "is not empty and holds no checkpoint: choose a new or empty directory", where a run
+    started again without --resume is taken (found by a helper)."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")  # killed before a save
+    common = dict(data=str(corpus), out=str(tmp_path), preset="tiny", steps=2, progress=False)
+    with pytest.raises(ConfigError, match="stopped before its first save.*start it again without --resume"):
+        train(TrainArgs(resume=True, **common))
+    train(TrainArgs(**common))
+    assert _steps_logged(tmp_path) == [1, 2]
 
 
 def test_the_train_command_saves_on_ctrl_c_and_exits_130(corpus, tmp_path):

@@ -409,8 +409,6 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     # a bad setting, a Redis URL that cannot be parsed, a port in use or a missing checkpoint is one line at once,
     # before torch is imported
     check_url(settings.redis_url)
-    if settings.redis_url is None:
-        check_data_dir(settings.data_dir)
     group = settings.server_processes > 1 and REUSE_PORT  # each worker listens on a socket of its own (server.workers)
     # held, not listening (where it can be claimed): a connection is refused until the server can answer it
     # (server.listen.start_listening), as vLLM's; one that listened at once hung through the load
@@ -422,6 +420,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         if held and claim is None and not group:  # no claim to be had here: listen at once, as where none exists
             start_listening(sock)
         resolve_checkpoint(settings.checkpoint)
+        if settings.redis_url is None:  # made last: a start refused for its checkpoint or address left an empty
+            check_data_dir(settings.data_dir)  # ./.txlserve behind (found in the tests' own runs)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if settings.server_processes > 1:  # this process supervises; each worker loads the model, or one engine

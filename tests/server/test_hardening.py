@@ -662,16 +662,22 @@ def test_the_model_name_defaults_to_the_checkpoint_s_directory(tmp_path: Path):
     # the embedded Redis's data dir named, at once (a file there was "File exists", after the model loaded)
     (["serve", "--port", "0", "--data-dir", "README.md"], "README.md cannot hold the embedded Redis: it is a file"),
     (["serve", "--port", "0", "--host", "192.0.2.1"], "(check --host)")])  # not this machine's: not the port's fault
-def test_a_bad_setting_is_refused_before_torch_loads(argv, needle):
+def test_a_bad_setting_is_refused_before_torch_loads(argv, needle, tmp_path):
+    """And leaves no embedded Redis's directory behind (./.txlserve, empty, was made before the checkpoint and the
+    address were checked)."""
+    import os
     import subprocess
     import sys
 
     from tests.live import REPO
+    (tmp_path / "README.md").write_text("a file")
     code = f"import sys; from server.cli import main; rc = main({argv!r}); print(rc, 'torch' in sys.modules)"
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr)
     assert r.stderr.startswith("txlserve: error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert needle in r.stderr, r.stderr
+    assert not (tmp_path / ".txlserve").exists()
 
 
 @pytest.mark.parametrize("argv", [

@@ -168,9 +168,11 @@ def test_unknown_session_is_an_error(server: LiveServer) -> None:
     assert rc == 2 and "404" in err and "not found" in err  # 2, as `txlserve session` exits
 
 
-def test_ctrl_c_cancels_the_generation_not_the_program(server: LiveServer, client: Client) -> None:
+@contextlib.contextmanager
+def _ctrl_c_mid_line(url: str) -> Iterator[tuple[Streamed, str]]:
+    """A chat, and its session's id, given Ctrl-C while its first line ("hello") streams."""
     env = {**os.environ, "PYTHONPATH": str(CLIENT_SRC), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "txlserve_client.chat", "--url", server.url, "--max-tokens", "4000"]
+    cmd = [sys.executable, "-m", "txlserve_client.chat", "--url", url, "--max-tokens", "4000"]
     # Ctrl-C as a terminal delivers it: a test run started in the background (`cmd &` in a script) has SIGINT
     # ignored, which a child inherits, and Python then never raises KeyboardInterrupt; a handled signal is
     # reset to its default in the child (no preexec_fn: this process has threads)
@@ -186,6 +188,11 @@ def test_ctrl_c_cancels_the_generation_not_the_program(server: LiveServer, clien
         chat_proc.write(b"hello\n")
         chat_proc.wait_until(lambda out: len(out) >= len(header) + 3, 120, "the continuation streaming")
         chat_proc.proc.send_signal(signal.SIGINT)
+        yield chat_proc, session_id
+
+
+def test_ctrl_c_cancels_the_generation_not_the_program(server: LiveServer, client: Client) -> None:
+    with _ctrl_c_mid_line(server.url) as (chat_proc, session_id):
         chat_proc.wait_for(b" tokens kept, as shown]\n> ")
         kept = int(re.search(rb"\[cancelled: (\d+) tokens kept, as shown\]", bytes(chat_proc.out)).group(1))
         chat_proc.close_stdin()  # then EOF: the program leaves on its own
@@ -410,25 +417,11 @@ def test_a_proxy_that_drops_websockets_streams_the_lines_over_http(server: LiveS
 
 
 def test_ctrl_c_over_http_cancels_the_line_and_the_chat_goes_on(server: LiveServer, client: Client) -> None:
-    env = {**os.environ, "PYTHONPATH": str(CLIENT_SRC), "PYTHONUNBUFFERED": "1"}
-    with _NoWebSocketProxy(server.url) as proxy:
-        cmd = [sys.executable, "-m", "txlserve_client.chat", "--url", proxy.url, "--max-tokens", "4000"]
-        inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the WebSocket's test above
-        try:
-            chat = Streamed(cmd, env=env, cwd=CLIENT_SRC)
-        finally:
-            signal.signal(signal.SIGINT, inherited)
-        with chat as chat_proc:
-            chat_proc.wait_for(b"> ")
-            header = bytes(chat_proc.out)
-            session_id = re.search(rf"session ({ID})".encode(), header).group(1).decode()
-            chat_proc.write(b"hello\n")
-            chat_proc.wait_until(lambda out: len(out) >= len(header) + 3, 120, "the continuation streaming")
-            chat_proc.proc.send_signal(signal.SIGINT)
-            chat_proc.wait_for(b" [cancelled]\n> ")
-            chat_proc.write(b"/info\n")  # the chat goes on: the server's count, once its commit is done
-            chat_proc.wait_until(lambda out: re.search(rb"tokens_seen=(\d+) ", out), 60, "/info's answer")
-            chat_proc.close_stdin()
-            assert chat_proc.wait(timeout=60) == 0
+    with _NoWebSocketProxy(server.url) as proxy, _ctrl_c_mid_line(proxy.url) as (chat_proc, session_id):
+        chat_proc.wait_for(b" [cancelled]\n> ")
+        chat_proc.write(b"/info\n")  # the chat goes on: the server's count, once its commit is done
+        chat_proc.wait_until(lambda out: re.search(rb"tokens_seen=(\d+) ", out), 60, "/info's answer")
+        chat_proc.close_stdin()
+        assert chat_proc.wait(timeout=60) == 0
     seen = client.sessions.get(session_id).tokens_seen
     assert len("hello\n") < seen < len("hello\n") + 4000  # stopped: some tokens, not all of them

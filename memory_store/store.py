@@ -46,6 +46,7 @@ from memory_store.redis_tier import (
 )
 from memory_store.session import Session, SessionInfo
 from txlserve.errors import (
+    CommitUnknown,
     InvalidRequestError,
     PayloadTooLarge,
     SessionBusy,
@@ -53,6 +54,7 @@ from txlserve.errors import (
     SessionCorrupt,
     SessionIncompatible,
     SessionNotFound,
+    StoreOverloaded,
     StoreUnavailable,
 )
 
@@ -557,9 +559,16 @@ class MemoryStore:
                 the node that refused it."""
                 for _ in range(2):
                     deadline = None if lease.clock is None else lease.clock.now_ms() + self.config.op_timeout_s * 1000
-                    status = await self._redis.write(
-                        lease.session_id, header=encoded, payload=payload, expected=prev.version, token=lease.token,
-                        release=release, deadline_ms=deadline, on_expired=refresh, **ring)
+                    try:
+                        status = await self._redis.write(
+                            lease.session_id, header=encoded, payload=payload, expected=prev.version,
+                            token=lease.token, release=release, deadline_ms=deadline, on_expired=refresh, **ring)
+                    except StoreOverloaded:  # never sent
+                        raise
+                    except StoreUnavailable as err:  # no reply: the script may have run before Redis stalled
+                        if await self._landed(lease.session_id, encoded, final=deadline is not None, error=err):
+                            return "OK"
+                        raise
                     if status != "EXPIRED":
                         break
                 return status
@@ -596,6 +605,27 @@ class MemoryStore:
             return info
 
     # -- helpers -----------------------------------------------------------
+
+    async def _landed(self, session_id: str, header: bytes, *, final: bool, error: StoreUnavailable) -> bool:
+        """Whether a commit whose reply never came was stored: its header, byte for byte, is the session's now (a
+        503 for a commit that had landed, retried as the README says, continued the session twice; found by a
+        helper). A write Redis had not yet run is refused once its deadline passes on Redis's clock, which the
+        wait for the reply outlasted, so "not stored" is final (``final``: the write carried a deadline).
+        ``CommitUnknown`` where Redis does not answer this either, or where it is not final."""
+        try:
+            raw, _, _ = await self._redis.read(session_id, None, payload=False, touch=False)
+        except StoreUnavailable:
+            raw = None
+        else:
+            if raw == header:
+                log.warning("session %s: the reply to its commit was lost (%s), and the commit had landed",
+                            session_id, error)
+                return True
+            if final:
+                return False
+        raise CommitUnknown(f"Redis at {self._redis.where} stopped answering as session {session_id!r} was "
+                            "committed, and it is not known whether the commit landed: read the session "
+                            "(its tokens_seen) before sending the request again") from error
 
     async def _ring(self, tensors: Mapping[str, torch.Tensor], *, tokens_seen: int, mem_len: int) -> bytes:
         """The whole ring of a state's mems, encoded in a thread unless small."""

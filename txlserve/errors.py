@@ -30,7 +30,9 @@ are translated into these at the package boundary that meets them. This module i
     │                               was read (nginx's status; over
     │                               HTTP only logs and metrics see it)
     ├── StoreUnavailable            Redis unreachable / timed out       503  service_unavailable_error
-    │   └── StoreOverloaded         every pooled connection busy        429  rate_limit_error
+    │   ├── StoreOverloaded         every pooled connection busy        429  rate_limit_error
+    │   └── CommitUnknown           a commit's reply lost: it may have  503  service_unavailable_error
+    │                               landed (not to be retried blindly)
     └── Unavailable                 starting, draining, or shut down    503  service_unavailable_error
 
 Anything else that escapes is a bug: 500 ``server_error``, logged, never shown.
@@ -155,6 +157,14 @@ class StoreOverloaded(StoreUnavailable):
     that what retries an unreachable Redis (a lease's renewal, its release) retries this too."""
 
     status, type, code = 429, "rate_limit_error", "store_overloaded"
+
+
+class CommitUnknown(StoreUnavailable):
+    """Redis stopped answering as a commit went out, and had not answered again: the commit may have landed. A
+    retry of a completion whose commit landed would continue its session twice, so this 503 says not to retry
+    blindly (no Retry-After, and OpenAI's SDKs' ``x-should-retry: false``): read the session's tokens_seen."""
+
+    code = "commit_outcome_unknown"
 
 
 class Unavailable(TxlError):

@@ -8,12 +8,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio
+import torch
 
 from memory_store import MemoryStore
 from memory_store.redis_tier import ending_key, lease_key
 from tests.memory_store import holder
 from tests.memory_store.support import IDENTITY, assert_same, make_state, start_holder, state_bytes
-from txlserve.errors import SessionBusy, SessionConflict, SessionNotFound, StoreUnavailable
+from txlserve.errors import CommitUnknown, SessionBusy, SessionConflict, SessionNotFound, StoreUnavailable
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
@@ -242,6 +243,56 @@ async def test_a_lease_whose_reply_is_lost_is_given_back(
         await store.lease(info.session_id)
     async with other_store.lease(info.session_id) as lease:  # not busy: it was given back
         assert lease.version == 1
+
+
+@pytest.mark.parametrize("ran", [True, False])
+async def test_a_commit_whose_reply_is_lost_is_found_landed_or_not(
+    store: MemoryStore, other_store: MemoryStore, monkeypatch: pytest.MonkeyPatch, ran: bool
+) -> None:
+    """Redis ran the commit, then stalled before its reply went out (DEBUG SLEEP past the store's timeout): the
+    request was a 503 whose retry, as the README advises, continued the session twice (found by a helper). A
+    commit's lost reply is now followed by a read: landed, the commit stands; not, nothing was written (its
+    deadline refuses a write Redis had not yet run) and the 503 is safe to retry."""
+    info = await store.create(tensors=make_state(), mem_len=8)
+    tier = store._redis
+    write = tier.write
+
+    async def lost(*args: object, **kw: object) -> str:
+        if ran:
+            await write(*args, **kw)
+        raise StoreUnavailable("Redis at test is unavailable: Timeout reading from socket")
+
+    lease = await store.lease(info.session_id)
+    monkeypatch.setattr(tier, "write", lost)
+    if ran:
+        done = await store.commit(lease, make_state(seed=1), tokens_seen=8, release=True)
+        assert done.version == 2 and lease.released
+        got = await other_store.get(info.session_id)
+        assert got.info.version == 2 and torch.equal(got.tensors["mems"].cpu(), make_state(seed=1)["mems"])
+    else:
+        with pytest.raises(StoreUnavailable) as raised:
+            await store.commit(lease, make_state(seed=1), tokens_seen=8, release=True)
+        assert not isinstance(raised.value, CommitUnknown)  # known: not written
+        assert (await other_store.info(info.session_id)).version == 1
+        await lease.release()
+
+
+async def test_a_commit_whose_outcome_cannot_be_read_is_commit_unknown(
+    store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    info = await store.create(tensors=make_state(), mem_len=8)
+    tier = store._redis
+    lease = await store.lease(info.session_id)
+
+    async def down(*args: object, **kw: object) -> object:
+        raise StoreUnavailable("Redis at test is unavailable: Timeout reading from socket")
+
+    monkeypatch.setattr(tier, "write", down)
+    monkeypatch.setattr(tier, "read", down)
+    with pytest.raises(CommitUnknown, match="not known whether the commit landed"):
+        await store.commit(lease, make_state(seed=1), tokens_seen=8, release=True)
+    monkeypatch.undo()
+    await lease.release()
 
 
 async def test_a_touch_that_fails_beside_a_lease_leaves_the_lease_standing(

@@ -216,6 +216,22 @@ async def test_a_failure_mid_stream_is_an_error_event_with_its_status_and_nothin
         assert plain.status_code == 400 and plain.json()["error"]["code"] == "invalid_request"  # same error, no stream
 
 
+async def test_a_commit_of_unknown_outcome_is_a_503_not_to_be_retried(redis_url, tmp_path, monkeypatch):
+    """OpenAI's SDKs retry a 503, and a commit that had landed was then applied twice: this one says not to."""
+    from txlserve.errors import CommitUnknown
+
+    async with running_app(redis_url, tmp_path) as (app, rt, _), _client(app) as c:
+        sid = (await c.post("/v1/sessions", json={"text": "Hi"})).json()["id"]
+
+        async def unknown(*args: object, **kw: object) -> object:
+            raise CommitUnknown("Redis at test stopped answering as the session was committed")
+
+        monkeypatch.setattr(rt.store, "commit", unknown)
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "yo", "max_tokens": 2, "session_id": sid})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "commit_outcome_unknown", r.text
+        assert r.headers["x-should-retry"] == "false" and "retry-after" not in r.headers
+
+
 async def test_drain_ends_streams_as_cancelled_commits_them_and_refuses_new_work(redis_url, tmp_path):
     async with running_app(redis_url, tmp_path, open_gate=False, shutdown_timeout_s=0.0) as (app, rt, engine):
         async with _client(app) as c:

@@ -63,7 +63,7 @@ from server.leave import leave_without_finalizing
 from server.scheduler import Finished, Job, JobFailed, PromptScores, Scheduler, streamed
 from server.session_state import extend_window, importable, persisted, rebuild_window, restore, stored_window
 from txlserve import errors
-from txlserve.errors import TxlError, Unavailable
+from txlserve.errors import EngineDead, TxlError, Unavailable
 
 log = logging.getLogger("txlserve.engine_core")
 
@@ -777,7 +777,7 @@ class EngineCore:
         code = None if self.proc is None else self.proc.poll()
         if not getattr(self, "stopping", False):
             log.error("%s (status %s): failing its requests", why, code)
-        err = Unavailable(f"{why}; the server cannot serve until it is restarted")
+        err = EngineDead(f"{why}; the server cannot serve until it is restarted")
         for req in self.requests.values():
             req.inbox.put_nowait(err)
         self.requests.clear()
@@ -875,7 +875,7 @@ class EngineCore:
         """Queue a message for the writer thread (``blob``: its bytes, or what makes them there), in order: the
         event loop never waits for a long prompt's or a large session's packing and sending."""
         if self.dead is not None:
-            raise Unavailable(f"{self.dead}; the server cannot serve until it is restarted")
+            raise EngineDead(f"{self.dead}; the server cannot serve until it is restarted")
         self._out.put((head, blob))
 
     def _write(self) -> None:

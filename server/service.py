@@ -25,6 +25,7 @@ from server.runtime import Runtime
 from server.scheduler import EngineRequest, Finished, PromptScores
 from server.session_state import extend_window, importable, persisted, rebuild_window, restore, stored_window
 from txlserve.errors import (
+    EngineDead,
     InvalidRequestError,
     Overloaded,
     RequestCancelled,
@@ -72,7 +73,7 @@ class Run:
                  prompt_logprobs: int | None = None, session_param: str | None = None, scored: bool = True) -> None:
         s = rt.settings
         if rt.engine_dead:
-            raise Unavailable(f"{rt.engine_dead}; the server cannot serve until it is restarted")
+            raise EngineDead(f"{rt.engine_dead}; the server cannot serve until it is restarted")
         if rt.draining or not rt.ready:
             raise Unavailable("the server is shutting down" if rt.draining else "the server is starting")
         if len(rt.runs) >= s.max_queue + rt.scheduler.capacity:  # every request in flight, whatever its phase

@@ -34,6 +34,7 @@ are translated into these at the package boundary that meets them. This module i
     │   └── CommitUnknown           a commit's reply lost: it may have  503  service_unavailable_error
     │                               landed (not to be retried blindly)
     └── Unavailable                 starting, draining, or shut down    503  service_unavailable_error
+        └── EngineDead              the engine's process died           503  service_unavailable_error
 
 Anything else that escapes is a bug: 500 ``server_error``, logged, never shown.
 A stored session that exists but cannot be used (another model, damaged) is a 422: the
@@ -169,3 +170,10 @@ class CommitUnknown(StoreUnavailable):
 
 class Unavailable(TxlError):
     status, type, code = 503, "service_unavailable_error", "service_unavailable"
+
+
+class EngineDead(Unavailable):
+    """The engine's process died: this server answers nothing until it is restarted, so its 503 carries no
+    Retry-After (a client told to retry in a second retried a dead server every second; found by a helper)."""
+
+    code = "engine_dead"

@@ -133,7 +133,7 @@ def test_an_engine_process_that_dies_fails_requests_and_health_and_the_server_st
             os.kill(pid, signal.SIGKILL)
             rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert rest and rest[-1]["error"]["type"] == "service_unavailable_error", rest[-1:]
-        assert "engine process exited" in rest[-1]["error"]["message"]
+        assert "engine process exited" in rest[-1]["error"]["message"] and rest[-1]["error"]["code"] == "engine_dead"
         def unhealthy() -> httpx.Response | None:
             health = httpx.get(srv.url + "/health", timeout=10)
             return None if health.status_code == 200 else health
@@ -143,6 +143,8 @@ def test_an_engine_process_that_dies_fails_requests_and_health_and_the_server_st
         assert httpx.get(srv.url + "/ready", timeout=10).json()["error"]["code"] == "engine_dead"
         r = _complete(srv, prompt="again", max_tokens=2)
         assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["code"] == "engine_dead" and "retry-after" not in r.headers  # until a restart:
+        # a Retry-After of 1 s asked clients to retry a dead server every second (found by a helper)
         assert httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=10).json()["tokens_seen"] == len("Kept ")
         assert httpx.get(f"{srv.url}/v1/sessions/{other}", timeout=10).json()["tier"] == "redis"  # its hot copy
         # died with the engine (it still said "hot")

@@ -81,6 +81,7 @@ class MemoryStore:
         self._leases: set[Lease] = set()
         self._owed: set[asyncio.Task] = set()  # releases Redis missed, retried until it answers (_release_later)
         self._last_created_ms = 0  # see _creation_time
+        self._evicting: str | None = None  # Redis's eviction policy, where it evicts (check_eviction_policy)
 
     @classmethod
     def from_url(
@@ -151,9 +152,17 @@ class MemoryStore:
             await self._tier.load_scripts()
         except StoreUnavailable as err:  # an ACL user without SCRIPT, where they were loaded for it: NOSCRIPT says
             log.debug("scripts not loaded at start: %s", err)
-        if (policy := await self._tier.evicts()) is not None:  # a full Redis then deletes sessions, silently
+        await self.check_eviction_policy()
+
+    async def check_eviction_policy(self) -> None:
+        """Warn where Redis evicts keys when full, which deletes sessions silently: as the store starts, and again
+        whenever the server's cold-tier sweep finds it changed to such a policy (one set while the servers ran
+        went unsaid; found by a helper)."""
+        policy = await self._redis.evicts()
+        if policy is not None and policy != self._evicting:
             log.warning("Redis at %s evicts keys when full (maxmemory-policy %s): sessions will disappear (404) "
-                        "instead of commits failing (503); set maxmemory-policy noeviction", redact_url(url), policy)
+                        "instead of commits failing (503); set maxmemory-policy noeviction", self._redis.where, policy)
+        self._evicting = policy
 
     @staticmethod
     async def check_reachable(url: str | None, op_timeout_s: float = 2.0) -> None:

@@ -112,6 +112,7 @@ class Runtime:
             try:
                 moved = await self.store.sweep(idle_s=s.cold_after_s or None,
                                                warm_budget_bytes=(s.warm_budget_mb << 20) or None)
+                await self.store.check_eviction_policy()
             except Exception as err:  # Redis away: try again next time
                 if not failing:
                     log.warning("cold-tier sweep failed (retried every %g s, logged again once it works): %s",

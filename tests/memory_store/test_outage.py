@@ -97,6 +97,25 @@ async def test_a_redis_that_evicts_sessions_is_warned_of_at_start(
     assert "evicts keys when full (maxmemory-policy allkeys-lru)" in caplog.text
 
 
+async def test_a_policy_that_evicts_set_while_the_store_runs_is_warned_of_once(
+    redis_server: Callable[..., RedisProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Set while the servers ran, it went unsaid (found by a helper): the cold-tier sweep asks again."""
+    server = redis_server()
+    async with MemoryStore.from_url(server.url, identity=IDENTITY) as store:
+        with redis.Redis.from_url(server.url) as admin:
+            admin.config_set("maxmemory", "64mb")
+            admin.config_set("maxmemory-policy", "allkeys-random")
+            for _ in range(2):
+                await store.check_eviction_policy()
+            assert caplog.text.count("maxmemory-policy allkeys-random") == 1  # once per change, not per sweep
+            admin.config_set("maxmemory-policy", "noeviction")
+            await store.check_eviction_policy()
+            admin.config_set("maxmemory-policy", "allkeys-random")
+            await store.check_eviction_policy()
+    assert caplog.text.count("maxmemory-policy allkeys-random") == 2  # set again after a fix
+
+
 async def test_hung_redis_times_out(redis_server: Callable[..., RedisProcess]) -> None:
     server = redis_server()
     async with MemoryStore.from_url(server.url, identity=IDENTITY, op_timeout_s=OP_TIMEOUT_S) as store:

@@ -42,7 +42,13 @@ def check_model(rt: Runtime, model: str) -> None:
 
 # OpenAI's and vLLM's parameters this server takes at the value that changes nothing, and only there
 _NEUTRAL = (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("min_p", 0),
-            ("min_tokens", 0))
+            ("min_tokens", 0), ("use_beam_search", False), ("include_stop_str_in_output", False),
+            ("skip_special_tokens", True), ("spaces_between_special_tokens", True),
+            ("return_tokens_as_token_ids", False), ("stop_token_ids", []), ("truncate_prompt_tokens", None),
+            ("prompt_logprobs", None), ("response_format", None))
+_INSTEAD = {"stop_token_ids": "stop strings (stop) end a generation here",
+            "prompt_logprobs": "echo with logprobs scores the prompt",
+            "include_stop_str_in_output": "a stop string is never part of the text"}
 
 
 def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | None:
@@ -55,7 +61,9 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
         raise InvalidRequestError("only best_of=1 is supported", param="best_of")
     for name, neutral in _NEUTRAL:
         if getattr(req, name) not in (None, neutral):
-            raise InvalidRequestError(f"{name} is not supported (only {neutral})", param=name)
+            only = "" if neutral is None else f" (only {json.dumps(neutral)})"
+            instead = f"; {_INSTEAD[name]}" if name in _INSTEAD else ""
+            raise InvalidRequestError(f"{name} is not supported{only}{instead}", param=name)
     if req.logit_bias:
         raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
     if req.suffix:
@@ -193,6 +201,7 @@ class Completion:
     req: CompletionRequest
     model: str
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # names the tokens in logprobs
+    system_fingerprint: str | None = None
     id: str = field(default_factory=lambda: "cmpl-" + secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
     text: str = ""
@@ -206,6 +215,10 @@ class Completion:
     _decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"), repr=False)
     _chars: int = 0  # characters the generated tokens decode to so far, text held back (a stop string's start) too
+
+    @classmethod
+    def of(cls, rt: Runtime, req: CompletionRequest) -> Completion:
+        return cls(req, rt.settings.model_name, rt.engine.tokenizer, rt.engine.fingerprint)
 
     def add(self, ev: TokenEvent) -> CompletionLogprobs | None:
         """Record a token; its logprobs piece for a stream chunk (or None without logprobs). Its text offset
@@ -259,8 +272,9 @@ class Completion:
 
     def chunk(self, text: str, finish_reason: FinishReason | None = None, logprobs: CompletionLogprobs | None = None,
               *, session: SessionRef | None = None) -> CompletionObject:
-        return CompletionObject(id=self.id, created=self.created, model=self.model, session=session, choices=[
-            CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)])
+        return CompletionObject(id=self.id, created=self.created, model=self.model,
+                                system_fingerprint=self.system_fingerprint, session=session, choices=[
+                                    CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)])
 
     def piece(self, text: str, finish_reason: FinishReason | None = None, logprobs: CompletionLogprobs | None = None,
               *, session: SessionRef | None = None, usage: dict[str, int] | None = None) -> dict[str, Any]:
@@ -303,7 +317,8 @@ class Completion:
 
     def usage_chunk(self, final: Final, prompt_tokens: int) -> CompletionObject:
         """The extra last SSE chunk of ``stream_options.include_usage``: no choices, the usage."""
-        return CompletionObject(id=self.id, created=self.created, model=self.model, choices=[],
+        return CompletionObject(id=self.id, created=self.created, model=self.model,
+                                system_fingerprint=self.system_fingerprint, choices=[],
                                 usage=self.usage(final, prompt_tokens))
 
     def delta(self, text: str, logprobs: CompletionLogprobs | None) -> CompletionDelta:

@@ -68,11 +68,21 @@ class CompletionRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
     # vLLM's sampling extensions, accepted where they change nothing here: `vllm bench serve` sends
-    # repetition_penalty 1.0, and ignore_eos with --ignore-eos
+    # repetition_penalty 1.0, and ignore_eos with --ignore-eos; a vLLM client may send the others at their defaults
     repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None  # either: no model here has an end-of-text token to stop on
+    add_special_tokens: bool | None = None  # either: no tokenizer here adds any
+    use_beam_search: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    stop_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -204,6 +214,8 @@ class CompletionObject(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    # OpenAI's "backend configuration the model runs with": the checkpoint's fingerprint, with mem_len and clamp_len
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = None
     session: SessionRef | None = None  # txlserve: the session after this request

@@ -37,7 +37,7 @@ async def chat_completions(_owner: str | None = Depends(owner)) -> None:  # a ke
 async def create_completion(req: CompletionRequest, request: Request, rt: Runtime = Depends(runtime),
                             who: str | None = Depends(owner)) -> Response:
     t0 = time.monotonic()
-    comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
+    comp = Completion.of(rt, req)
     if req.echo:
         comp.echoed = comp.text = await prompt_text(rt, req)
     left: list[bool] = []

@@ -161,7 +161,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
             await ws.send_json(_invalid("stream_options.continuous_usage_stats is for SSE streams; a WebSocket's "
                                         "completion.done carries the usage", "stream_options"))
             return
-        comp = Completion(req, rt.settings.model_name, rt.engine.tokenizer)
+        comp = Completion.of(rt, req)
         if req.echo:
             comp.echoed = comp.text = await prompt_text(rt, req)
         run = await start(rt, req, who)

@@ -212,6 +212,15 @@ def test_vllm_benchs_body_is_served_as_the_plain_request_is(server):
     assert vllm[-2]["usage"]["completion_tokens"] == 6 and vllm[-1] == "[DONE]"
     assert complete(server, prompt="To be", max_tokens=6, temperature=0, ignore_eos=False)["choices"][0]["text"] == \
         text[0]
+    # the rest of vLLM's at their defaults, as a vLLM client may send them: they were "unrecognized" (found by a
+    # helper); and every response names the backend configuration as OpenAI's does (system_fingerprint)
+    defaults = dict(add_special_tokens=True, use_beam_search=False, include_stop_str_in_output=False,
+                    skip_special_tokens=True, spaces_between_special_tokens=True, return_tokens_as_token_ids=False,
+                    stop_token_ids=[], truncate_prompt_tokens=None, prompt_logprobs=None, response_format=None)
+    out = complete(server, prompt="To be", max_tokens=6, temperature=0, **defaults)
+    assert out["choices"][0]["text"] == text[0]
+    fingerprint = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["fingerprint"]
+    assert out["system_fingerprint"] == fingerprint == vllm[0]["system_fingerprint"] == vllm[-2]["system_fingerprint"]
 
 
 def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(server):

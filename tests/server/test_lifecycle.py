@@ -480,6 +480,9 @@ async def test_a_failing_cold_sweep_is_logged_once_until_it_works_again(caplog) 
                 raise result
             return result
 
+        async def check_eviction_policy(self) -> None:
+            pass
+
     class Holder:  # what _sweep_forever reads of a Runtime
         settings = Settings(cold_after_s=1, cold_sweep_s=1e-4)
         store = Store()

@@ -20,7 +20,8 @@ def test_text_event_is_the_rendered_chunk(text):
 
 
 def test_chunk_shapes():
-    comp = Completion(CompletionRequest(model="m", prompt="x"), "m")
+    comp = Completion(CompletionRequest(model="m", prompt="x"), "m", system_fingerprint="f:m24:c0")
     chunk = json.loads(comp.text_event("hi")[6:])
-    assert set(chunk) == {"id", "object", "created", "model", "choices"}  # no usage, no session mid-stream
+    assert set(chunk) == {"id", "object", "created", "model", "system_fingerprint", "choices"}  # no usage, no
+    assert chunk["system_fingerprint"] == "f:m24:c0"  # session mid-stream; OpenAI's backend configuration
     assert chunk["choices"] == [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}]

@@ -58,13 +58,14 @@ class Completion:
     usage: Usage
     session: SessionRef | None = None
     logprobs: Logprobs | None = None
+    system_fingerprint: str | None = None  # the checkpoint's, with its mem_len and clamp_len (absent: older servers)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Completion:
         choice = d["choices"][0]
         return cls(d["id"], d["created"], d["model"], choice["text"], choice.get("finish_reason"),
                    Usage.from_dict(d["usage"]), SessionRef.from_dict(d.get("session")),
-                   Logprobs.from_dict(choice.get("logprobs")))
+                   Logprobs.from_dict(choice.get("logprobs")), d.get("system_fingerprint"))
 
 
 @dataclass(frozen=True)
@@ -159,10 +160,11 @@ class Model:
     owned_by: str
     mem_len: int | None = None
     max_tokens_limit: int | None = None  # the largest max_tokens the server takes (None: it does not say)
+    fingerprint: str | None = None  # the checkpoint's, with mem_len and clamp_len: a completion's system_fingerprint
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Model:
-        return cls(d["id"], d.get("owned_by", ""), d.get("mem_len"), d.get("max_tokens_limit"))
+        return cls(d["id"], d.get("owned_by", ""), d.get("mem_len"), d.get("max_tokens_limit"), d.get("fingerprint"))
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,19 @@ def checked_ids(rt: Runtime, ids: list[int], limit: int) -> list[int]:
     return list(ids)
 
 
+def check_logprobs_values(rt: Runtime, tokens: int, logprobs: int | None, param: str = "logprobs") -> None:
+    """Refuse a response of more log-probabilities than ``--max-logprobs-values``, before anything is read: 20
+    alternatives for each token of a long scored prompt made a response 500 times the request's size, gigabytes
+    held while it was built and sent (found by a helper)."""
+    limit = rt.settings.max_logprobs_values
+    if logprobs is None or tokens * (1 + logprobs) <= limit:
+        return
+    raise InvalidRequestError(
+        f"logprobs {logprobs} for {tokens:,} tokens is {tokens * (1 + logprobs):,} log-probabilities, over this "
+        f"server's limit of {limit:,} (--max-logprobs-values): score at most {limit // (1 + logprobs):,} tokens at "
+        f"a time (append a long text in parts), or ask for fewer alternatives", param=param)
+
+
 async def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
     check_model(rt, req.model)
     if req.stream_options is not None and not req.stream:  # OpenAI refuses it too
@@ -150,6 +163,8 @@ async def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
     prompt, limit = the_prompt(req), rt.settings.max_prompt_bytes
     ids = await prompt_ids(rt, prompt, limit) if isinstance(prompt, str) else checked_ids(rt, prompt, limit)
     scored = req.logprobs if req.echo and req.logprobs is not None and ids else None
+    check_logprobs_values(rt, (len(ids) if scored is not None else 0) + (params.max_tokens if params else 0),
+                          req.logprobs)
     return Run(rt, ids=ids, params=params, owner=owner, session_id=req.session_id, prompt_logprobs=scored,
                session_param="session_id", scored=params is not None)  # max_tokens 0: no log-likelihood wanted
 

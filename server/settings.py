@@ -92,6 +92,11 @@ class Settings:
                                            "(closed with 1009 beyond)")
     body_timeout_s: float = _opt(30.0, "a request whose headers take this long, or whose body stops "
                                    "arriving for this long, gets 408")
+    max_logprobs_values: int = _opt(1_000_000, "most log-probabilities one response carries, tokens x (1 + "
+                                               "logprobs): a prompt scored with echo, or an append scored with "
+                                               "logprobs, past it is refused (400) before it is read: 20 alternatives "
+                                               "for each token of a 400 KB prompt had made a 200 MB response and "
+                                               "held 2 GB")
     max_stop: int = _opt(4, "most stop strings per request")
     max_stop_bytes: int = _opt(64, "longest stop string, in bytes")
     enforce_eager: bool = _opt(False, "run decode steps op by op in eager PyTorch instead of as one traced graph "
@@ -140,6 +145,7 @@ class Settings:
                                   f"{getattr(self, name)!r}", param=name)
         for name in ("max_batch", "batch_mb", "max_queue", "max_tokens_limit", "prefill_chunk", "max_prompt_bytes",
                      "max_append_bytes", "max_body_bytes", "max_stop_bytes", "lease_ttl_ms", "mem_len",
+                     "max_logprobs_values",
                      "stream_interval", "workers", "api_server_count"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}", param=name)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memory_store import SessionInfo
-from server.completion import cancel_on_disconnect, prompt_ids, prompt_logprobs
+from server.completion import cancel_on_disconnect, check_logprobs_values, prompt_ids, prompt_logprobs
 from server.deps import owner, request_fields, runtime
 from server.protocol import (
     AppendResult,
@@ -110,6 +110,7 @@ async def delete_session(session_id: str, rt: Runtime = Depends(runtime), who: s
 async def append(session_id: str, body: SessionAppend, request: Request, rt: Runtime = Depends(runtime),
                  who: str | None = Depends(owner)) -> AppendResult:
     ids = await prompt_ids(rt, body.text, rt.settings.max_append_bytes, param="text")
+    check_logprobs_values(rt, len(ids), body.logprobs)
     run = Run(rt, ids=ids, params=None, owner=who, session_id=session_id,
               prompt_logprobs=body.logprobs if ids else None)
     final = await _final(request, run)

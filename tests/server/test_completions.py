@@ -130,6 +130,23 @@ def test_a_stray_byte_moves_the_next_tokens_offset_past_its_replacement(server):
     assert got["logprobs"]["text_offset"] == [0, 1, 2, 2, 2, 3]
 
 
+def test_a_scored_prompt_too_large_to_answer_is_refused_before_it_is_read(server):
+    """20 alternatives for each token of a 400 KB prompt made a 200 MB response and held 2 GB while it was built;
+    an 800 KB append, 4 GB (found by a helper). Past --max-logprobs-values (1,000,000) it is a 400 at once."""
+    text = "a" * 50_000  # 50,000 tokens x 21 = 1,050,000
+    for body in ({"echo": True, "logprobs": 20, "max_tokens": 0}, {"echo": True, "logprobs": 20, "max_tokens": 1}):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": text, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+        assert "over this server's limit of 1,000,000 (--max-logprobs-values): score at most 47,619 tokens" in \
+            r.json()["error"]["message"]
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Begin "}, timeout=30).json()["id"]
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}/append", json={"text": text, "logprobs": 20}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()["tokens_seen"] == len("Begin ")
+    ok = complete(server, prompt=text[:1000], echo=True, logprobs=20, max_tokens=0)  # within it
+    assert len(ok["choices"][0]["logprobs"]["tokens"]) == 1000
+
+
 def test_max_tokens_zero_with_echo_scores_the_prompt(server):
     """OpenAI's and vLLM's way to score a prompt: max_tokens 0 with echo gives the prompt back (with logprobs, its
     tokens' scores) and generates nothing; it was a 400. A session keeps the prompt, as an append would."""

@@ -38,26 +38,38 @@ def _invalid(message: str, param: str | None = None) -> dict:
     return {"type": "error", **error_body(message, "invalid_request_error", param, "invalid_value"), "status": 400}
 
 
+INBOX_FRAMES = 16  # frames read ahead of the connection's handler; past them the socket is not read
+
+
 class Inbox:
     """A connection's frames in the order they came; None once it ended. A frame that a request took from it
     as its stream ended, and did not answer, goes back in first (:meth:`put_back`): at the end it would follow
-    frames the client sent after it, and be answered out of order."""
+    frames the client sent after it, and be answered out of order. At most ``room`` frames wait: a client that
+    sent without reading grew the server's memory without bound (1 GB in 2.5 s, found by a helper); past them
+    :meth:`put` waits, the socket is not read, and TCP holds the client back. The end always gets in."""
 
-    def __init__(self) -> None:
+    def __init__(self, room: int = INBOX_FRAMES) -> None:
         self._frames: asyncio.Queue[str | bytes | None] = asyncio.Queue()
         self._back: deque[str | bytes | None] = deque()
+        self._room = asyncio.Semaphore(room)
 
-    async def put(self, frame: str | bytes | None) -> None:
-        await self._frames.put(frame)
-
-    def put_nowait(self, frame: str | bytes | None) -> None:
+    async def put(self, frame: str | bytes) -> None:
+        await self._room.acquire()
         self._frames.put_nowait(frame)
+
+    def end(self) -> None:
+        self._frames.put_nowait(None)
 
     def put_back(self, frame: str | bytes | None) -> None:
         self._back.appendleft(frame)
 
     async def get(self) -> str | bytes | None:
-        return self._back.popleft() if self._back else await self._frames.get()
+        if self._back:
+            return self._back.popleft()
+        frame = await self._frames.get()
+        if frame is not None:
+            self._room.release()
+        return frame
 
 
 async def refuse(ws: WebSocket, err: Exception) -> None:
@@ -88,7 +100,7 @@ async def completions_ws(ws: WebSocket) -> None:
         except (WebSocketDisconnect, RuntimeError):
             pass
         finally:
-            inbox.put_nowait(None)
+            inbox.end()
 
     reading = asyncio.create_task(reader())
     rt = ws.app.state.runtime
@@ -190,7 +202,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
                 if incoming is None:  # the client left: stop within a step, commit what was generated
                     rt.metrics.disconnects.inc()
                     run.cancel()
-                    inbox.put_nowait(None)
+                    inbox.put_back(None)
                     next_msg = None
                     return
                 msg, error = _parse(incoming)

@@ -256,3 +256,28 @@ def test_ws_a_request_sent_right_after_a_cancel_waits_its_turn_and_refusals_carr
         assert httpx.delete(f"{server.url}/v1/sessions/{sid}", timeout=30).status_code == 200
         ended = collect(conn)[-1]  # the DELETE wins: the running request ends with an error that names it
         assert (ended["type"], ended["id"], ended["error"]["code"]) == ("error", started["id"], "session_not_found")
+
+
+def test_a_connections_inbox_holds_a_bounded_number_of_frames():
+    """A client that sent without reading grew the server's memory without bound, every frame queued (1 GB in
+    2.5 s, found by a helper): past INBOX_FRAMES unread frames the reader waits (the socket is not read and TCP
+    holds the client back), and the connection's end still gets in."""
+    import asyncio
+
+    from server.routes.ws import INBOX_FRAMES, Inbox
+
+    async def scenario() -> None:
+        inbox = Inbox()
+        for i in range(INBOX_FRAMES):
+            await asyncio.wait_for(inbox.put(f"m{i}"), 5)  # room for these: at once
+        blocked = asyncio.ensure_future(inbox.put("over"))
+        for _ in range(10):  # as many turns of the loop as it takes a put with room
+            await asyncio.sleep(0)
+        assert not blocked.done()
+        assert await inbox.get() == "m0"
+        await asyncio.wait_for(blocked, 5)  # one read, one more frame in: full again
+        inbox.end()  # the end gets in however full
+        got = [await inbox.get() for _ in range(INBOX_FRAMES + 1)]
+        assert got[0] == "m1" and got[-2:] == ["over", None]
+
+    asyncio.run(scenario())

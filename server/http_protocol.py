@@ -41,7 +41,56 @@ BAD_REQUEST_RESPONSE = raw_response(400, "Bad Request", "the request is not vali
                                     "headers could not be parsed)", "invalid_http")
 
 
-def protocol_class(timeout_s: float, http: str = "auto") -> type:
+class SendDeadline:
+    """A protocol mixin: a connection whose writes stay paused (the client reads nothing while its send buffer is
+    full) for ``send_timeout_s`` is aborted, as nginx's ``send_timeout`` closes it. A stream whose client never read
+    held its run's text, and the server's memory, for ever: 220 MB a connection for an echoed prompt with
+    logprobs, found by a helper (a WebSocket's keepalive closed it, but a close waits for the buffer to drain). The
+    app then hears a disconnect, as when the client leaves. 0: never."""
+
+    send_timeout_s: float = 0.0
+    _stall: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        if self._stall is None and self.send_timeout_s:
+            self._stall = asyncio.get_running_loop().call_later(self.send_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._unstall()
+        super().resume_writing()  # type: ignore[misc]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._unstall()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _unstall(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        self._stall = None
+        transport = self.transport  # type: ignore[attr-defined]
+        if transport.get_protocol() is self:  # not a connection upgraded since (the WebSocket's own watches it)
+            transport.abort()  # a close would wait for the buffer to drain, which it never does
+
+
+def websocket_protocol_class(send_timeout_s: float) -> type | str:
+    """uvicorn's WebSocket protocol (``ws="auto"``'s choice), with the send deadline."""
+    from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol
+
+    if AutoWebSocketsProtocol is None:  # no WebSocket library: uvicorn refuses upgrades itself
+        return "auto"
+
+    class WebSocketProtocol(SendDeadline, AutoWebSocketsProtocol):  # type: ignore[misc, valid-type]
+        pass
+
+    WebSocketProtocol.send_timeout_s = send_timeout_s
+    return WebSocketProtocol
+
+
+def protocol_class(timeout_s: float, http: str = "auto", send_timeout_s: float = 0.0) -> type:
     """The protocol uvicorn's ``http`` setting picks (``auto``: httptools where installed, else h11), with the
     deadline: a class to pass as ``uvicorn.Config(http=...)``. httptools parses in C: with a fast engine (a GPU,
     or a small model) one stream's tokens/s rose 22% with it and uvloop (BENCHMARKS.md, "The server's steps as
@@ -58,7 +107,7 @@ def protocol_class(timeout_s: float, http: str = "auto") -> type:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
         parser = "h11"
 
-    class Protocol(base):  # type: ignore[misc, valid-type]
+    class Protocol(SendDeadline, base):  # type: ignore[misc, valid-type]
         parser_name = parser  # the parser it runs, for the start-up log
         _deadline: asyncio.TimerHandle | None = None
         _heard = False  # bytes arrived since the deadline was armed
@@ -139,4 +188,5 @@ def protocol_class(timeout_s: float, http: str = "auto") -> type:
                 transport.write(TIMEOUT_RESPONSE)
             transport.close()
 
+    Protocol.send_timeout_s = send_timeout_s
     return Protocol

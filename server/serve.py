@@ -29,7 +29,7 @@ import uvicorn
 
 from model.threads import set_threads
 from server.app import build_app
-from server.http_protocol import MAX_HEAD_BYTES, protocol_class
+from server.http_protocol import MAX_HEAD_BYTES, protocol_class, websocket_protocol_class
 from server.listen import start_listening
 from server.runtime import close_runtime, open_runtime
 from server.settings import Settings
@@ -171,7 +171,8 @@ def serve(settings: Settings, sock: socket.socket, worker: int | None = None, pe
     # the event loop holds it, up to Python's 5 ms switch interval: 1.6-2.0 ms a step at 64 streams on the bundled
     # checkpoint, 0.5-1.1 ms at 0.5 (BENCHMARKS.md, "Where 64 streams lose now").
     sys.setswitchinterval(settings.switch_interval_ms / 1000)
-    protocol = protocol_class(settings.body_timeout_s, settings.http)  # a missing parser fails before the load
+    protocol = protocol_class(settings.body_timeout_s, settings.http,  # a missing parser fails before the load
+                              send_timeout_s=settings.send_timeout_s)
     settings = dataclasses.replace(settings, port=sock.getsockname()[1])  # --port 0: the one the system chose
     return runner(settings.loop)(_serve(settings, sock, protocol, worker, peers))
 
@@ -210,6 +211,7 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
         config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,  # RequestLog: one JSON line
                                 timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
                                 http=protocol,  # headers get the body's deadline
+                                ws=websocket_protocol_class(settings.send_timeout_s),
                                 h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                                 ws_max_size=settings.max_body_bytes)  # a message's limit: a body's (uvicorn: 16 MiB)
         install_redaction(settings)  # after uvicorn configured its loggers

@@ -97,6 +97,9 @@ class Settings:
                                                "logprobs, past it is refused (400) before it is read: 20 alternatives "
                                                "for each token of a 400 KB prompt had made a 200 MB response and "
                                                "held 2 GB")
+    send_timeout_s: float = _opt(60.0, "a connection whose client reads nothing of its response (or WebSocket) for "
+                                       "this long, while the server has more to send, is closed (nginx's "
+                                       "send_timeout): its request stops as if the client had left; 0 never")
     max_stop: int = _opt(4, "most stop strings per request")
     max_stop_bytes: int = _opt(64, "longest stop string, in bytes")
     enforce_eager: bool = _opt(False, "run decode steps op by op in eager PyTorch instead of as one traced graph "
@@ -175,7 +178,7 @@ class Settings:
         if not self.model_name.strip() or self.model_name != self.model_name.strip() or len(self.model_name) > 256:
             raise ConfigError(f"model_name must be 1 to 256 characters with no surrounding white space, not "
                               f"{self.model_name!r}", param="model_name")
-        for name in ("hot_cache_mb", "session_ttl_s", "max_stop", "clamp_len", "shutdown_timeout_s",
+        for name in ("hot_cache_mb", "session_ttl_s", "max_stop", "clamp_len", "shutdown_timeout_s", "send_timeout_s",
                      "cpu_latency_qos_us", "engine_timeout_s"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}", param=name)

@@ -1077,3 +1077,48 @@ def test_a_request_is_counted_when_its_last_byte_goes_out_not_when_its_app_retur
     counts = {"GET": 1, "HEAD": 2}
     asyncio.run(run("GET"))
     asyncio.run(run("HEAD"))
+
+
+def test_a_client_that_reads_nothing_is_cut_off_after_the_send_timeout(checkpoint, redis_url, tmp_path):
+    """A stream whose client never read held its run's text and the server's memory for ever (220 MB a
+    connection for an echoed prompt with logprobs; found by a helper): past --send-timeout-s with its writes paused
+    the connection is aborted, and the request ends as when a client leaves."""
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=("--send-timeout-s", "1")).start()
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel's buffers fill sooner
+        sock.connect(("127.0.0.1", srv.port))
+        body = json.dumps({"model": MODEL, "prompt": "go", "max_tokens": LONG, "logprobs": 3, "stream": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+                     b"x-request-id: stalled-client-1\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+
+        def logged() -> str | None:
+            return next((x for x in srv.log.read_text().splitlines() if "stalled-client-1" in x), None)
+
+        text = wait_for(logged, 120, "the stalled request's log line")  # written as the request ends
+        line = json.loads(text[text.index("{"):])
+        assert line["finish_reason"] == "cancelled" and line["completion_tokens"] < LONG, line
+        sock.settimeout(30)
+        got = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 16):
+                got += chunk
+        assert b"[DONE]" not in got  # the connection ended before the stream did
+        # a WebSocket's too: its keepalive's close had waited for a buffer that never drained
+        ws_sock = socket.socket()
+        ws_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        ws_sock.connect(("127.0.0.1", srv.port))
+        with connect(f"ws://127.0.0.1:{srv.port}/v1/ws", sock=ws_sock, close_timeout=1,
+                     additional_headers={"x-request-id": "stalled-ws-1"}) as conn:
+            conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "go", "max_tokens": LONG,
+                                  "logprobs": 3}))
+
+            def ws_logged() -> str | None:
+                return next((x for x in srv.log.read_text().splitlines() if "stalled-ws-1" in x), None)
+
+            text = wait_for(ws_logged, 120, "the stalled WebSocket's log line")  # written as it closes
+            assert json.loads(text[text.index("{"):])["method"] == "WEBSOCKET"
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    finally:
+        sock.close()
+        srv.stop()

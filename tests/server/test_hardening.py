@@ -968,7 +968,7 @@ def test_asking_for_a_loop_or_parser_that_is_not_installed_is_a_config_error(mon
     with pytest.raises(ConfigError, match="pip install httptools"):
         protocol_class(1.0, "httptools")
     assert runner("auto") is asyncio.run
-    assert protocol_class(1.0, "auto").__mro__[1].__name__ == "H11Protocol"
+    assert protocol_class(1.0, "auto").__mro__[2].__name__ == "H11Protocol"  # after the send deadline
 
 
 def test_the_server_process_takes_its_gil_switch_interval(tmp_path: Path):

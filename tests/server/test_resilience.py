@@ -442,7 +442,8 @@ def test_an_embedded_redis_that_dies_turns_health_to_503(checkpoint, tmp_path):
         # its lease's next renewal (found by a helper: 4,095 tokens over 8 s, then the 503)
         assert lines[-1] == "data: [DONE]"
         err = json.loads(lines[-2][len("data: "):])
-        assert err["error"]["code"] == "store_unavailable" and err["status"] == 503, err
+        # Redis died as the run's commit went out: whether it landed cannot be read back
+        assert err["error"]["code"] in ("store_unavailable", "commit_outcome_unknown") and err["status"] == 503, err
         assert len(lines) < LONG // 4, len(lines)
 
         def unhealthy() -> httpx.Response | None:

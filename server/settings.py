@@ -65,7 +65,8 @@ class Settings:
     session_ttl_s: int = _opt(7 * 86400, "idle TTL of a stored session in seconds (0 keeps sessions forever; a "
                                          "session in use is not idle)")
     cold_after_s: float = _opt(86400.0, "a session idle this many seconds keeps only its token window in Redis (the "
-                                        "cold tier) and is rebuilt from it on its next use; 0 never")
+                                        "cold tier) and is rebuilt from it on its next use by a server that does "
+                                        "not hold it hot; 0 never")
     warm_budget_mb: int = _opt(0, "most hidden-state bytes kept in Redis, in MiB: beyond it the least recently "
                                   "updated sessions go cold; 0 no limit")
     cold_sweep_s: float = _opt(60.0, "how often the cold-tier policy runs, in seconds")

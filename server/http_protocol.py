@@ -49,16 +49,26 @@ class SendDeadline:
     app then hears a disconnect, as when the client leaves. 0: never."""
 
     send_timeout_s: float = 0.0
+    writes_paused = False  # the client reads nothing while the server has more to send (the drain ends these)
     _stall: asyncio.TimerHandle | None = None
 
     def pause_writing(self) -> None:
         super().pause_writing()  # type: ignore[misc]
+        self.writes_paused = True
         if self._stall is None and self.send_timeout_s:
             self._stall = asyncio.get_running_loop().call_later(self.send_timeout_s, self._stalled)
 
     def resume_writing(self) -> None:
+        self.writes_paused = False
         self._unstall()
         super().resume_writing()  # type: ignore[misc]
+
+    def abort_if_stalled(self) -> None:
+        """End the connection now if its client reads nothing (the drain: its response would wait past the
+        shutdown, and uvicorn then cancelled its app with a traceback, found by a helper)."""
+        if self.writes_paused:
+            self._unstall()
+            self._stalled()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._unstall()

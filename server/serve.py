@@ -29,7 +29,7 @@ import uvicorn
 
 from model.threads import set_threads
 from server.app import build_app
-from server.http_protocol import MAX_HEAD_BYTES, protocol_class, websocket_protocol_class
+from server.http_protocol import MAX_HEAD_BYTES, SendDeadline, protocol_class, websocket_protocol_class
 from server.listen import start_listening
 from server.runtime import close_runtime, open_runtime
 from server.settings import Settings
@@ -69,8 +69,16 @@ class _Server(uvicorn.Server):
             loop, drain = asyncio.get_running_loop(), rt.drain()
             deadline = loop.time() + rt.settings.shutdown_timeout_s + 11  # the drain's own bound, and its 10 s
             while not (drain.done() and not rt.ws_streams) and not self.force_exit and loop.time() < deadline:
+                if drain.done():  # every run has ended: what a client reads nothing of will never be sent
+                    self._abort_stalled()
                 await asyncio.wait([drain, *rt.ws_streams], timeout=0.1)  # a second Ctrl-C (force_exit) ends it
+            self._abort_stalled()
         await super().shutdown(sockets=sockets)
+
+    def _abort_stalled(self) -> None:
+        for connection in list(self.server_state.connections):
+            if isinstance(connection, SendDeadline):
+                connection.abort_if_stalled()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

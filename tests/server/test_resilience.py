@@ -213,6 +213,37 @@ def test_sigterm_lets_websocket_streams_end_then_closes_the_sockets(own_server, 
     assert done["usage"]["completion_tokens"] < asked
 
 
+def test_sigterm_ends_a_response_its_client_reads_nothing_of_without_a_traceback(own_server):
+    """A stream whose run had ended, but whose client read nothing, held the shutdown until uvicorn's own deadline,
+    which cancelled its app with a traceback (found by a helper). Once the drain's runs end, such connections are
+    aborted: the server exits at once, and quietly."""
+    import signal
+    import socket
+
+    srv = own_server(args=("--shutdown-timeout-s", "30"))
+    sid = httpx.post(srv.url + "/v1/sessions", json={"text": "Quiet "}, timeout=30).json()["id"]
+    asked = 40_000  # with logprobs 3, ~10 MB of events: more than the kernel's buffers hold
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", srv.port))
+        body = json.dumps({"model": MODEL, "prompt": "go", "max_tokens": asked, "logprobs": 3, "stream": True,
+                           "session_id": sid}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % len(body) + body)
+        done = len("Quiet go") + asked  # the run ends and commits, its response still unsent
+        wait_for(lambda: httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=10).json()["tokens_seen"] == done, 120,
+                 "the run's commit")
+        began = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) in (0, -signal.SIGTERM)
+        assert time.monotonic() - began < 10  # not the drain's 30 s, nor uvicorn's 35
+    finally:
+        sock.close()
+    log = srv.log.read_text()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+
+
 def test_redis_outage_is_503_and_the_server_recovers(checkpoint, redis_server, tmp_path):
     redis = redis_server()
     import threading

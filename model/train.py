@@ -116,8 +116,7 @@ def resumed_args(args: TrainArgs) -> TrainArgs:
 
 def resolve(args: TrainArgs, vocab_size: int = 256) -> tuple[TXLConfig, dict[str, Any]]:
     """Preset, then explicit flags: the model config and the optimisation settings."""
-    if args.preset not in PRESETS:
-        raise ConfigError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    opt = train_settings(args)  # the preset checked there
     model_kw = {**PRESETS[args.preset]["model"], "vocab_size": vocab_size}
     for key in ("tgt_len", "mem_len", "n_layer"):
         if getattr(args, key) is not None:
@@ -126,7 +125,6 @@ def resolve(args: TrainArgs, vocab_size: int = 256) -> tuple[TXLConfig, dict[str
         n_head = model_kw.get("n_head", 8)
         model_kw.update(d_model=args.d_model, d_head=max(1, args.d_model // n_head), d_inner=4 * args.d_model)
     model_kw.update(args.model_overrides)
-    opt = train_settings(args)
     if args.grad_accum < 1 or opt["batch_size"] < 1 or opt["steps"] < 1:
         raise ConfigError(f"--batch-size, --grad-accum and --steps must be at least 1, not {opt['batch_size']}, "
                           f"{args.grad_accum} and {opt['steps']}")
@@ -544,9 +542,13 @@ def train(args: TrainArgs) -> dict[str, Any]:
     held = f"{out} holds step {step}" if args.resume else f"{out} holds no checkpoint"
     stop = (StopAtStepEnd(held, together="RANK" in os.environ)  # None: a signal acts as it always does
             if threading.current_thread() is threading.main_thread() else None)
-    stopping = world == 1 and stop is not None and bool(stop.held)  # under DDP, every rank's at the same step
+
+    def asked() -> bool:  # a stop signal held by this process
+        return stop is not None and bool(stop.held)
+
+    stopping = False  # under DDP: every rank's, agreed at a step's all-reduce (alone: asked() at each step's end)
     try:
-        while step < last_step and not stopping:
+        while step < last_step and not (stopping or (world == 1 and asked())):
             if stop is not None:
                 stop.step_saved = False
             inp, tgt = next(stream)
@@ -564,9 +566,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
                 step_loss += float(loss.detach()) / args.grad_accum
                 new_mems.append(m)
             mems = None if new_mems[0] is None else torch.cat(new_mems, dim=1).float()
-            stopping = stop is not None and bool(stop.held)
             if world > 1:  # what is logged is the global batch's loss, not rank 0's share of it
-                step_loss, stopping = _mean_over_ranks(step_loss, world, device, stopping)
+                step_loss, stopping = _mean_over_ranks(step_loss, world, device, asked())
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt["clip"])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -599,11 +600,10 @@ def train(args: TrainArgs) -> dict[str, Any]:
                 bar.update(1)
             if args.save_every and step % args.save_every == 0:
                 save()
-            stopping = stopping or (world == 1 and stop is not None and bool(stop.held))  # held during the step's end
         if bar is not None:
             bar.close()
         save()
-        if stopping and rank == 0:
+        if (stopping or (world == 1 and asked())) and rank == 0:
             print(f"txlserve: interrupted: step {step} saved in {out}; `txlserve train --out {out} --resume` "
                   "continues", file=sys.stderr)
     except BaseException:

@@ -142,7 +142,7 @@ def checked_ids(rt: Runtime, ids: list[int], limit: int) -> list[int]:
     return list(ids)
 
 
-def check_logprobs_values(rt: Runtime, tokens: int, logprobs: int | None, param: str = "logprobs") -> None:
+def check_logprobs_values(rt: Runtime, tokens: int, logprobs: int | None) -> None:
     """Refuse a response of more log-probabilities than ``--max-logprobs-values``, before anything is read: 20
     alternatives for each token of a long scored prompt made a response 500 times the request's size, gigabytes
     held while it was built and sent (found by a helper)."""
@@ -152,7 +152,7 @@ def check_logprobs_values(rt: Runtime, tokens: int, logprobs: int | None, param:
     raise InvalidRequestError(
         f"logprobs {logprobs} for {tokens:,} tokens is {tokens * (1 + logprobs):,} log-probabilities, over this "
         f"server's limit of {limit:,} (--max-logprobs-values): score at most {limit // (1 + logprobs):,} tokens at "
-        f"a time (append a long text in parts), or ask for fewer alternatives", param=param)
+        f"a time (append a long text in parts), or ask for fewer alternatives", param="logprobs")
 
 
 async def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:

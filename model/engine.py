@@ -18,7 +18,7 @@ from torch import Tensor
 from model import fused
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.decode import Decoder, DecodeState, check_fits, default_prefill_chunk
-from model.sampling import SamplingParams, sample_rows, token_logprobs
+from model.sampling import SamplingParams, rows_logprobs, sample_rows, token_logprobs
 from model.streaming import TextStreamer
 from model.tokenizer import ByteTokenizer, Tokenizer, tokenizer_id
 from txlserve.errors import ConfigError, InvalidRequestError, SessionIncompatible, StateIncompatible
@@ -307,7 +307,7 @@ class Engine:
         out.append((None, []) if prev is None else token_logprobs(prev, ids[0], top_n))
         for lo in range(0, len(ids) - 1, rows):
             logits = self.logits(h[lo:lo + rows][: len(ids) - 1 - lo])  # [r, vocab]: predicts ids[lo+1 ..]
-            out.extend(token_logprobs(row, ids[lo + 1 + i], top_n) for i, row in enumerate(logits))
+            out.extend(rows_logprobs(logits, ids[lo + 1:lo + 1 + len(logits)], top_n))
         return out
 
     @torch.no_grad()

@@ -153,10 +153,24 @@ def token_logprobs(logits: Tensor, token: int, top_n: int) -> tuple[float, list[
     """The chosen token's log-probability under the model and the ``top_n`` most likely tokens, plus the chosen
     one when it is not among them: OpenAI's rule ("always the logprob of the sampled token, so up to logprobs+1
     elements"), which vLLM follows too."""
-    logp = torch.log_softmax(logits.float(), -1)  # [vocab]
-    top = torch.topk(logp, top_n) if top_n > 0 else None
-    alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
-    chosen = float(logp[token])
-    if all(t != token for t, _ in alts):
-        alts.append((token, chosen))
-    return chosen, alts
+    return rows_logprobs(logits[None], [token], top_n)[0]
+
+
+def rows_logprobs(logits: Tensor, tokens: list[int], top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """:func:`token_logprobs` for each row of ``logits [rows, vocab]`` and its token, in one pass: a scored
+    prompt's rows one at a time cost ~40 us each in torch's dispatch, a 47,000-token prompt's 2 s of the engine
+    thread that every other stream's steps waited on."""
+    logp = torch.log_softmax(logits.float(), -1)  # [rows, vocab]
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()  # [rows]
+    if top_n > 0:
+        top = torch.topk(logp, top_n)  # [rows, top_n]
+        ids, values = top.indices.tolist(), top.values.tolist()
+    else:
+        ids = values = [[] for _ in tokens]
+    out = []
+    for token, lp, row_ids, row_values in zip(tokens, chosen, ids, values, strict=True):
+        alts = list(zip(row_ids, row_values))
+        if token not in row_ids:
+            alts.append((token, lp))
+        out.append((lp, alts))
+    return out

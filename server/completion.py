@@ -17,6 +17,7 @@ from model.engine import TokenEvent
 from model.sampling import SamplingParams
 from model.tokenizer import START, ByteTokenizer, Tokenizer
 from server.protocol import (
+    SPLICE_ROWS,
     CompletionChoice,
     CompletionDelta,
     CompletionDone,
@@ -27,6 +28,8 @@ from server.protocol import (
     PromptTokensDetails,
     SessionRef,
     Usage,
+    pydantic_dumps,
+    spliced,
 )
 from server.runtime import Runtime
 from server.scheduler import PromptScores
@@ -190,7 +193,7 @@ def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores,
     precedes it; offsets count characters from the start of ``text``, the text the ids were read from (echoed as
     it was sent), else of the ids' decoded text (a token-id prompt's echo)."""
     name = tokenizer.token_name
-    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    out = CompletionLogprobs.model_construct(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for token, (lp, alts) in zip(ids, scores.entries, strict=True):
         out.tokens.append(name(token))
         out.token_logprobs.append(lp)
@@ -204,6 +207,21 @@ def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores,
         out.text_offset.append(start)
         prev = token
     return out
+
+
+async def off_loop(rows: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, on a thread when it builds or renders more than :data:`SPLICE_ROWS` logprobs entries (in
+    parts: :func:`~server.protocol.spliced`), so that the event loop serves every other request meanwhile."""
+    return fn(*args, **kwargs) if rows <= SPLICE_ROWS else await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def free(*lists: list) -> None:
+    """Empty ``lists`` a part at a time, on the thread that rendered them: a scored prompt's scores and logprobs
+    are millions of small objects, and freed at once, where the last reference dropped (the event loop, as the
+    request ended), they held the GIL for a quarter of a second."""
+    for items in lists:
+        while items:
+            del items[-SPLICE_ROWS:]
 
 
 _MARKER = "\u0000txl-text\u0000"  # cannot occur in generated text: JSON escapes it as \\u0000
@@ -261,18 +279,25 @@ class Completion:
         self.text += text
 
     def add_prompt(self, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
-        """The echoed prompt's logprobs, first in the choice; the piece for a stream chunk."""
-        piece = prompt_logprobs(self.tokenizer, ids, scores, self.echoed if isinstance(the_prompt(self.req), str)
-                                else None)
+        """The echoed prompt's logprobs, first in the choice; the piece for a stream chunk. Empties ``scores``
+        (:func:`free`): call it through :func:`off_loop`."""
+        piece = self._scored_prompt(ids, scores)
         self.lps[:0], self.tops[:0], self.offsets[:0] = piece.token_logprobs, piece.top_logprobs, piece.text_offset
         self.tokens[:0] = ids
         return piece
 
+    def _scored_prompt(self, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
+        out = prompt_logprobs(self.tokenizer, ids, scores, self.echoed if isinstance(the_prompt(self.req), str)
+                              else None)
+        free(scores.entries)
+        return out
+
     def logprobs(self) -> CompletionLogprobs | None:
         if self.req.logprobs is None:
             return None
-        return CompletionLogprobs(tokens=[self.tokenizer.token_name(t) for t in self.tokens],
-                                  token_logprobs=self.lps, top_logprobs=self.tops, text_offset=self.offsets)
+        return CompletionLogprobs.model_construct(  # these lists, not copies (validated, the dicts were copied)
+            tokens=[self.tokenizer.token_name(t) for t in self.tokens], token_logprobs=self.lps,
+            top_logprobs=self.tops, text_offset=self.offsets)
 
     def text_event(self, text: str) -> str:
         """``data: {chunk}\n\n`` for a chunk of text alone, the per-token case of every stream: the model is
@@ -328,6 +353,34 @@ class Completion:
     def body(self, final: Final, prompt_tokens: int) -> CompletionObject:
         out = self.chunk(self.text, self.finish(final), self.logprobs(), session=self.session(final))
         out.usage = self.usage(final, prompt_tokens)
+        return out
+
+    def body_json(self, final: Final, prompt_tokens: int) -> bytes:
+        """The JSON body (long logprobs rendered in parts: call it through :func:`off_loop`)."""
+        body = self.body(final, prompt_tokens)
+        logprobs = body.choices[0].logprobs
+        if logprobs is None or len(logprobs.tokens) <= SPLICE_ROWS:
+            return body.dump_json()
+
+        def shell(empty: CompletionLogprobs) -> str:
+            body.choices[0].logprobs = empty
+            return body.dump_json().decode()
+        out = spliced(shell, logprobs, pydantic_dumps).encode()
+        free(logprobs.tokens, self.lps, self.tops, self.offsets)
+        return out
+
+    def prompt_piece(self, ids: list[int], scores: PromptScores, dumps: Callable[[Any], str], *,
+                     usage: dict[str, int] | None = None, delta: bool = False) -> str:
+        """The stream's first event of an echo with logprobs, the prompt and its scores, as ``dumps`` writes JSON:
+        an SSE chunk, or (``delta``) a WebSocket delta. Sent, not kept: its lists and ``scores`` are emptied
+        (:func:`free`). Call it through :func:`off_loop`."""
+        logprobs = self._scored_prompt(ids, scores)
+
+        def shell(lp: CompletionLogprobs) -> str:
+            return dumps(self.delta(self.echoed, lp).dump() if delta else self.piece(self.echoed, None, lp,
+                                                                                      usage=usage))
+        out = spliced(shell, logprobs, dumps)
+        free(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, logprobs.text_offset)
         return out
 
     def usage_chunk(self, final: Final, prompt_tokens: int) -> CompletionObject:

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from model.engine import TokenEvent
-from server.completion import Completion, cancel_on_disconnect, events, open_run, prompt_text
+from server.completion import Completion, cancel_on_disconnect, events, off_loop, open_run, prompt_text
 from server.deps import owner, request_fields, runtime
 from server.errors import stream_error
 from server.protocol import CompletionRequest
@@ -22,8 +22,12 @@ from txlserve.errors import RequestCancelled, UnsupportedEndpoint
 router = APIRouter()
 
 
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
 def _sse(obj: object) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {_dumps(obj)}\n\n"
 
 
 @router.api_route("/v1/chat/completions", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
@@ -56,11 +60,13 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                 elif isinstance(item, str):
                     comp.add_text(item)
                 elif isinstance(item, PromptScores):
-                    comp.add_prompt(run.ids, item)
+                    await off_loop(len(item.entries), comp.add_prompt, run.ids, item)
                 else:
                     _log_fields(run, item, request)
                     # a client that left got nothing: logged and counted as nginx counts it (it was a 200)
-                    return Response(comp.body(item, len(run.ids)).dump_json(), media_type="application/json",
+                    body = await off_loop(len(comp.tokens) if req.logprobs is not None else 0, comp.body_json, item,
+                                          len(run.ids))
+                    return Response(body, media_type="application/json",
                                     status_code=RequestCancelled.status if left else 200)
     return StreamingResponse(_stream(rt, run, first, comp, t0, request), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -86,7 +92,8 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
                 yield _sse(comp.piece(comp.echoed, usage=so_far()))
             async for item in events(run, first, t0):
                 if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores come first
-                    yield _sse(comp.piece(comp.echoed, None, comp.add_prompt(run.ids, item), usage=so_far()))
+                    event = await off_loop(len(item.entries), comp.prompt_piece, run.ids, item, _dumps, usage=so_far())
+                    yield f"data: {event}\n\n"
                     continue
                 if isinstance(item, TokenEvent):
                     streamed += 1

@@ -7,19 +7,24 @@ import math
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memory_store import SessionInfo
-from server.completion import cancel_on_disconnect, check_logprobs_values, prompt_ids, prompt_logprobs
+from server.completion import cancel_on_disconnect, check_logprobs_values, free, off_loop, prompt_ids, prompt_logprobs
 from server.deps import owner, request_fields, runtime
 from server.protocol import (
+    SPLICE_ROWS,
     AppendResult,
+    CompletionLogprobs,
     SessionAppend,
     SessionCreate,
     SessionExport,
     SessionFork,
     SessionList,
     SessionObject,
+    pydantic_dumps,
+    spliced,
 )
 from server.runtime import Runtime
 from server.scheduler import PromptScores
@@ -114,7 +119,9 @@ async def append(session_id: str, body: SessionAppend, request: Request, rt: Run
     run = Run(rt, ids=ids, params=None, owner=who, session_id=session_id,
               prompt_logprobs=body.logprobs if ids else None)
     final = await _final(request, run)
-    return _appended(rt, final, len(ids), run, body.text)
+    rows = len(ids) if body.logprobs is not None else 0
+    return Response(await off_loop(rows, _appended_json, rt, final, len(ids), run, body.text),
+                    media_type="application/json")
 
 
 @router.get("/{session_id}/export", response_model=SessionExport)
@@ -173,6 +180,21 @@ def _appended(rt: Runtime, final: Final, n: int, run: Run | None = None, text: s
     return AppendResult(**base, appended_tokens=n, rebuilt=final.source == "rebuild",
                         logprob=_finite(score.logprob) if has else None, bpc=_finite(score.bpc) if has else None,
                         perplexity=_finite(score.perplexity) if has else None, logprobs=logprobs)
+
+
+def _appended_json(rt: Runtime, final: Final, n: int, run: Run, text: str) -> bytes:
+    """An append's body, its logprobs (a long document's) rendered in parts: call it through ``off_loop``."""
+    result = _appended(rt, final, n, run, text)
+    logprobs = result.logprobs
+    if logprobs is None or len(logprobs.tokens) <= SPLICE_ROWS:
+        return result.model_dump_json().encode()
+
+    def shell(empty: CompletionLogprobs) -> str:
+        result.logprobs = empty
+        return result.model_dump_json()
+    out = spliced(shell, logprobs, pydantic_dumps).encode()
+    free(logprobs.tokens, logprobs.top_logprobs, run.scores.entries if run.scores else [])
+    return out
 
 
 def _finite(x: float) -> float | None:

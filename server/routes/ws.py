@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from model.engine import TokenEvent
-from server.completion import Completion, events, prompt_text, start
+from server.completion import Completion, events, off_loop, prompt_text, start
 from server.deps import ws_origin, ws_owner
 from server.errors import classify, error_body, stream_error, unreadable_json, validation_message
 from server.protocol import CompletionRequest
@@ -32,6 +32,11 @@ from server.service import Final, Run
 from txlserve.errors import RouteNotFound, UpgradeRequired
 
 router = APIRouter()
+
+
+def _dumps(obj: object) -> str:
+    """JSON as starlette's ``send_json`` writes it, for a message rendered off the event loop."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
 def _invalid(message: str, param: str | None = None) -> dict:
@@ -229,7 +234,8 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
                 await ws.send_json(comp.delta(comp.echoed, None).dump())
                 echo = False
             if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores first
-                await ws.send_json(comp.delta(comp.echoed, comp.add_prompt(run.ids, item)).dump())
+                await ws.send_text(await off_loop(len(item.entries), comp.prompt_piece, run.ids, item, _dumps,
+                                                  delta=True))
             elif isinstance(item, TokenEvent):
                 logprobs = comp.add(item)
                 if item.text or logprobs is not None:

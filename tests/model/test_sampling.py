@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from model import fused
-from model.sampling import SamplingParams, drawn_on_device, sample_on_device, sample_rows
+from model.sampling import (
+    SamplingParams,
+    drawn_on_device,
+    rows_logprobs,
+    sample_on_device,
+    sample_rows,
+    token_logprobs,
+)
 from txlserve.errors import InvalidRequestError
 
 MIXED = [SamplingParams(temperature=0.8), SamplingParams(temperature=0), SamplingParams(temperature=1.3, top_k=5),
@@ -133,3 +140,24 @@ def test_tokens_drawn_on_the_device_are_the_hosts_for_the_same_draws(device, pat
         assert all(0 <= x < 256 for x in got.tolist())
     assert [drawn_on_device(p, 257) for p in MIXED] == [True, True, False, False, False, True]
     assert not drawn_on_device(SamplingParams(logprobs=0), 257) and drawn_on_device(SamplingParams(top_k=257), 257)
+
+
+def test_logprobs_of_many_rows_are_each_rows_own():
+    """A scored prompt's rows in one pass: each row's chosen log-probability and alternatives as scoring it alone
+    (the chosen token appended where it is not among the top ones, as OpenAI gives it), for top_n 0 and 20."""
+    gen = torch.Generator().manual_seed(5)
+    logits = 4 * torch.randn(64, 300, generator=gen)  # [rows, vocab]
+    tokens = torch.randint(0, 300, (64,), generator=gen).tolist()
+    tokens[3] = int(logits[3].argmax())  # one chosen token that is the top one
+    for top_n in (0, 1, 20):
+        got = rows_logprobs(logits, tokens, top_n)
+        for row, token, (lp, alts) in zip(logits, tokens, got, strict=True):
+            logp = torch.log_softmax(row, -1)  # [vocab]
+            assert lp == pytest.approx(float(logp[token]), abs=1e-6)
+            top = torch.topk(logp, top_n)
+            want = list(zip(top.indices.tolist(), top.values.tolist()))
+            assert [t for t, _ in alts[:top_n]] == [t for t, _ in want]
+            assert [v for _, v in alts[:top_n]] == pytest.approx([v for _, v in want], abs=1e-6)
+            assert alts[top_n:] == ([] if token in top.indices.tolist() else [(token, lp)])
+    assert got[3][1][0][0] == tokens[3] and len(got[3][1]) == 20
+    assert token_logprobs(logits[7], tokens[7], 5) == rows_logprobs(logits[7:8], tokens[7:8], 5)[0]

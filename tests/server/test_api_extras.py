@@ -9,6 +9,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
+from server.protocol import SPLICE_ROWS
 from tests.live import MODEL, LiveServer, wait_for
 from tests.server.test_lifecycle import _client, running_app
 
@@ -203,6 +204,32 @@ def test_echo_with_logprobs_scores_the_prompt_as_openai_does(server):
     cont = httpx.post(server.url + "/v1/completions", timeout=60,
                       json={**body, "prompt": " to be", "session_id": sid}).json()["choices"][0]["logprobs"]
     assert cont["token_logprobs"][0] is not None and cont["token_logprobs"][0] <= 0
+
+
+def test_a_long_scored_prompt_is_the_same_on_every_surface(server):
+    """A prompt past SPLICE_ROWS tokens is scored in parts off the event loop (its scores cross from the engine
+    process as arrays): JSON, SSE, WebSocket and an append give the same tokens, offsets and scores."""
+    prompt = ("Now is the winter of our discontent\nMade glorious summer by this sun of York; " * 20)[:1300]
+    assert len(prompt) > 2 * SPLICE_ROWS
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 3}
+    got = {"json": httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]}
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        got["sse"] = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")][0]["choices"][0]
+    with connect(server.url.replace("http://", "ws://") + "/v1/ws", max_size=None) as conn:
+        conn.send(json.dumps({"type": "completion.create", **body}))
+        got["ws"] = json.loads(conn.recv(timeout=60))
+    sid = httpx.post(server.url + "/v1/sessions", json={}, timeout=60).json()["id"]
+    got["append"] = httpx.post(f"{server.url}/v1/sessions/{sid}/append", json={"text": prompt, "logprobs": 3},
+                               timeout=60).json()
+    want = got["json"]["logprobs"]
+    assert got["json"]["text"] == got["sse"]["text"] == got["ws"]["text"] == prompt
+    assert len(want["tokens"]) == len(prompt) and want["text_offset"] == list(range(len(prompt)))
+    assert want["token_logprobs"][0] is None and all(len(top) in (3, 4) for top in want["top_logprobs"][1:])
+    for surface in ("sse", "ws", "append"):
+        lp = got[surface]["logprobs"]
+        assert lp["tokens"] == want["tokens"] and lp["text_offset"] == want["text_offset"], surface
+        assert lp["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:], abs=1e-5), surface
+        assert [sorted(top) for top in lp["top_logprobs"][1:]] == [sorted(top) for top in want["top_logprobs"][1:]]
 
 
 def test_an_append_returns_per_token_logprobs_when_asked(server):

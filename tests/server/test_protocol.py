@@ -6,9 +6,13 @@ import json
 
 import pytest
 
+from server import completion, protocol
 from server.completion import Completion
-from server.protocol import CompletionRequest
-from server.routes.completions import _sse
+from server.protocol import CompletionChoice, CompletionLogprobs, CompletionObject, CompletionRequest, pydantic_dumps
+from server.routes.completions import _dumps, _sse
+from server.routes.ws import _dumps as ws_dumps
+from server.scheduler import Finished, PromptScores
+from server.service import Final
 
 
 @pytest.mark.parametrize("text", ["a", " the", "\n", 'quote " and \\ backslash', "é ü 中文 🎉", "\u0000", "\t\r",
@@ -25,3 +29,64 @@ def test_chunk_shapes():
     assert set(chunk) == {"id", "object", "created", "model", "system_fingerprint", "choices"}  # no usage, no
     assert chunk["system_fingerprint"] == "f:m24:c0"  # session mid-stream; OpenAI's backend configuration
     assert chunk["choices"] == [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}]
+
+
+def _scores(n: int) -> tuple[list[int], PromptScores]:
+    ids = [(7 * i) % 256 for i in range(n)]
+    entries = [(None, [])] + [(-0.5 - i * 1e-6, [((3 * i) % 256, -1e-5), (ids[i], -0.5 - i * 1e-6)])
+                              for i in range(1, n)]
+    return ids, PromptScores(entries)
+
+
+@pytest.mark.parametrize("dumps", [pydantic_dumps, _dumps, ws_dumps], ids=["json", "sse", "websocket"])
+def test_long_logprobs_rendered_in_parts_are_the_whole_rendering(dumps, monkeypatch):
+    """Each surface's JSON, its logprobs rendered a few entries at a time (off the event loop), is the same text as
+    rendered in one call: keys and strings that look like the marker, floats as each writer writes them."""
+    monkeypatch.setattr(protocol, "SPLICE_ROWS", 3)
+    logprobs = CompletionLogprobs(tokens=['{"tokens":[]', "é", '"'] * 3, token_logprobs=[None, -1e-5, -2.5] * 3,
+                                  top_logprobs=[None, {'"x': -1e-5, "é": -3.0}, {}] * 3, text_offset=list(range(9)))
+    obj = CompletionObject(id="x", created=1, model="m", choices=[
+        CompletionChoice(text='{"tokens":[],"token_logprobs":[]', logprobs=logprobs)])
+
+    def shell(empty: CompletionLogprobs) -> str:
+        copy = obj.model_copy(deep=True)
+        copy.choices[0].logprobs = empty
+        return dumps(copy.model_dump()) if dumps is not pydantic_dumps else copy.dump_json().decode()
+    whole = dumps(obj.model_dump()) if dumps is not pydantic_dumps else obj.dump_json().decode()
+    assert protocol.spliced(shell, logprobs, dumps) == whole
+
+
+def test_a_long_scored_prompt_renders_as_the_short_path_and_is_freed(monkeypatch):
+    """The echoed prompt's first SSE chunk and WebSocket delta, and the JSON body, rendered in parts: the bytes the
+    one-call rendering gives; the scores' lists are emptied on the rendering thread (freed there, not on the event
+    loop), and a stream keeps nothing of them."""
+    monkeypatch.setattr(protocol, "SPLICE_ROWS", 4)
+    monkeypatch.setattr(completion, "SPLICE_ROWS", 4)
+    ids, scores = _scores(11)
+    req = CompletionRequest(model="m", prompt=bytes(ids).decode("latin-1"), echo=True, logprobs=1, max_tokens=0)
+    comp = Completion(req, "m")
+    comp.echoed = comp.text = req.prompt
+    want = completion.prompt_logprobs(comp.tokenizer, ids, PromptScores(list(scores.entries)), req.prompt)
+    assert comp.prompt_piece(ids, scores, _dumps) == _dumps(comp.piece(comp.echoed, None, want))
+    assert scores.entries == [] and comp.lps == comp.tops == comp.tokens == []
+    ids, scores = _scores(11)
+    assert comp.prompt_piece(ids, scores, ws_dumps, delta=True) == ws_dumps(comp.delta(comp.echoed, want).dump())
+    ids, scores = _scores(11)
+    comp.add_prompt(ids, scores)
+    assert scores.entries == [] and len(comp.lps) == 11
+    whole = comp.chunk(comp.text, "length", comp.logprobs()).dump_json()
+    final = Final(Finished(None, 11, "length"), None, None, 0)
+    body = json.loads(comp.body_json(final, 11))
+    assert body["choices"] == json.loads(whole)["choices"] and comp.lps == comp.tops == comp.offsets == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_only_a_long_response_is_built_off_the_event_loop():
+    import threading
+    here = threading.get_ident()
+    assert await completion.off_loop(protocol.SPLICE_ROWS, threading.get_ident) == here
+    assert await completion.off_loop(protocol.SPLICE_ROWS + 1, threading.get_ident) != here
+    items = list(range(protocol.SPLICE_ROWS * 3 + 1))
+    completion.free(items)
+    assert items == []

@@ -91,7 +91,9 @@ NO_SPACE_AFTER = {"(", "[", "{", "$"}
 _LEADING = "\"'([{$"
 _TRAILING = ".,;:!?\"')]}%"
 _CLITIC = re.compile(r"^(.+?)(n't|'s|'re|'ve|'ll|'d|'m)$", re.IGNORECASE)
-_INNER = re.compile(r"(?<=\w)([-,.])(?=\w)")
+# a joiner inside a word or number, or beside an unknown word: "<unk>-class" (as ``<unk> @-@ class`` decodes) was one
+# <unk>, two tokens lost when a session's text was re-sent (found by a helper)
+_INNER = re.compile(r"(?:(?<=\w)|(?<=<unk>))([-,.])(?=\w|<unk>)")
 
 
 class WordTokenizer:

@@ -125,9 +125,14 @@ class HeadAsGet:
         if scope["type"] != "http" or scope["method"] != "HEAD":
             return await self.app(scope, receive, send)
 
+        def matched() -> None:  # the router records the route it matched (FastAPI's route, or Starlette's endpoint
+            # and mount paths) in the scope it was given: the log line and the requests metric read it from ours
+            for key in _ROUTE_KEYS:
+                if key in inner:
+                    scope[key] = inner[key]
+
         async def headers_only(msg: Message) -> None:
-            if "route" in inner:  # the router records the route it matched in the scope it was given: the log
-                scope["route"] = inner["route"]  # line and the requests metric read it from ours, at the last byte
+            matched()
             if msg["type"] == "http.response.body":
                 if msg.get("more_body"):
                     return
@@ -138,8 +143,10 @@ class HeadAsGet:
         try:
             await self.app(inner, receive, headers_only)
         finally:
-            if "route" in inner:  # a route that sent nothing (it raised) is still named
-                scope["route"] = inner["route"]
+            matched()  # a route that sent nothing (it raised) is still named
+
+
+_ROUTE_KEYS = ("route", "endpoint", "app_root_path", "root_path")  # what _route_label reads
 
 
 def _route_label(scope: Scope) -> str | None:

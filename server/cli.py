@@ -154,7 +154,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clamp-len", type=count(0), default=None,
                    help="relative distances clamped to this (0: none; default: the checkpoint's)")
     p.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
-                   help="every token attends the same number of keys (default: the checkpoint's)")
+                   help="every token attends the same number of keys (default: the checkpoint's); with "
+                        "--batch-size 1 the scores are the server's (an append's logprob), whose window is always "
+                        "this one, at any --tgt-len")
     p.add_argument("--batch-size", type=count(1), default=8,
                    help="streams the split is cut into (default: 8; fewer where it holds less than a segment each, "
                         "and the output's batch_size says how many)")
@@ -399,7 +401,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from memory_store.redis_tier import check_url
     from model.bundled import resolve_checkpoint
     from server.listen import HOLDS_PORT, REUSE_PORT, bind, claim_port, start_listening
-    from server.settings import Settings
+    from server.settings import Settings, stray_variables
 
     overrides = {k: getattr(ns, k) for k in Settings.__dataclass_fields__ if getattr(ns, k, None) is not None}
     for name in ("api_keys", "cors_origins"):
@@ -424,6 +426,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             check_data_dir(settings.data_dir)  # ./.txlserve behind (found in the tests' own runs)
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        for warning in stray_variables(settings):
+            logging.getLogger("txlserve.serve").warning("%s", warning)
         if settings.server_processes > 1:  # this process supervises; each worker loads the model, or one engine
             from server.workers import serve_workers
 

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -190,8 +191,13 @@ class Settings:
         if self.cpu_latency_qos_us is not None and self.cpu_latency_qos_us > 2_000_000_000:  # the kernel's "none"
             raise ConfigError(f"cpu_latency_qos_us must be at most 2000000000, not {self.cpu_latency_qos_us}",
                               param="cpu_latency_qos_us")
-        if self.mem_len is not None and self.mem_len > 1 << 20:
-            raise ConfigError(f"mem_len must be at most {1 << 20}, not {self.mem_len}", param="mem_len")
+        # past these Redis's millisecond times (int64) or torch's int64 positions overflow: every session call was
+        # a 503 "value is not an integer" from Redis, a clamp_len a traceback (found by a helper)
+        for name, most, unit in (("mem_len", 1 << 20, ""), ("clamp_len", 1 << 40, ""),
+                                 ("session_ttl_s", 100 * 365 * 86400, " (100 years; 0 keeps sessions forever)"),
+                                 ("lease_ttl_ms", 86_400_000, " (a day)")):
+            if getattr(self, name) is not None and getattr(self, name) > most:
+                raise ConfigError(f"{name} must be at most {most}{unit}, not {getattr(self, name)}", param=name)
         if not 0 < self.switch_interval_ms <= 1000:
             raise ConfigError(f"switch_interval_ms must be in (0, 1000], not {self.switch_interval_ms}",
                               param="switch_interval_ms")
@@ -240,6 +246,27 @@ class Settings:
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+
+# TXLSERVE_ variables that are not the server's settings but are read elsewhere: the client's, the data
+# loaders' cache, the compose file's published port, and the tests'
+_NOT_SETTINGS = {"TXLSERVE_API_KEY", "TXLSERVE_BASE_URL", "TXLSERVE_DATA_CACHE", "TXLSERVE_PUBLISH",
+                 "TXLSERVE_FUZZ_SECONDS", "TXLSERVE_FULL_EVAL", "TXLSERVE_UPDATE_SCREENSHOT"}
+
+
+def stray_variables(settings: Settings, env: Mapping[str, str] | None = None) -> list[str]:
+    """Warnings for ``TXLSERVE_*`` variables the server does not read: a misspelt setting was dropped without a
+    word, and ``TXLSERVE_API_KEY`` (the client's, one letter from ``TXLSERVE_API_KEYS``) left a server that was
+    meant to require a key open to everyone (found by a helper)."""
+    env = os.environ if env is None else env
+    known = {f"TXLSERVE_{f.name.upper()}" for f in fields(Settings)}
+    out = []
+    if env.get("TXLSERVE_API_KEY", "").strip() and not settings.api_keys:
+        out.append("TXLSERVE_API_KEY is set, but it is the client's variable: the server reads TXLSERVE_API_KEYS "
+                   "(comma-separated) or --api-keys, and this one requires no API key")
+    for name in sorted(n for n in env if n.startswith("TXLSERVE_") and n not in known | _NOT_SETTINGS):
+        out.append(f"{name} is not a setting of txlserve serve (see its --help): ignored")
+    return out
 
 
 def default_model_name(checkpoint: str | None) -> str:

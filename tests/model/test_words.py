@@ -279,3 +279,12 @@ def test_tiny_word_model_with_adaptive_softmax_learns(tmp_path, capsys):
 def test_wikitext2_reads_the_published_token_count():
     corpus, tok = load_word_corpus(SHARED, WordTokenizer.build(["<unk>"]), splits=("valid",))
     assert corpus.valid.size == 217_646  # words plus one <eos> per line, the published count
+
+
+def test_an_unknown_word_beside_a_joiner_reads_back_as_it_was_written():
+    """``<unk> @-@ class`` decodes to "<unk>-class", which read back as one <unk>: a session's text re-sent lost two
+    tokens, so its scores and continuation differed (found by a helper)."""
+    tok = WordTokenizer(["<eos>", "<unk>", "@-@", "@,@", "class", "the", "of", "1"])
+    for text in ("of the <unk> @-@ class", "the class @-@ <unk>", "1 @,@ <unk>", "<unk> @-@ <unk>"):
+        ids = tok.encode(text)
+        assert tok.encode(tok.decode(ids)) == ids, (text, tok.decode(ids))

@@ -355,6 +355,12 @@ def test_health_ready_metrics_docs(server):
     for _ in range(3):
         httpx.head(server.url + "/v1/sessions/no-such-session")
     assert counted() >= before + 3
+    # Starlette's own routes too: the schema, and a static mount (under its prefix)
+    assert httpx.head(server.url + "/openapi.json").status_code == 200
+    assert httpx.head(server.url + "/static/playground.js").status_code == 200
+    heads = httpx.get(server.url + "/metrics").text
+    assert 'route="/openapi.json",status="200"' in heads and 'route="/static/{path}",status="200"' in heads
+    assert 'route="unmatched",status="200"' not in heads
     complete(server, prompt="metrics", max_tokens=2)
     r = httpx.post(server.url + "/v1/completions", json={"model": "nope", "prompt": "x"})
     assert r.status_code == 404 and float(r.headers["x-process-time-ms"]) >= 0

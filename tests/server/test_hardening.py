@@ -624,6 +624,9 @@ def _serve(*args: str, env: dict | None = None, timeout: float = 60):
     (("--api-keys", "k\u00e9y-123"), {}, "ASCII"),
     ((), {"TXLSERVE_SHUTDOWN_TIMEOUT_S": "inf"}, "TXLSERVE_SHUTDOWN_TIMEOUT_S must be a finite"),
     (("--mem-len", "2000000"), {}, "--mem-len must be at most"),
+    (("--clamp-len", str(10**20)), {}, "--clamp-len must be at most"),  # a traceback from the engine process
+    (("--session-ttl-s", str(10**17)), {}, "--session-ttl-s must be at most"),  # then every session call a 503
+    ((), {"TXLSERVE_LEASE_TTL_MS": str(10**22)}, "TXLSERVE_LEASE_TTL_MS must be at most"),
     (("--prefill-products", "mkl"), {}, "--prefill-products must be"),
     (("--loop", "trio"), {}, "--loop must be"),
     ((), {"TXLSERVE_HTTP": "h2"}, "TXLSERVE_HTTP must be"),
@@ -639,6 +642,17 @@ def test_serve_refuses_bad_settings_in_one_line(args, env, needle, tmp_path: Pat
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 3, r.stderr
     assert "s3cr" not in r.stderr + r.stdout  # no part of a password
+
+
+def test_variables_the_server_does_not_read_are_named():
+    """TXLSERVE_API_KEY (the client's) on a server left it open to everyone without a word, and a misspelt
+    setting was dropped silently (found by a helper)."""
+    from server.settings import Settings, stray_variables
+    open_server = stray_variables(Settings(), {"TXLSERVE_API_KEY": "k1", "TXLSERVE_MAX_BACH": "8",
+                                               "TXLSERVE_BASE_URL": "http://x", "TXLSERVE_MAX_BATCH": "8"})
+    assert len(open_server) == 2 and "TXLSERVE_API_KEYS" in open_server[0] and "requires no API key" in open_server[0]
+    assert "TXLSERVE_MAX_BACH is not a setting" in open_server[1]
+    assert stray_variables(Settings(api_keys=("k1",)), {"TXLSERVE_API_KEY": "k1"}) == []  # the client beside it
 
 
 def test_the_model_name_defaults_to_the_checkpoint_s_directory(tmp_path: Path):

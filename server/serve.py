@@ -134,6 +134,8 @@ class Redact(logging.Filter):
             record.msg = self.redact(record.msg)
         if isinstance(record.args, tuple):
             record.args = tuple(self.redact(a) if isinstance(a, str) else a for a in record.args)
+        if record.exc_info and not record.exc_text:  # a traceback's text, which formatters take from here
+            record.exc_text = self.redact(logging.Formatter().formatException(record.exc_info))
         return True
 
 
@@ -154,6 +156,8 @@ def install_redaction(settings: Settings) -> None:
     redact = Redact(settings.api_keys)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "txlserve", "txlserve.requests", ""):
         logging.getLogger(name).addFilter(redact)
+        for handler in logging.getLogger(name).handlers:  # a logger's filters pass over what its children
+            handler.addFilter(redact)  # propagate (memory_store.*, redis, asyncio): its handlers' do not
     logging.getLogger("uvicorn.error").addFilter(_not_a_denial)
     logging.getLogger("uvicorn.error").addFilter(_no_frames)
     websockets = logging.getLogger("websockets")  # its own loggers, where it is given none: never below INFO

@@ -407,6 +407,37 @@ def test_the_log_filter_masks_a_key_that_holds_a_quote(text):
     assert masked[-5:] == text[-5:] and masked[:10] == text[:10], masked  # the line around it kept
 
 
+def test_a_key_logged_by_any_logger_or_in_a_traceback_is_masked():
+    """The filter sat on six named loggers, which records propagated from their children (memory_store, redis,
+    asyncio) pass by, and masked a message but not its traceback (found by a helper)."""
+    import io
+    import logging
+
+    from server.serve import install_redaction
+    from server.settings import Settings
+    root, out = logging.getLogger(), io.StringIO()
+    handler = logging.StreamHandler(out)
+    root.addHandler(handler)
+    loggers = [logging.getLogger(name) for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "txlserve",
+                                                     "txlserve.requests", "")]
+    filtered = loggers + [h for lg in loggers for h in lg.handlers]
+    kept = {id(x): list(x.filters) for x in filtered}
+    try:
+        install_redaction(Settings(api_keys=("sk-secret-1",)))
+        logging.getLogger("memory_store.h4").error("a key in a message: %s", "sk-secret-1")
+        try:
+            raise ValueError("Authorization: Bearer sk-secret-1")
+        except ValueError:
+            logging.getLogger("redis.h4").exception("a key in a traceback")
+    finally:
+        for x in filtered:  # as they were, for the other tests
+            x.filters[:] = kept.get(id(x), [])
+        root.removeHandler(handler)
+    text = out.getvalue()
+    assert "a key in a message" in text and "Traceback" in text and "ValueError" in text, text
+    assert "sk-secret-1" not in text and "ValueError: Authorization: Bearer ***" in text, text
+
+
 def test_the_log_filter_leaves_other_queries_alone():
     from server.serve import Redact
 

@@ -783,12 +783,64 @@ async def _continue_vs_resend(url: str, model: str, doc: str, repeats: int,
             "continue_speedup": r50 / c50}
 
 
+async def _scored_beside_streams(url: str, model: str, sessions: list[str], text: str, logprobs: int,
+                                 api_key: str | None = None) -> dict[str, Any]:
+    """A long prompt scored (``echo`` with ``logprobs``: the largest response a request can ask for) while streams
+    run, against the same streams alone for as long, in the same run: the streams' inter-token gaps and /health's
+    latency beside it. A server that builds such a response on its event loop stalls every stream and probe for
+    as long (it held them a second for a 47,000-token prompt)."""
+    async def side(stop: asyncio.Event) -> tuple[list[float], list[float]]:
+        gaps: list[float] = []
+        health: list[float] = []
+
+        async def stream(sid: str) -> None:
+            async with _Connection(url, model, api_key=api_key) as c:
+                while not stop.is_set():
+                    gaps.extend((await _stream(c, {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.8,
+                                                   "session_id": sid}))[1])
+
+        async def probe(http: httpx.AsyncClient) -> None:
+            while not stop.is_set():
+                t = time.perf_counter()
+                await http.get("/health")
+                health.append(time.perf_counter() - t)
+                await asyncio.sleep(0.005)
+        async with httpx.AsyncClient(base_url=url, timeout=120, headers=_auth(api_key)) as http:
+            await asyncio.gather(*(stream(sid) for sid in sessions), probe(http))
+        return gaps, health
+
+    def figures(gaps: list[float], health: list[float]) -> dict[str, Any]:
+        return {"itl_p99_ms": _pct(gaps, 0.99), "itl_max_ms": _pct(gaps, 1.0), "health_p99_ms": _pct(health, 0.99),
+                "health_max_ms": _pct(health, 1.0), "health_probes": len(health)}
+
+    stop = asyncio.Event()
+    running = asyncio.create_task(side(stop))
+    await asyncio.sleep(0.5)  # the streams under way
+    body = {"model": model, "prompt": text, "echo": True, "logprobs": logprobs, "max_tokens": 0}
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers=_auth(api_key)) as http:
+        t0 = time.perf_counter()
+        r = await http.post("/v1/completions", json=body)
+        scored_s = time.perf_counter() - t0
+    stop.set()
+    beside = figures(*await running)
+    if r.status_code != 200:
+        raise _refused("scoring the long prompt, the server", r)
+    stop = asyncio.Event()
+    running = asyncio.create_task(side(stop))
+    await asyncio.sleep(0.5 + scored_s)
+    stop.set()
+    alone = figures(*await running)
+    ratio = {f"{k[:-3]}_ratio": beside[k] / alone[k] for k in ("itl_max_ms", "health_max_ms") if alone[k]}
+    return {"prompt_tokens": r.json()["usage"]["prompt_tokens"], "logprobs": logprobs, "streams": len(sessions),
+            "scored_s": scored_s, "response_bytes": len(r.content), "beside": beside, "alone": alone, **ratio}
+
+
 def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration: float = 10, max_tokens: int = 64,
         doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
         rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0, stream_interval: int = 1,
         cpu_latency_qos_us: int | None = None, enforce_eager: bool = False, workers: int = 1,
         engine_process: bool = True, api_key: str | None = None, overlap: bool = True, api_server_count: int = 1,
-        client_processes: int = 1) -> dict[str, Any]:
+        client_processes: int = 1, scored_kb: float = 0, scored_logprobs: int = 20) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
     from server.cpu_latency import guest_halt_poll_ns
@@ -816,6 +868,10 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                                              api_key, client_processes))
             result: dict[str, Any] = {"loads": loads}
             result.update(asyncio.run(_continue_vs_resend(target, model, doc, repeats, api_key)))
+            if scored_kb:
+                scored = _document(int(scored_kb * 1000)).decode("utf-8", errors="replace")
+                result["scored_beside_streams"] = asyncio.run(_scored_beside_streams(
+                    target, model, asyncio.run(_sessions(target, 4, api_key)), scored, scored_logprobs, api_key))
         finally:
             if server is not None:
                 server.stop()
@@ -879,6 +935,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--doc-kb", type=real(0, above=True), default=50,
                    help="kilobytes of the document timed two ways: continued from a session, and re-sent as a "
                         "prompt (time to first token of each)")
+    p.add_argument("--scored-kb", type=real(0), default=0,
+                   help="kilobytes of a prompt scored (echo with --scored-logprobs) while 4 streams run, against "
+                        "those streams alone: their inter-token gaps and /health's latency beside the largest "
+                        "response a request can ask for (0: not measured; the server's --max-logprobs-values "
+                        "bounds it: 47 KB of a byte model's text at 20 logprobs)")
+    p.add_argument("--scored-logprobs", type=count(0, 20), default=20, help="the scored prompt's logprobs")
     p.add_argument("--device", type=device, default="auto",
                    help="the spawned server's and the engine's (auto: cuda when present)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -912,6 +974,7 @@ def main(ns: argparse.Namespace) -> int:
                          stream_interval=ns.stream_interval, cpu_latency_qos_us=ns.cpu_latency_qos_us,
                          enforce_eager=ns.enforce_eager, workers=ns.workers, engine_process=ns.engine_process,
                          overlap=not ns.disable_overlap_schedule, api_server_count=ns.api_server_count,
-                         client_processes=ns.client_processes,
+                         client_processes=ns.client_processes, scored_kb=ns.scored_kb,
+                         scored_logprobs=ns.scored_logprobs,
                          api_key=ns.api_key or os.environ.get("TXLSERVE_API_KEY") or None)))
     return 0

@@ -18,7 +18,7 @@ from torch import Tensor
 from model import fused
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.decode import Decoder, DecodeState, check_fits, default_prefill_chunk
-from model.sampling import SamplingParams, rows_logprobs, sample_rows, token_logprobs
+from model.sampling import SamplingParams, ScoredTokens, rows_logprobs, sample_rows, token_logprobs
 from model.streaming import TextStreamer
 from model.tokenizer import ByteTokenizer, Tokenizer, tokenizer_id
 from txlserve.errors import ConfigError, InvalidRequestError, SessionIncompatible, StateIncompatible
@@ -294,17 +294,15 @@ class Engine:
                 self.decoder.step(state, torch.tensor([[event.token]], device=self.device))
 
     @torch.no_grad()
-    def token_scores(self, state: DecodeState, ids: list[int], top_n: int,
-                     rows: int = 256) -> list[tuple[float | None, list[tuple[int, float]]]]:
+    def token_scores(self, state: DecodeState, ids: list[int], top_n: int, rows: int = 256) -> ScoredTokens:
         """Feed ``ids`` and score each one as OpenAI's ``echo`` with ``logprobs`` does: its log-probability
-        given everything before it and the ``top_n`` likeliest tokens there; ``(None, [])`` for a first token
-        with nothing before it. Scores are computed ``rows`` positions at a time (a word model's table is wide)."""
+        given everything before it and the ``top_n`` likeliest tokens there; none for a first token with nothing
+        before it. Scores are computed ``rows`` positions at a time (a word model's table is wide)."""
         if not ids:
-            return []
+            return ScoredTokens()
         prev = state.last_logits[0].clone() if int(state.seen[0]) > 0 else None  # [vocab]
         h = self.feed(state, ids)  # [n, d_model]
-        out: list[tuple[float | None, list[tuple[int, float]]]] = []
-        out.append((None, []) if prev is None else token_logprobs(prev, ids[0], top_n))
+        out = ScoredTokens.of([(None, [])]) if prev is None else rows_logprobs(prev[None], ids[:1], top_n)
         for lo in range(0, len(ids) - 1, rows):
             logits = self.logits(h[lo:lo + rows][: len(ids) - 1 - lo])  # [r, vocab]: predicts ids[lo+1 ..]
             out.extend(rows_logprobs(logits, ids[lo + 1:lo + 1 + len(logits)], top_n))

@@ -194,7 +194,7 @@ def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores,
     it was sent), else of the ids' decoded text (a token-id prompt's echo)."""
     name = tokenizer.token_name
     out = CompletionLogprobs.model_construct(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for token, (lp, alts) in zip(ids, scores.entries, strict=True):
+    for token, (lp, alts) in zip(ids, scores.entries(), strict=True):
         out.tokens.append(name(token))
         out.token_logprobs.append(lp)
         out.top_logprobs.append(None if lp is None else {name(t): v for t, v in alts})
@@ -279,18 +279,16 @@ class Completion:
         self.text += text
 
     def add_prompt(self, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
-        """The echoed prompt's logprobs, first in the choice; the piece for a stream chunk. Empties ``scores``
-        (:func:`free`): call it through :func:`off_loop`."""
+        """The echoed prompt's logprobs, first in the choice; the piece for a stream chunk. Call it through
+        :func:`off_loop`."""
         piece = self._scored_prompt(ids, scores)
         self.lps[:0], self.tops[:0], self.offsets[:0] = piece.token_logprobs, piece.top_logprobs, piece.text_offset
         self.tokens[:0] = ids
         return piece
 
     def _scored_prompt(self, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
-        out = prompt_logprobs(self.tokenizer, ids, scores, self.echoed if isinstance(the_prompt(self.req), str)
-                              else None)
-        free(scores.entries)
-        return out
+        return prompt_logprobs(self.tokenizer, ids, scores, self.echoed if isinstance(the_prompt(self.req), str)
+                               else None)
 
     def logprobs(self) -> CompletionLogprobs | None:
         if self.req.logprobs is None:
@@ -372,8 +370,8 @@ class Completion:
     def prompt_piece(self, ids: list[int], scores: PromptScores, dumps: Callable[[Any], str], *,
                      usage: dict[str, int] | None = None, delta: bool = False) -> str:
         """The stream's first event of an echo with logprobs, the prompt and its scores, as ``dumps`` writes JSON:
-        an SSE chunk, or (``delta``) a WebSocket delta. Sent, not kept: its lists and ``scores`` are emptied
-        (:func:`free`). Call it through :func:`off_loop`."""
+        an SSE chunk, or (``delta``) a WebSocket delta. Sent, not kept: its lists are emptied (:func:`free`).
+        Call it through :func:`off_loop`."""
         logprobs = self._scored_prompt(ids, scores)
 
         def shell(lp: CompletionLogprobs) -> str:

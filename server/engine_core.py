@@ -54,7 +54,7 @@ from model.bundled import resolve_checkpoint
 from model.checkpoint import read_meta
 from model.config import TXLConfig
 from model.engine import Engine, Score, TokenEvent, readable_ids
-from model.sampling import SamplingParams
+from model.sampling import SamplingParams, ScoredTokens
 from model.tokenizer import tokenizer_from_dict
 from model.train import auto_dtype, pick_device
 from server import core_spawn
@@ -93,41 +93,6 @@ def ids_from(blob: bytes) -> list[int]:
     ids = array("i")
     ids.frombytes(blob)
     return ids.tolist()
-
-
-SCORES_PER_MESSAGE = 2048  # a scored prompt's entries per message: each read in ~2 ms, not seconds at once
-
-
-def scores_blob(entries: list[tuple[float | None, list[tuple[int, float]]]]) -> bytes:
-    """A scored prompt's entries as arrays: 47,000 tokens with 20 alternatives each were 19 MB of JSON that the
-    API server's reader parsed in 1.1 s, holding the GIL (its event loop stalled with it). A count of -1 is a
-    token with nothing before it (``(None, [])``)."""
-    counts = array("i", (-1 if lp is None else len(alts) for lp, alts in entries))
-    lps = array("d", (0.0 if lp is None else lp for lp, _ in entries))
-    ids = array("i", (t for _, alts in entries for t, _ in alts))
-    values = array("d", (v for _, alts in entries for _, v in alts))
-    return struct.pack("<I", len(entries)) + counts.tobytes() + lps.tobytes() + ids.tobytes() + values.tobytes()
-
-
-def scores_from(blob: bytes) -> list[tuple[float | None, list[tuple[int, float]]]]:
-    (n,) = struct.unpack_from("<I", blob)
-    counts, lps, ids, values = array("i"), array("d"), array("i"), array("d")
-    at = 4
-    for arr, size in ((counts, n), (lps, n)):
-        arr.frombytes(blob[at:at + size * arr.itemsize])
-        at += size * arr.itemsize
-    m = (len(blob) - at) // (ids.itemsize + values.itemsize)
-    ids.frombytes(blob[at:at + m * ids.itemsize])
-    values.frombytes(blob[at + m * ids.itemsize:])
-    out: list[tuple[float | None, list[tuple[int, float]]]] = []
-    j = 0
-    for count, lp in zip(counts, lps):
-        if count < 0:
-            out.append((None, []))
-            continue
-        out.append((lp, list(zip(ids[j:j + count], values[j:j + count]))))
-        j += count
-    return out
 
 
 def tensors_from(blob: bytes) -> dict[str, torch.Tensor]:
@@ -535,11 +500,11 @@ class _Core:
             if isinstance(item, TokenEvent):
                 event = [item.token, item.text, item.logprob, item.top_logprobs, item.finish_reason]
                 out.append([rid, "t", event if item.prev is None else [*event, item.prev]])  # prev: a first token's
-            elif isinstance(item, PromptScores):  # after the items before it, in parts as arrays (scores_blob)
-                if out:
+            elif isinstance(item, PromptScores):  # after the items before it, as arrays (ScoredTokens.to_bytes):
+                if out:  # as JSON a long prompt's were parsed in 1.1 s, the GIL held, the event loop stalled
                     self.send({"op": "events", "stats": self.stats(), "items": out})
                     out = []
-                self._send_scores(box.spec.rid, item.entries)
+                self.send({"op": "scores", "rid": rid}, item.to_bytes())
             elif isinstance(item, JobFailed):
                 if self.specs.pop(rid, None) is not None:
                     out.append([rid, "x", error_head(item.error)])
@@ -553,12 +518,6 @@ class _Core:
             except Exception as err:
                 log.exception("engine process: finishing request %s failed", spec.rid)
                 self._fail(spec.rid, err)
-
-    def _send_scores(self, rid: int, entries: list[tuple[float | None, list[tuple[int, float]]]]) -> None:
-        parts = range(0, max(len(entries), 1), SCORES_PER_MESSAGE)
-        for lo in parts:
-            self.send({"op": "scores", "rid": rid, "more": lo + SCORES_PER_MESSAGE < len(entries)},
-                      scores_blob(entries[lo:lo + SCORES_PER_MESSAGE]))
 
     def _finished(self, spec: _Spec, done: Any) -> None:
         if spec.rebuild_seen is not None:  # the window is read: place it at the session's positions, then run
@@ -650,7 +609,6 @@ class CoreRequest:
         self.ended = False  # its CoreFinished or error came
         self.settled = False  # its state was kept or dropped
         self.abandoned = False  # closed before its end came: whatever state that end holds is dropped
-        self.scores: list[tuple[float | None, list[tuple[int, float]]]] = []  # a scored prompt's parts so far
 
     def cancel(self, abandon: bool = False) -> None:
         """Stop it within a step (it still ends, with what it made). Never raises: a dead engine process has
@@ -810,8 +768,8 @@ class EngineCore:
 
     def _next(self) -> dict[str, Any]:
         head, blob = unpack(self.conn.recv_bytes())
-        if head["op"] == "scores":  # decoded here, off the event loop, as a commit's tensors
-            head["entries"] = scores_from(blob)
+        if head["op"] == "scores":  # read here, off the event loop, as a commit's tensors
+            head["scores"] = PromptScores(**vars(ScoredTokens.from_bytes(blob)))
         elif blob:  # what a finished request commits
             head["tensors"] = tensors_from(blob)
         return head
@@ -852,10 +810,7 @@ class EngineCore:
             elif op == "scores":
                 req = self.requests.get(head["rid"])
                 if req is not None:
-                    req.scores.extend(head["entries"])
-                    if not head["more"]:
-                        (req.stream or req.inbox).put_nowait(PromptScores(req.scores))
-                        req.scores = []
+                    (req.stream or req.inbox).put_nowait(head["scores"])
             elif op == "need":
                 req = self.requests.get(head["rid"])
                 if req is not None:

@@ -46,7 +46,7 @@ from model.decode import DecodeState
 from model.engine import Engine, Generation, Score, TokenEvent
 from model.fused import MAX_CHUNK
 from model.graphs import Drawn, GraphedTable
-from model.sampling import SamplingParams, drawn_on_device
+from model.sampling import SamplingParams, ScoredTokens, drawn_on_device
 from txlserve.errors import InvalidRequestError, Unavailable
 
 log = logging.getLogger("txlserve.scheduler")
@@ -103,12 +103,9 @@ class Finished:
 
 
 @dataclass
-class PromptScores:
-    """Each prompt token's (logprob, top alternatives), sent once the prompt is read and before any generated
-    token, for ``echo`` with ``logprobs`` (and appends asking for them); ``(None, [])`` for a first token with
-    nothing before it."""
-
-    entries: list[tuple[float | None, list[tuple[int, float]]]]
+class PromptScores(ScoredTokens):
+    """Each prompt token's logprob and top alternatives, sent once the prompt is read and before any generated
+    token, for ``echo`` with ``logprobs`` (and appends asking for them)."""
 
 
 @dataclass
@@ -128,7 +125,7 @@ class Job:
     prev: int | None = None  # the prompt's last token (how a word tokenizer spaces the first generated word)
     scored: bool = True  # an append is scored; a session rebuilt from its window is only read
     prompt_logprobs: int | None = None  # score every prompt token, with this many alternatives
-    prompt_scores: list = field(default_factory=list)
+    prompt_scores: ScoredTokens = field(default_factory=ScoredTokens)
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None  # the engine's first work on it (a prompt chunk, or joining the batch)
     read: float | None = None  # its prompt completely read
@@ -440,10 +437,10 @@ class Scheduler:
         job.start()
         try:  # a prefill touches only this job's own state: a failure fails only this job
             if chunk and job.prompt_logprobs is not None:
-                entries = self.engine.token_scores(job.state, chunk, job.prompt_logprobs)
-                job.prompt_scores.extend(entries)
-                known = [lp for lp, _ in entries if lp is not None]
-                job.score = Score(job.score.tokens + len(known), job.score.logprob + sum(known))
+                part = self.engine.token_scores(job.state, chunk, job.prompt_logprobs)
+                job.prompt_scores.extend(part)
+                known, logprob = part.known()
+                job.score = Score(job.score.tokens + known, job.score.logprob + logprob)
             elif chunk and job.params is None and job.scored:
                 part = self.engine.score(job.state, chunk)
                 job.score = Score(job.score.tokens + part.tokens, job.score.logprob + part.logprob)
@@ -459,7 +456,7 @@ class Scheduler:
             return len(chunk)
         job.prompt_read()
         if job.prompt_logprobs is not None:
-            self._emit(job, PromptScores(job.prompt_scores))
+            self._emit(job, PromptScores(**vars(job.prompt_scores)))
         if job.params is None:
             self._finish(job, self._done(job, None, None))
         else:

@@ -60,7 +60,7 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                 elif isinstance(item, str):
                     comp.add_text(item)
                 elif isinstance(item, PromptScores):
-                    await off_loop(len(item.entries), comp.add_prompt, run.ids, item)
+                    await off_loop(len(item), comp.add_prompt, run.ids, item)
                 else:
                     _log_fields(run, item, request)
                     # a client that left got nothing: logged and counted as nginx counts it (it was a 200)
@@ -92,7 +92,7 @@ async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: fl
                 yield _sse(comp.piece(comp.echoed, usage=so_far()))
             async for item in events(run, first, t0):
                 if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores come first
-                    event = await off_loop(len(item.entries), comp.prompt_piece, run.ids, item, _dumps, usage=so_far())
+                    event = await off_loop(len(item), comp.prompt_piece, run.ids, item, _dumps, usage=so_far())
                     yield f"data: {event}\n\n"
                     continue
                 if isinstance(item, TokenEvent):

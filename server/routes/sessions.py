@@ -193,7 +193,7 @@ def _appended_json(rt: Runtime, final: Final, n: int, run: Run, text: str) -> by
         result.logprobs = empty
         return result.model_dump_json()
     out = spliced(shell, logprobs, pydantic_dumps).encode()
-    free(logprobs.tokens, logprobs.top_logprobs, run.scores.entries if run.scores else [])
+    free(logprobs.tokens, logprobs.top_logprobs)
     return out
 
 

@@ -234,7 +234,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
                 await ws.send_json(comp.delta(comp.echoed, None).dump())
                 echo = False
             if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores first
-                await ws.send_text(await off_loop(len(item.entries), comp.prompt_piece, run.ids, item, _dumps,
+                await ws.send_text(await off_loop(len(item), comp.prompt_piece, run.ids, item, _dumps,
                                                   delta=True))
             elif isinstance(item, TokenEvent):
                 logprobs = comp.add(item)

@@ -10,6 +10,7 @@ import torch
 from model import fused
 from model.sampling import (
     SamplingParams,
+    ScoredTokens,
     drawn_on_device,
     rows_logprobs,
     sample_on_device,
@@ -143,15 +144,17 @@ def test_tokens_drawn_on_the_device_are_the_hosts_for_the_same_draws(device, pat
 
 
 def test_logprobs_of_many_rows_are_each_rows_own():
-    """A scored prompt's rows in one pass: each row's chosen log-probability and alternatives as scoring it alone
-    (the chosen token appended where it is not among the top ones, as OpenAI gives it), for top_n 0 and 20."""
+    """A scored prompt's rows in one pass, into arrays: each row's chosen log-probability and alternatives as
+    scoring it alone (the chosen token appended where it is not among the top ones, as OpenAI gives it), for
+    top_n 0, 1 and 20; and the arrays' bytes read back the same."""
     gen = torch.Generator().manual_seed(5)
     logits = 4 * torch.randn(64, 300, generator=gen)  # [rows, vocab]
     tokens = torch.randint(0, 300, (64,), generator=gen).tolist()
     tokens[3] = int(logits[3].argmax())  # one chosen token that is the top one
     for top_n in (0, 1, 20):
         got = rows_logprobs(logits, tokens, top_n)
-        for row, token, (lp, alts) in zip(logits, tokens, got, strict=True):
+        assert ScoredTokens.from_bytes(got.to_bytes()) == got and len(got) == 64
+        for row, token, (lp, alts) in zip(logits, tokens, got.entries(), strict=True):
             logp = torch.log_softmax(row, -1)  # [vocab]
             assert lp == pytest.approx(float(logp[token]), abs=1e-6)
             top = torch.topk(logp, top_n)
@@ -159,5 +162,10 @@ def test_logprobs_of_many_rows_are_each_rows_own():
             assert [t for t, _ in alts[:top_n]] == [t for t, _ in want]
             assert [v for _, v in alts[:top_n]] == pytest.approx([v for _, v in want], abs=1e-6)
             assert alts[top_n:] == ([] if token in top.indices.tolist() else [(token, lp)])
-    assert got[3][1][0][0] == tokens[3] and len(got[3][1]) == 20
-    assert token_logprobs(logits[7], tokens[7], 5) == rows_logprobs(logits[7:8], tokens[7:8], 5)[0]
+    assert list(got.entries())[3][1][0][0] == tokens[3] and list(got.counts)[3] == 20 and list(got.counts)[4] == 21
+    assert token_logprobs(logits[7], tokens[7], 5) == next(rows_logprobs(logits[7:8], tokens[7:8], 5).entries())
+    entries = [(None, []), (-0.5, [(3, -0.25), (7, -1.5)]), (-1.0, [])]  # a first token, and one of top_n 0
+    first = ScoredTokens.of(entries)
+    assert list(first.entries()) == entries and first.known() == (2, -1.5)
+    first.extend(got)
+    assert len(first) == 67 and list(first.entries())[3:] == list(got.entries())

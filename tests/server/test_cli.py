@@ -248,7 +248,8 @@ def test_bench_store_json(checkpoint):
 def test_bench_serve_json(checkpoint):
     r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "2", "--duration", "0.3",
                  "--rounds", "2", "--max-tokens", "8", "--random-range-ratio", "0.5", "--doc-kb", "1",
-                 "--stream-interval", "3", "--api-server-count", "2", "--client-processes", "2", timeout=180)
+                 "--stream-interval", "3", "--api-server-count", "2", "--client-processes", "2", "--scored-kb", "2",
+                 timeout=180)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [load["concurrency"] for load in out["loads"]] == [2] and out["model"] == "bench-model"  # one load (the
@@ -295,6 +296,12 @@ def test_bench_serve_json(checkpoint):
         assert set(request_ms) == {"start", "engine", "export", "handoff", "commit", "ttft", "e2e"}, request_ms
         assert request_ms["engine"] > 0 and request_ms["ttft"] <= request_ms["e2e"]
     assert out["continue_speedup"] > 0
+    scored = out["scored_beside_streams"]  # a long prompt scored beside 4 streams, and those streams alone
+    assert scored["prompt_tokens"] >= 2000 and scored["logprobs"] == 20 and scored["response_bytes"] > 2000 * 20 * 8
+    for side in ("beside", "alone"):
+        assert scored[side]["health_probes"] > 0 and scored[side]["itl_max_ms"] >= scored[side]["itl_p99_ms"] > 0
+    beside, alone = scored["beside"], scored["alone"]
+    assert scored["health_max_ratio"] == pytest.approx(beside["health_max_ms"] / alone["health_max_ms"])
     poll = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")  # the host's idle polling, where it says
     assert out["guest_halt_poll_ns"] == (int(poll.read_text()) if poll.exists() else None)
 

@@ -220,29 +220,25 @@ def _run(conn, rid: int, ids: list[int], *, key=None, max_tokens: int = 4, persi
                           "prompt_logprobs": None, "history": None, "persist": persist}, ids_blob(ids)))
 
 
-def test_a_scored_prompt_comes_in_parts_as_arrays_before_its_tokens(core, monkeypatch):
-    """Echo's prompt scores leave as arrays in bounded parts, each parsed in a moment off the API server's event
-    loop: as one JSON message, a long prompt's scores held its reader (and the GIL) for over a second."""
-    import server.engine_core as engine_core
-    from server.engine_core import ids_blob, scores_blob, scores_from
-    entries = [(None, []), (-0.5, [(3, -0.25), (7, -1.5)]), (-9.0, [(3, -0.25), (7, -1.5), (9, -9.0)]), (-1.0, [])]
-    assert scores_from(scores_blob(entries)) == entries and scores_from(scores_blob([])) == []
-    monkeypatch.setattr(engine_core, "SCORES_PER_MESSAGE", 16)
+def test_a_scored_prompt_comes_as_arrays_before_its_tokens(core):
+    """Echo's prompt scores leave as arrays, read in a moment off the API server's event loop: as one JSON message,
+    a long prompt's scores held its reader (and the GIL) for over a second."""
+    from model.sampling import ScoredTokens
+    from server.engine_core import ids_blob
     engine, conn = core
     ids = [72 + i % 20 for i in range(40)]
     conn.send_bytes(pack({"op": "run", "rid": 1, "key": None, "params": {"max_tokens": 2, "temperature": 0},
                           "prompt_logprobs": 3, "history": None, "persist": False}, ids_blob(ids)))
-    parts, tokens = [], 0
+    scores, tokens = [], 0
     while (head := _recv(conn))["op"] != "finished":
         if head["op"] == "scores":
             assert tokens == 0 and head["rid"] == 1  # before the first token
-            parts.append((head["more"], scores_from(head["blob"])))
+            scores.append(ScoredTokens.from_bytes(head["blob"]))
         tokens += sum(1 for item in head.get("items", []) if item[1] == "t")
-    assert [more for more, _ in parts] == [True, True, False] and [len(p) for _, p in parts] == [16, 16, 8]
-    got = [entry for _, part in parts for entry in part]
+    (got,) = scores
     want = engine.engine.token_scores(engine.engine.new_state(), ids, 3)
-    assert got[0] == (None, []) and [t for _, alts in got for t, _ in alts] == [t for _, alts in want for t, _ in alts]
-    assert [lp for lp, _ in got[1:]] == pytest.approx([lp for lp, _ in want[1:]], abs=1e-5)
+    assert list(got.counts) == list(want.counts) and got.counts[0] == -1 and list(got.ids) == list(want.ids)
+    assert list(got.values) == pytest.approx(list(want.values), abs=1e-5) and tokens == 2
 
 
 def test_an_export_that_fails_answers_its_request(core, monkeypatch):

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from model.sampling import ScoredTokens
 from server import completion, protocol
 from server.completion import Completion
 from server.protocol import CompletionChoice, CompletionLogprobs, CompletionObject, CompletionRequest, pydantic_dumps
@@ -35,7 +36,7 @@ def _scores(n: int) -> tuple[list[int], PromptScores]:
     ids = [(7 * i) % 256 for i in range(n)]
     entries = [(None, [])] + [(-0.5 - i * 1e-6, [((3 * i) % 256, -1e-5), (ids[i], -0.5 - i * 1e-6)])
                               for i in range(1, n)]
-    return ids, PromptScores(entries)
+    return ids, PromptScores(**vars(ScoredTokens.of(entries)))
 
 
 @pytest.mark.parametrize("dumps", [pydantic_dumps, _dumps, ws_dumps], ids=["json", "sse", "websocket"])
@@ -58,7 +59,7 @@ def test_long_logprobs_rendered_in_parts_are_the_whole_rendering(dumps, monkeypa
 
 def test_a_long_scored_prompt_renders_as_the_short_path_and_is_freed(monkeypatch):
     """The echoed prompt's first SSE chunk and WebSocket delta, and the JSON body, rendered in parts: the bytes the
-    one-call rendering gives; the scores' lists are emptied on the rendering thread (freed there, not on the event
+    one-call rendering gives; the body's lists are emptied on the rendering thread (freed there, not on the event
     loop), and a stream keeps nothing of them."""
     monkeypatch.setattr(protocol, "SPLICE_ROWS", 4)
     monkeypatch.setattr(completion, "SPLICE_ROWS", 4)
@@ -66,14 +67,14 @@ def test_a_long_scored_prompt_renders_as_the_short_path_and_is_freed(monkeypatch
     req = CompletionRequest(model="m", prompt=bytes(ids).decode("latin-1"), echo=True, logprobs=1, max_tokens=0)
     comp = Completion(req, "m")
     comp.echoed = comp.text = req.prompt
-    want = completion.prompt_logprobs(comp.tokenizer, ids, PromptScores(list(scores.entries)), req.prompt)
+    want = completion.prompt_logprobs(comp.tokenizer, ids, scores, req.prompt)
     assert comp.prompt_piece(ids, scores, _dumps) == _dumps(comp.piece(comp.echoed, None, want))
-    assert scores.entries == [] and comp.lps == comp.tops == comp.tokens == []
+    assert comp.lps == comp.tops == comp.tokens == []  # sent, not kept
     ids, scores = _scores(11)
     assert comp.prompt_piece(ids, scores, ws_dumps, delta=True) == ws_dumps(comp.delta(comp.echoed, want).dump())
     ids, scores = _scores(11)
     comp.add_prompt(ids, scores)
-    assert scores.entries == [] and len(comp.lps) == 11
+    assert len(comp.lps) == 11
     whole = comp.chunk(comp.text, "length", comp.logprobs()).dump_json()
     final = Final(Finished(None, 11, "length"), None, None, 0)
     body = json.loads(comp.body_json(final, 11))

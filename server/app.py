@@ -149,6 +149,14 @@ class HeadAsGet:
 _ROUTE_KEYS = ("route", "endpoint", "app_root_path", "root_path")  # what _route_label reads
 
 
+def _client(scope: Scope) -> str | None:
+    """Who sent it: the peer's address, or behind a proxy uvicorn trusts (on this host, or FORWARDED_ALLOW_IPS) the
+    one X-Forwarded-For names, as its ProxyHeadersMiddleware leaves it. Without it a log could not say who sent a
+    run of bad keys."""
+    client = scope.get("client")
+    return client[0] if client else None
+
+
 def _route_label(scope: Scope) -> str | None:
     """The route a request matched, as the metric and the log line name it: FastAPI's routes leave themselves in
     the scope; Starlette's own leave only their endpoint: the OpenAPI schema (its one path), and static mounts
@@ -220,7 +228,7 @@ class RequestLog:
             route = _route_label(scope) or self._unrouted(scope)
             count()
             _log_line(request_id=request_id, method=scope.get("method"), route=route, status=status,
-                      start_ms=None if started_ms is None else round(started_ms, 1),
+                      client=_client(scope), start_ms=None if started_ms is None else round(started_ms, 1),
                       total_ms=round(1000 * (time.monotonic() - t0), 1), **request_fields(scope))
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -261,7 +269,7 @@ class RequestLog:
         finally:
             fields = {} if close_code is None else {"close_code": close_code}
             _log_line(request_id=request_id, method="WEBSOCKET", route=_route_label(scope) or "unmatched",
-                      status=500 if status is None else status,
+                      status=500 if status is None else status, client=_client(scope),
                       total_ms=round(1000 * (time.monotonic() - t0), 1), **fields, **request_fields(scope))
 
 

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from server.deps import owner, takes_key
+from server.deps import owner, request_fields, takes_key
 from txlserve import errors as e
 
 log = logging.getLogger("txlserve")
@@ -72,9 +72,17 @@ def unreadable_json(err: BaseException | None) -> str:
     return str(err)[:200] if err is not None else "it is not JSON"
 
 
+def _answer(request: Request, body: dict[str, Any], status: int, headers: dict[str, str] | None = None
+            ) -> JSONResponse:
+    """The error's response; its code goes on the request's log line, as an errored stream's does (a 503 said
+    nothing there of which 503 it was)."""
+    request_fields(request.scope)["error"] = body["error"]["code"] or body["error"]["type"]
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(e.TxlError)
-    async def _txl(_: Request, err: e.TxlError) -> JSONResponse:
+    async def _txl(request: Request, err: e.TxlError) -> JSONResponse:
         status, body = classify(err)
         headers = {"Retry-After": "1"} if status in (429, 503) else None
         if isinstance(err, e.EngineDead):  # until a restart: a Retry-After of a second asked for retries forever
@@ -87,7 +95,7 @@ def install(app: FastAPI) -> None:
             headers = {"Upgrade": "websocket", "Connection": "Upgrade"}
         if status == 409:  # the OpenAI SDKs retry a 409 unless told not to: a busy session's writes were made
             headers = {"x-should-retry": "false"}  # one after the other, in an order nobody chose (found by a helper)
-        return JSONResponse(body, status_code=status, headers=headers)
+        return _answer(request, body, status, headers)
 
     async def _key_first(request: Request) -> JSONResponse | None:
         """The 401 of a caller without a valid key, where the route takes one: FastAPI reads the body before it
@@ -111,7 +119,7 @@ def install(app: FastAPI) -> None:
         if param is None and not_json and "body is empty" not in msg:  # the body was never parsed as JSON
             msg = ("send the body as JSON with 'Content-Type: application/json' "
                    + (f"(this request's is {content_type!r})" if content_type else "(this request has none)"))
-        return JSONResponse(error_body(msg, "invalid_request_error", param, "invalid_value"), status_code=400)
+        return _answer(request, error_body(msg, "invalid_request_error", param, "invalid_value"), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -131,10 +139,10 @@ def install(app: FastAPI) -> None:
             400: (f"the request body could not be read as JSON: {unreadable_json(err.__cause__)}",
                   "invalid_request_error", "invalid_value"),
         }.get(err.status_code, (str(err.detail), "invalid_request_error", None))
-        return JSONResponse(error_body(message, type_, None, code), status_code=err.status_code,
-                            headers=getattr(err, "headers", None))
+        return _answer(request, error_body(message, type_, None, code), err.status_code,
+                       getattr(err, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _other(_: Request, err: Exception) -> JSONResponse:
+    async def _other(request: Request, err: Exception) -> JSONResponse:
         status, body = classify(err)
-        return JSONResponse(body, status_code=status)
+        return _answer(request, body, status)

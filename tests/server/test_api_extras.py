@@ -51,9 +51,19 @@ def test_every_response_has_a_request_id_and_one_log_line_without_the_prompt(ser
     mine = httpx.get(server.url + "/health", headers={"x-request-id": "bad id with spaces"})
     assert mine.headers["x-request-id"] != "bad id with spaces" and len(mine.headers["x-request-id"]) == 24
     assert httpx.get(server.url + "/nowhere").headers["x-request-id"]  # errors too
-    text = wait_for(lambda: next((x for x in server.log.read_text().splitlines() if '"request_id":"req-abc.123"' in x),
-                                 None), 10, "the request's log line")  # written once the response has ended
-    line = json.loads(text.split("txlserve.requests: ", 1)[1])
+    busy = httpx.post(server.url + "/v1/completions", json={"model": "nope", "prompt": "x"},
+                      headers={"x-request-id": "req-refused", "x-forwarded-for": "203.0.113.7"})  # a local proxy
+
+    def line_of(request_id: str) -> dict:
+        text = wait_for(lambda: next((x for x in server.log.read_text().splitlines()
+                                      if f'"request_id":"{request_id}"' in x), None),
+                        10, "the request's log line")  # written once the response has ended
+        return json.loads(text.split("txlserve.requests: ", 1)[1])
+    # who sent it, and (a refusal) which error: a 404 or a 503 said nothing of which it was
+    refused = line_of("req-refused")
+    assert busy.status_code == 404 and refused["error"] == busy.json()["error"]["code"] == "model_not_found"
+    line = line_of("req-abc.123")
+    assert line["client"] == "127.0.0.1" and refused["client"] == "203.0.113.7" and "error" not in line
     assert line["route"] == "/v1/completions" and line["status"] == 200 and line["session_id"] == sid
     assert line["prompt_tokens"] == len(secret_prompt) and line["completion_tokens"] == 5
     assert line["cached_tokens"] == 4 and line["total_ms"] >= line["start_ms"] >= 0

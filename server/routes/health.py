@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from importlib import metadata
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -15,6 +16,8 @@ from server.workers import all_metrics
 from txlserve.errors import StoreUnavailable
 
 router = APIRouter()
+log = logging.getLogger("txlserve.health")
+_said = [""]  # the store's last failure /ready logged
 try:
     _VERSION = metadata.version("txlserve")  # the installed distribution's, as `pip show txlserve` says
 except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
@@ -42,8 +45,13 @@ async def ready(request: Request) -> Response:
         return JSONResponse(error_body(f"not ready: {why}", "service_unavailable_error", None, why), 503)
     try:
         await rt.store.ping()
-    except StoreUnavailable as err:
-        return JSONResponse(error_body(f"not ready: {err}", "service_unavailable_error", None, err.code), 503)
+    except StoreUnavailable as err:  # why, in the log: this route is open, and the message named Redis's address
+        if str(err) != _said[0]:  # once per cause, not once per probe
+            log.warning("not ready: %s", err)
+            _said[0] = str(err)
+        return JSONResponse(error_body("not ready: the session store (Redis) does not answer; the server's log "
+                                       "says why", "service_unavailable_error", None, err.code), 503)
+    _said[0] = ""
     body = {"status": "ready", "model": rt.settings.model_name}
     if rt.worker is not None:  # which of the --workers answered (each connection stays with one)
         body["worker"] = rt.worker

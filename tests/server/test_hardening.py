@@ -370,11 +370,15 @@ def test_a_redis_password_never_reaches_a_log_or_a_response(checkpoint, tmp_path
                   httpx.post(srv.url + "/v1/sessions", json={"text": "x"}, timeout=30)]
         assert [b.status_code for b in bodies] == [503, 503, 503], [b.text for b in bodies]
         assert all(secret not in b.text and f"127.0.0.1:{redis_proc.port}" in b.text for b in bodies[1:])
+        # the open /ready names no address (the log says why): a probe answered who to attack (found by a helper)
+        assert f":{redis_proc.port}" not in bodies[0].text and bodies[0].json()["error"]["code"] == "store_unavailable"
+        assert "does not answer" in bodies[0].json()["error"]["message"]
     finally:
         srv.stop()
         redis_proc.stop()
     log = srv.log.read_text()
     assert f"Redis at redis://127.0.0.1:{redis_proc.port}/0" in log and secret not in log
+    assert log.count("txlserve.health: not ready: ") == 1  # once for the cause, not once per probe
 
 
 @pytest.mark.parametrize("text", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import signal
@@ -13,11 +14,12 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from txlserve_client import Client
+from txlserve_client import APIConnectionError, Client, Timeout
 from txlserve_client import chat as chat_module
 from txlserve_client._types import Session
 
 from tests.clients.conftest import CLIENT_SRC
+from tests.clients.scripted_ws import ScriptedWebSocket
 from tests.live import LONG, LiveServer
 from tests.procs import Streamed
 
@@ -425,3 +427,27 @@ def test_ctrl_c_over_http_cancels_the_line_and_the_chat_goes_on(server: LiveServ
         assert chat_proc.wait(timeout=60) == 0
     seen = client.sessions.get(session_id).tokens_seen
     assert len("hello\n") < seen < len("hello\n") + 4000  # stopped: some tokens, not all of them
+
+
+@pytest.mark.parametrize("cut", ["dropped", "silent"])
+def test_a_line_the_server_may_have_read_is_not_sent_again(cut: str) -> None:
+    """A connection that broke (a proxy that cut it) or stayed silent past the read timeout after the line left:
+    the chat opened another and sent the line again, which the server may already have fed to the session (a
+    review's finding). Only a connection found closed as the line was sent is opened again (the test above)."""
+    prompts = []
+
+    async def handler(ws) -> None:
+        async for raw in ws:
+            prompts.append(json.loads(raw)["prompt"])
+            if cut == "dropped":
+                ws.transport.abort()  # as a proxy drops it: no close frame
+                return
+
+    with ScriptedWebSocket(handler) as server, \
+            Client(base_url=server.url, timeout=Timeout(0.3, connect=5), max_retries=0) as client:
+        chat = chat_module.Chat(client, "m", Session("s-1", "m", 3, 8, 0, "hot", 0, 0),
+                                chat_module.build_parser().parse_args([]), out=io.StringIO(), err=io.StringIO())
+        with pytest.raises(APIConnectionError):
+            chat.generate("hi\n")
+        assert server.wait_ended(1)
+    assert prompts == ["hi\n"]

@@ -13,6 +13,7 @@ import txlserve_client
 from txlserve_client import (
     APIConnectionError,
     APIError,
+    APIStatusError,
     APITimeoutError,
     AuthenticationError,
     BadRequestError,
@@ -34,11 +35,13 @@ from tests.clients.conftest import CLIENT_SRC
 
 PUBLIC = {
     "Client", "AsyncClient", "Timeout", "__version__",
+    "Completions", "Sessions", "Models", "WebSocket", "AsyncCompletions", "AsyncSessions", "AsyncModels",
+    "AsyncWebSocket",
     "Completion", "CompletionChunk", "Usage", "Logprobs", "SessionRef", "Session", "AppendResult", "SessionDeleted",
     "SessionPage", "AsyncSessionPage", "Model",
     "Stream", "AsyncStream", "WebSocketConnection", "WebSocketStream", "AsyncWebSocketConnection",
     "AsyncWebSocketStream",
-    "APIError", "APIConnectionError", "APITimeoutError", "BadRequestError", "AuthenticationError",
+    "APIError", "APIConnectionError", "APITimeoutError", "APIStatusError", "BadRequestError", "AuthenticationError",
     "PermissionDeniedError", "NotFoundError", "ConflictError", "SessionBusyError", "PayloadTooLargeError",
     "UnprocessableEntityError", "RateLimitError", "RequestCancelledError", "ServiceUnavailableError",
     "InternalServerError",
@@ -83,6 +86,11 @@ def test_error_tree() -> None:
         assert issubclass(cls, APIError)
     assert issubclass(APITimeoutError, APIConnectionError)
     assert issubclass(SessionBusyError, ConflictError)
+    for cls in (BadRequestError, AuthenticationError, PermissionDeniedError, NotFoundError, ConflictError,
+                PayloadTooLargeError, UnprocessableEntityError, RateLimitError, RequestCancelledError,
+                ServiceUnavailableError, InternalServerError):  # as OpenAI's SDK's: one base for an error answer
+        assert issubclass(cls, APIStatusError) and issubclass(APIStatusError, APIError)
+    assert not issubclass(APIConnectionError, APIStatusError)
 
 
 def _body(type_: str, code: str | None, message: str = "m", param: str | None = None) -> dict:
@@ -103,7 +111,7 @@ def _body(type_: str, code: str | None, message: str = "m", param: str | None = 
     (503, "service_unavailable_error", "store_unavailable", ServiceUnavailableError),
     (500, "server_error", "internal_error", InternalServerError),
     (502, None, None, InternalServerError),
-    (405, "invalid_request_error", None, APIError),
+    (405, "invalid_request_error", None, APIStatusError),
 ])
 def test_errors_are_named_for_what_happened(status: int, type_: str, code: str, cls: type[APIError]) -> None:
     err = error_from_body(_body(type_, code, "what went wrong", "p"), status)

@@ -14,13 +14,14 @@ Light on purpose: it needs httpx and websockets only, never torch or the server.
 
 from httpx import Timeout
 
-from txlserve_client._async_client import AsyncClient
+from txlserve_client._async_client import AsyncClient, AsyncCompletions, AsyncModels, AsyncSessions, AsyncWebSocket
 from txlserve_client._async_websocket import AsyncWebSocketConnection, AsyncWebSocketStream
 from txlserve_client._base import __version__
-from txlserve_client._client import Client
+from txlserve_client._client import Client, Completions, Models, Sessions, WebSocket
 from txlserve_client._exceptions import (
     APIConnectionError,
     APIError,
+    APIStatusError,
     APITimeoutError,
     AuthenticationError,
     BadRequestError,
@@ -54,6 +55,9 @@ from txlserve_client._websocket import WebSocketConnection, WebSocketStream
 __all__ = [
     # clients
     "Client", "AsyncClient", "Timeout", "__version__",
+    # their resources (client.completions, .sessions, .models, .ws)
+    "Completions", "Sessions", "Models", "WebSocket", "AsyncCompletions", "AsyncSessions", "AsyncModels",
+    "AsyncWebSocket",
     # results
     "Completion", "CompletionChunk", "Usage", "Logprobs", "SessionRef", "Session", "AppendResult", "SessionDeleted",
     "SessionPage", "AsyncSessionPage", "Model",
@@ -61,7 +65,7 @@ __all__ = [
     "Stream", "AsyncStream", "WebSocketConnection", "WebSocketStream", "AsyncWebSocketConnection",
     "AsyncWebSocketStream",
     # errors
-    "APIError", "APIConnectionError", "APITimeoutError", "BadRequestError", "AuthenticationError",
+    "APIError", "APIConnectionError", "APITimeoutError", "APIStatusError", "BadRequestError", "AuthenticationError",
     "PermissionDeniedError", "NotFoundError", "ConflictError", "SessionBusyError", "PayloadTooLargeError",
     "UnprocessableEntityError", "RateLimitError", "RequestCancelledError", "ServiceUnavailableError",
     "InternalServerError",

@@ -14,6 +14,7 @@ import httpx
 from txlserve_client import _base as api
 from txlserve_client._async_websocket import AsyncConnect, AsyncWebSocketConnection, AsyncWebSocketStream
 from txlserve_client._base import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, BaseClient, Call
+from txlserve_client._exceptions import APIError
 from txlserve_client._streaming import AsyncStream
 from txlserve_client._types import AppendResult, AsyncSessionPage, Completion, Model, Session, SessionDeleted
 
@@ -23,6 +24,11 @@ T = TypeVar("T")
 
 class AsyncClient(BaseClient):
     """``Client`` for asyncio: the same options, and every method a coroutine."""
+
+    completions: AsyncCompletions
+    sessions: AsyncSessions
+    models: AsyncModels
+    ws: AsyncWebSocket
 
     def __init__(self, *, base_url: str | None = None, api_key: str | None = None,
                  timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
@@ -38,6 +44,7 @@ class AsyncClient(BaseClient):
         """The answer to ``call``, retried as the policy allows; raises the APIError of a failure."""
         request = call.build(self._http)
         attempt, lost = 0, False
+        before: APIError | None = None  # the last try's failure, the cause of the next one's
         while True:
             if self._http.is_closed:  # before the first try, or closed while a retry waited
                 raise api.closed_error()
@@ -48,19 +55,26 @@ class AsyncClient(BaseClient):
             except httpx.DecodingError as err:  # never retried: the same answer comes again
                 if stream:  # an error body read here (httpx closes the response of a call without stream)
                     await response.aclose()
-                raise api.decoding_error(err, response.status_code if stream else None) from err
+                raise api.decoding_error(err, response if stream else None) from err
             except httpx.TransportError as err:
-                if (delay := self._retry_delay(call, attempt)) is None:
-                    raise api.connection_error(err) from err
-                lost = lost or not isinstance(err, api.UNSENT)
+                before = api.connection_error(err)
+                before.__cause__ = err
+                if (delay := self._retry_delay(call, attempt, err=err)) is None:
+                    raise before from err
+                lost = lost or api.may_have_run(err)
             else:
                 if response.is_success:
+                    if stream and (wrong := api.stream_error(response)) is not None:
+                        await response.aclose()
+                        raise api.given_up(wrong, before)
                     return response
                 await response.aclose()
                 if (done := self._done_before(call, response, lost)) is not None:
                     return done
+                failed = api.given_up(api.error_from_response(response), before)
                 if (delay := self._retry_delay(call, attempt, response)) is None:
-                    raise api.error_from_response(response)
+                    raise failed
+                before, lost = failed, lost or api.may_have_run(response=response)
             log.info("retrying %s %s in %.2f s (attempt %d)", call.method, call.path, delay, attempt + 1)
             await asyncio.sleep(delay)
             attempt += 1
@@ -147,7 +161,7 @@ class AsyncSessions:
         return await self._client._call(api.session_export_call(session_id))
 
     async def import_(self, document: Mapping[str, Any]) -> AppendResult:
-        """A new session rebuilt from an ``export`` document; never retried."""
+        """A new session rebuilt from an ``export`` document; retried only where it provably did not run."""
         return await self._client._call(api.session_import_call(document))
 
 

@@ -16,16 +16,18 @@ import websockets.asyncio.client
 import websockets.exceptions
 from websockets.protocol import State
 
-from txlserve_client._base import BaseClient, Prompt, close_soon, closed_error, completion_body, connection_error
+from txlserve_client._base import BaseClient, Prompt, close_soon, closed_error, completion_body
 from txlserve_client._exceptions import APIError
 from txlserve_client._types import CompletionChunk
 from txlserve_client._websocket import (
     _CONNECT_ERRORS,
+    DROPPED_CLOSE_TIMEOUT_S,
     _cancel,
     _chunk,
     _closed,
     _message,
     _Running,
+    _timed_out,
     connect_error,
     connect_options,
 )
@@ -58,9 +60,6 @@ async def _within(aw: Awaitable[T], timeout: float) -> T:
         handle.cancel()
 
 
-DROPPED_CLOSE_TIMEOUT_S = 1.0  # a dropped connection's closing handshake, before its socket is closed regardless
-
-
 def _dropped(ws: websockets.asyncio.client.ClientConnection) -> Callable[[], Awaitable[None]]:
     """The close of a connection dropped mid-completion, bounded. Nothing read its tokens, so the library had
     paused reading, and its close waited for the server's close frame behind them: for its 10 s close timeout,
@@ -77,7 +76,7 @@ class AsyncWebSocketConnection(_Running):
         super().__init__()
         self._ws, self._read_timeout = ws, read_timeout
         self._loop = asyncio.get_running_loop()
-        self._owner: asyncio.Task | None = None  # the task that started the running completion
+        self._owner: asyncio.Task[Any] | None = None  # the task that started the running completion
         self._starting = asyncio.Lock()  # as the sync connection's lock: one task at a time checks, finishes the
         # completion before and sends (two tasks that took over a dropped one both read it: the library's error)
 
@@ -128,18 +127,22 @@ class AsyncWebSocketConnection(_Running):
                 while self._running:
                     _chunk(await self._next())
         except APIError:
-            pass  # the completion is over either way
+            self._abandoned()  # the completion is over either way
 
     async def _send(self, msg: dict[str, Any]) -> None:
+        self._usable()
         try:
             await self._ws.send(json.dumps(msg))
         except websockets.exceptions.ConnectionClosed as err:
             raise _closed(err) from err
 
     async def _next(self) -> dict[str, Any]:
-        return self._heard(await self._recv())
+        while not self._ours(msg := await self._recv()):
+            pass
+        return self._heard(msg)
 
     async def _recv(self) -> dict[str, Any]:
+        self._usable()
         try:
             if self._read_timeout is None:
                 return _message(await self._ws.recv())
@@ -147,7 +150,10 @@ class AsyncWebSocketConnection(_Running):
         except websockets.exceptions.ConnectionClosed as err:
             raise _closed(err) from err
         except (TimeoutError, asyncio.TimeoutError) as err:  # two classes before Python 3.11
-            raise connection_error(err) from err
+            self._gave_up()
+            with contextlib.suppress(Exception):  # closed either way
+                await _dropped(self._ws)()
+            raise _timed_out(self._read_timeout) from err
 
     async def close(self) -> None:
         await self._ws.close()

@@ -2,16 +2,24 @@
 the parser of its answer), the retry policy, and the mapping of failures to exceptions. The two
 clients add only the transport: the same loop with ``time.sleep`` or ``await asyncio.sleep``.
 
-Retries. A call is sent again only when sending it twice cannot change the result:
+Retries, as OpenAI's SDK makes them, less those that could apply a call twice. At most ``max_retries``
+times, after the server's ``retry-after-ms`` or ``Retry-After`` (one over 60 s is not waited for: the
+backoff applies), else after ``0.5 s * 2**attempt`` (at most 8 s, less up to 25% jitter):
 
-- GETs, DELETEs, and completions *without* a session (a stateless function of their
-  parameters; with ``stream=True``, only before any of the stream was read) are retried on
-  429, 503, timeouts and connection errors, after ``0.5 s * 2**attempt`` (at most 8 s, with
-  jitter) or the server's ``Retry-After``, at most ``max_retries`` times.
-- Appends and completions *in* a session are never retried: each feeds text to the session's
-  memory, and a failure after the server committed (a reset connection, a timeout) would feed
-  it twice. Creating and forking sessions are not retried either: a lost answer would leave a
-  second session behind. These raise at once; the caller knows whether a retry is safe.
+- Any call whose request provably never ran: one that could not connect (refused, a connect or pool
+  timeout: ``UNSENT``), or answered 429 or 503 with a ``Retry-After`` (the server sends one only where
+  nothing ran). An answer with ``x-should-retry: false`` is never retried (the server's 503 whose commit
+  is unknown, and its busy-session 409).
+- GETs, DELETEs, and completions *without* a session (a stateless function of their parameters; with
+  ``stream=True``, only before any of the stream was read) are also retried on a timeout or a broken
+  connection, and on 408, 409, 429 and 5xx answers, or any answer with ``x-should-retry: true``.
+- Appends and completions *in* a session are not retried otherwise: each feeds text to the session's
+  memory, and a failure after the server committed (a reset connection, a timeout, a proxy's 502) would
+  feed it twice. Creating, forking and importing sessions neither: a lost answer would leave a second
+  session behind. The caller knows whether a retry is safe.
+
+The error a retried call finally raises has the error of the try before it as its ``__cause__`` (where it
+has none of its own), so that a 404 after a timed-out DELETE or a 503 after a refused connection says so.
 """
 
 from __future__ import annotations
@@ -31,7 +39,13 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
-from txlserve_client._exceptions import APIConnectionError, APIError, APITimeoutError, error_from_body
+from txlserve_client._exceptions import (
+    APIConnectionError,
+    APIError,
+    APIStatusError,
+    APITimeoutError,
+    error_from_body,
+)
 from txlserve_client._types import AppendResult, Completion, Model, Session, SessionDeleted
 
 __version__ = "0.1.0"
@@ -39,13 +53,14 @@ __version__ = "0.1.0"
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)  # read: the longest wait for the next byte of an answer
 DEFAULT_MAX_RETRIES = 2
-RETRY_STATUSES = frozenset({429, 503})
+RETRY_STATUSES = frozenset({408, 409, 429})  # and 5xx: OpenAI's SDK's, for a call that may run twice
+NOT_RUN_STATUSES = frozenset({429, 503})  # with a Retry-After: the server's word that nothing ran
 # failures before a request left: its answer was not lost, as a broken connection's may be (``_done_before``)
 UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 MAX_RETRY_AFTER = 60.0  # a longer Retry-After is not waited for: the normal backoff applies
 
 T = TypeVar("T")
-_CLOSING: set[asyncio.Task] = set()  # closes begun by finalizers (``close_soon``), held until they end
+_CLOSING: set[asyncio.Task[None]] = set()  # closes begun by finalizers (``close_soon``), held until they end
 
 
 @dataclass(frozen=True)
@@ -71,7 +86,7 @@ class Call(Generic[T]):
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
             raise APIError(f"the answer to {self.method} {self.path} is not a txlserve server's ({type(err).__name__}"
                            f"; {response.headers.get('content-type', 'no content type')})",
-                           status=response.status_code) from None
+                           status=response.status_code, response=response) from None
 
     def build(self, http: httpx.Client | httpx.AsyncClient) -> httpx.Request:
         if self.json is None:
@@ -176,27 +191,44 @@ def error_from_response(response: httpx.Response) -> APIError:
     """The exception for a non-2xx answer whose body has been read."""
     location = response.headers.get("location")
     if 300 <= response.status_code < 400 and location:  # not followed (httpx's default): say where it points
-        return APIError(f"the server redirected to {location[:200]!r}, and this client follows no redirect: set "
-                        f"base_url to the server's own URL (its scheme, host and port)", status=response.status_code)
+        return APIStatusError(f"the server redirected to {location[:200]!r}, and this client follows no redirect: "
+                              f"set base_url to the server's own URL (its scheme, host and port)",
+                              status=response.status_code, response=response)
     try:
         body = response.json()
     except ValueError:
         body = None
-    return error_from_body(body, response.status_code, response.text[:200] or response.reason_phrase)
+    return error_from_body(body, response.status_code, response.text[:200] or response.reason_phrase,
+                           response=response)
+
+
+def stream_error(response: httpx.Response) -> APIError | None:
+    """Why a 2xx answer to ``stream=True`` is no event stream (a proxy's page, JSON from a server that does not
+    stream), or None: read as SSE, it held no event and raised "the stream ended before [DONE]", which blamed
+    the connection for an answer of another kind."""
+    kind = response.headers.get("content-type", "")
+    if kind.split(";")[0].strip().lower() == "text/event-stream":
+        return None
+    return APIError(f"the answer to a streamed completion is {kind[:100] or 'of no content type'} (HTTP "
+                    f"{response.status_code}), not an event stream (text/event-stream): is base_url the txlserve "
+                    f"server's, with no proxy between that answers for it?", status=response.status_code,
+                    response=response)
 
 
 def connection_error(err: Exception) -> APIConnectionError:
-    where = _origin(err)
+    where, request = _origin(err), _request(err)
     if isinstance(err, (httpx.TimeoutException, TimeoutError, asyncio.TimeoutError)):  # two classes before 3.11
-        return APITimeoutError(f"the request{where} timed out ({type(err).__name__}: {err})")
-    return APIConnectionError(f"could not talk to the txlserve server{where} ({type(err).__name__}: {err})")
+        return APITimeoutError(f"the request{where} timed out ({type(err).__name__}: {err})", request=request)
+    return APIConnectionError(f"could not talk to the txlserve server{where} ({type(err).__name__}: {err})",
+                              request=request)
 
 
-def decoding_error(err: Exception, status: int | None = None) -> APIError:
+def decoding_error(err: Exception, response: httpx.Response | None = None) -> APIError:
     """A body that httpx could not decode: its Content-Encoding (gzip, deflate...) does not match it, as where a
     proxy labels plain text gzip. httpx's DecodingError is no TransportError, and reached the caller as itself."""
     return APIError(f"the answer{_origin(err)} could not be decoded: its Content-Encoding does not match its body "
-                    f"({type(err).__name__}: {err})", status=status)
+                    f"({type(err).__name__}: {err})", status=response.status_code if response is not None else None,
+                    response=response, request=_request(err))
 
 
 def closed_error() -> APIConnectionError:
@@ -234,19 +266,33 @@ def close_soon(loop: asyncio.AbstractEventLoop | None, close: Callable[[], Await
         loop.call_soon_threadsafe(start)
 
 
+def _request(err: Exception) -> httpx.Request | None:
+    """The request that failed, where httpx knows it."""
+    try:
+        request = err.request  # type: ignore[attr-defined]  # httpx raises RuntimeError where it has none
+    except (AttributeError, RuntimeError):
+        return None
+    return request if isinstance(request, httpx.Request) else None
+
+
 def _origin(err: Exception) -> str:
     """`` at scheme://host:port`` of the request that failed, where httpx knows it (never its path or query,
     which may carry a key)."""
-    try:
-        url = err.request.url  # type: ignore[attr-defined]  # httpx raises RuntimeError where it has none
-    except (AttributeError, RuntimeError):
+    if (request := _request(err)) is None:
         return ""
+    url = request.url
     if not url.scheme or not url.host:  # not a URL at all (httpx says so in the error itself)
         return ""
     return f" at {url.scheme}://{url.netloc.decode('ascii', 'replace')}"
 
 
 def _retry_after(response: httpx.Response) -> float | None:
+    """The wait the server asks for: ``retry-after-ms`` (OpenAI's, first), else ``Retry-After`` in seconds or as
+    a date; None where it names none, or one over ``MAX_RETRY_AFTER`` (the backoff applies instead)."""
+    if (ms := response.headers.get("retry-after-ms")) is not None:
+        with contextlib.suppress(ValueError):
+            seconds = float(ms) / 1000
+            return seconds if 0 <= seconds <= MAX_RETRY_AFTER else None
     raw = response.headers.get("retry-after")
     if raw is None:
         return None
@@ -257,9 +303,35 @@ def _retry_after(response: httpx.Response) -> float | None:
     except ValueError:  # an HTTP date
         try:
             seconds = email.utils.parsedate_to_datetime(raw).timestamp() - time.time()
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return None
     return max(seconds, 0.0) if seconds <= MAX_RETRY_AFTER else None
+
+
+def should_retry(call: Call[Any], response: httpx.Response) -> bool:
+    """Whether an error answer is worth sending ``call`` again for (the module docstring says why)."""
+    said = response.headers.get("x-should-retry", "").strip().lower()
+    if said == "false":
+        return False
+    if not call.retry:  # it may have run: only the server's word that it did not
+        return response.status_code in NOT_RUN_STATUSES and ("retry-after" in response.headers
+                                                            or "retry-after-ms" in response.headers)
+    return said == "true" or response.status_code in RETRY_STATUSES or response.status_code >= 500
+
+
+def may_have_run(err: Exception | None = None, response: httpx.Response | None = None) -> bool:
+    """Whether a failed try may have done its work (its answer lost): a broken connection or a timeout after the
+    request left, or a 5xx no ``Retry-After`` says ran nothing (a proxy's 502 or 504 after the server's work)."""
+    if response is not None:
+        return response.status_code >= 500 and "retry-after" not in response.headers
+    return not isinstance(err, UNSENT)
+
+
+def given_up(error: APIError, before: APIError | None) -> APIError:
+    """``error``, the last try's, chained to the try's before it where it has no cause of its own."""
+    if before is not None and error.__cause__ is None:
+        error.__cause__ = before
+    return error
 
 
 # Visible ASCII: what a Bearer token can be sent as. Anything else failed in httpx or websockets with a message
@@ -322,13 +394,17 @@ class BaseClient:
             return None
         return httpx.Response(200, json=call.gone, request=response.request)
 
-    def _retry_delay(self, call: Call[Any], attempt: int, response: httpx.Response | None = None) -> float | None:
-        """Seconds to wait before sending ``call`` again after a failed ``attempt``, or None to give up."""
-        if not call.retry or attempt >= self.max_retries:
+    def _retry_delay(self, call: Call[Any], attempt: int, response: httpx.Response | None = None,
+                     err: Exception | None = None) -> float | None:
+        """Seconds to wait before sending ``call`` again after a failed ``attempt`` (its error answer, or the
+        transport error ``err``), or None to give up."""
+        if attempt >= self.max_retries:
             return None
         if response is not None:
-            if response.status_code not in RETRY_STATUSES:
+            if not should_retry(call, response):
                 return None
             if (after := _retry_after(response)) is not None:
                 return after
+        elif not call.retry and not isinstance(err, UNSENT):
+            return None
         return min(self.initial_retry_delay * 2.0**attempt, self.max_retry_delay) * (1 - 0.25 * random.random())

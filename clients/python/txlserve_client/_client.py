@@ -12,6 +12,7 @@ import httpx
 
 from txlserve_client import _base as api
 from txlserve_client._base import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, BaseClient, Call
+from txlserve_client._exceptions import APIError
 from txlserve_client._streaming import Stream
 from txlserve_client._types import AppendResult, Completion, Model, Session, SessionDeleted, SessionPage
 from txlserve_client._websocket import WebSocketConnection, WebSocketStream
@@ -25,8 +26,13 @@ class Client(BaseClient):
 
     ``base_url`` defaults to ``$TXLSERVE_BASE_URL`` (else http://127.0.0.1:8000), ``api_key`` to
     ``$TXLSERVE_API_KEY``; ``timeout`` is an ``httpx.Timeout`` or seconds (None: wait forever);
-    ``max_retries`` applies to calls that are safe to repeat (see ``txlserve_client._base``).
+    ``max_retries`` applies where a second try cannot apply a call twice (see ``txlserve_client._base``).
     """
+
+    completions: Completions
+    sessions: Sessions
+    models: Models
+    ws: WebSocket
 
     def __init__(self, *, base_url: str | None = None, api_key: str | None = None,
                  timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
@@ -42,6 +48,7 @@ class Client(BaseClient):
         """The answer to ``call``, retried as the policy allows; raises the APIError of a failure."""
         request = call.build(self._http)
         attempt, lost = 0, False
+        before: APIError | None = None  # the last try's failure, the cause of the next one's
         while True:
             if self._http.is_closed:  # before the first try, or closed while a retry waited
                 raise api.closed_error()
@@ -52,19 +59,26 @@ class Client(BaseClient):
             except httpx.DecodingError as err:  # never retried: the same answer comes again
                 if stream:  # an error body read here (httpx closes the response of a call without stream)
                     response.close()
-                raise api.decoding_error(err, response.status_code if stream else None) from err
+                raise api.decoding_error(err, response if stream else None) from err
             except httpx.TransportError as err:
-                if (delay := self._retry_delay(call, attempt)) is None:
-                    raise api.connection_error(err) from err
-                lost = lost or not isinstance(err, api.UNSENT)
+                before = api.connection_error(err)
+                before.__cause__ = err
+                if (delay := self._retry_delay(call, attempt, err=err)) is None:
+                    raise before from err
+                lost = lost or api.may_have_run(err)
             else:
                 if response.is_success:
+                    if stream and (wrong := api.stream_error(response)) is not None:
+                        response.close()
+                        raise api.given_up(wrong, before)
                     return response
                 response.close()
                 if (done := self._done_before(call, response, lost)) is not None:
                     return done
+                failed = api.given_up(api.error_from_response(response), before)
                 if (delay := self._retry_delay(call, attempt, response)) is None:
-                    raise api.error_from_response(response)
+                    raise failed
+                before, lost = failed, lost or api.may_have_run(response=response)
             log.info("retrying %s %s in %.2f s (attempt %d)", call.method, call.path, delay, attempt + 1)
             time.sleep(delay)
             attempt += 1
@@ -143,8 +157,9 @@ class Sessions:
         return self._client._call(api.session_delete_call(session_id))
 
     def append(self, session_id: str, text: str, *, logprobs: int | None = None) -> AppendResult:
-        """Feed ``text`` to the session's memory (nothing is generated); never retried. With ``logprobs``,
-        the result's ``logprobs`` scores each token of it (with that many alternatives)."""
+        """Feed ``text`` to the session's memory (nothing is generated); retried only where it provably did not
+        run (see ``txlserve_client._base``). With ``logprobs``, the result's ``logprobs`` scores each token of it
+        (with that many alternatives)."""
         return self._client._call(api.session_append_call(session_id, text, logprobs))
 
     def fork(self, session_id: str, *, metadata: Mapping[str, str] | None = None) -> Session:
@@ -157,7 +172,8 @@ class Sessions:
         return self._client._call(api.session_export_call(session_id))
 
     def import_(self, document: Mapping[str, Any]) -> AppendResult:
-        """A new session (this client's key owns it) rebuilt from an ``export`` document; never retried."""
+        """A new session (this client's key owns it) rebuilt from an ``export`` document; retried only where it
+        provably did not run."""
         return self._client._call(api.session_import_call(document))
 
 

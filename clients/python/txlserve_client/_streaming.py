@@ -16,7 +16,7 @@ from types import TracebackType
 import httpx
 
 from txlserve_client._base import close_soon, connection_error, decoding_error
-from txlserve_client._exceptions import APIConnectionError, APIError, error_from_body
+from txlserve_client._exceptions import APIConnectionError, APIError, error_from_body, request_of
 from txlserve_client._types import CompletionChunk
 
 DONE = "[DONE]"
@@ -72,18 +72,19 @@ class SSEEvents:
         return [data for line in self._lines.feed(text) if (data := self._decoder.feed(line)) is not None]
 
 
-def chunk_from_event(data: str) -> CompletionChunk | None:
-    """The chunk an event carries; None for the final ``[DONE]``; raises the error an error event carries."""
+def chunk_from_event(data: str, response: httpx.Response | None = None) -> CompletionChunk | None:
+    """The chunk an event carries; None for the final ``[DONE]``; raises the error an error event carries (with
+    ``response``, the stream's)."""
     if data == DONE:
         return None
     try:
         body = json.loads(data)
         if "error" in body:
-            raise error_from_body(body)
+            raise error_from_body(body, response=response)
         return CompletionChunk.from_sse(body)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:  # not the server's event
         raise APIError(f"an event of the stream is not a txlserve server's ({type(err).__name__}): "
-                       f"{data[:200]!r}") from None
+                       f"{data[:200]!r}", response=response) from None
 
 
 _ENDED_EARLY = "the stream ended before [DONE]: the server closed the connection"
@@ -98,16 +99,16 @@ def _iter_chunks(response: httpx.Response) -> Generator[CompletionChunk, None, N
     try:
         for text in response.iter_text():
             for data in events.feed(text):
-                if (chunk := chunk_from_event(data)) is None:
+                if (chunk := chunk_from_event(data, response)) is None:
                     return
                 yield chunk
     except httpx.TransportError as err:
         raise connection_error(err) from err
     except httpx.DecodingError as err:
-        raise decoding_error(err, response.status_code) from err
+        raise decoding_error(err, response) from err
     finally:
         response.close()
-    raise APIConnectionError(_ENDED_EARLY)
+    raise APIConnectionError(_ENDED_EARLY, request=request_of(response))
 
 
 async def _aiter_chunks(response: httpx.Response) -> AsyncGenerator[CompletionChunk, None]:
@@ -116,16 +117,16 @@ async def _aiter_chunks(response: httpx.Response) -> AsyncGenerator[CompletionCh
     try:
         async for text in response.aiter_text():
             for data in events.feed(text):
-                if (chunk := chunk_from_event(data)) is None:
+                if (chunk := chunk_from_event(data, response)) is None:
                     return
                 yield chunk
     except httpx.TransportError as err:
         raise connection_error(err) from err
     except httpx.DecodingError as err:
-        raise decoding_error(err, response.status_code) from err
+        raise decoding_error(err, response) from err
     finally:
         await response.aclose()
-    raise APIConnectionError(_ENDED_EARLY)
+    raise APIConnectionError(_ENDED_EARLY, request=request_of(response))
 
 
 class Stream(Iterator[CompletionChunk]):

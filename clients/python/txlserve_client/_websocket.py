@@ -17,6 +17,13 @@ A stream of ``ws.stream`` dropped unfinished closes its connection, and a connec
 closes itself, as a dropped SSE stream does: the server then stops the completion and commits what it
 made, where the session stayed busy until the completion ran to its end (found by a helper).
 
+A read that times out (no message within the client's read timeout) closes the connection, as httpx drops a
+connection whose read timed out: the server then stops the completion and commits what it made, and every later
+call on the connection raises APIConnectionError. Kept open, the connection's next completion was answered with
+the late messages of the one before (its tokens, or its 499 that says nothing was stored when the first had
+been). A message naming another completion than the running one (a late one of an earlier completion) is
+skipped for the same reason.
+
 A connection is not thread-safe: it runs one completion at a time, read by one thread (``cancel()`` may come
 from another). Open one connection per thread; the ``Client`` itself may be shared.
 """
@@ -29,6 +36,7 @@ import json
 import sys
 import threading
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
@@ -37,10 +45,17 @@ import websockets.exceptions
 import websockets.sync.client
 
 from txlserve_client._base import BaseClient, Prompt, closed_error, completion_body, connection_error
-from txlserve_client._exceptions import APIConnectionError, APIError, AuthenticationError, error_from_body
+from txlserve_client._exceptions import (
+    APIConnectionError,
+    APIError,
+    APITimeoutError,
+    AuthenticationError,
+    error_from_body,
+)
 from txlserve_client._types import CompletionChunk
 
 MAX_MESSAGE_BYTES = 16 * 2**20
+DROPPED_CLOSE_TIMEOUT_S = 1.0  # a dropped or timed-out connection's closing handshake, before its socket is closed
 _END_TYPES = ("completion.done", "error")
 # what opening a connection can raise, said as connect_error: InvalidURI where a redirect points to http(s)://
 # (websockets follows redirects itself)
@@ -99,6 +114,12 @@ def _closed(err: websockets.exceptions.ConnectionClosed) -> APIConnectionError:
     return APIConnectionError(f"the WebSocket closed ({err})")
 
 
+def _timed_out(read_timeout: float | None) -> APITimeoutError:
+    return APITimeoutError(f"no message from the server within the read timeout ({read_timeout:g} s): the WebSocket "
+                           f"was closed, so the server stops the completion; in a session it keeps what it had made "
+                           f"by then (sessions.get tells how much). Open a new connection for the next completion")
+
+
 class _Running:
     """What a connection knows of its running completion: whether its end is still to be read, its id once named,
     and its stream while referenced. Not the stream itself: a stream that held its connection and was held by it
@@ -108,6 +129,37 @@ class _Running:
         self._running = False
         self._running_id: str | None = None
         self._active: weakref.ref[Any] | None = None
+        self._ended: deque[str] = deque(maxlen=16)  # the ids of the last completions whose end was read
+        self._broken: str | None = None  # why the connection was closed under its user (a read that timed out)
+
+    def _usable(self) -> None:
+        """Raise where the connection was closed under its user: the library's own error would not say why."""
+        if self._broken is not None:
+            raise APIConnectionError(f"this WebSocket connection is closed: {self._broken}; open another "
+                                     f"(client.ws.connect())")
+
+    def _ours(self, msg: dict[str, Any]) -> bool:
+        """Whether ``msg`` is the running completion's. One naming another completion is a late message of an
+        earlier one (a cancel's answer that came after its reader gave up): taken as this one's, it gave it the
+        other's tokens, or the other's 499 ("nothing was stored") for a completion that was stored. One naming
+        none answers the message just sent (a request refused before its run began)."""
+        mid = msg.get("id")
+        if not isinstance(mid, str) or not mid:
+            return True
+        if self._running_id is not None:
+            return mid == self._running_id
+        return mid not in self._ended
+
+    def _abandoned(self) -> None:
+        """Note a completion left unread to its end (its reader failed): a late message of it is skipped."""
+        if self._running and self._running_id is not None:
+            self._ended.append(self._running_id)
+        self._running = False
+
+    def _gave_up(self) -> None:
+        """Note a read that timed out: the completion is left to the server to stop once the connection closes."""
+        self._running = False
+        self._broken = "a read timed out, and it was closed then"
 
     def _read_elsewhere(self) -> bool:
         """Whether a completion runs whose stream someone still holds: one left by ``break`` and dropped is read
@@ -119,7 +171,9 @@ class _Running:
         self._running_id = msg.get("id") or self._running_id
         if msg.get("type") in _END_TYPES:
             self._running = False
-            if (stream := self._active and self._active()) is not None:
+            if self._running_id is not None:
+                self._ended.append(self._running_id)
+            if (stream := self._active() if self._active is not None else None) is not None:
                 stream.done = True
         return msg
 
@@ -171,7 +225,7 @@ class WebSocketConnection(_Running):
                 while self._running:
                     _chunk(self._next())
         except APIError:
-            pass  # the completion is over either way
+            self._abandoned()  # the completion is over either way
 
     def cancel(self) -> None:
         """Stop the running completion; its stream then ends with finish_reason "cancelled"."""
@@ -179,21 +233,29 @@ class WebSocketConnection(_Running):
             self._send(_cancel(self._running_id))
 
     def _send(self, msg: dict[str, Any]) -> None:
+        self._usable()
         try:
             self._ws.send(json.dumps(msg))
         except websockets.exceptions.ConnectionClosed as err:
             raise _closed(err) from err
 
     def _next(self) -> dict[str, Any]:
-        return self._heard(self._recv())
+        while not self._ours(msg := self._recv()):
+            pass
+        return self._heard(msg)
 
     def _recv(self) -> dict[str, Any]:
+        self._usable()
         try:
             return _message(self._ws.recv(timeout=self._read_timeout))
         except websockets.exceptions.ConnectionClosed as err:
             raise _closed(err) from err
         except (TimeoutError, asyncio.TimeoutError) as err:  # two classes before Python 3.11
-            raise connection_error(err) from err
+            self._gave_up()
+            self._ws.close_timeout = DROPPED_CLOSE_TIMEOUT_S
+            with contextlib.suppress(Exception):  # closed either way
+                self.close()
+            raise _timed_out(self._read_timeout) from err
         except RuntimeError as err:  # websockets' ConcurrencyError (a RuntimeError before 14.0): a second reader
             raise APIError("another thread is reading this WebSocket: a connection is read by one thread at a "
                            "time (open one connection per thread)") from err

@@ -14,7 +14,7 @@ import io
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, NoReturn, TextIO
 
 from txlserve_client._client import Client
@@ -60,7 +60,7 @@ def build_parser(prog: str = "txlserve-chat") -> argparse.ArgumentParser:
     return p
 
 
-def _bounded(kind: type, lo: float, hi: float | None):  # noqa: ANN202 (an argparse type)
+def _bounded(kind: Callable[[str], float], lo: float, hi: float | None) -> Callable[[str], float]:
     """Refused when the command starts, not at the first line typed (the server would refuse it then)."""
     def parse(text: str) -> float:
         try:
@@ -160,7 +160,7 @@ class Chat:
             self._pressed = True
             if self._sse:  # an HTTP stream's cancel is its close: out of the read it waits in, in generate()
                 raise KeyboardInterrupt
-            if self._stream is not None:
+            if self._stream is not None and not isinstance(self._stream, Stream):  # Stream: over HTTP, above
                 self._stream.cancel()
 
     def _lines(self) -> int:
@@ -255,14 +255,18 @@ class Chat:
             self.out.write("\n")
         self.out.flush()
 
-    def _chunks(self, prompt: str) -> Iterator[CompletionChunk]:
+    def _chunks(self, prompt: str) -> Generator[CompletionChunk, None, None]:
         """The completion's chunks, on the chat's connection: a busy session (a cancelled run still committing)
-        is asked again for a few seconds, and a connection found closed (a server restarted between two lines)
-        is opened again once; either before anything was generated."""
+        is asked again for a few seconds, and a connection found closed as the line was sent (a server restarted
+        between two lines) is opened again once; either before anything was generated. A connection that broke
+        or timed out after the line left is not: the server may have read the line (a proxy that cut the
+        connection then), and it was fed twice (a review's finding)."""
         deadline, reopened = time.monotonic() + BUSY_WAIT_S, False
         while True:
+            unsent = True  # until the line has left: a failure before then provably fed the session nothing
             try:
                 self._stream = self._send(prompt)
+                unsent = False
                 if self._stream is None:  # Ctrl-C before it was sent: nothing is
                     return
                 first = next(self._stream, None)
@@ -276,8 +280,8 @@ class Chat:
                     with contextlib.suppress(Exception):
                         self._conn.close()
                     self._conn = None
-                if reopened or self._sse:  # an HTTP request may have reached the server: never sent twice
-                    raise
+                if reopened or self._sse or not unsent:  # an HTTP request may have reached the server, and so
+                    raise  # may a line sent on a WebSocket: never sent twice
                 reopened = True
                 continue
             if first is not None:
@@ -304,9 +308,11 @@ class Chat:
                     temperature=self.args.temperature, session_id=self.session.id)
         if self._sse:
             return self.client.completions.create(**body, stream=True)
+        assert self._conn is not None  # opened above, unless the lines go over HTTP
         stream = self._conn.completion(**body)
         if self._pressed:  # pressed as it was sent, before the handler could see the stream
-            stream.cancel()
+            with contextlib.suppress(APIConnectionError):  # the line left: its read says so (_chunks resends none)
+                stream.cancel()
         return stream
 
 

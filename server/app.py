@@ -325,15 +325,38 @@ def _offline_docs(app: FastAPI) -> None:
 
 
 STATIC = Path(__file__).resolve().parent / "static"
+# The playground's files only (the API's answers are JSON that no browser renders): another site could frame the
+# page and trick a click onto its Delete buttons. The page has no inline script or style, so 'self' is all it needs
+# ('self' covers its WebSocket, same-origin ws: or wss:); the favicon is a data: URL.
+PAGE_HEADERS = {
+    "content-security-policy": "default-src 'self'; connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'; "
+                               "base-uri 'none'; form-action 'none'",
+    "x-frame-options": "DENY",  # frame-ancestors for browsers without CSP 2
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+}
+
+
+def _with_page_headers(app: ASGIApp) -> ASGIApp:
+    """``PAGE_HEADERS`` on every answer of a mount (StaticFiles takes no headers)."""
+    extra = [(name.encode(), value.encode()) for name, value in PAGE_HEADERS.items()]
+
+    async def serve(scope: Scope, receive: Receive, send: Send) -> None:
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
+            await send(message)
+        await app(scope, receive, sending)
+    return serve
 
 
 def _playground(app: FastAPI) -> None:
     """The web playground at /: static files in the package, no build step, no CDN (works offline)."""
-    app.mount("/static", ws.http_only(StaticFiles(directory=STATIC)), name="static")
+    app.mount("/static", ws.http_only(_with_page_headers(StaticFiles(directory=STATIC))), name="static")
 
     @app.get("/", include_in_schema=False)
     async def playground() -> FileResponse:
-        return FileResponse(STATIC / "index.html", media_type="text/html")
+        return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
 
 
 def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:

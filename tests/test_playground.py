@@ -248,6 +248,8 @@ http {
       proxy_set_header X-Forwarded-Host $http_host;  # the WebSocket's origin check knows the page's host
       proxy_buffering off;
     }
+    location /bad/ { proxy_pass http://127.0.0.1:UPSTREAM/; }
+    location /bad/v1/ { return 502; }
   }
 }
 """
@@ -267,9 +269,16 @@ def test_the_playground_works_under_a_path_prefix(server, browser, tmp_path):
         _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "the model line, read through the prefix")
         accent = "return getComputedStyle(document.documentElement).getPropertyValue('--accent').trim()"
         assert driver.execute_script(accent) == "#2458c6", "the stylesheet did not load through the prefix"
-        _create_and_continue(driver, "through the prefix")  # its WebSocket too
+        _create_and_continue(driver, "through the prefix")  # its WebSocket too, under the page's policy
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
+        assert "frame-ancestors 'none'" in httpx.get(url, timeout=30).headers["content-security-policy"]
+
+        # a proxy's own error page (no JSON, no code) read "502 : Bad Gateway"
+        driver.get(f"http://127.0.0.1:{port}/bad/")
+        _wait(driver, lambda d: _by_id(d, "error").text, "the proxy's 502")
+        assert _by_id(driver, "error").text == "502: Bad Gateway"
+        driver.get_log("browser")  # the 502s, logged
 
 
 def test_the_playground_with_api_keys_connects_once_a_key_is_typed_and_shows_a_streams_error(checkpoint, redis_url,
@@ -330,3 +339,307 @@ def test_the_playground_with_api_keys_connects_once_a_key_is_typed_and_shows_a_s
         assert "does not answer" in _by_id(driver, "model-line").text
     finally:
         srv.stop()
+
+
+def _severe(driver, *expected: str) -> list[dict]:
+    """The browser's console errors, less those a test caused on purpose (a refused request's status, say)."""
+    return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"
+            and not any(x in e["message"] for x in expected)]
+
+
+def _open(driver, url: str) -> None:
+    driver.get_log("browser")  # drop what an earlier test left
+    driver.get(url)
+    _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "the model line")
+    _settled(driver)
+
+
+# The page's fetches of one method whose path ends so are held until window.release(): a slow server, on cue.
+# window.answered counts the held answers the page has read and acted on (a task after its json() resolved);
+# window.fetch = window.unheld undoes it. window.named lists every session the memory panel named since (a moment's
+# wrong figures, put right by the list's refresh that follows, are caught too).
+HOLD = """
+const [method, tail] = arguments, real = window.unheld || (window.unheld = window.fetch);
+window.held = []; window.answered = 0; window.named = [];
+const current = document.getElementById("current");
+new MutationObserver(() => window.named.push(current.textContent)).observe(current, { childList: true });
+window.release = () => window.held.splice(0).forEach((go) => go());
+window.fetch = (url, init) => {
+  const answer = real(url, init);
+  if (init.method !== method || !("/" + url).endsWith(tail)) return answer;
+  const late = answer.then((r) => {
+    const json = r.json.bind(r);
+    r.json = () => json().finally(() => setTimeout(() => { window.answered += 1; }));
+    return r;
+  });
+  return new Promise((resolve) => window.held.push(() => resolve(late)));
+};
+"""
+
+
+def test_the_playground_shows_only_the_selected_sessions_figures_and_output(server, browser):
+    """A slow answer for the session selected before (its GET, an append's POST) overwrote the next one's figures;
+    a continuation of A stayed under B once it ended, and an append's result stayed under the next session."""
+    from selenium.webdriver.common.keys import Keys
+
+    driver = browser
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        a = c.post("/v1/sessions", json={"text": DOC, "metadata": {"title": "A"}}).json()["id"]
+        b = c.post("/v1/sessions", json={"metadata": {"title": "B"}}).json()["id"]
+    _open(driver, server.url + "/")
+
+    driver.execute_script(HOLD, "GET", f"/v1/sessions/{a}")
+    _click(driver, f'#sessions li[data-id="{a}"] button.select')  # its figures held on the way
+    _wait(driver, lambda d: d.execute_script("return window.held.length") == 1, "A's GET, held")
+    _click(driver, f'#sessions li[data-id="{b}"] button.select')
+    _wait(driver, lambda d: _by_id(d, "current").text == b and _count(d, "m-tokens") == 0, "B's figures")
+    driver.execute_script("window.release(); window.fetch = window.unheld")
+    _wait(driver, lambda d: d.execute_script("return window.answered") == 1, "A's late answer, read")
+    assert _by_id(driver, "current").text == b and _count(driver, "m-tokens") == 0
+    assert a not in driver.execute_script("return window.named")
+
+    _click(driver, f'#sessions li[data-id="{a}"] button.select')
+    _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), "A's figures")
+    driver.execute_script(HOLD, "POST", f"/v1/sessions/{a}/append")
+    _type(driver, "doc-text", "More.")
+    _by_id(driver, "append").click()
+    _wait(driver, lambda d: d.execute_script("return window.held.length") == 1, "A's append, held")
+    _click(driver, f'#sessions li[data-id="{b}"] button.select')
+    _wait(driver, lambda d: _by_id(d, "current").text == b and _count(d, "m-tokens") == 0, "B's figures again")
+    driver.execute_script("window.release(); window.fetch = window.unheld")
+    _wait(driver, lambda d: d.execute_script("return window.answered") == 1, "A's append answered")
+    assert _by_id(driver, "current").text == b and _count(driver, "m-tokens") == 0
+    assert a not in driver.execute_script("return window.named")
+    assert _by_id(driver, "append-result").get_attribute("textContent") == ""
+    _wait(driver, lambda d: d.find_element("id", "append").is_enabled(), "Append enabled again")
+
+    # an append's result is its session's: it went on showing under the next one selected
+    _click(driver, f'#sessions li[data-id="{a}"] button.select')
+    _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC) + len("More."), "A with its append")
+    _type(driver, "doc-text", " Again.")
+    _by_id(driver, "append").click()
+    _wait(driver, lambda d: "tokens in" in _by_id(d, "append-result").text, "the append's result")
+    _click(driver, f'#sessions li[data-id="{b}"] button.select')
+    _wait(driver, lambda d: _by_id(d, "current").text == b, "B selected")
+    assert _by_id(driver, "append-result").get_attribute("textContent") == ""
+
+    # a continuation streaming into A is hidden while B is selected, shown again with A, and gone from B at its end
+    _click(driver, f'#sessions li[data-id="{a}"] button.select')
+    _wait(driver, lambda d: _by_id(d, "current").text == a, "A selected")
+    _type(driver, "prompt", "")
+    _type(driver, "max-tokens", str(LONG))
+    _type(driver, "temperature", "0.8")
+    _by_id(driver, "continue").click()
+    _wait(driver, lambda d: len(_by_id(d, "generated").get_attribute("textContent")) >= 5, "A's stream")
+    _click(driver, f'#sessions li[data-id="{b}"] button.select')
+    _wait(driver, lambda d: _by_id(d, "current").text == b, "B selected while A streams")
+    assert not _by_id(driver, "output").is_displayed() and not _by_id(driver, "finish").is_displayed()
+    assert _by_id(driver, "elsewhere").is_displayed()
+    _click(driver, f'#sessions li[data-id="{a}"] button.select')
+    _wait(driver, lambda d: _by_id(d, "output").is_displayed(), "A's stream shown again")
+    shown = len(_by_id(driver, "generated").get_attribute("textContent"))
+    _wait(driver, lambda d: len(_by_id(d, "generated").get_attribute("textContent")) > shown, "A's stream, going on")
+    _click(driver, f'#sessions li[data-id="{b}"] button.select')
+    _wait(driver, lambda d: _by_id(d, "current").text == b, "B selected again")
+    driver.switch_to.active_element.send_keys(Keys.ESCAPE)  # A's stream, cancelled with B selected
+    _wait(driver, lambda d: d.find_element("id", "continue").is_enabled(), "A's stream ended")
+    assert _by_id(driver, "output").is_displayed() and not _by_id(driver, "elsewhere").is_displayed()
+    assert _by_id(driver, "output").get_attribute("textContent") == ""
+    assert _by_id(driver, "finish").get_attribute("textContent") == ""
+    _settled(driver)
+    assert not _severe(driver)
+
+
+def test_the_playground_cancels_before_its_socket_opens(server, browser):
+    """Escape (or Cancel) before the WebSocket opened threw "Still in CONNECTING state": the cancel was lost and the
+    stream ran to its end. A click and an Escape in one task: the socket cannot have opened between them."""
+    driver = browser
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": DOC}, timeout=30).json()["id"]
+    _open(driver, server.url + "/")
+    _click(driver, f'#sessions li[data-id="{sid}"] button.select')
+    _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), "the session selected")
+    _type(driver, "prompt", " And")
+    _type(driver, "max-tokens", "200")
+    driver.execute_script("document.getElementById('continue').click(); "
+                          "document.dispatchEvent(new KeyboardEvent('keydown', { key: 'Escape' }))")
+    _wait(driver, lambda d: _by_id(d, "finish").text not in ("", "streaming…"), "the stream's end")
+    assert _by_id(driver, "finish").text == "cancelled: nothing was stored"
+    assert _by_id(driver, "continue").is_enabled() and not _by_id(driver, "cancel").is_enabled()
+    assert _by_id(driver, "prompt").get_attribute("value") == " And"  # not sent: kept
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()["tokens_seen"] == len(DOC)
+    assert not _severe(driver)
+
+    # a stream's error message without a status (another server's) was shown with a leading space
+    driver.execute_script("""
+      const W = window.WebSocket;
+      window.WebSocket = class extends W {
+        set onmessage(f) { super.onmessage = (e) => { const m = JSON.parse(e.data); delete m.status;
+                                                      f({ data: JSON.stringify(m) }); }; }
+      };""")
+    _by_id(driver, "create").click()  # an empty session, continued with no prompt: the server refuses it
+    _wait(driver, lambda d: _count(d, "m-tokens") == 0, "the empty session")
+    _type(driver, "prompt", "")
+    _by_id(driver, "continue").click()
+    _wait(driver, lambda d: _by_id(d, "finish").text == "failed", "the refused stream")
+    shown = _by_id(driver, "error").get_attribute("textContent")
+    assert "nothing to continue from" in shown and shown == shown.strip(), shown
+
+
+def test_the_playground_appends_a_file_only_as_utf8_and_says_why_not(server, browser, tmp_path):
+    """file.text() turned a Latin-1 é into U+FFFD and appended that, silently; a file gone since it was chosen was
+    an unhandled rejection and no message."""
+    driver = browser
+    _open(driver, server.url + "/")
+    _type(driver, "new-text", DOC)
+    _by_id(driver, "create").click()
+    _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), "a session")
+    sid = _by_id(driver, "current").text
+
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("Ophélie.\n".encode("latin-1"))
+    _by_id(driver, "doc-file").send_keys(str(latin1))
+    _by_id(driver, "append").click()
+    _wait(driver, lambda d: _by_id(d, "error").text, "the refused file")
+    assert "the file is not UTF-8 text" in _by_id(driver, "error").text
+    assert _by_id(driver, "append").is_enabled() and _by_id(driver, "append-result").text == ""
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()["tokens_seen"] == len(DOC)
+
+    gone = tmp_path / "gone.txt"
+    gone.write_text("Ophelia.\n")
+    _by_id(driver, "doc-file").send_keys(str(gone))
+    gone.unlink()  # moved after it was chosen
+    driver.execute_script("document.getElementById('error').textContent = ''")
+    _by_id(driver, "append").click()
+    _wait(driver, lambda d: _by_id(d, "error").text, "the unreadable file, said")
+    assert "could not read gone.txt" in _by_id(driver, "error").text
+    assert _by_id(driver, "append").is_enabled()
+    assert not _severe(driver)
+
+    utf8 = tmp_path / "utf8.txt"  # and UTF-8 is appended as it is
+    utf8.write_text("Ophélie.\n", encoding="utf-8")
+    _by_id(driver, "doc-file").send_keys(str(utf8))
+    _by_id(driver, "append").click()
+    _wait(driver, lambda d: "tokens in" in _by_id(d, "append-result").text, "the UTF-8 file appended")
+    assert _by_id(driver, "error").text == ""
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()["tokens_seen"] > len(DOC)
+
+
+def test_the_playground_cannot_be_framed(server, browser):
+    """Its page and files carry a Content-Security-Policy and X-Frame-Options (another site could frame it, and
+    trick a click onto Delete); the API's answers do not. The page loads under the policy with no violation (the
+    other tests stream through it, over its WebSocket, and see no console error)."""
+    page = httpx.get(server.url + "/", timeout=30)
+    for path in ("/", "/static/playground.js", "/static/playground.css"):
+        headers = httpx.get(server.url + path, timeout=30).headers
+        assert "frame-ancestors 'none'" in headers["content-security-policy"], path
+        assert (headers["x-frame-options"], headers["x-content-type-options"], headers["referrer-policy"]) == (
+            "DENY", "nosniff", "no-referrer"), path
+    assert "content-security-policy" not in httpx.get(server.url + "/v1/models", timeout=30).headers
+    assert "<script>" not in page.text and " style=" not in page.text  # nothing inline that the policy refuses
+
+    driver = browser
+    driver.get_log("browser")
+    framing = (f"<iframe id='f' src='{server.url}/'></iframe>"
+               "<script>document.getElementById('f').onload = () => { document.title = 'loaded'; };</script>")
+    driver.get("data:text/html," + framing)
+    _wait(driver, lambda d: d.title == "loaded", "the frame's load")
+    driver.switch_to.frame("f")
+    try:
+        assert driver.find_elements("id", "model-line") == []  # refused: the browser's error page instead
+    finally:
+        driver.switch_to.default_content()
+    driver.get_log("browser")  # the refusal, logged
+
+
+def test_the_playground_streams_once_when_continue_must_connect_first(checkpoint, redis_url, browser, tmp_path):
+    """While "not connected" (a 401 at load, a server restarted), Continue awaited the model before it marked the
+    stream running: a double click passed the checks twice, and two streams went into the session. And a 401 on
+    Create said nothing of the key; the list showed the raw tier ("redis") where the panel said "Redis: ...". """
+    from tests.live import LiveServer
+
+    key = "sk-playground-456"
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path / "keyed",
+                     args=("--api-keys", key, "--hot-cache-mb", "0")).start()  # no hot tier: every session "redis"
+    try:
+        driver = browser
+        driver.get_log("browser")
+        driver.get(srv.url + "/")
+        _wait(driver, lambda d: "enter an API key" in _by_id(d, "error").text, "the 401, said")
+        _settled(driver)
+        driver.execute_script("document.getElementById('error').textContent = ''")
+        _type(driver, "new-text", DOC)
+        _by_id(driver, "create").click()
+        _wait(driver, lambda d: _by_id(d, "error").text, "Create's 401")
+        assert "401" in _by_id(driver, "error").text and "(enter an API key above)" in _by_id(driver, "error").text
+
+        # a key in the field without its change event (autofill): Create works, the model is still unknown
+        driver.execute_script("document.getElementById('api-key').value = arguments[0]", key)
+        _by_id(driver, "create").click()
+        _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), "the session made with the key")
+        _settled(driver)
+        sid = _by_id(driver, "current").text
+        assert _by_id(driver, "model-line").text == "not connected"
+        assert _by_id(driver, "m-tier").text == "Redis: hidden states"
+        assert driver.find_element("css selector", f'#sessions li[data-id="{sid}"] span').text.endswith(", Redis")
+
+        _type(driver, "prompt", " And")
+        _type(driver, "max-tokens", "8")
+        _type(driver, "temperature", "0")
+        # a double click, both clicks before the model's answer; every socket the page opens is counted
+        driver.execute_script("""
+          const W = window.WebSocket; window.opened = 0;
+          window.WebSocket = class extends W { constructor(...a) { super(...a); window.opened += 1; } };
+          const b = document.getElementById('continue'); b.click(); b.click();""")
+        _wait(driver, lambda d: "finish_reason: length, 8 tokens" in _by_id(d, "finish").text, "the stream's end")
+        assert MODEL in _by_id(driver, "model-line").text
+        assert driver.execute_script("return window.opened") == 1
+        _settled(driver)
+        got = httpx.get(f"{srv.url}/v1/sessions/{sid}", headers={"authorization": f"Bearer {key}"}, timeout=30)
+        assert got.json()["tokens_seen"] == len(DOC) + len(" And") + 8
+        assert not _severe(driver, "401")
+    finally:
+        srv.stop()
+
+
+def test_the_playground_keeps_an_older_selection_and_the_keyboard_can_skip_the_list(server, browser):
+    """The list shows the newest 1,000 sessions: a selected session older than those was deselected on Refresh (it
+    is still there), and nothing said the list was cut. Three buttons a session: a skip link passes them by.
+    (Last here: the shared server holds over 1,000 sessions after it.)"""
+    from selenium.webdriver.common.keys import Keys
+
+    driver = browser
+    _open(driver, server.url + "/")
+    _type(driver, "new-text", DOC)
+    _by_id(driver, "create").click()
+    _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), "an old session")
+    old = _by_id(driver, "current").text
+    with httpx.Client(base_url=server.url, timeout=30) as c:  # 1,000 newer ones
+        for _ in range(1000):
+            assert c.post("/v1/sessions", json={}).status_code == 201
+    _by_id(driver, "refresh").click()
+    _wait(driver, lambda d: "showing the newest 1,000 sessions" in _by_id(d, "list-note").text, "the cut list, said")
+    _settled(driver)
+    assert old not in _sessions(driver) and len(_sessions(driver)) == 1000
+    assert _by_id(driver, "current").text == old and _count(driver, "m-tokens") == len(DOC)
+    assert _by_id(driver, "error").text == ""
+
+    # from Refresh, Tab reaches the skip link, whose Enter moves on to Append: not 3,000 buttons later
+    driver.execute_script("document.getElementById('refresh').focus()")
+    driver.switch_to.active_element.send_keys(Keys.TAB)
+    assert driver.switch_to.active_element.get_attribute("class") == "skip"
+    assert driver.switch_to.active_element.is_displayed()  # seen once focused
+    driver.switch_to.active_element.send_keys(Keys.ENTER)
+    _wait(driver, lambda d: d.switch_to.active_element.get_attribute("id") == "append-h", "the skip")
+    driver.switch_to.active_element.send_keys(Keys.TAB)
+    assert driver.switch_to.active_element.get_attribute("id") == "doc-text"
+
+    # deleted: a 404 for it deselects it
+    assert httpx.delete(f"{server.url}/v1/sessions/{old}", timeout=30).status_code == 200
+    _by_id(driver, "refresh").click()
+    _wait(driver, lambda d: _by_id(d, "current").text == "no session selected", "the deleted session deselected")
+    assert not _severe(driver, "404")
+    driver.set_window_size(390, 844)  # phone width: the skip link and the note fit
+    try:
+        assert driver.execute_script("return document.documentElement.scrollWidth") <= 390
+    finally:
+        driver.set_window_size(1280, 900)

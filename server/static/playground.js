@@ -1,7 +1,10 @@
 // The txlserve playground: plain JavaScript over the public API (no build step, no CDN).
 "use strict";
 const $ = (id) => document.getElementById(id);
-const state = { model: null, selected: null, socket: null, running: false, scrolling: false, offline: false };
+// running: a stream, or its start (connect() first), is under way; cancelled: its Cancel came before its socket
+// opened; streamed: the session whose continuation #output holds
+const state = { model: null, selected: null, socket: null, running: false, cancelled: false, streamed: null,
+                scrolling: false, offline: false };
 
 function key() { return $("api-key").value.trim(); }
 
@@ -31,7 +34,8 @@ async function api(method, path, body) {
   const data = await response.json().catch(() => ({}));
   if (!response.ok) {
     const err = (data && data.error) || {};
-    throw new Error(`${response.status} ${err.code || ""}: ${err.message || response.statusText}`);
+    // a proxy's own page (nginx's 502) has no code: "502: Bad Gateway", not "502 : Bad Gateway"
+    throw new Error(`${response.status}${err.code ? " " + err.code : ""}: ${err.message || response.statusText}`);
   }
   return data;
 }
@@ -43,6 +47,7 @@ function fmtBytes(n) {
 }
 
 const TIERS = { hot: "hot: on the device, ready", redis: "Redis: hidden states", cold: "cold: token window only" };
+const tierName = (tier) => (TIERS[tier] || tier).split(":")[0];  // the list's word for it: the panel's first
 
 function showMemory(s) {
   if (!s) {
@@ -63,31 +68,43 @@ function showMemory(s) {
   $("bar-mem").style.width = scale(Math.min(s.tokens_seen, s.mem_len)) + "%";
 }
 
-function failed(e, from = null) { showError(e.message, e.connection ? "connection" : from); }
+function failed(e, from = null) {  // a refused key says what to do, whichever call met it (Create's said nothing)
+  showError(e.message + (String(e.message).startsWith("401") ? " (enter an API key above)" : ""),
+            e.connection ? "connection" : from);
+}
 
 async function refreshSelected() {
   if (!state.selected) return showMemory(null);
   const id = state.selected;
-  try { showMemory(await api("GET", "/v1/sessions/" + id)); }
+  let s;
+  try { s = await api("GET", "/v1/sessions/" + id); }
   catch (e) {
-    if (String(e.message).startsWith("404") && state.selected === id) {  // deleted elsewhere (another tab, a
-      state.selected = null;  // replica) or another key's: its figures must not stay on screen as if it were there
-      showMemory(null);
+    if (state.selected !== id) return;  // another session chosen meanwhile: this one's answer is not its
+    if (String(e.message).startsWith("404")) {  // deleted elsewhere (another tab, a replica) or another key's:
+      state.selected = null;  // its figures must not stay on screen as if it were there
+      showMemory(null); clearOutput();
     }
-    failed(e);
+    return failed(e);
   }
+  if (state.selected === id) showMemory(s);  // a slow answer for the last one overwrote the next one's figures
 }
 
-function clearOutput() {  // the continuation shown is the selected session's, or none
-  if (!state.running) { $("output").replaceChildren(); $("finish").textContent = ""; }
+function clearOutput() {  // the continuation shown is the selected session's, or none; one still streaming into
+  // another session is hidden, not dropped (selecting that one shows it): it went on, and stayed, under the next
+  const theirs = state.streamed !== state.selected;
+  if (theirs && !state.running) { $("output").replaceChildren(); $("finish").textContent = ""; state.streamed = null; }
+  const hidden = theirs && state.running;
+  $("output").hidden = $("finish").hidden = hidden;
+  $("elsewhere").hidden = !hidden;
 }
 
 function select(id) {
-  if (state.selected !== id) {  // another session chosen: an action's error, and the output, were the last one's
+  if (state.selected !== id) {  // another session chosen: an action's error, an append's result, were the last's
     showError("");
-    clearOutput();
+    $("append-result").textContent = "";
   }
   state.selected = id;
+  clearOutput();
   for (const li of document.querySelectorAll("#sessions li")) li.classList.toggle("selected", li.dataset.id === id);
   refreshSelected();
 }
@@ -99,14 +116,16 @@ async function refreshList() {
   busy(+1);
   try {
     // the newest 1,000 sessions at most, newest first
-    let all = [], cursor = null;
+    let all = [], cursor = null, more = false;
     for (let i = 0; i < 10; i++) {
       const page = await api("GET", "/v1/sessions?order=desc&limit=100" +
                              (cursor ? "&after=" + encodeURIComponent(cursor) : ""));
       all = all.concat(page.data);
-      if (!page.has_more) break;
+      more = page.has_more;
+      if (!more) break;
       cursor = page.next_cursor;
     }
+    $("list-note").textContent = more ? `showing the newest ${all.length.toLocaleString()} sessions` : "";
     const list = $("sessions");
     // the keyboard's focus, on a button of the list about to be redrawn: put back on the same button, else on
     // the selected session's (a fork made, a session deleted); it fell to the page, and Tab began at the top
@@ -119,7 +138,7 @@ async function refreshList() {
       const title = (s.metadata && s.metadata.title) || "untitled";
       li.innerHTML = `<strong></strong> <span class="muted small"></span><div class="sid"></div>`;
       li.querySelector("strong").textContent = title;
-      li.querySelector("span").textContent = `${s.tokens_seen.toLocaleString()} tokens, ${s.tier}`;
+      li.querySelector("span").textContent = `${s.tokens_seen.toLocaleString()} tokens, ${tierName(s.tier)}`;
       li.querySelector(".sid").textContent = s.id;
       for (const [label, cls, act] of [["Select", "select", () => select(s.id)],
                                        ["Fork", "fork", () => fork(s.id, s.metadata)],
@@ -132,8 +151,11 @@ async function refreshList() {
       }
       list.appendChild(li);
     }
-    if (state.selected && !all.some((s) => s.id === state.selected)) {  // gone (deleted elsewhere), or another
-      state.selected = null;  // key's: no longer shown as selected, with its last figures, beside 404s
+    // not in a whole list: gone (deleted elsewhere), or another key's, so no longer shown as selected with its last
+    // figures beside 404s; past a cut list's end it may be older than the newest 1,000: select() asks the server,
+    // and only its 404 deselects it (it was deselected, though it was there)
+    if (state.selected && !more && !all.some((s) => s.id === state.selected)) {
+      state.selected = null;
       showMemory(null); clearOutput();
     }
     if (state.selected) select(state.selected);
@@ -180,25 +202,41 @@ async function remove(id) {
   } catch (e) { failed(e); }
 }
 
+async function fileText(file) {  // its bytes as UTF-8, or an error: file.text() put U+FFFD for each byte that is not
+  // (a Latin-1 é), and the session silently got text the file does not hold
+  let bytes;
+  try { bytes = await file.arrayBuffer(); }
+  catch (e) { throw new Error(`could not read ${file.name} (moved or changed since it was chosen?): choose it again`); }
+  try { return new TextDecoder("utf-8", { fatal: true }).decode(bytes); }
+  catch (e) { throw new Error(`the file is not UTF-8 text (${file.name}): nothing was appended`); }
+}
+
 async function append() {
   if (!state.selected) return showError("select or create a session first");
-  let text = $("doc-text").value;
-  const file = $("doc-file").files[0];
-  if (file) text += await file.text();
-  if (!text) return showError("nothing to append");
+  const id = state.selected, file = $("doc-file").files[0];
   showError("");
-  const t0 = performance.now();
-  $("append").disabled = true;  // one at a time: a second click was the page's own 409, left beside the success
-  $("append-result").textContent = `appending ${text.length.toLocaleString()} characters…`;
+  // one at a time, from the file's read on: a second click was the page's own 409, left beside the success
+  $("append").disabled = true;
   try {
-    const r = await api("POST", `/v1/sessions/${state.selected}/append`, { text });
+    let text = $("doc-text").value;
+    if (file) text += await fileText(file);  // in the try: a file that cannot be read was an unhandled rejection
+    if (!text) return showError("nothing to append");
+    const t0 = performance.now();
+    $("append-result").textContent = `appending ${text.length.toLocaleString()} characters…`;
+    const r = await api("POST", `/v1/sessions/${id}/append`, { text });
     const ms = performance.now() - t0;
     const quality = r.bpc != null ? `${r.bpc.toFixed(3)} bits per token` : "";
-    $("append-result").textContent = `${r.appended_tokens.toLocaleString()} tokens in ${ms.toFixed(0)} ms` +
-      (quality ? `, ${quality}` : "");
     $("doc-text").value = ""; $("doc-file").value = "";
-    showMemory(r); refreshList();
-  } catch (e) { $("append-result").textContent = ""; failed(e); } finally { $("append").disabled = false; }
+    if (state.selected === id) {  // another session chosen meanwhile: its panel is not this one's to overwrite
+      $("append-result").textContent = `${r.appended_tokens.toLocaleString()} tokens in ${ms.toFixed(0)} ms` +
+        (quality ? `, ${quality}` : "");
+      showMemory(r);
+    }
+    refreshList();
+  } catch (e) {
+    if (state.selected === id) $("append-result").textContent = "";
+    failed(e);
+  } finally { $("append").disabled = false; }
 }
 
 function wsUrl() {
@@ -230,10 +268,21 @@ function sampling() {  // the controls' numbers: a blank one is its default; let
 }
 
 async function startContinue() {
+  if (state.running) return;  // a stream, or its start, under way (Enter in a control, a double click)
   if (!state.selected) return showError("select or create a session first");
-  if (!state.model && !(await connect())) return;  // not connected yet (no key when the page loaded)
   let params;
   try { params = sampling(); } catch (e) { return showError(e.message); }
+  const id = state.selected;
+  // running from here, before the wait on connect(): a double click while not connected passed the checks twice
+  // and streamed twice into the session, the second stream's text never shown
+  state.socket = null; state.cancelled = false; state.streamed = id;
+  setRunning(true);
+  if (!state.model && !(await connect())) return setRunning(false);  // not connected yet (no key when the page
+  // loaded, a server restarted)
+  if (state.cancelled) {  // cancelled while connecting: nothing was sent
+    $("finish").textContent = "cancelled: nothing was stored";
+    return setRunning(false);
+  }
   showError("");
   const out = $("output");
   out.replaceChildren();
@@ -243,12 +292,17 @@ async function startContinue() {
   $("finish").textContent = "streaming…";
   const socket = new WebSocket(wsUrl());
   state.socket = socket;
-  setRunning(true);
   let opened = false, taken = false;
+  const end = (finish) => {  // then the output follows the selection: another session's stays hidden no more
+    $("finish").textContent = finish; setRunning(false); clearOutput();
+  };
   socket.onopen = () => {
     opened = true;
-    socket.send(JSON.stringify({ type: "completion.create", model: state.model, prompt, session_id: state.selected,
-                                 ...params }));
+    if (state.cancelled) {  // a Cancel while the socket opened (a send then threw, and the cancel was lost)
+      socket.close();
+      return end("cancelled: nothing was stored");
+    }
+    socket.send(JSON.stringify({ type: "completion.create", model: state.model, prompt, session_id: id, ...params }));
   };
   const took = () => {  // the prompt is in the session once the stream runs: cleared then (a second click sent
     if (!taken && $("prompt").value === prompt) $("prompt").value = "";  // it again); a refusal keeps it
@@ -269,28 +323,29 @@ async function startContinue() {
       }
       return;
     }
+    let finish = $("finish").textContent;  // a message of another type ends it as before, its line unchanged
     if (msg.type === "completion.done") {
       took();
-      $("finish").textContent = `finish_reason: ${msg.finish_reason}, ${msg.usage.completion_tokens} tokens`;
+      finish = `finish_reason: ${msg.finish_reason}, ${msg.usage.completion_tokens} tokens`;
     } else if (msg.type === "error" && msg.error.code === "request_cancelled") {  // the user's own cancel, while
-      $("finish").textContent = "cancelled: nothing was stored";  // the prompt was read: not a failure
-    } else if (msg.type === "error") {
-      showError(`${msg.status || ""} ${msg.error.code}: ${msg.error.message}`);
-      $("finish").textContent = "failed";
+      finish = "cancelled: nothing was stored";  // the prompt was read: not a failure
+    } else if (msg.type === "error") {  // a message without a status (not this server's) had a leading space
+      showError(`${msg.status ? msg.status + " " : ""}${msg.error.code}: ${msg.error.message}`);
+      finish = "failed";
     }
-    setRunning(false); socket.close(); refreshSelected(); refreshList();
+    end(finish); socket.close(); refreshSelected(); refreshList();
   };
   socket.onerror = () => {  // "streaming…" stayed on screen: the close that follows skipped a stopped stream
     if (current() && state.running && !opened) {  // the handshake failed (an open socket's end is onclose's)
-      setRunning(false); $("finish").textContent = "failed: no connection";
+      if (state.cancelled) return end("cancelled: nothing was stored");
+      end("failed: no connection");
       whyRefused();
     }
   };
   socket.onclose = (event) => {  // why, where the close says: 1009 is a message over the server's body limit
     if (current() && state.running) {
-      setRunning(false);
-      $("finish").textContent = event.code === 1009 ? "closed: the prompt is over the server's message size limit"
-        : `connection closed (${event.code}${event.reason ? ": " + event.reason : ""})`;
+      end(event.code === 1009 ? "closed: the prompt is over the server's message size limit"
+        : `connection closed (${event.code}${event.reason ? ": " + event.reason : ""})`);
       if (event.code === 1006) {  // no close from the server: it went away mid-stream (killed, or the network)
         notConnected();
         showError("the connection to the server was lost mid-stream (is it running? the page retries with your " +
@@ -308,14 +363,16 @@ async function whyRefused() {
     showError("the WebSocket connection was refused while HTTP is answered: a proxy without the WebSocket upgrade, " +
               "or this page's origin not allowed (--cors-origins)");
   } catch (e) {
-    const refused = String(e.message).startsWith("401");
-    if (refused) { state.model = null; $("model-line").textContent = "not connected"; }
-    showError(e.message + (refused ? " (enter an API key above)" : ""), e.connection ? "connection" : null);
+    if (String(e.message).startsWith("401")) { state.model = null; $("model-line").textContent = "not connected"; }
+    failed(e);
   }
 }
 
-function cancel() {
-  if (state.socket && state.running) state.socket.send(JSON.stringify({ type: "cancel" }));
+function cancel() {  // before the socket opens a send threw ("Still in CONNECTING state"), the cancel was lost and
+  // the stream ran to its end: the cancel is kept, and the request is never sent (onopen)
+  if (!state.running) return;
+  if (state.socket && state.socket.readyState === WebSocket.OPEN) state.socket.send(JSON.stringify({ type: "cancel" }));
+  else state.cancelled = true;
 }
 
 async function start() {
@@ -345,8 +402,7 @@ async function connect() {  // the served model (the WebSocket's requests name i
   } catch (e) {
     state.model = null;
     if (!e.connection) $("model-line").textContent = "not connected";
-    showError(e.message + (String(e.message).startsWith("401") ? " (enter an API key above)" : ""),
-              e.connection ? "connection" : "list");
+    failed(e, "list");
     return false;
   }
   await refreshList();

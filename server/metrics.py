@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -114,6 +114,11 @@ class Metrics:
                                 "(prefilled from the token window: a cold session, or one another checkpoint "
                                 "wrote)", ["source"], registry=r)
         self.websockets = Gauge("txlserve_websocket_connections", "Open WebSocket connections", registry=r)
+        # what a dashboard asks first: which build serves which model, and the process's CPU, memory and files
+        # (prometheus_client's process_*, as vLLM's /metrics has them; the API server's process)
+        self.build = Info("txlserve_build", "The server's version, model name and checkpoint fingerprint",
+                          registry=r)
+        ProcessCollector(registry=r)
         self.live = _Live(scheduler, store, hot, cpu_latency)
         r.register(self.live)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from importlib import metadata
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
@@ -13,15 +12,13 @@ from server.deps import owner, runtime
 from server.errors import error_body
 from server.runtime import Runtime
 from server.workers import all_metrics
+from txlserve import version
 from txlserve.errors import StoreUnavailable
 
 router = APIRouter()
 log = logging.getLogger("txlserve.health")
 _said = [""]  # the store's last failure /ready logged
-try:
-    _VERSION = metadata.version("txlserve")  # the installed distribution's, as `pip show txlserve` says
-except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
-    _VERSION = "unknown"
+_VERSION = version()
 
 
 @router.get("/health")  # HEAD too (app.HeadAsGet), as monitors and some load balancers probe

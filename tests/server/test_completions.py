@@ -374,8 +374,13 @@ def test_health_ready_metrics_docs(server):
                  "txlserve_requests_running", "txlserve_requests_waiting", "txlserve_hot_hits_total",
                  "txlserve_evictions_total", "txlserve_store_errors_total", "txlserve_client_disconnects_total",
                  "txlserve_prompt_tokens_total", "txlserve_generation_tokens_total",
-                 "txlserve_e2e_request_latency_seconds", "txlserve_inter_token_latency_seconds"):
+                 "txlserve_e2e_request_latency_seconds", "txlserve_inter_token_latency_seconds",
+                 "process_resident_memory_bytes", "process_cpu_seconds_total"):
         assert name in text, name
+    fingerprint = httpx.get(server.url + "/v1/models").json()["data"][0]["fingerprint"]
+    build = re.search(r'^txlserve_build_info\{(.*)\} 1\.0$', text, re.M)  # which build serves which model
+    assert build and f'model="{MODEL}"' in build[1] and f'fingerprint="{fingerprint}"' in build[1], text[-500:]
+    assert re.search(r'version="[^"]+"', build[1])
     assert httpx.get(server.url + "/docs").status_code == 200
     assert httpx.get(server.url + "/openapi.json").json()["info"]["title"] == "txlserve"
     assert httpx.get(server.url + "/static/playground.js").status_code == 200

@@ -400,6 +400,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from memory_store.embedded import check_data_dir
     from memory_store.redis_tier import check_url
     from model.bundled import resolve_checkpoint
+    from server import logs
     from server.listen import HOLDS_PORT, REUSE_PORT, bind, claim_port, start_listening
     from server.settings import Settings, stray_variables
 
@@ -424,8 +425,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         resolve_checkpoint(settings.checkpoint)
         if settings.redis_url is None:  # made last: a start refused for its checkpoint or address left an empty
             check_data_dir(settings.data_dir)  # ./.txlserve behind (found in the tests' own runs)
-        logging.basicConfig(level=settings.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logs.configure(settings.log_level, settings.log_format)
         for warning in stray_variables(settings):
             logging.getLogger("txlserve.serve").warning("%s", warning)
         if settings.server_processes > 1:  # this process supervises; each worker loads the model, or one engine

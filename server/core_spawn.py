@@ -125,6 +125,6 @@ def core_settings(s: Settings, checkpoint: object = None, device: object = None,
             "storage_dtype": s.storage_dtype, "max_batch": s.max_batch, "batch_bytes": s.batch_mb << 20,
             "stream_interval": s.stream_interval, "overlap": not s.disable_overlap_schedule,
             "hot_bytes": s.hot_cache_mb << 20, "threads": s.threads,
-            "processes": s.workers if s.workers > 1 else None, "log_level": s.log_level,
+            "processes": s.workers if s.workers > 1 else None, "log_level": s.log_level, "log_format": s.log_format,
             "switch_interval_ms": s.switch_interval_ms,
             "stall_timeout_s": s.engine_timeout_s}  # a shared engine drops an API server that reads nothing this long

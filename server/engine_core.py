@@ -57,7 +57,7 @@ from model.engine import Engine, Score, TokenEvent, readable_ids
 from model.sampling import SamplingParams, ScoredTokens
 from model.tokenizer import tokenizer_from_dict
 from model.train import auto_dtype, pick_device
-from server import core_spawn
+from server import core_spawn, logs
 from server.hot_states import HotStates, Revision
 from server.leave import leave_without_finalizing
 from server.scheduler import Finished, Job, JobFailed, PromptScores, Scheduler, streamed
@@ -567,7 +567,7 @@ def core_main() -> None:
     if not line:  # started early by a server that never took it (it failed first, or died): nothing to do
         return
     settings = json.loads(line)
-    logging.basicConfig(level=settings["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings["log_level"], settings.get("log_format", "text"))
     set_threads(settings["threads"], processes=settings["processes"])
     sys.setswitchinterval(settings["switch_interval_ms"] / 1000)
     conns = [Connection(int(fd)) for fd in sys.argv[1].split(",")]

@@ -222,6 +222,7 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
         freeze_startup_objects()
         # uvicorn's own deadline comes after ours, so cancelled streams can still say goodbye
         config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,  # RequestLog: one JSON line
+                                log_config=None,  # its loggers write through ours (server.logs): time, format
                                 timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
                                 http=protocol,  # headers get the body's deadline
                                 ws=websocket_protocol_class(settings.send_timeout_s),

@@ -20,6 +20,7 @@ _CHOICES = {  # settings that take one of a few words
     "prefill_products": ("auto", "kernel", "torch"),
     "loop": ("auto", "asyncio", "uvloop"),
     "http": ("auto", "h11", "httptools"),
+    "log_format": ("text", "json"),
 }
 
 
@@ -138,6 +139,9 @@ class Settings:
     shutdown_timeout_s: float = _opt(30.0, "on SIGTERM, time in seconds for in-flight requests before they are "
                                            "cancelled")
     log_level: str = _opt("info", "debug, info, warning, error or critical")
+    log_format: str = _opt("text", "text (a line each: time, level, logger, message; a request's message is a JSON "
+                                   "object) or json (one JSON object a line from every logger, uvicorn's too, a "
+                                   "request's fields at its top level: for a log collector)")
     loop: str = _opt("auto", "event loop, as uvicorn's --loop: auto (uvloop where installed, else asyncio's), "
                              "asyncio or uvloop")
     http: str = _opt("auto", "HTTP/1.1 parser, as uvicorn's --http: auto (httptools where installed, else h11), "

@@ -47,6 +47,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from server import logs
 from server.listen import REUSE_PORT, bind
 from server.metrics import merge_workers
 from server.settings import Settings
@@ -343,8 +344,7 @@ def main(argv: list[str]) -> int:
     try:
         settings = _read_settings(sys.stdin.fileno())
         sock = socket.socket(fileno=fd)
-        logging.basicConfig(level=settings.log_level.upper(),
-                            format=f"%(asctime)s %(levelname)s %(name)s [worker {index}]: %(message)s")
+        logs.configure(settings.log_level, settings.log_format, worker=index)
         _watch_supervisor(sys.stdin.fileno())
         from server import core_spawn
         if engine_fd is not None:  # an API server of the supervisor's engine process

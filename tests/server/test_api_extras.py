@@ -4,6 +4,7 @@ with one structured log line per request (never a key, never a prompt), and CORS
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -68,6 +69,28 @@ def test_every_response_has_a_request_id_and_one_log_line_without_the_prompt(ser
     assert line["prompt_tokens"] == len(secret_prompt) and line["completion_tokens"] == 5
     assert line["cached_tokens"] == 4 and line["total_ms"] >= line["start_ms"] >= 0
     assert secret_prompt not in server.log.read_text()
+
+
+def test_a_json_log_is_one_object_a_line_from_every_process_and_logger(checkpoint, redis_url, tmp_path, server):
+    """--log-format json, for a log collector: the request lines were JSON behind a text prefix, uvicorn's own
+    lines had no time, and the engine process's were text (found by a helper). The text log's uvicorn lines carry
+    a time now too."""
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=("--log-format", "json")).start()
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                       headers={"x-request-id": "req-json"}, timeout=60)
+        assert r.status_code == 200
+        wait_for(lambda: "req-json" in srv.log.read_text(), 10, "the request's line")
+    finally:
+        srv.stop()
+    lines = [json.loads(line) for line in srv.log.read_text().splitlines() if line.strip()]  # each one JSON
+    assert all({"time", "level", "logger"} <= set(x) and x["time"].endswith("+00:00") for x in lines), lines[:3]
+    loggers = {x["logger"] for x in lines}
+    assert {"uvicorn.error", "txlserve", "txlserve.requests", "model.decode"} <= loggers, loggers  # the engine's
+    (mine,) = [x for x in lines if x.get("request_id") == "req-json"]  # its fields at the top level
+    assert mine["route"] == "/v1/completions" and mine["status"] == 200 and mine["completion_tokens"] == 2
+    started = next(x for x in server.log.read_text().splitlines() if "Started server process" in x)
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO uvicorn.error: ", started), started
 
 
 def test_debug_logs_hold_no_prompt_or_completion_text(checkpoint, redis_url, tmp_path):

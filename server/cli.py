@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from txlserve.args import MAX_THREADS, count, device, real
@@ -418,6 +419,10 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     held = group or HOLDS_PORT
     sock = bind(settings.host, settings.port, group=group, listen=not held)
     claim = None
+    # a data dir this start makes, removed if the start is refused before Redis wrote in it: one refused for its
+    # device or its checkpoint's kind (found once the model loads) left an empty ./.txlserve behind (found by a
+    # helper); the cheaper checks come first, so that most refusals never make it
+    made = Path(settings.data_dir) if settings.redis_url is None and not Path(settings.data_dir).exists() else None
     try:
         claim = claim_port(sock.getsockname()[1]) if held else None
         if held and claim is None and not group:  # no claim to be had here: listen at once, as where none exists
@@ -438,6 +443,11 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         from server.serve import serve
 
         return serve(settings, sock)
+    except BaseException:
+        if made is not None:
+            with contextlib.suppress(OSError):  # not empty: Redis wrote there, and what it wrote stays
+                made.rmdir()
+        raise
     finally:
         sock.close()
         if claim is not None:

@@ -729,6 +729,23 @@ def test_a_bad_setting_is_refused_before_torch_loads(argv, needle, tmp_path):
     assert not (tmp_path / ".txlserve").exists()
 
 
+@pytest.mark.parametrize("why", ["a Hugging Face directory", "a device this machine lacks"])
+def test_a_start_refused_once_the_model_loads_leaves_no_data_dir(why, tmp_path):
+    """A device or a checkpoint's kind is found out only as the model loads, after the data dir was made: an empty
+    ./.txlserve stayed behind (found by a helper). One that was there already stays."""
+    import torch
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "transfo-xl"}')
+    if why == "a device this machine lacks" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    args = ("--checkpoint", str(hf)) if why.startswith("a Hugging") else ("--device", "cuda")
+    for data_dir, kept in ((tmp_path / "new" / "data", False), (tmp_path / "hf", True)):
+        r = _serve(*args, "--data-dir", str(data_dir))
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert data_dir.exists() == kept and (tmp_path / "new").exists()  # only the directory it made
+
+
 @pytest.mark.parametrize("argv", [
     ["generate", "--prompt", "A", "--device", "banana"], ["generate", "--prompt", "A", "--mem-len", "100000000"],
     ["generate", "--prompt", "A", "--top-k", "-1"], ["train", "--data", "x", "--out", "y", "--lr", "nan"],

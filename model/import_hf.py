@@ -84,7 +84,9 @@ def _hf_config(data: dict[str, Any]) -> TXLConfig:
     # a key the config leaves out takes TransfoXLConfig's default, as transformers reads it (same_length and
     # clamp_len change the window silently)
     same_length = bool(data.get("same_length", True))
-    cutoffs = list(data.get("cutoffs") or [])
+    cutoffs = data.get("cutoffs") or []
+    if not isinstance(cutoffs, list):  # a string was read as its characters: "got ['2', '0', '0', '0']"
+        raise CheckpointError(f"config.json's 'cutoffs' is {json.dumps(cutoffs)[:60]}, not a list of numbers")
     n_clusters = len(cutoffs)
     tie_weight = data.get("tie_word_embeddings", data.get("tie_weight", True))  # older configs say tie_weight
     vocab_size = data.get("vocab_size", data.get("n_token"))
@@ -118,6 +120,9 @@ def read_vocab(src: Path) -> list[str]:
         try:
             data = json.loads((src / "vocab.json").read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
+            if note := pickle_note(src / "vocab.json"):  # a pickle under a JSON name: say so, and what to give
+                raise CheckpointError(f"{src / 'vocab.json'} is not JSON{note}: give the vocabulary as vocab.json "
+                                      "(JSON) or vocab.txt") from None
             raise CheckpointError(f"{src / 'vocab.json'} is not valid JSON: {err}") from None
         if isinstance(data, dict) and isinstance(data.get("idx2sym"), list) and data["idx2sym"]:
             return data["idx2sym"]
@@ -188,8 +193,11 @@ def import_hf(src: str | Path, out: str | Path, *, dtype: torch.dtype | None = N
     symbols = read_vocab(src)
     if len(symbols) != cfg.vocab_size:
         raise CheckpointError(f"the vocabulary has {len(symbols)} symbols, config.json says {cfg.vocab_size}")
-    eos = symbols[data["eos_token_id"]] if isinstance(data.get("eos_token_id"), int) and \
-        0 <= data["eos_token_id"] < len(symbols) else "<eos>"
+    eos_id = data.get("eos_token_id")
+    if eos_id is not None and not (isinstance(eos_id, int) and 0 <= eos_id < len(symbols)):  # was <eos>, unsaid
+        raise CheckpointError(f"config.json's eos_token_id {json.dumps(eos_id)[:40]} is not an id of its "
+                              f"{len(symbols)}-symbol vocabulary")
+    eos = symbols[eos_id] if eos_id is not None else "<eos>"
     tokenizer = WordTokenizer(symbols, eos=eos, unk="<unk>")
     model = build_from_tensors(cfg, hf_tensors(src, cfg), ckpt_dir=src, dtype=dtype)
     training = {"imported_from": "huggingface transfo-xl", "source": str(src.resolve()),

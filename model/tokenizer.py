@@ -86,14 +86,16 @@ class ByteTokenizer:
 
 JOINERS = {"@-@": "-", "@,@": ",", "@.@": "."}  # WikiText's marks for a split inside a word or number
 NO_SPACE_BEFORE = {",", ".", ";", ":", "!", "?", ")", "]", "}", "%", "'s", "'re", "'ve", "'ll", "'d", "'m", "n't",
-                   "'S", "N'T"}
+                   "'S", "N'T", "'t", "'T"}
 NO_SPACE_AFTER = {"(", "[", "{", "$"}
-_LEADING = "\"'([{$"
-_TRAILING = ".,;:!?\"')]}%"
+_LEADING = "\"'([{$\u201c\u2018"  # and curly quotes, which WikiText writes apart: \u201c yes \u201d
+_TRAILING = ".,;:!?\"')]}%\u201d\u2019"
 _CLITIC = re.compile(r"^(.+?)(n't|'s|'re|'ve|'ll|'d|'m)$", re.IGNORECASE)
 # a joiner inside a word or number, or beside an unknown word: "<unk>-class" (as ``<unk> @-@ class`` decodes) was one
 # <unk>, two tokens lost when a session's text was re-sent (found by a helper)
 _INNER = re.compile(r"(?:(?<=\w)|(?<=<unk>))([-,.])(?=\w|<unk>)")
+# separators WikiText writes apart, with no joiner: 2000 \u2013 2005, km / h, 3 : 04 (each was one <unk>)
+_APART = re.compile(r"(?<=\w)([\u2013\u2014/:])(?=\w)")
 
 
 class WordTokenizer:
@@ -101,16 +103,20 @@ class WordTokenizer:
 
     Each line ends with ``eos`` (a newline in text), a word outside the vocabulary is ``unk``,
     and text that is not already tokenized the WikiText way is split as WikiText was: punctuation
-    and clitics off words (``don't`` -> ``do n't``) and ``@-@ @,@ @.@`` joiners inside words and
-    numbers (``1,000`` -> ``1 @,@ 000``), but only where the whole piece is not itself a word of the
-    vocabulary. Decoding undoes that for display. Words are never split across requests by the
-    server, so text appended in pieces should break at whitespace."""
+    and clitics off words (``don't`` -> ``don 't`` as WikiText writes it, or ``do n't`` where the vocabulary
+    has Penn Treebank's ``n't``), en dashes, slashes and colons apart (``km/h`` -> ``km / h``), and
+    ``@-@ @,@ @.@`` joiners inside words and numbers (``1,000`` -> ``1 @,@ 000``), but only where the
+    whole piece is not itself a word of the vocabulary. Decoding undoes that for display. Words are
+    never split across requests by the server, so text appended in pieces should break at whitespace."""
 
     name = "word"
 
     def __init__(self, symbols: list[str], *, eos: str = "<eos>", unk: str | None = "<unk>") -> None:
-        if not isinstance(symbols, list) or not all(isinstance(s, str) and s and not s.isspace() for s in symbols):
+        if not isinstance(symbols, list) or not all(isinstance(s, str) and s for s in symbols):
             raise CheckpointError("a word vocabulary must be a list of non-empty strings")
+        if (spaced := next((s for s in symbols if any(c.isspace() for c in s)), None)) is not None:  # never read
+            raise CheckpointError(f"the word vocabulary's symbol {spaced!r} holds white space: text is split "
+                                  "into words at white space, so no text could ever be read as it")
         self.symbols, self.index = symbols, {s: i for i, s in enumerate(symbols)}
         if len(self.index) != len(symbols):
             dup = next(s for s, n in Counter(symbols).items() if n > 1)
@@ -121,6 +127,9 @@ class WordTokenizer:
         self.eos_id = self.index[eos]
         self.unk_id = None if self.unk is None else self.index[self.unk]
         self.vocab_size = len(symbols)
+        self.longest = max(map(len, symbols))  # no longer piece of text needs looking up
+        # WikiText (Moses) writes "don't" as don 't; Penn Treebank's do n't: whichever this vocabulary holds
+        self.moses = "n't" not in self.index and "'t" in self.index
 
     @classmethod
     def build(cls, lines: Iterable[str], *, min_freq: int = 1, max_size: int | None = None,
@@ -145,26 +154,34 @@ class WordTokenizer:
                                       "symbol")
         return self.unk_id
 
+    def _known(self, piece: str) -> bool:
+        return len(piece) <= self.longest and piece in self.index
+
     def _split(self, chunk: str) -> list[str]:
-        """WikiText's tokenization of one whitespace-free chunk not in the vocabulary."""
-        if chunk in self.index:
+        """WikiText's tokenization of one whitespace-free chunk not in the vocabulary. Linear in its length: the
+        punctuation stripped one character at a time was a new string and a lookup each, and a 300,000-character
+        chunk took 14 s (found by a helper)."""
+        if self._known(chunk):
             return [chunk]
-        head, tail = [], []
-        while len(chunk) > 1 and chunk[0] in _LEADING and chunk not in self.index:
-            head.append(chunk[0])
-            chunk = chunk[1:]
-        while len(chunk) > 1 and chunk[-1] in _TRAILING and chunk not in self.index:
-            tail.insert(0, chunk[-1])
-            chunk = chunk[:-1]
-        middle = [chunk]
-        if chunk not in self.index and (m := _CLITIC.match(chunk)):
-            middle = [m.group(1), m.group(2)]
+        i, j = 0, len(chunk)
+        while j - i > 1 and chunk[i] in _LEADING and not (j - i <= self.longest and chunk[i:j] in self.index):
+            i += 1
+        while j - i > 1 and chunk[j - 1] in _TRAILING and not (j - i <= self.longest and chunk[i:j] in self.index):
+            j -= 1
+        head, core, tail = list(chunk[:i]), chunk[i:j], list(chunk[j:])
+        middle = [core]
+        if not self._known(core) and (m := _CLITIC.match(core)):
+            word, clitic = m.group(1), m.group(2)
+            if self.moses and clitic.lower() == "n't":
+                word, clitic = word + clitic[0], clitic[1:]  # don't: don 't
+            middle = [word, clitic]
         words = []
         for piece in middle:
-            if piece in self.index or not _INNER.search(piece):
+            if self._known(piece) or not (_INNER.search(piece) or _APART.search(piece)):
                 words.append(piece)
-            else:
-                words.extend(w for w in _INNER.sub(lambda m: f" @{m.group(1)}@ ", piece).split())
+                continue
+            for part in _APART.sub(lambda m: f" {m.group(1)} ", piece).split():
+                words.extend([part] if self._known(part) else _INNER.sub(lambda m: f" @{m.group(1)}@ ", part).split())
         return head + words + tail
 
     def encode(self, text: str | bytes) -> list[int]:

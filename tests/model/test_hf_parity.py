@@ -182,6 +182,29 @@ def test_pickled_files_are_refused(tmp_path):
     import_hf(src, tmp_path / "out")
 
 
+def test_a_malformed_vocabulary_or_config_is_named(tmp_path):
+    """A pickle saved as vocab.json was "not valid JSON: 'utf-8' codec can't decode byte 0x80"; cutoffs given as a
+    string were read as its characters; an eos_token_id past the vocabulary was silently <eos> (found by a
+    helper)."""
+    import pickle
+
+    hf = _hf_model("div1")
+    src = tmp_path / "hf"
+    _export(hf, src, "json")
+    good = (src / "vocab.json").read_bytes()
+    (src / "vocab.json").write_bytes(pickle.dumps({"idx2sym": ["<eos>"]}))
+    with pytest.raises(CheckpointError, match=r"vocab\.json is not JSON \(vocab\.json is a pickle.*vocab\.txt"):
+        import_hf(src, tmp_path / "out")
+    (src / "vocab.json").write_bytes(good)
+    config = json.loads((src / "config.json").read_text())
+    for field, value, says in (("cutoffs", "2000", "'cutoffs' is \"2000\", not a list"),
+                               ("eos_token_id", 99999, "eos_token_id 99999 is not an id")):
+        (src / "config.json").write_text(json.dumps({**config, field: value}))
+        with pytest.raises(CheckpointError, match=says):
+            import_hf(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_source_that_does_not_exist_says_so(tmp_path):
     """A hub name given as the source (``import hf transfo-xl/transfo-xl-wt103``) said it "has no config.json"."""
     with pytest.raises(CheckpointError, match=r"transfo-xl-wt103 does not exist: give a Hugging Face TransfoXL "

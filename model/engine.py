@@ -20,7 +20,7 @@ from model.checkpoint import Checkpoint, load_checkpoint
 from model.decode import Decoder, DecodeState, check_fits, default_prefill_chunk
 from model.sampling import SamplingParams, ScoredTokens, rows_logprobs, sample_rows, token_logprobs
 from model.streaming import TextStreamer
-from model.tokenizer import ByteTokenizer, Tokenizer, tokenizer_id
+from model.tokenizer import START, ByteTokenizer, Tokenizer, tokenizer_id
 from txlserve.errors import ConfigError, InvalidRequestError, SessionIncompatible, StateIncompatible
 
 
@@ -47,6 +47,8 @@ class Generation:
     def __post_init__(self) -> None:
         self.rng = self.params.generator()
         self.streamer = TextStreamer(self.params.stop)
+        if self.params.after_space:  # the text so far ends in its own space: the first word comes as a text's first
+            self.prev = START
 
     @staticmethod
     def choose(gens: Sequence[Generation], logits: Tensor) -> list[int]:

@@ -35,6 +35,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n alternatives
+    # the prompt's text ends in white space: a word model's first generated word comes unspaced (it had a second
+    # space, "The cat  sat", spaced from the prompt's last word as if the space were not there)
+    after_space: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -56,6 +59,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings", param="stop")
+        if not isinstance(self.after_space, bool):
+            raise InvalidRequestError(f"after_space must be true or false, got {self.after_space!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
                                       param="logprobs")

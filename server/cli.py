@@ -268,7 +268,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     from model.train import pick_device
 
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p,
-                            seed=ns.seed, stop=tuple(ns.stop))
+                            seed=ns.seed, stop=tuple(ns.stop),
+                            after_space=ns.prompt[-1:].isspace() and ns.prompt[-1:] != "\n")
     engine = Engine.from_checkpoint(resolve_checkpoint(ns.checkpoint), device=pick_device(ns.device),
                                     mem_len=ns.mem_len, clamp_len=ns.clamp_len)
     import asyncio

@@ -91,9 +91,11 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
     if max_tokens == 0 and not req.echo:
         raise InvalidRequestError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo true (and "
                                   "logprobs for its tokens' scores)", param="max_tokens")
+    prompt = the_prompt(req)
     params = SamplingParams(max_tokens=max_tokens or 1, temperature=1.0 if req.temperature is None else
                             req.temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                            seed=req.seed, stop=tuple(stop), logprobs=req.logprobs)  # each field checked
+                            seed=req.seed, stop=tuple(stop), logprobs=req.logprobs,  # each field checked
+                            after_space=isinstance(prompt, str) and prompt[-1:].isspace() and prompt[-1:] != "\n")
     return None if max_tokens == 0 else params
 
 
@@ -216,9 +218,9 @@ async def off_loop(rows: int, fn: Callable[..., Any], *args: Any, **kwargs: Any)
 
 
 def free(*lists: list) -> None:
-    """Empty ``lists`` a part at a time, on the thread that rendered them: a scored prompt's scores and logprobs
-    are millions of small objects, and freed at once, where the last reference dropped (the event loop, as the
-    request ended), they held the GIL for a quarter of a second."""
+    """Empty ``lists`` a part at a time, on the thread that rendered them: a long scored prompt's logprobs are
+    a million small objects, and freed at once, where the last reference dropped (the event loop, as the request
+    ended), they held the GIL for a quarter of a second."""
     for items in lists:
         while items:
             del items[-SPLICE_ROWS:]

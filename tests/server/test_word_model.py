@@ -159,6 +159,26 @@ def test_an_echoed_prompts_offsets_point_into_the_text_as_it_was_sent(word_serve
 
 
 @pytest.mark.parametrize("where", ["word_server", "in_process_word_server"])
+def test_a_prompt_ending_in_white_space_is_continued_with_no_second_space(where, request):
+    """"the cat " was continued as "the cat  saw": the first word spaced from the prompt's last word, its own
+    space unseen (found by a helper). Over SSE and the WebSocket too, and its offsets follow the text."""
+    word_server = request.getfixturevalue(where)
+    for prompt in ("the cat ", "the cat\t", "a dog ran  "):
+        body = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0)
+        choice = _post(word_server, "/v1/completions", **body)["choices"][0]
+        text, lp = choice["text"], choice["logprobs"]
+        assert text.startswith(prompt) and not text[len(prompt)].isspace(), repr(text)
+        generated = lp["text_offset"][-3:]
+        assert generated[0] == len(prompt) and text[generated[1]:].lstrip().startswith(lp["tokens"][-2]), (text, lp)
+        with httpx.stream("POST", word_server.url + "/v1/completions", json={**body, "stream": True}) as r:
+            streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                               if line.startswith("data: {") and json.loads(line[6:])["choices"])
+        assert streamed == text, (streamed, text)
+    plain = _post(word_server, "/v1/completions", model=MODEL, prompt="the cat", max_tokens=1, temperature=0)
+    assert plain["choices"][0]["text"].startswith(" ")  # after a word, a word is still spaced
+
+
+@pytest.mark.parametrize("where", ["word_server", "in_process_word_server"])
 def test_an_empty_prompt_continues_a_session_spaced_as_the_whole_text(where, request):
     """With nothing to read, the first generated word was spaced as if after a word, whatever the session ended
     with: after a newline or "(" the text began with a space the whole text's continuation has not (found by a

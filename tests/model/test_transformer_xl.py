@@ -217,9 +217,11 @@ def test_hf_config_names_what_is_missing():
     trimmed = hf_config({k: v for k, v in base.items() if k != "mem_len"})
     assert (trimmed.same_length, trimmed.clamp_len, trimmed.original_mem_len) == (True, 1000, 1600)
     assert hf_config({**base, "same_length": False, "clamp_len": 0}).original_mem_len == 7
-    for wrong in ({"cutoffs": 5}, {"sample_softmax": None}):
-        with pytest.raises(CheckpointError, match="config.json has a field of the wrong type"):
-            hf_config({**base, **wrong})
+    with pytest.raises(CheckpointError, match="config.json has a field of the wrong type"):
+        hf_config({**base, "sample_softmax": None})
+    for wrong in (5, "20,50"):  # named: a string was read as its characters
+        with pytest.raises(CheckpointError, match="config.json's 'cutoffs' is .*, not a list of numbers"):
+            hf_config({**base, "cutoffs": wrong})
     for wrong, says in (({"attn_type": 0, "clamp_len": "x"}, "config.json's 'clamp_len' is \"x\", not a number"),
                         ({"sample_softmax": "x"}, "'sample_softmax' is \"x\""), ({"n_head": True}, "'n_head' is true")):
         with pytest.raises(CheckpointError, match=says):  # named (found by a helper)

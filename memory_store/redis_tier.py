@@ -32,8 +32,9 @@ import os
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import redis.asyncio
 import redis.exceptions
@@ -144,12 +145,15 @@ return {'OK', h, t[1], t[2]}
 # Refresh an idle TTL only once a slice of it has passed: a PEXPIRE is a write,
 # and with appendfsync always every write costs an fsync, which a read must not.
 # Every key given (a session and its ring) is looked at on its own.
+# The number of keys that were gone: an owner's index gone while one of its sessions is used is written again.
 _TOUCH = """
+local gone = 0
 for _, key in ipairs(KEYS) do
   local left = redis.call('PTTL', key)
+  if left == -2 then gone = gone + 1 end
   if left >= 0 and left < tonumber(ARGV[1]) - tonumber(ARGV[2]) then redis.call('PEXPIRE', key, ARGV[1]) end
 end
-return 0
+return gone
 """
 
 # The cold tier: rewrite a session in place, keeping its version and TTL, only if nobody holds its lease and
@@ -344,6 +348,10 @@ class RedisTier:
         self._lease_ttl_ms = lease_ttl_ms
         # a leased session's TTL, renewed with its lease: whichever is longer (0: sessions never expire)
         self._held_ttl_ms = max(self._ttl_ms, lease_ttl_ms) if self._ttl_ms else 0
+        # an owner's index outlives any session of it used at the same moment: touched only once a slice of its
+        # TTL had passed, it had the session's TTL, so a session used within that slice outlived its index and was
+        # never listed again (found by a helper)
+        self._index_ttl_ms = self._held_ttl_ms + self._touch_slack_ms if self._ttl_ms else 0
         self._metrics = metrics
         self._write = client.register_script(_WRITE)
         self._acquire = client.register_script(_ACQUIRE)
@@ -373,6 +381,13 @@ class RedisTier:
     def _touch(self, pipe: redis.asyncio.client.Pipeline, *keys: str) -> None:
         if self._ttl_ms:
             pipe.evalsha(self._touch_script.sha, len(keys), *keys, self._ttl_ms, self._touch_slack_ms)
+
+    def _touch_index(self, pipe: redis.asyncio.client.Pipeline, owner: str | None) -> None:
+        if self._ttl_ms:
+            pipe.evalsha(self._touch_script.sha, 1, owner_key(owner), self._index_ttl_ms, self._touch_slack_ms)
+
+    def _index_touch(self, owner: str | None) -> Awaitable[Any]:
+        return self._touch_script(keys=[owner_key(owner)], args=[self._index_ttl_ms, self._touch_slack_ms])
 
     async def _pipeline(self, build: Callable[[redis.asyncio.client.Pipeline], None]) -> list:
         """Run a (non-transactional) pipeline whose scripts ``build`` calls by sha. redis-py sends a SCRIPT EXISTS
@@ -429,11 +444,11 @@ class RedisTier:
         whole = payload and ring
         with self._translate():
             if self._cluster:  # a cluster pipeline cannot carry scripts: the touches run beside the read
-                keys = (record, [owner_key(owner)]) if touch and self._ttl_ms else ()
+                touches = [self._touch_script(keys=record, args=[self._ttl_ms, self._touch_slack_ms]),
+                           self._index_touch(owner)] if touch and self._ttl_ms else []
                 read = (self._read(keys=record) if whole
                         else self._client.hmget(session_key(session_id), fields))
-                values, *_ = await asyncio.gather(read, *(self._touch_script(keys=k, args=[
-                    self._ttl_ms, self._touch_slack_ms]) for k in keys), return_exceptions=True)
+                values, *_ = await asyncio.gather(read, *touches, return_exceptions=True)
                 if isinstance(values, BaseException):  # a touch that failed is the next use's to repeat
                     raise values
             else:
@@ -444,7 +459,7 @@ class RedisTier:
                         pipe.hmget(session_key(session_id), fields)
                     if touch:
                         self._touch(pipe, *record)
-                        self._touch(pipe, owner_key(owner))
+                        self._touch_index(pipe, owner)
 
                 values = (await self._pipeline(build))[0]
         return (values[0], values[1], values[2] if whole else None) if payload else (values[0], None, None)
@@ -478,13 +493,28 @@ class RedisTier:
             return reply[0].decode()
         return reply.decode()
 
-    async def index(self, owner: str | None, session_id: str, created_at: float) -> None:
+    async def index(self, owner: str | None, session_id: str, created_at: float, *, prune: int = 2) -> None:
+        """List a session in its owner's index, and drop up to ``prune`` entries, drawn at random, whose session
+        has expired: those stayed for good in an index kept alive by its owner's other sessions (300,000 of them
+        made a listing's first page take 3 s, found by a helper). Each creation adds one and removes twice the
+        dead share, so dead entries stay under half of an index."""
+        key = owner_key(owner)
         with self._translate():
             async with self._client.pipeline(transaction=False) as pipe:
-                pipe.zadd(owner_key(owner), {session_id: int(created_at * 1000)})
+                pipe.zadd(key, {session_id: int(created_at * 1000)})
                 if self._ttl_ms:  # already a write, so refresh the TTL outright
-                    pipe.pexpire(owner_key(owner), self._ttl_ms)
-                await pipe.execute()
+                    pipe.pexpire(key, self._index_ttl_ms)
+                if prune:
+                    pipe.zrandmember(key, prune)
+                drawn = (await pipe.execute())[-1] if prune else []
+            drawn = [m.decode() for m in drawn or [] if m.decode() != session_id]
+            if drawn:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for sid in drawn:
+                        pipe.exists(session_key(sid))
+                    alive = await pipe.execute()
+                if dead := [sid for sid, n in zip(drawn, alive, strict=True) if not n]:
+                    await self._client.zrem(key, *dead)
 
     async def index_score(self, owner: str | None, session_id: str) -> int | None:
         """When ``session_id`` was made (its place in the owner's index, milliseconds), or None if not there."""
@@ -576,30 +606,33 @@ class RedisTier:
         return removed > 0
 
     async def acquire(self, session_id: str, owner: str | None,
-                      token: str) -> tuple[str, bytes | tuple[int, bool] | None, RedisClock | None]:
-        """Try to take the lease: (OK, the session's header, Redis's clock), (BUSY, (the milliseconds the holder's
-        lease has left, whether its holder is ending), None), or (NOT_FOUND or CORRUPT, None, None). The owner's
-        index TTL is refreshed in the same round trip, as a read refreshes it."""
+                      token: str) -> tuple[str, bytes | tuple[int, bool] | None, RedisClock | None, bool]:
+        """Try to take the lease: (OK, the session's header, Redis's clock, unlisted), (BUSY, (the milliseconds the
+        holder's lease has left, whether its holder is ending), None, False), or (NOT_FOUND or CORRUPT, None, None,
+        False). The owner's index TTL is refreshed in the same round trip, as a read refreshes it; ``unlisted``:
+        the index was gone (it expired, or a crash came between a creation's two writes), for the caller to list
+        the session again."""
         keys = [session_key(session_id), lease_key(session_id), ring_key(session_id), ending_key(session_id)]
         args = [token, self._lease_ttl_ms, "1" if owner is None else "0", owner or "", self._held_ttl_ms]
         with self._translate():
             if self._cluster or not self._ttl_ms:  # the index lives in another slot: its touch runs beside
-                touches = [self._touch_script(keys=[owner_key(owner)], args=[self._ttl_ms, self._touch_slack_ms])
-                           ] if self._ttl_ms else []
-                reply, *_ = await asyncio.gather(self._acquire(keys=keys, args=args), *touches, return_exceptions=True)
+                touches = [self._index_touch(owner)] if self._ttl_ms else []
+                reply, *touched = await asyncio.gather(self._acquire(keys=keys, args=args), *touches,
+                                                       return_exceptions=True)
                 if isinstance(reply, BaseException):  # a touch that failed is the next use's to repeat
                     raise reply
             else:
                 def build(pipe: redis.asyncio.client.Pipeline) -> None:
                     pipe.evalsha(self._acquire.sha, len(keys), *keys, *args)
-                    self._touch(pipe, owner_key(owner))
+                    self._touch_index(pipe, owner)
 
-                reply = (await self._pipeline(build))[0]
+                reply, *touched = await self._pipeline(build)
         if isinstance(reply, bytes):
-            return reply.decode(), None, None
+            return reply.decode(), None, None, False
         if reply[0] == b"BUSY":
-            return "BUSY", (int(reply[1]), len(reply) > 2 and int(reply[2]) == 1), None
-        return reply[0].decode(), reply[1], RedisClock.read(reply[2], reply[3])
+            return "BUSY", (int(reply[1]), len(reply) > 2 and int(reply[2]) == 1), None, False
+        unlisted = bool(touched) and touched[0] == 1
+        return reply[0].decode(), reply[1], RedisClock.read(reply[2], reply[3]), unlisted
 
     async def renew(self, session_id: str, token: str, owner: str | None = None) -> int:
         """Extend the lease if ``token`` still holds it, and hold the session's TTL and its ``owner``'s list's (a
@@ -611,7 +644,7 @@ class RedisTier:
         if renewed > 0 and self._ttl_ms:  # best effort, as a read's touch: the next renewal repeats it
             try:
                 with self._translate():
-                    await self._touch_script(keys=[owner_key(owner)], args=[self._held_ttl_ms, self._touch_slack_ms])
+                    await self._index_touch(owner)
             except TxlError as err:  # never out of the renewer: the lease must go on being renewed
                 log.debug("renewing session %s's lease: its owner's list was not touched: %s", session_id, err)
         return renewed

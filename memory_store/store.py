@@ -453,7 +453,7 @@ class MemoryStore:
         with self.metrics.timed("lease"):
             token = secrets.token_hex(16)
             try:
-                status, raw, clock = await self._redis.acquire(session_id, owner, token)
+                status, raw, clock, unlisted = await self._redis.acquire(session_id, owner, token)
             except BaseException:  # the script may have taken it before the reply was lost: give it back, or the
                 await self._give_back(session_id, token)  # session is busy to everyone until the lease's TTL
                 raise
@@ -481,6 +481,8 @@ class MemoryStore:
                 clock=clock, on_unreleased=self._release_later,
             )
             self._leases.add(lease)
+            if unlisted:  # its owner's index was gone: listed again (else it was never listed again)
+                await self._index(owner, session_id, session.info.created_at)
             return lease
 
     async def _give_back(self, session_id: str, token: str) -> None:

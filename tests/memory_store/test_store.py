@@ -271,7 +271,8 @@ async def test_idle_ttl_expires_sessions(redis_url: str, raw: redis.asyncio.Redi
         info = await store.create(owner=owner, tensors=make_state(), mem_len=8)
         created = time.monotonic()
         assert 0 < await raw.pttl(session_key(info.session_id)) <= 2000
-        assert 0 < await raw.pttl(owner_key(owner)) <= 2000
+        # the index outlives any session of it: a leased one's TTL (a lease's, 30 s), and the touch's slack
+        assert 2000 < await raw.pttl(owner_key(owner)) <= store._redis._index_ttl_ms == 30_000 + 200
         await asyncio.sleep(1.0)
         await store.get(info.session_id, owner=owner)  # use refreshes the idle TTL
         refreshed = time.monotonic()
@@ -306,13 +307,14 @@ async def test_a_lease_refreshes_the_owner_index_in_its_round_trip(redis_url: st
     async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=3) as store:
         owner = new_owner()
         info = await store.create(owner=owner, tensors=make_state(), mem_len=8)
-        await asyncio.sleep(0.8)  # past the slack (a tenth of the TTL) after which a use refreshes it
-        assert await raw.pttl(owner_key(owner)) < 3000 - 700
+        index_ttl = store._redis._index_ttl_ms  # a leased session's TTL and the touch's slack (a tenth of 3 s)
+        await asyncio.sleep(0.8)  # past the slack after which a use refreshes it
+        assert await raw.pttl(owner_key(owner)) < index_ttl - 700
         leased = time.monotonic()
         async with store.lease(info.session_id, owner=owner, tensors=False) as lease:
             with pytest.raises(InvalidRequestError, match="tensors=False"):
                 _ = lease.session.mems
-        assert await raw.pttl(owner_key(owner)) > 3000 - 1000 * (time.monotonic() - leased) - 50
+        assert await raw.pttl(owner_key(owner)) > index_ttl - 1000 * (time.monotonic() - leased) - 50
 
 
 async def test_reads_do_not_write(store: MemoryStore, raw: redis.asyncio.Redis) -> None:
@@ -628,3 +630,42 @@ async def test_check_reachable_pings_a_configured_redis_and_refuses_one_that_doe
     with pytest.raises(StoreUnavailable, match="unavailable") as err:
         await MemoryStore.check_reachable("redis://:s3cret@127.0.0.1:1/0", op_timeout_s=1.0)
     assert "s3cret" not in str(err.value) and time.monotonic() - started < 30
+
+
+async def test_an_owners_index_outlives_its_sessions_and_is_written_again_if_gone(redis_url: str, raw) -> None:
+    """The index was touched only once a slice of its TTL had passed, with the session's TTL: a session used within
+    that slice outlived its index and was never listed again, though it went on working (found by a helper). Its
+    TTL now covers any session's, and a session used while its index is gone (a crash between a creation's two
+    writes, or an expired index) is listed again."""
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=2) as store:
+        owner = new_owner()
+        info = await store.create(owner=owner, tensors=make_state(), mem_len=8)
+        async with store.lease(info.session_id, owner=owner) as lease:
+            await store.commit(lease, make_state(seed=1), tokens_seen=8, release=True)
+        index_left, session_left = await raw.pttl(owner_key(owner)), await raw.pttl(session_key(info.session_id))
+        assert index_left > session_left > 0, (index_left, session_left)
+        await raw.delete(owner_key(owner))  # gone, as after a crash or an expiry
+        async with store.lease(info.session_id, owner=owner) as lease:
+            await store.commit(lease, make_state(seed=2), tokens_seen=16, release=True)
+        listed, _ = await store.list(owner=owner)
+        assert [i.session_id for i in listed] == [info.session_id]
+        assert await raw.pttl(owner_key(owner)) > await raw.pttl(session_key(info.session_id))
+
+
+async def test_a_creation_drops_expired_sessions_from_its_owners_index(redis_url: str, raw) -> None:
+    """Expired sessions stayed in an index its owner's other sessions kept alive, for good: one entry for every
+    session ever made (found by a helper). A creation draws entries at random and drops those whose session is
+    gone; drawing as many as the index holds drops them all."""
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=60) as store:
+        owner = new_owner()
+        keep = await store.create(owner=owner, tensors=make_state(), mem_len=8)
+        gone = [await store.create(owner=owner, tensors=make_state(), mem_len=8) for _ in range(20)]
+        await raw.delete(*(session_key(i.session_id) for i in gone))  # expired
+        assert await raw.zcard(owner_key(owner)) == 21
+        await store._redis.index(owner, keep.session_id, keep.created_at, prune=50)
+        assert await raw.zcard(owner_key(owner)) == 1
+        for i in gone[:5]:  # a creation's own draw (two) drops what it finds dead, never a live session
+            await raw.zadd(owner_key(owner), {i.session_id: 1})
+        made = await store.create(owner=owner, tensors=make_state(), mem_len=8)
+        left = {m.decode() for m in await raw.zrange(owner_key(owner), 0, -1)}
+        assert {keep.session_id, made.session_id} <= left and 2 + 3 <= len(left) <= 2 + 5

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -388,28 +388,24 @@ def test_the_playground_shows_only_the_selected_sessions_figures_and_output(serv
         b = c.post("/v1/sessions", json={"metadata": {"title": "B"}}).json()["id"]
     _open(driver, server.url + "/")
 
-    driver.execute_script(HOLD, "GET", f"/v1/sessions/{a}")
-    _click(driver, f'#sessions li[data-id="{a}"] button.select')  # its figures held on the way
-    _wait(driver, lambda d: d.execute_script("return window.held.length") == 1, "A's GET, held")
-    _click(driver, f'#sessions li[data-id="{b}"] button.select')
-    _wait(driver, lambda d: _by_id(d, "current").text == b and _count(d, "m-tokens") == 0, "B's figures")
-    driver.execute_script("window.release(); window.fetch = window.unheld")
-    _wait(driver, lambda d: d.execute_script("return window.answered") == 1, "A's late answer, read")
-    assert _by_id(driver, "current").text == b and _count(driver, "m-tokens") == 0
-    assert a not in driver.execute_script("return window.named")
+    def answered_late_for_a(method: str, path: str, start: Callable[[], object]) -> None:
+        """A's answer held while B is selected, then released: B's panel stays B's."""
+        driver.execute_script(HOLD, method, path)
+        start()
+        _wait(driver, lambda d: d.execute_script("return window.held.length") == 1, f"A's {method}, held")
+        _click(driver, f'#sessions li[data-id="{b}"] button.select')
+        _wait(driver, lambda d: _by_id(d, "current").text == b and _count(d, "m-tokens") == 0, "B's figures")
+        driver.execute_script("window.release(); window.fetch = window.unheld")
+        _wait(driver, lambda d: d.execute_script("return window.answered") == 1, f"A's late {method} answer, read")
+        assert _by_id(driver, "current").text == b and _count(driver, "m-tokens") == 0
+        assert a not in driver.execute_script("return window.named")
 
-    _click(driver, f'#sessions li[data-id="{a}"] button.select')
+    select_a = f'#sessions li[data-id="{a}"] button.select'
+    answered_late_for_a("GET", f"/v1/sessions/{a}", lambda: _click(driver, select_a))  # its figures held on the way
+    _click(driver, select_a)
     _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), "A's figures")
-    driver.execute_script(HOLD, "POST", f"/v1/sessions/{a}/append")
     _type(driver, "doc-text", "More.")
-    _by_id(driver, "append").click()
-    _wait(driver, lambda d: d.execute_script("return window.held.length") == 1, "A's append, held")
-    _click(driver, f'#sessions li[data-id="{b}"] button.select')
-    _wait(driver, lambda d: _by_id(d, "current").text == b and _count(d, "m-tokens") == 0, "B's figures again")
-    driver.execute_script("window.release(); window.fetch = window.unheld")
-    _wait(driver, lambda d: d.execute_script("return window.answered") == 1, "A's append answered")
-    assert _by_id(driver, "current").text == b and _count(driver, "m-tokens") == 0
-    assert a not in driver.execute_script("return window.named")
+    answered_late_for_a("POST", f"/v1/sessions/{a}/append", lambda: _by_id(driver, "append").click())
     assert _by_id(driver, "append-result").get_attribute("textContent") == ""
     _wait(driver, lambda d: d.find_element("id", "append").is_enabled(), "Append enabled again")
 

@@ -481,15 +481,20 @@ def test_the_playground_cancels_before_its_socket_opens(server, browser):
     assert "nothing to continue from" in shown and shown == shown.strip(), shown
 
 
+def _made_in_the_page(driver, server, what: str) -> str:
+    """A session created from the page's form with DOC, selected: its id."""
+    _open(driver, server.url + "/")
+    _type(driver, "new-text", DOC)
+    _by_id(driver, "create").click()
+    _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), what)
+    return _by_id(driver, "current").text
+
+
 def test_the_playground_appends_a_file_only_as_utf8_and_says_why_not(server, browser, tmp_path):
     """file.text() turned a Latin-1 é into U+FFFD and appended that, silently; a file gone since it was chosen was
     an unhandled rejection and no message."""
     driver = browser
-    _open(driver, server.url + "/")
-    _type(driver, "new-text", DOC)
-    _by_id(driver, "create").click()
-    _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), "a session")
-    sid = _by_id(driver, "current").text
+    sid = _made_in_the_page(driver, server, "a session")
 
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("Ophélie.\n".encode("latin-1"))
@@ -604,11 +609,7 @@ def test_the_playground_keeps_an_older_selection_and_the_keyboard_can_skip_the_l
     from selenium.webdriver.common.keys import Keys
 
     driver = browser
-    _open(driver, server.url + "/")
-    _type(driver, "new-text", DOC)
-    _by_id(driver, "create").click()
-    _wait(driver, lambda d: _count(d, "m-tokens") == len(DOC), "an old session")
-    old = _by_id(driver, "current").text
+    old = _made_in_the_page(driver, server, "an old session")
     with httpx.Client(base_url=server.url, timeout=30) as c:  # 1,000 newer ones
         for _ in range(1000):
             assert c.post("/v1/sessions", json={}).status_code == 201

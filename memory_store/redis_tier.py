@@ -386,7 +386,7 @@ class RedisTier:
         if self._ttl_ms:
             pipe.evalsha(self._touch_script.sha, 1, owner_key(owner), self._index_ttl_ms, self._touch_slack_ms)
 
-    def _index_touch(self, owner: str | None) -> Awaitable[Any]:
+    def _touch_index_now(self, owner: str | None) -> Awaitable[Any]:
         return self._touch_script(keys=[owner_key(owner)], args=[self._index_ttl_ms, self._touch_slack_ms])
 
     async def _pipeline(self, build: Callable[[redis.asyncio.client.Pipeline], None]) -> list:
@@ -445,7 +445,7 @@ class RedisTier:
         with self._translate():
             if self._cluster:  # a cluster pipeline cannot carry scripts: the touches run beside the read
                 touches = [self._touch_script(keys=record, args=[self._ttl_ms, self._touch_slack_ms]),
-                           self._index_touch(owner)] if touch and self._ttl_ms else []
+                           self._touch_index_now(owner)] if touch and self._ttl_ms else []
                 read = (self._read(keys=record) if whole
                         else self._client.hmget(session_key(session_id), fields))
                 values, *_ = await asyncio.gather(read, *touches, return_exceptions=True)
@@ -616,7 +616,7 @@ class RedisTier:
         args = [token, self._lease_ttl_ms, "1" if owner is None else "0", owner or "", self._held_ttl_ms]
         with self._translate():
             if self._cluster or not self._ttl_ms:  # the index lives in another slot: its touch runs beside
-                touches = [self._index_touch(owner)] if self._ttl_ms else []
+                touches = [self._touch_index_now(owner)] if self._ttl_ms else []
                 reply, *touched = await asyncio.gather(self._acquire(keys=keys, args=args), *touches,
                                                        return_exceptions=True)
                 if isinstance(reply, BaseException):  # a touch that failed is the next use's to repeat
@@ -644,7 +644,7 @@ class RedisTier:
         if renewed > 0 and self._ttl_ms:  # best effort, as a read's touch: the next renewal repeats it
             try:
                 with self._translate():
-                    await self._index_touch(owner)
+                    await self._touch_index_now(owner)
             except TxlError as err:  # never out of the renewer: the lease must go on being renewed
                 log.debug("renewing session %s's lease: its owner's list was not touched: %s", session_id, err)
         return renewed

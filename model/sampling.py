@@ -159,9 +159,21 @@ def sample_on_device(logits: Tensor, temps: Tensor, u: Tensor) -> Tensor:
 def token_logprobs(logits: Tensor, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
     """The chosen token's log-probability under the model and the ``top_n`` most likely tokens, plus the chosen
     one when it is not among them: OpenAI's rule ("always the logprob of the sampled token, so up to logprobs+1
-    elements"), which vLLM follows too."""
-    lp, alts = next(rows_logprobs(logits[None], [token], top_n).entries())
-    return float(lp), alts
+    elements"), which vLLM follows too. Per generated token, so its own few ops: through
+    :func:`rows_logprobs`'s arrays it took 36 us a token, not 4."""
+    logp = torch.log_softmax(logits.float(), -1)  # [vocab]
+    top = torch.topk(logp, top_n) if top_n > 0 else None
+    alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+    chosen = float(logp[token])
+    if all(t != token for t, _ in alts):
+        alts.append((token, chosen))
+    return chosen, alts
+
+
+def after_space(prompt: str) -> bool:
+    """Whether a prompt's text ends in its own space (a newline is a word model's token): its continuation's first
+    word then comes unspaced (:attr:`SamplingParams.after_space`)."""
+    return prompt[-1:].isspace() and prompt[-1:] != "\n"
 
 
 @dataclass

@@ -154,8 +154,10 @@ class WordTokenizer:
                                       "symbol")
         return self.unk_id
 
-    def _known(self, piece: str) -> bool:
-        return len(piece) <= self.longest and piece in self.index
+    def _known(self, chunk: str, i: int = 0, j: int | None = None) -> bool:
+        """Whether ``chunk[i:j]`` is a word, sliced only when it could be one (a long chunk's slices cost)."""
+        j = len(chunk) if j is None else j
+        return j - i <= self.longest and chunk[i:j] in self.index
 
     def _split(self, chunk: str) -> list[str]:
         """WikiText's tokenization of one whitespace-free chunk not in the vocabulary. Linear in its length: the
@@ -164,9 +166,9 @@ class WordTokenizer:
         if self._known(chunk):
             return [chunk]
         i, j = 0, len(chunk)
-        while j - i > 1 and chunk[i] in _LEADING and not (j - i <= self.longest and chunk[i:j] in self.index):
+        while j - i > 1 and chunk[i] in _LEADING and not self._known(chunk, i, j):
             i += 1
-        while j - i > 1 and chunk[j - 1] in _TRAILING and not (j - i <= self.longest and chunk[i:j] in self.index):
+        while j - i > 1 and chunk[j - 1] in _TRAILING and not self._known(chunk, i, j):
             j -= 1
         head, core, tail = list(chunk[:i]), chunk[i:j], list(chunk[j:])
         middle = [core]

@@ -264,12 +264,12 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     _set_threads(ns)
     from model.bundled import resolve_checkpoint
     from model.engine import Engine
-    from model.sampling import SamplingParams
+    from model.sampling import SamplingParams, after_space
     from model.train import pick_device
 
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p,
                             seed=ns.seed, stop=tuple(ns.stop),
-                            after_space=ns.prompt[-1:].isspace() and ns.prompt[-1:] != "\n")
+                            after_space=after_space(ns.prompt))
     engine = Engine.from_checkpoint(resolve_checkpoint(ns.checkpoint), device=pick_device(ns.device),
                                     mem_len=ns.mem_len, clamp_len=ns.clamp_len)
     import asyncio

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model.engine import TokenEvent
-from model.sampling import SamplingParams
+from model.sampling import SamplingParams, after_space
 from model.tokenizer import START, ByteTokenizer, Tokenizer
 from server.protocol import (
     SPLICE_ROWS,
@@ -95,7 +95,7 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
     params = SamplingParams(max_tokens=max_tokens or 1, temperature=1.0 if req.temperature is None else
                             req.temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                             seed=req.seed, stop=tuple(stop), logprobs=req.logprobs,  # each field checked
-                            after_space=isinstance(prompt, str) and prompt[-1:].isspace() and prompt[-1:] != "\n")
+                            after_space=isinstance(prompt, str) and after_space(prompt))
     return None if max_tokens == 0 else params
 
 
@@ -224,6 +224,22 @@ def free(*lists: list) -> None:
     for items in lists:
         while items:
             del items[-SPLICE_ROWS:]
+
+
+def body_bytes(dump: Callable[[], bytes], logprobs: CompletionLogprobs | None,
+               put: Callable[[CompletionLogprobs], None]) -> bytes:
+    """A JSON body that holds ``logprobs`` (``dump`` renders it; ``put`` sets its logprobs): past
+    :data:`SPLICE_ROWS` of them rendered in parts (:func:`~server.protocol.spliced`) and freed here, a part at a
+    time (:func:`free`). Call it through :func:`off_loop`."""
+    if logprobs is None or len(logprobs.tokens) <= SPLICE_ROWS:
+        return dump()
+
+    def shell(empty: CompletionLogprobs) -> str:
+        put(empty)
+        return dump().decode()
+    out = spliced(shell, logprobs, pydantic_dumps).encode()
+    free(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, logprobs.text_offset)
+    return out
 
 
 _MARKER = "\u0000txl-text\u0000"  # cannot occur in generated text: JSON escapes it as \\u0000
@@ -356,18 +372,10 @@ class Completion:
         return out
 
     def body_json(self, final: Final, prompt_tokens: int) -> bytes:
-        """The JSON body (long logprobs rendered in parts: call it through :func:`off_loop`)."""
+        """The JSON body (:func:`body_bytes`: call it through :func:`off_loop`)."""
         body = self.body(final, prompt_tokens)
-        logprobs = body.choices[0].logprobs
-        if logprobs is None or len(logprobs.tokens) <= SPLICE_ROWS:
-            return body.dump_json()
-
-        def shell(empty: CompletionLogprobs) -> str:
-            body.choices[0].logprobs = empty
-            return body.dump_json().decode()
-        out = spliced(shell, logprobs, pydantic_dumps).encode()
-        free(logprobs.tokens, self.lps, self.tops, self.offsets)
-        return out
+        choice = body.choices[0]
+        return body_bytes(body.dump_json, choice.logprobs, lambda empty: setattr(choice, "logprobs", empty))
 
     def prompt_piece(self, ids: list[int], scores: PromptScores, dumps: Callable[[Any], str], *,
                      usage: dict[str, int] | None = None, delta: bool = False) -> str:

@@ -54,7 +54,7 @@ from model.bundled import resolve_checkpoint
 from model.checkpoint import read_meta
 from model.config import TXLConfig
 from model.engine import Engine, Score, TokenEvent, readable_ids
-from model.sampling import SamplingParams, ScoredTokens
+from model.sampling import SamplingParams
 from model.tokenizer import tokenizer_from_dict
 from model.train import auto_dtype, pick_device
 from server import core_spawn, logs
@@ -769,7 +769,7 @@ class EngineCore:
     def _next(self) -> dict[str, Any]:
         head, blob = unpack(self.conn.recv_bytes())
         if head["op"] == "scores":  # read here, off the event loop, as a commit's tensors
-            head["scores"] = PromptScores(**vars(ScoredTokens.from_bytes(blob)))
+            head["scores"] = PromptScores.from_bytes(blob)
         elif blob:  # what a finished request commits
             head["tensors"] = tensors_from(blob)
         return head

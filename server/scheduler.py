@@ -125,7 +125,7 @@ class Job:
     prev: int | None = None  # the prompt's last token (how a word tokenizer spaces the first generated word)
     scored: bool = True  # an append is scored; a session rebuilt from its window is only read
     prompt_logprobs: int | None = None  # score every prompt token, with this many alternatives
-    prompt_scores: ScoredTokens = field(default_factory=ScoredTokens)
+    prompt_scores: PromptScores = field(default_factory=PromptScores)
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None  # the engine's first work on it (a prompt chunk, or joining the batch)
     read: float | None = None  # its prompt completely read
@@ -456,7 +456,7 @@ class Scheduler:
             return len(chunk)
         job.prompt_read()
         if job.prompt_logprobs is not None:
-            self._emit(job, PromptScores(**vars(job.prompt_scores)))
+            self._emit(job, job.prompt_scores)
         if job.params is None:
             self._finish(job, self._done(job, None, None))
         else:

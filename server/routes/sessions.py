@@ -11,20 +11,23 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memory_store import SessionInfo
-from server.completion import cancel_on_disconnect, check_logprobs_values, free, off_loop, prompt_ids, prompt_logprobs
+from server.completion import (
+    body_bytes,
+    cancel_on_disconnect,
+    check_logprobs_values,
+    off_loop,
+    prompt_ids,
+    prompt_logprobs,
+)
 from server.deps import owner, request_fields, runtime
 from server.protocol import (
-    SPLICE_ROWS,
     AppendResult,
-    CompletionLogprobs,
     SessionAppend,
     SessionCreate,
     SessionExport,
     SessionFork,
     SessionList,
     SessionObject,
-    pydantic_dumps,
-    spliced,
 )
 from server.runtime import Runtime
 from server.scheduler import PromptScores
@@ -183,18 +186,11 @@ def _appended(rt: Runtime, final: Final, n: int, run: Run | None = None, text: s
 
 
 def _appended_json(rt: Runtime, final: Final, n: int, run: Run, text: str) -> bytes:
-    """An append's body, its logprobs (a long document's) rendered in parts: call it through ``off_loop``."""
+    """An append's body (``body_bytes``: a long document's logprobs rendered in parts); call it through
+    ``off_loop``."""
     result = _appended(rt, final, n, run, text)
-    logprobs = result.logprobs
-    if logprobs is None or len(logprobs.tokens) <= SPLICE_ROWS:
-        return result.model_dump_json().encode()
-
-    def shell(empty: CompletionLogprobs) -> str:
-        result.logprobs = empty
-        return result.model_dump_json()
-    out = spliced(shell, logprobs, pydantic_dumps).encode()
-    free(logprobs.tokens, logprobs.top_logprobs)
-    return out
+    return body_bytes(lambda: result.model_dump_json().encode(), result.logprobs,
+                      lambda empty: setattr(result, "logprobs", empty))
 
 
 def _finite(x: float) -> float | None:

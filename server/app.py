@@ -24,7 +24,7 @@ from starlette.datastructures import Headers
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server import errors
+from server import errors, logs
 from server.deps import request_fields
 from server.errors import error_body
 from server.http_protocol import SENT_STATUS
@@ -111,7 +111,7 @@ class BodyLimit:
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-access_log = logging.getLogger("txlserve.requests")
+access_log = logging.getLogger(logs.REQUESTS)
 
 
 class HeadAsGet:

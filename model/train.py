@@ -547,8 +547,12 @@ def train(args: TrainArgs) -> dict[str, Any]:
         return stop is not None and bool(stop.held)
 
     stopping = False  # under DDP: every rank's, agreed at a step's all-reduce (alone: asked() at each step's end)
+
+    def stopped() -> bool:
+        return stopping or (world == 1 and asked())
+
     try:
-        while step < last_step and not (stopping or (world == 1 and asked())):
+        while step < last_step and not stopped():
             if stop is not None:
                 stop.step_saved = False
             inp, tgt = next(stream)
@@ -603,7 +607,7 @@ def train(args: TrainArgs) -> dict[str, Any]:
         if bar is not None:
             bar.close()
         save()
-        if (stopping or (world == 1 and asked())) and rank == 0:
+        if stopped() and rank == 0:
             print(f"txlserve: interrupted: step {step} saved in {out}; `txlserve train --out {out} --resume` "
                   "continues", file=sys.stderr)
     except BaseException:

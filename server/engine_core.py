@@ -782,7 +782,7 @@ class EngineCore:
         code = None if self.proc is None else self.proc.poll()
         if not getattr(self, "stopping", False):
             log.error("%s (status %s): failing its requests", why, code)
-        err = EngineDead(f"{why}; the server cannot serve until it is restarted")
+        err = EngineDead.because(why)
         for req in self.requests.values():
             req.inbox.put_nowait(err)
         self.requests.clear()
@@ -881,7 +881,7 @@ class EngineCore:
         """Queue a message for the writer thread (``blob``: its bytes, or what makes them there), in order: the
         event loop never waits for a long prompt's or a large session's packing and sending."""
         if self.dead is not None:
-            raise EngineDead(f"{self.dead}; the server cannot serve until it is restarted")
+            raise EngineDead.because(self.dead)
         self._out.put((head, blob))
 
     def _write(self) -> None:

@@ -84,11 +84,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(e.TxlError)
     async def _txl(request: Request, err: e.TxlError) -> JSONResponse:
         status, body = classify(err)
-        headers = {"Retry-After": "1"} if status in (429, 503) else None
-        if isinstance(err, e.EngineDead):  # until a restart: a Retry-After of a second asked for retries forever
-            headers = None
-        if isinstance(err, e.CommitUnknown):  # a retry could apply it twice: OpenAI's SDKs retry a 503 unless told
-            headers = {"x-should-retry": "false"}
+        headers = err.headers if err.headers is not None else {"Retry-After": "1"} if status in (429, 503) else None
         if status == 401:  # RFC 9110: a 401 names the scheme it wants
             headers = {"WWW-Authenticate": 'Bearer realm="txlserve"'}
         if status == 426:  # and a 426 the protocol

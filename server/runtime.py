@@ -97,11 +97,11 @@ class Runtime:
                 core.kill(why)
 
     def start_sweeper(self) -> None:
-        """Run the cold-tier policy every ``cold_sweep_s``: idle sessions, then any over the warm byte budget,
-        keep only their token window in Redis. Every replica may run it (a demotion is compare-and-set)."""
-        s = self.settings
-        if s.cold_after_s or s.warm_budget_mb:
-            self.sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+        """Every ``cold_sweep_s``, check Redis's eviction policy and run the cold-tier policy where it is set: idle
+        sessions, then any over the warm byte budget, keep only their token window in Redis. Every replica may
+        run it (a demotion is compare-and-set). The check runs without a cold tier too: an evicting policy set
+        while the server ran went unsaid there (found by a review)."""
+        self.sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
 
     async def _sweep_forever(self) -> None:
         """A failure is logged once, and its end once: with Redis gone for good (a dead embedded one), a warning on
@@ -111,9 +111,9 @@ class Runtime:
         while True:
             await asyncio.sleep(s.cold_sweep_s)
             try:
-                moved = await self.store.sweep(idle_s=s.cold_after_s or None,
-                                               warm_budget_bytes=(s.warm_budget_mb << 20) or None)
                 await self.store.check_eviction_policy()
+                moved = await self.store.sweep(idle_s=s.cold_after_s or None, warm_budget_bytes=(
+                    s.warm_budget_mb << 20) or None) if s.cold_after_s or s.warm_budget_mb else 0
             except Exception as err:  # Redis away: try again next time
                 if not failing:
                     log.warning("cold-tier sweep failed (retried every %g s, logged again once it works): %s",

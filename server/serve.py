@@ -63,8 +63,8 @@ class _Server(uvicorn.Server):
             for server in self.servers:  # closing twice (uvicorn's own turn) is harmless, as is a second shutdown
                 server.close()
             for connection in list(self.server_state.connections):
-                if not any(".websockets." in c.__module__ for c in type(connection).__mro__):  # uvicorn's
-                    # WebSocket protocols (uvicorn.protocols.websockets.*, and ours made of them) are held
+                if not isinstance(connection, self.config.ws_protocol_class or ()):  # the WebSocket protocol
+                    # uvicorn was given (ours, made of uvicorn's), as it loaded it: held
                     connection.shutdown()
             loop, drain = asyncio.get_running_loop(), rt.drain()
             deadline = loop.time() + rt.settings.shutdown_timeout_s + 11  # the drain's own bound, and its 10 s

@@ -73,7 +73,7 @@ class Run:
                  prompt_logprobs: int | None = None, session_param: str | None = None, scored: bool = True) -> None:
         s = rt.settings
         if rt.engine_dead:
-            raise EngineDead(f"{rt.engine_dead}; the server cannot serve until it is restarted")
+            raise EngineDead.because(rt.engine_dead)
         if rt.draining or not rt.ready:
             raise Unavailable("the server is shutting down" if rt.draining else "the server is starting")
         if len(rt.runs) >= s.max_queue + rt.scheduler.capacity:  # every request in flight, whatever its phase

@@ -52,6 +52,7 @@ class TxlError(Exception):
     status: int = 400
     type: str = "invalid_request_error"
     code: str = "txlserve_error"
+    headers: dict[str, str] | None = None  # its answer's own headers; None: its status's (a 429's or 503's Retry-After)
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -166,6 +167,7 @@ class CommitUnknown(StoreUnavailable):
     blindly (no Retry-After, and OpenAI's SDKs' ``x-should-retry: false``): read the session's tokens_seen."""
 
     code = "commit_outcome_unknown"
+    headers = {"x-should-retry": "false"}
 
 
 class Unavailable(TxlError):
@@ -177,3 +179,8 @@ class EngineDead(Unavailable):
     Retry-After (a client told to retry in a second retried a dead server every second; found by a helper)."""
 
     code = "engine_dead"
+    headers: dict[str, str] = {}
+
+    @classmethod
+    def because(cls, why: str) -> EngineDead:
+        return cls(f"{why}; the server cannot serve until it is restarted")

@@ -13,7 +13,7 @@ from server.errors import error_body
 from server.runtime import Runtime
 from server.workers import all_metrics
 from txlserve import version
-from txlserve.errors import StoreUnavailable
+from txlserve.errors import EngineDead, StoreUnavailable
 
 router = APIRouter()
 log = logging.getLogger("txlserve.health")
@@ -27,7 +27,7 @@ async def health(request: Request) -> Response:
     then a liveness probe restarts us (/ready alone said a dead Redis, and nothing restarted the server)."""
     rt: Runtime | None = getattr(request.app.state, "runtime", None)
     if rt is not None and rt.engine_dead:
-        return JSONResponse(error_body(rt.engine_dead, "service_unavailable_error", None, "engine_dead"), 503)
+        return JSONResponse(error_body(rt.engine_dead, EngineDead.type, None, EngineDead.code), 503)
     if rt is not None and (gone := rt.store.embedded_exited):
         return JSONResponse(error_body(gone, "service_unavailable_error", None, "store_dead"), 503)
     return JSONResponse({"status": "ok"})
@@ -37,7 +37,7 @@ async def health(request: Request) -> Response:
 async def ready(request: Request) -> Response:
     rt: Runtime | None = getattr(request.app.state, "runtime", None)
     if rt is None or not rt.ready:
-        why = "starting" if rt is None else "draining" if rt.draining else "engine_dead" if rt.engine_dead else \
+        why = "starting" if rt is None else "draining" if rt.draining else EngineDead.code if rt.engine_dead else \
             "starting"
         return JSONResponse(error_body(f"not ready: {why}", "service_unavailable_error", None, why), 503)
     try:

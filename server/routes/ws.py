@@ -49,14 +49,14 @@ INBOX_FRAMES = 16  # frames read ahead of the connection's handler; past them th
 class Inbox:
     """A connection's frames in the order they came; None once it ended. A frame that a request took from it
     as its stream ended, and did not answer, goes back in first (:meth:`put_back`): at the end it would follow
-    frames the client sent after it, and be answered out of order. At most ``room`` frames wait: a client that
+    frames the client sent after it, and be answered out of order. At most INBOX_FRAMES wait: a client that
     sent without reading grew the server's memory without bound (1 GB in 2.5 s, found by a helper); past them
     :meth:`put` waits, the socket is not read, and TCP holds the client back. The end always gets in."""
 
-    def __init__(self, room: int = INBOX_FRAMES) -> None:
+    def __init__(self) -> None:
         self._frames: asyncio.Queue[str | bytes | None] = asyncio.Queue()
         self._back: deque[str | bytes | None] = deque()
-        self._room = asyncio.Semaphore(room)
+        self._room = asyncio.Semaphore(INBOX_FRAMES)
 
     async def put(self, frame: str | bytes) -> None:
         await self._room.acquire()

@@ -42,7 +42,7 @@ def test_completion(client: Client) -> None:
     assert done.id.startswith("cmpl-") and done.model == MODEL and done.finish_reason == "length"
     assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (5, 8, 13)
     assert done.usage.cached_tokens == 0 and done.session is None
-    assert done.system_fingerprint == client.models.list()[0].fingerprint  # the checkpoint's, as listed
+    assert done.system_fingerprint is not None and done.system_fingerprint == client.models.list()[0].fingerprint
     assert done.logprobs is not None and len(done.logprobs.token_logprobs) == 8
     assert all(len(top) in (2, 3) for top in done.logprobs.top_logprobs)
     again = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, seed=3, logprobs=2)

@@ -276,3 +276,24 @@ def test_trailers_are_bounded_like_a_head(request, parser):
     line = b"X-Pad: " + b"a" * 1000 + b"\r\n"
     answer = _chunked_with_trailers(server.port, line * (2 * MAX_HEAD_BYTES // len(line)))  # twice the bound
     assert answer == b"" or answer.split()[1] == b"400", answer[:300]
+
+
+def _other_than(neutral: object) -> object:
+    """A value of the field's kind that is not its neutral one."""
+    if isinstance(neutral, bool):
+        return not neutral
+    if isinstance(neutral, (int, float)):
+        return neutral + 2
+    return [1] if neutral == [] else {"type": "json_object"} if neutral is None else None
+
+
+def test_every_vllm_field_taken_only_at_its_neutral_value_is_refused_otherwise(server):
+    """Each field _NEUTRAL takes at the value that changes nothing is a 400 naming it at any other (five were
+    untested), with what to use instead where there is something (found by a review)."""
+    from server.completion import _INSTEAD, _NEUTRAL
+    for name, neutral in _NEUTRAL:
+        value = 5 if name == "truncate_prompt_tokens" else 1 if name == "prompt_logprobs" else _other_than(neutral)
+        r = httpx.post(server.url + "/v1/completions", json={**OK, name: value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+        assert _INSTEAD.get(name, "") in r.json()["error"]["message"], (name, r.text)
+        assert httpx.post(server.url + "/v1/completions", json={**OK, name: neutral}, timeout=60).status_code == 200

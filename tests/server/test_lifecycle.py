@@ -497,3 +497,35 @@ async def test_a_failing_cold_sweep_is_logged_once_until_it_works_again(caplog) 
     assert [m.split(" (")[0].split(":")[0] for m in said] == [
         "cold-tier sweep failed", "cold-tier sweep works again", "cold-tier sweep failed",
         "cold-tier sweep works again"], said
+
+
+async def test_the_eviction_policy_is_checked_without_a_cold_tier(caplog) -> None:
+    """The check ran inside the cold-tier sweep, which ran only with --cold-after-s or --warm-budget-mb: an evicting
+    maxmemory-policy set while a server without them ran went unsaid (found by a review). It runs every
+    cold_sweep_s regardless; a sweep only where the cold tier is on."""
+    checks, swept = [], []
+    checked = asyncio.Event()
+
+    class Store:
+        async def sweep(self, **_) -> int:
+            swept.append(True)
+            return 0
+
+        async def check_eviction_policy(self) -> None:
+            checks.append(True)
+            if len(checks) == 3:  # a few ticks, each of which would have swept after its check
+                checked.set()
+
+    class Holder:  # what start_sweeper and _sweep_forever read of a Runtime
+        settings = Settings(cold_after_s=0, warm_budget_mb=0, cold_sweep_s=1e-4)
+        store = Store()
+        sweeper = None
+        _sweep_forever = Runtime._sweep_forever
+
+    holder = Holder()
+    Runtime.start_sweeper(holder)  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(checked.wait(), 30)
+    finally:
+        holder.sweeper.cancel()
+    assert len(checks) >= 3 and not swept

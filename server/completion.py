@@ -10,7 +10,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from model.engine import TokenEvent
@@ -54,14 +54,14 @@ _INSTEAD = {"stop_token_ids": "stop strings (stop) end a generation here",
             "include_stop_str_in_output": "a stop string is never part of the text"}
 
 
+MAX_CHOICES = 128  # OpenAI's most for ``n``; here for all a request's choices (prompts x n)
+
+
 def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | None:
-    """The request's sampling, checked; None for ``max_tokens: 0`` with ``echo``: the prompt is read (and with
-    ``logprobs`` scored) and given back, nothing generated, as OpenAI and vLLM answer it (how a prompt is scored)."""
+    """The request's sampling, checked (each choice's seed and prompt set later: :func:`choices`); None for
+    ``max_tokens: 0`` with ``echo``: the prompt is read (and with ``logprobs`` scored) and given back, nothing
+    generated, as OpenAI and vLLM answer it (how a prompt is scored)."""
     s = rt.settings
-    if req.n not in (None, 1):
-        raise InvalidRequestError("only n=1 is supported", param="n")
-    if req.best_of not in (None, 1):
-        raise InvalidRequestError("only best_of=1 is supported", param="best_of")
     for name, neutral in _NEUTRAL:
         if getattr(req, name) not in (None, neutral):
             only = "" if neutral is None else f" (only {json.dumps(neutral)})"
@@ -91,12 +91,89 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
     if max_tokens == 0 and not req.echo:
         raise InvalidRequestError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo true (and "
                                   "logprobs for its tokens' scores)", param="max_tokens")
-    prompt = the_prompt(req)
     params = SamplingParams(max_tokens=max_tokens or 1, temperature=1.0 if req.temperature is None else
                             req.temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                            seed=req.seed, stop=tuple(stop), logprobs=req.logprobs,  # each field checked
-                            after_space=isinstance(prompt, str) and after_space(prompt))
+                            seed=req.seed, stop=tuple(stop), logprobs=req.logprobs)  # each field checked
     return None if max_tokens == 0 else params
+
+
+def the_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """OpenAI's four forms of ``prompt`` as a list of prompts: one text or token-id list, or a batch of either."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequestError("prompt: an empty list holds no prompt; send \"\" for an empty one",
+                                  param="prompt")
+    return list(prompt)
+
+
+def how_many(req: CompletionRequest, prompts: int, held: int) -> int:
+    """``n``, checked against the request (a session continues one text, so its request has one choice) and
+    the server (``held``: the most requests it holds at once, which a request's choices are)."""
+    n = 1 if req.n is None else req.n
+    if n < 1:
+        raise InvalidRequestError(f"n must be at least 1, got {n}", param="n")
+    if req.best_of not in (None, n):  # best_of == n returns every sampled choice: vLLM's neutral value
+        raise InvalidRequestError("best_of is supported only at n's value (every sampled choice is returned)",
+                                  param="best_of")
+    if req.session_id is not None and prompts * n > 1:
+        raise InvalidRequestError("a session continues one text: with session_id send one prompt and n 1 (fork the "
+                                  "session for other continuations)", param="n" if n > 1 else "prompt")
+    if prompts * n > min(MAX_CHOICES, held):
+        why = f"a request may have at most {MAX_CHOICES}" if prompts * n > MAX_CHOICES else (
+            f"this server holds at most {held} requests at once (--max-queue beyond the batch)")
+        raise InvalidRequestError(f"{prompts} prompt(s) x n {n} is {prompts * n} choices; {why}",
+                                  param="n" if n > 1 else "prompt")
+    return n
+
+
+@dataclass
+class Choice:
+    """One choice of a request, ready to run: its index (prompt's index x n + its own), its prompt as sent and as
+    token ids, its sampling, and (with ``echo``) the prompt's text. Everything that can refuse a request is
+    checked before any choice runs."""
+
+    index: int
+    prompt: str | list[int]
+    ids: list[int]
+    params: SamplingParams | None
+    echoed: str = ""
+    sample: int = 0  # which of its prompt's n samples
+
+
+def _seed(seed: int | None, j: int) -> int | None:
+    """The ``j``-th sample of a prompt draws from seed + j (in int64's range): n samples of one seed differ, and a
+    request's first choice is what the same request with n 1 gives."""
+    return None if seed is None else (seed + j + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
+    """The request's choices, in ``index`` order, every check made; each is started with :func:`launch`."""
+    check_model(rt, req.model)
+    if req.stream_options is not None and not req.stream:  # OpenAI refuses it too
+        raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+    params = sampling_params(rt, req)
+    prompts = the_prompts(req)
+    n, limit = how_many(req, len(prompts), rt.settings.max_queue + rt.scheduler.capacity), rt.settings.max_prompt_bytes
+    out, values = [], 0
+    for prompt in prompts:
+        ids = await prompt_ids(rt, prompt, limit) if isinstance(prompt, str) else checked_ids(rt, prompt, limit)
+        echoed = await prompt_text(rt, prompt) if req.echo else ""
+        spaced = params and replace(params, after_space=isinstance(prompt, str) and after_space(prompt))
+        values += n * ((len(ids) if req.echo else 0) + (params.max_tokens if params else 0))
+        out += [Choice(len(out) + j, prompt, ids, spaced and replace(spaced, seed=_seed(spaced.seed, j)), echoed, j)
+                for j in range(n)]
+    check_logprobs_values(rt, values, req.logprobs)
+    return out
+
+
+def launch(rt: Runtime, req: CompletionRequest, choice: Choice, owner: str | None) -> Run:
+    """Start a choice's run: it reads the prompt (scored with ``echo`` and ``logprobs``) and generates."""
+    scored = req.logprobs if req.echo and req.logprobs is not None and choice.ids else None
+    return Run(rt, ids=choice.ids, params=choice.params, owner=owner, session_id=req.session_id,
+               prompt_logprobs=scored, session_param="session_id",
+               scored=choice.params is not None)  # max_tokens 0: no log-likelihood wanted
 
 
 _ENCODE_INLINE = 16_384  # characters; a longer text is tokenized off the event loop (a word tokenizer is slow)
@@ -112,23 +189,9 @@ async def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt") 
     return ids
 
 
-def the_prompt(req: CompletionRequest) -> str | list[int]:
-    """The one prompt of a request, as text or token ids: OpenAI's ``prompt`` may also be a batch (a list of
-    texts or of token lists), which this server takes with one prompt in it."""
-    prompt = req.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return prompt
-    if len(prompt) != 1:
-        raise InvalidRequestError(f"prompt: a list of {len(prompt)} prompts; this server completes one prompt per "
-                                  "request (send each as its own request, or token ids as one list of integers)",
-                                  param="prompt")
-    return prompt[0]
-
-
-async def prompt_text(rt: Runtime, req: CompletionRequest) -> str:
+async def prompt_text(rt: Runtime, prompt: str | list[int]) -> str:
     """What ``echo`` gives back: the prompt's text, or its token ids' text (decoded off the event loop when
     long, as long texts are tokenized). Called before the run starts, so that nothing can fail once it runs."""
-    prompt = the_prompt(req)
     if isinstance(prompt, str):
         return prompt
     ids, decode = checked_ids(rt, prompt, rt.settings.max_prompt_bytes), rt.engine.tokenizer.decode
@@ -158,20 +221,6 @@ def check_logprobs_values(rt: Runtime, tokens: int, logprobs: int | None) -> Non
         f"logprobs {logprobs} for {tokens:,} tokens is {tokens * (1 + logprobs):,} log-probabilities, over this "
         f"server's limit of {limit:,} (--max-logprobs-values): score at most {limit // (1 + logprobs):,} tokens at "
         f"a time (append a long text in parts), or ask for fewer alternatives", param="logprobs")
-
-
-async def start(rt: Runtime, req: CompletionRequest, owner: str | None) -> Run:
-    check_model(rt, req.model)
-    if req.stream_options is not None and not req.stream:  # OpenAI refuses it too
-        raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
-    params = sampling_params(rt, req)
-    prompt, limit = the_prompt(req), rt.settings.max_prompt_bytes
-    ids = await prompt_ids(rt, prompt, limit) if isinstance(prompt, str) else checked_ids(rt, prompt, limit)
-    scored = req.logprobs if req.echo and req.logprobs is not None and ids else None
-    check_logprobs_values(rt, (len(ids) if scored is not None else 0) + (params.max_tokens if params else 0),
-                          req.logprobs)
-    return Run(rt, ids=ids, params=params, owner=owner, session_id=req.session_id, prompt_logprobs=scored,
-               session_param="session_id", scored=params is not None)  # max_tokens 0: no log-likelihood wanted
 
 
 def text_start(decoder: codecs.IncrementalDecoder, data: bytes, chars: int) -> tuple[int, int]:
@@ -255,6 +304,8 @@ class Completion:
     system_fingerprint: str | None = None
     id: str = field(default_factory=lambda: "cmpl-" + secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
+    index: int = 0  # of the choice, among the request's (prompts x n)
+    text_prompt: bool = True  # its prompt came as text: the echoed prompt's offsets are that text's
     text: str = ""
     echoed: str = ""  # the prompt's text, given back first with ``echo``
     tokens: list[int] = field(default_factory=list)
@@ -268,8 +319,13 @@ class Completion:
     _chars: int = 0  # characters the generated tokens decode to so far, text held back (a stop string's start) too
 
     @classmethod
-    def of(cls, rt: Runtime, req: CompletionRequest) -> Completion:
-        return cls(req, rt.settings.model_name, rt.engine.tokenizer, rt.engine.fingerprint)
+    def of(cls, rt: Runtime, req: CompletionRequest, choice: Choice, first: Completion | None = None) -> Completion:
+        """A choice's; the request's other choices share the ``first``'s id and time."""
+        out = cls(req, rt.settings.model_name, rt.engine.tokenizer, rt.engine.fingerprint, index=choice.index,
+                  text_prompt=isinstance(choice.prompt, str), text=choice.echoed, echoed=choice.echoed)
+        if first is not None:
+            out.id, out.created = first.id, first.created
+        return out
 
     def add(self, ev: TokenEvent) -> CompletionLogprobs | None:
         """Record a token; its logprobs piece for a stream chunk (or None without logprobs). Its text offset
@@ -305,8 +361,7 @@ class Completion:
         return piece
 
     def _scored_prompt(self, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
-        return prompt_logprobs(self.tokenizer, ids, scores, self.echoed if isinstance(the_prompt(self.req), str)
-                               else None)
+        return prompt_logprobs(self.tokenizer, ids, scores, self.echoed if self.text_prompt else None)
 
     def logprobs(self) -> CompletionLogprobs | None:
         if self.req.logprobs is None:
@@ -330,7 +385,8 @@ class Completion:
               *, session: SessionRef | None = None) -> CompletionObject:
         return CompletionObject(id=self.id, created=self.created, model=self.model,
                                 system_fingerprint=self.system_fingerprint, session=session, choices=[
-                                    CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)])
+                                    CompletionChoice(index=self.index, text=text, logprobs=logprobs,
+                                                     finish_reason=finish_reason)])
 
     def piece(self, text: str, finish_reason: FinishReason | None = None, logprobs: CompletionLogprobs | None = None,
               *, session: SessionRef | None = None, usage: dict[str, int] | None = None) -> dict[str, Any]:
@@ -351,9 +407,7 @@ class Completion:
 
     @staticmethod
     def usage(final: Final, prompt_tokens: int) -> Usage:
-        n = final.done.completion_tokens
-        return Usage(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=final.cached_tokens))
+        return usage_of([final], prompt_tokens)
 
     @staticmethod
     def session(final: Final) -> SessionRef | None:
@@ -366,16 +420,12 @@ class Completion:
     def finish(final: Final) -> FinishReason:
         return final.done.finish_reason or "length"
 
-    def body(self, final: Final, prompt_tokens: int) -> CompletionObject:
-        out = self.chunk(self.text, self.finish(final), self.logprobs(), session=self.session(final))
-        out.usage = self.usage(final, prompt_tokens)
-        return out
-
-    def body_json(self, final: Final, prompt_tokens: int) -> bytes:
-        """The JSON body (:func:`body_bytes`: call it through :func:`off_loop`)."""
-        body = self.body(final, prompt_tokens)
-        choice = body.choices[0]
-        return body_bytes(body.dump_json, choice.logprobs, lambda empty: setattr(choice, "logprobs", empty))
+    def choice_json(self, final: Final) -> bytes:
+        """The choice's JSON in the body (:func:`body_bytes`: call it through :func:`off_loop`)."""
+        choice = CompletionChoice(index=self.index, text=self.text, logprobs=self.logprobs(),
+                                  finish_reason=self.finish(final))
+        return body_bytes(lambda: choice.model_dump_json().encode(), choice.logprobs,
+                          lambda empty: setattr(choice, "logprobs", empty))
 
     def prompt_piece(self, ids: list[int], scores: PromptScores, dumps: Callable[[Any], str], *,
                      usage: dict[str, int] | None = None, delta: bool = False) -> str:
@@ -391,11 +441,11 @@ class Completion:
         free(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, logprobs.text_offset)
         return out
 
-    def usage_chunk(self, final: Final, prompt_tokens: int) -> CompletionObject:
-        """The extra last SSE chunk of ``stream_options.include_usage``: no choices, the usage."""
+    def usage_chunk(self, finals: list[Final], prompt_tokens: int) -> CompletionObject:
+        """The extra last SSE chunk of ``stream_options.include_usage``: no choices, the request's usage."""
         return CompletionObject(id=self.id, created=self.created, model=self.model,
                                 system_fingerprint=self.system_fingerprint, choices=[],
-                                usage=self.usage(final, prompt_tokens))
+                                usage=usage_of(finals, prompt_tokens))
 
     def delta(self, text: str, logprobs: CompletionLogprobs | None) -> CompletionDelta:
         return CompletionDelta(id=self.id, text=text, logprobs=logprobs)
@@ -438,15 +488,103 @@ async def events(run: Run, first: Any, since: float | None = None
         item = await run.events.get()
 
 
-async def open_run(rt: Runtime, req: CompletionRequest, owner: str | None,
-                   started: Callable[[Run], None]) -> tuple[Run, Any]:
-    run = await start(rt, req, owner)
-    started(run)
+def usage_of(finals: list[Final], prompt_tokens: int) -> Usage:
+    """A request's usage: each prompt's tokens counted once (``prompt_tokens``), every choice's generated ones."""
+    n = sum(final.done.completion_tokens for final in finals)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(f.cached_tokens for f in finals)))
+
+
+def prompt_tokens(chosen: list[Choice]) -> int:
+    """The request's prompt tokens: each prompt's once, however many choices sample it (OpenAI's, vLLM's)."""
+    return sum(len(choice.ids) for choice in chosen if choice.sample == 0)
+
+
+def completion_json(comps: list[Completion], finals: list[Final], prompt_tokens: int) -> bytes:
+    """The JSON body of a request's choices: each choice rendered by itself (a long scored prompt's in parts);
+    call it through :func:`off_loop`. The same bytes as ``CompletionObject.dump_json`` of the whole (tested)."""
+    first = comps[0]
+    body = first.chunk("", session=first.session(finals[0]))
+    body.choices, body.usage = [], usage_of(finals, prompt_tokens)
+    head, tail = body.dump_json().split(b'"choices":[]')  # a string's quotes are escaped: only the key matches
+    return head + b'"choices":[' + b",".join(c.choice_json(f) for c, f in zip(comps, finals)) + b"]" + tail
+
+
+async def collect(comp: Completion, run: Run, first: Any, since: float) -> Final:
+    """A choice's events gathered into ``comp`` (the JSON body's path); its Final."""
+    async for item in events(run, first, since):
+        if isinstance(item, TokenEvent):
+            comp.add(item)
+        elif isinstance(item, str):
+            comp.add_text(item)
+        elif isinstance(item, PromptScores):
+            await off_loop(len(item), comp.add_prompt, run.ids, item)
+        else:
+            return item
+    raise AssertionError("a run's events end with its Final")  # pragma: no cover
+
+
+async def open_runs(rt: Runtime, req: CompletionRequest, chosen: list[Choice], owner: str | None,
+                    started: Callable[[Run], None]) -> list[tuple[Run, Any]]:
+    """Start every choice's run and wait for each one's first event, so that a refusal (a busy session, a full
+    queue) is the response's status; on any, every run started is cancelled."""
+    runs: list[Run] = []
     try:
-        return run, await first_item(run)
+        for choice in chosen:
+            runs.append(launch(rt, req, choice, owner))
+            started(runs[-1])
+        firsts = [await first_item(runs[0])] if len(runs) == 1 else await asyncio.gather(*map(first_item, runs))
+        return list(zip(runs, firsts))
     except BaseException:
-        run.cancel()
+        for run in runs:
+            run.cancel()
         raise
+
+
+class Interleaved:
+    """A request's choices' events as one stream of ``(index, event)``, each choice's in its order (the SSE
+    path). One choice is read directly; several, each by a task of its own into one queue. :meth:`idle` says
+    nothing more is in hand, so that what was read leaves in one write."""
+
+    def __init__(self, opened: list[tuple[Run, Any]], since: float) -> None:
+        self.runs = [run for run, _ in opened]
+        self._streams = [events(run, first, since) for run, first in opened]
+        self._queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+
+    def idle(self) -> bool:
+        if len(self.runs) == 1:  # every token of a stream asks
+            return self.runs[0].events.empty()
+        return self._queue.empty() and all(run.events.empty() for run in self.runs)
+
+    async def _pump(self, i: int) -> None:
+        try:
+            async for item in self._streams[i]:
+                self._queue.put_nowait((i, item, None))
+        except Exception as err:
+            self._queue.put_nowait((i, None, err))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Any]]:
+        if len(self._streams) == 1:
+            async for item in self._streams[0]:
+                yield 0, item
+            return
+        self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self._streams))]
+        try:
+            ended = 0
+            while ended < len(self._streams):
+                i, item, err = await self._queue.get()
+                if err is not None:
+                    raise err
+                ended += isinstance(item, Final)
+                yield i, item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop reading (the client left, or a choice failed); the runs are the caller's to cancel."""
+        for task in self._tasks:
+            task.cancel()
 
 
 @contextlib.asynccontextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -10,13 +11,23 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from model.engine import TokenEvent
-from server.completion import Completion, cancel_on_disconnect, events, off_loop, open_run, prompt_text
+from server.completion import (
+    Completion,
+    Interleaved,
+    cancel_on_disconnect,
+    choices,
+    collect,
+    completion_json,
+    off_loop,
+    open_runs,
+    prompt_tokens,
+)
 from server.deps import owner, request_fields, runtime
 from server.errors import stream_error
 from server.protocol import CompletionRequest
 from server.runtime import Runtime
 from server.scheduler import PromptScores
-from server.service import Final, Run
+from server.service import Final
 from txlserve.errors import RequestCancelled, UnsupportedEndpoint
 
 router = APIRouter()
@@ -41,9 +52,9 @@ async def chat_completions(_owner: str | None = Depends(owner)) -> None:  # a ke
 async def create_completion(req: CompletionRequest, request: Request, rt: Runtime = Depends(runtime),
                             who: str | None = Depends(owner)) -> Response:
     t0 = time.monotonic()
-    comp = Completion.of(rt, req)
-    if req.echo:
-        comp.echoed = comp.text = await prompt_text(rt, req)
+    chosen = await choices(rt, req)
+    comps = [Completion.of(rt, req, chosen[0])]
+    comps += [Completion.of(rt, req, choice, comps[0]) for choice in chosen[1:]]
     left: list[bool] = []
 
     def disconnected() -> None:
@@ -51,91 +62,116 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
         left.append(True)
 
     async with cancel_on_disconnect(request.receive, disconnected) as attach:
-        run, first = await open_run(rt, req, who, attach)
-        comp.prev = run.ids[-1] if run.ids else None
+        opened = await open_runs(rt, req, chosen, who, attach)
+        for comp, (run, _) in zip(comps, opened):
+            comp.prev = run.ids[-1] if run.ids else None
         if not req.stream:
-            async for item in events(run, first, t0):
-                if isinstance(item, TokenEvent):
-                    comp.add(item)
-                elif isinstance(item, str):
-                    comp.add_text(item)
-                elif isinstance(item, PromptScores):
-                    await off_loop(len(item), comp.add_prompt, run.ids, item)
-                else:
-                    _log_fields(run, item, request)
-                    # a client that left got nothing: logged and counted as nginx counts it (it was a 200)
-                    body = await off_loop(len(comp.tokens) if req.logprobs is not None else 0, comp.body_json, item,
-                                          len(run.ids))
-                    return Response(body, media_type="application/json",
-                                    status_code=RequestCancelled.status if left else 200)
-    return StreamingResponse(_stream(rt, run, first, comp, t0, request), media_type="text/event-stream",
+            runs = [run for run, _ in opened]
+            gathered = [collect(comp, run, first, t0) for comp, (run, first) in zip(comps, opened)]
+            try:
+                finals = [await gathered[0]] if len(gathered) == 1 else await asyncio.gather(*gathered)
+            except BaseException:
+                for run in runs:
+                    run.cancel()
+                raise
+            _log_fields(request, prompt_tokens(chosen), finals)
+            # a client that left got nothing: logged and counted as nginx counts it (it was a 200)
+            body = await off_loop(sum(len(c.tokens) for c in comps) if req.logprobs is not None else 0,
+                                  completion_json, comps, finals, prompt_tokens(chosen))
+            return Response(body, media_type="application/json",
+                            status_code=RequestCancelled.status if left else 200)
+    return StreamingResponse(_stream(rt, comps, Interleaved(opened, t0), prompt_tokens(chosen), request),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _stream(rt: Runtime, run: Run, first: object, comp: Completion, t0: float,
+async def _stream(rt: Runtime, comps: list[Completion], choices: Interleaved, prompt_tokens: int,
                   request: Request) -> AsyncIterator[str]:
-    """The SSE body. Every token is its own event, but the events of tokens already waiting when one is read (a
-    group of ``--stream-interval``, or a stream whose event loop fell behind) leave in one write, and the last
-    token with the end: on a VM a socket write and its trip through the ASGI layers cost the event loop ~40 us."""
-    options = comp.req.stream_options
+    """The SSE body: each choice's chunks (``index`` tells them apart), in the order their tokens came. Every
+    token is its own event, but the events of tokens already waiting when one is read (a group of
+    ``--stream-interval``, or a stream whose event loop fell behind) leave in one write, and the last token with
+    its end: on a VM a socket write and its trip through the ASGI layers cost the event loop ~40 us."""
+    runs, options = choices.runs, comps[0].req.stream_options
     include_usage = bool(options and options.include_usage)
     continuous = include_usage and options.continuous_usage_stats  # vLLM's: each chunk with the usage so far
     finished = False
-    streamed = 0
+    streamed = [0] * len(comps)
+    finals: list[Final | None] = [None] * len(comps)
     out: list[str] = []  # events not yet written: written once nothing else is waiting
 
-    def so_far() -> dict[str, int] | None:
-        return comp.usage_so_far(len(run.ids), streamed) if continuous else None
+    def so_far(i: int) -> dict[str, int] | None:
+        return comps[i].usage_so_far(len(runs[i].ids), streamed[i]) if continuous else None
     try:
         try:
-            if comp.req.echo and comp.echoed and run.prompt_logprobs is None:
-                yield _sse(comp.piece(comp.echoed, usage=so_far()))
-            async for item in events(run, first, t0):
+            for i, comp in enumerate(comps):
+                if comp.req.echo and comp.echoed and runs[i].prompt_logprobs is None:
+                    out.append(_sse(comp.piece(comp.echoed, usage=so_far(i))))
+            if out:
+                yield "".join(out)
+                out.clear()
+            async for i, item in choices:
+                comp, run = comps[i], runs[i]
                 if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores come first
-                    event = await off_loop(len(item), comp.prompt_piece, run.ids, item, _dumps, usage=so_far())
-                    yield f"data: {event}\n\n"
+                    event = await off_loop(len(item), comp.prompt_piece, run.ids, item, _dumps, usage=so_far(i))
+                    yield "".join(out) + f"data: {event}\n\n"  # after the other choices' events read before it
+                    out.clear()
                     continue
                 if isinstance(item, TokenEvent):
-                    streamed += 1
+                    streamed[i] += 1
                     logprobs = comp.add(item)
                     if logprobs is not None or (continuous and item.text):
-                        out.append(_sse(comp.piece(item.text, None, logprobs, usage=so_far())))
+                        out.append(_sse(comp.piece(item.text, None, logprobs, usage=so_far(i))))
                     elif item.text:
                         out.append(comp.text_event(item.text))
-                    if out and item.finish_reason is None and run.events.empty():  # the last waits for the end
+                    if out and item.finish_reason is None and choices.idle():  # the last waits for the end
                         yield "".join(out)
                         out.clear()
                     continue
                 if isinstance(item, str):  # held back until the run was cancelled
                     comp.add_text(item)
-                    out.append(_sse(comp.piece(item, usage=so_far())) if continuous else comp.text_event(item))
+                    out.append(_sse(comp.piece(item, usage=so_far(i))) if continuous else comp.text_event(item))
                     continue
+                finals[i] = item
                 usage = comp.usage(item, len(run.ids)).model_dump() if continuous else None
                 out.append(_sse(comp.piece("", comp.finish(item), session=comp.session(item), usage=usage)))
+                if None in finals:  # another choice goes on: this one's end leaves now (the last's with [DONE])
+                    if choices.idle():
+                        yield "".join(out)
+                        out.clear()
+                    continue
+                ended = [f for f in finals if f is not None]
                 if include_usage:
-                    out.append(_sse(comp.usage_chunk(item, len(run.ids)).dump()))
-                _log_fields(run, item, request)
+                    out.append(_sse(comps[0].usage_chunk(ended, prompt_tokens).dump()))
+                _log_fields(request, prompt_tokens, ended)
         except Exception as err:  # mid-stream: the tokens read so far, an error event, then [DONE]
             event = stream_error(err)
             out.append(_sse(event))
             finished = True
+            for run in runs:  # the other choices' runs: their client is told the request failed
+                run.cancel()
             # its log line (a 200: the stream had begun) says what the client got and how it ended
-            request_fields(request.scope).update(prompt_tokens=len(run.ids), completion_tokens=streamed,
-                                                 session_id=run.session_id, error=event["error"]["code"],
+            request_fields(request.scope).update(prompt_tokens=prompt_tokens, completion_tokens=sum(streamed),
+                                                 session_id=runs[0].session_id, error=event["error"]["code"],
                                                  error_status=event["status"])
         yield "".join(out) + "data: [DONE]\n\n"  # a client that leaves before this write did not get the end
         finished = True
     finally:
+        choices.close()
         if not finished:  # the client went away (cancelled, or the generator closed at a yield)
             rt.metrics.disconnects.inc()
-            run.cancel()  # its log line is written now, so it says what the client got
-            request_fields(request.scope).update(prompt_tokens=len(run.ids), completion_tokens=streamed,
-                                                 finish_reason="cancelled", session_id=run.session_id)
+            for run in runs:
+                run.cancel()  # its log line is written now, so it says what the client got
+            request_fields(request.scope).update(prompt_tokens=prompt_tokens, completion_tokens=sum(streamed),
+                                                 finish_reason="cancelled", session_id=runs[0].session_id)
 
 
-def _log_fields(run: Run, final: Final, request: Request) -> None:
-    """What the request's log line says of it (its metrics are the run's and events')."""
-    request_fields(request.scope).update(
-        prompt_tokens=len(run.ids), completion_tokens=final.done.completion_tokens,
-        cached_tokens=final.cached_tokens, finish_reason=final.done.finish_reason,
-        session_id=final.info.session_id if final.info else None, restored_from=final.source)
+def _log_fields(request: Request, prompt_tokens: int, finals: list[Final]) -> None:
+    """What the request's log line says of it (its metrics are the runs' and events'): its first choice's end."""
+    first = finals[0]
+    fields = request_fields(request.scope)
+    fields.update(prompt_tokens=prompt_tokens,
+                  completion_tokens=sum(f.done.completion_tokens for f in finals),
+                  cached_tokens=first.cached_tokens, finish_reason=first.done.finish_reason,
+                  session_id=first.info.session_id if first.info else None, restored_from=first.source)
+    if len(finals) > 1:
+        fields["choices"] = len(finals)

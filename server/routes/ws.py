@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from model.engine import TokenEvent
-from server.completion import Completion, events, off_loop, prompt_text, start
+from server.completion import Completion, choices, events, launch, off_loop, the_prompts
 from server.deps import ws_origin, ws_owner
 from server.errors import classify, error_body, stream_error, unreadable_json, validation_message
 from server.protocol import CompletionRequest
@@ -178,10 +178,13 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
             await ws.send_json(_invalid("stream_options.continuous_usage_stats is for SSE streams; a WebSocket's "
                                         "completion.done carries the usage", "stream_options"))
             return
-        comp = Completion.of(rt, req)
-        if req.echo:
-            comp.echoed = comp.text = await prompt_text(rt, req)
-        run = await start(rt, req, who)
+        if (req.n or 1) > 1 or len(the_prompts(req)) > 1:  # n 0 and below: refused as over HTTP
+            await ws.send_json(_invalid("a WebSocket completion has one choice: send one prompt with n 1 (a list "
+                                        "of prompts, or n above 1, over HTTP)", "n" if (req.n or 1) > 1 else "prompt"))
+            return
+        chosen = await choices(rt, req)
+        comp = Completion.of(rt, req, chosen[0])
+        run = launch(rt, req, chosen[0], who)
         comp.prev = run.ids[-1] if run.ids else None
     except ValidationError as err:
         await ws.send_json(_invalid(*validation_message(err)))

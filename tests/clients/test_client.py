@@ -51,6 +51,22 @@ def test_completion(client: Client) -> None:
     assert as_ids.text == done.text and as_ids.usage.prompt_tokens == 5
 
 
+def test_choices_of_a_batch_and_n(client: Client) -> None:
+    """A list of prompts with n gives every choice (``text`` is the first's); a stream's chunks carry theirs."""
+    done = client.completions.create(model=MODEL, prompt=["Hello", "Bye"], n=2, max_tokens=4, seed=3, logprobs=0)
+    assert [c.index for c in done.choices] == [0, 1, 2, 3] and done.text == done.choices[0].text
+    alone = client.completions.create(model=MODEL, prompt="Bye", max_tokens=4, seed=4, logprobs=0)
+    assert (done.choices[3].text, done.choices[3].finish_reason) == (alone.text, "length")
+    assert done.choices[3].logprobs is not None and alone.logprobs is not None and done.usage.prompt_tokens == 5 + 3
+    assert done.choices[3].logprobs.tokens == alone.logprobs.tokens
+    assert done.choices[3].logprobs.token_logprobs == pytest.approx(alone.logprobs.token_logprobs, abs=1e-5)
+    with client.completions.create(model=MODEL, prompt=["Hello", "Bye"], n=2, max_tokens=4, seed=3,
+                                   stream=True) as stream:
+        chunks = list(stream)
+    for choice in done.choices:
+        assert "".join(c.text for c in chunks if c.index == choice.index) == choice.text
+
+
 def test_streaming_completion(client: Client) -> None:
     with client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, stream=True,
                                    stream_options={"include_usage": True}) as stream:
@@ -277,7 +293,7 @@ def test_request_errors(client: Client) -> None:
         client.completions.create(model=MODEL, prompt="x", temperature=5.0)
     assert bad.value.param == "temperature" and bad.value.status == 400
     with pytest.raises(BadRequestError):
-        client.completions.create(model=MODEL, prompt="x", stream=True, n=2)
+        client.completions.create(model=MODEL, prompt="x", stream=True, n=0)
     with pytest.raises(NotFoundError) as missing:
         client.completions.create(model=MODEL, prompt="x", session_id="no-such-session")
     assert (missing.value.code, missing.value.param) == ("session_not_found", "session_id")  # the body's field

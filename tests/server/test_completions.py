@@ -170,8 +170,8 @@ def test_max_tokens_zero_with_echo_scores_the_prompt(server):
 
 
 def test_openais_four_prompt_forms(server):
-    """Text, token ids, and a batch of one of either (what LangChain and the OpenAI SDK send) read the same; a
-    batch of several, ids outside the vocabulary and lists of other things are refused by name."""
+    """Text, token ids, and a batch of one of either (what LangChain and the OpenAI SDK send) read the same; an
+    empty batch, ids outside the vocabulary and lists of other things are refused by name."""
     ids = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello"}).json()["tokens"]
     want = complete(server, prompt="Hello", max_tokens=8, temperature=0, logprobs=1)["choices"][0]
     for form in (ids, ["Hello"], [ids]):
@@ -183,13 +183,85 @@ def test_openais_four_prompt_forms(server):
     assert echoed == "Hello" + want["text"][:3]
     events = sse_events(server, prompt=[0xE2, 0x98], max_tokens=2, temperature=0, echo=True)  # half a character
     assert events[0]["choices"][0]["text"] == "\ufffd"  # echoed as the decoder reads those bytes
-    for bad, said in (([[1], [2]], "2 prompts"), ([["a"]], "token ids"), (["a", "b"], "2 prompts"), ([], "0 prompts"),
+    for bad, said in (([["a"]], "token ids"), ([], "empty list"), ([[1], [256]], "token id 256"),
                       ([256], "token id 256"), ([-1], "token id -1"), ([True], "token ids"), ([1.5], "token ids"),
                       (["a", [1]], "token ids"), (7, "token ids")):
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": bad}, timeout=60)
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "prompt" and said in err["message"], (bad, err)
 
+
+
+def test_a_batch_of_prompts_and_n_samples_are_choices_in_openais_order(server):
+    """``prompt`` as a list and ``n`` give prompts x n choices, choice p x n + j the j-th sample of prompt p,
+    drawn from seed + j: each equals the request for that prompt alone with that seed (text and logprobs), in
+    the JSON body and in the SSE stream (chunks told apart by ``index``), and usage counts each prompt once."""
+    ids = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "The "}).json()["tokens"]
+    prompts, sampling = ["Hello", "The "], {"max_tokens": 6, "temperature": 1.0, "seed": 11, "logprobs": 1}
+    alone = [complete(server, prompt=p, **{**sampling, "seed": 11 + j}, echo=True)["choices"][0]
+             for p in prompts for j in range(3)]
+    assert alone[0]["text"] != alone[1]["text"]  # seed + j: n samples differ
+    got = complete(server, prompt=prompts, n=3, echo=True, **sampling)
+    assert [c["index"] for c in got["choices"]] == list(range(6))
+    for want, choice in zip(alone, got["choices"]):
+        assert choice["text"] == want["text"] and choice["finish_reason"] == want["finish_reason"]
+        assert choice["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-5)
+    assert [c["text"][:len(p)] for c, p in zip(got["choices"], ["Hello"] * 3 + ["The "] * 3)] == ["Hello"] * 3 + [
+        "The "] * 3  # each choice echoes its own prompt
+    generated = sum(len(c["logprobs"]["tokens"]) for c in alone) - 3 * (5 + len(ids))
+    assert got["usage"] == {"prompt_tokens": 5 + len(ids), "completion_tokens": generated,
+                            "total_tokens": 5 + len(ids) + generated, "prompt_tokens_details": {"cached_tokens": 0}}
+
+    events = sse_events(server, prompt=prompts, n=3, echo=True, stream_options={"include_usage": True}, **sampling)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"] == got["usage"]
+    chunks = events[:-2]
+    assert len({c["id"] for c in chunks}) == 1 and all(len(c["choices"]) == 1 for c in chunks)
+    for i, want in enumerate(alone):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == want["text"]
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [want["finish_reason"]]
+        assert mine[-1]["finish_reason"] is not None  # nothing of a choice after its end
+
+
+def test_a_batch_scored_as_lm_eval_scores_it(server):
+    """lm-evaluation-harness's ``local-completions`` scores a batch of token-id prompts in one request (echo,
+    logprobs 1, max_tokens 0): each choice is that prompt's scores alone, the batch's usage their sum."""
+    texts = ["It was the best of times", "it was the worst", "of times"]
+    ids = [httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": t}).json()["tokens"] for t in texts]
+    body = {"echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    got = complete(server, prompt=ids, **body)
+    for one, choice, text in zip(ids, got["choices"], texts):
+        want = complete(server, prompt=one, **body)["choices"][0]
+        assert choice["text"] == text and choice["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-5)
+    assert got["usage"]["prompt_tokens"] == sum(map(len, ids)) and got["usage"]["completion_tokens"] == 0
+
+
+def test_choices_are_refused_where_they_cannot_be_had(server):
+    """n below 1, more than 128 choices, best_of other than n, and a session given more than one choice are
+    400s naming the field; a WebSocket completion has one choice."""
+    from websockets.sync.client import connect
+
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "stable"}).json()["id"]
+    for body, param, said in (({"n": 0}, "n", "at least 1"), ({"n": 129}, "n", "at most 128"),
+                              ({"prompt": ["a"] * 65, "n": 2}, "n", "130 choices"),
+                              ({"prompt": ["a"] * 129}, "prompt", "at most 128"),
+                              ({"n": 2, "best_of": 3}, "best_of", "n's value"),
+                              ({"n": 2, "session_id": sid}, "n", "fork"),
+                              ({"prompt": ["a", "b"], "session_id": sid}, "prompt", "one prompt")):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a", **body}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and said in err["message"], (body, r.text)
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}").json()["tokens_seen"] == 6
+    ok = complete(server, prompt="a", n=2, best_of=2, max_tokens=2)  # best_of at n's value changes nothing
+    assert len(ok["choices"]) == 2
+    with connect(server.url.replace("http://", "ws://") + "/v1/ws", open_timeout=30) as ws:
+        for body, param in (({"n": 2}, "n"), ({"prompt": ["a", "b"]}, "prompt")):
+            ws.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "a", **body}))
+            msg = json.loads(ws.recv(timeout=30))
+            assert msg["type"] == "error" and msg["error"]["param"] == param and "one choice" in msg["error"][
+                "message"], msg
 
 def test_openai_sdk_plain_and_streaming(server):
     openai = pytest.importorskip("openai")
@@ -200,6 +272,8 @@ def test_openai_sdk_plain_and_streaming(server):
                                             stream_options={"include_usage": True}))
     assert "".join(p.choices[0].text for p in pieces if p.choices) == out.choices[0].text
     assert pieces[-1].usage.completion_tokens == 8
+    batch = client.completions.create(model=MODEL, prompt=["Hello", "Bye"], n=2, max_tokens=3, seed=5)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3] and batch.usage.completion_tokens == 12
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     with pytest.raises(openai.BadRequestError):

@@ -16,6 +16,7 @@ import pytest
 
 from tests.live import LiveServer
 from tests.server.test_completions import (  # noqa: F401  (collected here again, against this module's server)
+    test_a_batch_of_prompts_and_n_samples_are_choices_in_openais_order,
     test_a_requests_lifecycle_phases_are_counted_once_each_and_fit_in_its_latency,
     test_completion_shape,
     test_error_mid_stream_is_an_error_event_then_done,

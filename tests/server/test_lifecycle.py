@@ -529,3 +529,75 @@ async def test_the_eviction_policy_is_checked_without_a_cold_tier(caplog) -> Non
     finally:
         holder.sweeper.cancel()
     assert len(checks) >= 3 and not swept
+
+
+async def _chunks_until(sent: asyncio.Queue, scheduler: FakeScheduler, choices: int, enough, *, then: int = 1) -> list:
+    """Once every choice's request waits for a token (the gate serves its waiters in turn), release one each (the
+    response starts once every choice has one), then ``then`` at a time, reading what each sends, until
+    ``enough(payloads)``. Each read follows a release, so a token is always on its way."""
+    for _ in range(10_000):  # the runs start as the event loop turns: no time passes
+        if len(scheduler.running) >= choices:
+            break
+        await asyncio.sleep(0)
+    assert len(scheduler.running) >= choices, scheduler.running
+    scheduler.release(choices)
+    payloads = await next_chunk(sent)
+    for _ in range(20):
+        if enough(payloads):
+            return payloads
+        scheduler.release(then)
+        payloads += await next_chunk(sent)
+    raise AssertionError(f"not enough after 20 reads: {payloads}")
+
+
+async def test_a_choice_that_fails_mid_stream_ends_the_request_and_its_other_choices(redis_url, tmp_path):
+    async with running_app(redis_url, tmp_path, open_gate=False) as (app, rt, scheduler):
+        sent = asyncio.Queue()
+        task = asyncio.create_task(asgi_post(app, "/v1/completions", {
+            "model": MODEL, "prompt": ["yo", "FAIL"], "max_tokens": 50, "stream": True}, sent=sent))
+        payloads = await _chunks_until(sent, scheduler, 2, lambda p: any("error" in x for x in p if x != "[DONE]"))
+        while payloads[-1] != "[DONE]":
+            payloads += await next_chunk(sent)
+        await task
+        await settle(rt)
+        error = next(x for x in payloads if x != "[DONE]" and "error" in x)
+        assert error["status"] == 400 and error["error"]["code"] == "invalid_request", payloads
+        assert {x["choices"][0]["index"] for x in payloads[:payloads.index(error)]} <= {0, 1}
+        (other,) = [r for r in scheduler.requests if bytes(r.ids) == b"yo"]
+        assert other.cancelled and len(other.events) < 50  # stopped with the request, not run to its end
+        scheduler.release(100)
+        async with _client(app) as c:  # the same failure without a stream is the request's status
+            plain = await c.post("/v1/completions", json={"model": MODEL, "prompt": ["yo", "FAIL"], "max_tokens": 5})
+        assert plain.status_code == 400 and plain.json()["error"]["code"] == "invalid_request", plain.text
+        await settle(rt)
+
+
+async def test_a_client_that_leaves_cancels_every_choice_of_its_request(redis_url, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="txlserve.requests")
+    async with running_app(redis_url, tmp_path, open_gate=False) as (app, rt, scheduler):
+        sent, leave = asyncio.Queue(), asyncio.Event()
+        task = asyncio.create_task(asgi_post(app, "/v1/completions", {
+            "model": MODEL, "prompt": "yo", "n": 3, "max_tokens": 50, "stream": True}, sent=sent, leave=leave))
+        payloads = await _chunks_until(sent, scheduler, 3, lambda p: len(p) >= 3, then=0)
+        assert sorted(x["choices"][0]["index"] for x in payloads) == [0, 1, 2]  # one token each
+        leave.set()
+        await task
+        await settle(rt)
+        requests = [r for r in scheduler.requests if r.params is not None]
+        assert len(requests) == 3 and all(r.cancelled and len(r.events) == 1 for r in requests)
+        assert rt.metrics.disconnects._value.get() == 1
+        (line,) = [json.loads(r.getMessage()) for r in caplog.records
+                   if r.name == "txlserve.requests" and '"/v1/completions"' in r.getMessage()]
+        assert (line["prompt_tokens"], line["completion_tokens"], line["finish_reason"]) == (2, 3, "cancelled")
+
+
+async def test_more_choices_than_the_server_ever_holds_is_a_400_not_a_429(redis_url, tmp_path):
+    """A request's choices are requests: past what the server holds at once (the batch and --max-queue) it could
+    never run, and "retry shortly" would be wrong."""
+    async with running_app(redis_url, tmp_path, max_queue=1) as (app, rt, scheduler), _client(app) as c:
+        ok = await c.post("/v1/completions", json={"model": MODEL, "prompt": "yo", "n": 9, "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 9  # 8 in the batch, 1 waiting
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "yo", "n": 10, "max_tokens": 2})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "n" and "at most 9 requests" in err["message"], r.text
+        assert len(scheduler.requests) == 9  # nothing of it ran

@@ -75,10 +75,14 @@ def test_a_long_scored_prompt_renders_as_the_short_path_and_is_freed(monkeypatch
     ids, scores = _scores(11)
     comp.add_prompt(ids, scores)
     assert len(comp.lps) == 11
-    whole = comp.chunk(comp.text, "length", comp.logprobs()).dump_json()
+    other = Completion(req, "m", id=comp.id, created=comp.created, index=1, text="short")  # a second choice
     final = Final(Finished(None, 11, "length"), None, None, 0)
-    body = json.loads(comp.body_json(final, 11))
-    assert body["choices"] == json.loads(whole)["choices"] and comp.lps == comp.tops == comp.offsets == []
+    whole = comp.chunk(comp.text, "length", comp.logprobs())
+    whole.choices.append(other.chunk("short", "length", other.logprobs()).choices[0])
+    whole.usage = completion.usage_of([final, final], 11)
+    want = whole.dump_json()
+    assert completion.completion_json([comp, other], [final, final], 11) == want  # the same bytes
+    assert comp.lps == comp.tops == comp.offsets == []
 
 
 @pytest.mark.anyio

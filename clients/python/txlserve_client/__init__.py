@@ -40,6 +40,7 @@ from txlserve_client._streaming import AsyncStream, Stream
 from txlserve_client._types import (
     AppendResult,
     AsyncSessionPage,
+    Choice,
     Completion,
     CompletionChunk,
     Logprobs,
@@ -59,8 +60,8 @@ __all__ = [
     "Completions", "Sessions", "Models", "WebSocket", "AsyncCompletions", "AsyncSessions", "AsyncModels",
     "AsyncWebSocket",
     # results
-    "Completion", "CompletionChunk", "Usage", "Logprobs", "SessionRef", "Session", "AppendResult", "SessionDeleted",
-    "SessionPage", "AsyncSessionPage", "Model",
+    "Completion", "Choice", "CompletionChunk", "Usage", "Logprobs", "SessionRef", "Session", "AppendResult",
+    "SessionDeleted", "SessionPage", "AsyncSessionPage", "Model",
     # streams
     "Stream", "AsyncStream", "WebSocketConnection", "WebSocketStream", "AsyncWebSocketConnection",
     "AsyncWebSocketStream",

@@ -49,7 +49,24 @@ class Logprobs:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """One of a completion's choices: ``index`` is prompt x n + sample, for a list of prompts or ``n`` above 1."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: Logprobs | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Choice:
+        return cls(d.get("index", 0), d["text"], d.get("finish_reason"), Logprobs.from_dict(d.get("logprobs")))
+
+
+@dataclass(frozen=True)
 class Completion:
+    """A completion; ``text``, ``finish_reason`` and ``logprobs`` are its first choice's, ``choices`` all of them
+    (several for a list of prompts or ``n`` above 1)."""
+
     id: str
     created: int
     model: str
@@ -59,13 +76,14 @@ class Completion:
     session: SessionRef | None = None
     logprobs: Logprobs | None = None
     system_fingerprint: str | None = None  # the checkpoint's, with its mem_len and clamp_len (absent: older servers)
+    choices: tuple[Choice, ...] = ()
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Completion:
-        choice = d["choices"][0]
-        return cls(d["id"], d["created"], d["model"], choice["text"], choice.get("finish_reason"),
-                   Usage.from_dict(d["usage"]), SessionRef.from_dict(d.get("session")),
-                   Logprobs.from_dict(choice.get("logprobs")), d.get("system_fingerprint"))
+        choices = tuple(Choice.from_dict(c) for c in d["choices"])
+        first = choices[0]
+        return cls(d["id"], d["created"], d["model"], first.text, first.finish_reason, Usage.from_dict(d["usage"]),
+                   SessionRef.from_dict(d.get("session")), first.logprobs, d.get("system_fingerprint"), choices)
 
 
 @dataclass(frozen=True)
@@ -81,6 +99,7 @@ class CompletionChunk:
     usage: Usage | None = None
     session: SessionRef | None = None
     logprobs: Logprobs | None = None
+    index: int = 0  # the choice it belongs to (a list of prompts, or n above 1, streams several over SSE)
 
     @classmethod
     def from_sse(cls, d: dict[str, Any]) -> CompletionChunk:
@@ -88,7 +107,7 @@ class CompletionChunk:
         usage = d.get("usage")
         return cls(d["id"], choice.get("text", ""), choice.get("finish_reason"),
                    Usage.from_dict(usage) if usage else None, SessionRef.from_dict(d.get("session")),
-                   Logprobs.from_dict(choice.get("logprobs")))
+                   Logprobs.from_dict(choice.get("logprobs")), choice.get("index", 0))
 
     @classmethod
     def from_ws(cls, d: dict[str, Any]) -> CompletionChunk:

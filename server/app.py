@@ -237,19 +237,26 @@ class RequestLog:
         403 for a close before accepting, which is what the server then answers), or 500 where the app failed
         before answering the handshake (as uvicorn then does); ``close_code`` the WebSocket's, where the server
         closed it (1011 for a failure after accepting; 1009 where uvicorn closed it for a message too big, which
-        the app hears of as a disconnect)."""
+        the app hears of as a disconnect). The handshake is counted in ``txlserve_requests_total`` with that status
+        as it is answered (a connection may last hours)."""
         t0, status, close_code = time.monotonic(), None, None
         request_id = _request_id(scope)
 
+        def count(answered: int) -> None:
+            nonlocal status
+            if status is None and (rt := self.runtime_of()) is not None:
+                rt.metrics.requests.labels(_route_label(scope) or "unmatched", str(answered)).inc()
+            status = answered if status is None else status
+
         async def tagged(msg: Message) -> None:
-            nonlocal status, close_code
+            nonlocal close_code
             if msg["type"] == "websocket.accept":
-                status = 101
+                count(101)
                 msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", request_id.encode())]}
             elif msg["type"] == "websocket.http.response.start":  # refused with an HTTP answer
-                status = msg["status"]
+                count(msg["status"])
             elif msg["type"] == "websocket.close":
-                status = 403 if status is None else status
+                count(403)
                 close_code = msg.get("code", 1000)
             await send(msg)
 
@@ -267,9 +274,10 @@ class RequestLog:
                 close_code = 1011  # the server closes a connection whose app failed with "internal error"
             raise
         finally:
+            count(500)  # unanswered: the app failed first
             fields = {} if close_code is None else {"close_code": close_code}
             _log_line(request_id=request_id, method="WEBSOCKET", route=_route_label(scope) or "unmatched",
-                      status=500 if status is None else status, client=_client(scope),
+                      status=status, client=_client(scope),
                       total_ms=round(1000 * (time.monotonic() - t0), 1), **fields, **request_fields(scope))
 
 

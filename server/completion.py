@@ -156,10 +156,14 @@ async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
     params = sampling_params(rt, req)
     prompts = the_prompts(req)
     n, limit = how_many(req, len(prompts), rt.settings.max_queue + rt.scheduler.capacity), rt.settings.max_prompt_bytes
-    out, values = [], 0
+    out, values, read = [], 0, 0
     for prompt in prompts:
         ids = await prompt_ids(rt, prompt, limit) if isinstance(prompt, str) else checked_ids(rt, prompt, limit)
-        echoed = await prompt_text(rt, prompt) if req.echo else ""
+        read += n * len(ids)
+        if read > limit and n * len(prompts) > 1:  # each choice reads its prompt: a request reads at most the limit
+            raise PayloadTooLarge(f"{n * len(prompts)} choices read {read:,}+ prompt tokens; the limit is {limit:,} a "
+                                  "request (each choice reads its prompt)", param="n" if n > 1 else "prompt")
+        echoed = (prompt if isinstance(prompt, str) else await ids_text(rt, ids)) if req.echo else ""
         spaced = params and replace(params, after_space=isinstance(prompt, str) and after_space(prompt))
         values += n * ((len(ids) if req.echo else 0) + (params.max_tokens if params else 0))
         out += [Choice(len(out) + j, prompt, ids, spaced and replace(spaced, seed=_seed(spaced.seed, j)), echoed, j)
@@ -189,12 +193,10 @@ async def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt") 
     return ids
 
 
-async def prompt_text(rt: Runtime, prompt: str | list[int]) -> str:
-    """What ``echo`` gives back: the prompt's text, or its token ids' text (decoded off the event loop when
-    long, as long texts are tokenized). Called before the run starts, so that nothing can fail once it runs."""
-    if isinstance(prompt, str):
-        return prompt
-    ids, decode = checked_ids(rt, prompt, rt.settings.max_prompt_bytes), rt.engine.tokenizer.decode
+async def ids_text(rt: Runtime, ids: list[int]) -> str:
+    """What ``echo`` gives back of a token-id prompt: its text (decoded off the event loop when long, as long
+    texts are tokenized)."""
+    decode = rt.engine.tokenizer.decode
     return decode(ids) if len(ids) <= _ENCODE_INLINE else await asyncio.to_thread(decode, ids)
 
 
@@ -306,8 +308,8 @@ class Completion:
     created: int = field(default_factory=lambda: int(time.time()))
     index: int = 0  # of the choice, among the request's (prompts x n)
     text_prompt: bool = True  # its prompt came as text: the echoed prompt's offsets are that text's
-    text: str = ""
     echoed: str = ""  # the prompt's text, given back first with ``echo``
+    pieces: list[str] = field(default_factory=list)  # the text generated: joined once (a long echo was copied a token)
     tokens: list[int] = field(default_factory=list)
     lps: list[float] = field(default_factory=list)
     tops: list[dict[str, float]] = field(default_factory=list)
@@ -322,17 +324,22 @@ class Completion:
     def of(cls, rt: Runtime, req: CompletionRequest, choice: Choice, first: Completion | None = None) -> Completion:
         """A choice's; the request's other choices share the ``first``'s id and time."""
         out = cls(req, rt.settings.model_name, rt.engine.tokenizer, rt.engine.fingerprint, index=choice.index,
-                  text_prompt=isinstance(choice.prompt, str), text=choice.echoed, echoed=choice.echoed)
+                  text_prompt=isinstance(choice.prompt, str), echoed=choice.echoed)
         if first is not None:
             out.id, out.created = first.id, first.created
         return out
+
+    @property
+    def text(self) -> str:
+        """The choice's text: the echoed prompt, then what was generated."""
+        return self.echoed + "".join(self.pieces)
 
     def add(self, ev: TokenEvent) -> CompletionLogprobs | None:
         """Record a token; its logprobs piece for a stream chunk (or None without logprobs). Its text offset
         counts the characters of the tokens before it, as the prompt's do (prompt_logprobs): the text released
         so far lags them while a stop string's start is held back, and gave tokens the same offset."""
         self.tokens.append(ev.token)
-        self.text += ev.text
+        self.pieces.append(ev.text)
         if self.req.logprobs is None:
             return None
         if ev.prev is not None:  # the first token's: a session's last when the prompt was empty
@@ -350,7 +357,7 @@ class Completion:
 
     def add_text(self, text: str) -> None:
         """Text released without a token of its own (what a cancelled generation held back)."""
-        self.text += text
+        self.pieces.append(text)
 
     def add_prompt(self, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
         """The echoed prompt's logprobs, first in the choice; the piece for a stream chunk. Call it through
@@ -458,7 +465,8 @@ class Completion:
 async def events(run: Run, first: Any, since: float | None = None
                  ) -> AsyncIterator[PromptScores | TokenEvent | str | Final]:
     """The run's (PromptScores, then) TokenEvents, then (a cancelled run) the text its generation still held
-    back, as a str, then its Final (with the last token folded in); raises a Failed's error. Every surface (SSE,
+    back, as a str, then its Final (with the last token folded in); raises a Failed's error. ``first``: its first
+    event, already read (:func:`open_runs`), or None. Every surface (SSE,
     JSON, WebSocket) reads a completion here, so the time to each token and to the end is observed here, from
     ``since`` (the request's arrival; default: its run's start): the WebSocket's and the JSON body's went
     unobserved."""
@@ -472,7 +480,7 @@ async def events(run: Run, first: Any, since: float | None = None
         last_t = now
         return token
 
-    item = first
+    item = first if first is not None else await run.events.get()
     while True:
         if isinstance(item, Failed):
             raise item.error
@@ -526,15 +534,16 @@ async def collect(comp: Completion, run: Run, first: Any, since: float) -> Final
 
 async def open_runs(rt: Runtime, req: CompletionRequest, chosen: list[Choice], owner: str | None,
                     started: Callable[[Run], None]) -> list[tuple[Run, Any]]:
-    """Start every choice's run and wait for each one's first event, so that a refusal (a busy session, a full
-    queue) is the response's status; on any, every run started is cancelled."""
+    """Start every choice's run and wait for the first one's first event, so that a refusal (a busy session, a
+    full queue) is the response's status; on any, every run started is cancelled. The other choices' first events
+    are read with the rest (None here): a stream begins as its first choice does, not once its last has begun
+    (which waits for a place in the batch when n is larger than the places free)."""
     runs: list[Run] = []
     try:
         for choice in chosen:
             runs.append(launch(rt, req, choice, owner))
             started(runs[-1])
-        firsts = [await first_item(runs[0])] if len(runs) == 1 else await asyncio.gather(*map(first_item, runs))
-        return list(zip(runs, firsts))
+        return list(zip(runs, [await first_item(runs[0])] + [None] * (len(runs) - 1)))
     except BaseException:
         for run in runs:
             run.cancel()

@@ -74,7 +74,8 @@ class Metrics:
                  cpu_latency: CpuLatencyQos | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("txlserve_requests", "HTTP requests by route and status", ["route", "status"],
+        self.requests = Counter("txlserve_requests", "HTTP requests (WebSocket handshakes too) by route and status",
+                                ["route", "status"],
                                 registry=r)
         self.ttft = Histogram("txlserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY,
                               registry=r)

@@ -48,7 +48,7 @@ class CompletionRequest(BaseModel):
 
     model_config = STRICT
     model: str
-    # OpenAI's four forms: text, token ids, or a list of either (a batch); one prompt per request here
+    # OpenAI's four forms: text, token ids, or a list of either (a batch: a choice for each, times n)
     prompt: str | list[int] | list[str] | list[list[int]] = ""
     max_tokens: int | None = Field(default=16)
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)

@@ -53,6 +53,8 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                             who: str | None = Depends(owner)) -> Response:
     t0 = time.monotonic()
     chosen = await choices(rt, req)
+    if len(chosen) > 1:
+        request_fields(request.scope)["choices"] = len(chosen)
     comps = [Completion.of(rt, req, chosen[0])]
     comps += [Completion.of(rt, req, choice, comps[0]) for choice in chosen[1:]]
     left: list[bool] = []
@@ -67,13 +69,18 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
             comp.prev = run.ids[-1] if run.ids else None
         if not req.stream:
             runs = [run for run, _ in opened]
-            gathered = [collect(comp, run, first, t0) for comp, (run, first) in zip(comps, opened)]
-            try:
-                finals = [await gathered[0]] if len(gathered) == 1 else await asyncio.gather(*gathered)
-            except BaseException:
-                for run in runs:
-                    run.cancel()
-                raise
+            if len(runs) == 1:
+                finals = [await collect(comps[0], runs[0], opened[0][1], t0)]
+            else:
+                tasks = [asyncio.create_task(collect(comp, run, first, t0))
+                         for comp, (run, first) in zip(comps, opened)]
+                try:
+                    finals = await asyncio.gather(*tasks)
+                except BaseException:  # one failed (or the handler was cancelled): the others end with it
+                    for run, task in zip(runs, tasks):
+                        run.cancel()
+                        task.cancel()
+                    raise
             _log_fields(request, prompt_tokens(chosen), finals)
             # a client that left got nothing: logged and counted as nginx counts it (it was a 200)
             body = await off_loop(sum(len(c.tokens) for c in comps) if req.logprobs is not None else 0,
@@ -168,10 +175,7 @@ async def _stream(rt: Runtime, comps: list[Completion], choices: Interleaved, pr
 def _log_fields(request: Request, prompt_tokens: int, finals: list[Final]) -> None:
     """What the request's log line says of it (its metrics are the runs' and events'): its first choice's end."""
     first = finals[0]
-    fields = request_fields(request.scope)
-    fields.update(prompt_tokens=prompt_tokens,
-                  completion_tokens=sum(f.done.completion_tokens for f in finals),
-                  cached_tokens=first.cached_tokens, finish_reason=first.done.finish_reason,
-                  session_id=first.info.session_id if first.info else None, restored_from=first.source)
-    if len(finals) > 1:
-        fields["choices"] = len(finals)
+    request_fields(request.scope).update(
+        prompt_tokens=prompt_tokens, completion_tokens=sum(f.done.completion_tokens for f in finals),
+        cached_tokens=sum(f.cached_tokens for f in finals), finish_reason=first.done.finish_reason,
+        session_id=first.info.session_id if first.info else None, restored_from=first.source)

@@ -15,7 +15,6 @@ import contextlib
 import json
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
@@ -28,7 +27,6 @@ from server.deps import ws_origin, ws_owner
 from server.errors import classify, error_body, stream_error, unreadable_json, validation_message
 from server.protocol import CompletionRequest
 from server.scheduler import PromptScores
-from server.service import Final, Run
 from txlserve.errors import RouteNotFound, UpgradeRequired
 
 router = APIRouter()
@@ -134,12 +132,6 @@ async def completions_ws(ws: WebSocket) -> None:
         rt.metrics.websockets.dec()
 
 
-async def _items(run: Run, since: float) -> AsyncIterator[PromptScores | TokenEvent | str | Final]:
-    """The run's events from its first one on (an error it ends with raised here)."""
-    async for item in events(run, await run.events.get(), since):
-        yield item
-
-
 def _parse(raw: str | bytes) -> tuple[dict | None, dict | None]:
     """(message, None), or (None, the error event that answers a frame that is no JSON object)."""
     if isinstance(raw, bytes):
@@ -198,7 +190,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
     rt.ws_streams.add(streaming)
     # the inbox is read from the start: a cancel (or a client that leaves) while the prompt is being read stops
     # it there, and nothing is stored, as over HTTP
-    stream = _items(run, since).__aiter__()
+    stream = events(run, None, since).__aiter__()  # from its first event on
     next_item = asyncio.ensure_future(stream.__anext__())
     next_msg: asyncio.Future | None = asyncio.ensure_future(inbox.get())
     try:

@@ -240,7 +240,8 @@ def test_a_batch_scored_as_lm_eval_scores_it(server):
 
 def test_choices_are_refused_where_they_cannot_be_had(server):
     """n below 1, more than 128 choices, best_of other than n, and a session given more than one choice are
-    400s naming the field; a WebSocket completion has one choice."""
+    400s naming the field, choices reading more than one prompt's limit together a 413; a WebSocket completion has
+    one choice."""
     from websockets.sync.client import connect
 
     sid = httpx.post(server.url + "/v1/sessions", json={"text": "stable"}).json()["id"]
@@ -254,6 +255,11 @@ def test_choices_are_refused_where_they_cannot_be_had(server):
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == param and said in err["message"], (body, r.text)
     assert httpx.get(f"{server.url}/v1/sessions/{sid}").json()["tokens_seen"] == 6
+    half = "a" * 600_000
+    for body, param in (({"prompt": half, "n": 2}, "n"), ({"prompt": [half, half]}, "prompt")):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, **body}, timeout=60)
+        err = r.json()["error"]  # each choice reads its prompt: together within the one prompt's limit
+        assert r.status_code == 413 and err["param"] == param and "each choice reads its prompt" in err["message"], err
     ok = complete(server, prompt="a", n=2, best_of=2, max_tokens=2)  # best_of at n's value changes nothing
     assert len(ok["choices"]) == 2
     with connect(server.url.replace("http://", "ws://") + "/v1/ws", open_timeout=30) as ws:

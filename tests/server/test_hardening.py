@@ -1060,11 +1060,22 @@ def test_the_server_process_takes_its_gil_switch_interval(tmp_path: Path):
 
 
 def test_a_websockets_log_line_has_a_numeric_status_on_every_path(caplog):
-    """RequestLog over apps that accept and fail, refuse, close before accepting, or fail before answering."""
+    """RequestLog over apps that accept and fail, refuse, close before accepting, or fail before answering; the
+    handshake is counted in txlserve_requests_total once, with that status, as it is answered."""
     import asyncio
     import logging
+    import types
+
+    from prometheus_client import CollectorRegistry, Counter
 
     from server.app import RequestLog
+
+    requests = Counter("r", "", ["route", "status"], registry=CollectorRegistry())
+    runtime = types.SimpleNamespace(metrics=types.SimpleNamespace(requests=requests))
+
+    def counted() -> dict[str, float]:
+        return {s.labels["status"]: s.value for m in requests.collect() for s in m.samples
+                if s.name.endswith("_total") and s.value}
 
     async def run(app) -> dict:
         sent: list[dict] = []
@@ -1073,9 +1084,12 @@ def test_a_websockets_log_line_has_a_numeric_status_on_every_path(caplog):
             return {"type": "websocket.connect"}
 
         async def send(msg: dict) -> None:
+            if msg["type"] in ("websocket.accept", "websocket.http.response.start"):
+                assert sum(counted().values()) == len(got) + 1  # counted as answered, before the socket closes
             sent.append(msg)
         with contextlib.suppress(RuntimeError):
-            await RequestLog(app, lambda: None)({"type": "websocket", "path": "/v1/ws", "headers": []}, receive, send)
+            await RequestLog(app, lambda: runtime)({"type": "websocket", "path": "/v1/ws", "headers": []}, receive,
+                                                   send)
         (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "txlserve.requests"]
         caplog.clear()
         return line
@@ -1095,8 +1109,11 @@ def test_a_websockets_log_line_has_a_numeric_status_on_every_path(caplog):
         raise RuntimeError("a bug")
 
     caplog.set_level(logging.INFO, logger="txlserve.requests")
-    got = [asyncio.run(run(app)) for app in (fails_after_accept, refuses, closes, fails_first)]
+    got: list[dict] = []
+    for app in (fails_after_accept, refuses, closes, fails_first):
+        got.append(asyncio.run(run(app)))
     assert [(x["status"], x.get("close_code")) for x in got] == [(101, 1011), (401, None), (403, 1008), (500, None)]
+    assert counted() == {"101": 1, "401": 1, "403": 1, "500": 1}
 
 
 def test_a_request_is_counted_when_its_last_byte_goes_out_not_when_its_app_returns():

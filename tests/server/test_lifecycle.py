@@ -531,15 +531,20 @@ async def test_the_eviction_policy_is_checked_without_a_cold_tier(caplog) -> Non
     assert len(checks) >= 3 and not swept
 
 
+async def _waiting(scheduler: FakeScheduler, requests: int) -> None:
+    """Until ``requests`` requests wait for a token: the runs start as the event loop turns, no time passes."""
+    for _ in range(10_000):
+        if len(scheduler.running) >= requests:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{len(scheduler.running)} requests wait for a token, not {requests}")
+
+
 async def _chunks_until(sent: asyncio.Queue, scheduler: FakeScheduler, choices: int, enough, *, then: int = 1) -> list:
     """Once every choice's request waits for a token (the gate serves its waiters in turn), release one each (the
     response starts once every choice has one), then ``then`` at a time, reading what each sends, until
     ``enough(payloads)``. Each read follows a release, so a token is always on its way."""
-    for _ in range(10_000):  # the runs start as the event loop turns: no time passes
-        if len(scheduler.running) >= choices:
-            break
-        await asyncio.sleep(0)
-    assert len(scheduler.running) >= choices, scheduler.running
+    await _waiting(scheduler, choices)
     scheduler.release(choices)
     payloads = await next_chunk(sent)
     for _ in range(20):
@@ -601,3 +606,18 @@ async def test_more_choices_than_the_server_ever_holds_is_a_400_not_a_429(redis_
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "n" and "at most 9 requests" in err["message"], r.text
         assert len(scheduler.requests) == 9  # nothing of it ran
+
+
+async def test_a_stream_of_several_choices_begins_as_its_first_choice_does(redis_url, tmp_path):
+    """Not once its last choice has begun: that one may wait for a place in the batch while the others run."""
+    async with running_app(redis_url, tmp_path, open_gate=False) as (app, rt, scheduler):
+        sent = asyncio.Queue()
+        task = asyncio.create_task(asgi_post(app, "/v1/completions", {
+            "model": MODEL, "prompt": ["yo", "hi"], "max_tokens": 3, "stream": True}, sent=sent))
+        await _waiting(scheduler, 2)
+        assert [bytes(r.ids) for r in scheduler.running] == [b"yo", b"hi"]  # the gate serves choice 0 first
+        scheduler.release(1)
+        assert [(p["choices"][0]["index"], p["choices"][0]["text"]) for p in await next_chunk(sent)] == [(0, "a")]
+        scheduler.release(100)
+        await task
+        await settle(rt)

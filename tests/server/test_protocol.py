@@ -66,7 +66,7 @@ def test_a_long_scored_prompt_renders_as_the_short_path_and_is_freed(monkeypatch
     ids, scores = _scores(11)
     req = CompletionRequest(model="m", prompt=bytes(ids).decode("latin-1"), echo=True, logprobs=1, max_tokens=0)
     comp = Completion(req, "m")
-    comp.echoed = comp.text = req.prompt
+    comp.echoed = req.prompt
     want = completion.prompt_logprobs(comp.tokenizer, ids, scores, req.prompt)
     assert comp.prompt_piece(ids, scores, _dumps) == _dumps(comp.piece(comp.echoed, None, want))
     assert comp.lps == comp.tops == comp.tokens == []  # sent, not kept
@@ -75,7 +75,7 @@ def test_a_long_scored_prompt_renders_as_the_short_path_and_is_freed(monkeypatch
     ids, scores = _scores(11)
     comp.add_prompt(ids, scores)
     assert len(comp.lps) == 11
-    other = Completion(req, "m", id=comp.id, created=comp.created, index=1, text="short")  # a second choice
+    other = Completion(req, "m", id=comp.id, created=comp.created, index=1, pieces=["short"])  # a second choice
     final = Final(Finished(None, 11, "length"), None, None, 0)
     whole = comp.chunk(comp.text, "length", comp.logprobs())
     whole.choices.append(other.chunk("short", "length", other.logprobs()).choices[0])

@@ -69,6 +69,9 @@ class Lengths:
         return lambda: rng.randint(lo, hi)
 
 
+BATCH_PROMPT_CHARS = 512  # each prompt of --batch-prompts: a few sentences, as a benchmark's questions are
+
+
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -835,12 +838,53 @@ async def _scored_beside_streams(url: str, model: str, sessions: list[str], text
             "scored_s": scored_s, "response_bytes": len(r.content), "beside": beside, "alone": alone, **ratio}
 
 
+async def _batch_scored(url: str, model: str, prompts: list[str], repeats: int,
+                        api_key: str | None = None) -> dict[str, Any]:
+    """``prompts`` scored as lm-evaluation-harness's ``local-completions`` scores them (``echo``, ``logprobs`` 1,
+    ``max_tokens`` 0): in one request (a batch), against the same prompts as requests one after another (its
+    batch size 1) and all at once, in the same run; the median of ``repeats`` of each, alternated. The batch's
+    scores are checked against the single requests'."""
+    body = {"model": model, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    times: dict[str, list[float]] = {"batch": [], "sequential": [], "concurrent": []}
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers=_auth(api_key)) as http:
+        async def score(prompt: str | list[str]) -> list[dict[str, Any]]:
+            r = await http.post("/v1/completions", json={**body, "prompt": prompt})
+            if r.status_code != 200:
+                raise _refused("scoring a batch of prompts, the server", r)
+            return r.json()["choices"]
+
+        async def timed(kind: str, work: Any) -> Any:
+            t0 = time.perf_counter()
+            out = await work
+            times[kind].append(time.perf_counter() - t0)
+            return out
+
+        async def one_by_one() -> list[dict[str, Any]]:
+            return [(await score(p))[0] for p in prompts]
+
+        async def together() -> list[dict[str, Any]]:
+            return [c[0] for c in await asyncio.gather(*(score(p) for p in prompts))]
+
+        await score(prompts)  # warm: the first request's edges
+        for _ in range(repeats):
+            batch = await timed("batch", score(prompts))
+            alone = await timed("sequential", one_by_one())
+            await timed("concurrent", together())
+    diff = max((abs(a - b) for x, y in zip(batch, alone)
+                for a, b in zip(x["logprobs"]["token_logprobs"][1:], y["logprobs"]["token_logprobs"][1:])), default=0.0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"prompts": len(prompts), "prompt_tokens": sum(len(c["logprobs"]["tokens"]) for c in batch),
+            **{f"{k}_s": v for k, v in med.items()}, "batch_over_sequential": med["sequential"] / med["batch"],
+            "batch_over_concurrent": med["concurrent"] / med["batch"], "max_logprob_diff": diff}
+
+
 def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration: float = 10, max_tokens: int = 64,
         doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
         rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0, stream_interval: int = 1,
         cpu_latency_qos_us: int | None = None, enforce_eager: bool = False, workers: int = 1,
         engine_process: bool = True, api_key: str | None = None, overlap: bool = True, api_server_count: int = 1,
-        client_processes: int = 1, scored_kb: float = 0, scored_logprobs: int = 20) -> dict[str, Any]:
+        client_processes: int = 1, scored_kb: float = 0, scored_logprobs: int = 20,
+        batch_prompts: int = 0) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
     from server.cpu_latency import guest_halt_poll_ns
@@ -872,6 +916,10 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                 scored = _document(int(scored_kb * 1000)).decode("utf-8", errors="replace")
                 result["scored_beside_streams"] = asyncio.run(_scored_beside_streams(
                     target, model, asyncio.run(_sessions(target, 4, api_key)), scored, scored_logprobs, api_key))
+            if batch_prompts:
+                text = _document(BATCH_PROMPT_CHARS * batch_prompts).decode("utf-8", errors="replace")
+                prompts = [text[i * BATCH_PROMPT_CHARS:(i + 1) * BATCH_PROMPT_CHARS] for i in range(batch_prompts)]
+                result["batch_scored"] = asyncio.run(_batch_scored(target, model, prompts, repeats, api_key))
         finally:
             if server is not None:
                 server.stop()
@@ -941,6 +989,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "response a request can ask for (0: not measured; the server's --max-logprobs-values "
                         "bounds it: 47 KB of a byte model's text at 20 logprobs)")
     p.add_argument("--scored-logprobs", type=count(0, 20), default=20, help="the scored prompt's logprobs")
+    p.add_argument("--batch-prompts", type=count(0, 128), default=0,
+                   help=f"prompts of {BATCH_PROMPT_CHARS} characters scored as lm-evaluation-harness scores them "
+                        "(echo, logprobs 1, max_tokens 0) in one request, against the same prompts as requests one "
+                        "after another and all at once (0: not measured)")
     p.add_argument("--device", type=device, default="auto",
                    help="the spawned server's and the engine's (auto: cuda when present)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -975,6 +1027,6 @@ def main(ns: argparse.Namespace) -> int:
                          enforce_eager=ns.enforce_eager, workers=ns.workers, engine_process=ns.engine_process,
                          overlap=not ns.disable_overlap_schedule, api_server_count=ns.api_server_count,
                          client_processes=ns.client_processes, scored_kb=ns.scored_kb,
-                         scored_logprobs=ns.scored_logprobs,
+                         scored_logprobs=ns.scored_logprobs, batch_prompts=ns.batch_prompts,
                          api_key=ns.api_key or os.environ.get("TXLSERVE_API_KEY") or None)))
     return 0

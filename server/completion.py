@@ -34,7 +34,7 @@ from server.protocol import (
 from server.runtime import Runtime
 from server.scheduler import PromptScores
 from server.service import Failed, Final, Run, first_item
-from txlserve.errors import InvalidRequestError, ModelNotFound, PayloadTooLarge
+from txlserve.errors import InvalidRequestError, ModelNotFound, Overloaded, PayloadTooLarge
 
 
 def check_model(rt: Runtime, model: str) -> None:
@@ -157,8 +157,10 @@ async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
     prompts = the_prompts(req)
     n, limit = how_many(req, len(prompts), rt.settings.max_queue + rt.scheduler.capacity), rt.settings.max_prompt_bytes
     out, values, read = [], 0, 0
-    for prompt in prompts:
-        ids = await prompt_ids(rt, prompt, limit) if isinstance(prompt, str) else checked_ids(rt, prompt, limit)
+    for p, prompt in enumerate(prompts):
+        name = f"prompt[{p}]" if len(prompts) > 1 else "prompt"  # which of a batch's
+        ids = (await prompt_ids(rt, prompt, limit, name=name) if isinstance(prompt, str)
+               else checked_ids(rt, prompt, limit, name))
         read += n * len(ids)
         if read > limit and n * len(prompts) > 1:  # each choice reads its prompt: a request reads at most the limit
             raise PayloadTooLarge(f"{n * len(prompts)} choices read {read:,}+ prompt tokens; the limit is {limit:,} a "
@@ -183,13 +185,16 @@ def launch(rt: Runtime, req: CompletionRequest, choice: Choice, owner: str | Non
 _ENCODE_INLINE = 16_384  # characters; a longer text is tokenized off the event loop (a word tokenizer is slow)
 
 
-async def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt") -> list[int]:
+async def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt", name: str | None = None
+                     ) -> list[int]:
+    """``text``'s ids; its errors say ``name`` (default ``param``: a batch's say which prompt, ``prompt[4]``)."""
+    name = name or param
     try:
         ids = rt.engine.encode(text) if len(text) <= _ENCODE_INLINE else await asyncio.to_thread(rt.engine.encode, text)
     except InvalidRequestError as err:
-        raise InvalidRequestError(f"{param}: {err.message}", param=param) from None
+        raise InvalidRequestError(f"{name}: {err.message}", param=param) from None
     if len(ids) > limit:
-        raise PayloadTooLarge(f"{param} is {len(ids)} tokens; the limit is {limit}", param=param)
+        raise PayloadTooLarge(f"{name} is {len(ids)} tokens; the limit is {limit}", param=param)
     return ids
 
 
@@ -200,15 +205,15 @@ async def ids_text(rt: Runtime, ids: list[int]) -> str:
     return decode(ids) if len(ids) <= _ENCODE_INLINE else await asyncio.to_thread(decode, ids)
 
 
-def checked_ids(rt: Runtime, ids: list[int], limit: int) -> list[int]:
+def checked_ids(rt: Runtime, ids: list[int], limit: int, name: str = "prompt") -> list[int]:
     """A token-id prompt the model can read: an id outside the vocabulary would index past the embedding."""
     vocab = min(rt.engine.tokenizer.vocab_size, rt.engine.config.vocab_size)  # a hand-made checkpoint's may differ
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
-        raise InvalidRequestError(f"prompt: token id {bad} is not in this model's vocabulary [0, {vocab})",
+        raise InvalidRequestError(f"{name}: token id {bad} is not in this model's vocabulary [0, {vocab})",
                                   param="prompt")
     if len(ids) > limit:
-        raise PayloadTooLarge(f"prompt is {len(ids)} tokens; the limit is {limit}", param="prompt")
+        raise PayloadTooLarge(f"{name} is {len(ids)} tokens; the limit is {limit}", param="prompt")
     return list(ids)
 
 
@@ -539,6 +544,10 @@ async def open_runs(rt: Runtime, req: CompletionRequest, chosen: list[Choice], o
     are read with the rest (None here): a stream begins as its first choice does, not once its last has begun
     (which waits for a place in the batch when n is larger than the places free)."""
     runs: list[Run] = []
+    # refused before any starts: runs started and then cancelled hold their places until they end (a helper saw
+    # other requests refused meanwhile)
+    if len(chosen) > 1 and len(rt.runs) + len(chosen) > rt.settings.max_queue + rt.scheduler.capacity:
+        raise Overloaded("too many requests are waiting for this request's choices; retry shortly")
     try:
         for choice in chosen:
             runs.append(launch(rt, req, choice, owner))

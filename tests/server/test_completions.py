@@ -183,7 +183,7 @@ def test_openais_four_prompt_forms(server):
     assert echoed == "Hello" + want["text"][:3]
     events = sse_events(server, prompt=[0xE2, 0x98], max_tokens=2, temperature=0, echo=True)  # half a character
     assert events[0]["choices"][0]["text"] == "\ufffd"  # echoed as the decoder reads those bytes
-    for bad, said in (([["a"]], "token ids"), ([], "empty list"), ([[1], [256]], "token id 256"),
+    for bad, said in (([["a"]], "token ids"), ([], "empty list"), ([[1], [256]], "prompt[1]: token id 256"),
                       ([256], "token id 256"), ([-1], "token id -1"), ([True], "token ids"), ([1.5], "token ids"),
                       (["a", [1]], "token ids"), (7, "token ids")):
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": bad}, timeout=60)

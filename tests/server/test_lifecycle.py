@@ -608,6 +608,30 @@ async def test_more_choices_than_the_server_ever_holds_is_a_400_not_a_429(redis_
         assert len(scheduler.requests) == 9  # nothing of it ran
 
 
+async def test_choices_the_server_cannot_hold_now_are_a_429_before_any_starts(redis_url, tmp_path, monkeypatch):
+    """Started one by one, the choices that fit held their places (cancelled, until they ended) and refused other
+    requests meanwhile (found by a helper)."""
+    from server import completion
+
+    launched = []
+    launch = completion.launch
+    monkeypatch.setattr(completion, "launch", lambda *a: launched.append(a) or launch(*a))
+    async with running_app(redis_url, tmp_path, open_gate=False, max_queue=1) as (app, rt, scheduler):
+        sent = asyncio.Queue()
+        task = asyncio.create_task(asgi_post(app, "/v1/completions", {
+            "model": MODEL, "prompt": "yo", "max_tokens": 3, "stream": True}, sent=sent))
+        await _waiting(scheduler, 1)
+        async with _client(app) as c:
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "yo", "n": 9, "max_tokens": 2})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded", r.text
+            assert len(launched) == 1 and len(rt.runs) == 1  # none of its choices started
+            scheduler.release(100)
+            ok = await c.post("/v1/completions", json={"model": MODEL, "prompt": "yo", "n": 8, "max_tokens": 2})
+            assert ok.status_code == 200 and len(ok.json()["choices"]) == 8
+        await task
+        await settle(rt)
+
+
 async def test_a_stream_of_several_choices_begins_as_its_first_choice_does(redis_url, tmp_path):
     """Not once its last choice has begun: that one may wait for a place in the batch while the others run."""
     async with running_app(redis_url, tmp_path, open_gate=False) as (app, rt, scheduler):

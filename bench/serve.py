@@ -69,9 +69,6 @@ class Lengths:
         return lambda: rng.randint(lo, hi)
 
 
-BATCH_PROMPT_CHARS = 512  # each prompt of --batch-prompts: a few sentences, as a benchmark's questions are
-
-
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -873,7 +870,8 @@ async def _batch_scored(url: str, model: str, prompts: list[str], repeats: int,
     diff = max((abs(a - b) for x, y in zip(batch, alone)
                 for a, b in zip(x["logprobs"]["token_logprobs"][1:], y["logprobs"]["token_logprobs"][1:])), default=0.0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"prompts": len(prompts), "prompt_tokens": sum(len(c["logprobs"]["tokens"]) for c in batch),
+    return {"prompts": len(prompts), "prompt_chars": len(prompts[0]),
+            "prompt_tokens": sum(len(c["logprobs"]["tokens"]) for c in batch),
             **{f"{k}_s": v for k, v in med.items()}, "batch_over_sequential": med["sequential"] / med["batch"],
             "batch_over_concurrent": med["concurrent"] / med["batch"], "max_logprob_diff": diff}
 
@@ -884,7 +882,7 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
         cpu_latency_qos_us: int | None = None, enforce_eager: bool = False, workers: int = 1,
         engine_process: bool = True, api_key: str | None = None, overlap: bool = True, api_server_count: int = 1,
         client_processes: int = 1, scored_kb: float = 0, scored_logprobs: int = 20,
-        batch_prompts: int = 0) -> dict[str, Any]:
+        batch_prompts: int = 0, batch_prompt_chars: int = 512) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
     from server.cpu_latency import guest_halt_poll_ns
@@ -917,8 +915,9 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                 result["scored_beside_streams"] = asyncio.run(_scored_beside_streams(
                     target, model, asyncio.run(_sessions(target, 4, api_key)), scored, scored_logprobs, api_key))
             if batch_prompts:
-                text = _document(BATCH_PROMPT_CHARS * batch_prompts).decode("utf-8", errors="replace")
-                prompts = [text[i * BATCH_PROMPT_CHARS:(i + 1) * BATCH_PROMPT_CHARS] for i in range(batch_prompts)]
+                size = batch_prompt_chars
+                text = _document(size * batch_prompts).decode("utf-8", errors="replace")
+                prompts = [text[i * size:(i + 1) * size] for i in range(batch_prompts)]
                 result["batch_scored"] = asyncio.run(_batch_scored(target, model, prompts, repeats, api_key))
         finally:
             if server is not None:
@@ -990,9 +989,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "bounds it: 47 KB of a byte model's text at 20 logprobs)")
     p.add_argument("--scored-logprobs", type=count(0, 20), default=20, help="the scored prompt's logprobs")
     p.add_argument("--batch-prompts", type=count(0, 128), default=0,
-                   help=f"prompts of {BATCH_PROMPT_CHARS} characters scored as lm-evaluation-harness scores them "
-                        "(echo, logprobs 1, max_tokens 0) in one request, against the same prompts as requests one "
-                        "after another and all at once (0: not measured)")
+                   help="prompts of --batch-prompt-chars scored as lm-evaluation-harness scores them (echo, "
+                        "logprobs 1, max_tokens 0) in one request, against the same prompts as requests one after "
+                        "another and all at once (0: not measured)")
+    p.add_argument("--batch-prompt-chars", type=count(1), default=512,
+                   help="each --batch-prompts prompt's length (a benchmark question's few sentences)")
     p.add_argument("--device", type=device, default="auto",
                    help="the spawned server's and the engine's (auto: cuda when present)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -1028,5 +1029,6 @@ def main(ns: argparse.Namespace) -> int:
                          overlap=not ns.disable_overlap_schedule, api_server_count=ns.api_server_count,
                          client_processes=ns.client_processes, scored_kb=ns.scored_kb,
                          scored_logprobs=ns.scored_logprobs, batch_prompts=ns.batch_prompts,
+                         batch_prompt_chars=ns.batch_prompt_chars,
                          api_key=ns.api_key or os.environ.get("TXLSERVE_API_KEY") or None)))
     return 0

@@ -249,7 +249,7 @@ def test_bench_serve_json(checkpoint):
     r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "2", "--duration", "0.3",
                  "--rounds", "2", "--max-tokens", "8", "--random-range-ratio", "0.5", "--doc-kb", "1",
                  "--stream-interval", "3", "--api-server-count", "2", "--client-processes", "2", "--scored-kb", "2",
-                 "--batch-prompts", "3", timeout=180)
+                 "--batch-prompts", "3", "--batch-prompt-chars", "400", timeout=180)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [load["concurrency"] for load in out["loads"]] == [2] and out["model"] == "bench-model"  # one load (the
@@ -297,7 +297,8 @@ def test_bench_serve_json(checkpoint):
         assert request_ms["engine"] > 0 and request_ms["ttft"] <= request_ms["e2e"]
     assert out["continue_speedup"] > 0
     batch = out["batch_scored"]  # 3 prompts scored in one request, one by one, and all at once
-    assert batch["prompts"] == 3 and batch["prompt_tokens"] >= 3 * 400 and batch["max_logprob_diff"] < 1e-4
+    assert (batch["prompts"], batch["prompt_chars"], batch["prompt_tokens"]) == (3, 400, 3 * 400)  # a byte model
+    assert batch["max_logprob_diff"] < 1e-4
     assert batch["batch_over_sequential"] == pytest.approx(batch["sequential_s"] / batch["batch_s"])
     assert batch["batch_over_concurrent"] == pytest.approx(batch["concurrent_s"] / batch["batch_s"])
     scored = out["scored_beside_streams"]  # a long prompt scored beside 4 streams, and those streams alone

@@ -867,8 +867,11 @@ async def _batch_scored(url: str, model: str, prompts: list[str], repeats: int,
             batch = await timed("batch", score(prompts))
             alone = await timed("sequential", one_by_one())
             await timed("concurrent", together())
-    diff = max((abs(a - b) for x, y in zip(batch, alone)
-                for a, b in zip(x["logprobs"]["token_logprobs"][1:], y["logprobs"]["token_logprobs"][1:])), default=0.0)
+    if [c["logprobs"]["tokens"] for c in batch] != [c["logprobs"]["tokens"] for c in alone]:
+        raise ConfigError("the batch's choices read other tokens than its prompts alone")
+    diff = max((abs(a - b) for x, y in zip(batch, alone, strict=True) for a, b in
+                zip(x["logprobs"]["token_logprobs"][1:], y["logprobs"]["token_logprobs"][1:], strict=True)),
+               default=0.0)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"prompts": len(prompts), "prompt_chars": len(prompts[0]),
             "prompt_tokens": sum(len(c["logprobs"]["tokens"]) for c in batch),

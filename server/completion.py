@@ -157,9 +157,10 @@ async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
     prompts = the_prompts(req)
     n, limit = how_many(req, len(prompts), rt.settings.max_queue + rt.scheduler.capacity), rt.settings.max_prompt_bytes
     out, values, read = [], 0, 0
+    inline = sum(len(p) for p in prompts) <= _ENCODE_INLINE  # texts' characters, or ids
     for p, prompt in enumerate(prompts):
         name = f"prompt[{p}]" if len(prompts) > 1 else "prompt"  # which of a batch's
-        ids = (await prompt_ids(rt, prompt, limit, name=name) if isinstance(prompt, str)
+        ids = (await prompt_ids(rt, prompt, limit, name=name, inline=inline) if isinstance(prompt, str)
                else checked_ids(rt, prompt, limit, name))
         read += n * len(ids)
         if read > limit and n * len(prompts) > 1:  # each choice reads its prompt: a request reads at most the limit
@@ -185,12 +186,15 @@ def launch(rt: Runtime, req: CompletionRequest, choice: Choice, owner: str | Non
 _ENCODE_INLINE = 16_384  # characters; a longer text is tokenized off the event loop (a word tokenizer is slow)
 
 
-async def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt", name: str | None = None
-                     ) -> list[int]:
-    """``text``'s ids; its errors say ``name`` (default ``param``: a batch's say which prompt, ``prompt[4]``)."""
+async def prompt_ids(rt: Runtime, text: str, limit: int, param: str = "prompt", name: str | None = None,
+                     inline: bool | None = None) -> list[int]:
+    """``text``'s ids; its errors say ``name`` (default ``param``: a batch's say which prompt, ``prompt[4]``).
+    Tokenized on the event loop when short (``inline``; a batch decides by its whole length: 128 short prompts
+    held the loop as one long one would), else on a thread."""
     name = name or param
+    inline = len(text) <= _ENCODE_INLINE if inline is None else inline
     try:
-        ids = rt.engine.encode(text) if len(text) <= _ENCODE_INLINE else await asyncio.to_thread(rt.engine.encode, text)
+        ids = rt.engine.encode(text) if inline else await asyncio.to_thread(rt.engine.encode, text)
     except InvalidRequestError as err:
         raise InvalidRequestError(f"{name}: {err.message}", param=param) from None
     if len(ids) > limit:

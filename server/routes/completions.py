@@ -92,13 +92,13 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _stream(rt: Runtime, comps: list[Completion], choices: Interleaved, prompt_tokens: int,
+async def _stream(rt: Runtime, comps: list[Completion], interleaved: Interleaved, prompted: int,
                   request: Request) -> AsyncIterator[str]:
     """The SSE body: each choice's chunks (``index`` tells them apart), in the order their tokens came. Every
     token is its own event, but the events of tokens already waiting when one is read (a group of
     ``--stream-interval``, or a stream whose event loop fell behind) leave in one write, and the last token with
     its end: on a VM a socket write and its trip through the ASGI layers cost the event loop ~40 us."""
-    runs, options = choices.runs, comps[0].req.stream_options
+    runs, options = interleaved.runs, comps[0].req.stream_options
     include_usage = bool(options and options.include_usage)
     continuous = include_usage and options.continuous_usage_stats  # vLLM's: each chunk with the usage so far
     finished = False
@@ -116,7 +116,7 @@ async def _stream(rt: Runtime, comps: list[Completion], choices: Interleaved, pr
             if out:
                 yield "".join(out)
                 out.clear()
-            async for i, item in choices:
+            async for i, item in interleaved:
                 comp, run = comps[i], runs[i]
                 if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores come first
                     event = await off_loop(len(item), comp.prompt_piece, run.ids, item, _dumps, usage=so_far(i))
@@ -130,7 +130,7 @@ async def _stream(rt: Runtime, comps: list[Completion], choices: Interleaved, pr
                         out.append(_sse(comp.piece(item.text, None, logprobs, usage=so_far(i))))
                     elif item.text:
                         out.append(comp.text_event(item.text))
-                    if out and item.finish_reason is None and choices.idle():  # the last waits for the end
+                    if out and item.finish_reason is None and interleaved.idle():  # the last waits for the end
                         yield "".join(out)
                         out.clear()
                     continue
@@ -142,14 +142,14 @@ async def _stream(rt: Runtime, comps: list[Completion], choices: Interleaved, pr
                 usage = comp.usage(item, len(run.ids)).model_dump() if continuous else None
                 out.append(_sse(comp.piece("", comp.finish(item), session=comp.session(item), usage=usage)))
                 if None in finals:  # another choice goes on: this one's end leaves now (the last's with [DONE])
-                    if choices.idle():
+                    if interleaved.idle():
                         yield "".join(out)
                         out.clear()
                     continue
                 ended = [f for f in finals if f is not None]
                 if include_usage:
-                    out.append(_sse(comps[0].usage_chunk(ended, prompt_tokens).dump()))
-                _log_fields(request, prompt_tokens, ended)
+                    out.append(_sse(comps[0].usage_chunk(ended, prompted).dump()))
+                _log_fields(request, prompted, ended)
         except Exception as err:  # mid-stream: the tokens read so far, an error event, then [DONE]
             event = stream_error(err)
             out.append(_sse(event))
@@ -157,25 +157,25 @@ async def _stream(rt: Runtime, comps: list[Completion], choices: Interleaved, pr
             for run in runs:  # the other choices' runs: their client is told the request failed
                 run.cancel()
             # its log line (a 200: the stream had begun) says what the client got and how it ended
-            request_fields(request.scope).update(prompt_tokens=prompt_tokens, completion_tokens=sum(streamed),
+            request_fields(request.scope).update(prompt_tokens=prompted, completion_tokens=sum(streamed),
                                                  session_id=runs[0].session_id, error=event["error"]["code"],
                                                  error_status=event["status"])
         yield "".join(out) + "data: [DONE]\n\n"  # a client that leaves before this write did not get the end
         finished = True
     finally:
-        choices.close()
+        interleaved.close()
         if not finished:  # the client went away (cancelled, or the generator closed at a yield)
             rt.metrics.disconnects.inc()
             for run in runs:
                 run.cancel()  # its log line is written now, so it says what the client got
-            request_fields(request.scope).update(prompt_tokens=prompt_tokens, completion_tokens=sum(streamed),
+            request_fields(request.scope).update(prompt_tokens=prompted, completion_tokens=sum(streamed),
                                                  finish_reason="cancelled", session_id=runs[0].session_id)
 
 
-def _log_fields(request: Request, prompt_tokens: int, finals: list[Final]) -> None:
+def _log_fields(request: Request, prompted: int, finals: list[Final]) -> None:
     """What the request's log line says of it (its metrics are the runs' and events'): its first choice's end."""
     first = finals[0]
     request_fields(request.scope).update(
-        prompt_tokens=prompt_tokens, completion_tokens=sum(f.done.completion_tokens for f in finals),
+        prompt_tokens=prompted, completion_tokens=sum(f.done.completion_tokens for f in finals),
         cached_tokens=sum(f.cached_tokens for f in finals), finish_reason=first.done.finish_reason,
         session_id=first.info.session_id if first.info else None, restored_from=first.source)

@@ -298,9 +298,7 @@ def test_bench_serve_json(checkpoint):
     assert out["continue_speedup"] > 0
     batch = out["batch_scored"]  # 3 prompts scored in one request, one by one, and all at once
     assert (batch["prompts"], batch["prompt_chars"], batch["prompt_tokens"]) == (3, 400, 3 * 400)  # a byte model
-    assert batch["max_logprob_diff"] < 1e-4
-    assert batch["batch_over_sequential"] == pytest.approx(batch["sequential_s"] / batch["batch_s"])
-    assert batch["batch_over_concurrent"] == pytest.approx(batch["concurrent_s"] / batch["batch_s"])
+    assert batch["max_logprob_diff"] < 1e-4 and batch["batch_s"] > 0 and batch["batch_over_sequential"] > 0
     scored = out["scored_beside_streams"]  # a long prompt scored beside 4 streams, and those streams alone
     assert scored["prompt_tokens"] >= 2000 and scored["logprobs"] == 20 and scored["response_bytes"] > 2000 * 20 * 8
     for side in ("beside", "alone"):

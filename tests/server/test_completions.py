@@ -191,7 +191,6 @@ def test_openais_four_prompt_forms(server):
         assert r.status_code == 400 and err["param"] == "prompt" and said in err["message"], (bad, err)
 
 
-
 def test_a_batch_of_prompts_and_n_samples_are_choices_in_openais_order(server):
     """``prompt`` as a list and ``n`` give prompts x n choices, choice p x n + j the j-th sample of prompt p,
     drawn from seed + j: each equals the request for that prompt alone with that seed (text and logprobs), in
@@ -268,6 +267,7 @@ def test_choices_are_refused_where_they_cannot_be_had(server):
             msg = json.loads(ws.recv(timeout=30))
             assert msg["type"] == "error" and msg["error"]["param"] == param and "one choice" in msg["error"][
                 "message"], msg
+
 
 def test_openai_sdk_plain_and_streaming(server):
     openai = pytest.importorskip("openai")

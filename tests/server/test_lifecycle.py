@@ -541,9 +541,9 @@ async def _waiting(scheduler: FakeScheduler, requests: int) -> None:
 
 
 async def _chunks_until(sent: asyncio.Queue, scheduler: FakeScheduler, choices: int, enough, *, then: int = 1) -> list:
-    """Once every choice's request waits for a token (the gate serves its waiters in turn), release one each (the
-    response starts once every choice has one), then ``then`` at a time, reading what each sends, until
-    ``enough(payloads)``. Each read follows a release, so a token is always on its way."""
+    """Once every choice's request waits for a token (the gate serves its waiters in turn), release one each,
+    then ``then`` at a time, reading what each sends, until ``enough(payloads)``. Each read follows a release, so a
+    token is always on its way."""
     await _waiting(scheduler, choices)
     scheduler.release(choices)
     payloads = await next_chunk(sent)
@@ -567,10 +567,13 @@ async def test_a_choice_that_fails_mid_stream_ends_the_request_and_its_other_cho
         await settle(rt)
         error = next(x for x in payloads if x != "[DONE]" and "error" in x)
         assert error["status"] == 400 and error["error"]["code"] == "invalid_request", payloads
-        assert {x["choices"][0]["index"] for x in payloads[:payloads.index(error)]} <= {0, 1}
+        before = [x["choices"][0] for x in payloads[:payloads.index(error)]]
+        assert {c["index"] for c in before} == {0, 1} and all(c["finish_reason"] is None for c in before)
         (other,) = [r for r in scheduler.requests if bytes(r.ids) == b"yo"]
-        assert other.cancelled and len(other.events) < 50  # stopped with the request, not run to its end
+        made = len(other.events)
         scheduler.release(100)
+        await settle(rt)
+        assert other.cancelled and len(other.events) == made  # stopped with the request: nothing after it
         async with _client(app) as c:  # the same failure without a stream is the request's status
             plain = await c.post("/v1/completions", json={"model": MODEL, "prompt": ["yo", "FAIL"], "max_tokens": 5})
         assert plain.status_code == 400 and plain.json()["error"]["code"] == "invalid_request", plain.text
@@ -645,3 +648,18 @@ async def test_a_stream_of_several_choices_begins_as_its_first_choice_does(redis
         scheduler.release(100)
         await task
         await settle(rt)
+
+
+async def test_a_batch_of_prompts_long_together_is_tokenized_off_the_event_loop(redis_url, tmp_path, monkeypatch):
+    """Each prompt under the inline limit, together over it: 128 of them held the event loop as one long one."""
+    import threading
+
+    async with running_app(redis_url, tmp_path) as (app, rt, _), _client(app) as c:
+        threads: list[int] = []
+        encode = rt.engine.encode
+        monkeypatch.setattr(rt.engine, "encode", lambda text: threads.append(threading.get_ident()) or encode(text))
+        for prompts, inline in ((["a" * 100, "b" * 100], True), (["a" * 9000, "b" * 9000], False)):
+            threads.clear()
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompts, "max_tokens": 1})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+            assert len(threads) == 2 and all((t == threading.get_ident()) is inline for t in threads), prompts

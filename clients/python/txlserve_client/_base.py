@@ -106,7 +106,7 @@ def json_body(value: Any) -> bytes:
         return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
 
-# OpenAI's four forms of a prompt: text, token ids, or a batch of one of either (the server takes one prompt)
+# OpenAI's four forms of a prompt: text, token ids, or a batch of either (a choice for each, times n)
 Prompt = str | list[int] | list[str] | list[list[int]]
 
 

@@ -18,6 +18,8 @@ from txlserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as vLLM does
+LOGIT_BIAS_MOST = 100.0  # OpenAI's range for a token's bias: -100 bans it, 100 all but forces it
+LOGIT_BIAS_TOKENS = 1024  # biased tokens a request may name: each is an add on every step's row
 
 
 def _is_int(x: object) -> bool:
@@ -38,6 +40,9 @@ class SamplingParams:
     # the prompt's text ends in white space: a word model's first generated word comes unspaced (it had a second
     # space, "The cat  sat", spaced from the prompt's last word as if the space were not there)
     after_space: bool = False
+    # OpenAI's logit_bias as (token id, bias) pairs, added to the model's logits before sampling (logprobs stay the
+    # model's, as vLLM's default raw logprobs do)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -56,6 +61,13 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be a 64-bit signed integer, got {self.seed!r}", param="seed")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        bias = tuple((t, b) for t, b in self.logit_bias)  # pairs: a list of lists once through JSON
+        bad = any(not _is_int(t) or t < 0 or isinstance(b, bool) or not isinstance(b, (int, float))
+                  or not -LOGIT_BIAS_MOST <= b <= LOGIT_BIAS_MOST for t, b in bias)
+        if bad or len(bias) > LOGIT_BIAS_TOKENS or len({t for t, _ in bias}) < len(bias):
+            raise InvalidRequestError(f"logit_bias must map at most {LOGIT_BIAS_TOKENS} distinct token ids to "
+                                      "biases in [-100, 100]", param="logit_bias")
+        object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop", tuple(self.stop))
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings", param="stop")
@@ -103,6 +115,12 @@ def sample_rows(logits: Tensor, params: Sequence[SamplingParams], rngs: Sequence
 def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[float]) -> list[int]:
     """:func:`sample_rows` as torch ops, for rows of any parameters with their draws ``u``."""
     rows, vocab = logits.shape
+    biased = [r for r, p in enumerate(params) if p.logit_bias]
+    if biased:
+        logits = logits.clone()  # [rows, vocab]: the caller's scores (its logprobs) stay the model's
+        for r in biased:
+            ids, values = zip(*params[r].logit_bias)
+            logits[r, list(ids)] += torch.tensor(values, dtype=logits.dtype)
     temps = [p.temperature for p in params]
     greedy = [t < GREEDY_BELOW for t in temps]  # dividing by ~0 would overflow to inf/NaN
     x = logits / torch.tensor([1.0 if g else t for g, t in zip(greedy, temps)])[:, None]  # [rows, vocab]
@@ -127,7 +145,7 @@ def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[fl
 
 def _plain(params: SamplingParams, vocab: int) -> bool:
     """Temperature alone: no ``top_k`` below the vocabulary, no ``top_p``."""
-    return not 0 < params.top_k < vocab and params.top_p >= 1.0
+    return not 0 < params.top_k < vocab and params.top_p >= 1.0 and not params.logit_bias
 
 
 def _inverse_cdf(x: Tensor, u: Tensor) -> Tensor:
@@ -141,7 +159,7 @@ def _inverse_cdf(x: Tensor, u: Tensor) -> Tensor:
 
 def drawn_on_device(params: SamplingParams, vocab: int) -> bool:
     """Whether a request's tokens can be drawn by :func:`sample_on_device`: temperature alone, no ``top_k``,
-    ``top_p`` or logprobs (which need the scores on the host)."""
+    ``top_p``, ``logit_bias`` or logprobs (which need the scores on the host)."""
     return _plain(params, vocab) and params.logprobs is None
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from model.engine import TokenEvent
-from model.sampling import SamplingParams, after_space
+from model.sampling import LOGIT_BIAS_TOKENS, SamplingParams, after_space
 from model.tokenizer import START, ByteTokenizer, Tokenizer
 from server.protocol import (
     SPLICE_ROWS,
@@ -67,8 +67,6 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
             only = "" if neutral is None else f" (only {json.dumps(neutral)})"
             instead = f"; {_INSTEAD[name]}" if name in _INSTEAD else ""
             raise InvalidRequestError(f"{name} is not supported{only}{instead}", param=name)
-    if req.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
     if req.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
@@ -93,8 +91,26 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
                                   "logprobs for its tokens' scores)", param="max_tokens")
     params = SamplingParams(max_tokens=max_tokens or 1, temperature=1.0 if req.temperature is None else
                             req.temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                            seed=req.seed, stop=tuple(stop), logprobs=req.logprobs)  # each field checked
+                            seed=req.seed, stop=tuple(stop), logprobs=req.logprobs,  # each field checked
+                            logit_bias=logit_bias(rt, req.logit_bias))
     return None if max_tokens == 0 else params
+
+
+def logit_bias(rt: Runtime, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as JSON's string keys) as sampling's (id, bias) pairs, each id in the
+    vocabulary: one past it would index past the logits."""
+    vocab, bias = min(rt.engine.tokenizer.vocab_size, rt.engine.config.vocab_size), bias or {}
+    if len(bias) > LOGIT_BIAS_TOKENS:  # before a body's worth of keys is read
+        raise InvalidRequestError(f"logit_bias names {len(bias):,} tokens; at most {LOGIT_BIAS_TOKENS} are allowed",
+                                  param="logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 19 else -1
+        if not 0 <= token < vocab:
+            raise InvalidRequestError(f"logit_bias: {key[:40]!r} is not a token id of this model's vocabulary "
+                                      f"[0, {vocab}) (keys are token ids, as /tokenize gives them)", param="logit_bias")
+        pairs.append((token, value))
+    return tuple(pairs)  # each bias's range is SamplingParams's to check
 
 
 def the_prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -49,6 +49,7 @@ def test_completion(client: Client) -> None:
     assert again.text == done.text  # same seed, same text
     as_ids = client.completions.create(model=MODEL, prompt=list(b"Hello"), max_tokens=8, seed=3)  # byte model
     assert as_ids.text == done.text and as_ids.usage.prompt_tokens == 5
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logit_bias={"101": 100}).text == "eee"
 
 
 def test_choices_of_a_batch_and_n(client: Client) -> None:

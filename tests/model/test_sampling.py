@@ -169,3 +169,30 @@ def test_logprobs_of_many_rows_are_each_rows_own():
     assert list(first.entries()) == entries and first.known() == (2, -1.5)
     first.extend(got)
     assert len(first) == 67 and list(first.entries())[3:] == list(got.entries())
+
+
+def test_logit_bias_bans_and_forces_tokens_and_leaves_the_other_rows_and_the_scores_as_they_were():
+    import dataclasses
+    import json
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50).repeat(4, 1)  # [4, 50]: one row's scores, four requests
+    before = logits.clone()
+    top = int(logits[0].argmax())
+    plain = SamplingParams(temperature=0)
+    banned = SamplingParams(temperature=0, logit_bias=((top, -100),))
+    forced = SamplingParams(temperature=1.5, seed=3, logit_bias=[[7, 100], [top, -100]])  # as JSON gives it back
+    sampled = SamplingParams(temperature=1.5, seed=3)
+    params = [plain, banned, forced, sampled]
+    got = sample_rows(logits, params, [p.generator() for p in params])
+    second = int(logits[0].masked_fill(torch.arange(50) == top, float("-inf")).argmax())
+    assert got[:3] == [top, second, 7]
+    assert got[3] == sample_rows(logits[:1], [sampled], [sampled.generator()])[0]  # a row without bias: as alone
+    assert torch.equal(logits, before)  # the model's scores (a request's logprobs) are not biased
+    assert forced.logit_bias == ((7, 100), (top, -100))
+    assert drawn_on_device(sampled, 50) and not drawn_on_device(forced, 50)  # a GPU's rows draw it on the host
+    assert SamplingParams(**json.loads(json.dumps(dataclasses.asdict(forced)))) == forced  # the engine process's trip
+    for bad in (((1, 101),), ((1, True),), ((1, 1), (1, 2)), ((-1, 1),), tuple((t, 1) for t in range(1025))):
+        with pytest.raises(InvalidRequestError) as err:
+            SamplingParams(logit_bias=bad)
+        assert err.value.param == "logit_bias"

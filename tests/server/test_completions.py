@@ -269,6 +269,30 @@ def test_choices_are_refused_where_they_cannot_be_had(server):
                 "message"], msg
 
 
+def test_logit_bias_bans_and_forces_tokens_as_openai_does(server):
+    """OpenAI's logit_bias (token ids as string keys, -100 to 100) added to the logits before sampling: +100 on a
+    token all but forces it, -100 on greedy's choice bans it; the logprobs stay the model's (vLLM's default); keys
+    that are not token ids of the vocabulary, too many keys and biases out of range are 400s."""
+    greedy = complete(server, prompt="Hello", max_tokens=1, temperature=0, logprobs=1)["choices"][0]
+    top = greedy["text"].encode()[0]  # a byte model: a token id is a byte
+    banned = complete(server, prompt="Hello", max_tokens=1, temperature=0, logit_bias={str(top): -100})
+    assert banned["choices"][0]["text"] != greedy["text"]
+    forced = complete(server, prompt="Hello", max_tokens=6, temperature=1.0, seed=1, logit_bias={"101": 100},
+                      logprobs=0)["choices"][0]
+    assert forced["text"] == "eeeeee"
+    scored = complete(server, prompt="Hello" + forced["text"], max_tokens=0, echo=True, logprobs=0)["choices"][0]
+    assert forced["logprobs"]["token_logprobs"] == pytest.approx(scored["logprobs"]["token_logprobs"][5:], abs=1e-4)
+    assert max(forced["logprobs"]["token_logprobs"]) < -0.01  # the model's, not the biased distribution's ~0
+    for bias, said in (({"abc": 1}, "not a token id"), ({"256": 1}, "[0, 256)"), ({"-1": 1}, "not a token id"),
+                       ({"1": 101}, "[-100, 100]"), ({"1": True}, None), ({str(t): 1 for t in range(256)} | {
+                           **{f"0{t}": 1 for t in range(800)}}, "at most 1024")):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "logit_bias": bias},
+                       timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"].startswith("logit_bias"), (bias, r.text)  # pydantic's: .1
+        assert said is None or said in err["message"], err
+
+
 def test_openai_sdk_plain_and_streaming(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")

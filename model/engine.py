@@ -54,7 +54,8 @@ class Generation:
     def choose(gens: Sequence[Generation], logits: Tensor) -> list[int]:
         """The next token of each generation, row ``r`` of ``logits [rows, vocab]`` for ``gens[r]``, sampled
         together; record each with :meth:`accept`."""
-        return sample_rows(logits.float().cpu(), [g.params for g in gens], [g.rng for g in gens])
+        return sample_rows(logits.float().cpu(), [g.params for g in gens], [g.rng for g in gens],
+                           [g.tokens for g in gens])
 
     def on_logits(self, logits: Tensor) -> TokenEvent:
         """Choose the next token from ``logits [vocab]`` and say what text it releases."""

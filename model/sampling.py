@@ -43,6 +43,10 @@ class SamplingParams:
     # OpenAI's logit_bias as (token id, bias) pairs, added to the model's logits before sampling (logprobs stay the
     # model's, as vLLM's default raw logprobs do)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's penalties on the tokens this request generated so far: a token's logit less frequency_penalty times
+    # its count, and presence_penalty once it has come at all (vLLM's: the output's tokens, before temperature)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -61,6 +65,10 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be a 64-bit signed integer, got {self.seed!r}", param="seed")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        for name in ("frequency_penalty", "presence_penalty"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not -2 <= x <= 2:
+                raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {x!r}", param=name)
         bias = tuple((t, b) for t, b in self.logit_bias)  # pairs: a list of lists once through JSON
         bad = any(not _is_int(t) or t < 0 or isinstance(b, bool) or not isinstance(b, (int, float))
                   or not -LOGIT_BIAS_MOST <= b <= LOGIT_BIAS_MOST for t, b in bias)
@@ -83,7 +91,8 @@ class SamplingParams:
         return random.Random(self.seed % (1 << 64) if self.seed is not None else secrets.randbits(63))
 
 
-def sample_rows(logits: Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random]) -> list[int]:
+def sample_rows(logits: Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random],
+                generated: Sequence[Sequence[int]] | None = None) -> list[int]:
     """One token per row of ``logits [rows, vocab]`` (float32, CPU), each row with its own parameters and
     generator; greedy at temperature 0. Inverse-CDF sampling with one uniform draw per row, whatever the row's
     parameters, so a seeded request draws the same tokens in any batch (tested): a row's token depends only on
@@ -91,12 +100,13 @@ def sample_rows(logits: Tensor, params: Sequence[SamplingParams], rngs: Sequence
     call (``kernels/sample_rows.c``) where the kernels are built; rows with ``top_k`` or ``top_p``, and every row
     where they are not, by a fixed handful of batched torch ops. Sampling row by row had cost ~6 ms per step at
     batch 64 (five small ops a row, each handing the GIL back and forth with the server's event loop), and
-    those torch ops ~85 us for one row, an eighth of a batch-1 step of the bundled model."""
+    those torch ops ~85 us for one row, an eighth of a batch-1 step of the bundled model. ``generated``: each
+    row's tokens so far, which its penalties count."""
     rows, vocab = logits.shape
     u = [rng.random() for rng in rngs]  # [rows] in [0, 1): one draw per row, used or not
     plain = [r for r, p in enumerate(params) if _plain(p, vocab)]
     if not plain or not fused.available():
-        return _torch_rows(logits, params, u)
+        return _torch_rows(logits, params, u, generated)
     chosen = [0] * rows
     temps = torch.tensor([params[r].temperature for r in plain], dtype=torch.float64)  # [n]
     x = logits if len(plain) == rows else logits[plain]  # [n, vocab]
@@ -107,20 +117,27 @@ def sample_rows(logits: Tensor, params: Sequence[SamplingParams], rngs: Sequence
     if len(plain) < rows:
         drawn_here = set(plain)
         rest = [r for r in range(rows) if r not in drawn_here]
-        for r, token in zip(rest, _torch_rows(logits[rest], [params[r] for r in rest], [u[r] for r in rest])):
+        for r, token in zip(rest, _torch_rows(logits[rest], [params[r] for r in rest], [u[r] for r in rest],
+                                              generated and [generated[r] for r in rest])):
             chosen[r] = token
     return chosen
 
 
-def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[float]) -> list[int]:
-    """:func:`sample_rows` as torch ops, for rows of any parameters with their draws ``u``."""
+def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[float],
+                generated: Sequence[Sequence[int]] | None = None) -> list[int]:
+    """:func:`sample_rows` as torch ops, for rows of any parameters with their draws ``u`` (and tokens so far)."""
     rows, vocab = logits.shape
-    biased = [r for r, p in enumerate(params) if p.logit_bias]
+    biased = [r for r, p in enumerate(params) if p.logit_bias or _penalized(p)]
     if biased:
         logits = logits.clone()  # [rows, vocab]: the caller's scores (its logprobs) stay the model's
         for r in biased:
-            ids, values = zip(*params[r].logit_bias)
-            logits[r, list(ids)] += torch.tensor(values, dtype=logits.dtype)
+            p = params[r]
+            if p.logit_bias:
+                ids, values = zip(*p.logit_bias)
+                logits[r, list(ids)] += torch.tensor(values, dtype=logits.dtype)
+            if _penalized(p) and generated and generated[r]:
+                counts = torch.bincount(torch.tensor(generated[r]), minlength=vocab)[:vocab].to(logits.dtype)  # [vocab]
+                logits[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     temps = [p.temperature for p in params]
     greedy = [t < GREEDY_BELOW for t in temps]  # dividing by ~0 would overflow to inf/NaN
     x = logits / torch.tensor([1.0 if g else t for g, t in zip(greedy, temps)])[:, None]  # [rows, vocab]
@@ -145,7 +162,11 @@ def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[fl
 
 def _plain(params: SamplingParams, vocab: int) -> bool:
     """Temperature alone: no ``top_k`` below the vocabulary, no ``top_p``."""
-    return not 0 < params.top_k < vocab and params.top_p >= 1.0 and not params.logit_bias
+    return not 0 < params.top_k < vocab and params.top_p >= 1.0 and not params.logit_bias and not _penalized(params)
+
+
+def _penalized(params: SamplingParams) -> bool:
+    return params.frequency_penalty != 0 or params.presence_penalty != 0
 
 
 def _inverse_cdf(x: Tensor, u: Tensor) -> Tensor:
@@ -159,7 +180,7 @@ def _inverse_cdf(x: Tensor, u: Tensor) -> Tensor:
 
 def drawn_on_device(params: SamplingParams, vocab: int) -> bool:
     """Whether a request's tokens can be drawn by :func:`sample_on_device`: temperature alone, no ``top_k``,
-    ``top_p``, ``logit_bias`` or logprobs (which need the scores on the host)."""
+    ``top_p``, ``logit_bias``, penalties or logprobs (which need the scores on the host)."""
     return _plain(params, vocab) and params.logprobs is None
 
 

@@ -49,7 +49,12 @@ def test_completion(client: Client) -> None:
     assert again.text == done.text  # same seed, same text
     as_ids = client.completions.create(model=MODEL, prompt=list(b"Hello"), max_tokens=8, seed=3)  # byte model
     assert as_ids.text == done.text and as_ids.usage.prompt_tokens == 5
-    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logit_bias={"101": 100}).text == "eee"
+    forced = dict(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logit_bias={"101": 100})
+    assert client.completions.create(**forced).text == "eee"
+    for penalty in ("frequency_penalty", "presence_penalty"):  # sent: the server refuses one out of range
+        with pytest.raises(BadRequestError) as bad:
+            client.completions.create(**forced, **{penalty: 5})
+        assert bad.value.param == penalty
 
 
 def test_choices_of_a_batch_and_n(client: Client) -> None:

@@ -196,3 +196,21 @@ def test_logit_bias_bans_and_forces_tokens_and_leaves_the_other_rows_and_the_sco
         with pytest.raises(InvalidRequestError) as err:
             SamplingParams(logit_bias=bad)
         assert err.value.param == "logit_bias"
+
+
+def test_frequency_and_presence_penalties_count_the_tokens_generated_so_far():
+    """OpenAI's: a token's logit less frequency_penalty x its count and presence_penalty once it has come."""
+    logits = torch.zeros(1, 10)
+    logits[0, 3], logits[0, 5] = 3.0, 0.5  # greedy takes 3 until its penalty passes 2.5
+    for kw, history, want in (({"frequency_penalty": 1.0}, [3, 3], 3), ({"frequency_penalty": 1.0}, [3, 3, 3], 5),
+                              ({"presence_penalty": 2.0}, [], 3), ({"presence_penalty": 2.0}, [3], 3),
+                              ({"presence_penalty": 2.0, "frequency_penalty": 1.0}, [3], 5),
+                              ({"frequency_penalty": -1.0}, [5, 5, 5], 5)):
+        p = SamplingParams(temperature=0, **kw)
+        assert not drawn_on_device(p, 10)
+        assert sample_rows(logits, [p], [p.generator()], [history]) == [want], (kw, history)
+    assert torch.equal(logits[0, :6], torch.tensor([0, 0, 0, 3.0, 0, 0.5]))  # the scores themselves unchanged
+    for bad in ({"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"presence_penalty": True}):
+        with pytest.raises(InvalidRequestError) as err:
+            SamplingParams(**bad)
+        assert err.value.param == next(iter(bad))

@@ -63,7 +63,7 @@ CASES = [
     ("echo string", "POST", "/v1/completions", {**OK, "echo": "true"}, 400, "echo"),
     ("seed float", "POST", "/v1/completions", {**OK, "seed": 1.5}, 400, "seed"),
     ("seed past 64 bits", "POST", "/v1/completions", {**OK, "seed": 1 << 63}, 400, "seed"),
-    ("penalty", "POST", "/v1/completions", {**OK, "frequency_penalty": 1.0}, 400, "frequency_penalty"),
+    ("penalty past 2", "POST", "/v1/completions", {**OK, "frequency_penalty": 2.5}, 400, "frequency_penalty"),
     ("vLLM's penalty", "POST", "/v1/completions", {**OK, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
     ("vLLM's min_p", "POST", "/v1/completions", {**OK, "min_p": 0.05}, 400, "min_p"),
     ("vLLM's min_tokens", "POST", "/v1/completions", {**OK, "min_tokens": 2}, 400, "min_tokens"),

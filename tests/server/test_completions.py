@@ -269,6 +269,17 @@ def test_choices_are_refused_where_they_cannot_be_had(server):
                 "message"], msg
 
 
+def test_frequency_penalty_counts_what_the_request_generated(server):
+    """A token pushed up by logit_bias comes every time; with frequency_penalty its count pulls it back down."""
+    body = {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "logit_bias": {"101": 8}}
+    assert complete(server, **body)["choices"][0]["text"] == "e" * 12
+    text = complete(server, **body, frequency_penalty=2)["choices"][0]["text"]
+    assert text[0] == "e" and 1 < text.count("e") < 12, text
+    assert complete(server, **body, frequency_penalty=2, presence_penalty=0)["choices"][0]["text"] == text
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, **body, "presence_penalty": 3}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "presence_penalty", r.text
+
+
 def test_logit_bias_bans_and_forces_tokens_as_openai_does(server):
     """OpenAI's logit_bias (token ids as string keys, -100 to 100) added to the logits before sampling: +100 on a
     token all but forces it, -100 on greedy's choice bans it; the logprobs stay the model's (vLLM's default); keys

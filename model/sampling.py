@@ -47,6 +47,7 @@ class SamplingParams:
     # its count, and presence_penalty once it has come at all (vLLM's: the output's tokens, before temperature)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    min_p: float = 0.0  # vLLM's: tokens less likely than min_p times the likeliest (after temperature) are dropped
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -65,6 +66,9 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be a 64-bit signed integer, got {self.seed!r}", param="seed")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        m = self.min_p
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {m!r}", param="min_p")
         for name in ("frequency_penalty", "presence_penalty"):
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not -2 <= x <= 2:
@@ -141,6 +145,12 @@ def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[fl
     temps = [p.temperature for p in params]
     greedy = [t < GREEDY_BELOW for t in temps]  # dividing by ~0 would overflow to inf/NaN
     x = logits / torch.tensor([1.0 if g else t for g, t in zip(greedy, temps)])[:, None]  # [rows, vocab]
+    floored = [r for r, p in enumerate(params) if p.min_p > 0]
+    if floored:  # before top_k and top_p, after temperature, as vLLM applies it
+        at = torch.tensor(floored)
+        probs = torch.softmax(x[at], -1)  # [n, vocab]
+        floor = torch.tensor([params[r].min_p for r in floored])[:, None] * probs.amax(-1, keepdim=True)  # [n, 1]
+        x[at] = x[at].masked_fill(probs < floor, float("-inf"))  # the likeliest always stays
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if min(ks) < vocab:
         top = torch.topk(x, max(k for k in ks if k < vocab), dim=-1).values  # [rows, k_max], descending
@@ -161,8 +171,9 @@ def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[fl
 
 
 def _plain(params: SamplingParams, vocab: int) -> bool:
-    """Temperature alone: no ``top_k`` below the vocabulary, no ``top_p``."""
-    return not 0 < params.top_k < vocab and params.top_p >= 1.0 and not params.logit_bias and not _penalized(params)
+    """Temperature alone: no ``top_k`` below the vocabulary, ``top_p``, ``min_p``, bias or penalty."""
+    return (not 0 < params.top_k < vocab and params.top_p >= 1.0 and params.min_p == 0 and not params.logit_bias
+            and not _penalized(params))
 
 
 def _penalized(params: SamplingParams) -> bool:
@@ -180,7 +191,7 @@ def _inverse_cdf(x: Tensor, u: Tensor) -> Tensor:
 
 def drawn_on_device(params: SamplingParams, vocab: int) -> bool:
     """Whether a request's tokens can be drawn by :func:`sample_on_device`: temperature alone, no ``top_k``,
-    ``top_p``, ``logit_bias``, penalties or logprobs (which need the scores on the host)."""
+    ``top_p``, ``min_p``, ``logit_bias``, penalties or logprobs (which need the scores on the host)."""
     return _plain(params, vocab) and params.logprobs is None
 
 

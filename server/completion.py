@@ -44,8 +44,8 @@ def check_model(rt: Runtime, model: str) -> None:
 
 
 # OpenAI's and vLLM's parameters this server takes at the value that changes nothing, and only there
-_NEUTRAL = (("repetition_penalty", 1), ("min_p", 0),
-            ("min_tokens", 0), ("use_beam_search", False), ("include_stop_str_in_output", False),
+_NEUTRAL = (("repetition_penalty", 1), ("min_tokens", 0), ("use_beam_search", False),
+            ("include_stop_str_in_output", False),
             ("skip_special_tokens", True), ("spaces_between_special_tokens", True),
             ("return_tokens_as_token_ids", False), ("stop_token_ids", []), ("truncate_prompt_tokens", None),
             ("prompt_logprobs", None), ("response_format", None))
@@ -93,7 +93,7 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
                             req.temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                             seed=req.seed, stop=tuple(stop), logprobs=req.logprobs,  # each field checked
                             logit_bias=logit_bias(rt, req.logit_bias), frequency_penalty=req.frequency_penalty or 0.0,
-                            presence_penalty=req.presence_penalty or 0.0)
+                            presence_penalty=req.presence_penalty or 0.0, min_p=req.min_p or 0.0)
     return None if max_tokens == 0 else params
 
 

@@ -214,3 +214,16 @@ def test_frequency_and_presence_penalties_count_the_tokens_generated_so_far():
         with pytest.raises(InvalidRequestError) as err:
             SamplingParams(**bad)
         assert err.value.param == next(iter(bad))
+
+
+def test_min_p_drops_the_tokens_under_its_share_of_the_likeliest():
+    """vLLM's: after temperature, a token less likely than min_p x the likeliest is never drawn."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))  # [1, 4]
+    for min_p, allowed in ((0.0, {0, 1, 2, 3}), (0.2, {0, 1, 2}), (0.5, {0, 1}), (1.0, {0})):
+        p = SamplingParams(temperature=1.0, min_p=min_p)
+        assert drawn_on_device(p, 4) is (min_p == 0)
+        seen = {sample_rows(logits, [p], [random.Random(s)])[0] for s in range(400)}
+        assert seen == allowed, (min_p, seen)
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(min_p=1.5)
+    assert err.value.param == "min_p"

@@ -280,6 +280,13 @@ def test_frequency_penalty_counts_what_the_request_generated(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "presence_penalty", r.text
 
 
+def test_min_p_one_draws_the_likeliest_token_as_greedy_does(server):
+    greedy = complete(server, prompt="Hello", max_tokens=10, temperature=0)["choices"][0]["text"]
+    assert complete(server, prompt="Hello", max_tokens=10, temperature=1.5, seed=4)["choices"][0]["text"] != greedy
+    assert complete(server, prompt="Hello", max_tokens=10, temperature=1.5, seed=4, min_p=1)["choices"][0][
+        "text"] == greedy
+
+
 def test_logit_bias_bans_and_forces_tokens_as_openai_does(server):
     """OpenAI's logit_bias (token ids as string keys, -100 to 100) added to the logits before sampling: +100 on a
     token all but forces it, -100 on greedy's choice bans it; the logprobs stay the model's (vLLM's default); keys

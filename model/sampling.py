@@ -20,6 +20,7 @@ MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as vLLM does
 LOGIT_BIAS_MOST = 100.0  # OpenAI's range for a token's bias: -100 bans it, 100 all but forces it
 LOGIT_BIAS_TOKENS = 1024  # biased tokens a request may name: each is an add on every step's row
+STOP_TOKEN_IDS = 1024  # as many stop tokens
 
 
 def _is_int(x: object) -> bool:
@@ -48,6 +49,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_p: float = 0.0  # vLLM's: tokens less likely than min_p times the likeliest (after temperature) are dropped
+    # vLLM's: a generated token among these ends the generation ("stop"); it is generated (the session holds it, as a
+    # stop string's tokens) but its text is not given, as vLLM leaves it out
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -66,6 +70,11 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be a 64-bit signed integer, got {self.seed!r}", param="seed")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        ids = tuple(self.stop_token_ids)  # a list once through JSON
+        if len(ids) > STOP_TOKEN_IDS or any(not _is_int(t) or t < 0 for t in ids):
+            raise InvalidRequestError(f"stop_token_ids must be at most {STOP_TOKEN_IDS} token ids",
+                                      param="stop_token_ids")
+        object.__setattr__(self, "stop_token_ids", ids)
         m = self.min_p
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {m!r}", param="min_p")

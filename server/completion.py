@@ -47,10 +47,9 @@ def check_model(rt: Runtime, model: str) -> None:
 _NEUTRAL = (("repetition_penalty", 1), ("min_tokens", 0), ("use_beam_search", False),
             ("include_stop_str_in_output", False),
             ("skip_special_tokens", True), ("spaces_between_special_tokens", True),
-            ("return_tokens_as_token_ids", False), ("stop_token_ids", []), ("truncate_prompt_tokens", None),
+            ("return_tokens_as_token_ids", False), ("truncate_prompt_tokens", None),
             ("prompt_logprobs", None), ("response_format", None))
-_INSTEAD = {"stop_token_ids": "stop strings (stop) end a generation here",
-            "prompt_logprobs": "echo with logprobs scores the prompt",
+_INSTEAD = {"prompt_logprobs": "echo with logprobs scores the prompt",
             "include_stop_str_in_output": "a stop string is never part of the text"}
 
 
@@ -93,14 +92,30 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
                             req.temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                             seed=req.seed, stop=tuple(stop), logprobs=req.logprobs,  # each field checked
                             logit_bias=logit_bias(rt, req.logit_bias), frequency_penalty=req.frequency_penalty or 0.0,
-                            presence_penalty=req.presence_penalty or 0.0, min_p=req.min_p or 0.0)
+                            presence_penalty=req.presence_penalty or 0.0, min_p=req.min_p or 0.0,
+                            stop_token_ids=stop_token_ids(rt, req.stop_token_ids or []))
     return None if max_tokens == 0 else params
+
+
+def vocabulary(rt: Runtime) -> int:
+    """The token ids a request may name are [0, this): a hand-made checkpoint's tokenizer and model may differ."""
+    return min(rt.engine.tokenizer.vocab_size, rt.engine.config.vocab_size)
+
+
+def stop_token_ids(rt: Runtime, ids: list[int]) -> tuple[int, ...]:
+    """vLLM's ``stop_token_ids``, each in the vocabulary (sampling checks how many)."""
+    vocab = vocabulary(rt)
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"stop_token_ids: token id {bad} is not in this model's vocabulary [0, {vocab})",
+                                  param="stop_token_ids")
+    return tuple(ids)
 
 
 def logit_bias(rt: Runtime, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``logit_bias`` (token ids as JSON's string keys) as sampling's (id, bias) pairs, each id in the
     vocabulary: one past it would index past the logits."""
-    vocab, bias = min(rt.engine.tokenizer.vocab_size, rt.engine.config.vocab_size), bias or {}
+    vocab, bias = vocabulary(rt), bias or {}
     if len(bias) > LOGIT_BIAS_TOKENS:  # before a body's worth of keys is read
         raise InvalidRequestError(f"logit_bias names {len(bias):,} tokens; at most {LOGIT_BIAS_TOKENS} are allowed",
                                   param="logit_bias")
@@ -228,7 +243,7 @@ async def ids_text(rt: Runtime, ids: list[int]) -> str:
 
 def checked_ids(rt: Runtime, ids: list[int], limit: int, name: str = "prompt") -> list[int]:
     """A token-id prompt the model can read: an id outside the vocabulary would index past the embedding."""
-    vocab = min(rt.engine.tokenizer.vocab_size, rt.engine.config.vocab_size)  # a hand-made checkpoint's may differ
+    vocab = vocabulary(rt)
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequestError(f"{name}: token id {bad} is not in this model's vocabulary [0, {vocab})",

@@ -418,3 +418,15 @@ def test_a_gpus_prefill_chunk_is_long_and_a_cpus_follows_the_memory():
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     assert [default_prefill_chunk(m, gpu) for m in (128, 512, 1600, 4096)] == [2048, 2048, 1600, 2048]
     assert [default_prefill_chunk(m, cpu) for m in (128, 512, 1600, 4096)] == [256, 256, 400, 512]
+
+
+def test_a_stop_token_ends_a_generation_without_its_text_and_releases_what_was_held_before_it():
+    """vLLM's stop_token_ids: the token is generated (a session holds it) but its text is not given; the start
+    of a stop string held back before it is released, since the generation ends there."""
+    gen = Generation(SamplingParams(max_tokens=10, stop=("xyz",), stop_token_ids=[101]))
+    assert gen.params.stop_token_ids == (101,)
+    assert [gen.accept(t, None).text for t in b"hx"] == ["h", ""]  # "x" held: it may begin "xyz"
+    last = gen.accept(101, None)
+    assert (last.text, last.finish_reason, gen.tokens) == ("x", "stop", [104, 120, 101])
+    plain = Generation(SamplingParams(max_tokens=3))
+    assert "".join(plain.accept(t, None).text for t in b"hex") == "hex"  # 101 is a token like any other there

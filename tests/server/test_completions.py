@@ -280,6 +280,22 @@ def test_frequency_penalty_counts_what_the_request_generated(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "presence_penalty", r.text
 
 
+def test_a_stop_token_ends_the_text_before_it_and_the_session_holds_it(server):
+    """vLLM's stop_token_ids: finish_reason "stop", the token's text left out, the token counted and kept."""
+    text = complete(server, prompt="Hello", max_tokens=12, temperature=0)["choices"][0]["text"]
+    cut = next(i for i in range(1, len(text)) if text[i] not in text[:i])  # a byte that first comes there
+    sid = new_session(server, "Hello")["id"]
+    got = complete(server, prompt="", session_id=sid, max_tokens=12, temperature=0, stop_token_ids=[ord(text[cut])])
+    choice = got["choices"][0]
+    assert (choice["text"], choice["finish_reason"], got["usage"]["completion_tokens"]) == (text[:cut], "stop", cut + 1)
+    assert got["session"]["tokens_seen"] == 5 + cut + 1  # the stop token is in the session's memory
+    for ids, said in (([256], "token id 256"), ([-1], "token id -1"), (list(range(256)) * 5, "at most 1024")):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "stop_token_ids": ids},
+                       timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "stop_token_ids" and said in err["message"], (ids, r.text)
+
+
 def test_min_p_one_draws_the_likeliest_token_as_greedy_does(server):
     greedy = complete(server, prompt="Hello", max_tokens=10, temperature=0)["choices"][0]["text"]
     assert complete(server, prompt="Hello", max_tokens=10, temperature=1.5, seed=4)["choices"][0]["text"] != greedy

@@ -65,9 +65,16 @@ class Generation:
         """Record ``token``, chosen from ``logits [vocab]`` (or row ``row`` of ``logits [rows, vocab]``: a batch's
         scores are indexed only where logprobs are asked for, 0.8 us a row saved on every step otherwise), and say
         what text it releases."""
-        stop_token = token in self.params.stop_token_ids
-        text = self.streamer.flush() if stop_token else self.streamer.push(self.tokenizer.token_bytes(token, self.prev))
-        event = TokenEvent(token, text)  # a stop token's own text is not given: what was held back before it is
+        data, p = self.tokenizer.token_bytes(token, self.prev), self.params
+        if token in p.stop_token_ids:  # its text given only with include_stop_str_in_output; what was held, always
+            text = (self.streamer.push(data) if p.include_stop_str_in_output else "") + self.streamer.flush()
+            stopped = True
+        else:
+            text = self.streamer.push(data)
+            stopped = self.streamer.stopped_by is not None
+            if stopped and p.include_stop_str_in_output:
+                text += self.streamer.stopped_by  # the stop string, cut from what push released
+        event = TokenEvent(token, text)
         if not self.tokens:  # a server's offsets space the first word as this did
             event.prev = self.prev
         self.tokens.append(token)
@@ -75,7 +82,7 @@ class Generation:
         if self.params.logprobs is not None:
             scores = logits if row is None else logits[row]  # [vocab]
             event.logprob, event.top_logprobs = token_logprobs(scores.float().cpu(), token, self.params.logprobs)
-        if self.streamer.stopped_by is not None or stop_token:
+        if stopped:
             self.finish_reason = "stop"
         elif len(self.tokens) >= self.params.max_tokens:
             self.finish_reason = "length"

@@ -52,6 +52,7 @@ class SamplingParams:
     # vLLM's: a generated token among these ends the generation ("stop"); it is generated (the session holds it, as a
     # stop string's tokens) but its text is not given, as vLLM leaves it out
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token's text) ends the text given
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -92,6 +93,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings", param="stop")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InvalidRequestError("include_stop_str_in_output must be true or false",
+                                      param="include_stop_str_in_output")
         if not isinstance(self.after_space, bool):
             raise InvalidRequestError(f"after_space must be true or false, got {self.after_space!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):

@@ -430,3 +430,11 @@ def test_a_stop_token_ends_a_generation_without_its_text_and_releases_what_was_h
     assert (last.text, last.finish_reason, gen.tokens) == ("x", "stop", [104, 120, 101])
     plain = Generation(SamplingParams(max_tokens=3))
     assert "".join(plain.accept(t, None).text for t in b"hex") == "hex"  # 101 is a token like any other there
+
+
+def test_include_stop_str_in_output_gives_the_stop_string_or_the_stop_tokens_text():
+    """vLLM's include_stop_str_in_output: the text ends with what stopped it."""
+    gen = Generation(SamplingParams(max_tokens=10, stop=("xy",), include_stop_str_in_output=True))
+    assert [gen.accept(t, None).text for t in b"axyz"[:3]] == ["a", "", "xy"] and gen.finish_reason == "stop"
+    words = Generation(SamplingParams(max_tokens=10, stop_token_ids=(101,), include_stop_str_in_output=True))
+    assert "".join(words.accept(t, None).text for t in b"he") == "he" and words.finish_reason == "stop"

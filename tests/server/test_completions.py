@@ -289,6 +289,9 @@ def test_a_stop_token_ends_the_text_before_it_and_the_session_holds_it(server):
     choice = got["choices"][0]
     assert (choice["text"], choice["finish_reason"], got["usage"]["completion_tokens"]) == (text[:cut], "stop", cut + 1)
     assert got["session"]["tokens_seen"] == 5 + cut + 1  # the stop token is in the session's memory
+    for stop in ({"stop_token_ids": [ord(text[cut])]}, {"stop": text[cut - 1:cut + 1]}):  # vLLM's: with its text
+        shown = complete(server, prompt="Hello", max_tokens=12, temperature=0, include_stop_str_in_output=True, **stop)
+        assert (shown["choices"][0]["text"], shown["choices"][0]["finish_reason"]) == (text[:cut + 1], "stop"), stop
     for ids, said in (([256], "token id 256"), ([-1], "token id -1"), (list(range(256)) * 5, "at most 1024")):
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "stop_token_ids": ids},
                        timeout=60)

@@ -45,8 +45,8 @@ def check_model(rt: Runtime, model: str) -> None:
 
 # OpenAI's and vLLM's parameters this server takes at the value that changes nothing, and only there
 _NEUTRAL = (("repetition_penalty", 1), ("min_tokens", 0), ("use_beam_search", False), ("skip_special_tokens", True),
-            ("spaces_between_special_tokens", True), ("return_tokens_as_token_ids", False),
-            ("truncate_prompt_tokens", None), ("prompt_logprobs", None), ("response_format", None))
+            ("spaces_between_special_tokens", True), ("truncate_prompt_tokens", None), ("prompt_logprobs", None),
+            ("response_format", None))
 _INSTEAD = {"prompt_logprobs": "echo with logprobs scores the prompt"}
 
 
@@ -280,11 +280,12 @@ def text_start(decoder: codecs.IncrementalDecoder, data: bytes, chars: int) -> t
 
 
 def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores,
-                    text: str | None = None) -> CompletionLogprobs:
+                    text: str | None = None, name: Callable[[int], str] | None = None) -> CompletionLogprobs:
     """Scored prompt (or appended) tokens in OpenAI's logprobs shape: the first entry is null when nothing
     precedes it; offsets count characters from the start of ``text``, the text the ids were read from (echoed as
-    it was sent), else of the ids' decoded text (a token-id prompt's echo)."""
-    name = tokenizer.token_name
+    it was sent), else of the ids' decoded text (a token-id prompt's echo). ``name``: a token's (default: the
+    tokenizer's)."""
+    name = name or tokenizer.token_name
     out = CompletionLogprobs.model_construct(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for token, (lp, alts) in zip(ids, scores.entries(), strict=True):
         out.tokens.append(name(token))
@@ -386,7 +387,7 @@ class Completion:
         start, self._chars = text_start(self._decoder, self.tokenizer.token_bytes(ev.token, self.prev), self._chars)
         start += len(self.echoed)
         self.prev = ev.token
-        name = self.tokenizer.token_name
+        name = self.token_name
         top = {name(t): lp for t, lp in (ev.top_logprobs or [])}
         self.lps.append(ev.logprob)
         self.tops.append(top)
@@ -407,13 +408,19 @@ class Completion:
         return piece
 
     def _scored_prompt(self, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
-        return prompt_logprobs(self.tokenizer, ids, scores, self.echoed if self.text_prompt else None)
+        return prompt_logprobs(self.tokenizer, ids, scores, self.echoed if self.text_prompt else None,
+                               self.token_name)
+
+    def token_name(self, token: int) -> str:
+        """A token as logprobs name it: the tokenizer's name, or with vLLM's ``return_tokens_as_token_ids``
+        ``token_id:{id}``, which any client can map back (a byte model's ``bytes:\\xNN`` are names only)."""
+        return f"token_id:{token}" if self.req.return_tokens_as_token_ids else self.tokenizer.token_name(token)
 
     def logprobs(self) -> CompletionLogprobs | None:
         if self.req.logprobs is None:
             return None
         return CompletionLogprobs.model_construct(  # these lists, not copies (validated, the dicts were copied)
-            tokens=[self.tokenizer.token_name(t) for t in self.tokens], token_logprobs=self.lps,
+            tokens=[self.token_name(t) for t in self.tokens], token_logprobs=self.lps,
             top_logprobs=self.tops, text_offset=self.offsets)
 
     def text_event(self, text: str) -> str:

@@ -299,6 +299,20 @@ def test_a_stop_token_ends_the_text_before_it_and_the_session_holds_it(server):
         assert r.status_code == 400 and err["param"] == "stop_token_ids" and said in err["message"], (ids, r.text)
 
 
+def test_return_tokens_as_token_ids_names_every_logprobs_token_by_its_id(server):
+    """vLLM's: generated tokens, their alternatives and an echoed prompt's, JSON and SSE alike."""
+    body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+    named = complete(server, **body)["choices"][0]["logprobs"]
+    ids = complete(server, **body, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    assert ids["tokens"] == [f"token_id:{ord(c)}" for c in "Hi"] + [f"token_id:{ord(t)}" for t in named["tokens"][2:]]
+    assert all(k.startswith("token_id:") for top in ids["top_logprobs"][1:] for k in top)
+    assert ids["token_logprobs"] == named["token_logprobs"] and ids["text_offset"] == named["text_offset"]
+    events = sse_events(server, **body, return_tokens_as_token_ids=True)
+    streamed = [t for e in events[:-1] if e["choices"] and e["choices"][0]["logprobs"]
+                for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == ids["tokens"]
+
+
 def test_min_p_one_draws_the_likeliest_token_as_greedy_does(server):
     greedy = complete(server, prompt="Hello", max_tokens=10, temperature=0)["choices"][0]["text"]
     assert complete(server, prompt="Hello", max_tokens=10, temperature=1.5, seed=4)["choices"][0]["text"] != greedy

@@ -68,6 +68,7 @@ class Generation:
         data, p = self.tokenizer.token_bytes(token, self.prev), self.params
         if token in p.stop_token_ids:  # its text given only with include_stop_str_in_output; what was held, always
             text = (self.streamer.push(data) if p.include_stop_str_in_output else "") + self.streamer.flush()
+            text += self.streamer.stopped_by or ""  # (the flag's) a stop string the token completed, as vLLM keeps it
             stopped = True
         else:
             text = self.streamer.push(data)

@@ -84,11 +84,18 @@ class SamplingParams:
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not -2 <= x <= 2:
                 raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {x!r}", param=name)
         bias = tuple((t, b) for t, b in self.logit_bias)  # pairs: a list of lists once through JSON
-        bad = any(not _is_int(t) or t < 0 or isinstance(b, bool) or not isinstance(b, (int, float))
-                  or not -LOGIT_BIAS_MOST <= b <= LOGIT_BIAS_MOST for t, b in bias)
-        if bad or len(bias) > LOGIT_BIAS_TOKENS or len({t for t, _ in bias}) < len(bias):
-            raise InvalidRequestError(f"logit_bias must map at most {LOGIT_BIAS_TOKENS} distinct token ids to "
-                                      "biases in [-100, 100]", param="logit_bias")
+        if len(bias) > LOGIT_BIAS_TOKENS or any(not _is_int(t) or t < 0 for t, _ in bias):
+            raise InvalidRequestError(f"logit_bias must map at most {LOGIT_BIAS_TOKENS} token ids to biases",
+                                      param="logit_bias")
+        for t, b in bias:
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -LOGIT_BIAS_MOST <= b <= LOGIT_BIAS_MOST:
+                raise InvalidRequestError(f"logit_bias: the bias {b!r} of token {t} is not in [-100, 100]",
+                                          param="logit_bias")
+        seen: set[int] = set()
+        for t, _ in bias:
+            if t in seen:  # "65" and "065" as JSON keys
+                raise InvalidRequestError(f"logit_bias names token {t} twice", param="logit_bias")
+            seen.add(t)
         object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop", tuple(self.stop))
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -152,6 +159,8 @@ def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[fl
             if p.logit_bias:
                 ids, values = zip(*p.logit_bias)
                 logits[r, list(ids)] += torch.tensor(values, dtype=logits.dtype)
+                banned = [t for t, b in p.logit_bias if b <= -LOGIT_BIAS_MOST]
+                logits[r, banned] = float("-inf")  # -100 bans, as OpenAI says, whatever penalties come after
             if _penalized(p) and generated and generated[r]:
                 counts = torch.bincount(torch.tensor(generated[r]), minlength=vocab)[:vocab].to(logits.dtype)  # [vocab]
                 logits[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)

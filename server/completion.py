@@ -124,6 +124,8 @@ def logit_bias(rt: Runtime, bias: dict[str, float] | None) -> tuple[tuple[int, f
             raise InvalidRequestError(f"logit_bias: {key[:40]!r} is not a token id of this model's vocabulary "
                                       f"[0, {vocab}) (keys are token ids, as /tokenize gives them)", param="logit_bias")
         pairs.append((token, value))
+    if sum(value <= -100 for _, value in pairs) >= vocab:  # a ban is -inf: there would be nothing left to draw
+        raise InvalidRequestError("logit_bias bans every token of the vocabulary (-100 bans one)", param="logit_bias")
     return tuple(pairs)  # each bias's range is SamplingParams's to check
 
 

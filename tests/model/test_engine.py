@@ -438,3 +438,11 @@ def test_include_stop_str_in_output_gives_the_stop_string_or_the_stop_tokens_tex
     assert [gen.accept(t, None).text for t in b"axyz"[:3]] == ["a", "", "xy"] and gen.finish_reason == "stop"
     words = Generation(SamplingParams(max_tokens=10, stop_token_ids=(101,), include_stop_str_in_output=True))
     assert "".join(words.accept(t, None).text for t in b"he") == "he" and words.finish_reason == "stop"
+
+
+def test_a_stop_token_that_completes_a_stop_string_keeps_it_with_include_stop_str_in_output():
+    """vLLM checks the stop token first and keeps the stop string it completed (found by a helper)."""
+    for include, want in ((True, "sea-"), (False, "sea")):
+        gen = Generation(SamplingParams(max_tokens=10, stop=("a-",), stop_token_ids=(45,),
+                                        include_stop_str_in_output=include))
+        assert "".join(gen.accept(t, None).text for t in b"sea-") == want and gen.finish_reason == "stop"

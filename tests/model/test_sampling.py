@@ -192,10 +192,20 @@ def test_logit_bias_bans_and_forces_tokens_and_leaves_the_other_rows_and_the_sco
     assert forced.logit_bias == ((7, 100), (top, -100))
     assert drawn_on_device(sampled, 50) and not drawn_on_device(forced, 50)  # a GPU's rows draw it on the host
     assert SamplingParams(**json.loads(json.dumps(dataclasses.asdict(forced)))) == forced  # the engine process's trip
-    for bad in (((1, 101),), ((1, True),), ((1, 1), (1, 2)), ((-1, 1),), tuple((t, 1) for t in range(1025))):
+    for bad, said in ((((1, 101),), "bias 101 of token 1"), (((1, True),), "bias True"),
+                      (((1, 1), (1, 2)), "token 1 twice"), (((-1, 1),), "token ids"),
+                      (tuple((t, 1) for t in range(1025)), "at most 1024")):
         with pytest.raises(InvalidRequestError) as err:
             SamplingParams(logit_bias=bad)
-        assert err.value.param == "logit_bias"
+        assert err.value.param == "logit_bias" and said in err.value.message, err.value.message
+
+
+def test_a_bias_of_minus_100_bans_a_token_whatever_penalties_do_to_the_others():
+    """Added, -100 was outweighed once a penalty passed it (found by a helper): it is -inf."""
+    logits = torch.zeros(1, 8)
+    p = SamplingParams(temperature=1.0, logit_bias=tuple((t, -100) for t in range(1, 8)), frequency_penalty=2.0)
+    draws = {sample_rows(logits, [p], [random.Random(s)], [[0] * 60])[0] for s in range(50)}
+    assert draws == {0}
 
 
 def test_frequency_and_presence_penalties_count_the_tokens_generated_so_far():

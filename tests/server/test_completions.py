@@ -336,7 +336,8 @@ def test_logit_bias_bans_and_forces_tokens_as_openai_does(server):
     assert max(forced["logprobs"]["token_logprobs"]) < -0.01  # the model's, not the biased distribution's ~0
     for bias, said in (({"abc": 1}, "not a token id"), ({"256": 1}, "[0, 256)"), ({"-1": 1}, "not a token id"),
                        ({"1": 101}, "[-100, 100]"), ({"1": True}, None), ({str(t): 1 for t in range(256)} | {
-                           **{f"0{t}": 1 for t in range(800)}}, "at most 1024")):
+                           **{f"0{t}": 1 for t in range(800)}}, "at most 1024"),
+                       ({str(t): -100 for t in range(256)}, "bans every token")):
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "logit_bias": bias},
                        timeout=60)
         err = r.json()["error"]

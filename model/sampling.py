@@ -41,8 +41,8 @@ class SamplingParams:
     # the prompt's text ends in white space: a word model's first generated word comes unspaced (it had a second
     # space, "The cat  sat", spaced from the prompt's last word as if the space were not there)
     after_space: bool = False
-    # OpenAI's logit_bias as (token id, bias) pairs, added to the model's logits before sampling (logprobs stay the
-    # model's, as vLLM's default raw logprobs do)
+    # OpenAI's logit_bias as (token id, bias) pairs, added to the model's logits before sampling, -100 a ban
+    # (logprobs stay the model's, as vLLM's default raw logprobs do)
     logit_bias: tuple[tuple[int, float], ...] = ()
     # OpenAI's penalties on the tokens this request generated so far: a token's logit less frequency_penalty times
     # its count, and presence_penalty once it has come at all (vLLM's: the output's tokens, before temperature)

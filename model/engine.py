@@ -43,10 +43,13 @@ class Generation:
     prev: int | None = None  # the token before the first generated one, when known (a word's spacing needs it)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt: Sequence[int] = ()  # the request's prompt: its tokens are repetition_penalty's too
 
     def __post_init__(self) -> None:
         self.rng = self.params.generator()
         self.streamer = TextStreamer(self.params.stop)
+        # the tokens repetition_penalty applies to, kept as they come (a prompt is read into it once)
+        self.seen: set[int] = set(self.prompt) if self.params.repetition_penalty != 1 else set()
         if self.params.after_space:  # the text so far ends in its own space: the first word comes as a text's first
             self.prev = START
 
@@ -55,7 +58,7 @@ class Generation:
         """The next token of each generation, row ``r`` of ``logits [rows, vocab]`` for ``gens[r]``, sampled
         together; record each with :meth:`accept`."""
         return sample_rows(logits.float().cpu(), [g.params for g in gens], [g.rng for g in gens],
-                           [g.tokens for g in gens])
+                           [g.tokens for g in gens], [g.seen for g in gens])
 
     def on_logits(self, logits: Tensor) -> TokenEvent:
         """Choose the next token from ``logits [vocab]`` and say what text it releases."""
@@ -80,6 +83,8 @@ class Generation:
             event.prev = self.prev
         self.tokens.append(token)
         self.prev = token
+        if p.repetition_penalty != 1:
+            self.seen.add(token)
         if self.params.logprobs is not None:
             scores = logits if row is None else logits[row]  # [vocab]
             event.logprob, event.top_logprobs = token_logprobs(scores.float().cpu(), token, self.params.logprobs)
@@ -298,7 +303,7 @@ class Engine:
                                       "memory yet", param="prompt")
         if ids:
             self.feed(state, ids)
-        gen = Generation(params, self.tokenizer, ids[-1] if ids else None)
+        gen = Generation(params, self.tokenizer, ids[-1] if ids else None, prompt=ids)
         while gen.finish_reason is None:
             event = gen.on_logits(state.last_logits[0])
             try:

@@ -49,6 +49,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_p: float = 0.0  # vLLM's: tokens less likely than min_p times the likeliest (after temperature) are dropped
+    # vLLM's (and Hugging Face's): every token of the prompt or generated so far has its logit divided by this when
+    # positive, multiplied when not; a session's prompt is the request's text, not the whole history before it
+    repetition_penalty: float = 1.0
     # vLLM's: a generated token among these ends the generation ("stop"); it is generated (the session holds it, as a
     # stop string's tokens) but its text is not given, as vLLM leaves it out
     stop_token_ids: tuple[int, ...] = ()
@@ -76,6 +79,10 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids must be at most {STOP_TOKEN_IDS} token ids",
                                       param="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", ids)
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf:
+            raise InvalidRequestError(f"repetition_penalty must be a number > 0 (1: none), got {r!r}",
+                                      param="repetition_penalty")
         m = self.min_p
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {m!r}", param="min_p")
@@ -116,7 +123,8 @@ class SamplingParams:
 
 
 def sample_rows(logits: Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random],
-                generated: Sequence[Sequence[int]] | None = None) -> list[int]:
+                generated: Sequence[Sequence[int]] | None = None, seen: Sequence[set[int]] | None = None
+                ) -> list[int]:
     """One token per row of ``logits [rows, vocab]`` (float32, CPU), each row with its own parameters and
     generator; greedy at temperature 0. Inverse-CDF sampling with one uniform draw per row, whatever the row's
     parameters, so a seeded request draws the same tokens in any batch (tested): a row's token depends only on
@@ -125,12 +133,12 @@ def sample_rows(logits: Tensor, params: Sequence[SamplingParams], rngs: Sequence
     where they are not, by a fixed handful of batched torch ops. Sampling row by row had cost ~6 ms per step at
     batch 64 (five small ops a row, each handing the GIL back and forth with the server's event loop), and
     those torch ops ~85 us for one row, an eighth of a batch-1 step of the bundled model. ``generated``: each
-    row's tokens so far, which its penalties count."""
+    row's tokens so far, which its penalties count; ``seen``: the tokens its repetition penalty applies to."""
     rows, vocab = logits.shape
     u = [rng.random() for rng in rngs]  # [rows] in [0, 1): one draw per row, used or not
     plain = [r for r, p in enumerate(params) if _plain(p, vocab)]
     if not plain or not fused.available():
-        return _torch_rows(logits, params, u, generated)
+        return _torch_rows(logits, params, u, generated, seen)
     chosen = [0] * rows
     temps = torch.tensor([params[r].temperature for r in plain], dtype=torch.float64)  # [n]
     x = logits if len(plain) == rows else logits[plain]  # [n, vocab]
@@ -142,13 +150,14 @@ def sample_rows(logits: Tensor, params: Sequence[SamplingParams], rngs: Sequence
         drawn_here = set(plain)
         rest = [r for r in range(rows) if r not in drawn_here]
         for r, token in zip(rest, _torch_rows(logits[rest], [params[r] for r in rest], [u[r] for r in rest],
-                                              generated and [generated[r] for r in rest])):
+                                              generated and [generated[r] for r in rest],
+                                              seen and [seen[r] for r in rest])):
             chosen[r] = token
     return chosen
 
 
 def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[float],
-                generated: Sequence[Sequence[int]] | None = None) -> list[int]:
+                generated: Sequence[Sequence[int]] | None = None, seen: Sequence[set[int]] | None = None) -> list[int]:
     """:func:`sample_rows` as torch ops, for rows of any parameters with their draws ``u`` (and tokens so far)."""
     rows, vocab = logits.shape
     biased = [r for r, p in enumerate(params) if p.logit_bias or _penalized(p)]
@@ -161,7 +170,11 @@ def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[fl
                 logits[r, list(ids)] += torch.tensor(values, dtype=logits.dtype)
                 banned = [t for t, b in p.logit_bias if b <= -LOGIT_BIAS_MOST]
                 logits[r, banned] = float("-inf")  # -100 bans, as OpenAI says, whatever penalties come after
-            if _penalized(p) and generated and generated[r]:
+            if p.repetition_penalty != 1 and seen and seen[r]:  # after the bias, then the others: vLLM's order
+                at = torch.tensor(sorted(t for t in seen[r] if t < vocab))  # [n]
+                row = logits[r, at]  # [n]
+                logits[r, at] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            if (p.frequency_penalty or p.presence_penalty) and generated and generated[r]:
                 counts = torch.bincount(torch.tensor(generated[r]), minlength=vocab)[:vocab].to(logits.dtype)  # [vocab]
                 logits[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     temps = [p.temperature for p in params]
@@ -199,7 +212,7 @@ def _plain(params: SamplingParams, vocab: int) -> bool:
 
 
 def _penalized(params: SamplingParams) -> bool:
-    return params.frequency_penalty != 0 or params.presence_penalty != 0
+    return params.frequency_penalty != 0 or params.presence_penalty != 0 or params.repetition_penalty != 1
 
 
 def _inverse_cdf(x: Tensor, u: Tensor) -> Tensor:

@@ -44,7 +44,7 @@ def check_model(rt: Runtime, model: str) -> None:
 
 
 # OpenAI's and vLLM's parameters this server takes at the value that changes nothing, and only there
-_NEUTRAL = (("repetition_penalty", 1), ("min_tokens", 0), ("use_beam_search", False), ("skip_special_tokens", True),
+_NEUTRAL = (("min_tokens", 0), ("use_beam_search", False), ("skip_special_tokens", True),
             ("spaces_between_special_tokens", True), ("truncate_prompt_tokens", None), ("prompt_logprobs", None),
             ("response_format", None))
 _INSTEAD = {"prompt_logprobs": "echo with logprobs scores the prompt"}
@@ -90,6 +90,7 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
                             seed=req.seed, stop=tuple(stop), logprobs=req.logprobs,  # each field checked
                             logit_bias=logit_bias(rt, req.logit_bias), frequency_penalty=req.frequency_penalty or 0.0,
                             presence_penalty=req.presence_penalty or 0.0, min_p=req.min_p or 0.0,
+                            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                             stop_token_ids=stop_token_ids(rt, req.stop_token_ids or []),
                             include_stop_str_in_output=bool(req.include_stop_str_in_output))
     return None if max_tokens == 0 else params

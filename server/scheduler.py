@@ -134,6 +134,11 @@ class Job:
     score: Score = field(default_factory=lambda: Score(0, 0.0))
     held: list[TokenEvent] = field(default_factory=list)  # generated tokens not yet handed over (stream_interval)
     handed: int = 0  # generated tokens handed over so far
+    prompt: list[int] = field(default_factory=list)  # the prompt as given, where repetition_penalty needs it
+
+    def __post_init__(self) -> None:
+        if self.params is not None and self.params.repetition_penalty != 1:
+            self.prompt = list(self.pending)  # pending is read away as the prompt is fed
 
     def start(self) -> None:
         if self.started is None:
@@ -414,7 +419,7 @@ class Scheduler:
             self.prefilling.append(job)
 
     def _generation(self, job: Job) -> None:
-        job.generation = Generation(job.params, self.engine.tokenizer, job.prev)
+        job.generation = Generation(job.params, self.engine.tokenizer, job.prev, prompt=job.prompt)
         job.on_device = drawn_on_device(job.params, self.engine.config.vocab_size)
 
     def _prefill(self) -> None:

@@ -237,3 +237,31 @@ def test_min_p_drops_the_tokens_under_its_share_of_the_likeliest():
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(min_p=1.5)
     assert err.value.param == "min_p"
+
+
+def test_repetition_penalty_divides_a_seen_tokens_positive_logit_and_multiplies_a_negative_one():
+    """vLLM's (Hugging Face's): on the prompt's and the generated tokens, after the bias, before the others."""
+    logits = torch.tensor([[0.0, -1.0, 0.0, 3.0, 0.0, 2.0]])  # [1, 6]
+    p = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert sample_rows(logits, [p], [p.generator()], [[]], [set()]) == [3]
+    assert sample_rows(logits, [p], [p.generator()], [[]], [{3}]) == [5]  # 3 / 2 < 2
+    assert sample_rows(logits, [p], [p.generator()], [[]], [{3, 5}]) == [3]  # 1.5 > 1
+    neg = torch.tensor([[-0.5, -1.0]])
+    gentle = SamplingParams(temperature=0, repetition_penalty=1.5)
+    assert sample_rows(neg, [gentle], [random.Random(0)], [[]], [{0}]) == [0]  # -0.5 x 1.5 = -0.75 > -1
+    assert sample_rows(neg, [SamplingParams(temperature=0, repetition_penalty=3.0)], [random.Random(0)], [[]],
+                       [{0}]) == [1]  # -1.5 < -1
+    assert not drawn_on_device(p, 6) and torch.equal(logits[0, 3], torch.tensor(3.0))
+    for bad in (0, -1, True):
+        with pytest.raises(InvalidRequestError) as err:
+            SamplingParams(repetition_penalty=bad)
+        assert err.value.param == "repetition_penalty"
+
+
+def test_a_generation_keeps_the_tokens_its_repetition_penalty_applies_to():
+    from model.engine import Generation
+
+    gen = Generation(SamplingParams(max_tokens=5, repetition_penalty=1.3), prompt=[1, 2, 2])
+    gen.accept(7, None)
+    assert gen.seen == {1, 2, 7}
+    assert Generation(SamplingParams(max_tokens=5), prompt=[1, 2]).seen == set()  # none kept without it

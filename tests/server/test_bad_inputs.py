@@ -64,7 +64,7 @@ CASES = [
     ("seed float", "POST", "/v1/completions", {**OK, "seed": 1.5}, 400, "seed"),
     ("seed past 64 bits", "POST", "/v1/completions", {**OK, "seed": 1 << 63}, 400, "seed"),
     ("penalty past 2", "POST", "/v1/completions", {**OK, "frequency_penalty": 2.5}, 400, "frequency_penalty"),
-    ("vLLM's penalty", "POST", "/v1/completions", {**OK, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("vLLM's penalty at 0", "POST", "/v1/completions", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("vLLM's min_p past 1", "POST", "/v1/completions", {**OK, "min_p": 1.5}, 400, "min_p"),
     ("vLLM's min_tokens", "POST", "/v1/completions", {**OK, "min_tokens": 2}, 400, "min_tokens"),
     ("stop_token_ids past the vocabulary", "POST", "/v1/completions", {**OK, "stop_token_ids": [1 << 40]}, 400,

@@ -313,6 +313,16 @@ def test_return_tokens_as_token_ids_names_every_logprobs_token_by_its_id(server)
     assert streamed == ids["tokens"]
 
 
+def test_repetition_penalty_changes_a_greedy_text_and_one_is_none(server):
+    body = {"prompt": "the the the the ", "max_tokens": 24, "temperature": 0}
+    plain = complete(server, **body)["choices"][0]["text"]
+    assert complete(server, **body, repetition_penalty=1)["choices"][0]["text"] == plain
+    assert complete(server, **body, repetition_penalty=3)["choices"][0]["text"] != plain
+    for bad in (0, -1.5):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, **body, "repetition_penalty": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
+
+
 def test_min_p_one_draws_the_likeliest_token_as_greedy_does(server):
     greedy = complete(server, prompt="Hello", max_tokens=10, temperature=0)["choices"][0]["text"]
     assert complete(server, prompt="Hello", max_tokens=10, temperature=1.5, seed=4)["choices"][0]["text"] != greedy

@@ -243,6 +243,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=real(0, 2), default=0.8, help="0: greedy (default: 0.8)")
     p.add_argument("--top-k", type=count(0), default=0, help="0: off")
     p.add_argument("--top-p", type=real(0, 1, above=True), default=1.0, help="nucleus sampling (1: off)")
+    p.add_argument("--min-p", type=real(0, 1), default=0.0,
+                   help="drop tokens less likely than this times the likeliest (vLLM's; 0: off)")
+    p.add_argument("--repetition-penalty", type=real(0, above=True), default=1.0,
+                   help="divide a positive logit, multiply a negative one, of every token of the prompt or generated "
+                        "so far (vLLM's; 1: off)")
+    p.add_argument("--frequency-penalty", type=real(-2, 2), default=0.0,
+                   help="subtract this times a token's count among those generated (OpenAI's; 0: off)")
+    p.add_argument("--presence-penalty", type=real(-2, 2), default=0.0,
+                   help="subtract this from every token generated at least once (OpenAI's; 0: off)")
     p.add_argument("--seed", type=count(-(1 << 63), (1 << 63) - 1), default=None,
                    help="the same seed, the same continuation")
     p.add_argument("--stop", type=_stop, action="append", default=[], help="stop string (repeatable)")
@@ -268,8 +277,9 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     from model.train import pick_device
 
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p,
-                            seed=ns.seed, stop=tuple(ns.stop),
-                            after_space=after_space(ns.prompt))
+                            seed=ns.seed, stop=tuple(ns.stop), min_p=ns.min_p,
+                            repetition_penalty=ns.repetition_penalty, frequency_penalty=ns.frequency_penalty,
+                            presence_penalty=ns.presence_penalty, after_space=after_space(ns.prompt))
     engine = Engine.from_checkpoint(resolve_checkpoint(ns.checkpoint), device=pick_device(ns.device),
                                     mem_len=ns.mem_len, clamp_len=ns.clamp_len)
     import asyncio

@@ -46,6 +46,18 @@ def test_generate_streams_prompt_and_continuation(checkpoint):
     assert again.stdout == r.stdout  # seeded
 
 
+def test_generate_takes_the_servers_penalties_and_min_p(checkpoint):
+    """The same sampling fields as the server's: each changes a greedy text, or (min_p 1) keeps a sampled one on
+    greedy's path."""
+    base = ("generate", "--checkpoint", str(checkpoint), "--prompt", "the the the the ", "--max-tokens", "24")
+    greedy = txlserve(*base, "--temperature", "0")
+    assert greedy.returncode == 0, greedy.stderr
+    for flags in (["--repetition-penalty", "3"], ["--frequency-penalty", "2"], ["--presence-penalty", "2"]):
+        r = txlserve(*base, "--temperature", "0", *flags)
+        assert r.returncode == 0 and r.stdout != greedy.stdout, (flags, r.stderr)
+    assert txlserve(*base, "--temperature", "1.5", "--seed", "2", "--min-p", "1").stdout == greedy.stdout
+
+
 def test_generate_stopped_by_ctrl_c_ends_its_line(checkpoint):
     """Ctrl-C during ``generate`` left the output mid-line, the shell's prompt glued to it (found by a helper); one
     that landed as the event loop was made printed the half-made loop's traceback at exit."""
@@ -128,6 +140,8 @@ def test_generate_reads_a_byte_models_prompt_as_its_bytes_and_ends_one_line(tmp_
     (["--seed", "9" * 23], "generate: error: argument --seed: expected a whole number from -"),
     (["--stop", ""], "generate: error: argument --stop: expected a string of one character or more"),
     (["--mem-len", "0"], "generate: error: argument --mem-len: expected a whole number from 1 to"),
+    (["--repetition-penalty", "0"], "generate: error: argument --repetition-penalty: expected a number above 0"),
+    (["--frequency-penalty", "3"], "generate: error: argument --frequency-penalty: expected a number from -2"),
 ])
 def test_generate_bad_input_one_line(checkpoint, flags, needle, capsys):
     """In this process (an exception let through would fail the test with its traceback): the parser's refusals

@@ -294,7 +294,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         async with contextlib.aclosing(aiter(scheduler.submit(engine.new_state(), prompt, params))) as events:
             async for item in events:
                 if isinstance(item, TokenEvent) and item.text:
-                    sys.stdout.write(item.text)
+                    ends_line = None  # unknown while it is written: a Ctrl-C between the write and the line after
+                    sys.stdout.write(item.text)  # it had kept the last piece's answer, and left the line open (CI)
                     sys.stdout.flush()
                     ends_line = item.text.endswith("\n")
 
@@ -303,7 +304,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     # before the prompt is echoed: a word it cannot read is one line alone; a byte model reads the bytes given,
     # UTF-8 or not (they had been refused as "not valid Unicode")
     prompt = engine.encode(os.fsencode(ns.prompt) if engine.tokenizer.name == "byte" else ns.prompt)
-    ends_line = ns.prompt.endswith("\n")
+    ends_line: bool | None = ns.prompt.endswith("\n")
     # the loop is made before anything is written: a Ctrl-C that landed while asyncio.run made it (after the echo)
     # printed a half-made loop's traceback at exit
     loop = asyncio.new_event_loop()
@@ -315,7 +316,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         task = loop.create_task(stream())
         loop.run_until_complete(task)
     except KeyboardInterrupt:  # Ctrl-C: the line ends, as after the last token (the shell's prompt was left on it)
-        if not ends_line:
+        if ends_line is not True:  # (unknown: a line more, at worst an empty one)
             sys.stdout.write("\n")
         if task is not None and not task.done():
             task.cancel()

@@ -8,7 +8,7 @@ built by another model or with other ``mem_len``/``clamp_len`` settings.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +43,7 @@ class Generation:
     prev: int | None = None  # the token before the first generated one, when known (a word's spacing needs it)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    prompt: Sequence[int] = ()  # the request's prompt: its tokens are repetition_penalty's too
+    prompt: Iterable[int] = ()  # the request's prompt: its tokens are repetition_penalty's too
 
     def __post_init__(self) -> None:
         self.rng = self.params.generator()
@@ -68,16 +68,15 @@ class Generation:
         """Record ``token``, chosen from ``logits [vocab]`` (or row ``row`` of ``logits [rows, vocab]``: a batch's
         scores are indexed only where logprobs are asked for, 0.8 us a row saved on every step otherwise), and say
         what text it releases."""
-        data, p = self.tokenizer.token_bytes(token, self.prev), self.params
-        if token in p.stop_token_ids:  # its text given only with include_stop_str_in_output; what was held, always
-            text = (self.streamer.push(data) if p.include_stop_str_in_output else "") + self.streamer.flush()
-            text += self.streamer.stopped_by or ""  # (the flag's) a stop string the token completed, as vLLM keeps it
-            stopped = True
-        else:
-            text = self.streamer.push(data)
-            stopped = self.streamer.stopped_by is not None
-            if stopped and p.include_stop_str_in_output:
-                text += self.streamer.stopped_by  # the stop string, cut from what push released
+        p, stop_token = self.params, token in self.params.stop_token_ids
+        # a stop token's text is given only with include_stop_str_in_output; what was held before it, always
+        data = self.tokenizer.token_bytes(token, self.prev)
+        text = self.streamer.push(data) if not stop_token or p.include_stop_str_in_output else ""
+        if stop_token:
+            text += self.streamer.flush()
+        if p.include_stop_str_in_output and self.streamer.stopped_by is not None:
+            text += self.streamer.stopped_by  # the stop string, cut from what push released (vLLM keeps it)
+        stopped = stop_token or self.streamer.stopped_by is not None
         event = TokenEvent(token, text)
         if not self.tokens:  # a server's offsets space the first word as this did
             event.prev = self.prev

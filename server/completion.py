@@ -91,7 +91,8 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
                             logit_bias=logit_bias(rt, req.logit_bias), frequency_penalty=req.frequency_penalty or 0.0,
                             presence_penalty=req.presence_penalty or 0.0, min_p=req.min_p or 0.0,
                             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                            stop_token_ids=stop_token_ids(rt, req.stop_token_ids or []),
+                            stop_token_ids=tuple(in_vocabulary(rt, req.stop_token_ids or [], "stop_token_ids",
+                                                               "stop_token_ids")),  # sampling checks how many
                             include_stop_str_in_output=bool(req.include_stop_str_in_output))
     return None if max_tokens == 0 else params
 
@@ -101,14 +102,14 @@ def vocabulary(rt: Runtime) -> int:
     return min(rt.engine.tokenizer.vocab_size, rt.engine.config.vocab_size)
 
 
-def stop_token_ids(rt: Runtime, ids: list[int]) -> tuple[int, ...]:
-    """vLLM's ``stop_token_ids``, each in the vocabulary (sampling checks how many)."""
+def in_vocabulary(rt: Runtime, ids: list[int], name: str, param: str) -> list[int]:
+    """``ids``, each a token id of the model: one past the vocabulary would index past the embedding or logits."""
     vocab = vocabulary(rt)
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
-        raise InvalidRequestError(f"stop_token_ids: token id {bad} is not in this model's vocabulary [0, {vocab})",
-                                  param="stop_token_ids")
-    return tuple(ids)
+        raise InvalidRequestError(f"{name}: token id {bad} is not in this model's vocabulary [0, {vocab})",
+                                  param=param)
+    return ids
 
 
 def logit_bias(rt: Runtime, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -188,7 +189,7 @@ async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
     params = sampling_params(rt, req)
     prompts = the_prompts(req)
-    n, limit = how_many(req, len(prompts), rt.settings.max_queue + rt.scheduler.capacity), rt.settings.max_prompt_bytes
+    n, limit = how_many(req, len(prompts), rt.most_runs), rt.settings.max_prompt_bytes
     out, values, read = [], 0, 0
     inline = sum(len(p) for p in prompts) <= _ENCODE_INLINE  # texts' characters, or ids
     for p, prompt in enumerate(prompts):
@@ -243,12 +244,8 @@ async def ids_text(rt: Runtime, ids: list[int]) -> str:
 
 
 def checked_ids(rt: Runtime, ids: list[int], limit: int, name: str = "prompt") -> list[int]:
-    """A token-id prompt the model can read: an id outside the vocabulary would index past the embedding."""
-    vocab = vocabulary(rt)
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InvalidRequestError(f"{name}: token id {bad} is not in this model's vocabulary [0, {vocab})",
-                                  param="prompt")
+    """A token-id prompt the model can read, within ``limit``."""
+    in_vocabulary(rt, ids, name, "prompt")
     if len(ids) > limit:
         raise PayloadTooLarge(f"{name} is {len(ids)} tokens; the limit is {limit}", param="prompt")
     return list(ids)
@@ -367,7 +364,8 @@ class Completion:
     def of(cls, rt: Runtime, req: CompletionRequest, choice: Choice, first: Completion | None = None) -> Completion:
         """A choice's; the request's other choices share the ``first``'s id and time."""
         out = cls(req, rt.settings.model_name, rt.engine.tokenizer, rt.engine.fingerprint, index=choice.index,
-                  text_prompt=isinstance(choice.prompt, str), echoed=choice.echoed)
+                  text_prompt=isinstance(choice.prompt, str), echoed=choice.echoed,
+                  prev=choice.ids[-1] if choice.ids else None)
         if first is not None:
             out.id, out.created = first.id, first.created
         return out
@@ -590,7 +588,7 @@ async def open_runs(rt: Runtime, req: CompletionRequest, chosen: list[Choice], o
     runs: list[Run] = []
     # refused before any starts: runs started and then cancelled hold their places until they end (a helper saw
     # other requests refused meanwhile)
-    if len(chosen) > 1 and len(rt.runs) + len(chosen) > rt.settings.max_queue + rt.scheduler.capacity:
+    if len(chosen) > 1 and len(rt.runs) + len(chosen) > rt.most_runs:
         raise Overloaded("too many requests are waiting for this request's choices; retry shortly")
     try:
         for choice in chosen:

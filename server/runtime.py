@@ -162,6 +162,12 @@ class Runtime:
         await asyncio.wait(pending, timeout=10)
 
     @property
+    def most_runs(self) -> int:
+        """Runs this server process holds at once, whatever their phase: the batch, and ``--max-queue`` beyond it
+        (past it a request is a 429; a request's choices are runs)."""
+        return self.settings.max_queue + self.scheduler.capacity
+
+    @property
     def engine_dead(self) -> str | None:
         """Why the engine's process is gone (it died), else None."""
         return None if self.core is None else self.core.dead

@@ -134,11 +134,11 @@ class Job:
     score: Score = field(default_factory=lambda: Score(0, 0.0))
     held: list[TokenEvent] = field(default_factory=list)  # generated tokens not yet handed over (stream_interval)
     handed: int = 0  # generated tokens handed over so far
-    prompt: list[int] = field(default_factory=list)  # the prompt as given, where repetition_penalty needs it
+    prompt: set[int] = field(default_factory=set)  # the prompt's tokens, where repetition_penalty needs them
 
     def __post_init__(self) -> None:
         if self.params is not None and self.params.repetition_penalty != 1:
-            self.prompt = list(self.pending)  # pending is read away as the prompt is fed
+            self.prompt = set(self.pending)  # pending is read away as the prompt is fed
 
     def start(self) -> None:
         if self.started is None:

@@ -71,12 +71,11 @@ class Run:
                  session_id: str | None = None, create_metadata: dict | None = None,
                  create: bool = False, history: tuple[list[int], int] | None = None,
                  prompt_logprobs: int | None = None, session_param: str | None = None, scored: bool = True) -> None:
-        s = rt.settings
         if rt.engine_dead:
             raise EngineDead.because(rt.engine_dead)
         if rt.draining or not rt.ready:
             raise Unavailable("the server is shutting down" if rt.draining else "the server is starting")
-        if len(rt.runs) >= s.max_queue + rt.scheduler.capacity:  # every request in flight, whatever its phase
+        if len(rt.runs) >= rt.most_runs:
             raise Overloaded("too many requests are waiting; retry shortly")
         self.rt, self.ids, self.params, self.owner = rt, ids, params, owner
         self.session_id, self.create, self.create_metadata = session_id, create, create_metadata

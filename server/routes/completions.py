@@ -53,6 +53,7 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                             who: str | None = Depends(owner)) -> Response:
     t0 = time.monotonic()
     chosen = await choices(rt, req)
+    prompted = prompt_tokens(chosen)
     if len(chosen) > 1:
         request_fields(request.scope)["choices"] = len(chosen)
     comps = [Completion.of(rt, req, chosen[0])]
@@ -65,8 +66,6 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
 
     async with cancel_on_disconnect(request.receive, disconnected) as attach:
         opened = await open_runs(rt, req, chosen, who, attach)
-        for comp, (run, _) in zip(comps, opened):
-            comp.prev = run.ids[-1] if run.ids else None
         if not req.stream:
             runs = [run for run, _ in opened]
             if len(runs) == 1:
@@ -81,13 +80,13 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                         run.cancel()
                         task.cancel()
                     raise
-            _log_fields(request, prompt_tokens(chosen), finals)
+            _log_fields(request, prompted, finals)
             # a client that left got nothing: logged and counted as nginx counts it (it was a 200)
             body = await off_loop(sum(len(c.tokens) for c in comps) if req.logprobs is not None else 0,
-                                  completion_json, comps, finals, prompt_tokens(chosen))
+                                  completion_json, comps, finals, prompted)
             return Response(body, media_type="application/json",
                             status_code=RequestCancelled.status if left else 200)
-    return StreamingResponse(_stream(rt, comps, Interleaved(opened, t0), prompt_tokens(chosen), request),
+    return StreamingResponse(_stream(rt, comps, Interleaved(opened, t0), prompted, request),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -177,7 +177,6 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
         chosen = await choices(rt, req)
         comp = Completion.of(rt, req, chosen[0])
         run = launch(rt, req, chosen[0], who)
-        comp.prev = run.ids[-1] if run.ids else None
     except ValidationError as err:
         await ws.send_json(_invalid(*validation_message(err)))
         return

@@ -879,13 +879,51 @@ async def _batch_scored(url: str, model: str, prompts: list[str], repeats: int,
             "batch_over_concurrent": med["concurrent"] / med["batch"], "max_logprob_diff": diff}
 
 
+async def _samples(url: str, model: str, prompt: str, n: int, max_tokens: int, repeats: int,
+                   api_key: str | None = None) -> dict[str, Any]:
+    """``n`` samples of one prompt (best-of-n, self-consistency): one request with ``n``, whose choices read the
+    prompt once, against ``n`` requests at once with seeds ``seed + j`` (which each read it: what a client without
+    ``n`` sends, and what a request's choices did before they shared a read), in the same run; the median of
+    ``repeats`` of each, alternated. Each choice's text is checked against its own request's."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": 7}
+    times: dict[str, list[float]] = {"n": [], "concurrent": []}
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers=_auth(api_key)) as http:
+        async def complete(**extra: Any) -> dict[str, Any]:
+            r = await http.post("/v1/completions", json={**body, **extra})
+            if r.status_code != 200:
+                raise _refused("sampling a prompt n times, the server", r)
+            return r.json()
+
+        async def timed(kind: str, work: Any) -> Any:
+            t0 = time.perf_counter()
+            out = await work
+            times[kind].append(time.perf_counter() - t0)
+            return out
+
+        async def apart() -> list[str]:
+            done = await asyncio.gather(*(complete(seed=7 + j) for j in range(n)))
+            return [d["choices"][0]["text"] for d in done]
+
+        await complete(n=n)  # warm: the first request's edges
+        for _ in range(repeats):
+            together = await timed("n", complete(n=n))
+            alone = await timed("concurrent", apart())
+    if [c["text"] for c in together["choices"]] != alone:
+        raise ConfigError("a request's n choices drew other text than their own requests")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"n": n, "prompt_chars": len(prompt), "prompt_tokens": together["usage"]["prompt_tokens"],
+            "max_tokens": max_tokens, **{f"{k}_s": v for k, v in med.items()},
+            "n_over_concurrent": med["concurrent"] / med["n"]}
+
+
 def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration: float = 10, max_tokens: int = 64,
         doc_kb: float = 50, url: str | None = None, repeats: int = 3, device: str = "auto",
         rounds: int = 3, random_range_ratio: float = 0.0, seed: int = 0, stream_interval: int = 1,
         cpu_latency_qos_us: int | None = None, enforce_eager: bool = False, workers: int = 1,
         engine_process: bool = True, api_key: str | None = None, overlap: bool = True, api_server_count: int = 1,
         client_processes: int = 1, scored_kb: float = 0, scored_logprobs: int = 20,
-        batch_prompts: int = 0, batch_prompt_chars: int = 512) -> dict[str, Any]:
+        batch_prompts: int = 0, batch_prompt_chars: int = 512, samples: int = 0,
+        sample_prompt_chars: int = 4096, sample_tokens: int = 16) -> dict[str, Any]:
     from bench.store import _document
     from model.threads import set_threads
     from server.cpu_latency import guest_halt_poll_ns
@@ -922,6 +960,10 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                 text = _document(size * batch_prompts).decode("utf-8", errors="replace")
                 prompts = [text[i * size:(i + 1) * size] for i in range(batch_prompts)]
                 result["batch_scored"] = asyncio.run(_batch_scored(target, model, prompts, repeats, api_key))
+            if samples:
+                prompt = _document(sample_prompt_chars).decode("utf-8", errors="replace")
+                result["samples"] = asyncio.run(_samples(target, model, prompt, samples, sample_tokens, repeats,
+                                                         api_key))
         finally:
             if server is not None:
                 server.stop()
@@ -997,6 +1039,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "another and all at once (0: not measured)")
     p.add_argument("--batch-prompt-chars", type=count(1), default=512,
                    help="each --batch-prompts prompt's length (a benchmark question's few sentences)")
+    p.add_argument("--samples", type=count(0, 128), default=0,
+                   help="n of one request sampling a --sample-prompt-chars prompt n times (its choices read the "
+                        "prompt once), against n requests at once, each reading it (0: not measured)")
+    p.add_argument("--sample-prompt-chars", type=count(1), default=4096, help="the --samples prompt's length")
+    p.add_argument("--sample-tokens", type=count(1), default=16, help="each --samples choice's max_tokens")
     p.add_argument("--device", type=device, default="auto",
                    help="the spawned server's and the engine's (auto: cuda when present)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -1032,6 +1079,7 @@ def main(ns: argparse.Namespace) -> int:
                          overlap=not ns.disable_overlap_schedule, api_server_count=ns.api_server_count,
                          client_processes=ns.client_processes, scored_kb=ns.scored_kb,
                          scored_logprobs=ns.scored_logprobs, batch_prompts=ns.batch_prompts,
-                         batch_prompt_chars=ns.batch_prompt_chars,
+                         batch_prompt_chars=ns.batch_prompt_chars, samples=ns.samples,
+                         sample_prompt_chars=ns.sample_prompt_chars, sample_tokens=ns.sample_tokens,
                          api_key=ns.api_key or os.environ.get("TXLSERVE_API_KEY") or None)))
     return 0

@@ -182,6 +182,13 @@ class Engine:
     def new_state(self, batch: int = 1) -> DecodeState:
         return self.decoder.empty(batch)
 
+    def copy_state(self, state: DecodeState) -> DecodeState:
+        """A batch-1 session of its own holding what ``state`` (batch 1) holds, laid out as a new one: a prompt
+        read once serves each of a request's ``n`` choices (the server's scheduler)."""
+        copy = self.decoder.empty(1, zeroed=False)
+        copy.copy_row(0, state)
+        return copy
+
     @property
     def row_bytes(self) -> int:
         """Device bytes one session's state takes, counted on shapes alone (a state made to be measured took

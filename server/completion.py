@@ -33,7 +33,7 @@ from server.protocol import (
 )
 from server.runtime import Runtime
 from server.scheduler import PromptScores
-from server.service import Failed, Final, Run, first_item
+from server.service import Failed, Final, Run, Shared, first_item
 from txlserve.errors import InvalidRequestError, ModelNotFound, Overloaded, PayloadTooLarge
 
 
@@ -196,10 +196,11 @@ async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
         name = f"prompt[{p}]" if len(prompts) > 1 else "prompt"  # which of a batch's
         ids = (await prompt_ids(rt, prompt, limit, name=name, inline=inline) if isinstance(prompt, str)
                else checked_ids(rt, prompt, limit, name))
-        read += n * len(ids)
-        if read > limit and n * len(prompts) > 1:  # each choice reads its prompt: a request reads at most the limit
-            raise PayloadTooLarge(f"{n * len(prompts)} choices read {read:,}+ prompt tokens; the limit is {limit:,} a "
-                                  "request (each choice reads its prompt)", param="n" if n > 1 else "prompt")
+        read += (n if req.echo else 1) * len(ids)  # a prompt's n choices read it once; each echo carries it
+        if read > limit and n * len(prompts) > 1:  # a request reads (and echoes) at most the limit
+            raise PayloadTooLarge(f"{n * len(prompts)} choices {'echo' if req.echo else 'read'} {read:,}+ prompt "
+                                  f"tokens; the limit is {limit:,} a request (a prompt's choices read it once, and "
+                                  "each choice that echoes it carries it)", param="n" if n > 1 else "prompt")
         echoed = (prompt if isinstance(prompt, str) else await ids_text(rt, ids)) if req.echo else ""
         spaced = params and replace(params, after_space=isinstance(prompt, str) and after_space(prompt))
         values += n * ((len(ids) if req.echo else 0) + (params.max_tokens if params else 0))
@@ -209,12 +210,15 @@ async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
     return out
 
 
-def launch(rt: Runtime, req: CompletionRequest, choice: Choice, owner: str | None) -> Run:
-    """Start a choice's run: it reads the prompt (scored with ``echo`` and ``logprobs``) and generates."""
+def launch(rt: Runtime, req: CompletionRequest, choice: Choice, owner: str | None,
+           shared: Shared | None = None) -> Run:
+    """Start a choice's run: it reads the prompt (scored with ``echo`` and ``logprobs``) and generates;
+    ``shared`` by its prompt's other choices, it reads the prompt once for all of them."""
     scored = req.logprobs if req.echo and req.logprobs is not None and choice.ids else None
     return Run(rt, ids=choice.ids, params=choice.params, owner=owner, session_id=req.session_id,
                prompt_logprobs=scored, session_param="session_id",
-               scored=choice.params is not None)  # max_tokens 0: no log-likelihood wanted
+               scored=choice.params is not None,  # max_tokens 0: no log-likelihood wanted
+               shared=shared)
 
 
 _ENCODE_INLINE = 16_384  # characters; a longer text is tokenized off the event loop (a word tokenizer is slow)
@@ -590,9 +594,13 @@ async def open_runs(rt: Runtime, req: CompletionRequest, chosen: list[Choice], o
     # other requests refused meanwhile)
     if len(chosen) > 1 and len(rt.runs) + len(chosen) > rt.most_runs:
         raise Overloaded("too many requests are waiting for this request's choices; retry shortly")
+    shared: Shared | None = None
     try:
-        for choice in chosen:
-            runs.append(launch(rt, req, choice, owner))
+        for i, choice in enumerate(chosen):  # a prompt's n choices read it once (a session's request has one)
+            if choice.sample == 0:
+                several = i + 1 < len(chosen) and chosen[i + 1].sample == 1 and req.session_id is None
+                shared = Shared() if several else None
+            runs.append(launch(rt, req, choice, owner, shared))
             started(runs[-1])
         return list(zip(runs, [await first_item(runs[0])] + [None] * (len(runs) - 1)))
     except BaseException:

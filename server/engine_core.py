@@ -137,6 +137,7 @@ class _Spec:
     abandoned: bool = False  # the server will not read its end: nothing is kept for it
     started: float = field(default_factory=time.monotonic)
     restore_s: float | None = None  # until its state was ready (hot, imported or rebuilt): /metrics' restore time
+    copies: list[_Spec] = field(default_factory=list)  # the other choices of its prompt, which it reads once
 
 
 class Sender:
@@ -388,22 +389,36 @@ class _Core:
         spec = _Spec(head["rid"], key, [], None, head["prompt_logprobs"], head["persist"], head.get("scored", True))
         spec.window_span = head.get("window_span", 0)
         self.specs[spec.rid] = spec  # first: whatever fails below is answered (_fail)
-        spec.ids = ids_from(blob)
-        spec.params = None if head["params"] is None else SamplingParams(**head["params"])
-        if spec.key is not None:
-            hot = self.hot.take(*spec.key)
-            if hot is None:
-                self.send({"op": "need", "rid": spec.rid})
-                return
-            state, spec.window = hot
-            spec.source, spec.tokens_before = "hot", int(state.seen[0])
-            self._submit(spec, state)
-        elif head.get("history"):
-            window, seen = head["history"]
-            spec.window = window
-            self._rebuild(spec, window, seen)
-        else:
-            self._submit(spec, self.engine.new_state())
+        n = len(self.conns)
+        copies = [_Spec(rid * n + head["from"], None, [], None, spec.prompt_logprobs, False, spec.scored)
+                  for rid, _ in head.get("copies", ())]  # the prompt's other choices: each answered on its own
+        self.specs.update((copy.rid, copy) for copy in copies)
+        try:
+            if copies and (key is not None or head.get("history")):
+                raise RuntimeError("a prompt's choices share a new state, never a session's")
+            spec.ids = ids_from(blob)
+            spec.params = None if head["params"] is None else SamplingParams(**head["params"])
+            for copy, (_, params) in zip(copies, head.get("copies", ())):
+                copy.ids, copy.params = spec.ids, None if params is None else SamplingParams(**params)
+            spec.copies = copies
+            if spec.key is not None:
+                hot = self.hot.take(*spec.key)
+                if hot is None:
+                    self.send({"op": "need", "rid": spec.rid})
+                    return
+                state, spec.window = hot
+                spec.source, spec.tokens_before = "hot", int(state.seen[0])
+                self._submit(spec, state)
+            elif head.get("history"):
+                window, seen = head["history"]
+                spec.window = window
+                self._rebuild(spec, window, seen)
+            else:
+                self._submit(spec, self.engine.new_state())
+        except Exception as err:
+            for copy in copies:
+                self._fail(copy.rid, err)
+            raise
 
     def _on_state(self, head: dict[str, Any], blob: bytes) -> None:
         self._work(head["rid"], lambda: self._state(head, blob), off_thread=self.large)
@@ -438,12 +453,18 @@ class _Core:
         last = ids[-1] if ids else spec.window[-1] if spec.window else None  # an empty prompt: the session's last
         job = Job(state, list(ids), params, self, _Box(spec), None, prev=last,  # type: ignore[arg-type]
                   scored=scored, prompt_logprobs=prompt_logprobs)
+        copies, spec.copies = spec.copies, []
         with self.guard:
-            if self.specs.get(spec.rid) is not spec:  # cancelled and answered while its state was made
-                return
-            spec.job = job
-            if spec.cancelled:
-                job.cancel()
+            gone = self.specs.get(spec.rid) is not spec  # cancelled and answered while its state was made
+            for each, each_job in () if gone else ((spec, job), *(
+                    (c, job.follower(c.params, self, _Box(c))) for c in copies)):
+                each.job = each_job
+                if each.cancelled:
+                    each_job.cancel()
+        if gone:  # its copies too (a new state's request, never gone here: a safeguard)
+            for copy in copies:
+                self._on_cancel({"rid": copy.rid}, b"")
+            return
         self.scheduler.inbox.put(job)
 
     def _on_cancel(self, head: dict[str, Any], _: bytes) -> None:
@@ -466,7 +487,7 @@ class _Core:
         would cost every step's message)."""
         self.send({"op": "stats", "qid": head["qid"], "stats": self.stats(),
                    "phases": self.scheduler.loop_seconds(), "cpu": self.scheduler.cpu_seconds(),
-                   "generated": self.scheduler.generated},
+                   "generated": self.scheduler.generated, "prompt_tokens": self.scheduler.prompt_tokens},
                   to=head["from"])
 
     def _on_keep(self, head: dict[str, Any], _: bytes) -> None:
@@ -609,6 +630,7 @@ class CoreRequest:
         self.ended = False  # its CoreFinished or error came
         self.settled = False  # its state was kept or dropped
         self.abandoned = False  # closed before its end came: whatever state that end holds is dropped
+        self.copies: list[CoreRequest] = []  # the other choices of its prompt (EngineCore.submit's ``copies``)
 
     def cancel(self, abandon: bool = False) -> None:
         """Stop it within a step (it still ends, with what it made). Never raises: a dead engine process has
@@ -673,6 +695,7 @@ class EngineCore:
         self.batch_size = self.waiting = self.steps = 0
         self._loop_seconds: dict[str, float] = {}  # the engine loop's, as of the last refresh (a scrape)
         self.generated = 0  # the tokens its loop generated, as of the last refresh
+        self.prompt_tokens = 0  # the prompt tokens its loop read, as of the last refresh
         self._cpu_seconds: float | None = None
         self.hot = _HotCounters(self)
         self.dead: str | None = None
@@ -834,6 +857,7 @@ class EngineCore:
             elif op == "stats":
                 self._loop_seconds, self._cpu_seconds = head.get("phases", {}), head.get("cpu")
                 self.generated = head.get("generated", 0)
+                self.prompt_tokens = head.get("prompt_tokens", 0)
                 fut = self.stats_waiting.pop(head["qid"], None)
                 if fut is not None and not fut.done():
                     fut.set_result(None)
@@ -896,22 +920,29 @@ class EngineCore:
 
     def submit(self, ids: list[int], params: SamplingParams | None, *, key: tuple[str, Revision] | None = None,
                history: tuple[list[int], int] | None = None, persist: bool, prompt_logprobs: int | None = None,
-               scored: bool = True, stream: asyncio.Queue | None = None, window_span: int = 0) -> CoreRequest:
+               scored: bool = True, stream: asyncio.Queue | None = None, window_span: int = 0,
+               copies: list[tuple[SamplingParams | None, asyncio.Queue | None]] = ()) -> CoreRequest:
         """Start a request in the engine: on session ``key`` (id, revision) or a new state (``history``: a
-        window to rebuild from, and its tokens_seen); ``persist``: it ends with what to commit."""
+        window to rebuild from, and its tokens_seen); ``persist``: it ends with what to commit. ``copies``: the
+        same prompt's other choices (their sampling and stream) on new states, each a request of its own (the
+        result's ``copies``, never persisted); the engine reads the prompt once for all of them."""
         rid = next(self._ids)
         if key is not None:  # the engine takes it out of its hot set
             self.hot.revisions.pop(key[0], None)
         req = CoreRequest(self, rid, stream)
-        self.requests[rid] = req
+        req.copies = [CoreRequest(self, next(self._ids), s) for _, s in copies]
+        for each in (req, *req.copies):
+            self.requests[each.rid] = each
         try:
             self.send({"op": "run", "rid": rid, "key": list(key) if key else None,
                        "params": None if params is None else asdict(params), "prompt_logprobs": prompt_logprobs,
                        "history": list(history) if history else None, "persist": persist, "scored": scored,
-                       "window_span": window_span},
+                       "window_span": window_span,
+                       "copies": [[c.rid, None if p is None else asdict(p)] for c, (p, _) in zip(req.copies, copies)]},
                       lambda: ids_blob(ids))
         except BaseException:
-            self.requests.pop(rid, None)
+            for each in (req, *req.copies):
+                self.requests.pop(each.rid, None)
             raise
         return req
 

@@ -135,6 +135,9 @@ class Job:
     held: list[TokenEvent] = field(default_factory=list)  # generated tokens not yet handed over (stream_interval)
     handed: int = 0  # generated tokens handed over so far
     prompt: set[int] = field(default_factory=set)  # the prompt's tokens, where repetition_penalty needs them
+    # the other choices of the same prompt (a request's n): they wait while this job reads the prompt, then each
+    # takes a copy of its state (:meth:`Scheduler._fan_out`); the prompt is read once, not n times
+    followers: list[Job] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params is not None and self.params.repetition_penalty != 1:
@@ -152,6 +155,13 @@ class Job:
     def cancel(self) -> None:
         self.cancelled = True  # read by the engine thread between steps
 
+    def follower(self, params: SamplingParams | None, loop: Any, inbox: Any, stream: Any = None) -> Job:
+        """Another choice of this job's prompt, with its own sampling and queues (see ``followers``)."""
+        job = Job(None, list(self.pending), params, loop, inbox, stream, prev=self.prev, scored=self.scored,
+                  prompt_logprobs=self.prompt_logprobs)
+        self.followers.append(job)
+        return job
+
 
 def batch_capacity(engine: Engine, *, max_batch: int, batch_bytes: int) -> int:
     """How many sessions generate together: as many as ``batch_bytes`` of rings hold, at most ``max_batch``."""
@@ -166,6 +176,7 @@ class EngineRequest:
 
     def __init__(self, job: Job) -> None:
         self.job = job
+        self.copies: list[EngineRequest] = []  # the other choices of its prompt (Scheduler.submit's ``copies``)
 
     def cancel(self) -> None:
         self.job.cancel()
@@ -214,6 +225,7 @@ class Scheduler:
         self.steps = 0
         self.generated = 0  # tokens accepted (each request's generated tokens)
         self.prompt_tokens_in_batch = 0  # prompt tokens read in the decode table as rows joined, not by prefill
+        self.prompt_tokens = 0  # prompt tokens read, either way (a prompt a request's n choices share: once)
         self._outbox: list[tuple[Job, asyncio.Queue, Any]] = []  # items and their queues, handed over per iteration
         self._stop = threading.Event()
         self.warmed = threading.Event()  # set once the engine thread has traced or captured its steps
@@ -232,7 +244,8 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        return self.inbox.qsize() + len(self.prefilling) + len(self.ready)
+        followers = sum(len(job.followers) for job in self.prefilling) if self.prefilling else 0
+        return self.inbox.qsize() + len(self.prefilling) + followers + len(self.ready)
 
     @property
     def busy(self) -> bool:
@@ -290,19 +303,24 @@ class Scheduler:
 
     def submit(self, state: DecodeState, ids: list[int], params: SamplingParams | None, *,
                scored: bool = True, prompt_logprobs: int | None = None,
-               stream: asyncio.Queue | None = None, last: int | None = None) -> EngineRequest:
+               stream: asyncio.Queue | None = None, last: int | None = None,
+               copies: list[tuple[SamplingParams | None, asyncio.Queue | None]] = ()) -> EngineRequest:
         """Feed ``ids`` to ``state`` (a batch-1 session the engine now owns) and, with ``params``, generate;
         without, score them (``scored``) or only read them. Called on an event loop. With ``stream``, every token
         but the one that ends generation (and the PromptScores) is put there directly, and the request yields
         only that last token and the Finished: a run that streams tokens to its client and holds back the last
         one until its commit then costs the event loop one hop per token, not two. ``last``: the state's last
-        token (a session's), which spaces the first generated word when ``ids`` is empty."""
+        token (a session's), which spaces the first generated word when ``ids`` is empty. ``copies``: the same
+        prompt's other choices (their sampling and stream), each a request of its own (the result's ``copies``);
+        the prompt is read once for all of them."""
         self.check(state, ids, params)
         loop = asyncio.get_running_loop()
         job = Job(state, list(ids), params, loop, asyncio.Queue(), stream, prev=ids[-1] if ids else last,
                   scored=scored, prompt_logprobs=prompt_logprobs)
+        request = EngineRequest(job)
+        request.copies = [EngineRequest(job.follower(p, loop, asyncio.Queue(), s)) for p, s in copies]
         self.inbox.put(job)
-        return EngineRequest(job)
+        return request
 
     @staticmethod
     def check(state: DecodeState, ids: list[int], params: SamplingParams | None) -> None:
@@ -401,6 +419,7 @@ class Scheduler:
             while True:
                 if job is not None:
                     self.active.add(job)
+                    self.active.update(job.followers)
                     self._admit(job)
                 job = self.inbox.get_nowait()
         except queue.Empty:
@@ -411,12 +430,23 @@ class Scheduler:
         pass with every other prompt that joins in the same iteration (of its length, where the table copies
         sessions in: :meth:`_read_prompts`; on a GPU's graphed steps, a token a replay, as into a busy batch),
         into a busy one in the decode steps (:meth:`_regroup`); a longer one is prefilled in chunks first.
-        Many requests arriving at once then cost one batched pass, not one each."""
+        Many requests arriving at once then cost one batched pass, not one each; a short prompt's other choices
+        (``Job.followers``) join as requests of their own, a longer one's wait until it is read."""
         if job.params is not None and len(job.pending) <= self.SHORT_PROMPT and job.prompt_logprobs is None:
             self._generation(job)
             self.ready.append(job)
+            for other in self._fan_out(job):
+                self._admit(other)
         else:
             self.prefilling.append(job)
+
+    def _fan_out(self, job: Job) -> list[Job]:
+        """``job``'s followers, each given a copy of its state and what it has still to read, and of its timings."""
+        followers, job.followers = job.followers, []
+        for other in followers:
+            other.state, other.pending = self.engine.copy_state(job.state), list(job.pending)
+            other.started, other.read = job.started, job.read
+        return followers
 
     def _generation(self, job: Job) -> None:
         job.generation = Generation(job.params, self.engine.tokenizer, job.prev, prompt=job.prompt)
@@ -434,13 +464,14 @@ class Scheduler:
     def _prefill_one(self, budget: int) -> int:
         """One chunk (at most ``budget`` tokens) of the first waiting request's prompt; the tokens read."""
         job = self.prefilling[0]  # stays counted as waiting while its chunk runs
-        if job.cancelled:  # the prompt joins the session only once completely read
-            self.prefilling.popleft()
-            self._finish(job, Finished(None, int(job.state.seen[0]), "cancelled"))
+        if job.cancelled and all(other.cancelled for other in job.followers):  # the prompt joins the session only
+            self.prefilling.popleft()  # once completely read
+            for each in (job, *job.followers):
+                self._finish(each, Finished(None, int(job.state.seen[0]), "cancelled"))
             return 0
         chunk, job.pending = job.pending[:budget], job.pending[budget:]
         job.start()
-        try:  # a prefill touches only this job's own state: a failure fails only this job
+        try:  # a prefill touches only this job's own state: a failure fails only this job (and its followers)
             if chunk and job.prompt_logprobs is not None:
                 part = self.engine.token_scores(job.state, chunk, job.prompt_logprobs)
                 job.prompt_scores.extend(part)
@@ -451,22 +482,26 @@ class Scheduler:
                 job.score = Score(job.score.tokens + part.tokens, job.score.logprob + part.logprob)
             elif chunk:
                 self.engine.feed(job.state, chunk)
+            self.prompt_tokens += len(chunk)
         except Exception as err:
             log.exception("prefill failed")
             self.prefilling.popleft()
-            self._finish(job, JobFailed(err))
+            for each in (job, *job.followers):
+                self._finish(each, JobFailed(err))
             return len(chunk)
         if job.pending:
             self.prefilling.rotate(-1)  # round robin: the next waiting request reads its next chunk
             return len(chunk)
         job.prompt_read()
-        if job.prompt_logprobs is not None:
-            self._emit(job, job.prompt_scores)
-        if job.params is None:
-            self._finish(job, self._done(job, None, None))
-        else:
-            self._generation(job)
-            self.ready.append(job)
+        for each in (job, *self._fan_out(job)):  # the prompt's other choices start where it ends
+            each.score = job.score
+            if job.prompt_logprobs is not None:
+                self._emit(each, job.prompt_scores)
+            if each.params is None:
+                self._finish(each, self._done(each, None, None))
+            else:
+                self._generation(each)
+                self.ready.append(each)
         self.prefilling.popleft()
         return max(1, len(chunk))
 
@@ -542,7 +577,9 @@ class Scheduler:
                         tokens = torch.tensor([job.pending for job in group], device=self.engine.device)  # [k, length]
                         self.engine.decoder.advance(rows, tokens)
                     self.slots.stepped(rows, r)
-                    self.prompt_tokens_in_batch += sum(len(job.pending) for job in group)
+                    read = sum(len(job.pending) for job in group)
+                    self.prompt_tokens_in_batch += read
+                    self.prompt_tokens += read
             except Exception as err:  # a pass touches only its group's rows: only that group fails
                 log.exception("reading prompts failed")
                 failed.update((i, err) for i in range(r, end))
@@ -720,5 +757,6 @@ class Scheduler:
                 n = len(job.pending) if whole else 1
                 del job.pending[:n]
                 self.prompt_tokens_in_batch += n
+                self.prompt_tokens += n
                 if not job.pending:
                     job.prompt_read()

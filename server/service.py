@@ -62,15 +62,50 @@ class Failed:
     error: BaseException
 
 
+class Shared:
+    """A prompt's ``n`` choices read it once: the first choice's run submits every one of them (the engine reads
+    the prompt, then copies its state into each: the scheduler's ``Job.followers``) and hands each other run its
+    request. Runs join as they are made, which a request's are in one go, before any of them starts."""
+
+    def __init__(self) -> None:
+        self.first: Run | None = None
+        self.others: list[Run] = []
+
+    def join(self, run: Run) -> asyncio.Future | None:
+        """Where ``run`` (not the first) finds its request."""
+        if self.first is None:
+            self.first = run
+            run.task.add_done_callback(lambda _: self.fail(Unavailable(
+                "the request's first choice ended before it started the others")))  # however it ended
+            return None
+        self.others.append(run)
+        return asyncio.get_running_loop().create_future()
+
+    def copies(self) -> list[tuple[SamplingParams | None, asyncio.Queue]]:
+        return [(run.params, run.events) for run in self.others]
+
+    def hand(self, requests: list[Any]) -> None:
+        for run, request in zip(self.others, requests):
+            if run.handed is not None and not run.handed.done():
+                run.handed.set_result(request)
+
+    def fail(self, err: BaseException) -> None:
+        for run in self.others:
+            if run.handed is not None and not run.handed.done():
+                run.handed.set_exception(err)
+
+
 class Run:
     """Feed ``ids`` to a session (or a fresh state) and, with ``params``, generate.
 
-    ``events`` yields (PromptScores when asked for, then) TokenEvent*, then one Final or Failed."""
+    ``events`` yields (PromptScores when asked for, then) TokenEvent*, then one Final or Failed. ``shared``: the
+    other choices of the same prompt, which read it once (:class:`Shared`; new states only)."""
 
     def __init__(self, rt: Runtime, *, ids: list[int], params: SamplingParams | None, owner: str | None,
                  session_id: str | None = None, create_metadata: dict | None = None,
                  create: bool = False, history: tuple[list[int], int] | None = None,
-                 prompt_logprobs: int | None = None, session_param: str | None = None, scored: bool = True) -> None:
+                 prompt_logprobs: int | None = None, session_param: str | None = None, scored: bool = True,
+                 shared: Shared | None = None) -> None:
         if rt.engine_dead:
             raise EngineDead.because(rt.engine_dead)
         if rt.draining or not rt.ready:
@@ -97,6 +132,8 @@ class Run:
         self._marking: asyncio.Future | None = None  # the lease marked ending in Redis (_ending)
         self.task = asyncio.create_task(self._main())
         self.task.add_done_callback(lambda _: self.stopped.set())
+        self.shared = shared
+        self.handed = None if shared is None else shared.join(self)  # another choice submits this one's request
         rt.track(self)
 
     def cancel(self) -> None:
@@ -143,7 +180,7 @@ class Run:
         try:
             if self.session_id is None:
                 window, seen = self.history or ([], 0)
-                state = await self._rebuild(window, seen) if seen else rt.engine.new_state()
+                state = await self._rebuild(window, seen) if seen else None if self.handed else rt.engine.new_state()
                 done, last = await self._schedule(self._engine_run(state, window))
                 info = None
                 if self.create:
@@ -175,7 +212,12 @@ class Run:
             # the lease is released before the client hears the end, so its next request finds the session free
             await self._final(Final(done, last, info, cached, source))
         except Exception as err:  # delivered to the handler, which answers in OpenAI's error shape
+            self._failed(err)
             await self.events.put(Failed(self._named(err)))
+
+    def _failed(self, err: Exception) -> None:
+        if self.shared is not None and self.handed is None:  # the prompt's other choices did not start either
+            self.shared.fail(err)
 
     async def _main_core(self) -> None:
         """:meth:`_main` with the engine in its own process (``--engine-process``): the session's state stays
@@ -187,9 +229,14 @@ class Run:
             if self.session_id is None:
                 window, seen = self.history or ([], 0)  # the engine checks the window, as it rebuilds it
                 self.submitted = time.monotonic()
-                req = core.submit(self.ids, self.params, history=(window, seen) if seen else None,
-                                  persist=self.create, prompt_logprobs=self.prompt_logprobs, scored=self.scored,
-                                  stream=self.events)
+                if self.handed is not None:  # submitted with the prompt's first choice
+                    req = await self.handed
+                else:
+                    req = core.submit(self.ids, self.params, history=(window, seen) if seen else None,
+                                      persist=self.create, prompt_logprobs=self.prompt_logprobs, scored=self.scored,
+                                      stream=self.events, copies=self.shared.copies() if self.shared else [])
+                    if self.shared is not None:
+                        self.shared.hand(req.copies)
                 done, last = await self._schedule(self._core_run(req, None))
                 info = None
                 if self.create:
@@ -216,6 +263,7 @@ class Run:
                 req.keep(self.session_id, info.revision)
             await self._final(Final(done, last, info, cached, done.source))
         except Exception as err:
+            self._failed(err)
             await self.events.put(Failed(self._named(err)))
         finally:
             if req is not None:
@@ -392,10 +440,15 @@ class Run:
     async def _engine_run(self, state, window: list[int] | None) -> tuple[Finished, TokenEvent | None]:
         rt = self.rt
         self.submitted = time.monotonic()
-        # tokens straight to the client, all but the last
-        self.request = rt.scheduler.submit(state, self.ids, self.params, prompt_logprobs=self.prompt_logprobs,
-                                           scored=self.scored, stream=self.events,
-                                           last=window[-1] if window else None)
+        if self.handed is not None:  # submitted with the prompt's first choice
+            self.request = await self.handed
+        else:  # tokens straight to the client, all but the last
+            self.request = rt.scheduler.submit(state, self.ids, self.params, prompt_logprobs=self.prompt_logprobs,
+                                               scored=self.scored, stream=self.events,
+                                               last=window[-1] if window else None,
+                                               copies=self.shared.copies() if self.shared else [])
+            if self.shared is not None:
+                self.shared.hand(self.request.copies)
         if self.cancelled:
             self.request.cancel()
         last = None

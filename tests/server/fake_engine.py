@@ -79,6 +79,7 @@ class FakeRequest:
     woken: asyncio.Event = field(default_factory=asyncio.Event)  # a cancel, or the scheduler's reads opened
     events: list[TokenEvent] = field(default_factory=list)
     result: FakeState | None = None  # the state its Finished handed back
+    copies: list[FakeRequest] = field(default_factory=list)  # the same prompt's other choices (submit's copies)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -141,7 +142,7 @@ class FakeScheduler:
     def batch_size(self) -> int:
         return len(self.running)
 
-    generated = 0  # /metrics' engine loop figures: a fake loop spends no time
+    generated = prompt_tokens = 0  # /metrics' engine loop figures: a fake loop spends no time
 
     def loop_seconds(self) -> dict[str, float]:
         return dict.fromkeys(PHASES, 0.0)
@@ -150,9 +151,11 @@ class FakeScheduler:
         return None
 
     def submit(self, state: FakeState, ids: list[int], params: object, *, stream: asyncio.Queue | None = None,
-               scored: bool = True, **_: object) -> FakeRequest:
+               scored: bool = True, copies: list = (), **_: object) -> FakeRequest:
         request = FakeRequest(self, state, list(ids), params, stream, scored=scored)
-        self.requests.append(request)
+        request.copies = [FakeRequest(self, FakeState(state.seen.clone()), list(ids), p, s, scored=scored)
+                          for p, s in copies]
+        self.requests += [request, *request.copies]
         return request
 
     def open_reads(self) -> None:

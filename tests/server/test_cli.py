@@ -263,7 +263,8 @@ def test_bench_serve_json(checkpoint):
     r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "2", "--duration", "0.3",
                  "--rounds", "2", "--max-tokens", "8", "--random-range-ratio", "0.5", "--doc-kb", "1",
                  "--stream-interval", "3", "--api-server-count", "2", "--client-processes", "2", "--scored-kb", "2",
-                 "--batch-prompts", "3", "--batch-prompt-chars", "400", timeout=180)
+                 "--batch-prompts", "3", "--batch-prompt-chars", "400", "--samples", "3", "--sample-prompt-chars", "300",
+                 "--sample-tokens", "4", timeout=180)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [load["concurrency"] for load in out["loads"]] == [2] and out["model"] == "bench-model"  # one load (the
@@ -313,6 +314,9 @@ def test_bench_serve_json(checkpoint):
     batch = out["batch_scored"]  # 3 prompts scored in one request, one by one, and all at once
     assert (batch["prompts"], batch["prompt_chars"], batch["prompt_tokens"]) == (3, 400, 3 * 400)  # a byte model
     assert batch["max_logprob_diff"] < 1e-4 and batch["batch_s"] > 0 and batch["batch_over_sequential"] > 0
+    samples = out["samples"]  # one request of n 3 against 3 requests at once, their texts checked to agree
+    assert (samples["n"], samples["prompt_chars"], samples["prompt_tokens"], samples["max_tokens"]) == (3, 300, 300, 4)
+    assert samples["n_s"] > 0 and samples["n_over_concurrent"] > 0
     scored = out["scored_beside_streams"]  # a long prompt scored beside 4 streams, and those streams alone
     assert scored["prompt_tokens"] >= 2000 and scored["logprobs"] == 20 and scored["response_bytes"] > 2000 * 20 * 8
     for side in ("beside", "alone"):

@@ -223,6 +223,40 @@ def test_a_batch_of_prompts_and_n_samples_are_choices_in_openais_order(server):
         assert mine[-1]["finish_reason"] is not None  # nothing of a choice after its end
 
 
+def _prompt_tokens_read(server) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return float(re.search(r"^txlserve_engine_loop_prompt_tokens_total (\S+)$", text, re.M).group(1))
+
+
+def test_a_prompts_n_choices_read_it_once(server):
+    """n samples of a long prompt: the engine reads it once (its loop's prompt tokens grow by the prompt's
+    length, not n times it), and each choice is still what its own request with seed + j gives; with echo and
+    logprobs (lm-eval's scoring) each choice gets the prompt's scores. A prompt none of the choices can start
+    from (empty, with no session) fails every one: the request is a 400."""
+    prompt = (TEXT_A + TEXT_B) * 3
+    ids = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": prompt}).json()["tokens"]
+    sampling = {"max_tokens": 8, "temperature": 1.0, "seed": 3}
+    alone = [complete(server, prompt=prompt, **{**sampling, "seed": 3 + j})["choices"][0]["text"] for j in range(4)]
+    before = _prompt_tokens_read(server)
+    got = complete(server, prompt=prompt, n=4, **sampling)
+    assert _prompt_tokens_read(server) - before == len(ids)  # once, not 4 times
+    assert [c["text"] for c in got["choices"]] == alone and len(set(alone)) > 1
+    assert got["usage"]["prompt_tokens"] == len(ids) and got["usage"]["completion_tokens"] == 4 * 8
+
+    body = {"echo": True, "logprobs": 1, "max_tokens": 0}
+    want = complete(server, prompt=ids, **body)["choices"][0]
+    before = _prompt_tokens_read(server)
+    got = complete(server, prompt=ids, n=3, **body)
+    assert _prompt_tokens_read(server) - before == len(ids)
+    for choice in got["choices"]:
+        assert choice["text"] == prompt and choice["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert choice["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
+
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "", "n": 3, "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 400 and "nothing to continue from" in r.json()["error"]["message"], r.text
+
+
 def test_a_batch_scored_as_lm_eval_scores_it(server):
     """lm-evaluation-harness's ``local-completions`` scores a batch of token-id prompts in one request (echo,
     logprobs 1, max_tokens 0): each choice is that prompt's scores alone, the batch's usage their sum."""
@@ -255,10 +289,11 @@ def test_choices_are_refused_where_they_cannot_be_had(server):
         assert r.status_code == 400 and err["param"] == param and said in err["message"], (body, r.text)
     assert httpx.get(f"{server.url}/v1/sessions/{sid}").json()["tokens_seen"] == 6
     half = "a" * 600_000
-    for body, param in (({"prompt": half, "n": 2}, "n"), ({"prompt": [half, half]}, "prompt")):
+    for body, param, said in (({"prompt": half, "n": 2, "echo": True}, "n", "echo 1,200,000+"),
+                              ({"prompt": [half, half]}, "prompt", "read 1,200,000+")):
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, **body}, timeout=60)
-        err = r.json()["error"]  # each choice reads its prompt: together within the one prompt's limit
-        assert r.status_code == 413 and err["param"] == param and "each choice reads its prompt" in err["message"], err
+        err = r.json()["error"]  # prompts read (or echoed) together within the one prompt's limit
+        assert r.status_code == 413 and err["param"] == param and said in err["message"], err
     ok = complete(server, prompt="a", n=2, best_of=2, max_tokens=2)  # best_of at n's value changes nothing
     assert len(ok["choices"]) == 2
     with connect(server.url.replace("http://", "ws://") + "/v1/ws", open_timeout=30) as ws:

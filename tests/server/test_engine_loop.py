@@ -833,3 +833,118 @@ def test_on_a_graphed_table_a_request_is_drawn_where_it_always_is_whatever_its_b
     together, waited = asyncio.run(main(True))
     assert waited_alone == 0 and waited >= 12  # alone every step overlapped; with its mate every step waited
     assert together == alone
+
+
+# -- a prompt's n choices read it once (Job.followers) ------------------------------------------------------------
+LONG = "A prompt long enough to be read in several chunks of prefill, not in the decode batch. " * 2
+
+
+def _choices(engine, ids, params, *, together: bool, start_first: bool = True, cancel=(), feed=None, **kw):
+    """Each of ``params``' runs of prompt ``ids``: all submitted together (the first with the rest as its
+    ``copies``) or one after another, on a new scheduler; each run's items (or the error it ended with), and the
+    prompt tokens the loop read. ``cancel``: the runs cancelled before the loop starts; ``feed``: the engine's
+    prefill replaced."""
+
+    async def items(request):
+        return [item async for item in request]
+
+    async def main():
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        if start_first:
+            scheduler.start()
+        if feed is not None:
+            engine.feed = feed
+        try:
+            if together:
+                first = scheduler.submit(engine.new_state(), ids, params[0], copies=[(p, None) for p in params[1:]],
+                                         **kw)
+                requests = [first, *first.copies]
+                for i in cancel:
+                    requests[i].cancel()
+                if not start_first:
+                    scheduler.start()
+                got = await asyncio.gather(*(items(r) for r in requests), return_exceptions=True)
+            else:
+                got = [await items(scheduler.submit(engine.new_state(), ids, p, **kw)) for p in params]
+            return got, scheduler.prompt_tokens
+        finally:
+            scheduler.stop()
+            if feed is not None:
+                del engine.feed
+
+    return asyncio.run(main())
+
+
+def _tokens(items) -> list[int]:
+    return [item.token for item in items if isinstance(item, TokenEvent)]
+
+
+def test_a_prompts_choices_read_it_once_and_each_generates_what_it_alone_does(engine, table):
+    """A request's n choices of one prompt: the loop reads the prompt once (not n times) and copies the state
+    into each; every choice draws, token for token, what its own request draws (sampled with its seed, and
+    greedy), on every kind of decode table."""
+    ids = engine.encode(LONG)
+    assert len(ids) > 2 * 64  # read in chunks, by prefill
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=5 + j) for j in range(3)]
+    params.append(SamplingParams(max_tokens=10, temperature=0, logprobs=2))
+    alone, read_alone = _choices(engine, ids, params, together=False)
+    together, read_together = _choices(engine, ids, params, together=True)
+    assert read_alone == 4 * len(ids) and read_together == len(ids)
+    assert [_tokens(items) for items in together] == [_tokens(items) for items in alone]
+    assert len({tuple(_tokens(items)) for items in together[:3]}) > 1  # the seeds made different samples
+    for got, want in zip(together, alone):
+        assert got[-1].finish_reason == want[-1].finish_reason == "length" and got[-1].state is not None
+        assert int(got[-1].state.seen[0]) == len(ids) + 10
+        got_top, want_top = got[-2].top_logprobs, want[-2].top_logprobs  # the greedy run's alternatives too
+        assert (got_top is None) == (want_top is None)
+        if got_top is not None:  # (rows decoded together differ from one alone in the last bits)
+            assert [t for t, _ in got_top] == [t for t, _ in want_top]
+            assert [lp for _, lp in got_top] == pytest.approx([lp for _, lp in want_top], abs=1e-5)
+    assert together[1][-1].state is not together[0][-1].state  # each choice its own copy
+
+
+def test_a_prompts_choices_scored_share_the_scores_of_one_read(engine):
+    """Echo with logprobs and max_tokens 0 (lm-eval's scoring) with n: each choice gets the prompt's scores
+    and its end; the prompt was read once."""
+    ids = engine.encode(LONG)
+    alone, _ = _choices(engine, ids, [None], together=False, prompt_logprobs=2, scored=False)
+    together, read = _choices(engine, ids, [None] * 3, together=True, prompt_logprobs=2, scored=False)
+    assert read == len(ids)
+    for items in together:
+        scores, done = items
+        assert scores == alone[0][0] and len(scores) == len(ids)
+        assert isinstance(done, Finished) and done.finish_reason is None and int(done.state.seen[0]) == len(ids)
+
+
+def test_a_short_prompts_choices_each_read_it_in_the_batch(engine):
+    """A prompt the batch reads as it joins (a few tokens): its choices join as requests of their own."""
+    ids = engine.encode(" and")
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=j) for j in range(3)]
+    alone, _ = _choices(engine, ids, params, together=False)
+    together, read = _choices(engine, ids, params, together=True)
+    assert [_tokens(items) for items in together] == [_tokens(items) for items in alone]
+    assert read == 3 * len(ids)
+
+
+def test_a_prompts_choices_cancelled_while_it_is_read(engine):
+    """Every choice cancelled before the prompt is read: none reads it, each ends cancelled with nothing
+    stored. The first alone cancelled: the prompt is still read for the others, which generate in full, and the
+    first ends cancelled with the prompt read."""
+    ids = engine.encode(LONG)
+    params = [SamplingParams(max_tokens=5, temperature=0)] * 3
+    got, read = _choices(engine, ids, params, together=True, start_first=False, cancel=(0, 1, 2))
+    assert read == 0
+    assert all(items == [Finished(None, 0, "cancelled", ended=items[0].ended)] for items in got)
+    got, read = _choices(engine, ids, params, together=True, start_first=False, cancel=(0,))
+    assert read == len(ids)
+    assert got[0][-1].finish_reason == "cancelled" and int(got[0][-1].state.seen[0]) == len(ids)
+    assert [len(_tokens(items)) for items in got[1:]] == [5, 5]
+
+
+def test_a_prompt_read_that_fails_fails_each_of_its_choices(engine):
+    def failing(state, tokens):
+        raise RuntimeError("the prefill failed")
+
+    params = [SamplingParams(max_tokens=5, temperature=0)] * 3
+    got, _ = _choices(engine, engine.encode(LONG), params, together=True, feed=failing)
+    assert all(isinstance(error, RuntimeError) and "prefill failed" in str(error) for error in got)

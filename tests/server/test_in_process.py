@@ -17,6 +17,7 @@ import pytest
 from tests.live import LiveServer
 from tests.server.test_completions import (  # noqa: F401  (collected here again, against this module's server)
     test_a_batch_of_prompts_and_n_samples_are_choices_in_openais_order,
+    test_a_prompts_n_choices_read_it_once,
     test_a_requests_lifecycle_phases_are_counted_once_each_and_fit_in_its_latency,
     test_completion_shape,
     test_error_mid_stream_is_an_error_event_then_done,
@@ -42,6 +43,7 @@ from tests.server.test_portable import (  # noqa: F401
 )
 from tests.server.test_resilience import (  # noqa: F401
     test_a_client_gone_before_its_run_starts_commits_nothing,
+    test_a_stream_of_n_choices_left_while_their_prompt_is_read_ends_them_all,
     test_client_disconnect_stops_generation_and_commits,
     test_non_streaming_client_that_gives_up_stops_generation,
     test_stream_left_during_prefill_commits_nothing,

@@ -345,6 +345,23 @@ def test_stream_left_during_prefill_commits_nothing(server):
     assert _requests_counted(server, 503) == failed  # a client that leaves is not a server error (nginx's 499)
 
 
+def test_a_stream_of_n_choices_left_while_their_prompt_is_read_ends_them_all(server):
+    """n choices share one read of their prompt: a client that leaves during it ends every choice, nothing stays
+    running or waiting, and the next such request is served."""
+    from tests.server.test_scheduling import _gauge
+
+    left = _requests_counted(server, 499)
+    body = {"model": MODEL, "prompt": "p" * 900_000, "n": 4, "max_tokens": 5, "stream": True}
+    with pytest.raises(httpx.ReadTimeout), httpx.stream("POST", server.url + "/v1/completions", json=body,
+                                                        timeout=httpx.Timeout(30, read=0.3)) as r:
+        r.read()
+    wait_for(lambda: _requests_counted(server, 499) > left, 60, "the client that left to be counted as a 499")
+    wait_for(lambda: _gauge(server, "txlserve_requests_running") == _gauge(server, "txlserve_requests_waiting") == 0,
+             60, "every choice to end")
+    r = httpx.post(server.url + "/v1/completions", json={**body, "prompt": "p" * 100, "stream": False}, timeout=60)
+    assert r.status_code == 200 and [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 4
+
+
 def test_websocket_dropped_mid_stream_cancels(server):
     import socket
 

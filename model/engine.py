@@ -68,10 +68,12 @@ class Generation:
         """Record ``token``, chosen from ``logits [vocab]`` (or row ``row`` of ``logits [rows, vocab]``: a batch's
         scores are indexed only where logprobs are asked for, 0.8 us a row saved on every step otherwise), and say
         what text it releases."""
-        p, stop_token = self.params, token in self.params.stop_token_ids
+        p = self.params
+        stops = len(self.tokens) + 1 >= p.min_tokens  # vLLM's min_tokens: this token may end the generation
+        stop_token = stops and token in p.stop_token_ids
         # a stop token's text is given only with include_stop_str_in_output; what was held before it, always
         data = self.tokenizer.token_bytes(token, self.prev)
-        text = self.streamer.push(data) if not stop_token or p.include_stop_str_in_output else ""
+        text = self.streamer.push(data, stops) if not stop_token or p.include_stop_str_in_output else ""
         if stop_token:
             text += self.streamer.flush()
         if p.include_stop_str_in_output and self.streamer.stopped_by is not None:

@@ -56,6 +56,9 @@ class SamplingParams:
     # stop string's tokens) but its text is not given, as vLLM leaves it out
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token's text) ends the text given
+    # vLLM's: until this many tokens are generated nothing stops the generation: stop_token_ids cannot be drawn, and
+    # stop strings are not matched (one that ends at or after the min_tokens-th token does)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -79,6 +82,9 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids must be at most {STOP_TOKEN_IDS} token ids",
                                       param="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", ids)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens {self.max_tokens}], got "
+                                      f"{self.min_tokens!r}", param="min_tokens")
         r = self.repetition_penalty
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf:
             raise InvalidRequestError(f"repetition_penalty must be a number > 0 (1: none), got {r!r}",
@@ -160,7 +166,9 @@ def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[fl
                 generated: Sequence[Sequence[int]] | None = None, seen: Sequence[set[int]] | None = None) -> list[int]:
     """:func:`sample_rows` as torch ops, for rows of any parameters with their draws ``u`` (and tokens so far)."""
     rows, vocab = logits.shape
-    biased = [r for r, p in enumerate(params) if p.logit_bias or _penalized(p)]
+    held = [bool(p.min_tokens and p.stop_token_ids and generated is not None and len(generated[r]) < p.min_tokens)
+            for r, p in enumerate(params)]  # stop tokens not yet allowed (min_tokens)
+    biased = [r for r, p in enumerate(params) if p.logit_bias or _penalized(p) or held[r]]
     if biased:
         logits = logits.clone()  # [rows, vocab]: the caller's scores (its logprobs) stay the model's
         for r in biased:
@@ -170,6 +178,8 @@ def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[fl
                 logits[r, list(ids)] += torch.tensor(values, dtype=logits.dtype)
                 banned = [t for t, b in p.logit_bias if b <= -LOGIT_BIAS_MOST]
                 logits[r, banned] = float("-inf")  # -100 bans, as OpenAI says, whatever penalties come after
+            if held[r]:  # as vLLM's min_tokens bans them
+                logits[r, [t for t in p.stop_token_ids if t < vocab]] = float("-inf")
             if p.repetition_penalty != 1 and seen and seen[r]:  # after the bias, then the others: vLLM's order
                 at = torch.tensor(sorted(t for t in seen[r] if t < vocab))  # [n]
                 row = logits[r, at]  # [n]
@@ -206,9 +216,10 @@ def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[fl
 
 
 def _plain(params: SamplingParams, vocab: int) -> bool:
-    """Temperature alone: no ``top_k`` below the vocabulary, ``top_p``, ``min_p``, bias or penalty."""
+    """Temperature alone: no ``top_k`` below the vocabulary, ``top_p``, ``min_p``, bias, penalty or stop tokens
+    held back by ``min_tokens``."""
     return (not 0 < params.top_k < vocab and params.top_p >= 1.0 and params.min_p == 0 and not params.logit_bias
-            and not _penalized(params))
+            and not _penalized(params) and not (params.min_tokens and params.stop_token_ids))
 
 
 def _penalized(params: SamplingParams) -> bool:

@@ -255,6 +255,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=count(-(1 << 63), (1 << 63) - 1), default=None,
                    help="the same seed, the same continuation")
     p.add_argument("--stop", type=_stop, action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--min-tokens", type=count(0), default=0,
+                   help="generate at least this many tokens before a stop string may end the text (vLLM's; at most "
+                        "--max-tokens)")
     p.add_argument("--mem-len", type=count(1, 1 << 20), default=None,  # decoding keeps a memory
                    help="default: the checkpoint's")
     p.add_argument("--clamp-len", type=count(0), default=None, help="default: the checkpoint's")
@@ -276,10 +279,13 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     from model.sampling import SamplingParams, after_space
     from model.train import pick_device
 
+    if ns.min_tokens > ns.max_tokens:
+        raise ConfigError(f"--min-tokens {ns.min_tokens} is past --max-tokens {ns.max_tokens}")
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p,
                             seed=ns.seed, stop=tuple(ns.stop), min_p=ns.min_p,
                             repetition_penalty=ns.repetition_penalty, frequency_penalty=ns.frequency_penalty,
-                            presence_penalty=ns.presence_penalty, after_space=after_space(ns.prompt))
+                            presence_penalty=ns.presence_penalty, min_tokens=ns.min_tokens,
+                            after_space=after_space(ns.prompt))
     engine = Engine.from_checkpoint(resolve_checkpoint(ns.checkpoint), device=pick_device(ns.device),
                                     mem_len=ns.mem_len, clamp_len=ns.clamp_len)
     import asyncio

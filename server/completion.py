@@ -44,7 +44,7 @@ def check_model(rt: Runtime, model: str) -> None:
 
 
 # OpenAI's and vLLM's parameters this server takes at the value that changes nothing, and only there
-_NEUTRAL = (("min_tokens", 0), ("use_beam_search", False), ("skip_special_tokens", True),
+_NEUTRAL = (("use_beam_search", False), ("skip_special_tokens", True),
             ("spaces_between_special_tokens", True), ("truncate_prompt_tokens", None), ("prompt_logprobs", None),
             ("response_format", None))
 _INSTEAD = {"prompt_logprobs": "echo with logprobs scores the prompt"}
@@ -82,6 +82,9 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
     if max_tokens < 0:
         raise InvalidRequestError(f"max_tokens must be >= 0 (0 with echo scores the prompt), got {max_tokens}",
                                   param="max_tokens")
+    if max_tokens == 0 and req.min_tokens:
+        raise InvalidRequestError("min_tokens must be at most max_tokens, and max_tokens 0 generates nothing",
+                                  param="min_tokens")
     if max_tokens == 0 and not req.echo:
         raise InvalidRequestError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo true (and "
                                   "logprobs for its tokens' scores)", param="max_tokens")
@@ -93,7 +96,12 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
                             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                             stop_token_ids=tuple(in_vocabulary(rt, req.stop_token_ids or [], "stop_token_ids",
                                                                "stop_token_ids")),  # sampling checks how many
-                            include_stop_str_in_output=bool(req.include_stop_str_in_output))
+                            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                            min_tokens=req.min_tokens or 0)
+    banned = {t for t, b in params.logit_bias if b <= -100} | set(params.stop_token_ids)
+    if params.min_tokens and len(banned) >= vocabulary(rt):  # a ban is -inf: there would be nothing left to draw
+        raise InvalidRequestError("min_tokens holds back the stop_token_ids, and they (with logit_bias's bans) are "
+                                  "every token of the vocabulary", param="min_tokens")
     return None if max_tokens == 0 else params
 
 

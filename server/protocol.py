@@ -63,14 +63,15 @@ class CompletionRequest(BaseModel):
     echo: bool | None = False
     user: str | None = Field(default=None, max_length=256)
     session_id: str | None = Field(default=None, min_length=1, max_length=128)
-    # accepted for compatibility at their neutral values only
+    # OpenAI's sampling fields; best_of only at n's value, suffix not at all
     best_of: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
-    # vLLM's sampling extensions, accepted where they change nothing here: `vllm bench serve` sends
-    # repetition_penalty 1.0, and ignore_eos with --ignore-eos; a vLLM client may send the others at their defaults
+    # vLLM's extensions: repetition_penalty, min_p, min_tokens, include_stop_str_in_output, stop_token_ids and
+    # return_tokens_as_token_ids are served; the others are taken where they change nothing (completion._NEUTRAL), as
+    # `vllm bench serve` (ignore_eos with --ignore-eos) and a vLLM client's defaults send them
     repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int | None = None

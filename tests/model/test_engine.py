@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -446,3 +448,48 @@ def test_a_stop_token_that_completes_a_stop_string_keeps_it_with_include_stop_st
         gen = Generation(SamplingParams(max_tokens=10, stop=("a-",), stop_token_ids=(45,),
                                         include_stop_str_in_output=include))
         assert "".join(gen.accept(t, None).text for t in b"sea-") == want and gen.finish_reason == "stop"
+
+
+def test_min_tokens_matches_no_stop_string_before_it_and_one_that_ends_from_it_on():
+    """vLLM's min_tokens: a stop string that ends before the min_tokens-th token does not stop (its text is given),
+    one that ends at it or after does, even when it began before; below it the streamer still holds back a tail
+    that may grow into a stop string, so such a match is cut where it began."""
+    def run(min_tokens: int, tokens: bytes, stop: tuple[str, ...]) -> tuple[str, str | None]:
+        gen = Generation(SamplingParams(max_tokens=len(tokens), stop=stop, min_tokens=min_tokens))
+        text = ""
+        for t in tokens:
+            if gen.finish_reason is None:
+                text += gen.accept(t, None).text
+        return text, gen.finish_reason
+
+    assert run(0, b"abcb", ("b",)) == ("a", "stop")
+    assert run(3, b"abcb", ("b",)) == ("abc", "stop")  # the first "b" is token 2, before the 3rd
+    assert run(2, b"abcb", ("b",)) == ("a", "stop")  # the 2nd token itself may stop
+    assert run(3, b"axyz", ("xy",)) == ("a", "stop")  # began at token 2, ended at token 3
+    assert run(4, b"axyz", ("xy",)) == ("axyz", "length")  # ended at token 3, before the 4th
+    assert run(4, b"xyxy", ("xy",)) == ("xy", "stop")  # the second, ending at token 4
+
+
+def test_min_tokens_keeps_stop_tokens_from_being_drawn_until_it_is_reached():
+    """As vLLM's min-tokens logits processor: a stop token is banned while fewer than min_tokens tokens have been
+    generated (so the (min_tokens+1)-th may be one), greedy and sampled."""
+    from model.sampling import sample_rows
+
+    logits = torch.zeros(2, 8)
+    logits[:, 5] = 50.0  # the stop token, by far the likeliest
+    params = [SamplingParams(temperature=t, stop_token_ids=(5,), min_tokens=3) for t in (0.0, 1.0)]
+    rngs = [random.Random(0), random.Random(1)]
+    for so_far, banned in ((0, True), (2, True), (3, False)):
+        chosen = sample_rows(logits, params, rngs, [[1] * so_far] * 2)
+        assert all((token != 5) == banned for token in chosen), (so_far, chosen)
+    gen = Generation(SamplingParams(max_tokens=10, stop_token_ids=(5,), min_tokens=2, temperature=0))
+    assert gen.on_logits(logits[0]).token != 5 and gen.on_logits(logits[0]).token != 5
+    assert gen.on_logits(logits[0]).finish_reason == "stop" and len(gen.tokens) == 3
+
+
+def test_min_tokens_is_checked():
+    for bad in (-1, 17, 1.5, True):
+        with pytest.raises(InvalidRequestError, match="min_tokens") as info:
+            SamplingParams(max_tokens=16, min_tokens=bad)
+        assert info.value.param == "min_tokens"
+    assert SamplingParams(max_tokens=16, min_tokens=16).min_tokens == 16

@@ -56,6 +56,11 @@ def test_generate_takes_the_servers_penalties_and_min_p(checkpoint):
         r = txlserve(*base, "--temperature", "0", *flags)
         assert r.returncode == 0 and r.stdout != greedy.stdout, (flags, r.stderr)
     assert txlserve(*base, "--temperature", "1.5", "--seed", "2", "--min-p", "1").stdout == greedy.stdout
+    text = greedy.stdout[len("the the the the "):].rstrip("\n")
+    for k in (2, 5):  # a stop string at the first token, held back until the k-th (vLLM's min_tokens)
+        r = txlserve(*base, "--temperature", "0", "--stop", text[0], "--min-tokens", str(k))
+        cut = text.find(text[0], k - 1)
+        assert r.returncode == 0 and r.stdout.rstrip("\n") == "the the the the " + (text if cut < 0 else text[:cut])
 
 
 def test_generate_stopped_by_ctrl_c_ends_its_line(checkpoint):
@@ -142,6 +147,7 @@ def test_generate_reads_a_byte_models_prompt_as_its_bytes_and_ends_one_line(tmp_
     (["--mem-len", "0"], "generate: error: argument --mem-len: expected a whole number from 1 to"),
     (["--repetition-penalty", "0"], "generate: error: argument --repetition-penalty: expected a number above 0"),
     (["--frequency-penalty", "3"], "generate: error: argument --frequency-penalty: expected a number from -2"),
+    (["--min-tokens", "999"], "--min-tokens 999 is past --max-tokens 200"),
 ])
 def test_generate_bad_input_one_line(checkpoint, flags, needle, capsys):
     """In this process (an exception let through would fail the test with its traceback): the parser's refusals
@@ -263,8 +269,8 @@ def test_bench_serve_json(checkpoint):
     r = txlserve("bench", "serve", "--checkpoint", str(checkpoint), "--concurrency", "2", "--duration", "0.3",
                  "--rounds", "2", "--max-tokens", "8", "--random-range-ratio", "0.5", "--doc-kb", "1",
                  "--stream-interval", "3", "--api-server-count", "2", "--client-processes", "2", "--scored-kb", "2",
-                 "--batch-prompts", "3", "--batch-prompt-chars", "400", "--samples", "3", "--sample-prompt-chars", "300",
-                 "--sample-tokens", "4", timeout=180)
+                 "--batch-prompts", "3", "--batch-prompt-chars", "400", "--samples", "3",
+                 "--sample-prompt-chars", "300", "--sample-tokens", "4", timeout=180)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [load["concurrency"] for load in out["loads"]] == [2] and out["model"] == "bench-model"  # one load (the

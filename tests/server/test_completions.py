@@ -334,6 +334,24 @@ def test_a_stop_token_ends_the_text_before_it_and_the_session_holds_it(server):
         assert r.status_code == 400 and err["param"] == "stop_token_ids" and said in err["message"], (ids, r.text)
 
 
+def test_min_tokens_holds_back_stop_tokens_and_strings_until_it_is_reached(server):
+    """vLLM's min_tokens: a stop token cannot be drawn before the min_tokens-th token is generated, and a stop
+    string ending before it does not stop; the greedy text is the model's either way, cut where it may stop."""
+    text = complete(server, prompt="Hello", max_tokens=16, temperature=0)["choices"][0]["text"]
+    first = text[0]  # greedy, so the first token of every such request, which a stop token would end at once
+    for k in (3, 6):
+        got = complete(server, prompt="Hello", max_tokens=16, temperature=0, min_tokens=k, stop=[first])
+        cut = text.find(first, k - 1)  # the first match ending at the k-th token or after
+        want = (text, "length") if cut < 0 else (text[:cut], "stop")
+        assert (got["choices"][0]["text"], got["choices"][0]["finish_reason"]) == want, (k, got)
+    got = complete(server, prompt="Hello", max_tokens=16, temperature=0, min_tokens=4, stop_token_ids=[ord(first)])
+    assert got["usage"]["completion_tokens"] >= 5 and len(got["choices"][0]["text"]) >= 4
+    assert first not in got["choices"][0]["text"][:4]  # banned for the first 4 tokens
+    sampled = complete(server, prompt="Hello", max_tokens=16, temperature=1.0, seed=2, min_tokens=16,
+                       stop_token_ids=[ord(c) for c in "aeiou "])
+    assert sampled["usage"]["completion_tokens"] == 16 and not set("aeiou ") & set(sampled["choices"][0]["text"])
+
+
 def test_return_tokens_as_token_ids_names_every_logprobs_token_by_its_id(server):
     """vLLM's: generated tokens, their alternatives and an echoed prompt's, JSON and SSE alike."""
     body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}

@@ -45,7 +45,7 @@ def check_model(rt: Runtime, model: str) -> None:
 
 # OpenAI's and vLLM's parameters this server takes at the value that changes nothing, and only there
 _NEUTRAL = (("use_beam_search", False), ("skip_special_tokens", True),
-            ("spaces_between_special_tokens", True), ("truncate_prompt_tokens", None), ("prompt_logprobs", None),
+            ("spaces_between_special_tokens", True), ("prompt_logprobs", None),
             ("response_format", None))
 _INSTEAD = {"prompt_logprobs": "echo with logprobs scores the prompt"}
 
@@ -184,6 +184,15 @@ class Choice:
     sample: int = 0  # which of its prompt's n samples
 
 
+def truncated_to(tokens: int | None) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: how many of a prompt's last tokens are read (None: all). Its -1 is "the
+    model's context", which a Transformer-XL does not have (its memory is fixed-size): the whole prompt."""
+    if tokens is not None and tokens < -1:
+        raise InvalidRequestError(f"truncate_prompt_tokens must be -1 (the whole prompt) or a number of tokens >= 0, "
+                                  f"got {tokens}", param="truncate_prompt_tokens")
+    return None if tokens is None or tokens == -1 else tokens
+
+
 def _seed(seed: int | None, j: int) -> int | None:
     """The ``j``-th sample of a prompt draws from seed + j (in int64's range): n samples of one seed differ, and a
     request's first choice is what the same request with n 1 gives."""
@@ -198,18 +207,21 @@ async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
     params = sampling_params(rt, req)
     prompts = the_prompts(req)
     n, limit = how_many(req, len(prompts), rt.most_runs), rt.settings.max_prompt_bytes
+    keep = truncated_to(req.truncate_prompt_tokens)
     out, values, read = [], 0, 0
     inline = sum(len(p) for p in prompts) <= _ENCODE_INLINE  # texts' characters, or ids
     for p, prompt in enumerate(prompts):
         name = f"prompt[{p}]" if len(prompts) > 1 else "prompt"  # which of a batch's
         ids = (await prompt_ids(rt, prompt, limit, name=name, inline=inline) if isinstance(prompt, str)
                else checked_ids(rt, prompt, limit, name))
+        cut = keep is not None and len(ids) > keep
+        ids = ids[len(ids) - keep:] if cut else ids  # vLLM's truncation side: the prompt's last tokens stay
         read += (n if req.echo else 1) * len(ids)  # a prompt's n choices read it once; each echo carries it
         if read > limit and n * len(prompts) > 1:  # a request reads (and echoes) at most the limit
             raise PayloadTooLarge(f"{n * len(prompts)} choices {'echo' if req.echo else 'read'} {read:,}+ prompt "
                                   f"tokens; the limit is {limit:,} a request (a prompt's choices read it once, and "
                                   "each choice that echoes it carries it)", param="n" if n > 1 else "prompt")
-        echoed = (prompt if isinstance(prompt, str) else await ids_text(rt, ids)) if req.echo else ""
+        echoed = (prompt if isinstance(prompt, str) and not cut else await ids_text(rt, ids)) if req.echo else ""
         spaced = params and replace(params, after_space=isinstance(prompt, str) and after_space(prompt))
         values += n * ((len(ids) if req.echo else 0) + (params.max_tokens if params else 0))
         out += [Choice(len(out) + j, prompt, ids, spaced and replace(spaced, seed=_seed(spaced.seed, j)), echoed, j)

@@ -69,9 +69,10 @@ class CompletionRequest(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
-    # vLLM's extensions: repetition_penalty, min_p, min_tokens, include_stop_str_in_output, stop_token_ids and
-    # return_tokens_as_token_ids are served; the others are taken where they change nothing (completion._NEUTRAL), as
-    # `vllm bench serve` (ignore_eos with --ignore-eos) and a vLLM client's defaults send them
+    # vLLM's extensions: repetition_penalty, min_p, min_tokens, include_stop_str_in_output, stop_token_ids,
+    # truncate_prompt_tokens and return_tokens_as_token_ids are served; the others are taken where they change
+    # nothing (completion._NEUTRAL), as `vllm bench serve` (ignore_eos with --ignore-eos) and a vLLM client's
+    # defaults send them
     repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int | None = None

@@ -75,6 +75,8 @@ CASES = [
      {**OK, "echo": True, "max_tokens": 0, "min_tokens": 1}, 400, "min_tokens"),
     ("stop_token_ids past the vocabulary", "POST", "/v1/completions", {**OK, "stop_token_ids": [1 << 40]}, 400,
      "stop_token_ids"),
+    ("vLLM's truncate_prompt_tokens below -1", "POST", "/v1/completions", {**OK, "truncate_prompt_tokens": -2}, 400,
+     "truncate_prompt_tokens"),
     ("vLLM's prompt_logprobs", "POST", "/v1/completions", {**OK, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("vLLM's beam search", "POST", "/v1/completions", {**OK, "use_beam_search": True}, 400, "use_beam_search"),
     ("response_format", "POST", "/v1/completions", {**OK, "response_format": {"type": "json_object"}}, 400,
@@ -303,7 +305,7 @@ def test_every_vllm_field_taken_only_at_its_neutral_value_is_refused_otherwise(s
     untested), with what to use instead where there is something (found by a review)."""
     from server.completion import _INSTEAD, _NEUTRAL
     for name, neutral in _NEUTRAL:
-        value = 5 if name == "truncate_prompt_tokens" else 1 if name == "prompt_logprobs" else _other_than(neutral)
+        value = 1 if name == "prompt_logprobs" else _other_than(neutral)
         r = httpx.post(server.url + "/v1/completions", json={**OK, name: value}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
         assert _INSTEAD.get(name, "") in r.json()["error"]["message"], (name, r.text)

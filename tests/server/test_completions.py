@@ -352,6 +352,28 @@ def test_min_tokens_holds_back_stop_tokens_and_strings_until_it_is_reached(serve
     assert sampled["usage"]["completion_tokens"] == 16 and not set("aeiou ") & set(sampled["choices"][0]["text"])
 
 
+def test_truncate_prompt_tokens_reads_the_prompts_last_tokens(server):
+    """vLLM's truncate_prompt_tokens: a prompt (text or token ids) is read from its last k tokens on, as if only
+    they were sent (the continuation, usage, echo); -1 reads it whole (no model here has a context to fill);
+    continuing a session, 0 reads none of the text."""
+    body = {"max_tokens": 8, "temperature": 0, "echo": True, "logprobs": 1}
+    want = complete(server, prompt="ghij", **body)
+    ids = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "abcdefghij"}).json()["tokens"]
+    for prompt in ("abcdefghij", ids):
+        got = complete(server, prompt=prompt, truncate_prompt_tokens=4, **body)
+        assert got["choices"][0]["text"] == want["choices"][0]["text"] and got["choices"][0]["text"][:4] == "ghij"
+        assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"] and got["usage"] == want["usage"]
+    whole = complete(server, prompt="abcdefghij", **body)
+    assert complete(server, prompt="abcdefghij", truncate_prompt_tokens=-1, **body)["choices"] == whole["choices"]
+    assert complete(server, prompt="abcdefghij", truncate_prompt_tokens=40, **body)["choices"] == whole["choices"]
+    sid = new_session(server, "Hello")["id"]
+    got = complete(server, prompt=" more", session_id=sid, truncate_prompt_tokens=0, max_tokens=3, temperature=0)
+    assert got["usage"]["prompt_tokens"] == 0 and got["session"]["tokens_seen"] == 5 + 3
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "abc", "truncate_prompt_tokens": 0},
+                   timeout=60)
+    assert r.status_code == 400 and "nothing to continue from" in r.json()["error"]["message"], r.text
+
+
 def test_return_tokens_as_token_ids_names_every_logprobs_token_by_its_id(server):
     """vLLM's: generated tokens, their alternatives and an echoed prompt's, JSON and SSE alike."""
     body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}

@@ -244,7 +244,9 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        followers = sum(len(job.followers) for job in self.prefilling) if self.prefilling else 0
+        # read on other threads (a scrape, the engine process's reader) while the loop's thread rotates the deque:
+        # list() copies it in one step under the GIL, where a generator over it could meet it mid-change
+        followers = sum(len(job.followers) for job in list(self.prefilling)) if self.prefilling else 0
         return self.inbox.qsize() + len(self.prefilling) + followers + len(self.ready)
 
     @property
@@ -433,19 +435,30 @@ class Scheduler:
         Many requests arriving at once then cost one batched pass, not one each; a short prompt's other choices
         (``Job.followers``) join as requests of their own, a longer one's wait until it is read."""
         if job.params is not None and len(job.pending) <= self.SHORT_PROMPT and job.prompt_logprobs is None:
+            followers = self._fan_out(job)
+            if followers is None:
+                return
             self._generation(job)
             self.ready.append(job)
-            for other in self._fan_out(job):
+            for other in followers:
                 self._admit(other)
         else:
             self.prefilling.append(job)
 
-    def _fan_out(self, job: Job) -> list[Job]:
-        """``job``'s followers, each given a copy of its state and what it has still to read, and of its timings."""
+    def _fan_out(self, job: Job) -> list[Job] | None:
+        """``job``'s followers, each given a copy of its state and what it has still to read, and of its timings;
+        None if a copy failed (a device out of memory, say: up to 127 of them), which fails ``job`` and its
+        followers alone."""
         followers, job.followers = job.followers, []
-        for other in followers:
-            other.state, other.pending = self.engine.copy_state(job.state), list(job.pending)
-            other.started, other.read = job.started, job.read
+        try:
+            for other in followers:
+                other.state, other.pending = self.engine.copy_state(job.state), list(job.pending)
+                other.started, other.read = job.started, job.read
+        except Exception as err:
+            log.exception("copying a prompt's state for its other choices failed")
+            for each in (job, *followers):
+                self._finish(each, JobFailed(err))
+            return None
         return followers
 
     def _generation(self, job: Job) -> None:
@@ -493,7 +506,9 @@ class Scheduler:
             self.prefilling.rotate(-1)  # round robin: the next waiting request reads its next chunk
             return len(chunk)
         job.prompt_read()
-        for each in (job, *self._fan_out(job)):  # the prompt's other choices start where it ends
+        self.prefilling.popleft()
+        followers = self._fan_out(job)
+        for each in (job, *followers) if followers is not None else ():  # its other choices start where it ends
             each.score = job.score
             if job.prompt_logprobs is not None:
                 self._emit(each, job.prompt_scores)
@@ -502,7 +517,6 @@ class Scheduler:
             else:
                 self._generation(each)
                 self.ready.append(each)
-        self.prefilling.popleft()
         return max(1, len(chunk))
 
     def _done(self, job: Job, row: int | None, reason: str | None) -> Finished:

@@ -845,9 +845,6 @@ def _choices(engine, ids, params, *, together: bool, start_first: bool = True, c
     prompt tokens the loop read. ``cancel``: the runs cancelled before the loop starts; ``feed``: the engine's
     prefill replaced."""
 
-    async def items(request):
-        return [item async for item in request]
-
     async def main():
         scheduler = Scheduler(engine, prefill_chunk=64)
         if start_first:
@@ -863,9 +860,9 @@ def _choices(engine, ids, params, *, together: bool, start_first: bool = True, c
                     requests[i].cancel()
                 if not start_first:
                     scheduler.start()
-                got = await asyncio.gather(*(items(r) for r in requests), return_exceptions=True)
+                got = await asyncio.gather(*(_items(r) for r in requests), return_exceptions=True)
             else:
-                got = [await items(scheduler.submit(engine.new_state(), ids, p, **kw)) for p in params]
+                got = [await _items(scheduler.submit(engine.new_state(), ids, p, **kw)) for p in params]
             return got, scheduler.prompt_tokens
         finally:
             scheduler.stop()
@@ -948,3 +945,33 @@ def test_a_prompt_read_that_fails_fails_each_of_its_choices(engine):
     params = [SamplingParams(max_tokens=5, temperature=0)] * 3
     got, _ = _choices(engine, engine.encode(LONG), params, together=True, feed=failing)
     assert all(isinstance(error, RuntimeError) and "prefill failed" in str(error) for error in got)
+
+
+@pytest.mark.parametrize("prompt", [LONG, " and"])  # copied once it is read; copied as it joins
+def test_a_copy_of_a_prompts_state_that_fails_fails_that_request_alone(engine, prompt):
+    """Copies are new device memory (up to 127 of them): one that fails (out of memory, say) fails the request's
+    choices, and a request generating beside them goes on (it had failed with them: found by a review)."""
+    def failing(state):
+        raise RuntimeError("out of memory (simulated)")
+
+    async def main():
+        scheduler = Scheduler(engine, prefill_chunk=64)
+        scheduler.start()
+        try:
+            async with _busy(scheduler, engine) as busy:
+                engine.copy_state = failing
+                first = scheduler.submit(engine.new_state(), engine.encode(prompt), SamplingParams(max_tokens=4),
+                                         copies=[(SamplingParams(max_tokens=4), None)] * 2)
+                got = await asyncio.gather(*(_items(r) for r in (first, *first.copies)), return_exceptions=True)
+                assert not busy.job.cancelled and busy.job in scheduler.active  # still generating
+            return got
+        finally:
+            scheduler.stop()
+            del engine.copy_state
+
+    got = asyncio.run(main())
+    assert all(isinstance(error, RuntimeError) and "simulated" in str(error) for error in got), got
+
+
+async def _items(request) -> list:
+    return [item async for item in request]

@@ -69,7 +69,7 @@ class Generation:
         scores are indexed only where logprobs are asked for, 0.8 us a row saved on every step otherwise), and say
         what text it releases."""
         p = self.params
-        stops = len(self.tokens) + 1 >= p.min_tokens  # vLLM's min_tokens: this token may end the generation
+        stops = len(self.tokens) >= p.min_tokens  # vLLM's min_tokens: that many came before, so this may end it
         stop_token = stops and token in p.stop_token_ids
         # a stop token's text is given only with include_stop_str_in_output; what was held before it, always
         data = self.tokenizer.token_bytes(token, self.prev)

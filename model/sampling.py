@@ -57,7 +57,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token's text) ends the text given
     # vLLM's: until this many tokens are generated nothing stops the generation: stop_token_ids cannot be drawn, and
-    # stop strings are not matched (one that ends at or after the min_tokens-th token does)
+    # stop strings are not matched (one that ends in a later token does, even if it began before: vLLM's V1 rule)
     min_tokens: int = 0
 
     def __post_init__(self) -> None:

@@ -82,8 +82,8 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
     if max_tokens < 0:
         raise InvalidRequestError(f"max_tokens must be >= 0 (0 with echo scores the prompt), got {max_tokens}",
                                   param="max_tokens")
-    if max_tokens == 0 and req.min_tokens:
-        raise InvalidRequestError("min_tokens must be at most max_tokens, and max_tokens 0 generates nothing",
+    if req.min_tokens is not None and not 0 <= req.min_tokens <= max_tokens:
+        raise InvalidRequestError(f"min_tokens must be in [0, max_tokens {max_tokens}], got {shown(req.min_tokens)}",
                                   param="min_tokens")
     if max_tokens == 0 and not req.echo:
         raise InvalidRequestError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo true (and "
@@ -184,12 +184,18 @@ class Choice:
     sample: int = 0  # which of its prompt's n samples
 
 
+def shown(value: int) -> str:
+    """A number as an error message quotes it: a body's 4,000-digit one was the whole message."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
+
+
 def truncated_to(tokens: int | None) -> int | None:
     """vLLM's ``truncate_prompt_tokens``: how many of a prompt's last tokens are read (None: all). Its -1 is "the
     model's context", which a Transformer-XL does not have (its memory is fixed-size): the whole prompt."""
     if tokens is not None and tokens < -1:
         raise InvalidRequestError(f"truncate_prompt_tokens must be -1 (the whole prompt) or a number of tokens >= 0, "
-                                  f"got {tokens}", param="truncate_prompt_tokens")
+                                  f"got {shown(tokens)}", param="truncate_prompt_tokens")
     return None if tokens is None or tokens == -1 else tokens
 
 
@@ -208,19 +214,22 @@ async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
     prompts = the_prompts(req)
     n, limit = how_many(req, len(prompts), rt.most_runs), rt.settings.max_prompt_bytes
     keep = truncated_to(req.truncate_prompt_tokens)
+    if keep == 0 and req.session_id is None and params is not None:  # as the engine would say, naming the cause
+        raise InvalidRequestError("truncate_prompt_tokens 0 keeps none of the prompt, and without a session there is "
+                                  "nothing to continue from", param="truncate_prompt_tokens")
     out, values, read = [], 0, 0
     inline = sum(len(p) for p in prompts) <= _ENCODE_INLINE  # texts' characters, or ids
     for p, prompt in enumerate(prompts):
         name = f"prompt[{p}]" if len(prompts) > 1 else "prompt"  # which of a batch's
         ids = (await prompt_ids(rt, prompt, limit, name=name, inline=inline) if isinstance(prompt, str)
                else checked_ids(rt, prompt, limit, name))
+        read += (n if req.echo else 1) * len(ids)  # a prompt's n choices read it once; each echo carries it; as sent
         cut = keep is not None and len(ids) > keep
         ids = ids[len(ids) - keep:] if cut else ids  # vLLM's truncation side: the prompt's last tokens stay
-        read += (n if req.echo else 1) * len(ids)  # a prompt's n choices read it once; each echo carries it
         if read > limit and n * len(prompts) > 1:  # a request reads (and echoes) at most the limit
-            raise PayloadTooLarge(f"{n * len(prompts)} choices {'echo' if req.echo else 'read'} {read:,}+ prompt "
-                                  f"tokens; the limit is {limit:,} a request (a prompt's choices read it once, and "
-                                  "each choice that echoes it carries it)", param="n" if n > 1 else "prompt")
+            raise PayloadTooLarge(f"{n * len(prompts)} choices' prompts come to {read:,}+ tokens as sent; the limit "
+                                  f"is {limit:,} a request (a prompt counts once, and once more for each other choice "
+                                  "that echoes it)", param="n" if n > 1 else "prompt")
         echoed = (prompt if isinstance(prompt, str) and not cut else await ids_text(rt, ids)) if req.echo else ""
         spaced = params and replace(params, after_space=isinstance(prompt, str) and after_space(prompt))
         values += n * ((len(ids) if req.echo else 0) + (params.max_tokens if params else 0))

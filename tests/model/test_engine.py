@@ -451,9 +451,10 @@ def test_a_stop_token_that_completes_a_stop_string_keeps_it_with_include_stop_st
 
 
 def test_min_tokens_matches_no_stop_string_before_it_and_one_that_ends_from_it_on():
-    """vLLM's min_tokens: a stop string that ends before the min_tokens-th token does not stop (its text is given),
-    one that ends at it or after does, even when it began before; below it the streamer still holds back a tail
-    that may grow into a stop string, so such a match is cut where it began."""
+    """vLLM's min_tokens (its V1 engine's rule): a stop string that ends in the first min_tokens tokens does not
+    stop (its text is given), one that ends in a later token does, even when it began before; meanwhile the
+    streamer still holds back a tail that may grow into a stop string, so such a match is cut where it began. A
+    stop token is allowed from the same token on: at least min_tokens tokens come before either kind of stop."""
     def run(min_tokens: int, tokens: bytes, stop: tuple[str, ...]) -> tuple[str, str | None]:
         gen = Generation(SamplingParams(max_tokens=len(tokens), stop=stop, min_tokens=min_tokens))
         text = ""
@@ -463,11 +464,12 @@ def test_min_tokens_matches_no_stop_string_before_it_and_one_that_ends_from_it_o
         return text, gen.finish_reason
 
     assert run(0, b"abcb", ("b",)) == ("a", "stop")
-    assert run(3, b"abcb", ("b",)) == ("abc", "stop")  # the first "b" is token 2, before the 3rd
-    assert run(2, b"abcb", ("b",)) == ("a", "stop")  # the 2nd token itself may stop
-    assert run(3, b"axyz", ("xy",)) == ("a", "stop")  # began at token 2, ended at token 3
-    assert run(4, b"axyz", ("xy",)) == ("axyz", "length")  # ended at token 3, before the 4th
-    assert run(4, b"xyxy", ("xy",)) == ("xy", "stop")  # the second, ending at token 4
+    assert run(1, b"abcb", ("b",)) == ("a", "stop")  # the 2nd token may stop
+    assert run(2, b"abcb", ("b",)) == ("abc", "stop")  # the first "b" is token 2, not past the 2nd
+    assert run(2, b"axyz", ("xy",)) == ("a", "stop")  # began at token 2, ended at token 3
+    assert run(3, b"axyz", ("xy",)) == ("axyz", "length")  # ended at token 3, not past the 3rd
+    assert run(3, b"xyxy", ("xy",)) == ("xy", "stop")  # the second, ending at token 4
+    assert run(4, b"xyxy", ("xy",)) == ("xyxy", "length")
 
 
 def test_min_tokens_keeps_stop_tokens_from_being_drawn_until_it_is_reached():

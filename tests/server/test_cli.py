@@ -57,9 +57,9 @@ def test_generate_takes_the_servers_penalties_and_min_p(checkpoint):
         assert r.returncode == 0 and r.stdout != greedy.stdout, (flags, r.stderr)
     assert txlserve(*base, "--temperature", "1.5", "--seed", "2", "--min-p", "1").stdout == greedy.stdout
     text = greedy.stdout[len("the the the the "):].rstrip("\n")
-    for k in (2, 5):  # a stop string at the first token, held back until the k-th (vLLM's min_tokens)
+    for k in (2, 5):  # a stop string at the first token, held back through the k-th (vLLM's min_tokens)
         r = txlserve(*base, "--temperature", "0", "--stop", text[0], "--min-tokens", str(k))
-        cut = text.find(text[0], k - 1)
+        cut = text.find(text[0], k)
         assert r.returncode == 0 and r.stdout.rstrip("\n") == "the the the the " + (text if cut < 0 else text[:cut])
 
 

@@ -289,10 +289,10 @@ def test_choices_are_refused_where_they_cannot_be_had(server):
         assert r.status_code == 400 and err["param"] == param and said in err["message"], (body, r.text)
     assert httpx.get(f"{server.url}/v1/sessions/{sid}").json()["tokens_seen"] == 6
     half = "a" * 600_000
-    for body, param, said in (({"prompt": half, "n": 2, "echo": True}, "n", "echo 1,200,000+"),
-                              ({"prompt": [half, half]}, "prompt", "read 1,200,000+")):
+    for body, param, said in (({"prompt": half, "n": 2, "echo": True}, "n", "come to 1,200,000+"),
+                              ({"prompt": [half, half], "truncate_prompt_tokens": 4}, "prompt", "come to 1,200,000+")):
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, **body}, timeout=60)
-        err = r.json()["error"]  # prompts read (or echoed) together within the one prompt's limit
+        err = r.json()["error"]  # prompts as sent (echoed ones for each choice) within the one prompt's limit
         assert r.status_code == 413 and err["param"] == param and said in err["message"], err
     ok = complete(server, prompt="a", n=2, best_of=2, max_tokens=2)  # best_of at n's value changes nothing
     assert len(ok["choices"]) == 2
@@ -341,7 +341,7 @@ def test_min_tokens_holds_back_stop_tokens_and_strings_until_it_is_reached(serve
     first = text[0]  # greedy, so the first token of every such request, which a stop token would end at once
     for k in (3, 6):
         got = complete(server, prompt="Hello", max_tokens=16, temperature=0, min_tokens=k, stop=[first])
-        cut = text.find(first, k - 1)  # the first match ending at the k-th token or after
+        cut = text.find(first, k)  # the first match ending after the k-th token (a byte model: a character each)
         want = (text, "length") if cut < 0 else (text[:cut], "stop")
         assert (got["choices"][0]["text"], got["choices"][0]["finish_reason"]) == want, (k, got)
     got = complete(server, prompt="Hello", max_tokens=16, temperature=0, min_tokens=4, stop_token_ids=[ord(first)])
@@ -371,7 +371,8 @@ def test_truncate_prompt_tokens_reads_the_prompts_last_tokens(server):
     assert got["usage"]["prompt_tokens"] == 0 and got["session"]["tokens_seen"] == 5 + 3
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "abc", "truncate_prompt_tokens": 0},
                    timeout=60)
-    assert r.status_code == 400 and "nothing to continue from" in r.json()["error"]["message"], r.text
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "truncate_prompt_tokens" and "keeps none" in err["message"], err
 
 
 def test_return_tokens_as_token_ids_names_every_logprobs_token_by_its_id(server):

@@ -193,8 +193,8 @@ def shown(value: int) -> str:
 def truncated_to(tokens: int | None) -> int | None:
     """vLLM's ``truncate_prompt_tokens``: how many of a prompt's last tokens are read (None: all). Its -1 is "the
     model's context", which a Transformer-XL does not have (its memory is fixed-size): the whole prompt."""
-    if tokens is not None and tokens < -1:
-        raise InvalidRequestError(f"truncate_prompt_tokens must be -1 (the whole prompt) or a number of tokens >= 0, "
+    if tokens is not None and tokens < 1 and tokens != -1:  # 0 would read nothing of the prompt: vLLM refuses it
+        raise InvalidRequestError(f"truncate_prompt_tokens must be -1 (the whole prompt) or a number of tokens >= 1, "
                                   f"got {shown(tokens)}", param="truncate_prompt_tokens")
     return None if tokens is None or tokens == -1 else tokens
 
@@ -214,9 +214,6 @@ async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
     prompts = the_prompts(req)
     n, limit = how_many(req, len(prompts), rt.most_runs), rt.settings.max_prompt_bytes
     keep = truncated_to(req.truncate_prompt_tokens)
-    if keep == 0 and req.session_id is None and params is not None:  # as the engine would say, naming the cause
-        raise InvalidRequestError("truncate_prompt_tokens 0 keeps none of the prompt, and without a session there is "
-                                  "nothing to continue from", param="truncate_prompt_tokens")
     out, values, read = [], 0, 0
     inline = sum(len(p) for p in prompts) <= _ENCODE_INLINE  # texts' characters, or ids
     for p, prompt in enumerate(prompts):

@@ -41,7 +41,7 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -453,18 +453,16 @@ class _Core:
         last = ids[-1] if ids else spec.window[-1] if spec.window else None  # an empty prompt: the session's last
         job = Job(state, list(ids), params, self, _Box(spec), None, prev=last,  # type: ignore[arg-type]
                   scored=scored, prompt_logprobs=prompt_logprobs)
-        copies, spec.copies = spec.copies, []
+        # copies are a new state's, enqueued as their run message is read: never cancelled and answered below
+        jobs = [(spec, job), *((copy, job.add_copy(copy.params, self, _Box(copy))) for copy in spec.copies)]
+        spec.copies = []
         with self.guard:
-            gone = self.specs.get(spec.rid) is not spec  # cancelled and answered while its state was made
-            for each, each_job in () if gone else ((spec, job), *(
-                    (c, job.follower(c.params, self, _Box(c))) for c in copies)):
+            if self.specs.get(spec.rid) is not spec:  # cancelled and answered while its state was made
+                return
+            for each, each_job in jobs:
                 each.job = each_job
                 if each.cancelled:
                     each_job.cancel()
-        if gone:  # its copies too (a new state's request, never gone here: a safeguard)
-            for copy in copies:
-                self._on_cancel({"rid": copy.rid}, b"")
-            return
         self.scheduler.inbox.put(job)
 
     def _on_cancel(self, head: dict[str, Any], _: bytes) -> None:
@@ -921,7 +919,7 @@ class EngineCore:
     def submit(self, ids: list[int], params: SamplingParams | None, *, key: tuple[str, Revision] | None = None,
                history: tuple[list[int], int] | None = None, persist: bool, prompt_logprobs: int | None = None,
                scored: bool = True, stream: asyncio.Queue | None = None, window_span: int = 0,
-               copies: list[tuple[SamplingParams | None, asyncio.Queue | None]] = ()) -> CoreRequest:
+               copies: Sequence[tuple[SamplingParams | None, asyncio.Queue | None]] = ()) -> CoreRequest:
         """Start a request in the engine: on session ``key`` (id, revision) or a new state (``history``: a
         window to rebuild from, and its tokens_seen); ``persist``: it ends with what to commit. ``copies``: the
         same prompt's other choices (their sampling and stream) on new states, each a request of its own (the

@@ -48,10 +48,11 @@ class _Live(Collector):
             yield CounterMetricFamily("txlserve_engine_loop_tokens", "Tokens the engine loop generated, counted as "
                                       "its steps and phases are (the requests' count comes as each ends)",
                                       value=s.generated)
-            yield CounterMetricFamily("txlserve_engine_loop_prompt_tokens", "Prompt tokens the engine loop read: a "
-                                      "prompt a request's n choices share is read once, but one of 8 tokens or "
-                                      "fewer each choice reads as it joins the batch (txlserve_prompt_tokens counts "
-                                      "every choice's)", value=s.prompt_tokens)
+            yield CounterMetricFamily("txlserve_engine_loop_prompt_tokens", "Tokens the engine loop read (prompts, "
+                                      "and the windows of sessions rebuilt): a prompt a request's n choices share "
+                                      "is read once, but one of a few tokens, read as each choice joins the batch, "
+                                      "each reads (txlserve_prompt_tokens counts every choice's)",
+                                      value=s.prompt_tokens)
             if (cpu := s.cpu_seconds()) is not None:
                 yield CounterMetricFamily("txlserve_engine_loop_cpu_seconds", "The engine loop thread's CPU time "
                                           "(its wall time less this: waiting for the GIL, the device or work)",

@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,9 +135,9 @@ class Job:
     held: list[TokenEvent] = field(default_factory=list)  # generated tokens not yet handed over (stream_interval)
     handed: int = 0  # generated tokens handed over so far
     prompt: set[int] = field(default_factory=set)  # the prompt's tokens, where repetition_penalty needs them
-    # the other choices of the same prompt (a request's n): they wait while this job reads the prompt, then each
-    # takes a copy of its state (:meth:`Scheduler._fan_out`); the prompt is read once, not n times
-    followers: list[Job] = field(default_factory=list)
+    # the other choices of the same prompt (a request's n; vLLM's child requests of a parent): they wait while this
+    # job reads the prompt, then each takes a copy of its state (:meth:`Scheduler._fan_out`): read once, not n times
+    copies: list[Job] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params is not None and self.params.repetition_penalty != 1:
@@ -155,11 +155,15 @@ class Job:
     def cancel(self) -> None:
         self.cancelled = True  # read by the engine thread between steps
 
-    def follower(self, params: SamplingParams | None, loop: Any, inbox: Any, stream: Any = None) -> Job:
-        """Another choice of this job's prompt, with its own sampling and queues (see ``followers``)."""
-        job = Job(None, list(self.pending), params, loop, inbox, stream, prev=self.prev, scored=self.scored,
+    def add_copy(self, params: SamplingParams | None, loop: Any, inbox: Any, stream: Any = None) -> Job:
+        """Another choice of this job's prompt, with its own sampling and queues (see ``copies``). It holds no copy
+        of the prompt (127 of a million-token one were a gigabyte, made on the event loop): it is given what it
+        still has to read when it takes the state; the prompt's tokens for repetition_penalty are shared."""
+        job = Job(None, [], params, loop, inbox, stream, prev=self.prev, scored=self.scored,
                   prompt_logprobs=self.prompt_logprobs)
-        self.followers.append(job)
+        if params is not None and params.repetition_penalty != 1:
+            job.prompt = self.prompt or set(self.pending)  # read only (Generation copies it)
+        self.copies.append(job)
         return job
 
 
@@ -246,8 +250,8 @@ class Scheduler:
     def waiting(self) -> int:
         # read on other threads (a scrape, the engine process's reader) while the loop's thread rotates the deque:
         # list() copies it in one step under the GIL, where a generator over it could meet it mid-change
-        followers = sum(len(job.followers) for job in list(self.prefilling)) if self.prefilling else 0
-        return self.inbox.qsize() + len(self.prefilling) + followers + len(self.ready)
+        copies = sum(len(job.copies) for job in list(self.prefilling)) if self.prefilling else 0
+        return self.inbox.qsize() + len(self.prefilling) + copies + len(self.ready)
 
     @property
     def busy(self) -> bool:
@@ -306,7 +310,7 @@ class Scheduler:
     def submit(self, state: DecodeState, ids: list[int], params: SamplingParams | None, *,
                scored: bool = True, prompt_logprobs: int | None = None,
                stream: asyncio.Queue | None = None, last: int | None = None,
-               copies: list[tuple[SamplingParams | None, asyncio.Queue | None]] = ()) -> EngineRequest:
+               copies: Sequence[tuple[SamplingParams | None, asyncio.Queue | None]] = ()) -> EngineRequest:
         """Feed ``ids`` to ``state`` (a batch-1 session the engine now owns) and, with ``params``, generate;
         without, score them (``scored``) or only read them. Called on an event loop. With ``stream``, every token
         but the one that ends generation (and the PromptScores) is put there directly, and the request yields
@@ -320,7 +324,7 @@ class Scheduler:
         job = Job(state, list(ids), params, loop, asyncio.Queue(), stream, prev=ids[-1] if ids else last,
                   scored=scored, prompt_logprobs=prompt_logprobs)
         request = EngineRequest(job)
-        request.copies = [EngineRequest(job.follower(p, loop, asyncio.Queue(), s)) for p, s in copies]
+        request.copies = [EngineRequest(job.add_copy(p, loop, asyncio.Queue(), s)) for p, s in copies]
         self.inbox.put(job)
         return request
 
@@ -421,7 +425,7 @@ class Scheduler:
             while True:
                 if job is not None:
                     self.active.add(job)
-                    self.active.update(job.followers)
+                    self.active.update(job.copies)
                     self._admit(job)
                 job = self.inbox.get_nowait()
         except queue.Empty:
@@ -433,33 +437,36 @@ class Scheduler:
         sessions in: :meth:`_read_prompts`; on a GPU's graphed steps, a token a replay, as into a busy batch),
         into a busy one in the decode steps (:meth:`_regroup`); a longer one is prefilled in chunks first.
         Many requests arriving at once then cost one batched pass, not one each; a short prompt's other choices
-        (``Job.followers``) join as requests of their own, a longer one's wait until it is read."""
+        (``Job.copies``) join as requests of their own, a longer one's wait until it is read."""
         if job.params is not None and len(job.pending) <= self.SHORT_PROMPT and job.prompt_logprobs is None:
-            followers = self._fan_out(job)
-            if followers is None:
+            copies = self._fan_out(job)
+            if copies is None:
                 return
             self._generation(job)
             self.ready.append(job)
-            for other in followers:
+            for other in copies:
                 self._admit(other)
         else:
             self.prefilling.append(job)
 
     def _fan_out(self, job: Job) -> list[Job] | None:
-        """``job``'s followers, each given a copy of its state and what it has still to read, and of its timings;
-        None if a copy failed (a device out of memory, say: up to 127 of them), which fails ``job`` and its
-        followers alone."""
-        followers, job.followers = job.followers, []
+        """``job``'s copies, each given a copy of its state and what it has still to read, and of its timings;
+        None if a copy failed (a device out of memory, say: up to 127 of them), which fails ``job`` and its copies
+        alone."""
+        copies, job.copies = job.copies, []
         try:
-            for other in followers:
+            for other in copies:
                 other.state, other.pending = self.engine.copy_state(job.state), list(job.pending)
                 other.started, other.read = job.started, job.read
         except Exception as err:
             log.exception("copying a prompt's state for its other choices failed")
-            for each in (job, *followers):
-                self._finish(each, JobFailed(err))
+            self._fail_each([job, *copies], err)
             return None
-        return followers
+        return copies
+
+    def _fail_each(self, jobs: list[Job], err: BaseException) -> None:
+        for job in jobs:
+            self._finish(job, JobFailed(err))
 
     def _generation(self, job: Job) -> None:
         job.generation = Generation(job.params, self.engine.tokenizer, job.prev, prompt=job.prompt)
@@ -477,14 +484,16 @@ class Scheduler:
     def _prefill_one(self, budget: int) -> int:
         """One chunk (at most ``budget`` tokens) of the first waiting request's prompt; the tokens read."""
         job = self.prefilling[0]  # stays counted as waiting while its chunk runs
-        if job.cancelled and all(other.cancelled for other in job.followers):  # the prompt joins the session only
-            self.prefilling.popleft()  # once completely read
-            for each in (job, *job.followers):
+        # a prompt joins the session only once completely read; one that a request's other choices share is read on
+        # while any of them wants it, the first's own cancel notwithstanding
+        if job.cancelled and all(other.cancelled for other in job.copies):
+            self.prefilling.popleft()
+            for each in (job, *job.copies):
                 self._finish(each, Finished(None, int(job.state.seen[0]), "cancelled"))
             return 0
         chunk, job.pending = job.pending[:budget], job.pending[budget:]
         job.start()
-        try:  # a prefill touches only this job's own state: a failure fails only this job (and its followers)
+        try:  # a prefill touches only this job's own state: a failure fails only this job (and its copies)
             if chunk and job.prompt_logprobs is not None:
                 part = self.engine.token_scores(job.state, chunk, job.prompt_logprobs)
                 job.prompt_scores.extend(part)
@@ -499,16 +508,15 @@ class Scheduler:
         except Exception as err:
             log.exception("prefill failed")
             self.prefilling.popleft()
-            for each in (job, *job.followers):
-                self._finish(each, JobFailed(err))
+            self._fail_each([job, *job.copies], err)
             return len(chunk)
         if job.pending:
             self.prefilling.rotate(-1)  # round robin: the next waiting request reads its next chunk
             return len(chunk)
         job.prompt_read()
         self.prefilling.popleft()
-        followers = self._fan_out(job)
-        for each in (job, *followers) if followers is not None else ():  # its other choices start where it ends
+        copies = self._fan_out(job)
+        for each in (job, *copies) if copies is not None else ():  # the other choices start where it ends
             each.score = job.score
             if job.prompt_logprobs is not None:
                 self._emit(each, job.prompt_scores)

@@ -64,12 +64,13 @@ class Failed:
 
 class Shared:
     """A prompt's ``n`` choices read it once: the first choice's run submits every one of them (the engine reads
-    the prompt, then copies its state into each: the scheduler's ``Job.followers``) and hands each other run its
-    request. Runs join as they are made, which a request's are in one go, before any of them starts."""
+    the prompt, then copies its state into each: the scheduler's ``Job.copies``, vLLM's child requests of a
+    parent) and hands each other run its request. Runs join as they are made, which a request's are in one go,
+    before any of them starts."""
 
     def __init__(self) -> None:
         self.first: Run | None = None
-        self.others: list[Run] = []
+        self.copies: list[Run] = []  # the other choices' runs
 
     def join(self, run: Run) -> asyncio.Future | None:
         """Where ``run`` (not the first) finds its request."""
@@ -78,19 +79,22 @@ class Shared:
             run.task.add_done_callback(lambda _: self.fail(Unavailable(
                 "the request's first choice ended before it started the others")))  # however it ended
             return None
-        self.others.append(run)
+        self.copies.append(run)
         return asyncio.get_running_loop().create_future()
 
-    def copies(self) -> list[tuple[SamplingParams | None, asyncio.Queue]]:
-        return [(run.params, run.events) for run in self.others]
-
-    def hand(self, requests: list[Any]) -> None:
-        for run, request in zip(self.others, requests):
-            if run.handed is not None and not run.handed.done():
-                run.handed.set_result(request)
+    async def request(self, run: Run, submit: Callable[[list[tuple[SamplingParams | None, asyncio.Queue]]], Any]
+                      ) -> Any:
+        """``run``'s engine request: the first run's ``submit(copies)`` starts the others' too, each found here."""
+        if run.handed is not None:
+            return await run.handed
+        request = submit([(other.params, other.events) for other in self.copies])
+        for other, copy in zip(self.copies, request.copies):
+            if other.handed is not None and not other.handed.done():
+                other.handed.set_result(copy)
+        return request
 
     def fail(self, err: BaseException) -> None:
-        for run in self.others:
+        for run in self.copies:
             if run.handed is not None and not run.handed.done():
                 run.handed.set_exception(err)
 
@@ -215,6 +219,11 @@ class Run:
             self._failed(err)
             await self.events.put(Failed(self._named(err)))
 
+    async def _submitted(self, submit: Callable[[list[tuple[SamplingParams | None, asyncio.Queue]]], Any]) -> Any:
+        """The run's engine request, made by ``submit(copies)``: where it shares its prompt with other choices, the
+        first run's call makes every one's (:class:`Shared`)."""
+        return submit([]) if self.shared is None else await self.shared.request(self, submit)
+
     def _failed(self, err: Exception) -> None:
         if self.shared is not None and self.handed is None:  # the prompt's other choices did not start either
             self.shared.fail(err)
@@ -229,14 +238,9 @@ class Run:
             if self.session_id is None:
                 window, seen = self.history or ([], 0)  # the engine checks the window, as it rebuilds it
                 self.submitted = time.monotonic()
-                if self.handed is not None:  # submitted with the prompt's first choice
-                    req = await self.handed
-                else:
-                    req = core.submit(self.ids, self.params, history=(window, seen) if seen else None,
-                                      persist=self.create, prompt_logprobs=self.prompt_logprobs, scored=self.scored,
-                                      stream=self.events, copies=self.shared.copies() if self.shared else [])
-                    if self.shared is not None:
-                        self.shared.hand(req.copies)
+                req = await self._submitted(lambda copies: core.submit(
+                    self.ids, self.params, history=(window, seen) if seen else None, persist=self.create,
+                    prompt_logprobs=self.prompt_logprobs, scored=self.scored, stream=self.events, copies=copies))
                 done, last = await self._schedule(self._core_run(req, None))
                 info = None
                 if self.create:
@@ -440,15 +444,9 @@ class Run:
     async def _engine_run(self, state, window: list[int] | None) -> tuple[Finished, TokenEvent | None]:
         rt = self.rt
         self.submitted = time.monotonic()
-        if self.handed is not None:  # submitted with the prompt's first choice
-            self.request = await self.handed
-        else:  # tokens straight to the client, all but the last
-            self.request = rt.scheduler.submit(state, self.ids, self.params, prompt_logprobs=self.prompt_logprobs,
-                                               scored=self.scored, stream=self.events,
-                                               last=window[-1] if window else None,
-                                               copies=self.shared.copies() if self.shared else [])
-            if self.shared is not None:
-                self.shared.hand(self.request.copies)
+        self.request = await self._submitted(lambda copies: rt.scheduler.submit(  # tokens straight to the client,
+            state, self.ids, self.params, prompt_logprobs=self.prompt_logprobs, scored=self.scored,  # all but the last
+            stream=self.events, last=window[-1] if window else None, copies=copies))
         if self.cancelled:
             self.request.cancel()
         last = None

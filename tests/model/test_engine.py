@@ -450,7 +450,7 @@ def test_a_stop_token_that_completes_a_stop_string_keeps_it_with_include_stop_st
         assert "".join(gen.accept(t, None).text for t in b"sea-") == want and gen.finish_reason == "stop"
 
 
-def test_min_tokens_matches_no_stop_string_before_it_and_one_that_ends_from_it_on():
+def test_min_tokens_matches_no_stop_string_through_it_and_one_that_ends_after_it():
     """vLLM's min_tokens (its V1 engine's rule): a stop string that ends in the first min_tokens tokens does not
     stop (its text is given), one that ends in a later token does, even when it began before; meanwhile the
     streamer still holds back a tail that may grow into a stop string, so such a match is cut where it began. A

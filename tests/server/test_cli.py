@@ -46,9 +46,9 @@ def test_generate_streams_prompt_and_continuation(checkpoint):
     assert again.stdout == r.stdout  # seeded
 
 
-def test_generate_takes_the_servers_penalties_and_min_p(checkpoint):
+def test_generate_takes_the_servers_penalties_min_p_and_min_tokens(checkpoint):
     """The same sampling fields as the server's: each changes a greedy text, or (min_p 1) keeps a sampled one on
-    greedy's path."""
+    greedy's path; min_tokens holds a stop string back through its k-th token."""
     base = ("generate", "--checkpoint", str(checkpoint), "--prompt", "the the the the ", "--max-tokens", "24")
     greedy = txlserve(*base, "--temperature", "0")
     assert greedy.returncode == 0, greedy.stderr

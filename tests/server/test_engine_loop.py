@@ -900,6 +900,22 @@ def test_a_prompts_choices_read_it_once_and_each_generates_what_it_alone_does(en
     assert together[1][-1].state is not together[0][-1].state  # each choice its own copy
 
 
+def test_a_copy_holds_no_copy_of_the_prompt_until_it_takes_the_state(engine):
+    """127 copies of a million-token prompt were a gigabyte, made on the event loop (found by a review): a copy
+    is given what it still has to read when it takes the state, and shares the prompt's tokens for
+    repetition_penalty."""
+    async def main():
+        scheduler = Scheduler(engine)  # not started: the jobs stay as submit made them
+        ids = engine.encode(LONG)
+        penalized = SamplingParams(repetition_penalty=1.5)
+        first = scheduler.submit(engine.new_state(), ids, penalized, copies=[(penalized, None), (None, None)])
+        return ids, first.job, [c.job for c in first.copies]
+
+    ids, job, copies = asyncio.run(main())
+    assert [c.pending for c in copies] == [[], []] and copies[0].state is None
+    assert copies[0].prompt is job.prompt == set(ids) and copies[1].prompt == set()
+
+
 def test_a_prompts_choices_scored_share_the_scores_of_one_read(engine):
     """Echo with logprobs and max_tokens 0 (lm-eval's scoring) with n: each choice gets the prompt's scores
     and its end; the prompt was read once."""

@@ -83,8 +83,9 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
         raise InvalidRequestError(f"max_tokens must be >= 0 (0 with echo scores the prompt), got {max_tokens}",
                                   param="max_tokens")
     if req.min_tokens is not None and not 0 <= req.min_tokens <= max_tokens:
-        raise InvalidRequestError(f"min_tokens must be in [0, max_tokens {max_tokens}], got {shown(req.min_tokens)}",
-                                  param="min_tokens")
+        default = " (max_tokens defaults to 16, OpenAI's: send a larger one)" if req.max_tokens is None else ""
+        raise InvalidRequestError(f"min_tokens must be in [0, max_tokens {max_tokens}], got {shown(req.min_tokens)}"
+                                  f"{default}", param="min_tokens")
     if max_tokens == 0 and not req.echo:
         raise InvalidRequestError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo true (and "
                                   "logprobs for its tokens' scores)", param="max_tokens")
@@ -224,9 +225,10 @@ async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
         cut = keep is not None and len(ids) > keep
         ids = ids[len(ids) - keep:] if cut else ids  # vLLM's truncation side: the prompt's last tokens stay
         if read > limit and n * len(prompts) > 1:  # a request reads (and echoes) at most the limit
+            how = ("a prompt counts once, and once more for each other choice that echoes it" if req.echo else
+                   "a prompt counts once, however many choices read it")
             raise PayloadTooLarge(f"{n * len(prompts)} choices' prompts come to {read:,}+ tokens as sent; the limit "
-                                  f"is {limit:,} a request (a prompt counts once, and once more for each other choice "
-                                  "that echoes it)", param="n" if n > 1 else "prompt")
+                                  f"is {limit:,} a request ({how})", param="n" if n > 1 else "prompt")
         echoed = (prompt if isinstance(prompt, str) and not cut else await ids_text(rt, ids)) if req.echo else ""
         spaced = params and replace(params, after_space=isinstance(prompt, str) and after_space(prompt))
         values += n * ((len(ids) if req.echo else 0) + (params.max_tokens if params else 0))

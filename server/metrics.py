@@ -93,9 +93,9 @@ class Metrics:
                                     "worked on the request", buckets=LATENCY, registry=r)
         self.prefill_time = Histogram("txlserve_request_prefill_time_seconds", "Reading a request's prompt",
                                       buckets=LATENCY, registry=r)
-        self.request_prompt_tokens = Histogram("txlserve_request_prompt_tokens", "Prompt tokens per request "
-                                               "(what the session already held is not counted)", buckets=TOKENS,
-                                               registry=r)
+        self.request_prompt_tokens = Histogram("txlserve_request_prompt_tokens", "Prompt tokens per request, each "
+                                               "choice of a batch or n counted as one (what the session already "
+                                               "held is not counted)", buckets=TOKENS, registry=r)
         self.request_generation_tokens = Histogram("txlserve_request_generation_tokens", "Tokens generated per "
                                                    "request", buckets=TOKENS, registry=r)
         self.restore_time = Histogram("txlserve_session_restore_seconds", "Making a session's state ready for a "
@@ -111,7 +111,9 @@ class Metrics:
                               "with an engine process", ["phase"],
                               buckets=PHASE, registry=r)
         self.lifecycle = {phase: lifecycle.labels(phase) for phase in LIFECYCLE}
-        self.prompt_tokens = Counter("txlserve_prompt_tokens", "Prompt tokens read", registry=r)
+        self.prompt_tokens = Counter("txlserve_prompt_tokens", "Prompt tokens of the requests, every choice's own "
+                                     "(n choices of one prompt count it n times; the engine's reads: "
+                                     "txlserve_engine_loop_prompt_tokens)", registry=r)
         self.generation_tokens = Counter("txlserve_generation_tokens", "Tokens generated", registry=r)
         self.disconnects = Counter("txlserve_client_disconnects", "Clients gone before their response ended",
                                    registry=r)

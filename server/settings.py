@@ -89,7 +89,9 @@ class Settings:
     max_queue: int = _opt(256, "requests waiting beyond the batch before 429 (each server process's, with --workers "
                                "or --api-server-count)")
     max_tokens_limit: int = _opt(4096, "the largest max_tokens a request may ask for")
-    max_prompt_bytes: int = _opt(1_000_000, "largest prompt, in tokens (bytes for a byte model)")
+    max_prompt_bytes: int = _opt(1_000_000, "largest prompt, in tokens (bytes for a byte model); a request's "
+                                 "prompts together, as sent (before truncate_prompt_tokens), an echoed one once "
+                                 "for each choice")
     max_append_bytes: int = _opt(8_000_000, "largest appended document, in tokens (bytes for a byte model)")
     max_body_bytes: int = _opt(10_000_000, "largest request body, in bytes (413 beyond), and WebSocket message "
                                            "(closed with 1009 beyond)")

@@ -357,6 +357,9 @@ def test_min_tokens_holds_back_stop_tokens_and_strings_until_it_is_reached(serve
     sampled = complete(server, prompt="Hello", max_tokens=16, temperature=1.0, seed=2, min_tokens=16,
                        stop_token_ids=[ord(c) for c in "aeiou "])
     assert sampled["usage"]["completion_tokens"] == 16 and not set("aeiou ") & set(sampled["choices"][0]["text"])
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "min_tokens": 20}, timeout=60)
+    err = r.json()["error"]  # a vLLM client sending min_tokens alone meets OpenAI's default max_tokens
+    assert r.status_code == 400 and err["param"] == "min_tokens" and "defaults to 16" in err["message"], err
 
 
 def test_truncate_prompt_tokens_reads_the_prompts_last_tokens(server):

@@ -83,7 +83,8 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
         raise InvalidRequestError(f"max_tokens must be >= 0 (0 with echo scores the prompt), got {max_tokens}",
                                   param="max_tokens")
     if req.min_tokens is not None and not 0 <= req.min_tokens <= max_tokens:
-        default = " (max_tokens defaults to 16, OpenAI's: send a larger one)" if req.max_tokens is None else ""
+        sent = req.max_tokens is not None and "max_tokens" in req.model_fields_set
+        default = "" if sent else " (max_tokens defaults to 16, OpenAI's: send a larger one)"
         raise InvalidRequestError(f"min_tokens must be in [0, max_tokens {max_tokens}], got {shown(req.min_tokens)}"
                                   f"{default}", param="min_tokens")
     if max_tokens == 0 and not req.echo:

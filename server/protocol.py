@@ -44,49 +44,80 @@ class StreamOptions(BaseModel):
 
 
 class CompletionRequest(BaseModel):
-    """OpenAI's legacy completions body; ``top_k`` and ``session_id`` are txlserve extensions."""
+    """OpenAI's legacy completions body; ``top_k`` and ``session_id`` are txlserve extensions. Each field's
+    docstring is its description in /docs and /openapi.json."""
 
-    model_config = STRICT
+    model_config = ConfigDict(**STRICT, use_attribute_docstrings=True)
     model: str
-    # OpenAI's four forms: text, token ids, or a list of either (a batch: a choice for each, times n)
+    """The served model's name, as GET /v1/models lists it."""
     prompt: str | list[int] | list[str] | list[list[int]] = ""
+    """Text, token ids, or a list of either (a batch: a choice for each prompt, times n); with session_id, the text
+    that continues the session."""
     max_tokens: int | None = Field(default=16)
+    """Tokens to generate, at most the server's --max-tokens-limit; 0 with echo scores the prompt alone."""
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    """0 draws the likeliest token; higher draws more freely."""
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
+    """Draw from the likeliest tokens whose probabilities add up to this (1: every token)."""
     top_k: int | None = Field(default=0, ge=-1)
+    """Draw from the k likeliest tokens (0 or -1: every token)."""
     n: int | None = 1
+    """Samples of each prompt, sample j drawn from seed + j; a prompt's samples read it once. One with session_id."""
     stream: bool | None = False
+    """Server-sent events: a chunk as text comes, then data: [DONE]."""
     stream_options: StreamOptions | None = None
+    """include_usage: a last chunk with the usage; continuous_usage_stats (vLLM's): the usage so far on every chunk."""
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 63)  # vLLM's range: a 64-bit signed integer
+    """Strings that end the text (left out of it), at most the server's --max-stop."""
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 63)
+    """The same seed draws the same text (a 64-bit signed integer, vLLM's range)."""
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    """Each token's log-probability and its N likeliest alternatives (0-20)."""
     echo: bool | None = False
+    """The prompt comes back before the text (with logprobs, scored too)."""
     user: str | None = Field(default=None, max_length=256)
+    """Your end user's id, for the request log."""
     session_id: str | None = Field(default=None, min_length=1, max_length=128)
-    # OpenAI's sampling fields; best_of only at n's value, suffix not at all
+    """txlserve's: continue this session (POST /v1/sessions); the prompt and the generated text join its memory."""
     best_of: int | None = None
+    """Only at n's value: every sampled choice is returned."""
     frequency_penalty: float | None = None
+    """A token's logit less this times its count among the tokens generated (-2 to 2)."""
     presence_penalty: float | None = None
+    """A token's logit less this once it has been generated (-2 to 2)."""
     logit_bias: dict[str, float] | None = None
+    """Token ids (as strings) to biases in [-100, 100] added to their logits; -100 bans a token."""
     suffix: str | None = None
-    # vLLM's extensions: repetition_penalty, min_p, min_tokens, include_stop_str_in_output, stop_token_ids,
-    # truncate_prompt_tokens and return_tokens_as_token_ids are served; the others are taken where they change
-    # nothing (completion._NEUTRAL), as `vllm bench serve` (ignore_eos with --ignore-eos) and a vLLM client's
-    # defaults send them
+    """Not supported."""
     repetition_penalty: float | None = None
+    """vLLM's: a positive logit divided by this, a negative one multiplied, for every token of the prompt or
+    generated (above 0; 1: none)."""
     min_p: float | None = None
+    """vLLM's: tokens less likely than this times the likeliest are not drawn (0 to 1)."""
     min_tokens: int | None = None
-    ignore_eos: bool | None = None  # either: no model here has an end-of-text token to stop on
-    add_special_tokens: bool | None = None  # either: no tokenizer here adds any
+    """vLLM's: no stop string or stop token ends the text before this many tokens (at most max_tokens)."""
+    ignore_eos: bool | None = None
+    """vLLM's; either value: no model here has an end-of-text token to stop on."""
+    add_special_tokens: bool | None = None
+    """vLLM's; either value: no tokenizer here adds any."""
     use_beam_search: bool | None = None
+    """vLLM's; false only."""
     include_stop_str_in_output: bool | None = None
+    """vLLM's: the text ends with the stop string (or the stop token's text) that ended it."""
     skip_special_tokens: bool | None = None
+    """vLLM's; true only."""
     spaces_between_special_tokens: bool | None = None
+    """vLLM's; true only."""
     return_tokens_as_token_ids: bool | None = None
+    """vLLM's: logprobs name each token token_id:{id}."""
     stop_token_ids: list[int] | None = None
+    """vLLM's: a generated token among these ends the generation (its text left out)."""
     truncate_prompt_tokens: int | None = None
+    """vLLM's: each prompt is read from its last k tokens on (k >= 1; -1: the whole prompt)."""
     prompt_logprobs: int | None = None
+    """vLLM's; null only: echo with logprobs scores the prompt."""
     response_format: dict[str, Any] | None = None
+    """Null only."""
 
     @field_validator("prompt", mode="wrap")
     @classmethod

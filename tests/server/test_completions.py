@@ -635,7 +635,10 @@ def test_health_ready_metrics_docs(server):
     assert build and f'model="{MODEL}"' in build[1] and f'fingerprint="{fingerprint}"' in build[1], text[-500:]
     assert re.search(r'version="[^"]+"', build[1])
     assert httpx.get(server.url + "/docs").status_code == 200
-    assert httpx.get(server.url + "/openapi.json").json()["info"]["title"] == "txlserve"
+    schema = httpx.get(server.url + "/openapi.json").json()
+    assert schema["info"]["title"] == "txlserve"
+    fields = schema["components"]["schemas"]["CompletionRequest"]["properties"]  # /docs describes every field
+    assert len(fields) > 30 and [name for name, f in fields.items() if not f.get("description")] == []
     assert httpx.get(server.url + "/static/playground.js").status_code == 200
     text = httpx.get(server.url + "/metrics").text  # Starlette's own routes are named too, a mount by its prefix
     for route in ("/openapi.json", "/static/{path}", "/docs"):

@@ -59,6 +59,8 @@ class SamplingParams:
     # vLLM's: until this many tokens are generated nothing stops the generation: stop_token_ids cannot be drawn, and
     # stop strings are not matched (one that ends in a later token does, even if it began before: vLLM's V1 rule)
     min_tokens: int = 0
+    # vLLM's: only these tokens may be drawn (empty: every token); logprobs stay the model's, as with logit_bias
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -82,6 +84,10 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids must be at most {STOP_TOKEN_IDS} token ids",
                                       param="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", ids)
+        allowed = tuple(self.allowed_token_ids)  # a list once through JSON
+        if any(not _is_int(t) or t < 0 for t in allowed):
+            raise InvalidRequestError("allowed_token_ids must be token ids", param="allowed_token_ids")
+        object.__setattr__(self, "allowed_token_ids", allowed)
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens {self.max_tokens}], got "
                                       f"{self.min_tokens!r}", param="min_tokens")
@@ -168,11 +174,16 @@ def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[fl
     rows, vocab = logits.shape
     held = [bool(p.min_tokens and p.stop_token_ids and generated is not None and len(generated[r]) < p.min_tokens)
             for r, p in enumerate(params)]  # stop tokens not yet allowed (min_tokens)
-    biased = [r for r, p in enumerate(params) if p.logit_bias or _penalized(p) or held[r]]
+    biased = [r for r, p in enumerate(params) if p.logit_bias or _penalized(p) or held[r] or p.allowed_token_ids]
     if biased:
         logits = logits.clone()  # [rows, vocab]: the caller's scores (its logprobs) stay the model's
         for r in biased:
             p = params[r]
+            if p.allowed_token_ids:  # first, as vLLM masks them: whatever comes after changes only these
+                allowed = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long)  # [n]
+                kept = logits[r, allowed]  # [n]
+                logits[r] = float("-inf")
+                logits[r, allowed] = kept
             if p.logit_bias:
                 ids, values = zip(*p.logit_bias)
                 logits[r, list(ids)] += torch.tensor(values, dtype=logits.dtype)
@@ -216,10 +227,11 @@ def _torch_rows(logits: Tensor, params: Sequence[SamplingParams], u: Sequence[fl
 
 
 def _plain(params: SamplingParams, vocab: int) -> bool:
-    """Temperature alone: no ``top_k`` below the vocabulary, ``top_p``, ``min_p``, bias, penalty or stop tokens
-    held back by ``min_tokens``."""
+    """Temperature alone: no ``top_k`` below the vocabulary, ``top_p``, ``min_p``, bias, penalty, stop tokens
+    held back by ``min_tokens`` or ``allowed_token_ids``."""
     return (not 0 < params.top_k < vocab and params.top_p >= 1.0 and params.min_p == 0 and not params.logit_bias
-            and not _penalized(params) and not (params.min_tokens and params.stop_token_ids))
+            and not _penalized(params) and not (params.min_tokens and params.stop_token_ids)
+            and not params.allowed_token_ids)
 
 
 def _penalized(params: SamplingParams) -> bool:

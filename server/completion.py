@@ -99,9 +99,14 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
                             stop_token_ids=tuple(in_vocabulary(rt, req.stop_token_ids or [], "stop_token_ids",
                                                                "stop_token_ids")),  # sampling checks how many
                             include_stop_str_in_output=bool(req.include_stop_str_in_output),
-                            min_tokens=req.min_tokens or 0)
-    banned = {t for t, b in params.logit_bias if b <= -100} | set(params.stop_token_ids)
-    if params.min_tokens and len(banned) >= vocabulary(rt):  # a ban is -inf: there would be nothing left to draw
+                            min_tokens=req.min_tokens or 0, allowed_token_ids=tuple(allowed(rt, req.allowed_token_ids)))
+    held = set(params.stop_token_ids) if params.min_tokens else set()  # until min_tokens: banned too
+    banned = {t for t, b in params.logit_bias if b <= -100} | held
+    left = set(params.allowed_token_ids) - banned if params.allowed_token_ids else vocabulary(rt) - len(banned)
+    if not left:  # a ban is -inf: there would be nothing left to draw
+        if params.allowed_token_ids:
+            raise InvalidRequestError("every token of allowed_token_ids is banned (by logit_bias -100, or as a stop "
+                                      "token min_tokens holds back)", param="allowed_token_ids")
         raise InvalidRequestError("min_tokens holds back the stop_token_ids, and they (with logit_bias's bans) are "
                                   "every token of the vocabulary", param="min_tokens")
     return None if max_tokens == 0 else params
@@ -120,6 +125,14 @@ def in_vocabulary(rt: Runtime, ids: list[int], name: str, param: str) -> list[in
         raise InvalidRequestError(f"{name}: token id {bad} is not in this model's vocabulary [0, {vocab})",
                                   param=param)
     return ids
+
+
+def allowed(rt: Runtime, ids: list[int] | None) -> list[int]:
+    """vLLM's ``allowed_token_ids``, each a token id of the model; an empty list would leave nothing to draw."""
+    if ids == []:
+        raise InvalidRequestError("allowed_token_ids must name at least one token (leave it out to allow every "
+                                  "token)", param="allowed_token_ids")
+    return in_vocabulary(rt, ids or [], "allowed_token_ids", "allowed_token_ids")
 
 
 def logit_bias(rt: Runtime, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

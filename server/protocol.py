@@ -112,6 +112,8 @@ class CompletionRequest(BaseModel):
     """vLLM's: logprobs name each token token_id:{id}."""
     stop_token_ids: list[int] | None = None
     """vLLM's: a generated token among these ends the generation (its text left out)."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these tokens may be generated (logprobs stay the model's)."""
     truncate_prompt_tokens: int | None = None
     """vLLM's: each prompt is read from its last k tokens on (k >= 1; -1: the whole prompt)."""
     prompt_logprobs: int | None = None

@@ -200,6 +200,27 @@ def test_logit_bias_bans_and_forces_tokens_and_leaves_the_other_rows_and_the_sco
         assert err.value.param == "logit_bias" and said in err.value.message, err.value.message
 
 
+def test_allowed_token_ids_are_the_only_tokens_drawn_and_the_scores_stay_the_models():
+    """vLLM's allowed_token_ids: greedy takes the likeliest allowed token, sampling draws only allowed ones, with
+    the other fields applied among them; the C sampler and a GPU's draw leave such rows to the torch ops."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50)
+    before = logits.clone()
+    allowed = (3, 7, 11)
+    greedy = SamplingParams(temperature=0, allowed_token_ids=list(allowed))  # a list once through JSON
+    want = max(allowed, key=lambda t: float(logits[0, t]))
+    assert sample_rows(logits, [greedy], [greedy.generator()]) == [want] and greedy.allowed_token_ids == allowed
+    banned = SamplingParams(temperature=0, allowed_token_ids=allowed, logit_bias=((want, -100),))
+    assert sample_rows(logits, [banned], [banned.generator()])[0] in set(allowed) - {want}
+    draws = {sample_rows(logits, [p], [p.generator()])[0]
+             for p in (SamplingParams(temperature=2.0, seed=s, allowed_token_ids=allowed) for s in range(60))}
+    assert draws == set(allowed)
+    assert torch.equal(logits, before) and not drawn_on_device(greedy, 50)
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(allowed_token_ids=(1, -2))
+    assert err.value.param == "allowed_token_ids"
+
+
 def test_a_bias_of_minus_100_bans_a_token_whatever_penalties_do_to_the_others():
     """Added, -100 was outweighed once a penalty passed it (found by a helper): it is -inf."""
     logits = torch.zeros(1, 8)

@@ -442,6 +442,23 @@ def test_logit_bias_bans_and_forces_tokens_as_openai_does(server):
         assert said is None or said in err["message"], err
 
 
+def test_allowed_token_ids_are_the_only_tokens_generated(server):
+    """vLLM's allowed_token_ids: every generated token is one of them, sampled or greedy, streamed or not; an
+    empty list, an id past the vocabulary, or one whose every token is banned is a 400 naming the field."""
+    allowed = [ord(c) for c in "ab "]
+    for body in ({"temperature": 1.0, "seed": 4}, {"temperature": 0}):
+        got = complete(server, prompt="Hello", max_tokens=24, allowed_token_ids=allowed, **body)["choices"][0]
+        assert len(got["text"]) == 24 and set(got["text"]) <= set("ab "), got
+        events = sse_events(server, prompt="Hello", max_tokens=24, allowed_token_ids=allowed, **body)
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == got["text"]
+    for bad, said in (({"allowed_token_ids": []}, "at least one"), ({"allowed_token_ids": [256]}, "token id 256"),
+                      ({"allowed_token_ids": [97], "logit_bias": {"97": -100}}, "is banned"),
+                      ({"allowed_token_ids": [97], "stop_token_ids": [97], "min_tokens": 1}, "is banned")):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a", **bad}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "allowed_token_ids" and said in err["message"], (bad, err)
+
+
 def test_openai_sdk_plain_and_streaming(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")

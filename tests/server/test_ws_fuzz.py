@@ -28,7 +28,8 @@ MESSAGES = 500  # at least, and until one completion has run to its end
 FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "logprobs", "echo", "n",
           "best_of", "stream_options", "user", "session_id", "frequency_penalty", "presence_penalty",
           "logit_bias", "suffix", "stream", "repetition_penalty", "min_p", "min_tokens", "ignore_eos",
-          "stop_token_ids", "prompt_logprobs", "skip_special_tokens", "response_format")
+          "stop_token_ids", "prompt_logprobs", "skip_special_tokens", "response_format", "allowed_token_ids",
+          "truncate_prompt_tokens", "include_stop_str_in_output")
 
 
 json_values = st.recursive(

@@ -27,7 +27,7 @@ from server.deps import ws_origin, ws_owner
 from server.errors import classify, error_body, stream_error, unreadable_json, validation_message
 from server.protocol import CompletionRequest
 from server.scheduler import PromptScores
-from txlserve.errors import RouteNotFound, UpgradeRequired
+from txlserve.errors import InvalidRequestError, RouteNotFound, UpgradeRequired
 
 router = APIRouter()
 
@@ -161,19 +161,17 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
     rt = ws.app.state.runtime
     try:
         req = CompletionRequest.model_validate({"stream": True, **msg})  # a bad ``stream`` is refused as over HTTP
+        # refused as a request's own checks are over HTTP (InvalidRequestError: the same code), below
         if req.stream is not True:
-            await ws.send_json(_invalid("a WebSocket completion always streams: leave stream out or set it true",
-                                        "stream"))
-            return
+            raise InvalidRequestError("a WebSocket completion always streams: leave stream out or set it true",
+                                      param="stream")
         options = req.stream_options  # include_usage alone changes nothing here: completion.done has the usage
         if options is not None and options.include_usage and options.continuous_usage_stats:
-            await ws.send_json(_invalid("stream_options.continuous_usage_stats is for SSE streams; a WebSocket's "
-                                        "completion.done carries the usage", "stream_options"))
-            return
+            raise InvalidRequestError("stream_options.continuous_usage_stats is for SSE streams; a WebSocket's "
+                                      "completion.done carries the usage", param="stream_options")
         if (req.n or 1) > 1 or len(the_prompts(req)) > 1:  # n 0 and below: refused as over HTTP
-            await ws.send_json(_invalid("a WebSocket completion has one choice: send one prompt with n 1 (a list "
-                                        "of prompts, or n above 1, over HTTP)", "n" if (req.n or 1) > 1 else "prompt"))
-            return
+            raise InvalidRequestError("a WebSocket completion has one choice: send one prompt with n 1 (a list of "
+                                      "prompts, or n above 1, over HTTP)", param="n" if (req.n or 1) > 1 else "prompt")
         chosen = await choices(rt, req)
         comp = Completion.of(rt, req, chosen[0])
         run = launch(rt, req, chosen[0], who)

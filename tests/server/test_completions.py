@@ -309,6 +309,7 @@ def test_choices_are_refused_where_they_cannot_be_had(server):
             msg = json.loads(ws.recv(timeout=30))
             assert msg["type"] == "error" and msg["error"]["param"] == param and "one choice" in msg["error"][
                 "message"], msg
+            assert (msg["status"], msg["error"]["code"]) == (400, "invalid_request")  # as HTTP's own checks say
 
 
 def test_frequency_penalty_counts_what_the_request_generated(server):

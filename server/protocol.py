@@ -19,7 +19,8 @@ from pydantic_core import PydanticCustomError
 
 # Request bodies: no unknown fields, no coercion, and no NaN or infinity (JSON parsers accept ``NaN``; it failed
 # the bounds checks with a message about the bounds)
-STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
+DESCRIBED = ConfigDict(use_attribute_docstrings=True)  # a field's docstring is its description in /docs
 
 
 def _utf8_text(metadata: dict[str, str] | None) -> dict[str, str] | None:
@@ -39,15 +40,16 @@ Metadata = Annotated[dict[str, str] | None, Field(default=None, max_length=16), 
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
-    # vLLM's: with include_usage, every chunk carries the usage so far (clients count tokens a chunk holds)
+    """A last chunk, before data: [DONE], with the request's usage."""
     continuous_usage_stats: bool = False
+    """vLLM's: with include_usage, every chunk carries the usage so far."""
 
 
 class CompletionRequest(BaseModel):
     """OpenAI's legacy completions body; ``top_k`` and ``session_id`` are txlserve extensions. Each field's
     docstring is its description in /docs and /openapi.json."""
 
-    model_config = ConfigDict(**STRICT, use_attribute_docstrings=True)
+    model_config = STRICT
     model: str
     """The served model's name, as GET /v1/models lists it."""
     prompt: str | list[int] | list[str] | list[list[int]] = ""
@@ -155,29 +157,40 @@ def _all_of(items: list, kind: type) -> bool:
 class SessionCreate(BaseModel):
     model_config = STRICT
     text: str = ""
+    """The session's first text, read into its memory."""
     metadata: Metadata = None
+    """Up to 16 string keys and values, kept with the session."""
 
 
 class SessionAppend(BaseModel):
     model_config = STRICT
     text: str
-    logprobs: int | None = Field(default=None, ge=0, le=20)  # per-token scores of the text, with alternatives
+    """Text read into the session's memory after what it holds, and scored."""
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    """Each token's log-probability and its N likeliest alternatives (0-20)."""
 
 
 class SessionFork(BaseModel):
     model_config = STRICT
     metadata: Metadata = None
+    """The new session's metadata (default: none)."""
 
 
 class SessionObject(BaseModel):
+    model_config = DESCRIBED
     id: str
     object: Literal["session"] = "session"
     model: str
     tokens_seen: int
+    """Tokens read into the session so far: its whole history, however long."""
     mem_len: int
-    bytes: int  # of its record in Redis: hidden states (warm) or the token window alone (cold)
-    tier: Literal["hot", "redis", "cold"]  # hot: on the device; redis: hidden states; cold: token window only
-    window_tokens: int = 0  # its last tokens kept in the record (enough to rebuild it, with any same-tokenizer model)
+    """Tokens the memory keeps at every layer: its fixed size."""
+    bytes: int
+    """Its record in Redis: hidden states (warm), or the token window alone (cold)."""
+    tier: Literal["hot", "redis", "cold"]
+    """hot: on a server's device; redis: hidden states in Redis; cold: the token window only (rebuilt on use)."""
+    window_tokens: int = 0
+    """Its last tokens kept in the record: enough to rebuild it, with any model of the same tokenizer."""
     created_at: int
     last_used_at: int
     metadata: dict[str, Any] = {}
@@ -349,8 +362,10 @@ class TokenizeRequest(BaseModel):
     model_config = STRICT
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True  # accepted for vLLM compatibility: txlserve's tokenizers add none
+    add_special_tokens: bool = True
+    """vLLM's; either value: txlserve's tokenizers add none."""
     return_token_strs: bool = False
+    """Each token's name too, as logprobs name it."""
 
 
 class TokenizeResponse(BaseModel):

@@ -655,8 +655,10 @@ def test_health_ready_metrics_docs(server):
     assert httpx.get(server.url + "/docs").status_code == 200
     schema = httpx.get(server.url + "/openapi.json").json()
     assert schema["info"]["title"] == "txlserve"
-    fields = schema["components"]["schemas"]["CompletionRequest"]["properties"]  # /docs describes every field
-    assert len(fields) > 30 and [name for name, f in fields.items() if not f.get("description")] == []
+    for body in ("CompletionRequest", "StreamOptions", "SessionCreate", "SessionAppend", "SessionFork"):
+        fields = schema["components"]["schemas"][body]["properties"]  # /docs describes every field a client sends
+        assert [name for name, f in fields.items() if not f.get("description")] == [], body
+    assert len(schema["components"]["schemas"]["CompletionRequest"]["properties"]) > 30
     assert httpx.get(server.url + "/static/playground.js").status_code == 200
     text = httpx.get(server.url + "/metrics").text  # Starlette's own routes are named too, a mount by its prefix
     for route in ("/openapi.json", "/static/{path}", "/docs"):

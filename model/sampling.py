@@ -21,6 +21,7 @@ GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as vLLM does
 LOGIT_BIAS_MOST = 100.0  # OpenAI's range for a token's bias: -100 bans it, 100 all but forces it
 LOGIT_BIAS_TOKENS = 1024  # biased tokens a request may name: each is an add on every step's row
 STOP_TOKEN_IDS = 1024  # as many stop tokens
+ALLOWED_TOKEN_IDS = 4096  # allowed tokens: a mask each step builds from them (a body-sized list stalled every stream)
 
 
 def _is_int(x: object) -> bool:
@@ -85,9 +86,10 @@ class SamplingParams:
                                       param="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", ids)
         allowed = tuple(self.allowed_token_ids)  # a list once through JSON
-        if any(not _is_int(t) or t < 0 for t in allowed):
-            raise InvalidRequestError("allowed_token_ids must be token ids", param="allowed_token_ids")
-        object.__setattr__(self, "allowed_token_ids", allowed)
+        if len(allowed) > ALLOWED_TOKEN_IDS or any(not _is_int(t) or t < 0 for t in allowed):
+            raise InvalidRequestError(f"allowed_token_ids must be at most {ALLOWED_TOKEN_IDS} token ids",
+                                      param="allowed_token_ids")
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))  # each once
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens {self.max_tokens}], got "
                                       f"{self.min_tokens!r}", param="min_tokens")

@@ -84,7 +84,8 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
                                   param="max_tokens")
     if req.min_tokens is not None and not 0 <= req.min_tokens <= max_tokens:
         sent = req.max_tokens is not None and "max_tokens" in req.model_fields_set
-        default = "" if sent else " (max_tokens defaults to 16, OpenAI's: send a larger one)"
+        larger = max_tokens < req.min_tokens <= rt.settings.max_tokens_limit  # a larger max_tokens would do
+        default = " (max_tokens defaults to 16, OpenAI's: send a larger one)" if larger and not sent else ""
         raise InvalidRequestError(f"min_tokens must be in [0, max_tokens {max_tokens}], got {shown(req.min_tokens)}"
                                   f"{default}", param="min_tokens")
     if max_tokens == 0 and not req.echo:

@@ -17,6 +17,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from model.sampling import ALLOWED_TOKEN_IDS, STOP_TOKEN_IDS
+
 # Request bodies: no unknown fields, no coercion, and no NaN or infinity (JSON parsers accept ``NaN``; it failed
 # the bounds checks with a message about the bounds)
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
@@ -78,7 +80,7 @@ class CompletionRequest(BaseModel):
     echo: bool | None = False
     """The prompt comes back before the text (with logprobs, scored too)."""
     user: str | None = Field(default=None, max_length=256)
-    """Your end user's id, for the request log."""
+    """Your end user's id: taken, as OpenAI takes it, and not used."""
     session_id: str | None = Field(default=None, min_length=1, max_length=128)
     """txlserve's: continue this session (POST /v1/sessions); the prompt and the generated text join its memory."""
     best_of: int | None = None
@@ -112,9 +114,9 @@ class CompletionRequest(BaseModel):
     """vLLM's; true only."""
     return_tokens_as_token_ids: bool | None = None
     """vLLM's: logprobs name each token token_id:{id}."""
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=STOP_TOKEN_IDS)
     """vLLM's: a generated token among these ends the generation (its text left out)."""
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = Field(default=None, max_length=ALLOWED_TOKEN_IDS)
     """vLLM's: only these tokens may be generated (logprobs stay the model's)."""
     truncate_prompt_tokens: int | None = None
     """vLLM's: each prompt is read from its last k tokens on (k >= 1; -1: the whole prompt)."""
@@ -173,7 +175,7 @@ class SessionAppend(BaseModel):
 class SessionFork(BaseModel):
     model_config = STRICT
     metadata: Metadata = None
-    """The new session's metadata (default: none)."""
+    """The new session's metadata (default: the parent's)."""
 
 
 class SessionObject(BaseModel):

@@ -216,9 +216,11 @@ def test_allowed_token_ids_are_the_only_tokens_drawn_and_the_scores_stay_the_mod
              for p in (SamplingParams(temperature=2.0, seed=s, allowed_token_ids=allowed) for s in range(60))}
     assert draws == set(allowed)
     assert torch.equal(logits, before) and not drawn_on_device(greedy, 50)
-    with pytest.raises(InvalidRequestError) as err:
-        SamplingParams(allowed_token_ids=(1, -2))
-    assert err.value.param == "allowed_token_ids"
+    assert SamplingParams(allowed_token_ids=[7, 3] * 50).allowed_token_ids == (3, 7)  # each once: the mask's size
+    for bad in ((1, -2), (1,) * 4097):  # a body-sized list had built a million-entry mask every step (a review)
+        with pytest.raises(InvalidRequestError) as err:
+            SamplingParams(allowed_token_ids=bad)
+        assert err.value.param == "allowed_token_ids"
 
 
 def test_a_bias_of_minus_100_bans_a_token_whatever_penalties_do_to_the_others():

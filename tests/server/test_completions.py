@@ -445,7 +445,8 @@ def test_logit_bias_bans_and_forces_tokens_as_openai_does(server):
 
 def test_allowed_token_ids_are_the_only_tokens_generated(server):
     """vLLM's allowed_token_ids: every generated token is one of them, sampled or greedy, streamed or not; an
-    empty list, an id past the vocabulary, or one whose every token is banned is a 400 naming the field."""
+    empty list, an id past the vocabulary, more than 4,096 ids, or ids every one of which is banned is a 400 naming
+    the field."""
     allowed = [ord(c) for c in "ab "]
     for body in ({"temperature": 1.0, "seed": 4}, {"temperature": 0}):
         got = complete(server, prompt="Hello", max_tokens=24, allowed_token_ids=allowed, **body)["choices"][0]
@@ -453,6 +454,7 @@ def test_allowed_token_ids_are_the_only_tokens_generated(server):
         events = sse_events(server, prompt="Hello", max_tokens=24, allowed_token_ids=allowed, **body)
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) == got["text"]
     for bad, said in (({"allowed_token_ids": []}, "at least one"), ({"allowed_token_ids": [256]}, "token id 256"),
+                      ({"allowed_token_ids": [97] * 4097}, "at most 4096"),
                       ({"allowed_token_ids": [97], "logit_bias": {"97": -100}}, "is banned"),
                       ({"allowed_token_ids": [97], "stop_token_ids": [97], "min_tokens": 1}, "is banned")):
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a", **bad}, timeout=60)

@@ -138,6 +138,9 @@ class Job:
     # the other choices of the same prompt (a request's n; vLLM's child requests of a parent): they wait while this
     # job reads the prompt, then each takes a copy of its state (:meth:`Scheduler._fan_out`): read once, not n times
     copies: list[Job] = field(default_factory=list)
+    # a copy's: the prompt's state, shared by its copies until each takes a row and a state of its own then (n
+    # choices beyond the free rows wait holding one state between them, not one each)
+    source: DecodeState | None = None
 
     def __post_init__(self) -> None:
         if self.params is not None and self.params.repetition_penalty != 1:
@@ -450,19 +453,35 @@ class Scheduler:
             self.prefilling.append(job)
 
     def _fan_out(self, job: Job) -> list[Job] | None:
-        """``job``'s copies, each given a copy of its state and what it has still to read, and of its timings;
-        None if a copy failed (a device out of memory, say: up to 127 of them), which fails ``job`` and its copies
-        alone."""
+        """``job``'s copies, each given what it has still to read, its timings, and one copy of its state between
+        them (each copies it again as it takes a row: :meth:`_own_states`); None if that copy failed (a device out
+        of memory, say), which fails ``job`` and its copies alone."""
         copies, job.copies = job.copies, []
         try:
-            for other in copies:
-                other.state, other.pending = self.engine.copy_state(job.state), list(job.pending)
-                other.started, other.read = job.started, job.read
+            source = self.engine.copy_state(job.state) if copies else None  # job's own advances in its row
         except Exception as err:
             log.exception("copying a prompt's state for its other choices failed")
             self._fail_each([job, *copies], err)
             return None
+        for other in copies:
+            other.source, other.pending = source, list(job.pending)
+            other.started, other.read = job.started, job.read
         return copies
+
+    def _own_states(self, joining: list[Job]) -> list[Job]:
+        """``joining``, each prompt's copy among them given a state of its own as it takes a row; one whose copy
+        failed is failed, alone, and left out."""
+        ready = []
+        for job in joining:
+            if job.state is None:
+                try:
+                    job.state, job.source = self.engine.copy_state(job.source), None
+                except Exception as err:
+                    log.exception("copying a prompt's state for one of its choices failed")
+                    self._finish(job, JobFailed(err))
+                    continue
+            ready.append(job)
+        return ready
 
     def _fail_each(self, jobs: list[Job], err: BaseException) -> None:
         for job in jobs:
@@ -518,6 +537,8 @@ class Scheduler:
         copies = self._fan_out(job)
         for each in (job, *copies) if copies is not None else ():  # the other choices start where it ends
             each.score = job.score
+            if each.params is None:  # scored alone, ending now: the prompt's state is theirs too (never stored)
+                each.state = job.state
             if job.prompt_logprobs is not None:
                 self._emit(each, job.prompt_scores)
             if each.params is None:
@@ -532,6 +553,8 @@ class Scheduler:
         exported (the session that joined; a copy where the table copies sessions in)."""
         # int() of a device's count waits for the step just queued (a GPU's overlapped steps): once a request, and
         # by then the host's own work for the step has mostly outlasted it
+        if row is None and job.state is None:  # a prompt's copy that left before it took a row: nothing of its own
+            return Finished(None, 0 if job.source is None else int(job.source.seen[0]), reason)
         if job.pending:  # left while its prompt was still being fed: a partial prompt is never stored
             return Finished(None, int(job.state.seen[0]) if row is None else self.slots.seen_at(row), reason)
         state = job.state if row is None else self.slots.export(row)
@@ -563,7 +586,8 @@ class Scheduler:
                 continue
             joining.append(job)
         first = len(self.running)
-        for job in sorted(joining, key=lambda j: len(j.pending)):  # prompts of one length in adjacent rows
+        for job in sorted(self._own_states(joining), key=lambda j: len(j.pending)):  # prompts of one length in
+            # adjacent rows
             self.slots.join(job.state)
             job.start()
             job.state = None  # the row is its state now

@@ -839,11 +839,12 @@ def test_on_a_graphed_table_a_request_is_drawn_where_it_always_is_whatever_its_b
 LONG = "A prompt long enough to be read in several chunks of prefill, not in the decode batch. " * 2
 
 
-def _choices(engine, ids, params, *, together: bool, start_first: bool = True, cancel=(), feed=None, **kw):
+def _choices(engine, ids, params, *, together: bool, start_first: bool = True, cancel=(), feed=None, copy=None,
+             **kw):
     """Each of ``params``' runs of prompt ``ids``: all submitted together (the first with the rest as its
     ``copies``) or one after another, on a new scheduler; each run's items (or the error it ended with), and the
-    prompt tokens the loop read. ``cancel``: the runs cancelled before the loop starts; ``feed``: the engine's
-    prefill replaced."""
+    prompt tokens the loop read. ``cancel``: the runs cancelled before the loop starts; ``feed``, ``copy``: the
+    engine's prefill, its copy of a state, replaced."""
 
     async def main():
         scheduler = Scheduler(engine, prefill_chunk=64)
@@ -851,6 +852,8 @@ def _choices(engine, ids, params, *, together: bool, start_first: bool = True, c
             scheduler.start()
         if feed is not None:
             engine.feed = feed
+        if copy is not None:
+            engine.copy_state = copy
         try:
             if together:
                 first = scheduler.submit(engine.new_state(), ids, params[0], copies=[(p, None) for p in params[1:]],
@@ -868,6 +871,8 @@ def _choices(engine, ids, params, *, together: bool, start_first: bool = True, c
             scheduler.stop()
             if feed is not None:
                 del engine.feed
+            if copy is not None:
+                del engine.copy_state
 
     return asyncio.run(main())
 
@@ -914,6 +919,48 @@ def test_a_copy_holds_no_copy_of_the_prompt_until_it_takes_the_state(engine):
     ids, job, copies = asyncio.run(main())
     assert [c.pending for c in copies] == [[], []] and copies[0].state is None
     assert copies[0].prompt is job.prompt == set(ids) and copies[1].prompt == set()
+
+
+def test_choices_waiting_for_a_row_share_one_state_and_take_their_own_as_they_join(engine):
+    """n choices beyond the free rows had each held a state while they waited: they share one copy of the
+    prompt's state until each takes a row, and then generate what they do alone."""
+    ids, greedy = engine.encode(LONG), SamplingParams(max_tokens=6, temperature=0)
+    want = _tokens(_choices(engine, ids, [greedy], together=False)[0][0])
+
+    async def main():
+        scheduler = Scheduler(engine, max_batch=1, prefill_chunk=64)  # one row: the first choice holds it
+        scheduler.start()
+        try:
+            first = scheduler.submit(engine.new_state(), ids, UNTIL_STOPPED, copies=[(greedy, None)] * 2)
+            it = first.__aiter__()
+            assert isinstance(await it.__anext__(), TokenEvent)  # generating in the only row
+            waiting = list(scheduler.ready)
+            assert [j.state for j in waiting] == [None, None] and waiting[0].source is waiting[1].source
+            assert int(waiting[0].source.seen[0]) == len(ids)
+            first.cancel()
+            async for _ in it:
+                pass
+            return [_tokens(await _items(c)) for c in first.copies]
+        finally:
+            scheduler.stop()
+
+    assert asyncio.run(main()) == [want, want]
+
+
+def test_a_choice_whose_own_state_cannot_be_made_as_it_joins_fails_alone(engine):
+    ids, greedy = engine.encode(LONG), SamplingParams(max_tokens=6, temperature=0)
+    want = _tokens(_choices(engine, ids, [greedy], together=False)[0][0])
+    calls, copy_state = [], engine.copy_state
+
+    def second_fails(state):  # the first copies the prompt's state for the choices; the second is one's own
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (simulated)")
+        return copy_state(state)
+
+    got, _ = _choices(engine, ids, [greedy] * 3, together=True, copy=second_fails)
+    assert _tokens(got[0]) == want and sum(isinstance(g, RuntimeError) for g in got[1:]) == 1
+    assert [_tokens(g) for g in got[1:] if not isinstance(g, RuntimeError)] == [want]
 
 
 def test_a_prompts_choices_scored_share_the_scores_of_one_read(engine):

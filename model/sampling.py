@@ -250,8 +250,8 @@ def _inverse_cdf(x: Tensor, u: Tensor) -> Tensor:
 
 
 def drawn_on_device(params: SamplingParams, vocab: int) -> bool:
-    """Whether a request's tokens can be drawn by :func:`sample_on_device`: temperature alone, no ``top_k``,
-    ``top_p``, ``min_p``, ``logit_bias``, penalties or logprobs (which need the scores on the host)."""
+    """Whether a request's tokens can be drawn by :func:`sample_on_device`: temperature alone (:func:`_plain`)
+    and no logprobs (which need the scores on the host)."""
     return _plain(params, vocab) and params.logprobs is None
 
 

@@ -108,8 +108,10 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
         if params.allowed_token_ids:
             raise InvalidRequestError("every token of allowed_token_ids is banned (by logit_bias -100, or as a stop "
                                       "token min_tokens holds back)", param="allowed_token_ids")
-        raise InvalidRequestError("min_tokens holds back the stop_token_ids, and they (with logit_bias's bans) are "
-                                  "every token of the vocabulary", param="min_tokens")
+        if held:
+            raise InvalidRequestError("min_tokens holds back the stop_token_ids, and they (with logit_bias's bans) "
+                                      "are every token of the vocabulary", param="min_tokens")
+        raise InvalidRequestError("logit_bias bans every token of the vocabulary (-100 bans one)", param="logit_bias")
     return None if max_tokens == 0 else params
 
 
@@ -150,9 +152,7 @@ def logit_bias(rt: Runtime, bias: dict[str, float] | None) -> tuple[tuple[int, f
             raise InvalidRequestError(f"logit_bias: {key[:40]!r} is not a token id of this model's vocabulary "
                                       f"[0, {vocab}) (keys are token ids, as /tokenize gives them)", param="logit_bias")
         pairs.append((token, value))
-    if sum(value <= -100 for _, value in pairs) >= vocab:  # a ban is -inf: there would be nothing left to draw
-        raise InvalidRequestError("logit_bias bans every token of the vocabulary (-100 bans one)", param="logit_bias")
-    return tuple(pairs)  # each bias's range is SamplingParams's to check
+    return tuple(pairs)  # each bias's range is SamplingParams's to check; bans of every token: sampling_params
 
 
 def the_prompts(req: CompletionRequest) -> list[str | list[int]]:

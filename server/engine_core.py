@@ -399,7 +399,7 @@ class _Core:
             spec.ids = ids_from(blob)
             spec.params = None if head["params"] is None else SamplingParams(**head["params"])
             for copy, (_, params) in zip(copies, head.get("copies", ())):
-                copy.ids, copy.params = spec.ids, None if params is None else SamplingParams(**params)
+                copy.params = None if params is None else SamplingParams(**params)
             spec.copies = copies
             if spec.key is not None:
                 hot = self.hot.take(*spec.key)

@@ -232,7 +232,7 @@ class Scheduler:
         self.steps = 0
         self.generated = 0  # tokens accepted (each request's generated tokens)
         self.prompt_tokens_in_batch = 0  # prompt tokens read in the decode table as rows joined, not by prefill
-        self.prompt_tokens = 0  # prompt tokens read, either way (a prompt a request's n choices share: once)
+        self.prompt_tokens_prefilled = 0  # and by prefill
         self._outbox: list[tuple[Job, asyncio.Queue, Any]] = []  # items and their queues, handed over per iteration
         self._stop = threading.Event()
         self.warmed = threading.Event()  # set once the engine thread has traced or captured its steps
@@ -248,6 +248,11 @@ class Scheduler:
     @property
     def batch_size(self) -> int:
         return len(self.running)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens read, either way (a prompt a request's n choices share: once)."""
+        return self.prompt_tokens_in_batch + self.prompt_tokens_prefilled
 
     @property
     def waiting(self) -> int:
@@ -523,7 +528,7 @@ class Scheduler:
                 job.score = Score(job.score.tokens + part.tokens, job.score.logprob + part.logprob)
             elif chunk:
                 self.engine.feed(job.state, chunk)
-            self.prompt_tokens += len(chunk)
+            self.prompt_tokens_prefilled += len(chunk)
         except Exception as err:
             log.exception("prefill failed")
             self.prefilling.popleft()
@@ -537,11 +542,10 @@ class Scheduler:
         copies = self._fan_out(job)
         for each in (job, *copies) if copies is not None else ():  # the other choices start where it ends
             each.score = job.score
-            if each.params is None:  # scored alone, ending now: the prompt's state is theirs too (never stored)
-                each.state = job.state
             if job.prompt_logprobs is not None:
                 self._emit(each, job.prompt_scores)
-            if each.params is None:
+            if each.params is None:  # scored alone, ending now: the prompt's state is theirs too (never stored)
+                each.state = job.state
                 self._finish(each, self._done(each, None, None))
             else:
                 self._generation(each)
@@ -554,7 +558,7 @@ class Scheduler:
         # int() of a device's count waits for the step just queued (a GPU's overlapped steps): once a request, and
         # by then the host's own work for the step has mostly outlasted it
         if row is None and job.state is None:  # a prompt's copy that left before it took a row: nothing of its own
-            return Finished(None, 0 if job.source is None else int(job.source.seen[0]), reason)
+            return Finished(None, int(job.source.seen[0]), reason)
         if job.pending:  # left while its prompt was still being fed: a partial prompt is never stored
             return Finished(None, int(job.state.seen[0]) if row is None else self.slots.seen_at(row), reason)
         state = job.state if row is None else self.slots.export(row)
@@ -586,8 +590,8 @@ class Scheduler:
                 continue
             joining.append(job)
         first = len(self.running)
-        for job in sorted(self._own_states(joining), key=lambda j: len(j.pending)):  # prompts of one length in
-            # adjacent rows
+        joining = self._own_states(joining)  # a prompt's copies take their own states here
+        for job in sorted(joining, key=lambda j: len(j.pending)):  # prompts of one length in adjacent rows
             self.slots.join(job.state)
             job.start()
             job.state = None  # the row is its state now
@@ -623,9 +627,7 @@ class Scheduler:
                         tokens = torch.tensor([job.pending for job in group], device=self.engine.device)  # [k, length]
                         self.engine.decoder.advance(rows, tokens)
                     self.slots.stepped(rows, r)
-                    read = sum(len(job.pending) for job in group)
-                    self.prompt_tokens_in_batch += read
-                    self.prompt_tokens += read
+                    self.prompt_tokens_in_batch += sum(len(job.pending) for job in group)
             except Exception as err:  # a pass touches only its group's rows: only that group fails
                 log.exception("reading prompts failed")
                 failed.update((i, err) for i in range(r, end))
@@ -803,6 +805,5 @@ class Scheduler:
                 n = len(job.pending) if whole else 1
                 del job.pending[:n]
                 self.prompt_tokens_in_batch += n
-                self.prompt_tokens += n
                 if not job.pending:
                     job.prompt_read()

@@ -320,18 +320,21 @@ class Engine:
                 self.decoder.step(state, torch.tensor([[event.token]], device=self.device))
 
     @torch.no_grad()
-    def token_scores(self, state: DecodeState, ids: list[int], top_n: int, rows: int = 256) -> ScoredTokens:
+    def token_scores(self, state: DecodeState, ids: list[int], top_n: int, rows: int = 256,
+                     ranks: bool = False) -> ScoredTokens:
         """Feed ``ids`` and score each one as OpenAI's ``echo`` with ``logprobs`` does: its log-probability
         given everything before it and the ``top_n`` likeliest tokens there; none for a first token with nothing
-        before it. Scores are computed ``rows`` positions at a time (a word model's table is wide)."""
+        before it. Scores are computed ``rows`` positions at a time (a word model's table is wide). ``ranks``:
+        each token's rank in the vocabulary too (vLLM's ``prompt_logprobs``)."""
         if not ids:
             return ScoredTokens()
         prev = state.last_logits[0].clone() if int(state.seen[0]) > 0 else None  # [vocab]
         h = self.feed(state, ids)  # [n, d_model]
-        out = ScoredTokens.of([(None, [])]) if prev is None else rows_logprobs(prev[None], ids[:1], top_n)
+        out = (ScoredTokens.of([(None, [])], [0] if ranks else None) if prev is None
+               else rows_logprobs(prev[None], ids[:1], top_n, ranks))
         for lo in range(0, len(ids) - 1, rows):
             logits = self.logits(h[lo:lo + rows][: len(ids) - 1 - lo])  # [r, vocab]: predicts ids[lo+1 ..]
-            out.extend(rows_logprobs(logits, ids[lo + 1:lo + 1 + len(logits)], top_n))
+            out.extend(rows_logprobs(logits, ids[lo + 1:lo + 1 + len(logits)], top_n, ranks))
         return out
 
     @torch.no_grad()

@@ -45,9 +45,7 @@ def check_model(rt: Runtime, model: str) -> None:
 
 # OpenAI's and vLLM's parameters this server takes at the value that changes nothing, and only there
 _NEUTRAL = (("use_beam_search", False), ("skip_special_tokens", True),
-            ("spaces_between_special_tokens", True), ("prompt_logprobs", None),
-            ("response_format", None))
-_INSTEAD = {"prompt_logprobs": "echo with logprobs scores the prompt"}
+            ("spaces_between_special_tokens", True), ("response_format", None))
 
 
 MAX_CHOICES = 128  # OpenAI's most for ``n``; here for all a request's choices (prompts x n)
@@ -61,8 +59,7 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
     for name, neutral in _NEUTRAL:
         if getattr(req, name) not in (None, neutral):
             only = "" if neutral is None else f" (only {json.dumps(neutral)})"
-            instead = f"; {_INSTEAD[name]}" if name in _INSTEAD else ""
-            raise InvalidRequestError(f"{name} is not supported{only}{instead}", param=name)
+            raise InvalidRequestError(f"{name} is not supported{only}", param=name)
     if req.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
@@ -88,9 +85,16 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
         default = " (max_tokens defaults to 16, OpenAI's: send a larger one)" if larger and not sent else ""
         raise InvalidRequestError(f"min_tokens must be in [0, max_tokens {max_tokens}], got {shown(req.min_tokens)}"
                                   f"{default}", param="min_tokens")
-    if max_tokens == 0 and not req.echo:
+    if req.prompt_logprobs == -1:  # vLLM's "every token", refused past its --max-logprobs (20) as here
+        raise InvalidRequestError(f"prompt_logprobs -1 asks for all {vocabulary(rt):,} tokens of the vocabulary at "
+                                  f"every prompt token; at most 20 alternatives are given", param="prompt_logprobs")
+    if req.stream and req.prompt_logprobs:  # 0 is taken, and gives nothing in a stream, as vLLM's
+        raise InvalidRequestError("prompt_logprobs are not available when stream is true (they come in a JSON "
+                                  "body's choices); echo with logprobs streams the prompt's scores",
+                                  param="prompt_logprobs")
+    if max_tokens == 0 and not req.echo and prompt_ranked(req) is None:
         raise InvalidRequestError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo true (and "
-                                  "logprobs for its tokens' scores)", param="max_tokens")
+                                  "logprobs for its tokens' scores) or prompt_logprobs", param="max_tokens")
     params = SamplingParams(max_tokens=max_tokens or 1, temperature=1.0 if req.temperature is None else
                             req.temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                             seed=req.seed, stop=tuple(stop), logprobs=req.logprobs,  # each field checked
@@ -113,6 +117,12 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
                                       "are every token of the vocabulary", param="min_tokens")
         raise InvalidRequestError("logit_bias bans every token of the vocabulary (-100 bans one)", param="logit_bias")
     return None if max_tokens == 0 else params
+
+
+def prompt_ranked(req: CompletionRequest) -> int | None:
+    """vLLM's ``prompt_logprobs`` as this request gets them (alternatives a token), None if it does not: a
+    stream has none (its 0 is taken, as vLLM takes it)."""
+    return None if req.stream else req.prompt_logprobs
 
 
 def vocabulary(rt: Runtime) -> int:
@@ -230,7 +240,7 @@ async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
     prompts = the_prompts(req)
     n, limit = how_many(req, len(prompts), rt.most_runs), rt.settings.max_prompt_bytes
     keep = truncated_to(req.truncate_prompt_tokens)
-    out, values, read = [], 0, 0
+    out, values, read, ranked = [], 0, 0, 0
     inline = sum(len(p) for p in prompts) <= _ENCODE_INLINE  # texts' characters, or ids
     for p, prompt in enumerate(prompts):
         name = f"prompt[{p}]" if len(prompts) > 1 else "prompt"  # which of a batch's
@@ -247,9 +257,10 @@ async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
         echoed = (prompt if isinstance(prompt, str) and not cut else await ids_text(rt, ids)) if req.echo else ""
         spaced = params and replace(params, after_space=isinstance(prompt, str) and after_space(prompt))
         values += n * ((len(ids) if req.echo else 0) + (params.max_tokens if params else 0))
+        ranked += n * len(ids)  # every choice carries its prompt's prompt_logprobs
         out += [Choice(len(out) + j, prompt, ids, spaced and replace(spaced, seed=_seed(spaced.seed, j)), echoed, j)
                 for j in range(n)]
-    check_logprobs_values(rt, values, req.logprobs)
+    check_logprobs_values(rt, values, req.logprobs, ranked, prompt_ranked(req))
     return out
 
 
@@ -257,10 +268,11 @@ def launch(rt: Runtime, req: CompletionRequest, choice: Choice, owner: str | Non
            shared: Shared | None = None) -> Run:
     """Start a choice's run: it reads the prompt (scored with ``echo`` and ``logprobs``) and generates;
     ``shared`` by its prompt's other choices, it reads the prompt once for all of them."""
-    scored = req.logprobs if req.echo and req.logprobs is not None and choice.ids else None
+    asked = (req.logprobs if req.echo else None, ranked := prompt_ranked(req))  # one scoring serves both
+    top = max((k for k in asked if k is not None), default=None)
     return Run(rt, ids=choice.ids, params=choice.params, owner=owner, session_id=req.session_id,
-               prompt_logprobs=scored, session_param="session_id",
-               scored=choice.params is not None,  # max_tokens 0: no log-likelihood wanted
+               prompt_logprobs=top if choice.ids else None, prompt_ranks=ranked is not None,
+               session_param="session_id", scored=choice.params is not None,  # max_tokens 0: no log-likelihood wanted
                shared=shared)
 
 
@@ -298,17 +310,24 @@ def checked_ids(rt: Runtime, ids: list[int], limit: int, name: str = "prompt") -
     return list(ids)
 
 
-def check_logprobs_values(rt: Runtime, tokens: int, logprobs: int | None) -> None:
+def check_logprobs_values(rt: Runtime, tokens: int, logprobs: int | None, prompt_tokens: int = 0,
+                          prompt_logprobs: int | None = None) -> None:
     """Refuse a response of more log-probabilities than ``--max-logprobs-values``, before anything is read: 20
     alternatives for each token of a long scored prompt made a response 500 times the request's size, gigabytes
-    held while it was built and sent (found by a helper)."""
+    held while it was built and sent (found by a helper). ``prompt_tokens`` with ``prompt_logprobs``: vLLM's, in
+    every choice too; the larger part is named."""
     limit = rt.settings.max_logprobs_values
-    if logprobs is None or tokens * (1 + logprobs) <= limit:
+    asked = [(name, k, t) for name, k, t in (("logprobs", logprobs, tokens),
+                                             ("prompt_logprobs", prompt_logprobs, prompt_tokens)) if k is not None]
+    total = sum(t * (1 + k) for _, k, t in asked)
+    if total <= limit:
         return
+    name, k, t = max(asked, key=lambda a: a[2] * (1 + a[1]))
+    both = f" ({total:,} with {'prompt_logprobs' if name == 'logprobs' else 'logprobs'}'s)" if len(asked) > 1 else ""
     raise InvalidRequestError(
-        f"logprobs {logprobs} for {tokens:,} tokens is {tokens * (1 + logprobs):,} log-probabilities, over this "
-        f"server's limit of {limit:,} (--max-logprobs-values): score at most {limit // (1 + logprobs):,} tokens at "
-        f"a time (append a long text in parts), or ask for fewer alternatives", param="logprobs")
+        f"{name} {k} for {t:,} tokens is {t * (1 + k):,} log-probabilities{both}, over this server's limit of "
+        f"{limit:,} (--max-logprobs-values): score at most {t * limit // total:,} tokens at a time (append a long "
+        f"text in parts), or ask for fewer alternatives", param=name)
 
 
 def text_start(decoder: codecs.IncrementalDecoder, data: bytes, chars: int) -> tuple[int, int]:
@@ -327,16 +346,20 @@ def text_start(decoder: codecs.IncrementalDecoder, data: bytes, chars: int) -> t
 
 
 def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores,
-                    text: str | None = None, name: Callable[[int], str] | None = None) -> CompletionLogprobs:
+                    text: str | None = None, name: Callable[[int], str] | None = None,
+                    top: int | None = None) -> CompletionLogprobs:
     """Scored prompt (or appended) tokens in OpenAI's logprobs shape: the first entry is null when nothing
     precedes it; offsets count characters from the start of ``text``, the text the ids were read from (echoed as
     it was sent), else of the ids' decoded text (a token-id prompt's echo). ``name``: a token's (default: the
-    tokenizer's)."""
+    tokenizer's). ``top``: the alternatives to give, when the scores have more (vLLM's ``prompt_logprobs`` asked
+    for more than ``logprobs``)."""
     name = name or tokenizer.token_name
     out = CompletionLogprobs.model_construct(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for token, (lp, alts) in zip(ids, scores.entries(), strict=True):
         out.tokens.append(name(token))
         out.token_logprobs.append(lp)
+        if lp is not None and top is not None and len(alts) > top:  # the token itself stays among them
+            alts = alts[:top] + ([] if any(t == token for t, _ in alts[:top]) else [(token, lp)])
         out.top_logprobs.append(None if lp is None else {name(t): v for t, v in alts})
     if text is not None and len(offsets := tokenizer.offsets(text)) == len(ids):
         out.text_offset = offsets
@@ -347,6 +370,29 @@ def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores,
         out.text_offset.append(start)
         prev = token
     return out
+
+
+def ranked_json(ids: list[int], scores: PromptScores, top: int, name: Callable[[int], str]) -> str:
+    """vLLM's ``prompt_logprobs`` as JSON: for each token (null for a first one), its own entry (log-probability,
+    rank, text) then its ``top`` likeliest alternatives' (ranks 1 to ``top``), keyed by token id; an alternative
+    that is the token itself takes its place, as vLLM's dict does. Rendered :data:`SPLICE_ROWS` tokens at a time
+    (call it through :func:`off_loop`), the same JSON as ``CompletionChoice.prompt_logprobs`` renders whole."""
+    parts, at, entries = [], 0, scores.entries()
+    while at < len(ids):
+        rows: list[dict[str, dict[str, Any]] | None] = []
+        for i in range(at, min(at + SPLICE_ROWS, len(ids))):
+            lp, alts = next(entries)
+            if lp is None:
+                rows.append(None)
+                continue
+            token = ids[i]
+            row = {str(token): {"logprob": lp, "rank": scores.ranks[i], "decoded_token": name(token)}}
+            for rank, (t, v) in enumerate(alts[:top], 1):
+                row[str(t)] = {"logprob": v, "rank": rank, "decoded_token": name(t)}
+            rows.append(row)
+        parts.append(pydantic_dumps(rows)[1:-1])
+        at += len(rows)
+    return "[" + ",".join(parts) + "]"
 
 
 async def off_loop(rows: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -402,6 +448,7 @@ class Completion:
     tops: list[dict[str, float]] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     prev: int | None = None  # the prompt's last token, as the engine's generation had it (a word's spacing)
+    ranked: str | None = None  # vLLM's prompt_logprobs, as JSON (:func:`ranked_json`), once the prompt is scored
     _template: tuple[str, str] | None = field(default=None, repr=False)
     _decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"), repr=False)
@@ -447,17 +494,20 @@ class Completion:
         """Text released without a token of its own (what a cancelled generation held back)."""
         self.pieces.append(text)
 
-    def add_prompt(self, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
-        """The echoed prompt's logprobs, first in the choice; the piece for a stream chunk. Call it through
-        :func:`off_loop`."""
+    def add_prompt(self, ids: list[int], scores: PromptScores) -> None:
+        """The prompt's scores: vLLM's ``prompt_logprobs``, and with ``echo`` the prompt's logprobs, first in the
+        choice. Call it through :func:`off_loop`."""
+        if (top := prompt_ranked(self.req)) is not None:
+            self.ranked = ranked_json(ids, scores, top, self.token_name)
+        if not self.req.echo or self.req.logprobs is None:
+            return
         piece = self._scored_prompt(ids, scores)
         self.lps[:0], self.tops[:0], self.offsets[:0] = piece.token_logprobs, piece.top_logprobs, piece.text_offset
         self.tokens[:0] = ids
-        return piece
 
     def _scored_prompt(self, ids: list[int], scores: PromptScores) -> CompletionLogprobs:
         return prompt_logprobs(self.tokenizer, ids, scores, self.echoed if self.text_prompt else None,
-                               self.token_name)
+                               self.token_name, self.req.logprobs)
 
     def token_name(self, token: int) -> str:
         """A token as logprobs name it: the tokenizer's name, or with vLLM's ``return_tokens_as_token_ids``
@@ -525,8 +575,12 @@ class Completion:
         """The choice's JSON in the body (:func:`body_bytes`: call it through :func:`off_loop`)."""
         choice = CompletionChoice(index=self.index, text=self.text, logprobs=self.logprobs(),
                                   finish_reason=self.finish(final))
-        return body_bytes(lambda: choice.model_dump_json().encode(), choice.logprobs,
+        body = body_bytes(lambda: choice.model_dump_json(exclude={"prompt_logprobs"}).encode(), choice.logprobs,
                           lambda empty: setattr(choice, "logprobs", empty))
+        if prompt_ranked(self.req) is None:
+            return body
+        # the last field; a choice with no prompt tokens (a session's empty one) scored none
+        return body[:-1] + b',"prompt_logprobs":' + (self.ranked or "[]").encode() + b"}"
 
     def prompt_piece(self, ids: list[int], scores: PromptScores, dumps: Callable[[Any], str], *,
                      usage: dict[str, int] | None = None, delta: bool = False) -> str:

@@ -127,6 +127,7 @@ class _Spec:
     prompt_logprobs: int | None
     persist: bool  # export what the server commits, and keep the state for its ``keep``
     scored: bool = True  # without params: score the text (an append), or only read it (max_tokens 0)
+    prompt_ranks: bool = False  # each scored token's rank in the vocabulary too (vLLM's prompt_logprobs)
     window: list[int] | None = None
     window_span: int = 0  # the stored session's (its header's): what its window is cut to, at least
     tokens_before: int = 0
@@ -386,11 +387,13 @@ class _Core:
     # -- requests ------------------------------------------------------------------------------------------
     def _on_run(self, head: dict[str, Any], blob: bytes) -> None:
         key = (head["key"][0], tuple(head["key"][1])) if head["key"] else None  # JSON made the revision a list
-        spec = _Spec(head["rid"], key, [], None, head["prompt_logprobs"], head["persist"], head.get("scored", True))
+        spec = _Spec(head["rid"], key, [], None, head["prompt_logprobs"], head["persist"], head.get("scored", True),
+                     prompt_ranks=head.get("prompt_ranks", False))
         spec.window_span = head.get("window_span", 0)
         self.specs[spec.rid] = spec  # first: whatever fails below is answered (_fail)
         n = len(self.conns)
-        copies = [_Spec(rid * n + head["from"], None, [], None, spec.prompt_logprobs, False, spec.scored)
+        copies = [_Spec(rid * n + head["from"], None, [], None, spec.prompt_logprobs, False, spec.scored,
+                        prompt_ranks=spec.prompt_ranks)
                   for rid, _ in head.get("copies", ())]  # the prompt's other choices: each answered on its own
         self.specs.update((copy.rid, copy) for copy in copies)
         try:
@@ -446,13 +449,14 @@ class _Core:
     def _submit(self, spec: _Spec, state: Any) -> None:
         spec.restore_s = time.monotonic() - spec.started
         self.scheduler.check(state, spec.ids, spec.params)
-        self._enqueue(spec, state, spec.ids, spec.params, scored=spec.scored, prompt_logprobs=spec.prompt_logprobs)
+        self._enqueue(spec, state, spec.ids, spec.params, scored=spec.scored, prompt_logprobs=spec.prompt_logprobs,
+                      prompt_ranks=spec.prompt_ranks)
 
     def _enqueue(self, spec: _Spec, state: Any, ids: list[int], params: SamplingParams | None, *, scored: bool,
-                 prompt_logprobs: int | None) -> None:
+                 prompt_logprobs: int | None, prompt_ranks: bool = False) -> None:
         last = ids[-1] if ids else spec.window[-1] if spec.window else None  # an empty prompt: the session's last
         job = Job(state, list(ids), params, self, _Box(spec), None, prev=last,  # type: ignore[arg-type]
-                  scored=scored, prompt_logprobs=prompt_logprobs)
+                  scored=scored, prompt_logprobs=prompt_logprobs, prompt_ranks=prompt_ranks)
         # copies are a new state's, enqueued as their run message is read: never cancelled and answered below
         jobs = [(spec, job), *((copy, job.add_copy(copy.params, self, _Box(copy))) for copy in spec.copies)]
         spec.copies = []
@@ -918,7 +922,8 @@ class EngineCore:
 
     def submit(self, ids: list[int], params: SamplingParams | None, *, key: tuple[str, Revision] | None = None,
                history: tuple[list[int], int] | None = None, persist: bool, prompt_logprobs: int | None = None,
-               scored: bool = True, stream: asyncio.Queue | None = None, window_span: int = 0,
+               prompt_ranks: bool = False, scored: bool = True, stream: asyncio.Queue | None = None,
+               window_span: int = 0,
                copies: Sequence[tuple[SamplingParams | None, asyncio.Queue | None]] = ()) -> CoreRequest:
         """Start a request in the engine: on session ``key`` (id, revision) or a new state (``history``: a
         window to rebuild from, and its tokens_seen); ``persist``: it ends with what to commit. ``copies``: the
@@ -934,7 +939,8 @@ class EngineCore:
         try:
             self.send({"op": "run", "rid": rid, "key": list(key) if key else None,
                        "params": None if params is None else asdict(params), "prompt_logprobs": prompt_logprobs,
-                       "history": list(history) if history else None, "persist": persist, "scored": scored,
+                       "prompt_ranks": prompt_ranks, "history": list(history) if history else None,
+                       "persist": persist, "scored": scored,
                        "window_span": window_span,
                        "copies": [[c.rid, None if p is None else asdict(p)] for c, (p, _) in zip(req.copies, copies)]},
                       lambda: ids_blob(ids))

@@ -58,7 +58,8 @@ class CompletionRequest(BaseModel):
     """Text, token ids, or a list of either (a batch: a choice for each prompt, times n); with session_id, the text
     that continues the session."""
     max_tokens: int | None = Field(default=16)
-    """Tokens to generate, at most the server's --max-tokens-limit; 0 with echo scores the prompt alone."""
+    """Tokens to generate, at most the server's --max-tokens-limit; 0 with echo or prompt_logprobs scores the prompt
+    alone."""
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
     """0 draws the likeliest token; higher draws more freely."""
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
@@ -120,8 +121,9 @@ class CompletionRequest(BaseModel):
     """vLLM's: only these tokens may be generated (logprobs stay the model's)."""
     truncate_prompt_tokens: int | None = None
     """vLLM's: each prompt is read from its last k tokens on (k >= 1; -1: the whole prompt)."""
-    prompt_logprobs: int | None = None
-    """vLLM's; null only: echo with logprobs scores the prompt."""
+    prompt_logprobs: int | None = Field(default=None, ge=-1, le=20)
+    """vLLM's: each prompt token's log-probability and rank, with its N likeliest alternatives (0-20), in a JSON
+    body's choices (not in streams, as vLLM's)."""
     response_format: dict[str, Any] | None = None
     """Null only."""
 
@@ -255,11 +257,23 @@ def spliced(shell: Callable[[CompletionLogprobs], str], logprobs: CompletionLogp
     return "".join(parts)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``: a token's log-probability where it stood, its rank in the vocabulary
+    there (1: the likeliest) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # vLLM's, only when asked for: for each prompt token (null for a first one with nothing before it), its own
+    # entry then its alternatives', keyed by token id
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -279,11 +293,14 @@ class SessionRef(BaseModel):
     rebuilt: bool | None = None  # true when its state was rebuilt from its token window; absent otherwise
 
 
-def _exclude(**fields: Any) -> dict[str, Any]:
-    """``exclude=`` for model_dump: the top-level fields that are None, and a session's ``rebuilt`` unless set."""
+def _exclude(choices: list[CompletionChoice] | None = None, **fields: Any) -> dict[str, Any]:
+    """``exclude=`` for model_dump: the top-level fields that are None, a session's ``rebuilt`` unless set, and
+    the ``choices``' ``prompt_logprobs`` unless asked for (OpenAI's shape has none)."""
     out: dict[str, Any] = {k: True for k, v in fields.items() if v is None}
     if fields.get("session") is not None and fields["session"].rebuilt is None:
         out["session"] = {"rebuilt": True}
+    if choices is not None and all(choice.prompt_logprobs is None for choice in choices):
+        out["choices"] = {"__all__": {"prompt_logprobs"}}
     return out
 
 
@@ -303,13 +320,14 @@ class CompletionObject(BaseModel):
     def dump(self, *, usage_null: bool = False) -> dict[str, Any]:
         """OpenAI's shape: ``session`` only when there is one, ``usage`` only when known (or, ``usage_null``, as
         null: a stream's chunks with ``include_usage``, as OpenAI sends them)."""
-        return self.model_dump(exclude=_exclude(session=self.session, usage=self.usage or usage_null or None))
+        return self.model_dump(exclude=_exclude(self.choices, session=self.session,
+                                                usage=self.usage or usage_null or None))
 
     def dump_json(self) -> bytes:
         """:meth:`dump` as JSON, by pydantic's serializer in Rust: a dict returned to FastAPI is walked value by
         value in Python first (``jsonable_encoder``), which held the event loop 4.4 s for the logprobs of a
         50,000-token echoed prompt (every stream and /health waited)."""
-        return self.model_dump_json(exclude=_exclude(session=self.session, usage=self.usage)).encode()
+        return self.model_dump_json(exclude=_exclude(self.choices, session=self.session, usage=self.usage)).encode()
 
 
 class CompletionDelta(BaseModel):

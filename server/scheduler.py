@@ -125,6 +125,7 @@ class Job:
     prev: int | None = None  # the prompt's last token (how a word tokenizer spaces the first generated word)
     scored: bool = True  # an append is scored; a session rebuilt from its window is only read
     prompt_logprobs: int | None = None  # score every prompt token, with this many alternatives
+    prompt_ranks: bool = False  # and its rank in the vocabulary (vLLM's prompt_logprobs): a count, so asked for
     prompt_scores: PromptScores = field(default_factory=PromptScores)
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None  # the engine's first work on it (a prompt chunk, or joining the batch)
@@ -163,7 +164,7 @@ class Job:
         of the prompt (127 of a million-token one were a gigabyte, made on the event loop): it is given what it
         still has to read when it takes the state; the prompt's tokens for repetition_penalty are shared."""
         job = Job(None, [], params, loop, inbox, stream, prev=self.prev, scored=self.scored,
-                  prompt_logprobs=self.prompt_logprobs)
+                  prompt_logprobs=self.prompt_logprobs, prompt_ranks=self.prompt_ranks)
         if params is not None and params.repetition_penalty != 1:
             job.prompt = self.prompt or set(self.pending)  # read only (Generation copies it)
         self.copies.append(job)
@@ -316,7 +317,7 @@ class Scheduler:
         self._flush()
 
     def submit(self, state: DecodeState, ids: list[int], params: SamplingParams | None, *,
-               scored: bool = True, prompt_logprobs: int | None = None,
+               scored: bool = True, prompt_logprobs: int | None = None, prompt_ranks: bool = False,
                stream: asyncio.Queue | None = None, last: int | None = None,
                copies: Sequence[tuple[SamplingParams | None, asyncio.Queue | None]] = ()) -> EngineRequest:
         """Feed ``ids`` to ``state`` (a batch-1 session the engine now owns) and, with ``params``, generate;
@@ -330,7 +331,7 @@ class Scheduler:
         self.check(state, ids, params)
         loop = asyncio.get_running_loop()
         job = Job(state, list(ids), params, loop, asyncio.Queue(), stream, prev=ids[-1] if ids else last,
-                  scored=scored, prompt_logprobs=prompt_logprobs)
+                  scored=scored, prompt_logprobs=prompt_logprobs, prompt_ranks=prompt_ranks)
         request = EngineRequest(job)
         request.copies = [EngineRequest(job.add_copy(p, loop, asyncio.Queue(), s)) for p, s in copies]
         self.inbox.put(job)
@@ -519,7 +520,7 @@ class Scheduler:
         job.start()
         try:  # a prefill touches only this job's own state: a failure fails only this job (and its copies)
             if chunk and job.prompt_logprobs is not None:
-                part = self.engine.token_scores(job.state, chunk, job.prompt_logprobs)
+                part = self.engine.token_scores(job.state, chunk, job.prompt_logprobs, ranks=job.prompt_ranks)
                 job.prompt_scores.extend(part)
                 known, logprob = part.known()
                 job.score = Score(job.score.tokens + known, job.score.logprob + logprob)

@@ -109,7 +109,7 @@ class Run:
                  session_id: str | None = None, create_metadata: dict | None = None,
                  create: bool = False, history: tuple[list[int], int] | None = None,
                  prompt_logprobs: int | None = None, session_param: str | None = None, scored: bool = True,
-                 shared: Shared | None = None) -> None:
+                 shared: Shared | None = None, prompt_ranks: bool = False) -> None:
         if rt.engine_dead:
             raise EngineDead.because(rt.engine_dead)
         if rt.draining or not rt.ready:
@@ -121,6 +121,7 @@ class Run:
         self.session_param = session_param  # the body's field that named the session, for its errors' ``param``
         self.history = history  # a new session's (token window, tokens seen): an imported session
         self.prompt_logprobs = prompt_logprobs  # score each prompt token (echo with logprobs, appends)
+        self.prompt_ranks = prompt_ranks  # each one's rank in the vocabulary too (vLLM's prompt_logprobs)
         self.scored = scored  # without params: the text's log-likelihood (an append's), or only read it
         self.scores: PromptScores | None = None  # those scores, once the engine sent them
         self.events: asyncio.Queue[Any] = asyncio.Queue()
@@ -240,7 +241,8 @@ class Run:
                 self.submitted = time.monotonic()
                 req = await self._submitted(lambda copies: core.submit(
                     self.ids, self.params, history=(window, seen) if seen else None, persist=self.create,
-                    prompt_logprobs=self.prompt_logprobs, scored=self.scored, stream=self.events, copies=copies))
+                    prompt_logprobs=self.prompt_logprobs, prompt_ranks=self.prompt_ranks, scored=self.scored,
+                    stream=self.events, copies=copies))
                 done, last = await self._schedule(self._core_run(req, None))
                 info = None
                 if self.create:
@@ -257,8 +259,8 @@ class Run:
                 self._check_count(cached)
                 self.submitted = time.monotonic()
                 req = core.submit(self.ids, self.params, key=(self.session_id, info.revision), persist=True,
-                                  prompt_logprobs=self.prompt_logprobs, scored=self.scored, stream=self.events,
-                                  window_span=info.window_span)
+                                  prompt_logprobs=self.prompt_logprobs, prompt_ranks=self.prompt_ranks,
+                                  scored=self.scored, stream=self.events, window_span=info.window_span)
                 done, last = await self._schedule(self._core_run(req, lease))
                 if done.tokens_seen != cached or done.source == "rebuild":
                     info = await rt.store.commit(lease, done.tensors, tokens_seen=done.tokens_seen,
@@ -444,9 +446,10 @@ class Run:
     async def _engine_run(self, state, window: list[int] | None) -> tuple[Finished, TokenEvent | None]:
         rt = self.rt
         self.submitted = time.monotonic()
-        self.request = await self._submitted(lambda copies: rt.scheduler.submit(  # tokens straight to the client,
-            state, self.ids, self.params, prompt_logprobs=self.prompt_logprobs, scored=self.scored,  # all but the last
-            stream=self.events, last=window[-1] if window else None, copies=copies))
+        self.request = await self._submitted(lambda copies: rt.scheduler.submit(
+            state, self.ids, self.params, prompt_logprobs=self.prompt_logprobs, prompt_ranks=self.prompt_ranks,
+            scored=self.scored, stream=self.events,  # tokens straight to the client, all but the last
+            last=window[-1] if window else None, copies=copies))
         if self.cancelled:
             self.request.cancel()
         last = None

@@ -98,8 +98,9 @@ class Settings:
     body_timeout_s: float = _opt(30.0, "a request whose headers take this long, or whose body stops "
                                    "arriving for this long, gets 408")
     max_logprobs_values: int = _opt(1_000_000, "most log-probabilities one response carries, tokens x (1 + "
-                                               "logprobs): a prompt scored with echo, or an append scored with "
-                                               "logprobs, past it is refused (400) before it is read: 20 alternatives "
+                                               "logprobs): a prompt scored with echo or prompt_logprobs (in each "
+                                               "choice), or an append scored with logprobs, past it is refused (400) "
+                                               "before it is read: 20 alternatives "
                                                "for each token of a 400 KB prompt had made a 200 MB response and "
                                                "held 2 GB")
     send_timeout_s: float = _opt(60.0, "a connection whose client reads nothing of its response (or WebSocket) for "

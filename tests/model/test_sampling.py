@@ -171,6 +171,26 @@ def test_logprobs_of_many_rows_are_each_rows_own():
     assert len(first) == 67 and list(first.entries())[3:] == list(got.entries())
 
 
+def test_ranks_count_the_tokens_at_least_as_likely_and_only_when_asked_for():
+    """vLLM's prompt_logprobs rank: 1 + the tokens strictly likelier, ties counted against the token (vLLM counts
+    ``logprobs >= the token's``); the scores are the same with or without ranks, and ranks cross the wire too."""
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(40, 257, generator=gen)  # [rows, vocab]
+    logits[5, :3] = logits[5, 3]  # a tie of four at row 5's token 3
+    tokens = torch.randint(0, 257, (40,), generator=gen).tolist()
+    tokens[5], tokens[9] = 3, int(logits[9].argmax())
+    plain, ranked = rows_logprobs(logits, tokens, 2), rows_logprobs(logits, tokens, 2, ranks=True)
+    assert len(plain.ranks) == 0 and ScoredTokens(**{**vars(ranked), "ranks": plain.ranks}) == plain
+    for row, token, rank in zip(logits, tokens, ranked.ranks, strict=True):
+        assert rank == 1 + sorted(row.tolist(), reverse=True).index(float(row[token])) + (
+            row == row[token]).sum().item() - 1
+    assert ranked.ranks[9] == 1 and ranked.ranks[5] == 4 + int((logits[5] > logits[5, 3]).sum())
+    assert ScoredTokens.from_bytes(ranked.to_bytes()) == ranked
+    first = ScoredTokens.of([(None, [])], [0])
+    first.extend(ranked)
+    assert list(first.ranks) == [0, *ranked.ranks] and ScoredTokens.from_bytes(first.to_bytes()) == first
+
+
 def test_logit_bias_bans_and_forces_tokens_and_leaves_the_other_rows_and_the_scores_as_they_were():
     import dataclasses
     import json

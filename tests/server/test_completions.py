@@ -264,6 +264,60 @@ def test_a_prompts_n_choices_read_it_once(server):
     assert r.status_code == 400 and "nothing to continue from" in r.json()["error"]["message"], r.text
 
 
+def test_prompt_logprobs_are_vllms_and_the_reference_forwards(server, checkpoint):
+    """vLLM's prompt_logprobs in a JSON body: for each prompt token but the first (null), its own entry first,
+    with the log-probability and the rank in the vocabulary the reference forward gives it (rank 1: the
+    likeliest; ties count against it, as vLLM counts), then its k likeliest alternatives ranked 1..k, keyed by
+    token id. Every choice of n carries them, and with echo and logprobs the two agree (each its own number of
+    alternatives); max_tokens 0 asks for them alone; a session's prompt has something before its first token; a
+    stream takes 0 and gives none; without them a choice is OpenAI's shape."""
+    import torch
+
+    from model.engine import Engine
+    from tests.model.test_engine import reference_logits
+
+    prompt = "ROMEO. But soft, what light"
+    ids = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": prompt}).json()["tokens"]
+    engine = Engine.from_checkpoint(checkpoint)
+    logp = torch.log_softmax(reference_logits(engine, torch.tensor([ids]))[0].double(), -1)  # [tokens, vocab]
+    got = complete(server, prompt=prompt, max_tokens=3, seed=1, n=2, echo=True, logprobs=1, prompt_logprobs=3)
+    first = got["choices"][0]
+    ranked = first["prompt_logprobs"]
+    assert len(ranked) == len(ids) and ranked[0] is None
+    assert got["choices"][1]["prompt_logprobs"] == ranked and got["usage"]["prompt_tokens"] == len(ids)
+    for i in range(1, len(ids)):
+        row, entry, token = logp[i - 1], ranked[i], str(ids[i])
+        v = float(row[ids[i]])
+        own = entry[token]
+        assert list(entry)[0] == token and own["logprob"] == pytest.approx(v, abs=1e-4)
+        top = torch.topk(row, 3)
+        assert set(entry) == {token, *map(str, top.indices.tolist())}
+        alts = sorted(((k, e) for k, e in entry.items() if k != token or e["rank"] <= 3), key=lambda a: a[1]["rank"])
+        assert [e["rank"] for _, e in alts] == [1, 2, 3]
+        assert [e["logprob"] for _, e in alts] == pytest.approx(top.values.tolist(), abs=1e-4)
+        if own["rank"] > 3:  # not among them: its rank counts the tokens at least as likely
+            assert int((row > v + 1e-4).sum()) + 1 <= own["rank"] <= int((row >= v - 1e-4).sum())
+        assert own["decoded_token"] == first["logprobs"]["tokens"][i]  # as logprobs name it
+        assert first["logprobs"]["token_logprobs"][i] == own["logprob"]  # one scoring serves both
+        assert len(first["logprobs"]["top_logprobs"][i]) == (1 if own["rank"] == 1 else 2)  # logprobs 1's own
+
+    alone = complete(server, prompt=prompt, max_tokens=0, prompt_logprobs=0)["choices"][0]  # scoring alone
+    assert alone["text"] == "" and "logprobs" in alone and alone["logprobs"] is None
+    assert [e and list(e.items()) for e in alone["prompt_logprobs"]] == [
+        e and [(str(t), e[str(t)])] for t, e in zip(ids, ranked)]
+    plain = complete(server, prompt=prompt, max_tokens=2)["choices"][0]
+    assert "prompt_logprobs" not in plain  # OpenAI's shape
+
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Begin "}).json()["id"]
+    continued = complete(server, prompt="ROMEO.", max_tokens=1, session_id=sid, prompt_logprobs=1)["choices"][0]
+    assert len(continued["prompt_logprobs"]) == 6 and all(continued["prompt_logprobs"])  # "Begin " came before
+    empty = complete(server, prompt="", max_tokens=1, session_id=sid, prompt_logprobs=1)["choices"][0]
+    assert empty["prompt_logprobs"] == []
+
+    events = [e for e in sse_events(server, prompt=prompt, max_tokens=2, prompt_logprobs=0) if isinstance(e, dict)]
+    assert events and not any("prompt_logprobs" in c for e in events for c in e["choices"])
+
+
 def test_a_batch_scored_as_lm_eval_scores_it(server):
     """lm-evaluation-harness's ``local-completions`` scores a batch of token-id prompts in one request (echo,
     logprobs 1, max_tokens 0): each choice is that prompt's scores alone, the batch's usage their sum."""

@@ -974,6 +974,12 @@ def test_a_prompts_choices_scored_share_the_scores_of_one_read(engine):
         scores, done = items
         assert scores == alone[0][0] and len(scores) == len(ids)
         assert isinstance(done, Finished) and done.finish_reason is None and int(done.state.seen[0]) == len(ids)
+    assert len(alone[0][0].ranks) == 0  # counted only when asked for
+    ranked, _ = _choices(engine, ids, [None] * 2, together=True, prompt_logprobs=2, prompt_ranks=True, scored=False)
+    for scores, _done in ranked:  # vLLM's prompt_logprobs: each choice gets the ranks with the same scores
+        assert list(scores.ranks) == list(engine.token_scores(engine.new_state(), ids, 0, ranks=True).ranks)
+        assert scores.ranks[0] == 0 and min(scores.ranks[1:]) >= 1 and len(scores.ranks) == len(ids)
+        assert list(scores.entries()) == list(alone[0][0].entries())
 
 
 def test_a_short_prompts_choices_each_read_it_in_the_batch(engine):

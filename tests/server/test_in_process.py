@@ -26,6 +26,7 @@ from tests.server.test_completions import (  # noqa: F401  (collected here again
     test_memory_is_fixed_size,
     test_openai_sdk_plain_and_streaming,
     test_openais_four_prompt_forms,
+    test_prompt_logprobs_are_vllms_and_the_reference_forwards,
     test_seed_determinism_and_logprobs,
     test_session_crud,
     test_split_invariance_through_http,

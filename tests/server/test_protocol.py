@@ -95,3 +95,38 @@ async def test_only_a_long_response_is_built_off_the_event_loop():
     items = list(range(protocol.SPLICE_ROWS * 3 + 1))
     completion.free(items)
     assert items == []
+
+
+def test_prompt_logprobs_rendered_in_parts_are_the_typed_models_rendering(monkeypatch):
+    """vLLM's prompt_logprobs as a JSON body's choice carries them, rendered a few tokens at a time (off the event
+    loop), is what the response model renders whole; the token's own entry comes first and, when it is also
+    an alternative, takes that rank in place; logprobs asked for with fewer alternatives get only theirs; a body
+    that did not ask for them has no such key."""
+    monkeypatch.setattr(completion, "SPLICE_ROWS", 4)
+    ids, scores = _scores(11)
+    scores.ranks.extend([0] + [5 + i for i in range(1, 11)])
+    req = CompletionRequest(model="m", prompt=bytes(ids).decode("latin-1"), echo=True, logprobs=0, max_tokens=0,
+                            prompt_logprobs=2)
+    comp = Completion(req, "m")
+    comp.echoed = req.prompt
+    comp.add_prompt(ids, scores)
+    final = Final(Finished(None, 11, "length"), None, None, 0)
+    name = comp.tokenizer.token_name
+    want = [None] + [{str(ids[i]): protocol.PromptLogprob(logprob=lp, rank=5 + i, decoded_token=name(ids[i]))}
+                     for i, (lp, _) in enumerate(scores.entries()) if i]
+    for i, entry in enumerate(want[1:], 1):  # its two alternatives: (3i, rank 1), then the token itself (rank 2)
+        entry[str((3 * i) % 256)] = protocol.PromptLogprob(logprob=-1e-5, rank=1, decoded_token=name((3 * i) % 256))
+        entry[str(ids[i])] = protocol.PromptLogprob(logprob=scores.logprobs[i], rank=2, decoded_token=name(ids[i]))
+    whole = comp.chunk(comp.text, "length", comp.logprobs())
+    whole.choices[0].prompt_logprobs = want
+    whole.usage = completion.usage_of([final], 11)
+    want_bytes = whole.dump_json()
+    body = completion.completion_json([comp], [final], 11)
+    assert body == want_bytes  # the same bytes
+    got = json.loads(body)
+    assert [list(e) for e in got["choices"][0]["prompt_logprobs"][1:3]] == [[str(ids[1]), "3"], [str(ids[2]), "6"]]
+    assert all(len(top) == 1 for top in got["choices"][0]["logprobs"]["top_logprobs"][1:])  # logprobs 0: its own
+    plain = Completion(CompletionRequest(model="m", prompt="x", echo=True, logprobs=2), "m")
+    plain.add_prompt(ids, scores)
+    assert plain.ranked is None and "prompt_logprobs" not in json.loads(
+        completion.completion_json([plain], [final], 11))["choices"][0]

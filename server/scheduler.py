@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +113,19 @@ class JobFailed:
     error: BaseException
 
 
+@dataclass(eq=False)
+class SharedState:
+    """A prompt's state once read, shared by its choices waiting for a row: each copies it as it takes one, and
+    the last takes it itself (that copy had been made for nobody)."""
+
+    state: DecodeState
+    waiting: int  # choices that have yet to take it (or leave)
+
+    def take(self, copy: Callable[[DecodeState], DecodeState]) -> DecodeState:
+        self.waiting -= 1
+        return self.state if self.waiting == 0 else copy(self.state)
+
+
 @dataclass(eq=False)  # identity semantics: jobs live in sets
 class Job:
     state: DecodeState | None  # batch-1 state while prefilling; None once it joined the decode batch (which holds it)
@@ -141,7 +154,7 @@ class Job:
     copies: list[Job] = field(default_factory=list)
     # a copy's: the prompt's state, shared by its copies until each takes a row and a state of its own then (n
     # choices beyond the free rows wait holding one state between them, not one each)
-    source: DecodeState | None = None
+    source: SharedState | None = None
 
     def __post_init__(self) -> None:
         if self.params is not None and self.params.repetition_penalty != 1:
@@ -463,14 +476,15 @@ class Scheduler:
         them (each copies it again as it takes a row: :meth:`_own_states`); None if that copy failed (a device out
         of memory, say), which fails ``job`` and its copies alone."""
         copies, job.copies = job.copies, []
-        try:
-            source = self.engine.copy_state(job.state) if copies else None  # job's own advances in its row
+        rows = sum(other.params is not None for other in copies)  # scored choices end with the job's own state
+        try:  # job's own state advances in its row
+            source = SharedState(self.engine.copy_state(job.state), rows) if rows else None
         except Exception as err:
             log.exception("copying a prompt's state for its other choices failed")
             self._fail_each([job, *copies], err)
             return None
         for other in copies:
-            other.source, other.pending = source, list(job.pending)
+            other.source, other.pending = source if other.params is not None else None, list(job.pending)
             other.started, other.read = job.started, job.read
         return copies
 
@@ -480,8 +494,9 @@ class Scheduler:
         ready = []
         for job in joining:
             if job.state is None:
+                source, job.source = job.source, None
                 try:
-                    job.state, job.source = self.engine.copy_state(job.source), None
+                    job.state = source.take(self.engine.copy_state)
                 except Exception as err:
                     log.exception("copying a prompt's state for one of its choices failed")
                     self._finish(job, JobFailed(err))
@@ -559,7 +574,9 @@ class Scheduler:
         # int() of a device's count waits for the step just queued (a GPU's overlapped steps): once a request, and
         # by then the host's own work for the step has mostly outlasted it
         if row is None and job.state is None:  # a prompt's copy that left before it took a row: nothing of its own
-            return Finished(None, int(job.source.seen[0]), reason)
+            source, job.source = job.source, None
+            source.waiting -= 1  # one fewer to share it: the last to take it need not copy it
+            return Finished(None, int(source.state.seen[0]), reason)
         if job.pending:  # left while its prompt was still being fed: a partial prompt is never stored
             return Finished(None, int(job.state.seen[0]) if row is None else self.slots.seen_at(row), reason)
         state = job.state if row is None else self.slots.export(row)

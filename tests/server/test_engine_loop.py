@@ -936,7 +936,7 @@ def test_choices_waiting_for_a_row_share_one_state_and_take_their_own_as_they_jo
             assert isinstance(await it.__anext__(), TokenEvent)  # generating in the only row
             waiting = list(scheduler.ready)
             assert [j.state for j in waiting] == [None, None] and waiting[0].source is waiting[1].source
-            assert int(waiting[0].source.seen[0]) == len(ids)
+            assert int(waiting[0].source.state.seen[0]) == len(ids) and waiting[0].source.waiting == 2
             first.cancel()
             async for _ in it:
                 pass
@@ -945,6 +945,29 @@ def test_choices_waiting_for_a_row_share_one_state_and_take_their_own_as_they_jo
             scheduler.stop()
 
     assert asyncio.run(main()) == [want, want]
+
+
+def test_the_last_choice_to_take_the_shared_state_takes_it_without_a_copy(engine):
+    """The prompt's state is copied once for its choices; each but the last copies that as it takes a row, and
+    the last takes it itself (it had been copied for nobody), waiting choices that left counted out; scored
+    choices (max_tokens 0) end with the prompt's own state, and nothing is copied for them."""
+    ids, greedy = engine.encode(LONG), SamplingParams(max_tokens=4, temperature=0)
+    want = _tokens(_choices(engine, ids, [greedy], together=False)[0][0])
+    calls, copy_state = [], engine.copy_state
+
+    def counted(state):
+        calls.append(state)
+        return copy_state(state)
+
+    got, _ = _choices(engine, ids, [greedy] * 4, together=True, copy=counted)
+    assert [_tokens(g) for g in got] == [want] * 4 and len(calls) == 3  # 1 shared + 2 (it was 1 + 3)
+    assert len({id(g[-1].state) for g in got}) == 4  # still each its own
+    calls.clear()
+    got, _ = _choices(engine, ids, [greedy] * 3, together=True, copy=counted, cancel=(1,))
+    assert [_tokens(g) for g in (got[0], got[2])] == [want] * 2 and len(calls) == 1  # the one left counted out
+    calls.clear()
+    scored, _ = _choices(engine, ids, [None] * 3, together=True, copy=counted, prompt_logprobs=0, scored=False)
+    assert calls == [] and all(int(done.state.seen[0]) == len(ids) for _, done in scored)
 
 
 def test_a_choice_whose_own_state_cannot_be_made_as_it_joins_fails_alone(engine):

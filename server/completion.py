@@ -29,6 +29,7 @@ from server.protocol import (
     SessionRef,
     Usage,
     pydantic_dumps,
+    pydantic_json,
     spliced,
 )
 from server.runtime import Runtime
@@ -89,12 +90,13 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
         raise InvalidRequestError(f"prompt_logprobs -1 asks for all {vocabulary(rt):,} tokens of the vocabulary at "
                                   f"every prompt token; at most 20 alternatives are given", param="prompt_logprobs")
     if req.stream and req.prompt_logprobs:  # 0 is taken, and gives nothing in a stream, as vLLM's
-        raise InvalidRequestError("prompt_logprobs are not available when stream is true (they come in a JSON "
-                                  "body's choices); echo with logprobs streams the prompt's scores",
+        raise InvalidRequestError("prompt_logprobs are not available in a stream (SSE or WebSocket): they come in a "
+                                  "JSON body's choices; echo with logprobs streams the prompt's scores",
                                   param="prompt_logprobs")
     if max_tokens == 0 and not req.echo and prompt_ranked(req) is None:
         raise InvalidRequestError("max_tokens 0 generates nothing: it is for scoring a prompt, with echo true (and "
-                                  "logprobs for its tokens' scores) or prompt_logprobs", param="max_tokens")
+                                  "logprobs for its tokens' scores)" + ("" if req.stream else " or prompt_logprobs"),
+                                  param="max_tokens")
     params = SamplingParams(max_tokens=max_tokens or 1, temperature=1.0 if req.temperature is None else
                             req.temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                             seed=req.seed, stop=tuple(stop), logprobs=req.logprobs,  # each field checked
@@ -372,12 +374,26 @@ def prompt_logprobs(tokenizer: Tokenizer, ids: list[int], scores: PromptScores,
     return out
 
 
-def ranked_json(ids: list[int], scores: PromptScores, top: int, name: Callable[[int], str]) -> str:
-    """vLLM's ``prompt_logprobs`` as JSON: for each token (null for a first one), its own entry (log-probability,
-    rank, text) then its ``top`` likeliest alternatives' (ranks 1 to ``top``), keyed by token id; an alternative
-    that is the token itself takes its place, as vLLM's dict does. Rendered :data:`SPLICE_ROWS` tokens at a time
-    (call it through :func:`off_loop`), the same JSON as ``CompletionChoice.prompt_logprobs`` renders whole."""
-    parts, at, entries = [], 0, scores.entries()
+LOGPROB_FLOOR = -9999.0  # vLLM's clamp_prompt_logprobs: JSON has no -inf (pydantic would write null)
+
+
+def ranked_json(ids: list[int], scores: PromptScores, top: int, tokenizer: Tokenizer) -> list[bytes]:
+    """vLLM's ``prompt_logprobs`` as parts of JSON, to be joined once: for each token (null for a first one), its
+    own entry (log-probability, rank, text) then its ``top`` likeliest alternatives' (ranks 1 to ``top``), keyed
+    by token id; an alternative that is the token itself takes its place, as vLLM's dict does. ``decoded_token``
+    is the token decoded alone, as vLLM's (not logprobs' names). Rendered :data:`SPLICE_ROWS` tokens at a time
+    (call it through :func:`off_loop`): the same JSON as ``CompletionChoice.prompt_logprobs`` renders whole. Joined
+    as str or bytes with ``+`` its ~10 copies of a 60 MB answer had held the GIL, and every stream, for 0.2-0.8 s
+    (found by a review)."""
+    names: dict[int, str] = {}
+
+    def entry(token: int, lp: float, rank: int) -> dict[str, Any]:
+        name = names.get(token)
+        if name is None:
+            name = names[token] = tokenizer.decode([token])
+        return {"logprob": max(lp, LOGPROB_FLOOR), "rank": rank, "decoded_token": name}
+
+    parts, at, entries = [b"["], 0, scores.entries()
     while at < len(ids):
         rows: list[dict[str, dict[str, Any]] | None] = []
         for i in range(at, min(at + SPLICE_ROWS, len(ids))):
@@ -385,14 +401,13 @@ def ranked_json(ids: list[int], scores: PromptScores, top: int, name: Callable[[
             if lp is None:
                 rows.append(None)
                 continue
-            token = ids[i]
-            row = {str(token): {"logprob": lp, "rank": scores.ranks[i], "decoded_token": name(token)}}
+            row = {str(ids[i]): entry(ids[i], lp, scores.ranks[i])}
             for rank, (t, v) in enumerate(alts[:top], 1):
-                row[str(t)] = {"logprob": v, "rank": rank, "decoded_token": name(t)}
+                row[str(t)] = entry(t, v, rank)
             rows.append(row)
-        parts.append(pydantic_dumps(rows)[1:-1])
+        parts += [b"," if at else b"", pydantic_json(rows)[1:-1]]
         at += len(rows)
-    return "[" + ",".join(parts) + "]"
+    return [*parts, b"]"]
 
 
 async def off_loop(rows: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -448,7 +463,7 @@ class Completion:
     tops: list[dict[str, float]] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     prev: int | None = None  # the prompt's last token, as the engine's generation had it (a word's spacing)
-    ranked: str | None = None  # vLLM's prompt_logprobs, as JSON (:func:`ranked_json`), once the prompt is scored
+    ranked: list[bytes] | None = None  # vLLM's prompt_logprobs, as JSON's parts (:func:`ranked_json`), once scored
     _template: tuple[str, str] | None = field(default=None, repr=False)
     _decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"), repr=False)
@@ -498,7 +513,7 @@ class Completion:
         """The prompt's scores: vLLM's ``prompt_logprobs``, and with ``echo`` the prompt's logprobs, first in the
         choice. Call it through :func:`off_loop`."""
         if (top := prompt_ranked(self.req)) is not None:
-            self.ranked = ranked_json(ids, scores, top, self.token_name)
+            self.ranked = ranked_json(ids, scores, top, self.tokenizer)
         if not self.req.echo or self.req.logprobs is None:
             return
         piece = self._scored_prompt(ids, scores)
@@ -571,16 +586,18 @@ class Completion:
     def finish(final: Final) -> FinishReason:
         return final.done.finish_reason or "length"
 
-    def choice_json(self, final: Final) -> bytes:
-        """The choice's JSON in the body (:func:`body_bytes`: call it through :func:`off_loop`)."""
+    def choice_json(self, final: Final) -> list[bytes | memoryview]:
+        """The choice's JSON in the body, in parts to be joined once (:func:`body_bytes`: call it through
+        :func:`off_loop`)."""
         choice = CompletionChoice(index=self.index, text=self.text, logprobs=self.logprobs(),
                                   finish_reason=self.finish(final))
         body = body_bytes(lambda: choice.model_dump_json(exclude={"prompt_logprobs"}).encode(), choice.logprobs,
                           lambda empty: setattr(choice, "logprobs", empty))
         if prompt_ranked(self.req) is None:
-            return body
+            return [body]
         # the last field; a choice with no prompt tokens (a session's empty one) scored none
-        return body[:-1] + b',"prompt_logprobs":' + (self.ranked or "[]").encode() + b"}"
+        ranked, self.ranked = self.ranked or [b"[]"], None
+        return [memoryview(body)[:-1], b',"prompt_logprobs":', *ranked, b"}"]
 
     def prompt_piece(self, ids: list[int], scores: PromptScores, dumps: Callable[[Any], str], *,
                      usage: dict[str, int] | None = None, delta: bool = False) -> str:
@@ -656,6 +673,14 @@ def prompt_tokens(chosen: list[Choice]) -> int:
     return sum(len(choice.ids) for choice in chosen if choice.sample == 0)
 
 
+def body_rows(req: CompletionRequest, comps: list[Completion], chosen: list[Choice]) -> int:
+    """The logprobs entries a JSON body renders, :func:`off_loop`'s measure: each choice's tokens with
+    ``logprobs``, and its prompt's with ``prompt_logprobs`` (left out, a 60 MB body had been rendered on the event
+    loop: found by a review)."""
+    return (sum(len(c.tokens) for c in comps) if req.logprobs is not None else 0) + (
+        sum(len(choice.ids) for choice in chosen) if prompt_ranked(req) is not None else 0)
+
+
 def completion_json(comps: list[Completion], finals: list[Final], prompt_tokens: int) -> bytes:
     """The JSON body of a request's choices: each choice rendered by itself (a long scored prompt's in parts);
     call it through :func:`off_loop`. The same bytes as ``CompletionObject.dump_json`` of the whole (tested)."""
@@ -663,7 +688,10 @@ def completion_json(comps: list[Completion], finals: list[Final], prompt_tokens:
     body = first.chunk("", session=first.session(finals[0]))
     body.choices, body.usage = [], usage_of(finals, prompt_tokens)
     head, tail = body.dump_json().split(b'"choices":[]')  # a string's quotes are escaped: only the key matches
-    return head + b'"choices":[' + b",".join(c.choice_json(f) for c, f in zip(comps, finals)) + b"]" + tail
+    parts: list[bytes | memoryview] = [head, b'"choices":[']
+    for i, (comp, final) in enumerate(zip(comps, finals)):
+        parts += [b"," if i else b"", *comp.choice_json(final)]
+    return b"".join([*parts, b"]", tail])  # one copy (a bytes join of large parts lets go of the GIL)
 
 
 async def collect(comp: Completion, run: Run, first: Any, since: float) -> Final:

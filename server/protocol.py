@@ -239,6 +239,11 @@ def pydantic_dumps(value: Any) -> str:
     return _ANY.dump_json(value).decode()
 
 
+def pydantic_json(value: Any) -> bytes:
+    """:func:`pydantic_dumps` as bytes."""
+    return _ANY.dump_json(value)
+
+
 def spliced(shell: Callable[[CompletionLogprobs], str], logprobs: CompletionLogprobs,
             dumps: Callable[[Any], str]) -> str:
     """An object's JSON with its (long) ``logprobs`` rendered :data:`SPLICE_ROWS` entries at a time: ``shell``

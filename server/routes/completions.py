@@ -14,6 +14,7 @@ from model.engine import TokenEvent
 from server.completion import (
     Completion,
     Interleaved,
+    body_rows,
     cancel_on_disconnect,
     choices,
     collect,
@@ -82,8 +83,7 @@ async def create_completion(req: CompletionRequest, request: Request, rt: Runtim
                     raise
             _log_fields(request, prompted, finals)
             # a client that left got nothing: logged and counted as nginx counts it (it was a 200)
-            body = await off_loop(sum(len(c.tokens) for c in comps) if req.logprobs is not None else 0,
-                                  completion_json, comps, finals, prompted)
+            body = await off_loop(body_rows(req, comps, chosen), completion_json, comps, finals, prompted)
             return Response(body, media_type="application/json",
                             status_code=RequestCancelled.status if left else 200)
     return StreamingResponse(_stream(rt, comps, Interleaved(opened, t0), prompted, request),

@@ -297,7 +297,7 @@ def test_prompt_logprobs_are_vllms_and_the_reference_forwards(server, checkpoint
         assert [e["logprob"] for _, e in alts] == pytest.approx(top.values.tolist(), abs=1e-4)
         if own["rank"] > 3:  # not among them: its rank counts the tokens at least as likely
             assert int((row > v + 1e-4).sum()) + 1 <= own["rank"] <= int((row >= v - 1e-4).sum())
-        assert own["decoded_token"] == first["logprobs"]["tokens"][i]  # as logprobs name it
+        assert own["decoded_token"] == prompt[i]  # the token decoded alone (one byte a token here)
         assert first["logprobs"]["token_logprobs"][i] == own["logprob"]  # one scoring serves both
         assert len(first["logprobs"]["top_logprobs"][i]) == (1 if own["rank"] == 1 else 2)  # logprobs 1's own
 
@@ -305,6 +305,8 @@ def test_prompt_logprobs_are_vllms_and_the_reference_forwards(server, checkpoint
     assert alone["text"] == "" and "logprobs" in alone and alone["logprobs"] is None
     assert [e and list(e.items()) for e in alone["prompt_logprobs"]] == [
         e and [(str(t), e[str(t)])] for t, e in zip(ids, ranked)]
+    as_ids = complete(server, prompt=prompt, max_tokens=0, prompt_logprobs=3, return_tokens_as_token_ids=True)
+    assert as_ids["choices"][0]["prompt_logprobs"] == ranked  # vLLM's decoded_token is text either way
     plain = complete(server, prompt=prompt, max_tokens=2)["choices"][0]
     assert "prompt_logprobs" not in plain  # OpenAI's shape
 

@@ -111,7 +111,8 @@ def test_prompt_logprobs_rendered_in_parts_are_the_typed_models_rendering(monkey
     comp.echoed = req.prompt
     comp.add_prompt(ids, scores)
     final = Final(Finished(None, 11, "length"), None, None, 0)
-    name = comp.tokenizer.token_name
+    def name(t: int) -> str:  # the token decoded alone, as vLLM's decoded_token: not logprobs' names
+        return comp.tokenizer.decode([t])
     want = [None] + [{str(ids[i]): protocol.PromptLogprob(logprob=lp, rank=5 + i, decoded_token=name(ids[i]))}
                      for i, (lp, _) in enumerate(scores.entries()) if i]
     for i, entry in enumerate(want[1:], 1):  # its two alternatives: (3i, rank 1), then the token itself (rank 2)
@@ -125,7 +126,15 @@ def test_prompt_logprobs_rendered_in_parts_are_the_typed_models_rendering(monkey
     assert body == want_bytes  # the same bytes
     got = json.loads(body)
     assert [list(e) for e in got["choices"][0]["prompt_logprobs"][1:3]] == [[str(ids[1]), "3"], [str(ids[2]), "6"]]
+    assert got["choices"][0]["prompt_logprobs"][10]["70"]["decoded_token"] == "F"
+    odd = PromptScores(**vars(ScoredTokens.of([(None, []), (float("-inf"), [(3, -0.1)])], [0, 256])))
+    assert json.loads(b"".join(completion.ranked_json([1, 0xE9], odd, 1, comp.tokenizer))) == [None, {
+        "233": {"logprob": -9999.0, "rank": 256, "decoded_token": "\ufffd"},  # vLLM's floor; a byte decoded alone
+        "3": {"logprob": -0.1, "rank": 1, "decoded_token": "\x03"}}]
     assert all(len(top) == 1 for top in got["choices"][0]["logprobs"]["top_logprobs"][1:])  # logprobs 0: its own
+    chosen = [completion.Choice(0, req.prompt, ids, None)]
+    assert completion.body_rows(req, [Completion(req, "m", tokens=[1, 2])], chosen) == 2 + 11  # off_loop's measure
+    assert completion.body_rows(req.model_copy(update={"logprobs": None, "prompt_logprobs": None}), [comp], chosen) == 0
     plain = Completion(CompletionRequest(model="m", prompt="x", echo=True, logprobs=2), "m")
     plain.add_prompt(ids, scores)
     assert plain.ranked is None and "prompt_logprobs" not in json.loads(

@@ -467,7 +467,7 @@ class _Core:
                 each.job = each_job
                 if each.cancelled:
                     each_job.cancel()
-        self.scheduler.inbox.put(job)
+        self.scheduler.enqueue(job)
 
     def _on_cancel(self, head: dict[str, Any], _: bytes) -> None:
         """Stop a request within a step. ``abandon``: the server will not read its end either, so its state is

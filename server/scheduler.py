@@ -237,7 +237,10 @@ class Scheduler:
         self._drawn: list[tuple[Drawn, list[Job | None]]] = []  # tokens drawn on the device and not yet accepted,
         # with the job each row's token is for (None: nobody's, a prompt token's step); fed by the next step
         self.capacity = batch_capacity(engine, max_batch=max_batch, batch_bytes=batch_bytes)
-        self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # fed by :meth:`enqueue`
+        # the copies of the jobs put into the inbox, and of those taken out: what waits there is their difference
+        # (each count has one writer, under the lock: submits come from an event loop or an engine process's threads)
+        self._copies_in, self._copies_out, self._copies_lock = 0, 0, threading.Lock()
         self.prefilling: deque[Job] = deque()
         self.ready: deque[Job] = deque()  # prompt read (or short), waiting for a row of the decode table
         self.slots = engine.decoder.table(self.capacity)  # the decode batch (model.cache: RowTable or SlotTable)
@@ -273,6 +276,7 @@ class Scheduler:
         # read on other threads (a scrape, the engine process's reader) while the loop's thread rotates the deque:
         # list() copies it in one step under the GIL, where a generator over it could meet it mid-change
         copies = sum(len(job.copies) for job in list(self.prefilling)) if self.prefilling else 0
+        copies += self._copies_in - self._copies_out  # a request's choices count from its submit on
         return self.inbox.qsize() + len(self.prefilling) + copies + len(self.ready)
 
     @property
@@ -347,8 +351,15 @@ class Scheduler:
                   scored=scored, prompt_logprobs=prompt_logprobs, prompt_ranks=prompt_ranks)
         request = EngineRequest(job)
         request.copies = [EngineRequest(job.add_copy(p, loop, asyncio.Queue(), s)) for p, s in copies]
-        self.inbox.put(job)
+        self.enqueue(job)
         return request
+
+    def enqueue(self, job: Job) -> None:
+        """Hand ``job`` (with its copies) to the loop; any thread."""
+        if job.copies:
+            with self._copies_lock:
+                self._copies_in += len(job.copies)
+        self.inbox.put(job)
 
     @staticmethod
     def check(state: DecodeState, ids: list[int], params: SamplingParams | None) -> None:
@@ -448,6 +459,7 @@ class Scheduler:
                 if job is not None:
                     self.active.add(job)
                     self.active.update(job.copies)
+                    self._copies_out += len(job.copies)  # (before _admit hands them on, counted there then)
                     self._admit(job)
                 job = self.inbox.get_nowait()
         except queue.Empty:

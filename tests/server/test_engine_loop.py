@@ -914,6 +914,9 @@ def test_a_copy_holds_no_copy_of_the_prompt_until_it_takes_the_state(engine):
         ids = engine.encode(LONG)
         penalized = SamplingParams(repetition_penalty=1.5)
         first = scheduler.submit(engine.new_state(), ids, penalized, copies=[(penalized, None), (None, None)])
+        assert scheduler.waiting == 3  # every choice counts as waiting from its submit on (copies had not, here)
+        scheduler._drain(block=False)
+        assert scheduler.waiting == 3 and len(scheduler.prefilling) == 1
         return ids, first.job, [c.job for c in first.copies]
 
     ids, job, copies = asyncio.run(main())

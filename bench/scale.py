@@ -31,6 +31,7 @@ from bench.decode import _timed, read_bandwidth, step_bytes
 from model.checkpoint import WEIGHTS, save_checkpoint
 from model.config import TXLConfig
 from model.engine import Engine
+from model.sampling import rows_logprobs
 from model.threads import set_threads
 from model.tokenizer import WordTokenizer
 from model.transformer_xl import MemTransformerLM
@@ -105,6 +106,21 @@ def measure_prefill(engine: Engine, tokens: int) -> float:
     return tokens / _timed(lambda: engine.decoder.prefill(state, ids, chunk_size=engine.prefill_chunk), engine.device)
 
 
+@torch.no_grad()
+def measure_scoring(engine: Engine, tokens: int) -> dict[str, Any]:
+    """A prompt's scores from its logits over the word vocabulary (echo with logprobs 5), and the same with each
+    token's rank in the vocabulary (vLLM's prompt_logprobs), timed alternately in this run (best of 3 each): the
+    ranks' count over the whole table is the one cost prompt_logprobs adds."""
+    ids = torch.randint(0, engine.config.vocab_size, (tokens + 1,)).tolist()
+    logits = engine.logits(engine.feed(engine.new_state(), ids)[:-1])  # [tokens, vocab]: predicts ids[1:]
+    plain, ranked = float("inf"), float("inf")
+    for _ in range(3):
+        plain = min(plain, _timed(lambda: rows_logprobs(logits, ids[1:], 5), engine.device))
+        ranked = min(ranked, _timed(lambda: rows_logprobs(logits, ids[1:], 5, ranks=True), engine.device))
+    return {"scored_tokens": tokens, "score_ms": 1000 * plain, "score_with_ranks_ms": 1000 * ranked,
+            "ranks_over_scores": ranked / plain}
+
+
 def measure_session(engine: Engine, dtype: torch.dtype, iters: int) -> dict[str, Any]:
     from memory_store import MemoryStore, ModelIdentity
 
@@ -152,6 +168,7 @@ def run(*, tokens: int, prefill_tokens: int, iters: int, work_dir: Path, checkpo
     window = cfg.n_layer * engine.mem_len + 1
     result.update({"prefill_tokens_per_s": rate, "recompute_mem_len_s": engine.mem_len / rate,
                    "recompute_window_tokens": window, "recompute_window_s": window / rate})
+    result["scoring"] = measure_scoring(engine, min(256, prefill_tokens))
     result["sessions"] = [measure_session(engine, d, iters) for d in (torch.float32, torch.bfloat16)]
     for s in result["sessions"]:
         s["restore_speedup_vs_mem_len_prefill"] = result["recompute_mem_len_s"] * 1000 / s["restore_ms"]

@@ -251,6 +251,16 @@ def test_bench_decode_random_shape():
     assert out["prefill_macs_ratio"] == pytest.approx(ref / ours)
 
 
+def test_bench_scales_scoring_times_prompt_logprobs_ranks_against_scores_alone(tmp_path):
+    """``bench scale``'s scoring figure, on a small model: the scores alone and with ranks, in one run."""
+    from bench.scale import measure_scoring
+    from tests.model.test_engine import make_engine
+
+    out = measure_scoring(make_engine(tmp_path), 12)
+    assert out["scored_tokens"] == 12 and out["score_ms"] > 0 and out["score_with_ranks_ms"] > 0
+    assert out["ranks_over_scores"] == pytest.approx(out["score_with_ranks_ms"] / out["score_ms"])
+
+
 def test_bench_store_json(checkpoint):
     r = txlserve("bench", "store", "--json", "--iters", "3", "--state-mb-large", "1", "--state-mb-small", "0.05",
                  "--checkpoint", str(checkpoint), "--doc-kb", "2", timeout=180)

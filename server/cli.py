@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from txlserve.args import MAX_THREADS, count, device, real
 from txlserve.errors import ConfigError, DataError, TxlError
@@ -391,25 +391,32 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         k.set_defaults(func=module.main)
 
 
+# vLLM's names for the same settings, so that a vLLM command line carries over: the model to load, the name
+# clients send, the keys, the most sequences decoded together
+_VLLM_FLAGS = {"checkpoint": ("--model",), "model_name": ("--served-model-name",), "api_keys": ("--api-key",),
+               "max_batch": ("--max-num-seqs",)}
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     from server.settings import Settings
 
     p = sub.add_parser("serve", help="serve the HTTP API (OpenAI-compatible completions, sessions, WebSocket)",
                        description="Every flag also reads TXLSERVE_<NAME> from the environment; flags win.")
     for f in Settings.__dataclass_fields__.values():
-        flag = "--" + f.name.replace("_", "-")
+        flag = ["--" + f.name.replace("_", "-"), *_VLLM_FLAGS.get(f.name, ())]
         env = f"TXLSERVE_{f.name.upper()}"
         default = "" if f.default is None or f.name in ("checkpoint", "api_keys", "cors_origins") else (
             f" (default: {f.default})")
         text = f"{f.metadata['help']}{default} [{env}]".replace("%", "%%")
         if f.name in ("api_keys", "cors_origins"):
-            p.add_argument(flag, nargs="+", default=None, metavar=f.name.split("_")[-1][:-1].upper(), help=text)
+            p.add_argument(*flag, nargs="+", default=None, metavar=f.name.split("_")[-1][:-1].upper(), help=text,
+                           dest=f.name)
             continue
         if str(f.type) == "bool":  # --name / --no-name, so a flag can also undo the environment
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+            p.add_argument(*flag, action=argparse.BooleanOptionalAction, default=None, help=text, dest=f.name)
             continue
         typ = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-        p.add_argument(flag, type=typ, default=None, help=text)
+        p.add_argument(*flag, type=typ, default=None, help=text, dest=f.name)
     p.set_defaults(func=_cmd_serve)
 
 
@@ -538,7 +545,13 @@ def _cmd_session(ns: argparse.Namespace) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors are one line, like every other error of the command, pointing at --help."""
+    """Usage errors are one line, like every other error of the command, pointing at --help. No flag is taken
+    by a prefix of its name: ``serve --model PATH`` (vLLM's flag) had been taken as ``--model-name`` and served
+    the bundled checkpoint under that name (found by a helper)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

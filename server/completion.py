@@ -46,7 +46,9 @@ def check_model(rt: Runtime, model: str) -> None:
 
 # OpenAI's and vLLM's parameters this server takes at the value that changes nothing, and only there
 _NEUTRAL = (("use_beam_search", False), ("skip_special_tokens", True),
-            ("spaces_between_special_tokens", True), ("response_format", None))
+            ("spaces_between_special_tokens", True), ("response_format", None), ("priority", 0),
+            ("length_penalty", 1.0), ("return_token_ids", False), ("structured_outputs", None),
+            ("logits_processors", None), ("prompt_embeds", None), ("kv_transfer_params", None), ("vllm_xargs", {}))
 
 
 MAX_CHOICES = 128  # OpenAI's most for ``n``; here for all a request's choices (prompts x n)
@@ -68,7 +70,8 @@ def sampling_params(rt: Runtime, req: CompletionRequest) -> SamplingParams | Non
         raise InvalidRequestError(f"max_tokens must be at most {s.max_tokens_limit}", param="max_tokens")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > s.max_stop:
-        raise InvalidRequestError(f"at most {s.max_stop} stop strings are allowed", param="stop")
+        raise InvalidRequestError(f"at most {s.max_stop} stop strings are allowed (this server's --max-stop), got "
+                                  f"{len(stop)}", param="stop")
     for x in stop:  # stop strings match the generated text's bytes, whatever the tokenizer
         try:
             too_long = isinstance(x, str) and len(x.encode("utf-8")) > s.max_stop_bytes
@@ -477,6 +480,8 @@ class Completion:
                   prev=choice.ids[-1] if choice.ids else None)
         if first is not None:
             out.id, out.created = first.id, first.created
+        elif req.request_id is not None:  # vLLM's
+            out.id = "cmpl-" + req.request_id
         return out
 
     @property

@@ -126,6 +126,26 @@ class CompletionRequest(BaseModel):
     body's choices (not in streams, as vLLM's)."""
     response_format: dict[str, Any] | None = None
     """Null only."""
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    """vLLM's: the completion's id is cmpl-{request_id} (default: a random one)."""
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    """vLLM's; taken and not needed: no cache is shared between requests here (a session's memory is its key's)."""
+    priority: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 63)
+    """vLLM's; 0 only (no priority scheduling: vLLM's default refuses others too)."""
+    length_penalty: float | None = None
+    """vLLM's (beam search's); 1 only."""
+    return_token_ids: bool | None = None
+    """vLLM's; false only."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's; null only."""
+    logits_processors: list[Any] | None = None
+    """vLLM's; null only."""
+    prompt_embeds: str | list[str] | None = None
+    """vLLM's; null only."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's; null only."""
+    vllm_xargs: dict[str, Any] | None = None
+    """vLLM's; null or {} only."""
 
     @field_validator("prompt", mode="wrap")
     @classmethod

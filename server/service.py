@@ -349,6 +349,10 @@ class Run:
         """A session that is not there (or was deleted meanwhile) names the body's field that asked for it."""
         if isinstance(err, SessionNotFound) and err.param is None:
             err.param = self.session_param
+            if self.session_param == "session_id" and "not found" in err.message:  # a vLLM client's own id, maybe
+                err.message = (f"{err.message}: session_id names a session made by POST /v1/sessions (vLLM's "
+                               f"free-form session_id, a routing hint, is not taken here)")
+                err.args = (err.message,)
         return err
 
     async def _core_run(self, req, lease) -> tuple[Any, TokenEvent | None]:

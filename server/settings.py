@@ -106,7 +106,8 @@ class Settings:
     send_timeout_s: float = _opt(60.0, "a connection whose client reads nothing of its response (or WebSocket) for "
                                        "this long, while the server has more to send, is closed (nginx's "
                                        "send_timeout): its request stops as if the client had left; 0 never")
-    max_stop: int = _opt(4, "most stop strings per request")
+    max_stop: int = _opt(16, "most stop strings per request (OpenAI's limit is 4; vLLM has none, and "
+                             "lm-evaluation-harness sends a task's list as it is)")
     max_stop_bytes: int = _opt(64, "longest stop string, in bytes")
     enforce_eager: bool = _opt(False, "run decode steps op by op in eager PyTorch instead of as one traced graph "
                                       "with the fused C attention on a CPU (the graph runs a step without "

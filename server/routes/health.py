@@ -33,6 +33,11 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+@router.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's probe): /health's answer
+async def ping(request: Request) -> Response:
+    return await health(request)
+
+
 @router.get("/ready")
 async def ready(request: Request) -> Response:
     rt: Runtime | None = getattr(request.app.state, "runtime", None)

@@ -28,6 +28,18 @@ def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(server):
     assert back.status_code == 200 and back.json() == {"prompt": "héllo"}
 
 
+def test_tokenizer_info_lets_lm_evals_remote_tokenizer_use_the_servers(server):
+    """lm-evaluation-harness's local-completions (tokenizer_backend auto) takes the server's tokenizer when
+    GET /tokenizer_info answers a JSON object with an ``eos_token`` key and POST /tokenize (with
+    add_special_tokens false) a token list: its probe, step for step; a byte model had none to load otherwise."""
+    info = httpx.get(server.url + "/tokenizer_info")
+    assert info.status_code == 200 and isinstance(info.json(), dict) and "eos_token" in info.json()
+    assert info.json()["eos_token"] is None and info.json()["tokenizer_class"] == "ByteTokenizer"
+    assert info.json()["vocab_size"] == 256 and info.json()["model_max_length"] > 0
+    probe = httpx.post(server.url + "/tokenize", json={"prompt": "test", "add_special_tokens": False})
+    assert probe.status_code == 200 and probe.json()["tokens"] == list(b"test")
+
+
 @pytest.mark.parametrize(("path", "body", "status"), [
     ("/tokenize", {"prompt": 5}, 400),
     ("/tokenize", {"model": "nope", "prompt": "x"}, 404),

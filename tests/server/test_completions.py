@@ -332,6 +332,10 @@ def test_a_batch_scored_as_lm_eval_scores_it(server):
         assert choice["text"] == text and choice["logprobs"]["tokens"] == want["logprobs"]["tokens"]
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-5)
     assert got["usage"]["prompt_tokens"] == sum(map(len, ids)) and got["usage"]["completion_tokens"] == 0
+    sent = complete(server, prompt=ids, **{**body, "max_tokens": 1, "seed": 1234})  # as lm-eval sends it
+    for zero, one in zip(got["choices"], sent["choices"]):  # and reads it: token_logprobs[ctxlen:-1]
+        assert one["logprobs"]["token_logprobs"][1:-1] == pytest.approx(zero["logprobs"]["token_logprobs"][1:],
+                                                                         abs=1e-5)
 
 
 def test_choices_are_refused_where_they_cannot_be_had(server):
@@ -562,9 +566,16 @@ def test_vllm_benchs_body_is_served_as_the_plain_request_is(server):
     # helper); and every response names the backend configuration as OpenAI's does (system_fingerprint)
     defaults = dict(add_special_tokens=True, use_beam_search=False, include_stop_str_in_output=False,
                     skip_special_tokens=True, spaces_between_special_tokens=True, return_tokens_as_token_ids=False,
-                    stop_token_ids=[], truncate_prompt_tokens=None, prompt_logprobs=None, response_format=None)
+                    stop_token_ids=[], truncate_prompt_tokens=None, prompt_logprobs=None, response_format=None,
+                    priority=0, length_penalty=1.0, return_token_ids=False, structured_outputs=None,
+                    logits_processors=None, prompt_embeds=None, kv_transfer_params=None, vllm_xargs={},
+                    cache_salt="a-salt-of-43-characters-or-so")  # (no cache is shared between requests here)
     out = complete(server, prompt="To be", max_tokens=6, temperature=0, **defaults)
-    assert out["choices"][0]["text"] == text[0]
+    assert out["choices"][0]["text"] == text[0] and "prompt_logprobs" not in out["choices"][0]
+    named = complete(server, prompt="To be", max_tokens=2, n=2, request_id="my-request-7")  # vLLM's request_id
+    assert named["id"] == "cmpl-my-request-7"
+    chunks = [e for e in sse_events(server, prompt="To be", max_tokens=2, request_id="r8") if isinstance(e, dict)]
+    assert chunks and {e["id"] for e in chunks} == {"cmpl-r8"}
     fingerprint = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["fingerprint"]
     assert out["system_fingerprint"] == fingerprint == vllm[0]["system_fingerprint"] == vllm[-2]["system_fingerprint"]
 
@@ -667,6 +678,8 @@ def test_a_model_is_retrieved_by_name_as_openais_models_retrieve_does(server):
 
 def test_health_ready_metrics_docs(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    for ping in (httpx.get, httpx.post):  # vLLM's /ping (SageMaker's probe), both methods
+        assert ping(server.url + "/ping").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready").status_code == 200
     for path in ("/health", "/ready", "/v1/models", "/v1/sessions?limit=3", "/metrics", "/"):  # HEAD: no body
         head, get = httpx.head(server.url + path), httpx.get(server.url + path)

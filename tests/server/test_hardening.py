@@ -1205,3 +1205,19 @@ def test_a_client_that_reads_nothing_is_cut_off_after_the_send_timeout(checkpoin
     finally:
         sock.close()
         srv.stop()
+
+
+def test_vllms_serve_flags_name_the_same_settings_and_no_flag_is_taken_by_a_prefix(capsys):
+    """vLLM's --model (the model to load), --served-model-name, --api-key and --max-num-seqs are our settings'
+    other names; a prefix of a flag is no flag: ``--model PATH`` had been taken as --model-name and served the
+    bundled checkpoint under that name (found by a helper)."""
+    from server.cli import build_parser
+
+    ns = build_parser().parse_args(["serve", "--model", "ck", "--served-model-name", "m", "--api-key", "k",
+                                    "--max-num-seqs", "8"])
+    assert (ns.checkpoint, ns.model_name, ns.api_keys, ns.max_batch) == ("ck", "m", ["k"], 8)
+    for argv in (["serve", "--model-nam", "m"], ["serve", "--max-bat", "4"],
+                 ["generate", "--prompt", "x", "--max-tok", "3"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        assert "unrecognized arguments" in capsys.readouterr().err

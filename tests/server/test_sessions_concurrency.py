@@ -57,10 +57,11 @@ def test_api_keys_guard_what_the_readme_says_and_nothing_else(keyed):
     for method, path, body in (("GET", "/v1/models", None), ("GET", "/v1/sessions", None),
                                ("POST", "/v1/sessions", {}), ("POST", "/v1/completions", {"prompt": "x"}),
                                ("POST", "/v1/chat/completions", {}),
-                               ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]})):
+                               ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
+                               ("GET", "/tokenizer_info", None)):
         assert httpx.request(method, keyed.url + path, json=body).status_code == 401, path
-    for path in ("/health", "/ready", "/metrics", "/docs", "/openapi.json", "/", "/version"):  # probes, scrapes,
-        assert httpx.get(keyed.url + path).status_code == 200, path  # the page, vLLM's version
+    for path in ("/health", "/ping", "/ready", "/metrics", "/docs", "/openapi.json", "/", "/version"):  # probes,
+        assert httpx.get(keyed.url + path).status_code == 200, path  # scrapes, the page, vLLM's version
     from importlib import metadata
     assert httpx.get(keyed.url + "/version").json() == {"version": metadata.version("txlserve")}
 

@@ -32,6 +32,7 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | None while generating
     prev: int | None = None  # on a generation's first token: the token before it, where known (a word's spacing)
+    stop_reason: int | str | None = None  # vLLM's: the stop token or stop string that ended the generation
 
 
 @dataclass
@@ -91,6 +92,7 @@ class Generation:
             event.logprob, event.top_logprobs = token_logprobs(scores.float().cpu(), token, self.params.logprobs)
         if stopped:
             self.finish_reason = "stop"
+            event.stop_reason = token if stop_token else self.streamer.stopped_by
         elif len(self.tokens) >= self.params.max_tokens:
             self.finish_reason = "length"
             event.text += self.streamer.flush()

@@ -467,6 +467,7 @@ class Completion:
     offsets: list[int] = field(default_factory=list)
     prev: int | None = None  # the prompt's last token, as the engine's generation had it (a word's spacing)
     ranked: list[bytes] | None = None  # vLLM's prompt_logprobs, as JSON's parts (:func:`ranked_json`), once scored
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token that ended it
     _template: tuple[str, str] | None = field(default=None, repr=False)
     _decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"), repr=False)
@@ -495,6 +496,8 @@ class Completion:
         so far lags them while a stop string's start is held back, and gave tokens the same offset."""
         self.tokens.append(ev.token)
         self.pieces.append(ev.text)
+        if ev.stop_reason is not None:
+            self.stop_reason = ev.stop_reason
         if self.req.logprobs is None:
             return None
         if ev.prev is not None:  # the first token's: a session's last when the prompt was empty
@@ -554,10 +557,12 @@ class Completion:
 
     def chunk(self, text: str, finish_reason: FinishReason | None = None, logprobs: CompletionLogprobs | None = None,
               *, session: SessionRef | None = None) -> CompletionObject:
+        """A chunk (or the body's shell); the one that ends the choice carries its stop_reason."""
         return CompletionObject(id=self.id, created=self.created, model=self.model,
                                 system_fingerprint=self.system_fingerprint, session=session, choices=[
                                     CompletionChoice(index=self.index, text=text, logprobs=logprobs,
-                                                     finish_reason=finish_reason)])
+                                                     finish_reason=finish_reason,
+                                                     stop_reason=self.stop_reason if finish_reason else None)])
 
     def piece(self, text: str, finish_reason: FinishReason | None = None, logprobs: CompletionLogprobs | None = None,
               *, session: SessionRef | None = None, usage: dict[str, int] | None = None) -> dict[str, Any]:
@@ -595,8 +600,9 @@ class Completion:
         """The choice's JSON in the body, in parts to be joined once (:func:`body_bytes`: call it through
         :func:`off_loop`)."""
         choice = CompletionChoice(index=self.index, text=self.text, logprobs=self.logprobs(),
-                                  finish_reason=self.finish(final))
-        body = body_bytes(lambda: choice.model_dump_json(exclude={"prompt_logprobs"}).encode(), choice.logprobs,
+                                  finish_reason=self.finish(final), stop_reason=self.stop_reason)
+        unset = {"prompt_logprobs"} | ({"stop_reason"} if self.stop_reason is None else set())
+        body = body_bytes(lambda: choice.model_dump_json(exclude=unset).encode(), choice.logprobs,
                           lambda empty: setattr(choice, "logprobs", empty))
         if prompt_ranked(self.req) is None:
             return [body]
@@ -629,7 +635,8 @@ class Completion:
 
     def done(self, final: Final, prompt_tokens: int) -> CompletionDone:
         return CompletionDone(id=self.id, text=self.text, finish_reason=self.finish(final),
-                              usage=self.usage(final, prompt_tokens), session=self.session(final))
+                              usage=self.usage(final, prompt_tokens), session=self.session(final),
+                              stop_reason=self.stop_reason)
 
 
 async def events(run: Run, first: Any, since: float | None = None

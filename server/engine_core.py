@@ -522,7 +522,9 @@ class _Core:
             rid = box.spec.rid
             if isinstance(item, TokenEvent):
                 event = [item.token, item.text, item.logprob, item.top_logprobs, item.finish_reason]
-                out.append([rid, "t", event if item.prev is None else [*event, item.prev]])  # prev: a first token's
+                if item.prev is not None or item.stop_reason is not None:  # a first token's, a last one's
+                    event += [item.prev, item.stop_reason]
+                out.append([rid, "t", event])
             elif isinstance(item, PromptScores):  # after the items before it, as arrays (ScoredTokens.to_bytes):
                 if out:  # as JSON a long prompt's were parsed in 1.1 s, the GIL held, the event loop stalled
                     self.send({"op": "events", "stats": self.stats(), "items": out})
@@ -825,9 +827,9 @@ class EngineCore:
                     if req is None:
                         continue
                     if kind == "t":
-                        token, text, logprob, top, reason, *prev = payload
+                        token, text, logprob, top, reason, *ends = payload
                         item: Any = TokenEvent(token, text, logprob, None if top is None else [tuple(t) for t in top],
-                                               reason, prev[0] if prev else None)
+                                               reason, *ends)  # (prev, stop_reason) where either is known
                         (req.stream if req.stream is not None and streamed(item) else req.inbox).put_nowait(item)
                     else:
                         self.requests.pop(rid, None)

@@ -296,6 +296,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # vLLM's, only where one ended the choice: the stop string, or the stop token's id
+    stop_reason: int | str | None = None
     # vLLM's, only when asked for: for each prompt token (null for a first one with nothing before it), its own
     # entry then its alternatives', keyed by token id
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
@@ -320,13 +322,17 @@ class SessionRef(BaseModel):
 
 def _exclude(choices: list[CompletionChoice] | None = None, **fields: Any) -> dict[str, Any]:
     """``exclude=`` for model_dump: the top-level fields that are None, a session's ``rebuilt`` unless set, and
-    the ``choices``' ``prompt_logprobs`` unless asked for (OpenAI's shape has none)."""
+    the ``choices``' vLLM fields that none of them has (OpenAI's shape has none)."""
     out: dict[str, Any] = {k: True for k, v in fields.items() if v is None}
     if fields.get("session") is not None and fields["session"].rebuilt is None:
         out["session"] = {"rebuilt": True}
-    if choices is not None and all(choice.prompt_logprobs is None for choice in choices):
-        out["choices"] = {"__all__": {"prompt_logprobs"}}
+    unset = {name for name in _VLLM_CHOICE if all(getattr(c, name) is None for c in choices or ())}
+    if choices is not None and unset:
+        out["choices"] = {"__all__": unset}
     return out
+
+
+_VLLM_CHOICE = ("stop_reason", "prompt_logprobs")  # a choice's fields beyond OpenAI's: left out where unset
 
 
 class CompletionObject(BaseModel):
@@ -376,9 +382,10 @@ class CompletionDone(BaseModel):
     finish_reason: FinishReason
     usage: Usage
     session: SessionRef | None = None
+    stop_reason: int | str | None = None  # vLLM's, as a choice has it
 
     def dump(self) -> dict[str, Any]:
-        return self.model_dump(exclude=_exclude(session=self.session))
+        return self.model_dump(exclude=_exclude(session=self.session, stop_reason=self.stop_reason))
 
 
 # -- portable sessions -------------------------------------------------------------------------------------------

@@ -392,9 +392,18 @@ def test_a_stop_token_ends_the_text_before_it_and_the_session_holds_it(server):
     choice = got["choices"][0]
     assert (choice["text"], choice["finish_reason"], got["usage"]["completion_tokens"]) == (text[:cut], "stop", cut + 1)
     assert got["session"]["tokens_seen"] == 5 + cut + 1  # the stop token is in the session's memory
+    assert choice["stop_reason"] == ord(text[cut])  # vLLM's: the stop token's id
     for stop in ({"stop_token_ids": [ord(text[cut])]}, {"stop": text[cut - 1:cut + 1]}):  # vLLM's: with its text
         shown = complete(server, prompt="Hello", max_tokens=12, temperature=0, include_stop_str_in_output=True, **stop)
         assert (shown["choices"][0]["text"], shown["choices"][0]["finish_reason"]) == (text[:cut + 1], "stop"), stop
+        want = stop["stop_token_ids"][0] if "stop_token_ids" in stop else stop["stop"]  # what ended it
+        assert shown["choices"][0]["stop_reason"] == want, shown
+        ends = [e for e in sse_events(server, prompt="Hello", max_tokens=12, temperature=0, **stop)
+                if isinstance(e, dict)]
+        assert ends[-1]["choices"][0]["stop_reason"] == shown["choices"][0]["stop_reason"]  # on the finishing chunk
+        assert all("stop_reason" not in e["choices"][0] for e in ends[:-1])
+    plain = complete(server, prompt="Hello", max_tokens=3)["choices"][0]
+    assert plain["finish_reason"] == "length" and "stop_reason" not in plain  # OpenAI's shape where none ended it
     for ids, said in (([256], "token id 256"), ([-1], "token id -1"), (list(range(256)) * 5, "at most 1024")):
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "stop_token_ids": ids},
                        timeout=60)

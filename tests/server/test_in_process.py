@@ -19,6 +19,7 @@ from tests.server.test_completions import (  # noqa: F401  (collected here again
     test_a_batch_of_prompts_and_n_samples_are_choices_in_openais_order,
     test_a_prompts_n_choices_read_it_once,
     test_a_requests_lifecycle_phases_are_counted_once_each_and_fit_in_its_latency,
+    test_a_stop_token_ends_the_text_before_it_and_the_session_holds_it,
     test_completion_shape,
     test_error_mid_stream_is_an_error_event_then_done,
     test_fork_independence,

@@ -44,6 +44,12 @@ def test_ws_streams_same_text_as_http_and_serves_many_in_turn(server):
                               "temperature": 0, "echo": True}))
         done = collect(conn)[-1]
         assert done["type"] == "completion.done" and done["text"] == "Hello" + want, done
+        assert "stop_reason" not in done  # none ended it
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "Hello", "max_tokens": 9,
+                              "temperature": 0, "stop": [want[2:4]]}))
+        done = collect(conn)[-1]  # vLLM's stop_reason, as a choice has it
+        cut = want.index(want[2:4])  # where that string first ends the greedy text
+        assert (done["text"], done["finish_reason"], done["stop_reason"]) == (want[:cut], "stop", want[2:4]), done
 
 
 def test_ws_a_browser_page_of_another_origin_is_refused(server):

@@ -106,7 +106,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozenset[str]:
     """The destinations ``argv`` sets (argparse fills a default only into a namespace that lacks the name, so
-    parsing into one prefilled with a marker leaves the marker where a flag was not given, abbreviations included)."""
+    parsing into one prefilled with a marker leaves the marker where a flag was not given)."""
     unset = object()
     probe = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.option_strings})
     parser.parse_args(argv, namespace=probe)

@@ -550,7 +550,7 @@ class Completion:
         each time (tested), at a fraction of the event loop's time with many concurrent streams."""
         if self._template is None:
             marker = json.dumps(_MARKER)[1:-1]
-            head, tail = json.dumps(self.piece(_MARKER), ensure_ascii=False).split(marker)
+            head, tail = json.dumps(self.piece(_MARKER), ensure_ascii=False).rsplit(marker, 1)  # the text is last
             self._template = ("data: " + head, tail + "\n\n")
         head, tail = self._template
         return head + json.dumps(text, ensure_ascii=False)[1:-1] + tail
@@ -695,7 +695,8 @@ def body_rows(req: CompletionRequest, comps: list[Completion], chosen: list[Choi
 
 def completion_json(comps: list[Completion], finals: list[Final], prompt_tokens: int) -> bytes:
     """The JSON body of a request's choices: each choice rendered by itself (a long scored prompt's in parts);
-    call it through :func:`off_loop`. The same bytes as ``CompletionObject.dump_json`` of the whole (tested)."""
+    call it through :func:`off_loop`. The same bytes as ``CompletionObject.dump_json`` of the whole (tested), but
+    that each choice leaves out its own unset vLLM fields (stop_reason), not only those no choice has."""
     first = comps[0]
     body = first.chunk("", session=first.session(finals[0]))
     body.choices, body.usage = [], usage_of(finals, prompt_tokens)

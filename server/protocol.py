@@ -127,7 +127,8 @@ class CompletionRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     """Null only."""
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
-    """vLLM's: the completion's id is cmpl-{request_id} (default: a random one)."""
+    """vLLM's: the completion's id is cmpl-{request_id} (printable ASCII, no spaces; default: a random one). Over
+    HTTP only: a WebSocket's cancels name the server's ids."""
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     """vLLM's; taken and not needed: no cache is shared between requests here (a session's memory is its key's)."""
     priority: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 63)
@@ -161,6 +162,15 @@ class CompletionRequest(BaseModel):
             return handler(value)
         except ValidationError:
             raise refused from None
+
+    @field_validator("request_id")
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        """An id a client reads back in every chunk: printable ASCII with no spaces (a control character could
+        meet the SSE template's marker, and broke the stream: found by a review)."""
+        if value is not None and not (value.isascii() and value.isprintable() and " " not in value):
+            raise PydanticCustomError("request_id_chars", "must be printable ASCII with no spaces")
+        return value
 
     @field_validator("stop", mode="wrap")
     @classmethod

@@ -239,7 +239,7 @@ class Scheduler:
         self.capacity = batch_capacity(engine, max_batch=max_batch, batch_bytes=batch_bytes)
         self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # fed by :meth:`enqueue`
         # the copies of the jobs put into the inbox, and of those taken out: what waits there is their difference
-        # (each count has one writer, under the lock: submits come from an event loop or an engine process's threads)
+        # (submits come from an event loop or an engine process's threads, under the lock; the loop takes them out)
         self._copies_in, self._copies_out, self._copies_lock = 0, 0, threading.Lock()
         self.prefilling: deque[Job] = deque()
         self.ready: deque[Job] = deque()  # prompt read (or short), waiting for a row of the decode table
@@ -276,7 +276,8 @@ class Scheduler:
         # read on other threads (a scrape, the engine process's reader) while the loop's thread rotates the deque:
         # list() copies it in one step under the GIL, where a generator over it could meet it mid-change
         copies = sum(len(job.copies) for job in list(self.prefilling)) if self.prefilling else 0
-        copies += self._copies_in - self._copies_out  # a request's choices count from its submit on
+        taken = self._copies_out  # read first: a submit and its take between the two reads count, never go below
+        copies += self._copies_in - taken  # a request's choices count from its submit on
         return self.inbox.qsize() + len(self.prefilling) + copies + len(self.ready)
 
     @property

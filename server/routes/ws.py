@@ -165,6 +165,9 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
         if req.stream is not True:
             raise InvalidRequestError("a WebSocket completion always streams: leave stream out or set it true",
                                       param="stream")
+        if req.request_id is not None:  # a reused one would let a late cancel stop the next completion
+            raise InvalidRequestError("request_id names an HTTP completion; a WebSocket's completions are named by "
+                                      "the server, as its cancels name them", param="request_id")
         options = req.stream_options  # include_usage alone changes nothing here: completion.done has the usage
         if options is not None and options.include_usage and options.continuous_usage_stats:
             raise InvalidRequestError("stream_options.continuous_usage_stats is for SSE streams; a WebSocket's "

@@ -88,6 +88,10 @@ CASES = [
     ("vLLM's prompt_logprobs past the logprobs limit", "POST", "/v1/completions",
      {**OK, "prompt": "x" * 60_000, "prompt_logprobs": 20}, 400, "prompt_logprobs"),
     ("vLLM's beam search", "POST", "/v1/completions", {**OK, "use_beam_search": True}, 400, "use_beam_search"),
+    ("vLLM's request_id with a control character", "POST", "/v1/completions",
+     {**OK, "stream": True, "request_id": "a\u0000txl-text\u0000b"}, 400, "request_id"),  # the SSE template's marker
+    ("vLLM's request_id with a space", "POST", "/v1/completions", {**OK, "request_id": "a b"}, 400, "request_id"),
+    ("vLLM's request_id too long", "POST", "/v1/completions", {**OK, "request_id": "r" * 257}, 400, "request_id"),
     ("response_format", "POST", "/v1/completions", {**OK, "response_format": {"type": "json_object"}}, 400,
      "response_format"),
     ("ignore_eos not bool", "POST", "/v1/completions", {**OK, "ignore_eos": "yes"}, 400, "ignore_eos"),

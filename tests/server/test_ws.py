@@ -123,6 +123,9 @@ def test_ws_errors_keep_the_connection(server):
         assert err["param"] == "top_p" and "finite" in err["message"], err
         conn.send(json.dumps({"type": "completion.create", "model": "nope", "prompt": "x"}))
         assert json.loads(conn.recv(timeout=10))["error"]["type"] == "not_found_error"
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x", "request_id": "r1"}))
+        err = json.loads(conn.recv(timeout=10))  # a reused one would let a late cancel stop the next completion
+        assert err["status"] == 400 and err["error"]["param"] == "request_id", err
         conn.send(json.dumps({"type": "completion.create", "model": MODEL, "prompt": "x",  # SSE's alone: said so
                               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
         err = json.loads(conn.recv(timeout=10))["error"]

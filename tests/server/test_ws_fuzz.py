@@ -29,7 +29,8 @@ FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed
           "best_of", "stream_options", "user", "session_id", "frequency_penalty", "presence_penalty",
           "logit_bias", "suffix", "stream", "repetition_penalty", "min_p", "min_tokens", "ignore_eos",
           "stop_token_ids", "prompt_logprobs", "skip_special_tokens", "response_format", "allowed_token_ids",
-          "truncate_prompt_tokens", "include_stop_str_in_output")
+          "truncate_prompt_tokens", "include_stop_str_in_output", "request_id", "priority", "cache_salt",
+          "vllm_xargs", "length_penalty")
 
 
 json_values = st.recursive(

@@ -47,7 +47,7 @@ def check_model(rt: Runtime, model: str) -> None:
 # OpenAI's and vLLM's parameters this server takes at the value that changes nothing, and only there
 _NEUTRAL = (("use_beam_search", False), ("skip_special_tokens", True),
             ("spaces_between_special_tokens", True), ("response_format", None), ("priority", 0),
-            ("length_penalty", 1.0), ("return_token_ids", False), ("structured_outputs", None),
+            ("length_penalty", 1.0), ("structured_outputs", None),
             ("logits_processors", None), ("prompt_embeds", None), ("kv_transfer_params", None), ("vllm_xargs", {}))
 
 
@@ -468,6 +468,9 @@ class Completion:
     prev: int | None = None  # the prompt's last token, as the engine's generation had it (a word's spacing)
     ranked: list[bytes] | None = None  # vLLM's prompt_logprobs, as JSON's parts (:func:`ranked_json`), once scored
     stop_reason: int | str | None = None  # vLLM's: the stop string or token that ended it
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt's ids as read, for return_token_ids
+    token_ids: list[int] = field(default_factory=list)  # the ids generated (self.tokens has the echoed prompt's too)
+    _prompt_ids_due: bool = True  # a stream's first chunk of this choice carries prompt_token_ids
     _template: tuple[str, str] | None = field(default=None, repr=False)
     _decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"), repr=False)
@@ -478,7 +481,7 @@ class Completion:
         """A choice's; the request's other choices share the ``first``'s id and time."""
         out = cls(req, rt.settings.model_name, rt.engine.tokenizer, rt.engine.fingerprint, index=choice.index,
                   text_prompt=isinstance(choice.prompt, str), echoed=choice.echoed,
-                  prev=choice.ids[-1] if choice.ids else None)
+                  prev=choice.ids[-1] if choice.ids else None, prompt_ids=choice.ids if req.return_token_ids else [])
         if first is not None:
             out.id, out.created = first.id, first.created
         elif req.request_id is not None:  # vLLM's
@@ -496,6 +499,8 @@ class Completion:
         so far lags them while a stop string's start is held back, and gave tokens the same offset."""
         self.tokens.append(ev.token)
         self.pieces.append(ev.text)
+        if self.req.return_token_ids:
+            self.token_ids.append(ev.token)
         if ev.stop_reason is not None:
             self.stop_reason = ev.stop_reason
         if self.req.logprobs is None:
@@ -547,7 +552,10 @@ class Completion:
     def text_event(self, text: str) -> str:
         """``data: {chunk}\n\n`` for a chunk of text alone, the per-token case of every stream: the model is
         rendered once per completion with a marker and the text is spliced in, the same bytes as rendering it
-        each time (tested), at a fraction of the event loop's time with many concurrent streams."""
+        each time (tested), at a fraction of the event loop's time with many concurrent streams. With
+        ``return_token_ids`` a chunk is its own (the choice's first carries the prompt's ids)."""
+        if self.req.return_token_ids:
+            return f"data: {json.dumps(self.piece(text), ensure_ascii=False)}\n\n"
         if self._template is None:
             marker = json.dumps(_MARKER)[1:-1]
             head, tail = json.dumps(self.piece(_MARKER), ensure_ascii=False).rsplit(marker, 1)  # the text is last
@@ -556,20 +564,30 @@ class Completion:
         return head + json.dumps(text, ensure_ascii=False)[1:-1] + tail
 
     def chunk(self, text: str, finish_reason: FinishReason | None = None, logprobs: CompletionLogprobs | None = None,
-              *, session: SessionRef | None = None) -> CompletionObject:
-        """A chunk (or the body's shell); the one that ends the choice carries its stop_reason."""
+              *, session: SessionRef | None = None, token_ids: list[int] | None = None) -> CompletionObject:
+        """A chunk (or the body's shell); the one that ends the choice carries its stop_reason, and with
+        ``return_token_ids`` the first of the choice the prompt's ids, each its own ``token_ids``."""
         return CompletionObject(id=self.id, created=self.created, model=self.model,
                                 system_fingerprint=self.system_fingerprint, session=session, choices=[
                                     CompletionChoice(index=self.index, text=text, logprobs=logprobs,
                                                      finish_reason=finish_reason,
-                                                     stop_reason=self.stop_reason if finish_reason else None)])
+                                                     stop_reason=self.stop_reason if finish_reason else None,
+                                                     token_ids=token_ids, prompt_token_ids=self._prompt_ids())])
+
+    def _prompt_ids(self) -> list[int] | None:
+        """The prompt's ids for this stream chunk: on the choice's first, with ``return_token_ids``."""
+        if not self.req.return_token_ids or not self._prompt_ids_due:
+            return None
+        self._prompt_ids_due = False
+        return self.prompt_ids
 
     def piece(self, text: str, finish_reason: FinishReason | None = None, logprobs: CompletionLogprobs | None = None,
-              *, session: SessionRef | None = None, usage: dict[str, int] | None = None) -> dict[str, Any]:
+              *, session: SessionRef | None = None, usage: dict[str, int] | None = None,
+              token_ids: list[int] | None = None) -> dict[str, Any]:
         """A stream chunk's JSON object; with ``stream_options.include_usage`` it says ``"usage": null``, as
         OpenAI's chunks before the usage chunk do, or (``continuous_usage_stats``) the ``usage`` so far."""
         options = self.req.stream_options
-        out = self.chunk(text, finish_reason, logprobs, session=session).dump(
+        out = self.chunk(text, finish_reason, logprobs, session=session, token_ids=token_ids).dump(
             usage_null=bool(options and options.include_usage))
         if usage is not None:
             out["usage"] = usage
@@ -599,9 +617,13 @@ class Completion:
     def choice_json(self, final: Final) -> list[bytes | memoryview]:
         """The choice's JSON in the body, in parts to be joined once (:func:`body_bytes`: call it through
         :func:`off_loop`)."""
+        asked = bool(self.req.return_token_ids)
         choice = CompletionChoice(index=self.index, text=self.text, logprobs=self.logprobs(),
-                                  finish_reason=self.finish(final), stop_reason=self.stop_reason)
-        unset = {"prompt_logprobs"} | ({"stop_reason"} if self.stop_reason is None else set())
+                                  finish_reason=self.finish(final), stop_reason=self.stop_reason,
+                                  token_ids=self.token_ids if asked else None,
+                                  prompt_token_ids=self.prompt_ids if asked else None)
+        unset = {name for name in ("stop_reason", "token_ids", "prompt_token_ids") if getattr(choice, name) is None}
+        unset.add("prompt_logprobs")  # spliced in below
         body = body_bytes(lambda: choice.model_dump_json(exclude=unset).encode(), choice.logprobs,
                           lambda empty: setattr(choice, "logprobs", empty))
         if prompt_ranked(self.req) is None:
@@ -630,8 +652,10 @@ class Completion:
                                 system_fingerprint=self.system_fingerprint, choices=[],
                                 usage=usage_of(finals, prompt_tokens))
 
-    def delta(self, text: str, logprobs: CompletionLogprobs | None) -> CompletionDelta:
-        return CompletionDelta(id=self.id, text=text, logprobs=logprobs)
+    def delta(self, text: str, logprobs: CompletionLogprobs | None,
+              token_ids: list[int] | None = None) -> CompletionDelta:
+        return CompletionDelta(id=self.id, text=text, logprobs=logprobs, token_ids=token_ids,
+                               prompt_token_ids=self._prompt_ids())
 
     def done(self, final: Final, prompt_tokens: int) -> CompletionDone:
         return CompletionDone(id=self.id, text=self.text, finish_reason=self.finish(final),

@@ -136,7 +136,8 @@ class CompletionRequest(BaseModel):
     length_penalty: float | None = None
     """vLLM's (beam search's); 1 only."""
     return_token_ids: bool | None = None
-    """vLLM's; false only."""
+    """vLLM's: each choice's token ids too, the prompt's and those generated (a stream: the prompt's on a choice's
+    first chunk, each chunk its own)."""
     structured_outputs: dict[str, Any] | None = None
     """vLLM's; null only."""
     logits_processors: list[Any] | None = None
@@ -308,6 +309,9 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None = None
     # vLLM's, only where one ended the choice: the stop string, or the stop token's id
     stop_reason: int | str | None = None
+    # vLLM's return_token_ids: the tokens generated (a chunk's own), and the prompt's (a choice's first chunk)
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
     # vLLM's, only when asked for: for each prompt token (null for a first one with nothing before it), its own
     # entry then its alternatives', keyed by token id
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
@@ -342,7 +346,8 @@ def _exclude(choices: list[CompletionChoice] | None = None, **fields: Any) -> di
     return out
 
 
-_VLLM_CHOICE = ("stop_reason", "prompt_logprobs")  # a choice's fields beyond OpenAI's: left out where unset
+# a choice's fields beyond OpenAI's: left out where unset
+_VLLM_CHOICE = ("stop_reason", "token_ids", "prompt_token_ids", "prompt_logprobs")
 
 
 class CompletionObject(BaseModel):
@@ -372,15 +377,18 @@ class CompletionObject(BaseModel):
 
 
 class CompletionDelta(BaseModel):
-    """WebSocket: a piece of text (and its logprobs when asked)."""
+    """WebSocket: a piece of text (and its logprobs and token ids when asked)."""
 
     type: Literal["completion.delta"] = "completion.delta"
     id: str
     text: str
     logprobs: CompletionLogprobs | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
     def dump(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"logprobs"} if self.logprobs is None else set())
+        return self.model_dump(exclude={k for k in ("logprobs", "token_ids", "prompt_token_ids")
+                                        if getattr(self, k) is None})
 
 
 class CompletionDone(BaseModel):

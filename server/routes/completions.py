@@ -125,8 +125,9 @@ async def _stream(rt: Runtime, comps: list[Completion], interleaved: Interleaved
                 if isinstance(item, TokenEvent):
                     streamed[i] += 1
                     logprobs = comp.add(item)
-                    if logprobs is not None or (continuous and item.text):
-                        out.append(_sse(comp.piece(item.text, None, logprobs, usage=so_far(i))))
+                    ids = [item.token] if comp.req.return_token_ids else None  # vLLM's: every token's chunk
+                    if logprobs is not None or (continuous and item.text) or ids:
+                        out.append(_sse(comp.piece(item.text, None, logprobs, usage=so_far(i), token_ids=ids)))
                     elif item.text:
                         out.append(comp.text_event(item.text))
                     if out and item.finish_reason is None and interleaved.idle():  # the last waits for the end

@@ -233,8 +233,9 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
                                                   delta=True))
             elif isinstance(item, TokenEvent):
                 logprobs = comp.add(item)
-                if item.text or logprobs is not None:
-                    await ws.send_json(comp.delta(item.text, logprobs).dump())
+                ids = [item.token] if comp.req.return_token_ids else None  # vLLM's: every token's delta
+                if item.text or logprobs is not None or ids:
+                    await ws.send_json(comp.delta(item.text, logprobs, ids).dump())
             elif isinstance(item, str):  # held back until the run was cancelled
                 comp.add_text(item)
                 await ws.send_json(comp.delta(item, None).dump())

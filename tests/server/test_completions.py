@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from websockets.sync.client import connect
 
 from tests.live import LONG, MODEL, wait_for
 
@@ -318,6 +319,38 @@ def test_prompt_logprobs_are_vllms_and_the_reference_forwards(server, checkpoint
 
     events = [e for e in sse_events(server, prompt=prompt, max_tokens=2, prompt_logprobs=0) if isinstance(e, dict)]
     assert events and not any("prompt_logprobs" in c for e in events for c in e["choices"])
+
+
+def test_return_token_ids_gives_the_prompts_and_the_generated_ids_on_every_surface(server):
+    """vLLM's return_token_ids: a JSON choice has its prompt's ids and the ids generated (a stop token's too, its
+    text left out); a stream's choice has the prompt's on its first chunk and each token's own on its chunk, so
+    that they add up to the body's, for every choice of n; a WebSocket's deltas alike."""
+    ids = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "ROMEO."}).json()["tokens"]
+    body = {"prompt": "ROMEO.", "max_tokens": 8, "temperature": 0}
+    plain = complete(server, **body)["choices"][0]
+    got = complete(server, **body, return_token_ids=True)["choices"][0]
+    assert got["prompt_token_ids"] == ids and len(got["token_ids"]) == 8 and got["text"] == plain["text"]
+    assert bytes(got["token_ids"]).decode() == got["text"]  # one byte a token here
+    stop = got["token_ids"][3]
+    cut = complete(server, **body, return_token_ids=True, stop_token_ids=[stop])["choices"][0]
+    assert cut["token_ids"] == got["token_ids"][:got["token_ids"].index(stop) + 1] and cut["stop_reason"] == stop
+    assert bytes(cut["token_ids"][:-1]).decode() == cut["text"]  # the stop token is generated, its text left out
+
+    sampled = {"prompt": "ROMEO.", "max_tokens": 6, "n": 2, "seed": 4, "return_token_ids": True}
+    whole = complete(server, **sampled)["choices"]
+    events = [e for e in sse_events(server, **sampled) if isinstance(e, dict)]
+    for j in (0, 1):
+        mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == j]
+        assert mine[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c.get("token_ids", [])] == whole[j]["token_ids"]
+        assert all(len(c["token_ids"]) == 1 for c in mine if "token_ids" in c)
+    with connect(server.url.replace("http://", "ws://") + "/v1/ws") as conn:
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, **body, "return_token_ids": True}))
+        deltas = []
+        while (msg := json.loads(conn.recv(timeout=60)))["type"] == "completion.delta":
+            deltas.append(msg)
+    assert msg["type"] == "completion.done" and deltas[0]["prompt_token_ids"] == ids
+    assert [t for d in deltas for t in d["token_ids"]] == got["token_ids"]
 
 
 def test_a_batch_scored_as_lm_eval_scores_it(server):

@@ -28,6 +28,7 @@ from tests.server.test_completions import (  # noqa: F401  (collected here again
     test_openai_sdk_plain_and_streaming,
     test_openais_four_prompt_forms,
     test_prompt_logprobs_are_vllms_and_the_reference_forwards,
+    test_return_token_ids_gives_the_prompts_and_the_generated_ids_on_every_surface,
     test_seed_determinism_and_logprobs,
     test_session_crud,
     test_split_invariance_through_http,

@@ -30,7 +30,7 @@ FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed
           "logit_bias", "suffix", "stream", "repetition_penalty", "min_p", "min_tokens", "ignore_eos",
           "stop_token_ids", "prompt_logprobs", "skip_special_tokens", "response_format", "allowed_token_ids",
           "truncate_prompt_tokens", "include_stop_str_in_output", "request_id", "priority", "cache_salt",
-          "vllm_xargs", "length_penalty")
+          "vllm_xargs", "length_penalty", "return_token_ids")
 
 
 json_values = st.recursive(

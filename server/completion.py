@@ -251,12 +251,13 @@ async def choices(rt: Runtime, req: CompletionRequest) -> list[Choice]:
         name = f"prompt[{p}]" if len(prompts) > 1 else "prompt"  # which of a batch's
         ids = (await prompt_ids(rt, prompt, limit, name=name, inline=inline) if isinstance(prompt, str)
                else checked_ids(rt, prompt, limit, name))
-        read += (n if req.echo else 1) * len(ids)  # a prompt's n choices read it once; each echo carries it; as sent
+        carried = req.echo or req.return_token_ids  # each choice gives the prompt back (its text, or its ids)
+        read += (n if carried else 1) * len(ids)  # a prompt's n choices read it once; as sent
         cut = keep is not None and len(ids) > keep
         ids = ids[len(ids) - keep:] if cut else ids  # vLLM's truncation side: the prompt's last tokens stay
         if read > limit and n * len(prompts) > 1:  # a request reads (and echoes) at most the limit
-            how = ("a prompt counts once, and once more for each other choice that echoes it" if req.echo else
-                   "a prompt counts once, however many choices read it")
+            how = ("a prompt counts once, and once more for each other choice that gives it back (echo, "
+                   "return_token_ids)" if carried else "a prompt counts once, however many choices read it")
             raise PayloadTooLarge(f"{n * len(prompts)} choices' prompts come to {read:,}+ tokens as sent; the limit "
                                   f"is {limit:,} a request ({how})", param="n" if n > 1 else "prompt")
         echoed = (prompt if isinstance(prompt, str) and not cut else await ids_text(rt, ids)) if req.echo else ""
@@ -574,6 +575,11 @@ class Completion:
                                                      stop_reason=self.stop_reason if finish_reason else None,
                                                      token_ids=token_ids, prompt_token_ids=self._prompt_ids())])
 
+    def prompt_rows(self) -> int:
+        """How many prompt ids this choice's next stream chunk carries (its first, with ``return_token_ids``):
+        :func:`off_loop`'s measure, as a million of them take the event loop ~0.1 s to render."""
+        return len(self.prompt_ids) if self.req.return_token_ids and self._prompt_ids_due else 0
+
     def _prompt_ids(self) -> list[int] | None:
         """The prompt's ids for this stream chunk: on the choice's first, with ``return_token_ids``."""
         if not self.req.return_token_ids or not self._prompt_ids_due:
@@ -711,10 +717,11 @@ def prompt_tokens(chosen: list[Choice]) -> int:
 
 def body_rows(req: CompletionRequest, comps: list[Completion], chosen: list[Choice]) -> int:
     """The logprobs entries a JSON body renders, :func:`off_loop`'s measure: each choice's tokens with
-    ``logprobs``, and its prompt's with ``prompt_logprobs`` (left out, a 60 MB body had been rendered on the event
-    loop: found by a review)."""
+    ``logprobs``, its prompt's with ``prompt_logprobs`` (left out, a 60 MB body had been rendered on the event
+    loop: found by a review), and its ids with ``return_token_ids`` (128 choices of a long prompt: 384 MB)."""
     return (sum(len(c.tokens) for c in comps) if req.logprobs is not None else 0) + (
-        sum(len(choice.ids) for choice in chosen) if prompt_ranked(req) is not None else 0)
+        sum(len(choice.ids) for choice in chosen) if prompt_ranked(req) is not None else 0) + (
+        sum(len(c.prompt_ids) + len(c.token_ids) for c in comps) if req.return_token_ids else 0)
 
 
 def completion_json(comps: list[Completion], finals: list[Final], prompt_tokens: int) -> bytes:

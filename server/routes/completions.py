@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
@@ -36,6 +37,11 @@ router = APIRouter()
 
 def _dumps(obj: object) -> str:
     return json.dumps(obj, ensure_ascii=False)
+
+
+def _piece(comp: Completion, *args: Any, **kwargs: Any) -> str:
+    """A chunk's SSE event (``Completion.piece``'s arguments)."""
+    return _sse(comp.piece(*args, **kwargs))
 
 
 def _sse(obj: object) -> str:
@@ -111,7 +117,7 @@ async def _stream(rt: Runtime, comps: list[Completion], interleaved: Interleaved
         try:
             for i, comp in enumerate(comps):
                 if comp.req.echo and comp.echoed and runs[i].prompt_logprobs is None:
-                    out.append(_sse(comp.piece(comp.echoed, usage=so_far(i))))
+                    out.append(await off_loop(comp.prompt_rows(), _piece, comp, comp.echoed, usage=so_far(i)))
             if out:
                 yield "".join(out)
                 out.clear()
@@ -126,8 +132,9 @@ async def _stream(rt: Runtime, comps: list[Completion], interleaved: Interleaved
                     streamed[i] += 1
                     logprobs = comp.add(item)
                     ids = [item.token] if comp.req.return_token_ids else None  # vLLM's: every token's chunk
-                    if logprobs is not None or (continuous and item.text) or ids:
-                        out.append(_sse(comp.piece(item.text, None, logprobs, usage=so_far(i), token_ids=ids)))
+                    if logprobs is not None or (continuous and item.text) or ids:  # (a first chunk's prompt ids:
+                        out.append(await off_loop(comp.prompt_rows(), _piece, comp, item.text, None, logprobs,  # long)
+                                                  usage=so_far(i), token_ids=ids))
                     elif item.text:
                         out.append(comp.text_event(item.text))
                     if out and item.finish_reason is None and interleaved.idle():  # the last waits for the end

@@ -15,6 +15,7 @@ import contextlib
 import json
 import time
 from collections import deque
+from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
@@ -35,6 +36,11 @@ router = APIRouter()
 def _dumps(obj: object) -> str:
     """JSON as starlette's ``send_json`` writes it, for a message rendered off the event loop."""
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _delta(comp: Completion, *args: Any) -> str:
+    """A ``completion.delta`` message (``Completion.delta``'s arguments), as ``send_json`` writes it."""
+    return _dumps(comp.delta(*args).dump())
 
 
 def _invalid(message: str, param: str | None = None) -> dict:
@@ -226,7 +232,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
                 await ws.send_json({"type": "error", "id": comp.id, **stream_error(err)})
                 return
             if echo:
-                await ws.send_json(comp.delta(comp.echoed, None).dump())
+                await ws.send_text(await off_loop(comp.prompt_rows(), _delta, comp, comp.echoed, None))
                 echo = False
             if isinstance(item, PromptScores):  # echo with logprobs: the prompt and its scores first
                 await ws.send_text(await off_loop(len(item), comp.prompt_piece, run.ids, item, _dumps,
@@ -234,8 +240,8 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
             elif isinstance(item, TokenEvent):
                 logprobs = comp.add(item)
                 ids = [item.token] if comp.req.return_token_ids else None  # vLLM's: every token's delta
-                if item.text or logprobs is not None or ids:
-                    await ws.send_json(comp.delta(item.text, logprobs, ids).dump())
+                if item.text or logprobs is not None or ids:  # (a first delta's prompt ids: rendered off the loop)
+                    await ws.send_text(await off_loop(comp.prompt_rows(), _delta, comp, item.text, logprobs, ids))
             elif isinstance(item, str):  # held back until the run was cancelled
                 comp.add_text(item)
                 await ws.send_json(comp.delta(item, None).dump())

@@ -352,6 +352,19 @@ def test_return_token_ids_gives_the_prompts_and_the_generated_ids_on_every_surfa
     assert msg["type"] == "completion.done" and deltas[0]["prompt_token_ids"] == ids
     assert [t for d in deltas for t in d["token_ids"]] == got["token_ids"]
 
+    # a character's first bytes release no text of their own: their ids still come, each on its chunk (a review)
+    split = {"prompt": "x", "max_tokens": 6, "seed": 2, "allowed_token_ids": [0xC3, 0xA9], "return_token_ids": True}
+    whole = complete(server, **split)["choices"][0]
+    held = [e["choices"][0] for e in sse_events(server, **split) if isinstance(e, dict) and e["choices"]]
+    assert [t for c in held for t in c.get("token_ids", [])] == whole["token_ids"] and len(whole["token_ids"]) == 6
+    assert any(c["text"] == "" and c.get("token_ids") for c in held)  # ids whose text waits for the next byte
+    scored = complete(server, prompt=["ROMEO.", "Hi"], max_tokens=2, echo=True, logprobs=1, return_token_ids=True)
+    for choice, prompt in zip(scored["choices"], ("ROMEO.", "Hi")):  # each its own prompt's; echo is text, not ids
+        assert choice["prompt_token_ids"] == list(prompt.encode()) and len(choice["token_ids"]) == 2
+    many = {"model": MODEL, "prompt": "x" * 600, "n": 2, "max_tokens": 1, "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/completions", json=many, timeout=60)  # every choice carries the prompt's ids
+    assert r.status_code == 200 and len(r.json()["choices"][1]["prompt_token_ids"]) == 600
+
 
 def test_a_batch_scored_as_lm_eval_scores_it(server):
     """lm-evaluation-harness's ``local-completions`` scores a batch of token-id prompts in one request (echo,
@@ -390,6 +403,7 @@ def test_choices_are_refused_where_they_cannot_be_had(server):
     assert httpx.get(f"{server.url}/v1/sessions/{sid}").json()["tokens_seen"] == 6
     half = "a" * 600_000
     for body, param, said in (({"prompt": half, "n": 2, "echo": True}, "n", "come to 1,200,000+"),
+                              ({"prompt": half, "n": 2, "return_token_ids": True}, "n", "gives it back"),
                               ({"prompt": [half, half], "truncate_prompt_tokens": 4}, "prompt", "come to 1,200,000+")):
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, **body}, timeout=60)
         err = r.json()["error"]  # prompts as sent (echoed ones for each choice) within the one prompt's limit

@@ -358,6 +358,12 @@ def test_return_token_ids_gives_the_prompts_and_the_generated_ids_on_every_surfa
     held = [e["choices"][0] for e in sse_events(server, **split) if isinstance(e, dict) and e["choices"]]
     assert [t for c in held for t in c.get("token_ids", [])] == whole["token_ids"] and len(whole["token_ids"]) == 6
     assert any(c["text"] == "" and c.get("token_ids") for c in held)  # ids whose text waits for the next byte
+    with connect(server.url.replace("http://", "ws://") + "/v1/ws") as conn:  # the WebSocket's deltas alike
+        conn.send(json.dumps({"type": "completion.create", "model": MODEL, **split}))
+        deltas = []
+        while (msg := json.loads(conn.recv(timeout=60)))["type"] == "completion.delta":
+            deltas.append(msg)
+    assert [t for d in deltas for t in d["token_ids"]] == whole["token_ids"]
     scored = complete(server, prompt=["ROMEO.", "Hi"], max_tokens=2, echo=True, logprobs=1, return_token_ids=True)
     for choice, prompt in zip(scored["choices"], ("ROMEO.", "Hi")):  # each its own prompt's; echo is text, not ids
         assert choice["prompt_token_ids"] == list(prompt.encode()) and len(choice["token_ids"]) == 2

@@ -74,6 +74,47 @@ class _Live(Collector):
                                     "(--cpu-latency-qos-us) is held", value=int(self.cpu_latency.held))
 
 
+# vLLM's names for our series (vllm:X is txlserve_X, and vLLM's older name of the inter-token latency), so that a
+# dashboard made for vLLM (its Grafana one: every series with a model_name label) reads this server unchanged
+_VLLM_TWINS = {"time_to_first_token_seconds": ("time_to_first_token_seconds",),
+               "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+               "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+               "request_queue_time_seconds": ("request_queue_time_seconds",),
+               "request_prefill_time_seconds": ("request_prefill_time_seconds",),
+               "request_prompt_tokens": ("request_prompt_tokens",),
+               "request_generation_tokens": ("request_generation_tokens",),
+               "prompt_tokens": ("prompt_tokens",), "generation_tokens": ("generation_tokens",)}
+
+
+class _VllmNames(Collector):
+    """Our histograms and counters again under vLLM's names, each sample labelled with ``model_name``, and vLLM's
+    gauges of the engine: requests running and waiting, and ``kv_cache_usage_perc``, the share of the decode
+    batch's rows in use (each running request's ring of keys and values: this server's KV cache)."""
+
+    def __init__(self, metrics: list[tuple[str, Histogram | Counter]], live: _Live) -> None:
+        self.metrics, self.live, self.model = metrics, live, ""
+
+    def collect(self) -> Iterator[Metric]:
+        label = {"model_name": self.model}
+        for ours, metric in self.metrics:
+            for family in metric.collect():
+                for twin in _VLLM_TWINS[ours]:
+                    out = Metric(f"vllm:{twin}", family.documentation, family.type, family.unit)
+                    out.samples = [sample._replace(name=f"vllm:{twin}{sample.name[len(family.name):]}",
+                                                   labels={**label, **sample.labels}) for sample in family.samples]
+                    yield out
+        if self.live.engine:
+            s = self.live.scheduler
+            for name, doc, value in (
+                    ("num_requests_running", "Requests generating in the decode batch", s.batch_size),
+                    ("num_requests_waiting", "Requests queued or prefilling", s.waiting),
+                    ("kv_cache_usage_perc", "Share of the decode batch's rows in use (1: full)",
+                     s.batch_size / max(1, s.capacity))):
+                gauge = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+                gauge.add_metric([self.model], value)
+                yield gauge
+
+
 class Metrics:
     def __init__(self, scheduler: Scheduler, store: MemoryStore, hot: HotStates,
                  cpu_latency: CpuLatencyQos | None = None) -> None:
@@ -129,6 +170,21 @@ class Metrics:
         ProcessCollector(registry=r)
         self.live = _Live(scheduler, store, hot, cpu_latency)
         r.register(self.live)
+        self.vllm = _VllmNames([(name.removeprefix("txlserve_"), metric) for name, metric in (
+            ("txlserve_time_to_first_token_seconds", self.ttft), ("txlserve_inter_token_latency_seconds", self.itl),
+            ("txlserve_e2e_request_latency_seconds", self.e2e), ("txlserve_request_queue_time_seconds",
+                                                                 self.queue_time),
+            ("txlserve_request_prefill_time_seconds", self.prefill_time),
+            ("txlserve_request_prompt_tokens", self.request_prompt_tokens),
+            ("txlserve_request_generation_tokens", self.request_generation_tokens),
+            ("txlserve_prompt_tokens", self.prompt_tokens), ("txlserve_generation_tokens", self.generation_tokens))],
+            self.live)
+        r.register(self.vllm)
+
+    def serving(self, version: str, model: str, fingerprint: str) -> None:
+        """Name what is served: ``txlserve_build``, and the ``model_name`` of vLLM's series."""
+        self.build.info({"version": version, "model": model, "fingerprint": fingerprint})
+        self.vllm.model = model
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -263,7 +263,7 @@ def _opened(rt: Runtime, checkpoint: str, device: torch.device, threads: int) ->
             loop.call_soon_threadsafe(rt.store_died, why)
 
     store.on_embedded_exit(store_died)
-    rt.metrics.build.info({"version": version(), "model": settings.model_name, "fingerprint": engine.fingerprint})
+    rt.metrics.serving(version(), settings.model_name, engine.fingerprint)
     where = "in its own process, " if rt.core is not None else ""
     log.info("loaded %s (%s, %d layers, d_model %d, mem_len %d) on %s, %s%d torch threads; sessions in %s; "
              "http://%s:%d", checkpoint, settings.model_name, engine.config.n_layer, engine.config.d_model,

@@ -785,6 +785,19 @@ def test_health_ready_metrics_docs(server):
     build = re.search(r'^txlserve_build_info\{(.*)\} 1\.0$', text, re.M)  # which build serves which model
     assert build and f'model="{MODEL}"' in build[1] and f'fingerprint="{fingerprint}"' in build[1], text[-500:]
     assert re.search(r'version="[^"]+"', build[1])
+    from prometheus_client.parser import text_string_to_metric_families  # a vLLM dashboard's series: ours, renamed
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text)
+               for s in f.samples}
+    for ours, theirs in (("txlserve_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+                         ("txlserve_inter_token_latency_seconds_sum", "vllm:time_per_output_token_seconds_sum"),
+                         ("txlserve_request_prompt_tokens_bucket", "vllm:request_prompt_tokens_bucket"),
+                         ("txlserve_generation_tokens_total", "vllm:generation_tokens_total")):
+        mine = {labels: v for (name, labels), v in samples.items() if name == ours}
+        twin = {tuple(p for p in labels if p[0] != "model_name"): v for (name, labels), v in samples.items()
+                if name == theirs and ("model_name", MODEL) in labels}
+        assert mine and twin == mine, (ours, theirs)
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert 0 <= samples[(gauge, (("model_name", MODEL),))] <= 64, gauge
     assert httpx.get(server.url + "/docs").status_code == 200
     schema = httpx.get(server.url + "/openapi.json").json()
     assert schema["info"]["title"] == "txlserve"

@@ -41,6 +41,9 @@ async def test_completion_and_stream(aclient: AsyncClient) -> None:
     assert chunks[-1].usage == done.usage
     as_ids = await aclient.completions.create(model=MODEL, prompt=[list(b"Hello")], max_tokens=10, temperature=0)
     assert as_ids.text == done.text  # a batch of one token-id prompt (the bundled model's ids are bytes)
+    banned = await aclient.completions.create(model=MODEL, prompt="Hello", max_tokens=10, temperature=0,
+                                              extra_body={"allowed_token_ids": [ord("z")]})  # vLLM's, as the SDK's
+    assert banned.text == "z" * 10
 
 
 async def test_sessions(aclient: AsyncClient) -> None:

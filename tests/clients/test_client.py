@@ -84,6 +84,16 @@ def test_streaming_completion(client: Client) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
     plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0)
     assert "".join(c.text for c in chunks) == plain.text
+    # extra_body, as OpenAI's SDK takes it: vLLM's fields reach the server; stop_reason says what ended the text
+    stop = plain.text[3:5]
+    cut = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, stop=[stop],
+                                    extra_body={"min_tokens": 1, "include_stop_str_in_output": True})
+    assert cut.choices[0].stop_reason == stop and cut.text.endswith(stop) and cut.finish_reason == "stop"
+    with client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, stream=True,
+                                   stop=[stop]) as stream:
+        ends = [c for c in stream if c.finish_reason]
+    assert [(c.finish_reason, c.stop_reason) for c in ends] == [("stop", stop)]
+    assert plain.choices[0].stop_reason is None
 
 
 def test_session_continues_across_requests(client: Client) -> None:

@@ -105,7 +105,7 @@ class AsyncCompletions:
                      echo: bool | None = None, n: int | None = None, user: str | None = None,
                      session_id: str | None = None, logit_bias: Mapping[str, float] | None = None,
                      frequency_penalty: float | None = None, presence_penalty: float | None = None,
-                     stream_options: Mapping[str, bool] | None = None,
+                     stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
                      stream: Literal[False] = False) -> Completion: ...
 
     @overload
@@ -115,7 +115,7 @@ class AsyncCompletions:
                      echo: bool | None = None, n: int | None = None, user: str | None = None,
                      session_id: str | None = None, logit_bias: Mapping[str, float] | None = None,
                      frequency_penalty: float | None = None, presence_penalty: float | None = None,
-                     stream_options: Mapping[str, bool] | None = None,
+                     stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
                      stream: Literal[True]) -> AsyncStream: ...
 
     async def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
@@ -124,13 +124,13 @@ class AsyncCompletions:
                      echo: bool | None = None, n: int | None = None, user: str | None = None,
                      session_id: str | None = None, logit_bias: Mapping[str, float] | None = None,
                      frequency_penalty: float | None = None, presence_penalty: float | None = None,
-                     stream_options: Mapping[str, bool] | None = None,
+                     stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
                      stream: bool = False) -> Completion | AsyncStream:
         """See ``Client.completions.create``; ``stream=True`` gives an ``AsyncStream``."""
         call = api.completion_call(api.completion_body(model, prompt, stream, dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed,
             logprobs=logprobs, echo=echo, n=n, user=user, session_id=session_id, stream_options=stream_options,
-            logit_bias=logit_bias, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)))
+            logit_bias=logit_bias, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty), extra_body))
         if stream:
             return AsyncStream(await self._client._send(call, stream=True))
         return await self._client._call(call)

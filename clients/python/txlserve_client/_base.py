@@ -110,9 +110,12 @@ def json_body(value: Any) -> bytes:
 Prompt = str | list[int] | list[str] | list[list[int]]
 
 
-def completion_body(model: str, prompt: Prompt, stream: bool, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The request body: unset options are left out, so the server's defaults apply."""
-    body = {"model": model, "prompt": prompt, **{k: v for k, v in options.items() if v is not None}}
+def completion_body(model: str, prompt: Prompt, stream: bool, options: Mapping[str, Any],
+                    extra_body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The request body: unset options are left out, so the server's defaults apply; ``extra_body``'s fields
+    (OpenAI's SDK's name) are sent as they are, last."""
+    body = {"model": model, "prompt": prompt, **{k: v for k, v in options.items() if v is not None},
+            **(extra_body or {})}
     if stream:
         body["stream"] = True
     return body

@@ -109,7 +109,8 @@ class Completions:
                user: str | None = None, session_id: str | None = None,
                logit_bias: Mapping[str, float] | None = None,
                frequency_penalty: float | None = None, presence_penalty: float | None = None,
-               stream_options: Mapping[str, bool] | None = None, stream: Literal[False] = False) -> Completion: ...
+               stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
+               stream: Literal[False] = False) -> Completion: ...
 
     @overload
     def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
@@ -119,7 +120,8 @@ class Completions:
                user: str | None = None, session_id: str | None = None,
                logit_bias: Mapping[str, float] | None = None,
                frequency_penalty: float | None = None, presence_penalty: float | None = None,
-               stream_options: Mapping[str, bool] | None = None, stream: Literal[True]) -> Stream: ...
+               stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
+               stream: Literal[True]) -> Stream: ...
 
     def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
@@ -128,13 +130,15 @@ class Completions:
                user: str | None = None, session_id: str | None = None,
                logit_bias: Mapping[str, float] | None = None,
                frequency_penalty: float | None = None, presence_penalty: float | None = None,
-               stream_options: Mapping[str, bool] | None = None, stream: bool = False) -> Completion | Stream:
+               stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
+               stream: bool = False) -> Completion | Stream:
         """A completion of ``prompt``; in ``session_id``, of the session's text so far followed by ``prompt``
-        (and the prompt and completion are then added to the session). ``stream=True``: a ``Stream``."""
+        (and the prompt and completion are then added to the session). ``stream=True``: a ``Stream``.
+        ``extra_body``: more fields for the body, as OpenAI's SDK takes them (vLLM's ``min_tokens``, say)."""
         call = api.completion_call(api.completion_body(model, prompt, stream, dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed,
             logprobs=logprobs, echo=echo, n=n, user=user, session_id=session_id, stream_options=stream_options,
-            logit_bias=logit_bias, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)))
+            logit_bias=logit_bias, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty), extra_body))
         if stream:
             return Stream(self._client._send(call, stream=True))
         return self._client._call(call)

@@ -56,10 +56,12 @@ class Choice:
     text: str
     finish_reason: str | None
     logprobs: Logprobs | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None: none did)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Choice:
-        return cls(d.get("index", 0), d["text"], d.get("finish_reason"), Logprobs.from_dict(d.get("logprobs")))
+        return cls(d.get("index", 0), d["text"], d.get("finish_reason"), Logprobs.from_dict(d.get("logprobs")),
+                   d.get("stop_reason"))
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class CompletionChunk:
     session: SessionRef | None = None
     logprobs: Logprobs | None = None
     index: int = 0  # the choice it belongs to (a list of prompts, or n above 1, streams several over SSE)
+    stop_reason: int | str | None = None  # on the piece with finish_reason: the stop string or token that ended it
 
     @classmethod
     def from_sse(cls, d: dict[str, Any]) -> CompletionChunk:
@@ -107,14 +110,15 @@ class CompletionChunk:
         usage = d.get("usage")
         return cls(d["id"], choice.get("text", ""), choice.get("finish_reason"),
                    Usage.from_dict(usage) if usage else None, SessionRef.from_dict(d.get("session")),
-                   Logprobs.from_dict(choice.get("logprobs")), choice.get("index", 0))
+                   Logprobs.from_dict(choice.get("logprobs")), choice.get("index", 0), choice.get("stop_reason"))
 
     @classmethod
     def from_ws(cls, d: dict[str, Any]) -> CompletionChunk:
         """A ``completion.delta``, or the ``completion.done`` that ends it (text already sent: empty here)."""
         if d["type"] == "completion.delta":
             return cls(d["id"], d["text"], logprobs=Logprobs.from_dict(d.get("logprobs")))
-        return cls(d["id"], "", d["finish_reason"], Usage.from_dict(d["usage"]), SessionRef.from_dict(d.get("session")))
+        return cls(d["id"], "", d["finish_reason"], Usage.from_dict(d["usage"]), SessionRef.from_dict(d.get("session")),
+                   stop_reason=d.get("stop_reason"))
 
 
 @dataclass(frozen=True)

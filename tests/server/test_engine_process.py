@@ -430,7 +430,9 @@ def test_an_api_server_that_reads_nothing_holds_up_only_itself_and_is_dropped(ch
 
     with _shared_core(checkpoint, buffer_bytes=4096) as (engine, stalled, b):  # a few steps' messages fill them
         _run(stalled, 1, [72], max_tokens=100_000)  # its tokens keep coming; nobody reads them
-        wait_for(lambda: engine.senders[0].blocked_since is not None, 30, "the stalled server's socket to fill")
+        # a send under way is not yet a full socket (a loaded machine can pause one mid-send: seen once): one that
+        # has waited two seconds is one the buffer holds up
+        wait_for(lambda: engine.senders[0].stalled(2.0), 60, "the stalled server's socket to fill")
         for rid in (1, 2):  # the other server's requests run, end and are kept, while the first stays stalled
             _run(b, rid, [72, 105], max_tokens=3)
             end = _until(b, "finished", rid)

@@ -666,7 +666,7 @@ class Completion:
     def done(self, final: Final, prompt_tokens: int) -> CompletionDone:
         return CompletionDone(id=self.id, text=self.text, finish_reason=self.finish(final),
                               usage=self.usage(final, prompt_tokens), session=self.session(final),
-                              stop_reason=self.stop_reason)
+                              stop_reason=self.stop_reason, prompt_token_ids=self._prompt_ids())
 
 
 async def events(run: Run, first: Any, since: float | None = None

@@ -401,9 +401,11 @@ class CompletionDone(BaseModel):
     usage: Usage
     session: SessionRef | None = None
     stop_reason: int | str | None = None  # vLLM's, as a choice has it
+    prompt_token_ids: list[int] | None = None  # return_token_ids: here if no delta carried them (none came)
 
     def dump(self) -> dict[str, Any]:
-        return self.model_dump(exclude=_exclude(session=self.session, stop_reason=self.stop_reason))
+        return self.model_dump(exclude=_exclude(session=self.session, stop_reason=self.stop_reason,
+                                                prompt_token_ids=self.prompt_token_ids))
 
 
 # -- portable sessions -------------------------------------------------------------------------------------------

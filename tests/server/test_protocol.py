@@ -139,3 +139,18 @@ def test_prompt_logprobs_rendered_in_parts_are_the_typed_models_rendering(monkey
     plain.add_prompt(ids, scores)
     assert plain.ranked is None and "prompt_logprobs" not in json.loads(
         completion.completion_json([plain], [final], 11))["choices"][0]
+
+
+def test_return_token_ids_gives_a_choices_prompt_ids_once_on_whichever_message_comes_first():
+    """A stream's first chunk (or WebSocket delta) carries the prompt's ids; a WebSocket completion that ends with
+    no delta (cancelled before its first token) carries them on its completion.done instead, and never twice."""
+    req = CompletionRequest(model="m", prompt="ab", return_token_ids=True)
+    final = Final(Finished(None, 2, "cancelled"), None, None, 0)
+    alone = Completion(req, "m", prompt_ids=[97, 98])
+    assert alone.done(final, 2).dump()["prompt_token_ids"] == [97, 98]
+    streamed = Completion(req, "m", prompt_ids=[97, 98])
+    assert streamed.delta("x", None, [120]).dump()["prompt_token_ids"] == [97, 98]
+    assert "prompt_token_ids" not in streamed.delta("y", None, [121]).dump()
+    assert "prompt_token_ids" not in streamed.done(final, 2).dump()
+    plain = Completion(CompletionRequest(model="m", prompt="ab"), "m", prompt_ids=[])
+    assert "prompt_token_ids" not in plain.done(final, 2).dump() and "token_ids" not in plain.delta("x", None).dump()

@@ -1,4 +1,5 @@
-"""Prometheus metrics, all named ``txlserve_*``, in a registry of the app's own."""
+"""Prometheus metrics, named ``txlserve_*`` (and the series a vLLM dashboard reads, again as ``vllm:*``), in a
+registry of the app's own."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ class _Live(Collector):
 
 
 # vLLM's names for our series (vllm:X is txlserve_X, and vLLM's older name of the inter-token latency), so that a
-# dashboard made for vLLM (its Grafana one: every series with a model_name label) reads this server unchanged
+# dashboard made for vLLM (its Grafana one: every series with a model_name label) reads the series this server has
 _VLLM_TWINS = {"time_to_first_token_seconds": ("time_to_first_token_seconds",),
                "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
                "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),

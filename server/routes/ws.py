@@ -43,6 +43,11 @@ def _delta(comp: Completion, *args: Any) -> str:
     return _dumps(comp.delta(*args).dump())
 
 
+def _done(comp: Completion, *args: Any) -> str:
+    """A ``completion.done`` message (``Completion.done``'s arguments), as ``send_json`` writes it."""
+    return _dumps(comp.done(*args).dump())
+
+
 def _invalid(message: str, param: str | None = None) -> dict:
     return {"type": "error", **error_body(message, "invalid_request_error", param, "invalid_value"), "status": 400}
 
@@ -246,7 +251,8 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
                 comp.add_text(item)
                 await ws.send_json(comp.delta(item, None).dump())
             else:  # the Final is the run's last item: the next message is the next request's, never "in progress"
-                await ws.send_json(comp.done(item, len(run.ids)).dump())  # (a client that sends it as soon as it
+                await ws.send_text(await off_loop(comp.prompt_rows(), _done, comp, item, len(run.ids)))  # (a client
+                # that sends it as soon as it
                 answered = True  # reads this could otherwise be seen before the stream's end, and refused)
                 return
             next_item = asyncio.ensure_future(stream.__anext__())

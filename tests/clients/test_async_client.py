@@ -181,6 +181,8 @@ async def test_websocket(aclient: AsyncClient) -> None:
     async with aclient.ws.connect() as conn:
         chunks = [c async for c in conn.completion(model=MODEL, prompt="Hello", max_tokens=6)]
         assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 6
+        only = conn.completion(model=MODEL, prompt="Hi", max_tokens=3, extra_body={"allowed_token_ids": [ord("s")]})
+        assert "".join([c.text async for c in only]) == "sss"  # extra_body, as completions.create takes it
 
         chunks = []
         running = conn.completion(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id)

@@ -434,6 +434,15 @@ def test_websocket_one_shot_stream(client: Client) -> None:
     with client.ws.stream(model=MODEL, prompt="Hello", max_tokens=5) as stream:
         chunks = list(stream)
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].session is None
+    with client.ws.stream(model=MODEL, prompt="Hello", max_tokens=5, temperature=0,  # as completions.create takes it
+                          extra_body={"allowed_token_ids": [ord("q")]}) as stream:
+        assert "".join(c.text for c in stream) == "q" * 5
+    with client.ws.connect() as conn:
+        assert "".join(c.text for c in conn.completion(model=MODEL, prompt="Hi", max_tokens=3,
+                                                        extra_body={"allowed_token_ids": [ord("r")]})) == "rrr"
+    # stream is the caller's: the answer is read as what was asked for
+    done = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, extra_body={"stream": True})
+    assert done.usage.completion_tokens == 3
     with client.ws.stream(model=MODEL, prompt="Hello", max_tokens=LONG) as stream:
         next(stream)
     assert stream.done  # closing cancelled it and read it to its end

@@ -796,8 +796,9 @@ def test_health_ready_metrics_docs(server):
         twin = {tuple(p for p in labels if p[0] != "model_name"): v for (name, labels), v in samples.items()
                 if name == theirs and ("model_name", MODEL) in labels}
         assert mine and twin == mine, (ours, theirs)
-    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
-        assert 0 <= samples[(gauge, (("model_name", MODEL),))] <= 64, gauge
+    for gauge, most in (("vllm:num_requests_running", 64), ("vllm:num_requests_waiting", 64),
+                        ("vllm:kv_cache_usage_perc", 1)):  # vLLM's: a fraction of the cache
+        assert 0 <= samples[(gauge, (("model_name", MODEL),))] <= most, gauge
     assert httpx.get(server.url + "/docs").status_code == 200
     schema = httpx.get(server.url + "/openapi.json").json()
     assert schema["info"]["title"] == "txlserve"

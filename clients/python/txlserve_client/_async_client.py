@@ -192,6 +192,6 @@ class AsyncWebSocket:
 
     def stream(self, *, model: str, prompt: api.Prompt = "", **options: Any) -> AsyncWebSocketStream:
         """One completion on a connection of its own, opened when the stream is first read, closed with it."""
-        body = api.completion_body(model, prompt, False, options)
+        body = api.completion_body(model, prompt, False, options, options.pop("extra_body", None))
         return AsyncWebSocketStream({"type": "completion.create", **body},
                                     open=lambda: AsyncWebSocketConnection.open(self._client))

@@ -92,7 +92,7 @@ class AsyncWebSocketConnection(_Running):
 
     def completion(self, *, model: str, prompt: Prompt = "", **options: Any) -> AsyncWebSocketStream:
         """The request is sent when the stream is first read (or entered with ``async with``)."""
-        body = completion_body(model, prompt, False, options)
+        body = completion_body(model, prompt, False, options, options.pop("extra_body", None))
         return AsyncWebSocketStream({"type": "completion.create", **body}, conn=self)
 
     async def cancel(self) -> None:

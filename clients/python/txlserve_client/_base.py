@@ -113,9 +113,11 @@ Prompt = str | list[int] | list[str] | list[list[int]]
 def completion_body(model: str, prompt: Prompt, stream: bool, options: Mapping[str, Any],
                     extra_body: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The request body: unset options are left out, so the server's defaults apply; ``extra_body``'s fields
-    (OpenAI's SDK's name) are sent as they are, last."""
+    (OpenAI's SDK's name) are sent as they are, last (so they may name another model or prompt), but ``stream``,
+    which decides how the answer is read, is the caller's."""
     body = {"model": model, "prompt": prompt, **{k: v for k, v in options.items() if v is not None},
             **(extra_body or {})}
+    body.pop("stream", None)
     if stream:
         body["stream"] = True
     return body

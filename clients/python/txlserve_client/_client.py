@@ -209,7 +209,8 @@ class WebSocket:
         """One completion on a connection of its own, closed with the stream."""
         conn = self.connect()
         try:
-            return conn._start(api.completion_body(model, prompt, False, options), owns_connection=True)
+            body = api.completion_body(model, prompt, False, options, options.pop("extra_body", None))
+            return conn._start(body, owns_connection=True)
         except BaseException:
             conn.close()
             raise

@@ -200,7 +200,7 @@ class WebSocketConnection(_Running):
         return cls(ws, client.timeout.read, stack)
 
     def completion(self, *, model: str, prompt: Prompt = "", **options: Any) -> WebSocketStream:
-        return self._start(completion_body(model, prompt, False, options))
+        return self._start(completion_body(model, prompt, False, options, options.pop("extra_body", None)))
 
     def _start(self, body: dict[str, Any], *, owns_connection: bool = False) -> WebSocketStream:
         """As ``AsyncWebSocketConnection._begin``: two threads' completions on one connection cancelled each other,

@@ -18,6 +18,7 @@ from model.sampling import LOGIT_BIAS_TOKENS, SamplingParams, after_space
 from model.tokenizer import START, ByteTokenizer, Tokenizer
 from server.protocol import (
     SPLICE_ROWS,
+    VLLM_CHOICE_FIELDS,
     CompletionChoice,
     CompletionDelta,
     CompletionDone,
@@ -628,8 +629,7 @@ class Completion:
                                   finish_reason=self.finish(final), stop_reason=self.stop_reason,
                                   token_ids=self.token_ids if asked else None,
                                   prompt_token_ids=self.prompt_ids if asked else None)
-        unset = {name for name in ("stop_reason", "token_ids", "prompt_token_ids") if getattr(choice, name) is None}
-        unset.add("prompt_logprobs")  # spliced in below
+        unset = {name for name in VLLM_CHOICE_FIELDS if getattr(choice, name) is None}  # prompt_logprobs: spliced in
         body = body_bytes(lambda: choice.model_dump_json(exclude=unset).encode(), choice.logprobs,
                           lambda empty: setattr(choice, "logprobs", empty))
         if prompt_ranked(self.req) is None:

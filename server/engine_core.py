@@ -942,8 +942,7 @@ class EngineCore:
             self.send({"op": "run", "rid": rid, "key": list(key) if key else None,
                        "params": None if params is None else asdict(params), "prompt_logprobs": prompt_logprobs,
                        "prompt_ranks": prompt_ranks, "history": list(history) if history else None,
-                       "persist": persist, "scored": scored,
-                       "window_span": window_span,
+                       "persist": persist, "scored": scored, "window_span": window_span,
                        "copies": [[c.rid, None if p is None else asdict(p)] for c, (p, _) in zip(req.copies, copies)]},
                       lambda: ids_blob(ids))
         except BaseException:

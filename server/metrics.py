@@ -92,14 +92,14 @@ class _VllmNames(Collector):
     gauges of the engine: requests running and waiting, and ``kv_cache_usage_perc``, the share of the decode
     batch's rows in use (each running request's ring of keys and values: this server's KV cache)."""
 
-    def __init__(self, metrics: list[tuple[str, Histogram | Counter]], live: _Live) -> None:
+    def __init__(self, metrics: list[Histogram | Counter], live: _Live) -> None:
         self.metrics, self.live, self.model = metrics, live, ""
 
     def collect(self) -> Iterator[Metric]:
         label = {"model_name": self.model}
-        for ours, metric in self.metrics:
+        for metric in self.metrics:
             for family in metric.collect():
-                for twin in _VLLM_TWINS[ours]:
+                for twin in _VLLM_TWINS[family.name.removeprefix("txlserve_")]:
                     out = Metric(f"vllm:{twin}", family.documentation, family.type, family.unit)
                     out.samples = [sample._replace(name=f"vllm:{twin}{sample.name[len(family.name):]}",
                                                    labels={**label, **sample.labels}) for sample in family.samples]
@@ -171,15 +171,9 @@ class Metrics:
         ProcessCollector(registry=r)
         self.live = _Live(scheduler, store, hot, cpu_latency)
         r.register(self.live)
-        self.vllm = _VllmNames([(name.removeprefix("txlserve_"), metric) for name, metric in (
-            ("txlserve_time_to_first_token_seconds", self.ttft), ("txlserve_inter_token_latency_seconds", self.itl),
-            ("txlserve_e2e_request_latency_seconds", self.e2e), ("txlserve_request_queue_time_seconds",
-                                                                 self.queue_time),
-            ("txlserve_request_prefill_time_seconds", self.prefill_time),
-            ("txlserve_request_prompt_tokens", self.request_prompt_tokens),
-            ("txlserve_request_generation_tokens", self.request_generation_tokens),
-            ("txlserve_prompt_tokens", self.prompt_tokens), ("txlserve_generation_tokens", self.generation_tokens))],
-            self.live)
+        self.vllm = _VllmNames([self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time,
+                                self.request_prompt_tokens, self.request_generation_tokens, self.prompt_tokens,
+                                self.generation_tokens], self.live)
         r.register(self.vllm)
 
     def serving(self, version: str, model: str, fingerprint: str) -> None:

@@ -340,14 +340,14 @@ def _exclude(choices: list[CompletionChoice] | None = None, **fields: Any) -> di
     out: dict[str, Any] = {k: True for k, v in fields.items() if v is None}
     if fields.get("session") is not None and fields["session"].rebuilt is None:
         out["session"] = {"rebuilt": True}
-    unset = {name for name in _VLLM_CHOICE if all(getattr(c, name) is None for c in choices or ())}
+    unset = {name for name in VLLM_CHOICE_FIELDS if all(getattr(c, name) is None for c in choices or ())}
     if choices is not None and unset:
         out["choices"] = {"__all__": unset}
     return out
 
 
 # a choice's fields beyond OpenAI's: left out where unset
-_VLLM_CHOICE = ("stop_reason", "token_ids", "prompt_token_ids", "prompt_logprobs")
+VLLM_CHOICE_FIELDS = ("stop_reason", "token_ids", "prompt_token_ids", "prompt_logprobs")
 
 
 class CompletionObject(BaseModel):

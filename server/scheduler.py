@@ -122,8 +122,12 @@ class SharedState:
     waiting: int  # choices that have yet to take it (or leave)
 
     def take(self, copy: Callable[[DecodeState], DecodeState]) -> DecodeState:
-        self.waiting -= 1
+        self.leave()
         return self.state if self.waiting == 0 else copy(self.state)
+
+    def leave(self) -> None:
+        """A choice that will not take it (it left before a row): one fewer to share it."""
+        self.waiting -= 1
 
 
 @dataclass(eq=False)  # identity semantics: jobs live in sets
@@ -588,7 +592,7 @@ class Scheduler:
         # by then the host's own work for the step has mostly outlasted it
         if row is None and job.state is None:  # a prompt's copy that left before it took a row: nothing of its own
             source, job.source = job.source, None
-            source.waiting -= 1  # one fewer to share it: the last to take it need not copy it
+            source.leave()  # the last to take it need not copy it
             return Finished(None, int(source.state.seen[0]), reason)
         if job.pending:  # left while its prompt was still being fed: a partial prompt is never stored
             return Finished(None, int(job.state.seen[0]) if row is None else self.slots.seen_at(row), reason)

@@ -26,7 +26,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import errors, logs
 from server.deps import request_fields
-from server.errors import error_body
+from server.errors import error_body, send_error
+from server.host_check import HostCheck
 from server.http_protocol import SENT_STATUS
 from server.openapi import describe_errors
 from server.routes import completions, health, sessions, tokenize, ws
@@ -311,12 +312,8 @@ class Cors(CORSMiddleware):
 
 async def _refuse(send: Send, status: int, message: str, code: str, *, close: bool = False,
                   headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *(headers or [])]
-    await send({"type": "http.response.start", "status": status,
-                "headers": headers + ([(b"connection", b"close")] if close else [])})
-    await send({"type": "http.response.body", "body": body})
+    await send_error(send, status, error_body(message, "invalid_request_error", None, code), close=close,
+                     headers=headers)
 
 
 def _offline_docs(app: FastAPI) -> None:
@@ -396,6 +393,8 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
         # outside the limits: a page on an allowed origin reads their 413 and 408, not a bare network error
         app.add_middleware(Cors, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id", "x-process-time-ms"])
+    # outside CORS: a refused Host is refused whatever the request (DNS rebinding's requests are same-origin anyway)
+    app.add_middleware(HostCheck, allowed=settings.allowed_hosts)
     # outermost: the log line and the requests metric carry the status the client got, a 408 or 413 included
     # (inside the limits, they saw the app's answer to a body cut short, which the limits drop)
     app.add_middleware(RequestLog, runtime_of=lambda: getattr(app.state, "runtime", None),

@@ -398,17 +398,17 @@ _VLLM_FLAGS = {"checkpoint": ("--model",), "model_name": ("--served-model-name",
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from server.settings import Settings
+    from server.settings import LISTS, Settings
 
     p = sub.add_parser("serve", help="serve the HTTP API (OpenAI-compatible completions, sessions, WebSocket)",
                        description="Every flag also reads TXLSERVE_<NAME> from the environment; flags win.")
     for f in Settings.__dataclass_fields__.values():
         flag = ["--" + f.name.replace("_", "-"), *_VLLM_FLAGS.get(f.name, ())]
         env = f"TXLSERVE_{f.name.upper()}"
-        default = "" if f.default is None or f.name in ("checkpoint", "api_keys", "cors_origins") else (
+        default = "" if f.default is None or f.name == "checkpoint" or f.name in LISTS else (
             f" (default: {f.default})")
         text = f"{f.metadata['help']}{default} [{env}]".replace("%", "%%")
-        if f.name in ("api_keys", "cors_origins"):
+        if f.name in LISTS:
             p.add_argument(*flag, nargs="+", default=None, metavar=f.name.split("_")[-1][:-1].upper(), help=text,
                            dest=f.name)
             continue
@@ -428,10 +428,10 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from model.bundled import resolve_checkpoint
     from server import logs
     from server.listen import HOLDS_PORT, REUSE_PORT, bind, claim_port, start_listening
-    from server.settings import Settings, stray_variables
+    from server.settings import LISTS, Settings, stray_variables
 
     overrides = {k: getattr(ns, k) for k in Settings.__dataclass_fields__ if getattr(ns, k, None) is not None}
-    for name in ("api_keys", "cors_origins"):
+    for name in LISTS:
         if name in overrides:
             overrides[name] = tuple(overrides[name])
     settings = Settings.from_env(**overrides)

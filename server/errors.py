@@ -3,6 +3,7 @@ from the one table in :mod:`txlserve.errors` (each class's ``status`` and ``type
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import Send
 
 from server.deps import owner, request_fields, takes_key
 from txlserve import errors as e
@@ -29,6 +31,16 @@ def classify(err: BaseException) -> tuple[int, dict[str, Any]]:
         return err.status, error_body(err.message, err.type, err.param, err.code)
     log.exception("internal error", exc_info=err)
     return e.INTERNAL_STATUS, error_body("internal server error", e.INTERNAL_TYPE, None, e.INTERNAL_CODE)
+
+
+async def send_error(send: Send, status: int, body: dict[str, Any], *, close: bool = False,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """An error answered by plain ASGI middleware, before any route (and so any of the handlers below) ran."""
+    data = json.dumps(body).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *(headers or []),
+            *([(b"connection", b"close")] if close else [])]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": data})
 
 
 def stream_error(err: BaseException) -> dict[str, Any]:

@@ -80,6 +80,11 @@ class Settings:
                                          "belongs to the key that made it", )
     cors_origins: tuple[str, ...] = _opt((), "origins allowed to call the API from a browser (CORS), e.g. "
                                              "https://app.example.com, or * for any; none by default")
+    allowed_hosts: tuple[str, ...] = _opt((), "host names the server answers to (the Host header; *.example.com for "
+                                              "its subdomains), besides localhost and IP addresses: without them a "
+                                              "request that reaches a loopback address must name one of those (a "
+                                              "web page can point a name it owns at 127.0.0.1: DNS rebinding); "
+                                              "given, every request must; * for any name")
     model_name: str | None = _opt(None, "the model name clients send (default: txl- and the checkpoint directory's "
                                         "name, as txl-shakespeare-small for the bundled one)")
     max_batch: int = _opt(256, "sessions advanced together per decode step, at most (fewer if --batch-mb is reached)")
@@ -223,6 +228,11 @@ class Settings:
                 raise ConfigError(f"CORS origin {o!r} is not * or an origin as browsers send it, scheme://host[:port] "
                                   "with no path (https://app.example.com, not https://app.example.com/)")
 
+        for h in self.allowed_hosts:  # a name as a Host header carries it, less its port
+            if not isinstance(h, str) or not re.fullmatch(r"\*|(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?", h):
+                raise ConfigError(f"allowed host {h!r} is not * or a host name with no scheme, port or path "
+                                  "(app.example.com, or *.example.com for its subdomains)", param="allowed_hosts")
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
         """``TXLSERVE_<NAME>`` for every field; explicit ``overrides`` (CLI flags, not None) win. An empty variable
@@ -262,6 +272,10 @@ _NOT_SETTINGS = {"TXLSERVE_API_KEY", "TXLSERVE_BASE_URL", "TXLSERVE_DATA_CACHE",
                  "TXLSERVE_FUZZ_SECONDS", "TXLSERVE_FULL_EVAL", "TXLSERVE_UPDATE_SCREENSHOT"}
 
 
+# the settings that hold a list: comma-separated in the environment, several words after their flag
+LISTS = tuple(f.name for f in fields(Settings) if str(f.type).startswith("tuple"))
+
+
 def stray_variables(settings: Settings, env: Mapping[str, str] | None = None) -> list[str]:
     """Warnings for ``TXLSERVE_*`` variables the server does not read: a misspelt setting was dropped without a
     word, and ``TXLSERVE_API_KEY`` (the client's, one letter from ``TXLSERVE_API_KEYS``) left a server that was
@@ -293,7 +307,7 @@ def env_names() -> list[str]:
 def _parse(f: dataclasses.Field, raw: str) -> Any:
     kind = str(f.type)
     try:
-        if f.name in ("api_keys", "cors_origins"):  # an empty item is refused, never silently dropped
+        if f.name in LISTS:  # an empty item is refused, never silently dropped
             return tuple(k.strip() for k in raw.split(","))
         if kind.startswith("bool"):
             flag = raw.strip().lower()

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 from server import logs
 from server.listen import REUSE_PORT, bind
 from server.metrics import merge_workers
-from server.settings import Settings
+from server.settings import LISTS, Settings
 from txlserve.errors import ConfigError, TxlError
 
 if TYPE_CHECKING:
@@ -320,7 +320,7 @@ def _read_settings(fd: int) -> Settings:
             raise ConfigError("a worker's settings ended early: start workers with txlserve serve --workers N")
         line += chunk
     values = json.loads(line)
-    for name in ("api_keys", "cors_origins"):
+    for name in LISTS:
         values[name] = tuple(values[name])
     return Settings(**values)
 

@@ -17,6 +17,7 @@ from tests.live import LONG, MODEL, REPO
 
 pytestmark = pytest.mark.timeout(180)
 WAIT_S = 60
+REBOUND = "rebind.example"  # a site whose name the browser resolves to 127.0.0.1 (DNS rebinding, for one test)
 DOC = "HAMLET.\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
 
 
@@ -36,7 +37,7 @@ def browser() -> Iterator[object]:
     options = webdriver.ChromeOptions()
     options.binary_location = paths[0]
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1280,900"):
+                "--window-size=1280,900", f"--host-resolver-rules=MAP {REBOUND} 127.0.0.1"):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=paths[1]))
@@ -550,6 +551,33 @@ def test_the_playground_cannot_be_framed(server, browser):
     finally:
         driver.switch_to.default_content()
     driver.get_log("browser")  # the refusal, logged
+
+
+def test_a_page_whose_name_is_rebound_to_this_machine_reaches_nothing(server, browser):
+    """DNS rebinding in a real browser: the page of a site whose name now resolves to 127.0.0.1 is same-origin with
+    the server (its fetches need no CORS, its WebSocket's Origin is its own Host), so without the Host check it
+    could list, read and delete a keyless server's sessions. Its page, its fetch and its WebSocket are refused;
+    the same server by a loopback name is the playground."""
+    port = int(server.url.rsplit(":", 1)[1])
+    driver = browser
+    driver.get_log("browser")
+    driver.get(f"http://{REBOUND}:{port}/")
+    assert "host_not_allowed" in driver.find_element("tag name", "body").text  # our answer: it reached the server
+    driver.set_script_timeout(WAIT_S)
+    fetched = driver.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "fetch('/v1/sessions').then(r => r.json().then(b => done([r.status, b.error && b.error.code])),"
+        "                            e => done(['failed', String(e)]));")
+    assert fetched == [403, "host_not_allowed"]
+    opened = driver.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "const ws = new WebSocket(`ws://${location.host}/v1/ws`);"
+        "ws.onopen = () => done('open'); ws.onclose = e => done('closed ' + e.code);")
+    assert opened == "closed 1006"  # the handshake refused (403): a browser tells a page no more
+    driver.get_log("browser")  # the refusals, logged
+
+    driver.get(f"http://localhost:{port}/")
+    _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "the playground by a loopback name")
 
 
 def test_the_playground_streams_once_when_continue_must_connect_first(checkpoint, redis_url, browser, tmp_path):

@@ -16,6 +16,8 @@ are translated into these at the package boundary that meets them. This module i
     │       └── SessionIncompatible stored session of another model     422  invalid_request_error
     ├── AuthenticationError         missing or wrong API key            401  authentication_error
     ├── PermissionDenied            a WebSocket from a foreign origin   403  permission_error
+    │   └── HostNotAllowed          a Host this server must not answer  403  permission_error
+    │                               (DNS rebinding; --allowed-hosts)
     ├── SessionNotFound             no such session (or not yours)      404  not_found_error
     ├── ModelNotFound               a model this server does not serve  404  not_found_error
     ├── UnsupportedEndpoint         an OpenAI route a base model lacks  404  invalid_request_error
@@ -90,6 +92,10 @@ class AuthenticationError(TxlError):
 
 class PermissionDenied(TxlError):
     status, type, code = 403, "permission_error", "origin_not_allowed"
+
+
+class HostNotAllowed(PermissionDenied):
+    code = "host_not_allowed"
 
 
 class SessionNotFound(TxlError, KeyError):

@@ -90,7 +90,7 @@ def test_an_unknown_list_parameter_is_400_not_the_first_page_again(server, query
 def _raw_ws_frame(srv, payload: bytes, opcode: int) -> socket.socket:
     """Open a WebSocket by hand and send one masked frame of ``opcode`` (2: binary)."""
     sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
-    sock.sendall(b"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    sock.sendall(b"GET /v1/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                  b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
     assert b" 101 " in sock.recv(4096)
     mask = b"\x01\x02\x03\x04"
@@ -335,7 +335,8 @@ def test_a_non_ascii_key_is_401_not_500(keyed, key):
     """hmac.compare_digest refuses str with non-ASCII characters: such a key was a 500 and a reset connection."""
     with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
         for _ in range(2):  # the keep-alive connection survives the refusal
-            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() + b"\r\n\r\n")
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + key.encode()
+                         + b"\r\n\r\n")
             reply = b""
             while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
                 chunk = sock.recv(4096)
@@ -469,7 +470,7 @@ def test_a_refused_websocket_logs_no_error(keyed):
 def test_empty_or_whitespace_keys_never_authenticate(keyed):
     for header in (b"Bearer ", b"Bearer  ", b"Bearer \x01", b"Bearer \t", b"bearer"):
         with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
-            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: " + header
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nAuthorization: " + header
                          + b"\r\n\r\n")
             reply = b""
             while chunk := sock.recv(4096):
@@ -489,7 +490,7 @@ def _log_line(srv, request_id: str) -> dict:
 def test_a_body_that_stops_arriving_is_408(keyed):
     sock = socket.create_connection(("127.0.0.1", keyed.port), timeout=30)
     try:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"X-Request-Id: stalled-body-408\r\n"
                      b"Authorization: Bearer " + KEYS[0].encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"model\":")
         t0 = time.monotonic()
@@ -516,7 +517,7 @@ def test_a_body_that_stops_arriving_is_408(keyed):
 def test_a_body_declared_too_large_is_logged_as_413(keyed):
     """Refused before any route runs: it had no log line at all."""
     with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"X-Request-Id: declared-too-large\r\nConnection: close\r\n"
                      b"Authorization: Bearer " + KEYS[0].encode() + b"\r\nContent-Length: 1099511627776\r\n\r\n")
         reply = _read_until_closed(sock)
@@ -533,7 +534,7 @@ def _read_until_closed(sock: socket.socket) -> bytes:
     return reply
 
 
-@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"])
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"])
 def test_headers_that_never_complete_are_408_and_closed(keyed, sent):
     """uvicorn keeps a connection that never finishes its headers open for ever (slowloris): each one now gets
     the body's deadline (1.5 s here) to send them; one that sent nothing is closed without a word."""
@@ -551,10 +552,10 @@ def test_headers_that_never_complete_are_408_and_closed(keyed, sent):
 
 
 @pytest.mark.parametrize("request_bytes", [
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -5\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n",
     b"NOT A REQUEST LINE AT ALL\r\n\r\n",
-    b"GET /\xff HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET /\xff HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
 ])
 def test_unparseable_http_is_400_in_openai_shape(keyed, request_bytes):
     """uvicorn answers what it cannot parse itself, in text/plain: now in the same shape as every other error."""
@@ -568,7 +569,7 @@ def test_unparseable_http_is_400_in_openai_shape(keyed, request_bytes):
 
 
 def test_a_keep_alive_connection_gets_a_new_header_deadline_after_each_response(keyed):
-    request = (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    request = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
         for _ in range(3):  # 1.8 s in all, past one 1.5 s deadline; each gap leaves 0.9 s to spare on a busy machine
             sock.sendall(request)
@@ -585,15 +586,16 @@ def test_a_pipelined_request_is_not_cut_by_the_header_deadline(keyed):
     """Two requests in one write: the second one's cycle starts as the first response completes, and must not be
     mistaken for a connection that never sent its next headers."""
     body = json.dumps({**OK, "max_tokens": 4000}).encode()  # runs past the first response's deadline
-    slow = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
-            + KEYS[0].encode() + b"\r\nContent-Length: " + str(len(body) + 1).encode() + b"\r\n\r\n" + body)
+    slow = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEYS[0].encode() + b"\r\nContent-Length: " + str(len(body) + 1).encode()
+            + b"\r\n\r\n" + body)
     with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + slow)  # the second body is one byte short
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + slow)  # the second body is one byte short
         first = b""
         while b"\r\n\r\n" not in first or not first.rstrip().endswith(b"}"):  # the first response, whole: the
             first += sock.recv(4096)  # deadline armed as it ended then comes while the second request still runs
         sock.sendall(b" ")
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         reply = first + _read_until_closed(sock)
     assert reply.count(b"HTTP/1.1 200") == 3 and b"HTTP/1.1 408" not in reply, reply  # not "408": ids are random hex
 
@@ -615,7 +617,7 @@ def test_a_websocket_outlives_the_header_deadline(keyed):
 def test_a_slow_but_steady_body_is_not_cut(keyed):
     body = json.dumps({**OK}).encode()
     with socket.create_connection(("127.0.0.1", keyed.port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + KEYS[0].encode() + b"\r\nContent-Length: "
                      + str(len(body)).encode() + b"\r\n\r\n")
         for i in range(0, len(body), 8):  # each piece well inside the 1.5 s timeout, the whole longer
@@ -1172,7 +1174,7 @@ def test_a_client_that_reads_nothing_is_cut_off_after_the_send_timeout(checkpoin
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel's buffers fill sooner
         sock.connect(("127.0.0.1", srv.port))
         body = json.dumps({"model": MODEL, "prompt": "go", "max_tokens": LONG, "logprobs": 3, "stream": True}).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                      b"x-request-id: stalled-client-1\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
 
         def logged() -> str | None:

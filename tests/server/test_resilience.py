@@ -229,7 +229,7 @@ def test_sigterm_ends_a_response_its_client_reads_nothing_of_without_a_traceback
         sock.connect(("127.0.0.1", srv.port))
         body = json.dumps({"model": MODEL, "prompt": "go", "max_tokens": asked, "logprobs": 3, "stream": True,
                            "session_id": sid}).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n" % len(body) + body)
         done = len("Quiet go") + asked  # the run ends and commits, its response still unsent
         wait_for(lambda: httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=10).json()["tokens_seen"] == done, 120,

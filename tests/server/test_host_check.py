@@ -1,0 +1,160 @@
+"""DNS rebinding: a request that reaches a loopback socket must be addressed to localhost, an IP address or a name
+of --allowed-hosts (server/host_check.py). The browser's side of it is in tests/test_playground.py."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+
+import httpx
+import pytest
+
+from server.host_check import HostCheck, host_name, loopback_socket, name_allowed
+from server.settings import Settings
+from tests.live import LiveServer, wait_for
+from txlserve.errors import ConfigError
+
+REBOUND = "rebind.example"
+
+
+@pytest.mark.parametrize(("header", "name"), [
+    ("localhost:8000", "localhost"), ("LocalHost", "localhost"), ("[::1]:8000", "::1"), ("[::1]", "::1"),
+    ("127.0.0.1:8000", "127.0.0.1"), ("evil.example.:80", "evil.example"), ("", ""), (" a.b ", "a.b"),
+    ("[::1", "::1"), ("a:b:c", "a:b:c"),
+])
+def test_host_name_is_the_header_less_its_port_and_final_dot(header, name):
+    assert host_name(header) == name
+
+
+def test_loopback_names_and_addresses_are_always_allowed_other_names_only_when_listed():
+    for name in ("localhost", "app.localhost", "127.0.0.1", "127.8.9.1", "::1", "10.1.2.3", "203.0.113.9", "",
+                 "::ffff:127.0.0.1"):
+        assert name_allowed(name, ())
+    for name in ("rebind.example", "localhost.example", "notlocalhost", "127.0.0.1.nip.io", "0x7f000001"):
+        assert not name_allowed(name, ())
+    allowed = ("app.example", "*.corp.example")
+    assert name_allowed("app.example", allowed) and name_allowed("a.corp.example", allowed)
+    assert name_allowed("a.b.corp.example", allowed)
+    assert not name_allowed("corp.example", allowed)  # a pattern names subdomains, as Starlette's
+    assert not name_allowed("xcorp.example", allowed) and not name_allowed("app.example.evil", allowed)
+
+
+@pytest.mark.parametrize(("server", "loopback"), [
+    (("127.0.0.1", 8000), True), (("127.3.2.1", 1), True), (("::1", 8000), True), (("::ffff:127.0.0.1", 80), True),
+    (("10.0.0.5", 8000), False), (("test", 80), False), (("/run/txl.sock", None), False), (None, False),
+])
+def test_the_socket_is_loopback_by_the_address_the_request_arrived_on(server, loopback):
+    assert loopback_socket({"type": "http", "server": server}) is loopback
+
+
+def _through(allowed: tuple[str, ...], scope: dict) -> list[dict]:
+    """What HostCheck sends for a request in front of an app that answers 204."""
+    sent: list[dict] = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+
+    asyncio.run(HostCheck(app, allowed)({"type": "http", "headers": [], **scope}, receive, send))
+    return sent
+
+
+@pytest.mark.parametrize(("allowed", "server", "host", "status"), [
+    ((), ("127.0.0.1", 8000), b"rebind.example:8000", 403),
+    ((), ("127.0.0.1", 8000), b"localhost:8000", 204),
+    ((), ("10.0.0.5", 8000), b"rebind.example:8000", 204),  # bound beyond loopback, no list: the operator's names
+    (("app.example",), ("10.0.0.5", 8000), b"rebind.example", 403),  # a list given is checked on every socket
+    (("app.example",), ("10.0.0.5", 8000), b"APP.example.", 204),
+    (("app.example",), ("10.0.0.5", 8000), b"10.0.0.5:8000", 204),
+    (("*",), ("127.0.0.1", 8000), b"rebind.example", 204),
+])
+def test_host_check_answers_or_passes_on(allowed, server, host, status):
+    sent = _through(allowed, {"server": server, "headers": [(b"host", host)]})
+    assert sent[0]["status"] == status
+    if status == 403:
+        body = json.loads(sent[1]["body"])["error"]
+        assert body["type"] == "permission_error" and body["code"] == "host_not_allowed"
+        assert host.decode() in body["message"] and "--allowed-hosts" in body["message"]
+
+
+@pytest.mark.parametrize("bad", ["http://app.example", "app.example:8000", "app.example/", "", " app.example",
+                                 "a..b", "*example.com", "**.example.com"])
+def test_an_allowed_host_that_no_host_header_could_match_is_refused_at_start(bad):
+    with pytest.raises(ConfigError, match="allowed host"):
+        Settings(allowed_hosts=(bad,))
+    assert Settings.from_env({"TXLSERVE_ALLOWED_HOSTS": "app.example, *.corp.example"}).allowed_hosts == (
+        "app.example", "*.corp.example")
+
+
+def _handshake(port: int, host: str, origin: str | None = None) -> bytes:
+    """A WebSocket handshake by hand (a client library sets Host itself): the server's answer, head and body."""
+    key = base64.b64encode(bytes(16)).decode()
+    origin_line = f"Origin: {origin}\r\n" if origin else ""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"GET /v1/ws HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                     f"{origin_line}\r\n".encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer or (answer.startswith(b"HTTP/1.1 403") and not answer.endswith(b"}}")):
+            got = sock.recv(4096)
+            if not got:
+                break
+            answer += got
+        return answer
+
+
+def _logged(srv: LiveServer, request_id: str) -> dict:
+    def line() -> dict | None:
+        for text in srv.log.read_text().splitlines():
+            if "txlserve.requests: " in text and request_id in text:
+                return json.loads(text.split("txlserve.requests: ", 1)[1])
+        return None
+    return wait_for(line, 30, f"the log line of {request_id}")
+
+
+def test_a_loopback_server_refuses_a_rebound_name_over_http_and_websocket(server):
+    """As a page of rebind.example sends once that name points at 127.0.0.1: same-origin to its browser (no CORS;
+    its WebSocket's Origin is its Host), so only the Host tells it apart. Refused: no session listed, made or
+    streamed. Served: localhost, *.localhost and addresses, as browsers and clients send them."""
+    port = int(server.url.rsplit(":", 1)[1])
+    rebound = f"{REBOUND}:{port}"
+    for method, path in (("GET", "/v1/sessions"), ("POST", "/v1/sessions"), ("GET", "/"), ("GET", "/health"),
+                         ("POST", "/v1/completions"), ("GET", "/nowhere")):
+        r = httpx.request(method, server.url + path, headers={"host": rebound, "origin": f"http://{rebound}",
+                                                              "x-request-id": f"rebound-{method}-{len(path)}"},
+                          json={"model": "m", "prompt": "x"} if method == "POST" else None, timeout=30)
+        assert r.status_code == 403, (method, path, r.text)
+        assert r.json()["error"]["code"] == "host_not_allowed" and rebound in r.json()["error"]["message"]
+    logged = _logged(server, "rebound-POST-12")
+    assert logged["status"] == 403 and logged["error"] == "host_not_allowed"
+
+    answer = _handshake(port, rebound, origin=f"http://{rebound}")
+    assert answer.startswith(b"HTTP/1.1 403"), answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "host_not_allowed"
+    assert _handshake(port, f"localhost:{port}").startswith(b"HTTP/1.1 101")
+
+    for host in (f"localhost:{port}", f"app.localhost:{port}", f"127.0.0.1:{port}", "127.0.0.1", f"[::1]:{port}"):
+        r = httpx.get(server.url + "/v1/sessions", headers={"host": host}, timeout=30)
+        assert r.status_code == 200, (host, r.text)
+
+
+def test_allowed_hosts_are_served_on_loopback_and_others_still_refused(checkpoint, redis_url, tmp_path):
+    """A proxy on the same host that passes on its own Host (nginx's ``proxy_set_header Host $host``) needs its
+    names listed; the environment's form, as a compose file sets it."""
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path / "d",
+                     env={"TXLSERVE_ALLOWED_HOSTS": "app.example,*.corp.example"}).start()
+    try:
+        for host, status in (("app.example", 200), ("app.example:443", 200), ("a.corp.example", 200),
+                             ("corp.example", 403), (REBOUND, 403), ("localhost", 200)):
+            r = httpx.get(srv.url + "/v1/models", headers={"host": host}, timeout=30)
+            assert r.status_code == status, (host, r.text)
+    finally:
+        srv.stop()

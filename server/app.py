@@ -25,9 +25,9 @@ from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import errors, logs
+from server.browsers import BrowserChecks
 from server.deps import request_fields
 from server.errors import error_body, send_error
-from server.host_check import HostCheck
 from server.http_protocol import SENT_STATUS
 from server.openapi import describe_errors
 from server.routes import completions, health, sessions, tokenize, ws
@@ -393,8 +393,9 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
         # outside the limits: a page on an allowed origin reads their 413 and 408, not a bare network error
         app.add_middleware(Cors, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id", "x-process-time-ms"])
-    # outside CORS: a refused Host is refused whatever the request (DNS rebinding's requests are same-origin anyway)
-    app.add_middleware(HostCheck, allowed=settings.allowed_hosts)
+    # outside CORS: what a page must not do is refused whatever CORS would answer (DNS rebinding's requests are
+    # same-origin anyway, and a cross-site POST needs no preflight)
+    app.add_middleware(BrowserChecks, allowed_hosts=settings.allowed_hosts, cors_origins=settings.cors_origins)
     # outermost: the log line and the requests metric carry the status the client got, a 408 or 413 included
     # (inside the limits, they saw the app's answer to a body cut short, which the limits drop)
     app.add_middleware(RequestLog, runtime_of=lambda: getattr(app.state, "runtime", None),

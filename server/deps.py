@@ -6,12 +6,11 @@ import hashlib
 import hmac
 from collections.abc import MutableMapping
 from typing import Any
-from urllib.parse import urlsplit
 
 from fastapi import Request, WebSocket
 
 from server.runtime import Runtime
-from txlserve.errors import AuthenticationError, PermissionDenied
+from txlserve.errors import AuthenticationError
 
 
 def request_fields(scope: MutableMapping[str, Any]) -> dict[str, Any]:
@@ -51,27 +50,6 @@ def takes_key(route: object) -> bool:
     """Whether a route checks an API key (its dependencies include :func:`owner`)."""
     dependant = getattr(route, "dependant", None)
     return dependant is not None and any(d.call is owner for d in dependant.dependencies)
-
-
-def ws_origin(ws: WebSocket) -> None:
-    """Refuse a WebSocket handshake a browser makes for a page of another origin. Browsers send those from any page
-    with no preflight and no same-origin check (cross-site WebSocket hijacking), so without API keys any site a
-    user visits could drive a server on their machine. Allowed: no Origin (clients that are not browsers), this
-    server's own origin (its Host, or X-Forwarded-Host behind a proxy: the playground), and ``--cors-origins``."""
-    origin = ws.headers.get("origin")
-    if origin is None:
-        return
-    allowed = ws.app.state.runtime.settings.cors_origins
-    if "*" in allowed or origin in allowed:
-        return
-    try:
-        netloc = urlsplit(origin).netloc.lower() if origin.startswith(("http://", "https://")) else ""
-    except ValueError:  # "http://[::1", say
-        netloc = ""
-    if netloc and netloc in {h.lower() for h in (ws.headers.get("host"), ws.headers.get("x-forwarded-host")) if h}:
-        return
-    raise PermissionDenied(f"WebSocket connections from origin {origin[:200]!r} are not allowed (the server "
-                           "allows its own origin and those of --cors-origins / TXLSERVE_CORS_ORIGINS)")
 
 
 def ws_owner(ws: WebSocket) -> str | None:

@@ -187,7 +187,7 @@ def test_the_image_refuses_a_rebound_name_though_it_binds_every_interface(docker
     """Published on the host's 127.0.0.1, a request reaches the container on its own address, not loopback: the
     server's loopback check never applies, so the image and compose give a list, which is checked on every socket.
     A name a page pointed at 127.0.0.1 (DNS rebinding) is refused; localhost, addresses and nginx's $host served."""
-    from server.host_check import HostCheck
+    from server.browsers import BrowserChecks
     from server.settings import Settings
 
     services = compose["services"]
@@ -195,8 +195,8 @@ def test_the_image_refuses_a_rebound_name_though_it_binds_every_interface(docker
                                       for k, v in services[name]["environment"].items()}
                                      for name in ("txlserve", "txlserve-cpu", "txlserve-a", "txlserve-b")]
     for env in envs:
-        check = HostCheck(lambda *a: None, Settings.from_env({**env, "TXLSERVE_REDIS_URL": ""}).allowed_hosts)
+        check = BrowserChecks(lambda *a: None, Settings.from_env({**env, "TXLSERVE_REDIS_URL": ""}).allowed_hosts, ())
         for host, refused in ((b"rebind.example:8000", True), (b"localhost:8000", False), (b"127.0.0.1:8000", False),
                               (b"172.18.0.3:8000", False), (b"localhost", False)):
             scope = {"type": "http", "server": ("172.18.0.3", 8000), "headers": [(b"host", host)]}
-            assert (check.refusal(scope) is not None) is refused, (env, host)
+            assert (check.host_refusal(scope) is not None) is refused, (env, host)

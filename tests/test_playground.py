@@ -246,7 +246,7 @@ http {
       proxy_http_version 1.1;
       proxy_set_header Upgrade $http_upgrade;
       proxy_set_header Connection $connection_upgrade;
-      proxy_set_header X-Forwarded-Host $http_host;  # the WebSocket's origin check knows the page's host
+      proxy_set_header X-Forwarded-Host $http_host;  # the origin check knows the page's host
       proxy_buffering off;
     }
     location /bad/ { proxy_pass http://127.0.0.1:UPSTREAM/; }
@@ -578,6 +578,43 @@ def test_a_page_whose_name_is_rebound_to_this_machine_reaches_nothing(server, br
 
     driver.get(f"http://localhost:{port}/")
     _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "the playground by a loopback name")
+
+
+def _made(server) -> tuple[float, float]:
+    """How many POST /v1/sessions the server answered 201 and 403 (its requests metric)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return tuple(float(m.group(1)) if (m := re.search(
+        rf'^txlserve_requests_total{{route="/v1/sessions",status="{status}"}} (\S+)$', text, re.M)) else 0.0
+        for status in (201, 403))
+
+
+def test_a_page_of_another_origin_cannot_act_on_the_server(server, browser):
+    """A page of another origin (here one of the server's answers by another name, localhost against 127.0.0.1:
+    another origin to the browser; an API answer, which carries no Content-Security-Policy, as another site's page
+    would not) sends a no-cors POST, which needs no preflight: it made a session. Refused now (its Origin), and its
+    WebSocket too; the page's own-origin POST makes one."""
+    port = int(server.url.rsplit(":", 1)[1])
+    driver = browser
+    driver.get_log("browser")
+    driver.get(f"http://localhost:{port}/v1/models")
+    driver.set_script_timeout(WAIT_S)
+    before = _made(server)
+    sent = driver.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        f"fetch('http://127.0.0.1:{port}/v1/sessions', {{method: 'POST', mode: 'no-cors'}})"
+        ".then(r => done(r.type), e => done(String(e)));")
+    assert sent == "opaque"  # sent, its answer unreadable: all such a page needs to act
+    assert _made(server) == (before[0], before[1] + 1)  # refused, no session made
+    opened = driver.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        f"const ws = new WebSocket('ws://127.0.0.1:{port}/v1/ws');"
+        "ws.onopen = () => done('open'); ws.onclose = e => done('closed ' + e.code);")
+    assert opened == "closed 1006"
+    own = driver.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "fetch('/v1/sessions', {method: 'POST'}).then(r => done(r.status), e => done(String(e)));")
+    assert own == 201 and _made(server) == (before[0] + 1, before[1] + 1)
+    driver.get_log("browser")  # the refusals, logged
 
 
 def test_the_playground_streams_once_when_continue_must_connect_first(checkpoint, redis_url, browser, tmp_path):

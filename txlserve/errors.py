@@ -15,7 +15,8 @@ are translated into these at the package boundary that meets them. This module i
     │   └── StateIncompatible       a state built by another model      400  invalid_request_error
     │       └── SessionIncompatible stored session of another model     422  invalid_request_error
     ├── AuthenticationError         missing or wrong API key            401  authentication_error
-    ├── PermissionDenied            a WebSocket from a foreign origin   403  permission_error
+    ├── PermissionDenied            a page of another origin: its       403  permission_error
+    │   │                           POST, DELETE or WebSocket
     │   └── HostNotAllowed          a Host this server must not answer  403  permission_error
     │                               (DNS rebinding; --allowed-hosts)
     ├── SessionNotFound             no such session (or not yours)      404  not_found_error

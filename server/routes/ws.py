@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from model.engine import TokenEvent
 from server.completion import Completion, choices, events, launch, off_loop, the_prompts
-from server.deps import ws_origin, ws_owner
+from server.deps import ws_owner
 from server.errors import classify, error_body, stream_error, unreadable_json, validation_message
 from server.protocol import CompletionRequest
 from server.scheduler import PromptScores
@@ -97,10 +97,9 @@ async def refuse(ws: WebSocket, err: Exception) -> None:
 
 @router.websocket("/v1/ws")
 async def completions_ws(ws: WebSocket) -> None:
-    try:
-        ws_origin(ws)
+    try:  # a page of another origin was refused before (server/browsers.py)
         who = ws_owner(ws)
-    except Exception as err:  # a 403 or a 401
+    except Exception as err:  # a 401
         await refuse(ws, err)
         return
     await ws.accept()

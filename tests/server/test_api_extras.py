@@ -163,35 +163,6 @@ def test_a_cors_origin_that_no_browser_sends_is_refused_at_start(origin):
         Settings(cors_origins=(origin,))
 
 
-@pytest.mark.parametrize(("origin", "cors", "allowed"), [
-    ("https://app.example.com", ("https://app.example.com",), True),  # one of --cors-origins
-    ("https://evil.example.com", ("https://app.example.com",), False),
-    ("https://evil.example.com", ("*",), True),
-    ("https://public.example:8443", (), True),  # the page's own host behind a proxy (X-Forwarded-Host)
-    ("http://internal:8000", (), True),  # the server's own Host
-    ("null", (), False),
-])
-def test_a_websocket_origin_is_allowed_by_host_forwarded_host_or_cors_origins(origin, cors, allowed):
-    """server.deps.ws_origin on its own: the real-socket test covers refusals and the server's own origin; this
-    one covers --cors-origins and X-Forwarded-Host, which the tests' servers do not set."""
-    from types import SimpleNamespace
-
-    from starlette.websockets import WebSocket
-
-    from server.deps import ws_origin
-    from server.settings import Settings
-    from txlserve.errors import PermissionDenied
-
-    app = SimpleNamespace(state=SimpleNamespace(runtime=SimpleNamespace(settings=Settings(cors_origins=cors))))
-    headers = [(b"origin", origin.encode()), (b"host", b"internal:8000"), (b"x-forwarded-host", b"public.example:8443")]
-    ws = WebSocket({"type": "websocket", "headers": headers, "app": app}, receive=None, send=None)
-    if allowed:
-        ws_origin(ws)
-    else:
-        with pytest.raises(PermissionDenied):
-            ws_origin(ws)
-
-
 def test_histograms_have_samples_and_the_grafana_dashboard_uses_only_real_metrics(server):
     import re
 

@@ -1,5 +1,6 @@
-"""DNS rebinding: a request that reaches a loopback socket must be addressed to localhost, an IP address or a name
-of --allowed-hosts (server/host_check.py). The browser's side of it is in tests/test_playground.py."""
+"""What a web page must not make the server do (server/browsers.py): DNS rebinding (a request that reaches a loopback
+socket must be addressed to localhost, an IP address or a name of --allowed-hosts) and cross-site requests (a POST
+or DELETE, or a WebSocket, from a page of another origin). The browser's side of both is in tests/test_playground.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import socket
 import httpx
 import pytest
 
-from server.host_check import HostCheck, host_name, loopback_socket, name_allowed
+from server.browsers import BrowserChecks, host_name, loopback_socket, name_allowed
 from server.settings import Settings
 from tests.live import LiveServer, wait_for
 from txlserve.errors import ConfigError
@@ -49,8 +50,8 @@ def test_the_socket_is_loopback_by_the_address_the_request_arrived_on(server, lo
     assert loopback_socket({"type": "http", "server": server}) is loopback
 
 
-def _through(allowed: tuple[str, ...], scope: dict) -> list[dict]:
-    """What HostCheck sends for a request in front of an app that answers 204."""
+def _through(allowed: tuple[str, ...], scope: dict, cors: tuple[str, ...] = ()) -> list[dict]:
+    """What BrowserChecks sends for a request in front of an app that answers 204."""
     sent: list[dict] = []
 
     async def app(scope, receive, send):
@@ -63,7 +64,8 @@ def _through(allowed: tuple[str, ...], scope: dict) -> list[dict]:
     async def send(msg):
         sent.append(msg)
 
-    asyncio.run(HostCheck(app, allowed)({"type": "http", "headers": [], **scope}, receive, send))
+    asyncio.run(BrowserChecks(app, allowed, cors)({"type": "http", "method": "GET", "headers": [], **scope}, receive,
+                                                  send))
     return sent
 
 
@@ -76,13 +78,55 @@ def _through(allowed: tuple[str, ...], scope: dict) -> list[dict]:
     (("app.example",), ("10.0.0.5", 8000), b"10.0.0.5:8000", 204),
     (("*",), ("127.0.0.1", 8000), b"rebind.example", 204),
 ])
-def test_host_check_answers_or_passes_on(allowed, server, host, status):
+def test_the_host_check_answers_or_passes_on(allowed, server, host, status):
     sent = _through(allowed, {"server": server, "headers": [(b"host", host)]})
     assert sent[0]["status"] == status
     if status == 403:
         body = json.loads(sent[1]["body"])["error"]
         assert body["type"] == "permission_error" and body["code"] == "host_not_allowed"
         assert host.decode() in body["message"] and "--allowed-hosts" in body["message"]
+
+
+SERVER = ("127.0.0.1", 8000)
+OWN = [(b"host", b"127.0.0.1:8000")]
+
+
+@pytest.mark.parametrize(("kind", "headers", "cors", "refused"), [
+    ("POST", [], (), False),  # no Origin, no Sec-Fetch-Site: not a browser (curl, an SDK)
+    ("POST", [(b"origin", b"https://evil.example")], (), True),  # an older browser's cross-site form
+    ("POST", [(b"origin", b"null")], (), True),  # a sandboxed frame, a data: or file: page
+    ("POST", [(b"origin", b"http://[::1")], (), True),
+    ("POST", [(b"origin", b"http://127.0.0.1:8000")], (), False),  # the server's own page (its Host)
+    ("POST", [(b"origin", b"http://127.0.0.1:9000")], (), True),  # another port is another origin
+    ("POST", [(b"origin", b"https://public.example:8443"), (b"x-forwarded-host", b"public.example:8443")], (),
+     False),  # its page behind a proxy
+    ("POST", [(b"sec-fetch-site", b"cross-site"), (b"origin", b"https://evil.example")], (), True),
+    ("POST", [(b"sec-fetch-site", b"cross-site")], (), True),  # the browser's word, even with no Origin
+    ("POST", [(b"sec-fetch-site", b"same-site"), (b"origin", b"http://localhost:3000")], (), True),  # a dev server
+    ("POST", [(b"sec-fetch-site", b"same-origin"), (b"origin", b"https://public.example")], (), False),  # a proxy
+    ("POST", [(b"sec-fetch-site", b"none")], (), False),  # typed by the user
+    ("POST", [(b"sec-fetch-site", b"cross-site"), (b"origin", b"https://app.example.com")],
+     ("https://app.example.com",), False),  # one of --cors-origins
+    ("POST", [(b"sec-fetch-site", b"cross-site"), (b"origin", b"https://evil.example")], ("https://app.example.com",),
+     True),
+    ("POST", [(b"sec-fetch-site", b"cross-site"), (b"origin", b"https://evil.example")], ("*",), False),
+    ("DELETE", [(b"sec-fetch-site", b"cross-site"), (b"origin", b"https://evil.example")], (), True),
+    ("PATCH", [(b"origin", b"https://evil.example")], (), True),
+    ("GET", [(b"sec-fetch-site", b"cross-site"), (b"origin", b"https://evil.example")], (), False),  # CORS's part
+    ("HEAD", [(b"origin", b"https://evil.example")], (), False),
+    ("OPTIONS", [(b"origin", b"https://evil.example")], (), False),  # a preflight: CORS answers it
+    ("websocket", [(b"origin", b"https://evil.example")], (), True),  # a handshake is a GET, checked all the same
+    ("websocket", [(b"origin", b"http://127.0.0.1:8000")], (), False),
+    ("websocket", [], (), False),
+])
+def test_the_origin_check_refuses_what_a_page_of_another_origin_sends(kind, headers, cors, refused):
+    scope = {"type": "websocket" if kind == "websocket" else "http", "server": SERVER, "headers": OWN + headers}
+    if kind != "websocket":
+        scope["method"] = kind
+    err = BrowserChecks(lambda *a: None, (), cors).origin_refusal(scope)
+    assert (err is not None) is refused
+    if err is not None:
+        assert (err.status, err.code) == (403, "origin_not_allowed") and "--cors-origins" in err.message
 
 
 @pytest.mark.parametrize("bad", ["http://app.example", "app.example:8000", "app.example/", "", " app.example",
@@ -158,3 +202,28 @@ def test_allowed_hosts_are_served_on_loopback_and_others_still_refused(checkpoin
             assert r.status_code == status, (host, r.text)
     finally:
         srv.stop()
+
+
+def test_a_page_of_another_origin_cannot_make_fork_or_delete_a_session(server):
+    """A cross-site form or no-cors fetch needs no preflight and no readable answer to act: an empty POST made
+    a session, a DELETE (which preflights, but a server with --cors-origins * allows it) ended one. Refused by their
+    Origin or Sec-Fetch-Site; the same calls without them (not a browser) and from the server's own page served."""
+    sid = httpx.post(server.url + "/v1/sessions", json={"text": "Once upon"}, timeout=30).json()["id"]
+    foreign = [{"origin": "https://evil.example"}, {"origin": "null"},
+               {"sec-fetch-site": "cross-site", "origin": "https://evil.example"},
+               {"sec-fetch-site": "same-site", "origin": "http://localhost:3000"}]
+    for headers in foreign:
+        for method, path in (("POST", "/v1/sessions"), ("POST", f"/v1/sessions/{sid}/fork"),
+                             ("POST", f"/v1/sessions/{sid}/append"), ("DELETE", f"/v1/sessions/{sid}"),
+                             ("POST", "/v1/completions")):
+            r = httpx.request(method, server.url + path, headers={"content-type": "text/plain", **headers},
+                              content=b"", timeout=30)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", (headers, path, r.text)
+    session = httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()
+    assert session["tokens_seen"] == len("Once upon")  # untouched
+    own = {"origin": server.url, "sec-fetch-site": "same-origin"}
+    fork = httpx.post(f"{server.url}/v1/sessions/{sid}/fork", headers=own, timeout=30)
+    assert fork.status_code == 201, fork.text
+    for target in (fork.json()["id"], sid):
+        assert httpx.delete(f"{server.url}/v1/sessions/{target}", headers={"origin": server.url},
+                            timeout=30).status_code == 200

@@ -176,7 +176,8 @@ def check_metadata(metadata: Mapping[str, Any] | None, *, max_bytes: int = MAX_M
     except (TypeError, ValueError) as err:  # UnicodeEncodeError is a ValueError
         raise InvalidRequestError(f"metadata is not valid JSON text: {err}", param="metadata") from None
     if len(raw) > max_bytes:
-        raise PayloadTooLarge(f"metadata is {len(raw)} bytes of JSON (UTF-8), over the {max_bytes}-byte limit")
+        raise PayloadTooLarge(f"metadata is {len(raw)} bytes of JSON (UTF-8), over the {max_bytes}-byte limit",
+                              param="metadata")
     return json.loads(raw)
 
 

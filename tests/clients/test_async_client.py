@@ -18,6 +18,7 @@ from txlserve_client import (
     BadRequestError,
     Completion,
     NotFoundError,
+    RequestCancelledError,
     SessionBusyError,
     SessionRef,
 )
@@ -66,6 +67,10 @@ async def test_list_pages(keyed_server: KeyedServer) -> None:
         assert page.has_more and len(page.data) == 2
         seen = [s.id async for s in page.iter_all()]
         assert set(mine) <= set(seen) and len(seen) == len(set(seen))
+        # as OpenAI's SDK's AsyncPaginator: every session of every page, with or without the await
+        assert [s.id async for s in client.sessions.list(limit=2)] == seen
+        assert [s.id async for s in await client.sessions.list(limit=2)] == seen
+        assert [s.id async for s in client.sessions.list(limit=2, after=seen[0])] == seen[1:]
     async with AsyncClient(base_url=keyed_server.url, api_key="wrong") as client:
         with pytest.raises(AuthenticationError):
             await client.sessions.list()
@@ -209,6 +214,51 @@ async def test_websocket(aclient: AsyncClient) -> None:
     async with one_shot:
         await one_shot.__anext__()
     assert one_shot.done
+
+
+@pytest.mark.parametrize("how", ["stream", "connection", "one-shot"])
+async def test_a_websocket_completion_cancelled_before_its_first_read_is_never_sent(aclient: AsyncClient,
+                                                                                    how: str) -> None:
+    """The async stream sends its request on its first read: a cancel before it (a "stop" pressed at once) did
+    nothing, and the completion ran to its max_tokens into the session (found by a helper). Now it is never sent:
+    the stream raises RequestCancelledError, as the sync stream does for a cancel before any token, the session is
+    as it was, and the connection runs the next one."""
+    session = await aclient.sessions.create(text="abc")
+    async with aclient.ws.connect() as conn:
+        if how == "one-shot":
+            stream = aclient.ws.stream(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id)
+            await stream.cancel()
+        else:
+            stream = conn.completion(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id)
+            await (stream.cancel() if how == "stream" else conn.cancel())
+        with pytest.raises(RequestCancelledError) as refused:
+            async for _ in stream:
+                pass
+        assert (refused.value.status, refused.value.code) == (499, "request_cancelled")
+        assert stream.done and [c async for c in stream] == []  # ended: read again, nothing more
+        again = [c async for c in conn.completion(model=MODEL, prompt="e", max_tokens=2, session_id=session.id)]
+        assert again[-1].session == SessionRef(session.id, 3 + 1 + 2)  # "d" never reached it
+
+
+async def test_a_completion_started_inside_anothers_loop_leaves_that_loop_its_last_tokens(
+        aclient: AsyncClient) -> None:
+    """Starting B in A's loop cancels A and reads it to its end; A's loop then ended at once, its last tokens and
+    its end unread though its session kept them (found by a helper). A's loop now reads them, and ends with
+    finish_reason "cancelled": the session holds what A's loop read."""
+    session = await aclient.sessions.create(text="abc")
+    async with aclient.ws.connect() as conn:
+        first = conn.completion(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id)
+        chunks = []
+        async for chunk in first:
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                inner = [c async for c in conn.completion(model=MODEL, prompt="Hi", max_tokens=2)]
+                assert inner[-1].finish_reason == "length"
+        assert chunks[-1].finish_reason == "cancelled"
+        made = chunks[-1].usage.completion_tokens
+        assert sum(1 for c in chunks if c.text or c.finish_reason is None) >= 2 and made < LONG
+        got = await aclient.sessions.get(session.id)
+        assert got.tokens_seen == 3 + 1 + made
 
 
 @pytest.mark.parametrize("between", [False, True])

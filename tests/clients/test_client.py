@@ -157,6 +157,7 @@ def test_list_pages(keyed_server: KeyedServer) -> None:
         assert second is not None and {s.id for s in second.data}.isdisjoint(s.id for s in page.data)
         every = [s.id for s in page.iter_all()]
         assert sorted(every) == sorted(mine)  # every page, each session once
+        assert [s.id for s in client.sessions.list(limit=2)] == every  # a page iterates all, as OpenAI's SDK's
         last = client.sessions.list(limit=100)
         assert not last.has_more and last.next_cursor is None and last.next_page() is None
 
@@ -428,6 +429,25 @@ def test_websocket_completions_in_turn_with_cancel(client: Client) -> None:
         with pytest.raises(BadRequestError):
             list(conn.completion(model=MODEL, prompt="x", temperature=9))
         assert list(conn.completion(model=MODEL, prompt="x", max_tokens=1))[-1].finish_reason == "length"
+
+
+def test_a_completion_started_inside_anothers_loop_leaves_that_loop_its_last_tokens(client: Client) -> None:
+    """As the async client's test: A's loop read on to its end (finish_reason "cancelled"), its text what its
+    session kept."""
+    session = client.sessions.create(text="abc")
+    with client.ws.connect() as conn:
+        first = conn.completion(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id, temperature=0)
+        chunks = []
+        for chunk in first:
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                assert list(conn.completion(model=MODEL, prompt="Hi", max_tokens=2))[-1].finish_reason == "length"
+        assert chunks[-1].finish_reason == "cancelled" and chunks[-1].usage.completion_tokens < LONG
+        made = chunks[-1].usage.completion_tokens
+        assert client.sessions.get(session.id).tokens_seen == 3 + 1 + made
+        text = "".join(c.text for c in chunks)
+    greedy = client.completions.create(model=MODEL, prompt="abcd", max_tokens=made, temperature=0).text
+    assert text == greedy  # every token it made, read by its own loop
 
 
 def test_websocket_one_shot_stream(client: Client) -> None:

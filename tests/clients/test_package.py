@@ -38,7 +38,7 @@ PUBLIC = {
     "Completions", "Sessions", "Models", "WebSocket", "AsyncCompletions", "AsyncSessions", "AsyncModels",
     "AsyncWebSocket",
     "Completion", "Choice", "CompletionChunk", "Usage", "Logprobs", "SessionRef", "Session", "AppendResult",
-    "SessionDeleted", "SessionPage", "AsyncSessionPage", "Model",
+    "SessionDeleted", "SessionPage", "AsyncSessionPage", "AsyncSessionPager", "Model",
     "Stream", "AsyncStream", "WebSocketConnection", "WebSocketStream", "AsyncWebSocketConnection",
     "AsyncWebSocketStream",
     "APIError", "APIConnectionError", "APITimeoutError", "APIStatusError", "BadRequestError", "AuthenticationError",

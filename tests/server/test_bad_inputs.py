@@ -117,6 +117,7 @@ CASES = [
     ("append no text", "POST", "/v1/sessions/unknown-session-id/append", {}, 400, "text"),
     ("append text int", "POST", "/v1/sessions/unknown-session-id/append", {"text": 3}, 400, "text"),
     ("create metadata not str", "POST", "/v1/sessions", {"metadata": {"a": 1}}, 400, "metadata.a"),
+    ("create metadata too large", "POST", "/v1/sessions", {"metadata": {"a": "x" * 70_000}}, 413, "metadata"),
     ("create unknown field", "POST", "/v1/sessions", {"txt": "x"}, 400, "txt"),
     ("list limit zero", "GET", "/v1/sessions?limit=0", None, 400, "limit"),
     ("list limit huge", "GET", "/v1/sessions?limit=100000", None, 400, "limit"),

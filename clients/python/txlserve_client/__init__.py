@@ -40,6 +40,7 @@ from txlserve_client._streaming import AsyncStream, Stream
 from txlserve_client._types import (
     AppendResult,
     AsyncSessionPage,
+    AsyncSessionPager,
     Choice,
     Completion,
     CompletionChunk,
@@ -61,7 +62,7 @@ __all__ = [
     "AsyncWebSocket",
     # results
     "Completion", "Choice", "CompletionChunk", "Usage", "Logprobs", "SessionRef", "Session", "AppendResult",
-    "SessionDeleted", "SessionPage", "AsyncSessionPage", "Model",
+    "SessionDeleted", "SessionPage", "AsyncSessionPage", "AsyncSessionPager", "Model",
     # streams
     "Stream", "AsyncStream", "WebSocketConnection", "WebSocketStream", "AsyncWebSocketConnection",
     "AsyncWebSocketStream",

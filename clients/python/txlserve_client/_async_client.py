@@ -16,7 +16,15 @@ from txlserve_client._async_websocket import AsyncConnect, AsyncWebSocketConnect
 from txlserve_client._base import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, BaseClient, Call
 from txlserve_client._exceptions import APIError
 from txlserve_client._streaming import AsyncStream
-from txlserve_client._types import AppendResult, AsyncSessionPage, Completion, Model, Session, SessionDeleted
+from txlserve_client._types import (
+    AppendResult,
+    AsyncSessionPage,
+    AsyncSessionPager,
+    Completion,
+    Model,
+    Session,
+    SessionDeleted,
+)
 
 log = logging.getLogger("txlserve_client")
 T = TypeVar("T")
@@ -146,13 +154,14 @@ class AsyncSessions:
     async def get(self, session_id: str) -> Session:
         return await self._client._call(api.session_get_call(session_id))
 
-    async def list(self, *, limit: int | None = None, after: str | None = None,
-                   order: Literal["asc", "desc"] | None = None) -> AsyncSessionPage:
-        async def fetch(cursor: str) -> AsyncSessionPage:
-            return await self.list(limit=limit, after=cursor, order=order)
+    def list(self, *, limit: int | None = None, after: str | None = None,
+             order: Literal["asc", "desc"] | None = None) -> AsyncSessionPager:
+        """``await`` it for one page (as the sync client's), or ``async for`` over it for every session."""
+        async def page(cursor: str | None) -> AsyncSessionPage:
+            return AsyncSessionPage(**await self._client._call(api.session_list_call(limit, cursor, order)),
+                                    _fetch=page)
 
-        return AsyncSessionPage(**await self._client._call(api.session_list_call(limit, after, order)),
-                                _fetch=fetch)
+        return AsyncSessionPager(lambda: page(after))
 
     async def delete(self, session_id: str) -> SessionDeleted:
         return await self._client._call(api.session_delete_call(session_id))

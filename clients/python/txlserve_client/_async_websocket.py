@@ -8,6 +8,7 @@ import contextlib
 import json
 import sys
 import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from types import TracebackType
 from typing import Any, TypeVar
@@ -17,7 +18,7 @@ import websockets.exceptions
 from websockets.protocol import State
 
 from txlserve_client._base import BaseClient, Prompt, close_soon, closed_error, completion_body
-from txlserve_client._exceptions import APIError
+from txlserve_client._exceptions import APIError, RequestCancelledError
 from txlserve_client._types import CompletionChunk
 from txlserve_client._websocket import (
     _CONNECT_ERRORS,
@@ -28,6 +29,7 @@ from txlserve_client._websocket import (
     _message,
     _Running,
     _timed_out,
+    _unkept,
     connect_error,
     connect_options,
 )
@@ -77,6 +79,7 @@ class AsyncWebSocketConnection(_Running):
         self._ws, self._read_timeout = ws, read_timeout
         self._loop = asyncio.get_running_loop()
         self._owner: asyncio.Task[Any] | None = None  # the task that started the running completion
+        self._unsent: weakref.ref[AsyncWebSocketStream] | None = None  # the last completion made, until it is sent
         self._starting = asyncio.Lock()  # as the sync connection's lock: one task at a time checks, finishes the
         # completion before and sends (two tasks that took over a dropped one both read it: the library's error)
 
@@ -93,12 +96,18 @@ class AsyncWebSocketConnection(_Running):
     def completion(self, *, model: str, prompt: Prompt = "", **options: Any) -> AsyncWebSocketStream:
         """The request is sent when the stream is first read (or entered with ``async with``)."""
         body = completion_body(model, prompt, False, options, options.pop("extra_body", None))
-        return AsyncWebSocketStream({"type": "completion.create", **body}, conn=self)
+        stream = AsyncWebSocketStream({"type": "completion.create", **body}, conn=self)
+        self._unsent = weakref.ref(stream)
+        return stream
 
     async def cancel(self) -> None:
-        """Stop the running completion; its stream then ends with finish_reason "cancelled"."""
+        """Stop the running completion; its stream then ends with finish_reason "cancelled". One made and not yet
+        sent (its stream not yet read) is never sent: its stream raises RequestCancelledError, as the sync
+        connection's does for a cancel that comes before any token."""
         if self._running:
             await self._send(_cancel(self._running_id))
+        elif (unsent := self._unsent() if self._unsent is not None else None) is not None:
+            await unsent.cancel()
 
     async def _begin(self, stream: AsyncWebSocketStream) -> None:
         """A new completion closes (cancels) the one before it, unless another task, still running, started that
@@ -111,21 +120,24 @@ class AsyncWebSocketConnection(_Running):
                 raise APIError("a completion is streaming on this connection in another task: a connection runs "
                                "one completion at a time (open one connection per task, or wait for that one)")
             self._owner = me
-            await self._finish()
+            await self._finish(keep=True)
             self._running, self._running_id, self._active = True, None, weakref.ref(stream)
+            if self._unsent is not None and self._unsent() is stream:
+                self._unsent = None
             try:
                 await self._send(stream.request)
             except BaseException:
                 self._running = False  # nothing runs: the request never left
                 raise
 
-    async def _finish(self) -> None:
-        """Cancel the running completion, if any, and read it to its end (its stream may be gone)."""
+    async def _finish(self, *, keep: bool = False) -> None:
+        """As the sync connection's ``_finish``."""
         try:
             if self._running:
                 await self._send(_cancel(self._running_id))
                 while self._running:
-                    _chunk(await self._next())
+                    msg = await self._next()
+                    self._keep(msg) if keep else _chunk(msg)
         except APIError:
             self._abandoned()  # the completion is over either way
 
@@ -200,10 +212,16 @@ class AsyncWebSocketStream(AsyncIterator[CompletionChunk]):
     def __init__(self, request: dict[str, Any], *, conn: AsyncWebSocketConnection | None = None,
                  open: Callable[[], Awaitable[AsyncWebSocketConnection]] | None = None) -> None:
         self.request, self._conn, self._open, self._owns = request, conn, open, conn is None
-        self.started = self.done = False
+        self.started = self.done = self.cancelled = False
         self.id: str | None = None  # the completion's, once the server has named it
+        self._kept: deque[CompletionChunk | APIError] = deque()  # read by the next completion's start
 
     async def _start(self) -> AsyncWebSocketConnection:
+        if self.cancelled and not self.started:  # cancelled before it was sent: it never is
+            self.started = self.done = True
+            raise RequestCancelledError("the completion was cancelled before it was sent: nothing was generated "
+                                        "and nothing was stored", status=499, type="invalid_request_error",
+                                        code="request_cancelled")
         if self._conn is None:
             assert self._open is not None
             self._conn = await self._open()
@@ -213,6 +231,10 @@ class AsyncWebSocketStream(AsyncIterator[CompletionChunk]):
         return self._conn
 
     async def __anext__(self) -> CompletionChunk:
+        if self._kept:
+            return _unkept(self._kept)
+        if self.done:  # (a cancelled one that never left raised once)
+            raise StopAsyncIteration
         conn = await self._start()
         while not self.done:
             msg = await conn._next()
@@ -227,7 +249,10 @@ class AsyncWebSocketStream(AsyncIterator[CompletionChunk]):
         return self
 
     async def cancel(self) -> None:
-        if self._conn is not None and self.started and not self.done:
+        """Stop the completion; before it was sent (its first read), it never is."""
+        if not self.started:
+            self.cancelled = True
+        elif self._conn is not None and not self.done:
             await self._conn.cancel()
 
     async def close(self) -> None:

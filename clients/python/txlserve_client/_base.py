@@ -173,7 +173,7 @@ def session_append_call(session_id: str, text: str, logprobs: int | None = None)
 
 
 def session_fork_call(session_id: str, metadata: Mapping[str, str] | None) -> Call[Session]:
-    body = {} if metadata is None else {"metadata": dict(metadata)}  # {} clears the source's metadata
+    body = {} if metadata is None else {"metadata": dict(metadata)}  # None keeps the source's; {} clears it
     return Call("POST", f"/v1/sessions/{_sid(session_id)}/fork", Session.from_dict, json=body)
 
 

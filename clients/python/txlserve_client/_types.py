@@ -3,7 +3,7 @@ so a newer server does not break an older client."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,7 +151,8 @@ class Session:
 @dataclass(frozen=True)
 class AppendResult(Session):
     """What ``sessions.create`` and ``sessions.append`` return: the session after the text was fed,
-    and how well the model predicted that text (None when it was empty or a single token)."""
+    and how well the model predicted that text (None when no token of it had one before it: an empty text, or
+    one token that began an empty session)."""
 
     appended_tokens: int = 0
     logprob: float | None = None
@@ -210,6 +211,11 @@ class SessionPage:
             yield from page.data
             page = page.next_page()
 
+    def __iter__(self) -> Iterator[Session]:
+        """Every session, this page's and the later pages' (OpenAI's SDK iterates a page so); ``data`` is this
+        page's alone."""
+        return self.iter_all()
+
 
 @dataclass(frozen=True)
 class AsyncSessionPage:
@@ -231,3 +237,22 @@ class AsyncSessionPage:
             for session in page.data:
                 yield session
             page = await page.next_page()
+
+    def __aiter__(self) -> AsyncIterator[Session]:
+        """As ``SessionPage.__iter__``."""
+        return self.iter_all()
+
+
+class AsyncSessionPager:
+    """What ``AsyncClient.sessions.list`` returns, as OpenAI's SDK's ``AsyncPaginator``: ``await`` it for the first
+    page, or ``async for`` over it for every session of every page."""
+
+    def __init__(self, first: Callable[[], Awaitable[AsyncSessionPage]]) -> None:
+        self._first = first
+
+    def __await__(self) -> Generator[Any, None, AsyncSessionPage]:
+        return self._first().__await__()
+
+    async def __aiter__(self) -> AsyncIterator[Session]:
+        async for session in await self._first():
+            yield session

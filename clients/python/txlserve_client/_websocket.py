@@ -9,7 +9,8 @@
 The keyword options of ``completion`` are those of ``completions.create`` (less ``stream`` and
 ``stream_options``: the WebSocket always streams and always reports usage on its last chunk).
 A completion left before its end is cancelled and read to its end when the next one starts or
-the stream is closed, so the connection is always ready for the next one. A cancel that arrives
+the stream is closed, so the connection is always ready for the next one; what the next one's start read is
+kept for the stream, so a loop still reading it gets its last tokens and its end. A cancel that arrives
 while the prompt is still being read ends the loop with ``RequestCancelledError`` instead: no token
 was made, and nothing was stored (a session is as it was).
 
@@ -120,6 +121,14 @@ def _timed_out(read_timeout: float | None) -> APITimeoutError:
                            f"by then (sessions.get tells how much). Open a new connection for the next completion")
 
 
+def _unkept(kept: deque[CompletionChunk | APIError]) -> CompletionChunk:
+    """The next of what the connection kept for a stream: a chunk, or the error its completion ended with."""
+    item = kept.popleft()
+    if isinstance(item, APIError):
+        raise item
+    return item
+
+
 class _Running:
     """What a connection knows of its running completion: whether its end is still to be read, its id once named,
     and its stream while referenced. Not the stream itself: a stream that held its connection and was held by it
@@ -166,6 +175,21 @@ class _Running:
         to its end by whoever starts the next, in any thread or task (found by a helper)."""
         return self._running and self._active is not None and self._active() is not None
 
+    def _keep(self, msg: dict[str, Any]) -> None:
+        """A message of the running completion read by the start of the next one, kept for its stream, which a
+        loop may still be reading: a completion started inside another's loop had ended that loop at once, its
+        last tokens and its end unseen, though the session kept them (found by a helper). Its stream yields them
+        (or raises its error) before it ends."""
+        stream = self._active() if self._active is not None else None
+        try:
+            chunk = _chunk(msg)
+        except APIError as err:
+            if stream is not None:
+                stream._kept.append(err)
+            raise
+        if stream is not None and chunk is not None:
+            stream._kept.append(chunk)
+
     def _heard(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Note a message of the running completion (its end: the completion is over, and its stream done)."""
         self._running_id = msg.get("id") or self._running_id
@@ -211,19 +235,21 @@ class WebSocketConnection(_Running):
             if self._read_elsewhere() and owner not in (None, me) and owner.is_alive():
                 raise APIError("a completion is streaming on this connection in another thread: a connection runs "
                                "one completion at a time (open one connection per thread, or wait for that one)")
-            self._finish()
+            self._finish(keep=True)
             self._send({"type": "completion.create", **body})
             stream = WebSocketStream(self, owns_connection=owns_connection)
             self._running, self._running_id, self._active, self._owner = True, None, weakref.ref(stream), me
             return stream
 
-    def _finish(self) -> None:
-        """Cancel the running completion, if any, and read it to its end (its stream may be gone)."""
+    def _finish(self, *, keep: bool = False) -> None:
+        """Cancel the running completion, if any, and read it to its end (its stream may be gone); with ``keep``
+        (another completion starts), what is read is kept for its stream."""
         try:
             if self._running:
                 self._send(_cancel(self._running_id))
                 while self._running:
-                    _chunk(self._next())
+                    msg = self._next()
+                    self._keep(msg) if keep else _chunk(msg)
         except APIError:
             self._abandoned()  # the completion is over either way
 
@@ -285,8 +311,11 @@ class WebSocketStream(Iterator[CompletionChunk]):
         self._conn, self._owns = conn, owns_connection
         self.done = False  # its end was read (by it, or by the connection as the next completion started)
         self.id: str | None = None  # the completion's, once the server has named it
+        self._kept: deque[CompletionChunk | APIError] = deque()  # read by the next completion's start
 
     def __next__(self) -> CompletionChunk:
+        if self._kept:
+            return _unkept(self._kept)
         while not self.done:
             msg = self._conn._next()
             self.id = msg.get("id") or self.id

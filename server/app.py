@@ -395,7 +395,8 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
                            allow_headers=["*"], expose_headers=["x-request-id", "x-process-time-ms"])
     # outside CORS: what a page must not do is refused whatever CORS would answer (DNS rebinding's requests are
     # same-origin anyway, and a cross-site POST needs no preflight)
-    app.add_middleware(BrowserChecks, allowed_hosts=settings.allowed_hosts, cors_origins=settings.cors_origins)
+    app.add_middleware(BrowserChecks, allowed_hosts=settings.allowed_hosts, cors_origins=settings.cors_origins,
+                       keyed=bool(settings.api_keys))
     # outermost: the log line and the requests metric carry the status the client got, a 408 or 413 included
     # (inside the limits, they saw the app's answer to a body cut short, which the limits drop)
     app.add_middleware(RequestLog, runtime_of=lambda: getattr(app.state, "runtime", None),

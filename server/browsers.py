@@ -3,13 +3,17 @@
 Any page the user opens can send requests to a server on their machine or network, without API keys nothing
 else stands in its way, and each check below closes one way:
 
-- **DNS rebinding** (the Host check). A page of ``evil.example`` points that name at 127.0.0.1 once loaded; its
-  later requests to ``evil.example:8000`` are same-origin to the browser (no CORS, and a WebSocket's Origin equals
-  its Host), so it could read and delete sessions. The browser still sends ``Host: evil.example:8000``: a request
-  that arrived on a loopback socket must name a loopback host (``localhost``, ``*.localhost``: browsers keep those
-  on loopback), an IP address (a page cannot make the browser send one it does not connect to), or a name of
-  ``--allowed-hosts``. Given, ``--allowed-hosts`` is checked on every socket, as Django's ``ALLOWED_HOSTS`` and
-  Starlette's ``TrustedHostMiddleware`` are; ``*`` turns it off. Ollama and Vite's dev server check the same.
+- **DNS rebinding** (the Host check). A page of ``evil.example`` points that name at the server's address once
+  loaded (127.0.0.1, or a LAN address); its later requests to ``evil.example:8000`` are same-origin to the browser
+  (no CORS, and a WebSocket's Origin equals its Host), so it could read and delete sessions. The browser still
+  sends ``Host: evil.example:8000``. A server without API keys answers only names no page can point anywhere: IP
+  addresses (a page cannot make the browser send one it does not connect to), names of one label (``localhost``, a
+  Docker service's or a LAN host's name: public DNS has none), names under ``localhost``, ``local`` and
+  ``internal`` (reserved, never public), and the names of ``--allowed-hosts``; so does every server given that list
+  (Django's ``ALLOWED_HOSTS``, Starlette's ``TrustedHostMiddleware``), and ``*`` turns it off. A proxy's
+  ``X-Forwarded-Host`` is checked as its ``Host`` is: one that passes on the page's host there (the README's
+  recipe) but connects by address had let a rebound name through. With keys, a page has none to send, and a
+  tunnel's own Host (ngrok's) stays served. Ollama and Vite's dev server check alike.
 - **Cross-site requests** (the origin check). A page of another origin may send a POST or DELETE that it cannot
   read the answer of (a form, a ``fetch`` with ``mode: "no-cors"``: no preflight), and open a WebSocket with no
   check at all (cross-site WebSocket hijacking). A request that changes something, and every WebSocket handshake,
@@ -46,55 +50,56 @@ def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 def host_name(header: str) -> str:
     """The name a Host header carries, without its port and a final dot, lower-cased (``[::1]:8000`` → ``::1``)."""
     name = header.strip().lower()
-    if name.startswith("["):
-        name = name[1:name.index("]")] if "]" in name else name[1:]
+    if name.startswith("[") and "]" in name:
+        bracketed, _, rest = name[1:].partition("]")
+        name = bracketed if not rest or rest.startswith(":") else name  # "[::1]evil.example" names no address
     elif name.count(":") == 1:
         name = name.partition(":")[0]
     return name.removesuffix(".")
 
 
+PRIVATE_SUFFIXES = (".localhost", ".local", ".internal")  # RFC 6761's, mDNS's and ICANN's: never in public DNS
+
+
 def name_allowed(name: str, allowed: tuple[str, ...]) -> bool:
     """``allowed`` holds names and ``*.suffix`` patterns (a pattern matches a subdomain, not the suffix itself)."""
-    if not name or _ip(name) is not None or name == "localhost" or name.endswith(".localhost"):
+    if not name or "." not in name or _ip(name) is not None or name.endswith(PRIVATE_SUFFIXES):
         return True  # no Host (HTTP/1.0, never a browser) is no name a page could have chosen
     return any(name == a or (a.startswith("*.") and name.endswith(a[1:])) for a in allowed)
-
-
-def loopback_socket(scope: Scope) -> bool:
-    """Whether the request arrived on a loopback address of this host (one bound to 0.0.0.0 included, when the
-    client connected through 127.0.0.1); ASGI names it in ``server``. A Unix socket no browser reaches is not."""
-    server = scope.get("server") or (None,)
-    ip = _ip(str(server[0])) if server[0] else None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip is not None and ip.is_loopback
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
     return next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == name), None)
 
 
+def _named(scope: Scope, names: tuple[bytes, ...]) -> list[tuple[bytes, str]]:
+    """Every value of these headers, a comma-separated list's items each (X-Forwarded-Host as proxies chain it)."""
+    return [(k, item) for k, v in scope.get("headers", ()) if k in names
+            for item in v.decode("latin-1").split(",")]
+
+
 class BrowserChecks:
     """403 for an HTTP request or WebSocket handshake a web page must not make (see the module's docstring):
     ``host_not_allowed`` or ``origin_not_allowed``. Plain ASGI, like the server's other middleware."""
 
-    def __init__(self, app: ASGIApp, allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...], *,
+                 keyed: bool) -> None:
         self.app, self.cors_origins = app, cors_origins
         self.allowed_hosts = tuple(a.lower().removesuffix(".") for a in allowed_hosts)
+        self.checks_hosts = "*" not in self.allowed_hosts and (bool(self.allowed_hosts) or not keyed)
 
     def host_refusal(self, scope: Scope) -> HostNotAllowed | None:
-        if "*" in self.allowed_hosts or (not self.allowed_hosts and not loopback_socket(scope)):
+        if not self.checks_hosts:
             return None
-        header = _header(scope, b"host") or ""
-        if name_allowed(host_name(header), self.allowed_hosts):
-            return None
-        where = "a loopback address" if loopback_socket(scope) else "this address"
-        return HostNotAllowed(
-            f"this server answers requests addressed to localhost, an IP address or a name of --allowed-hosts; this "
-            f"one was addressed to {header[:100]!r} (its Host header) on {where}. A web page can point a name it "
-            f"owns at 127.0.0.1 (DNS rebinding) to reach a server on your machine, so other names are refused. To "
-            f"serve this name (a proxy that passes on its own Host), add it to --allowed-hosts / "
-            f"TXLSERVE_ALLOWED_HOSTS")
+        for header, value in _named(scope, (b"host", b"x-forwarded-host")):  # every one: proxies append theirs
+            if not name_allowed(host_name(value), self.allowed_hosts):
+                return HostNotAllowed(
+                    f"this server answers requests addressed to an IP address, localhost, a name of one label or "
+                    f"under .local or .internal, or a name of --allowed-hosts; this one was addressed to "
+                    f"{value[:100]!r} (its {header.decode().title()} header). A web page can point a name it owns at "
+                    f"this server's address (DNS rebinding) and act on it from your browser, so other names are "
+                    f"refused. To serve this name, add it to --allowed-hosts / TXLSERVE_ALLOWED_HOSTS")
+        return None
 
     def origin_refusal(self, scope: Scope) -> PermissionDenied | None:
         websocket = scope["type"] == "websocket"

@@ -80,11 +80,12 @@ class Settings:
                                          "belongs to the key that made it", )
     cors_origins: tuple[str, ...] = _opt((), "origins allowed to call the API from a browser (CORS), e.g. "
                                              "https://app.example.com, or * for any; none by default")
-    allowed_hosts: tuple[str, ...] = _opt((), "host names the server answers to (the Host header; *.example.com for "
-                                              "its subdomains), besides localhost and IP addresses: without them a "
-                                              "request that reaches a loopback address must name one of those (a "
-                                              "web page can point a name it owns at 127.0.0.1: DNS rebinding); "
-                                              "given, every request must; * for any name")
+    allowed_hosts: tuple[str, ...] = _opt((), "host names the server answers to (the Host header, and a proxy's "
+                                              "X-Forwarded-Host; *.example.com for its subdomains) besides IP "
+                                              "addresses, localhost, names of one label and names under .localhost, "
+                                              ".local and .internal: a server without API keys refuses other names "
+                                              "(a web page can point a name it owns at the server's address: DNS "
+                                              "rebinding); given, every server does; * for any name")
     model_name: str | None = _opt(None, "the model name clients send (default: txl- and the checkpoint directory's "
                                         "name, as txl-shakespeare-small for the bundled one)")
     max_batch: int = _opt(256, "sessions advanced together per decode step, at most (fewer if --batch-mb is reached)")
@@ -231,7 +232,8 @@ class Settings:
         for h in self.allowed_hosts:  # a name as a Host header carries it, less its port
             if not isinstance(h, str) or not re.fullmatch(r"\*|(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?", h):
                 raise ConfigError(f"allowed host {h!r} is not * or a host name with no scheme, port or path "
-                                  "(app.example.com, or *.example.com for its subdomains)", param="allowed_hosts")
+                                  "(app.example.com, or *.example.com for its subdomains; an internationalised "
+                                  "name in its xn-- form, as Host carries it)", param="allowed_hosts")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:

@@ -275,6 +275,12 @@ def test_the_playground_works_under_a_path_prefix(server, browser, tmp_path):
         assert not errors, errors
         assert "frame-ancestors 'none'" in httpx.get(url, timeout=30).headers["content-security-policy"]
 
+        # a page whose name was rebound to this proxy's address: the proxy connects by address (its Host is
+        # 127.0.0.1:UPSTREAM) but passes the page's host on in X-Forwarded-Host, checked as a Host is (it had let
+        # the page load the playground and export and delete sessions: found by a helper)
+        driver.get(f"http://{REBOUND}:{port}/txl/")
+        assert "host_not_allowed" in driver.find_element("tag name", "body").text
+
         # a proxy's own error page (no JSON, no code) read "502 : Bad Gateway"
         driver.get(f"http://127.0.0.1:{port}/bad/")
         _wait(driver, lambda d: _by_id(d, "error").text, "the proxy's 502")

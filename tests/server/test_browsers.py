@@ -1,6 +1,7 @@
-"""What a web page must not make the server do (server/browsers.py): DNS rebinding (a request that reaches a loopback
-socket must be addressed to localhost, an IP address or a name of --allowed-hosts) and cross-site requests (a POST
-or DELETE, or a WebSocket, from a page of another origin). The browser's side of both is in tests/test_playground.py."""
+"""What a web page must not make the server do (server/browsers.py): DNS rebinding (a request to a server without
+API keys must be addressed to an address, a name no page can point anywhere, or a name of --allowed-hosts) and
+cross-site requests (a POST or DELETE, or a WebSocket, from a page of another origin). The browser's side of both is
+in tests/test_playground.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import socket
 import httpx
 import pytest
 
-from server.browsers import BrowserChecks, host_name, loopback_socket, name_allowed
+from server.browsers import BrowserChecks, host_name, name_allowed
 from server.settings import Settings
 from tests.live import LiveServer, wait_for
 from txlserve.errors import ConfigError
@@ -23,18 +24,20 @@ REBOUND = "rebind.example"
 @pytest.mark.parametrize(("header", "name"), [
     ("localhost:8000", "localhost"), ("LocalHost", "localhost"), ("[::1]:8000", "::1"), ("[::1]", "::1"),
     ("127.0.0.1:8000", "127.0.0.1"), ("evil.example.:80", "evil.example"), ("", ""), (" a.b ", "a.b"),
-    ("[::1", "::1"), ("a:b:c", "a:b:c"),
+    ("[::1", "[::1"), ("a:b:c", "a:b:c"), ("[::1]rebind.example", "[::1]rebind.example"),
 ])
 def test_host_name_is_the_header_less_its_port_and_final_dot(header, name):
     assert host_name(header) == name
 
 
-def test_loopback_names_and_addresses_are_always_allowed_other_names_only_when_listed():
+def test_addresses_and_names_no_page_can_point_are_always_allowed_other_names_only_when_listed():
     for name in ("localhost", "app.localhost", "127.0.0.1", "127.8.9.1", "::1", "10.1.2.3", "203.0.113.9", "",
-                 "::ffff:127.0.0.1"):
+                 "::ffff:127.0.0.1", "txlserve", "gpu-box", "gpu-box.local", "txl.default.svc.cluster.local",
+                 "api.internal"):
         assert name_allowed(name, ())
-    for name in ("rebind.example", "localhost.example", "notlocalhost", "127.0.0.1.nip.io", "0x7f000001"):
-        assert not name_allowed(name, ())
+    for name in ("rebind.example", "localhost.example", "127.0.0.1.nip.io", "local.example", "internal.example.com",
+                 "xlocal", "a.localhostx") + ("evil.com",):
+        assert name_allowed(name, ()) is (name == "xlocal")  # one label: no public DNS name
     allowed = ("app.example", "*.corp.example")
     assert name_allowed("app.example", allowed) and name_allowed("a.corp.example", allowed)
     assert name_allowed("a.b.corp.example", allowed)
@@ -42,15 +45,7 @@ def test_loopback_names_and_addresses_are_always_allowed_other_names_only_when_l
     assert not name_allowed("xcorp.example", allowed) and not name_allowed("app.example.evil", allowed)
 
 
-@pytest.mark.parametrize(("server", "loopback"), [
-    (("127.0.0.1", 8000), True), (("127.3.2.1", 1), True), (("::1", 8000), True), (("::ffff:127.0.0.1", 80), True),
-    (("10.0.0.5", 8000), False), (("test", 80), False), (("/run/txl.sock", None), False), (None, False),
-])
-def test_the_socket_is_loopback_by_the_address_the_request_arrived_on(server, loopback):
-    assert loopback_socket({"type": "http", "server": server}) is loopback
-
-
-def _through(allowed: tuple[str, ...], scope: dict, cors: tuple[str, ...] = ()) -> list[dict]:
+def _through(allowed: tuple[str, ...], scope: dict, *, keyed: bool = False) -> list[dict]:
     """What BrowserChecks sends for a request in front of an app that answers 204."""
     sent: list[dict] = []
 
@@ -64,27 +59,32 @@ def _through(allowed: tuple[str, ...], scope: dict, cors: tuple[str, ...] = ()) 
     async def send(msg):
         sent.append(msg)
 
-    asyncio.run(BrowserChecks(app, allowed, cors)({"type": "http", "method": "GET", "headers": [], **scope}, receive,
-                                                  send))
+    checks = BrowserChecks(app, allowed, (), keyed=keyed)
+    asyncio.run(checks({"type": "http", "method": "GET", "headers": [], **scope}, receive, send))
     return sent
 
 
-@pytest.mark.parametrize(("allowed", "server", "host", "status"), [
-    ((), ("127.0.0.1", 8000), b"rebind.example:8000", 403),
-    ((), ("127.0.0.1", 8000), b"localhost:8000", 204),
-    ((), ("10.0.0.5", 8000), b"rebind.example:8000", 204),  # bound beyond loopback, no list: the operator's names
-    (("app.example",), ("10.0.0.5", 8000), b"rebind.example", 403),  # a list given is checked on every socket
-    (("app.example",), ("10.0.0.5", 8000), b"APP.example.", 204),
-    (("app.example",), ("10.0.0.5", 8000), b"10.0.0.5:8000", 204),
-    (("*",), ("127.0.0.1", 8000), b"rebind.example", 204),
+@pytest.mark.parametrize(("allowed", "keyed", "headers", "status"), [
+    ((), False, [(b"host", b"rebind.example:8000")], 403),
+    ((), False, [(b"host", b"localhost:8000")], 204),
+    ((), False, [(b"host", b"txlserve:8000")], 204),  # a compose service's name
+    ((), False, [(b"host", b"127.0.0.1:8000"), (b"x-forwarded-host", b"rebind.example:8080")], 403),  # a proxy's
+    ((), False, [(b"host", b"127.0.0.1:8000"), (b"x-forwarded-host", b"localhost:8080")], 204),
+    ((), False, [(b"host", b"127.0.0.1:8000"), (b"x-forwarded-host", b"localhost:8080, rebind.example")], 403),
+    ((), False, [(b"host", b"localhost"), (b"host", b"rebind.example")], 403),  # every Host, not the first
+    ((), True, [(b"host", b"rebind.example:8000")], 204),  # keys: a page has none; a tunnel's Host stays served
+    (("app.example",), True, [(b"host", b"rebind.example")], 403),  # a list given is checked, keys or not
+    (("app.example",), True, [(b"host", b"APP.example.")], 204),
+    (("app.example",), False, [(b"host", b"10.0.0.5:8000")], 204),
+    (("*",), False, [(b"host", b"rebind.example")], 204),
 ])
-def test_the_host_check_answers_or_passes_on(allowed, server, host, status):
-    sent = _through(allowed, {"server": server, "headers": [(b"host", host)]})
+def test_the_host_check_answers_or_passes_on(allowed, keyed, headers, status):
+    sent = _through(allowed, {"headers": headers}, keyed=keyed)
     assert sent[0]["status"] == status
     if status == 403:
         body = json.loads(sent[1]["body"])["error"]
         assert body["type"] == "permission_error" and body["code"] == "host_not_allowed"
-        assert host.decode() in body["message"] and "--allowed-hosts" in body["message"]
+        assert "rebind.example" in body["message"] and "--allowed-hosts" in body["message"]
 
 
 SERVER = ("127.0.0.1", 8000)
@@ -123,7 +123,7 @@ def test_the_origin_check_refuses_what_a_page_of_another_origin_sends(kind, head
     scope = {"type": "websocket" if kind == "websocket" else "http", "server": SERVER, "headers": OWN + headers}
     if kind != "websocket":
         scope["method"] = kind
-    err = BrowserChecks(lambda *a: None, (), cors).origin_refusal(scope)
+    err = BrowserChecks(lambda *a: None, (), cors, keyed=False).origin_refusal(scope)
     assert (err is not None) is refused
     if err is not None:
         assert (err.status, err.code) == (403, "origin_not_allowed") and "--cors-origins" in err.message
@@ -164,10 +164,11 @@ def _logged(srv: LiveServer, request_id: str) -> dict:
     return wait_for(line, 30, f"the log line of {request_id}")
 
 
-def test_a_loopback_server_refuses_a_rebound_name_over_http_and_websocket(server):
+def test_a_keyless_server_refuses_a_rebound_name_over_http_and_websocket(server, keyed_server):
     """As a page of rebind.example sends once that name points at 127.0.0.1: same-origin to its browser (no CORS;
     its WebSocket's Origin is its Host), so only the Host tells it apart. Refused: no session listed, made or
-    streamed. Served: localhost, *.localhost and addresses, as browsers and clients send them."""
+    streamed. Served: localhost, *.localhost, one-label names and addresses, as browsers and clients send them;
+    and on a server with keys, any name (a page has no key to send)."""
     port = int(server.url.rsplit(":", 1)[1])
     rebound = f"{REBOUND}:{port}"
     for method, path in (("GET", "/v1/sessions"), ("POST", "/v1/sessions"), ("GET", "/"), ("GET", "/health"),
@@ -185,20 +186,24 @@ def test_a_loopback_server_refuses_a_rebound_name_over_http_and_websocket(server
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "host_not_allowed"
     assert _handshake(port, f"localhost:{port}").startswith(b"HTTP/1.1 101")
 
-    for host in (f"localhost:{port}", f"app.localhost:{port}", f"127.0.0.1:{port}", "127.0.0.1", f"[::1]:{port}"):
+    for host in (f"localhost:{port}", f"app.localhost:{port}", f"127.0.0.1:{port}", "127.0.0.1", f"[::1]:{port}",
+                 f"txlserve:{port}"):
         r = httpx.get(server.url + "/v1/sessions", headers={"host": host}, timeout=30)
         assert r.status_code == 200, (host, r.text)
+    keyed = httpx.get(keyed_server.url + "/v1/models", timeout=30,
+                      headers={"host": rebound, "authorization": f"Bearer {keyed_server.keys[0]}"})
+    assert keyed.status_code == 200, keyed.text
 
 
-def test_allowed_hosts_are_served_on_loopback_and_others_still_refused(checkpoint, redis_url, tmp_path):
-    """A proxy on the same host that passes on its own Host (nginx's ``proxy_set_header Host $host``) needs its
-    names listed; the environment's form, as a compose file sets it."""
+def test_allowed_hosts_are_served_and_others_refused_keys_or_not(checkpoint, redis_url, tmp_path):
+    """A proxy that passes on its own Host (nginx's ``proxy_set_header Host $host``) needs its names listed; a
+    list given is checked on a server with keys too. The environment's form, as a compose file sets it."""
     srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path / "d",
-                     env={"TXLSERVE_ALLOWED_HOSTS": "app.example,*.corp.example"}).start()
+                     env={"TXLSERVE_ALLOWED_HOSTS": "app.example,*.corp.example", "TXLSERVE_API_KEYS": "k1"}).start()
     try:
         for host, status in (("app.example", 200), ("app.example:443", 200), ("a.corp.example", 200),
                              ("corp.example", 403), (REBOUND, 403), ("localhost", 200)):
-            r = httpx.get(srv.url + "/v1/models", headers={"host": host}, timeout=30)
+            r = httpx.get(srv.url + "/v1/models", headers={"host": host, "authorization": "Bearer k1"}, timeout=30)
             assert r.status_code == status, (host, r.text)
     finally:
         srv.stop()

@@ -461,7 +461,8 @@ class MemoryStore:
                 raise SessionNotFound(f"session {session_id!r} not found")
             if status == "BUSY":  # a holder that died (or lost Redis as it released) holds it until its TTL
                 ms, ending = raw if isinstance(raw, tuple) else (None, False)
-                left = (" (a stream you stopped reading without closing it still generates: close it)" + (
+                left = (" (if you stopped reading a stream of it without closing the stream, it still generates: "
+                        "close it)" + (
                     f"; if none of yours runs, its holder has gone and it is free within {ms / 1000:.0f} s"
                     if ms is not None and ms > 0 else ""))
                 raise SessionBusy(f"session {session_id!r} is in use by another request{left}", ending=ending)

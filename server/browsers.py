@@ -7,26 +7,29 @@ else stands in its way, and each check below closes one way:
   loaded (127.0.0.1, or a LAN address); its later requests to ``evil.example:8000`` are same-origin to the browser
   (no CORS, and a WebSocket's Origin equals its Host), so it could read and delete sessions. The browser still
   sends ``Host: evil.example:8000``. A server without API keys answers only names no page can point anywhere: IP
-  addresses (a page cannot make the browser send one it does not connect to), names of one label (``localhost``, a
-  Docker service's or a LAN host's name: public DNS has none), names under ``localhost``, ``local`` and
-  ``internal`` (reserved, never public), and the names of ``--allowed-hosts``; so does every server given that list
-  (Django's ``ALLOWED_HOSTS``, Starlette's ``TrustedHostMiddleware``), and ``*`` turns it off. A proxy's
-  ``X-Forwarded-Host`` is checked as its ``Host`` is: one that passes on the page's host there (the README's
-  recipe) but connects by address had let a rebound name through. With keys, a page has none to send, and a
-  tunnel's own Host (ngrok's) stays served. Ollama and Vite's dev server check alike.
+  addresses (a page cannot make the browser send one it does not connect to), ``localhost`` and the names under
+  it, this machine's own name, and the names of ``--allowed-hosts``; on an address other than loopback also names
+  of one label (a Docker service's, a LAN host's) and names under ``.local``, ``.internal`` and ``.home.arpa``
+  (reserved, never in public DNS; on loopback they are not taken, as a machine on the LAN can answer for them,
+  through mDNS or LLMNR, and so reach a server that listens on loopback alone). A server given ``--allowed-hosts``
+  checks them, keys or not (Django's ``ALLOWED_HOSTS``, Starlette's ``TrustedHostMiddleware``), and ``*`` turns it
+  off. A proxy's ``X-Forwarded-Host`` is checked as its ``Host`` is: one that passes on the page's host there (the
+  README's recipe) but connects by address had let a rebound name through. With keys, a page has none to send,
+  and a tunnel's own Host (ngrok's) stays served. Ollama and Vite's dev server check alike.
 - **Cross-site requests** (the origin check). A page of another origin may send a POST or DELETE that it cannot
   read the answer of (a form, a ``fetch`` with ``mode: "no-cors"``: no preflight), and open a WebSocket with no
   check at all (cross-site WebSocket hijacking). A request that changes something, and every WebSocket handshake,
   must come from no browser (no ``Origin``), from this server's own pages, or from an origin of ``--cors-origins``.
   Same-origin is the browser's word (``Sec-Fetch-Site``: ``same-origin``, or ``none`` for what the user typed),
-  else the ``Origin`` header's host against ``Host`` (or ``X-Forwarded-Host`` behind a proxy): Go's
-  ``net/http.CrossOriginProtection``. GET, HEAD and OPTIONS change nothing here, and CORS keeps their answers from
-  pages of other origins.
+  where it says it (over HTTPS and to localhost: browsers send it only to trustworthy origins), else the ``Origin``
+  header's host against ``Host`` (or ``X-Forwarded-Host`` behind a proxy): Go's ``net/http.CrossOriginProtection``.
+  GET, HEAD and OPTIONS change nothing here, and CORS keeps their answers from pages of other origins.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import socket
 from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -58,14 +61,30 @@ def host_name(header: str) -> str:
     return name.removesuffix(".")
 
 
-PRIVATE_SUFFIXES = (".localhost", ".local", ".internal")  # RFC 6761's, mDNS's and ICANN's: never in public DNS
+PRIVATE_SUFFIXES = (".local", ".internal", ".home.arpa")  # mDNS's, ICANN's and RFC 8375's: never in public DNS
 
 
-def name_allowed(name: str, allowed: tuple[str, ...]) -> bool:
-    """``allowed`` holds names and ``*.suffix`` patterns (a pattern matches a subdomain, not the suffix itself)."""
-    if not name or "." not in name or _ip(name) is not None or name.endswith(PRIVATE_SUFFIXES):
+def name_allowed(name: str, allowed: tuple[str, ...], *, loopback: bool = False) -> bool:
+    """``allowed`` holds names and ``*.suffix`` patterns (a pattern matches a subdomain, not the suffix itself);
+    ``loopback``: the request reached a loopback address, where names the LAN can answer for are not taken."""
+    if not name or _ip(name) is not None or name == "localhost" or name.endswith(".localhost") or name == _HOSTNAME:
         return True  # no Host (HTTP/1.0, never a browser) is no name a page could have chosen
+    if not loopback and ("." not in name or name.endswith(PRIVATE_SUFFIXES)):
+        return True
     return any(name == a or (a.startswith("*.") and name.endswith(a[1:])) for a in allowed)
+
+
+_HOSTNAME = socket.gethostname().lower()
+
+
+def loopback_socket(scope: Scope) -> bool:
+    """Whether the request arrived on a loopback address of this host (one bound to 0.0.0.0 included, when the
+    client connected through 127.0.0.1); ASGI names it in ``server``."""
+    server = scope.get("server") or (None,)
+    ip = _ip(str(server[0])) if server[0] else None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip is not None and ip.is_loopback
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -91,11 +110,13 @@ class BrowserChecks:
     def host_refusal(self, scope: Scope) -> HostNotAllowed | None:
         if not self.checks_hosts:
             return None
+        loopback = loopback_socket(scope)
         for header, value in _named(scope, (b"host", b"x-forwarded-host")):  # every one: proxies append theirs
-            if not name_allowed(host_name(value), self.allowed_hosts):
+            if not name_allowed(host_name(value), self.allowed_hosts, loopback=loopback):
                 return HostNotAllowed(
-                    f"this server answers requests addressed to an IP address, localhost, a name of one label or "
-                    f"under .local or .internal, or a name of --allowed-hosts; this one was addressed to "
+                    f"this server answers requests addressed to an IP address, localhost, this machine's name, "
+                    f"(beyond loopback) a name of one label or under .local, .internal or .home.arpa, or a name of "
+                    f"--allowed-hosts; this one was addressed to "
                     f"{value[:100]!r} (its {header.decode().title()} header). A web page can point a name it owns at "
                     f"this server's address (DNS rebinding) and act on it from your browser, so other names are "
                     f"refused. To serve this name, add it to --allowed-hosts / TXLSERVE_ALLOWED_HOSTS")
@@ -113,7 +134,7 @@ class BrowserChecks:
             return None
         if origin is not None and ("*" in self.cors_origins or origin in self.cors_origins):
             return None
-        if origin is not None and site is None:  # an older browser: the Origin's host against the Host
+        if origin is not None and site is None:  # plain HTTP beyond localhost: the Origin's host against Host
             try:
                 netloc = urlsplit(origin).netloc.lower() if origin.startswith(("http://", "https://")) else ""
             except ValueError:  # "http://[::1", say

@@ -82,10 +82,11 @@ class Settings:
                                              "https://app.example.com, or * for any; none by default")
     allowed_hosts: tuple[str, ...] = _opt((), "host names the server answers to (the Host header, and a proxy's "
                                               "X-Forwarded-Host; *.example.com for its subdomains) besides IP "
-                                              "addresses, localhost, names of one label and names under .localhost, "
-                                              ".local and .internal: a server without API keys refuses other names "
-                                              "(a web page can point a name it owns at the server's address: DNS "
-                                              "rebinding); given, every server does; * for any name")
+                                              "addresses, localhost and this machine's name (and, beyond loopback, "
+                                              "names of one label and under .local, .internal and .home.arpa): a "
+                                              "server without API keys refuses other names (a web page can point a "
+                                              "name it owns at the server's address: DNS rebinding); given, every "
+                                              "server does; * for any name")
     model_name: str | None = _opt(None, "the model name clients send (default: txl- and the checkpoint directory's "
                                         "name, as txl-shakespeare-small for the bundled one)")
     max_batch: int = _opt(256, "sessions advanced together per decode step, at most (fewer if --batch-mb is reached)")

@@ -192,6 +192,8 @@ def test_the_image_refuses_a_rebound_name_though_it_binds_every_interface(docker
     from server.settings import Settings
 
     services = compose["services"]
+    for name in ("txlserve", "txlserve-cpu", "txlserve-a", "txlserve-b"):  # a compose user can name theirs
+        assert {"TXLSERVE_ALLOWED_HOSTS", "TXLSERVE_CORS_ORIGINS"} <= set(services[name]["environment"]), name
     envs = [env_vars(dockerfile)] + [{k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v))
                                       for k, v in services[name]["environment"].items()}
                                      for name in ("txlserve", "txlserve-cpu", "txlserve-a", "txlserve-b")]

@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Iterator
 
 import pytest
 import websockets.asyncio.server
-from txlserve_client import APIConnectionError, APITimeoutError, AsyncClient, Client, RequestCancelledError, Timeout
+from txlserve_client import (
+    APIConnectionError,
+    APIError,
+    APITimeoutError,
+    AsyncClient,
+    Client,
+    RequestCancelledError,
+    Timeout,
+)
 
 from tests.clients.scripted_ws import DONE, ScriptedWebSocket
+from tests.live import wait_for
 
 CANCELLED = {"type": "error", "id": "cmpl-1", "status": 499, "error": {
     "message": "cancelled before its text was read", "type": "invalid_request_error", "code": "request_cancelled"}}
@@ -115,3 +125,116 @@ async def test_the_async_connection_skips_a_late_message_too(late_message_server
         assert [c.text async for c in conn.completion(model="m", prompt="a")] == ["<1>", ""]
         chunks = [c async for c in conn.completion(model="m", prompt="b")]
     assert [(c.id, c.text) for c in chunks] == [("cmpl-2", "<2>"), ("cmpl-2", "")]
+
+
+@pytest.fixture
+def held_cancel_server() -> Iterator[ScriptedWebSocket]:
+    """The first completion silent until cancelled, its 499 held until the test sets ``release`` (at most 10 s);
+    later ones answered at once. Every message the client sent is in ``heard``, in order."""
+    heard: list[dict] = []
+    release = threading.Event()
+
+    async def handler(ws: websockets.asyncio.server.ServerConnection) -> None:
+        n, answered = 0, False
+        async for raw in ws:
+            msg = json.loads(raw)
+            heard.append(msg)
+            if msg["type"] == "completion.create":
+                n += 1
+                if n > 1:
+                    await _answer(ws, n)
+            elif n == 1 and not answered:
+                answered = True
+                await asyncio.to_thread(release.wait, 10)
+                await ws.send(json.dumps(CANCELLED))
+
+    with ScriptedWebSocket(handler) as server:
+        server.heard, server.release = heard, release  # type: ignore[attr-defined]
+        yield server
+
+
+def _types(server: ScriptedWebSocket) -> list[str]:
+    return [m["type"] for m in server.heard]  # type: ignore[attr-defined]
+
+
+def test_a_completion_cancelled_by_the_next_ones_start_raises_its_499_in_its_own_loop_once(
+        held_cancel_server: ScriptedWebSocket) -> None:
+    """The next completion's start reads the one before to its end: that one's 499 (cancelled while its prompt was
+    read) is kept for its own stream, raised there once, never in the next one's."""
+    held_cancel_server.release.set()  # type: ignore[attr-defined]
+    with Client(base_url=held_cancel_server.url, max_retries=0) as client, client.ws.connect() as conn:
+        first = conn.completion(model="m", prompt="long")
+        second = conn.completion(model="m", prompt="short")
+        assert [(c.id, c.text) for c in second] == [("cmpl-2", "<2>"), ("cmpl-2", "")]
+        with pytest.raises(RequestCancelledError):
+            next(first)
+        assert list(first) == []
+
+
+@pytest.mark.anyio
+async def test_the_async_one_too(held_cancel_server: ScriptedWebSocket) -> None:
+    held_cancel_server.release.set()  # type: ignore[attr-defined]
+    async with AsyncClient(base_url=held_cancel_server.url, max_retries=0) as client, client.ws.connect() as conn:
+        first = conn.completion(model="m", prompt="long")
+        async with first:  # sent
+            chunks = [c async for c in conn.completion(model="m", prompt="short")]
+            assert [(c.id, c.text) for c in chunks] == [("cmpl-2", "<2>"), ("cmpl-2", "")]
+            with pytest.raises(RequestCancelledError):
+                await first.__anext__()
+            assert [c async for c in first] == []
+
+
+async def _heard(server: ScriptedWebSocket, kind: str, count: int = 1) -> None:
+    """Wait (bounded) until the server has read ``count`` messages of ``kind``."""
+    assert await asyncio.to_thread(wait_for, lambda: _types(server).count(kind) >= count or None, 10,
+                                   f"{count} {kind} message(s)")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["stream", "connection"])
+async def test_an_async_completion_cancelled_while_the_one_before_ends_is_never_sent(
+        held_cancel_server: ScriptedWebSocket, how: str) -> None:
+    """Its start cancels the one before and reads it to its end; a stop pressed meanwhile had cancelled that one
+    again and let this one run to its max_tokens (found by a review)."""
+    async with AsyncClient(base_url=held_cancel_server.url, max_retries=0) as client, client.ws.connect() as conn:
+        first = conn.completion(model="m", prompt="long")
+        async with first:
+            second = conn.completion(model="m", prompt="short")
+
+            async def stop() -> None:  # a stop button's task
+                await _heard(held_cancel_server, "cancel")  # the second's start is reading the first to its end
+                await (second.cancel() if how == "stream" else conn.cancel())
+                held_cancel_server.release.set()  # type: ignore[attr-defined]
+            stopping = asyncio.ensure_future(stop())
+            with pytest.raises(RequestCancelledError, match="before it was sent"):
+                await second.__anext__()
+            await stopping
+            assert second.done and [c async for c in second] == []
+    assert _types(held_cancel_server).count("completion.create") == 1
+
+
+@pytest.mark.anyio
+async def test_a_stream_that_failed_to_start_cancels_only_itself(held_cancel_server: ScriptedWebSocket) -> None:
+    """A completion refused because another task's streams on the connection: its cancel had sent a cancel for
+    that other task's completion, and the connection's cancel recursed without end (found by a review)."""
+    async with AsyncClient(base_url=held_cancel_server.url, max_retries=0) as client, client.ws.connect() as conn:
+        first = conn.completion(model="m", prompt="long")
+
+        async def read_first() -> None:
+            async for _ in first:
+                pass
+        reader = asyncio.ensure_future(read_first())
+        await _heard(held_cancel_server, "completion.create")
+        second = conn.completion(model="m", prompt="short")
+        with pytest.raises(APIError, match="another task"):
+            async for _ in second:
+                pass
+        await second.cancel()  # its own: not the first's
+        await conn.cancel()  # the connection's: the running one (the first), and the unsent second
+        held_cancel_server.release.set()  # type: ignore[attr-defined]
+        with pytest.raises(RequestCancelledError):
+            await reader
+        with pytest.raises(RequestCancelledError, match="before it was sent"):
+            async for _ in second:
+                pass
+    assert _types(held_cancel_server) == ["completion.create", "cancel"]

@@ -150,6 +150,9 @@ async def test_cors_is_off_by_default_and_allows_only_the_configured_origins(red
         # the body limit's refusal reaches a page on an allowed origin (it sat outside CORS: a bare network error)
         r = await c.post("/v1/completions", content=b"x" * 2000, headers={"origin": "https://app.example.com"})
         assert r.status_code == 413 and r.headers["access-control-allow-origin"] == "https://app.example.com"
+        # a POST of another origin, which needs no preflight when simple, never reaches the app
+        r = await c.post("/v1/sessions", headers={"origin": "https://evil.example.com", "sec-fetch-site": "cross-site"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
 
 
 @pytest.mark.parametrize("origin", ["https://app.example.com/", "https://app.example.com/api", "app.example.com",

@@ -38,6 +38,10 @@ def test_addresses_and_names_no_page_can_point_are_always_allowed_other_names_on
     for name in ("rebind.example", "localhost.example", "127.0.0.1.nip.io", "local.example", "internal.example.com",
                  "xlocal", "a.localhostx") + ("evil.com",):
         assert name_allowed(name, ()) is (name == "xlocal")  # one label: no public DNS name
+    for name in ("txlserve", "gpu-box.local", "api.internal", "nas.home.arpa"):  # the LAN can answer for these:
+        assert not name_allowed(name, (), loopback=True)  # not on loopback (mDNS, LLMNR)
+    for name in ("localhost", "app.localhost", "127.0.0.1", "::1", socket.gethostname().lower()):
+        assert name_allowed(name, (), loopback=True)
     allowed = ("app.example", "*.corp.example")
     assert name_allowed("app.example", allowed) and name_allowed("a.corp.example", allowed)
     assert name_allowed("a.b.corp.example", allowed)
@@ -64,27 +68,33 @@ def _through(allowed: tuple[str, ...], scope: dict, *, keyed: bool = False) -> l
     return sent
 
 
-@pytest.mark.parametrize(("allowed", "keyed", "headers", "status"), [
-    ((), False, [(b"host", b"rebind.example:8000")], 403),
-    ((), False, [(b"host", b"localhost:8000")], 204),
-    ((), False, [(b"host", b"txlserve:8000")], 204),  # a compose service's name
-    ((), False, [(b"host", b"127.0.0.1:8000"), (b"x-forwarded-host", b"rebind.example:8080")], 403),  # a proxy's
-    ((), False, [(b"host", b"127.0.0.1:8000"), (b"x-forwarded-host", b"localhost:8080")], 204),
-    ((), False, [(b"host", b"127.0.0.1:8000"), (b"x-forwarded-host", b"localhost:8080, rebind.example")], 403),
-    ((), False, [(b"host", b"localhost"), (b"host", b"rebind.example")], 403),  # every Host, not the first
-    ((), True, [(b"host", b"rebind.example:8000")], 204),  # keys: a page has none; a tunnel's Host stays served
-    (("app.example",), True, [(b"host", b"rebind.example")], 403),  # a list given is checked, keys or not
-    (("app.example",), True, [(b"host", b"APP.example.")], 204),
-    (("app.example",), False, [(b"host", b"10.0.0.5:8000")], 204),
-    (("*",), False, [(b"host", b"rebind.example")], 204),
+LAN = ("172.18.0.3", 8000)  # the address a request reached: a container's, not loopback
+
+
+@pytest.mark.parametrize(("allowed", "keyed", "headers", "status", "server"), [
+    ((), False, [(b"host", b"rebind.example:8000")], 403, LAN),
+    ((), False, [(b"host", b"localhost:8000")], 204, LAN),
+    ((), False, [(b"host", b"txlserve:8000")], 204, LAN),  # a compose service's name
+    ((), False, [(b"host", b"txlserve:8000")], 403, ("127.0.0.1", 8000)),  # on loopback: a name the LAN answers for
+    ((), False, [(b"host", b"localhost:8000")], 204, ("::1", 8000)),
+    ((), False, [(b"host", b"127.0.0.1:8000"), (b"x-forwarded-host", b"rebind.example:8080")], 403, LAN),  # a proxy's
+    ((), False, [(b"host", b"127.0.0.1:8000"), (b"x-forwarded-host", b"localhost:8080")], 204, LAN),
+    ((), False, [(b"host", b"127.0.0.1:8000"), (b"x-forwarded-host", b"localhost:8080, rebind.example")], 403, LAN),
+    ((), False, [(b"host", b"localhost"), (b"host", b"rebind.example")], 403, LAN),  # every Host, not the first
+    ((), True, [(b"host", b"rebind.example:8000")], 204, LAN),  # keys: a page has none; a tunnel's Host stays served
+    (("app.example",), True, [(b"host", b"rebind.example")], 403, LAN),  # a list given is checked, keys or not
+    (("app.example",), True, [(b"host", b"APP.example.")], 204, LAN),
+    (("app.example",), False, [(b"host", b"10.0.0.5:8000")], 204, LAN),
+    (("*",), False, [(b"host", b"rebind.example")], 204, LAN),
 ])
-def test_the_host_check_answers_or_passes_on(allowed, keyed, headers, status):
-    sent = _through(allowed, {"headers": headers}, keyed=keyed)
+def test_the_host_check_answers_or_passes_on(allowed, keyed, headers, status, server):
+    sent = _through(allowed, {"headers": headers, "server": server}, keyed=keyed)
     assert sent[0]["status"] == status
     if status == 403:
         body = json.loads(sent[1]["body"])["error"]
         assert body["type"] == "permission_error" and body["code"] == "host_not_allowed"
-        assert "rebind.example" in body["message"] and "--allowed-hosts" in body["message"]
+        assert ("rebind.example" in body["message"] or "txlserve" in body["message"]) and "--allowed-hosts" in body[
+            "message"]
 
 
 SERVER = ("127.0.0.1", 8000)
@@ -167,7 +177,7 @@ def _logged(srv: LiveServer, request_id: str) -> dict:
 def test_a_keyless_server_refuses_a_rebound_name_over_http_and_websocket(server, keyed_server):
     """As a page of rebind.example sends once that name points at 127.0.0.1: same-origin to its browser (no CORS;
     its WebSocket's Origin is its Host), so only the Host tells it apart. Refused: no session listed, made or
-    streamed. Served: localhost, *.localhost, one-label names and addresses, as browsers and clients send them;
+    streamed. Served: localhost, *.localhost, this machine's name and addresses, as browsers and clients send them;
     and on a server with keys, any name (a page has no key to send)."""
     port = int(server.url.rsplit(":", 1)[1])
     rebound = f"{REBOUND}:{port}"
@@ -187,9 +197,11 @@ def test_a_keyless_server_refuses_a_rebound_name_over_http_and_websocket(server,
     assert _handshake(port, f"localhost:{port}").startswith(b"HTTP/1.1 101")
 
     for host in (f"localhost:{port}", f"app.localhost:{port}", f"127.0.0.1:{port}", "127.0.0.1", f"[::1]:{port}",
-                 f"txlserve:{port}"):
+                 f"{socket.gethostname()}:{port}"):
         r = httpx.get(server.url + "/v1/sessions", headers={"host": host}, timeout=30)
         assert r.status_code == 200, (host, r.text)
+    for host in (f"txlserve:{port}", f"box.local:{port}"):  # on loopback: names a machine on the LAN can answer for
+        assert httpx.get(server.url + "/v1/sessions", headers={"host": host}, timeout=30).status_code == 403
     keyed = httpx.get(keyed_server.url + "/v1/models", timeout=30,
                       headers={"host": rebound, "authorization": f"Bearer {keyed_server.keys[0]}"})
     assert keyed.status_code == 200, keyed.text

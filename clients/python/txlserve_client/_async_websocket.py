@@ -71,6 +71,11 @@ def _dropped(ws: websockets.asyncio.client.ClientConnection) -> Callable[[], Awa
     return ws.close
 
 
+def _never_sent() -> RequestCancelledError:
+    return RequestCancelledError("the completion was cancelled before it was sent: nothing was generated and nothing "
+                                 "was stored", status=499, type="invalid_request_error", code="request_cancelled")
+
+
 class AsyncWebSocketConnection(_Running):
     """One open WebSocket; an async context manager that closes it (and closed once dropped)."""
 
@@ -101,34 +106,47 @@ class AsyncWebSocketConnection(_Running):
         return stream
 
     async def cancel(self) -> None:
-        """Stop the running completion; its stream then ends with finish_reason "cancelled". One made and not yet
-        sent (its stream not yet read) is never sent: its stream raises RequestCancelledError, as the sync
-        connection's does for a cancel that comes before any token."""
+        """Stop the running completion; its stream then ends with finish_reason "cancelled". The last one made and
+        not yet sent (its stream not yet read, or waiting for the one before it to end) is never sent: its stream
+        raises RequestCancelledError, as the sync connection's does for a cancel that comes before any token (the
+        sync one is sent as it is made, and so has cancelled the one before it already)."""
+        if (unsent := self._unsent() if self._unsent is not None else None) is not None and not unsent.done:
+            unsent.cancelled = True
+        await self._cancel_running()
+
+    async def _cancel_running(self) -> None:
         if self._running:
             await self._send(_cancel(self._running_id))
-        elif (unsent := self._unsent() if self._unsent is not None else None) is not None:
-            await unsent.cancel()
 
     async def _begin(self, stream: AsyncWebSocketStream) -> None:
         """A new completion closes (cancels) the one before it, unless another task, still running, started that
         one: two tasks' completions on one connection cancelled the first and failed the second with the
-        websockets library's own error."""
+        websockets library's own error. A stream that fails to start is as one never read (a cancel flags it);
+        one cancelled while the one before it was read to its end is never sent."""
         me = asyncio.current_task()
-        async with self._starting:  # a second task waits here, then finds the first's completion streaming
-            owner = self._owner
-            if self._read_elsewhere() and owner not in (None, me) and not owner.done():
-                raise APIError("a completion is streaming on this connection in another task: a connection runs "
-                               "one completion at a time (open one connection per task, or wait for that one)")
-            self._owner = me
-            await self._finish(keep=True)
-            self._running, self._running_id, self._active = True, None, weakref.ref(stream)
-            if self._unsent is not None and self._unsent() is stream:
-                self._unsent = None
-            try:
-                await self._send(stream.request)
-            except BaseException:
-                self._running = False  # nothing runs: the request never left
-                raise
+        try:
+            async with self._starting:  # a second task waits here, then finds the first's completion streaming
+                owner = self._owner
+                if self._read_elsewhere() and owner not in (None, me) and not owner.done():
+                    raise APIError("a completion is streaming on this connection in another task: a connection "
+                                   "runs one completion at a time (open one connection per task, or wait for that "
+                                   "one)")
+                self._owner = me
+                await self._finish(keep=True)
+                if stream.cancelled:
+                    stream.done = True
+                    raise _never_sent()
+                self._running, self._running_id, self._active = True, None, weakref.ref(stream)
+                try:
+                    await self._send(stream.request)
+                except BaseException:
+                    self._running = False  # nothing runs: the request never left
+                    raise
+        except BaseException:
+            stream.started = False
+            raise
+        if self._unsent is not None and self._unsent() is stream:
+            self._unsent = None
 
     async def _finish(self, *, keep: bool = False) -> None:
         """As the sync connection's ``_finish``."""
@@ -218,10 +236,8 @@ class AsyncWebSocketStream(AsyncIterator[CompletionChunk]):
 
     async def _start(self) -> AsyncWebSocketConnection:
         if self.cancelled and not self.started:  # cancelled before it was sent: it never is
-            self.started = self.done = True
-            raise RequestCancelledError("the completion was cancelled before it was sent: nothing was generated "
-                                        "and nothing was stored", status=499, type="invalid_request_error",
-                                        code="request_cancelled")
+            self.done = True
+            raise _never_sent()
         if self._conn is None:
             assert self._open is not None
             self._conn = await self._open()
@@ -249,11 +265,15 @@ class AsyncWebSocketStream(AsyncIterator[CompletionChunk]):
         return self
 
     async def cancel(self) -> None:
-        """Stop the completion; before it was sent (its first read), it never is."""
-        if not self.started:
+        """Stop the completion; one not yet sent (before its first read, or while the one before it ends) never
+        is. Only this completion: another task's, running on the connection meanwhile, runs on."""
+        if self.done:
+            return
+        conn = self._conn
+        if conn is not None and conn._active is not None and conn._active() is self:
+            await conn._cancel_running()
+        else:
             self.cancelled = True
-        elif self._conn is not None and not self.done:
-            await self._conn.cancel()
 
     async def close(self) -> None:
         """Cancel the completion if it still runs and read it to its end."""

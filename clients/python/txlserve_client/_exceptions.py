@@ -7,7 +7,7 @@
     └── APIStatusError              an error answer with a status (HTTP's, or the one a stream error carries)
         ├── BadRequestError             400  invalid parameters
         ├── AuthenticationError         401  missing or wrong API key (a refused WebSocket handshake too)
-        ├── PermissionDeniedError       403  a WebSocket opened for a web page of another origin
+        ├── PermissionDeniedError       403  a page of another origin's request, or a Host not served
         ├── NotFoundError               404  unknown model or session
         ├── ConflictError               409
         │   └── SessionBusyError        409  code "session_busy": another request holds the session
@@ -95,7 +95,8 @@ class AuthenticationError(APIStatusError):
 
 
 class PermissionDeniedError(APIStatusError):
-    """403: the server refused a WebSocket opened for a web page of another origin (OpenAI's SDK's name)."""
+    """403: the server refused a request sent for a web page of another origin (``origin_not_allowed``), or one
+    addressed to a name it does not answer to (``host_not_allowed``, see its --allowed-hosts). OpenAI's SDK's name."""
 
 
 class NotFoundError(APIStatusError):

@@ -12,17 +12,19 @@ else stands in its way, and each check below closes one way:
   of one label (a Docker service's, a LAN host's) and names under ``.local``, ``.internal`` and ``.home.arpa``
   (reserved, never in public DNS; on loopback they are not taken, as a machine on the LAN can answer for them,
   through mDNS or LLMNR, and so reach a server that listens on loopback alone). A server given ``--allowed-hosts``
-  checks them, keys or not (Django's ``ALLOWED_HOSTS``, Starlette's ``TrustedHostMiddleware``), and ``*`` turns it
-  off. A proxy's ``X-Forwarded-Host`` is checked as its ``Host`` is: one that passes on the page's host there (the
-  README's recipe) but connects by address had let a rebound name through. With keys, a page has none to send,
-  and a tunnel's own Host (ngrok's) stays served. Ollama and Vite's dev server check alike.
+  checks them, keys or not, and takes no other name than those and the addresses, localhost and this machine's
+  name (Django's ``ALLOWED_HOSTS``, Starlette's ``TrustedHostMiddleware``); ``*`` turns the check off. A proxy's
+  ``X-Forwarded-Host`` is checked as its ``Host`` is: one that passes on the page's host there (the README's
+  recipe) but connects by address had let a rebound name through. With keys, a page has none to send, and a
+  tunnel's own Host (ngrok's) stays served. Ollama and Vite's dev server check alike.
 - **Cross-site requests** (the origin check). A page of another origin may send a POST or DELETE that it cannot
   read the answer of (a form, a ``fetch`` with ``mode: "no-cors"``: no preflight), and open a WebSocket with no
   check at all (cross-site WebSocket hijacking). A request that changes something, and every WebSocket handshake,
   must come from no browser (no ``Origin``), from this server's own pages, or from an origin of ``--cors-origins``.
   Same-origin is the browser's word (``Sec-Fetch-Site``: ``same-origin``, or ``none`` for what the user typed),
-  where it says it (over HTTPS and to localhost: browsers send it only to trustworthy origins), else the ``Origin``
-  header's host against ``Host`` (or ``X-Forwarded-Host`` behind a proxy): Go's ``net/http.CrossOriginProtection``.
+  where it says it (a fetch over HTTPS or to localhost: browsers send it only to trustworthy origins, and never in
+  a WebSocket's handshake), else the ``Origin`` header's host against ``Host`` (or ``X-Forwarded-Host`` behind a
+  proxy): Go's ``net/http.CrossOriginProtection``.
   GET, HEAD and OPTIONS change nothing here, and CORS keeps their answers from pages of other origins.
 """
 
@@ -64,12 +66,12 @@ def host_name(header: str) -> str:
 PRIVATE_SUFFIXES = (".local", ".internal", ".home.arpa")  # mDNS's, ICANN's and RFC 8375's: never in public DNS
 
 
-def name_allowed(name: str, allowed: tuple[str, ...], *, loopback: bool = False) -> bool:
+def name_allowed(name: str, allowed: tuple[str, ...], *, strict: bool = False) -> bool:
     """``allowed`` holds names and ``*.suffix`` patterns (a pattern matches a subdomain, not the suffix itself);
-    ``loopback``: the request reached a loopback address, where names the LAN can answer for are not taken."""
+    ``strict``: names the LAN can answer for are not taken (on loopback, or where a list says which names are)."""
     if not name or _ip(name) is not None or name == "localhost" or name.endswith(".localhost") or name == _HOSTNAME:
         return True  # no Host (HTTP/1.0, never a browser) is no name a page could have chosen
-    if not loopback and ("." not in name or name.endswith(PRIVATE_SUFFIXES)):
+    if not strict and ("." not in name or name.endswith(PRIVATE_SUFFIXES)):
         return True
     return any(name == a or (a.startswith("*.") and name.endswith(a[1:])) for a in allowed)
 
@@ -112,12 +114,14 @@ class BrowserChecks:
             return None
         loopback = loopback_socket(scope)
         for header, value in _named(scope, (b"host", b"x-forwarded-host")):  # every one: proxies append theirs
-            if not name_allowed(host_name(value), self.allowed_hosts, loopback=loopback):
+            if not name_allowed(host_name(value), self.allowed_hosts, strict=loopback or bool(self.allowed_hosts)):
+                request_fields(scope)["refused"] = value[:200]
                 return HostNotAllowed(
-                    f"this server answers requests addressed to an IP address, localhost, this machine's name, "
-                    f"(beyond loopback) a name of one label or under .local, .internal or .home.arpa, or a name of "
-                    f"--allowed-hosts; this one was addressed to "
-                    f"{value[:100]!r} (its {header.decode().title()} header). A web page can point a name it owns at "
+                    f"this server answers requests addressed to an IP address, localhost, this machine's name, a "
+                    f"name of --allowed-hosts, or (beyond loopback, without that list) a name of one label or under "
+                    f".local, .internal or .home.arpa; this one was addressed to "
+                    f"{value[:100]!r} (its {header.decode().title()} header){' on loopback' if loopback else ''}. A "
+                    f"web page can point a name it owns at "
                     f"this server's address (DNS rebinding) and act on it from your browser, so other names are "
                     f"refused. To serve this name, add it to --allowed-hosts / TXLSERVE_ALLOWED_HOSTS")
         return None
@@ -142,11 +146,17 @@ class BrowserChecks:
             if netloc and netloc in {h.lower() for h in (_header(scope, b"host"), _header(scope, b"x-forwarded-host"))
                                      if h}:
                 return None
-        what = "WebSocket connections" if websocket else f"{scope.get('method')} requests"
-        return PermissionDenied(f"{what} from a page of origin {(origin or 'unknown')[:200]!r} are not allowed: the "
-                                "server takes them from its own pages and those of the origins of --cors-origins / "
-                                "TXLSERVE_CORS_ORIGINS (a page of another site could otherwise act on it through "
-                                "your browser)")
+        what = "a WebSocket" if websocket else f"a {scope.get('method')}"
+        forwarded = _header(scope, b"x-forwarded-host")
+        why = (f"the browser says it is another site's (Sec-Fetch-Site: {site[:20]})" if site is not None else
+               f"its host is not this request's Host, {(_header(scope, b'host') or '')[:100]!r}, " + (
+                   f"nor its X-Forwarded-Host, {forwarded[:100]!r}" if forwarded else "and it has no X-Forwarded-Host"))
+        request_fields(scope)["refused"] = (origin or "")[:200]
+        return PermissionDenied(f"{what} from origin {(origin or 'unknown')[:200]!r} is not allowed: {why}. The "
+                                "server takes these from its own pages (a reverse proxy passes the page's host on, "
+                                "port included: nginx's proxy_set_header X-Forwarded-Host $http_host) and from the "
+                                "origins of --cors-origins / TXLSERVE_CORS_ORIGINS; a page of another site could "
+                                "otherwise act on it through your browser")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):

@@ -86,7 +86,7 @@ class Settings:
                                               "names of one label and under .local, .internal and .home.arpa): a "
                                               "server without API keys refuses other names (a web page can point a "
                                               "name it owns at the server's address: DNS rebinding); given, every "
-                                              "server does; * for any name")
+                                              "server does, and takes no other name; * for any name")
     model_name: str | None = _opt(None, "the model name clients send (default: txl- and the checkpoint directory's "
                                         "name, as txl-shakespeare-small for the bundled one)")
     max_batch: int = _opt(256, "sessions advanced together per decode step, at most (fewer if --batch-mb is reached)")
@@ -226,9 +226,15 @@ class Settings:
             raise ConfigError("an API key may not hold a space or a comma: keys are separated by commas in "  # locked
                               "TXLSERVE_API_KEYS and by spaces after --api-keys (--api-keys k1 k2)")  # all out
         for o in self.cors_origins:  # an origin as a browser sends it: no path, so a trailing / never matched
-            if not isinstance(o, str) or not (o == "*" or re.fullmatch(r"https?://[^/?#@\s]+", o)):
+            if isinstance(o, str) and o != "*" and "*" in o:  # it would never match: origins are compared whole
+                raise ConfigError(f"CORS origin {o!r}: an origin is matched whole, with no wildcards; list each one "
+                                  "(https://a.example.com https://b.example.com), or give * for any",
+                                  param="cors_origins")
+            # any scheme: a browser extension's (chrome-extension://id), a desktop app's webview (tauri://localhost)
+            if not isinstance(o, str) or not (o == "*" or re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s]+", o)):
                 raise ConfigError(f"CORS origin {o!r} is not * or an origin as browsers send it, scheme://host[:port] "
-                                  "with no path (https://app.example.com, not https://app.example.com/)")
+                                  "with no path (https://app.example.com, not https://app.example.com/)",
+                                  param="cors_origins")
 
         for h in self.allowed_hosts:  # a name as a Host header carries it, less its port
             if not isinstance(h, str) or not re.fullmatch(r"\*|(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?", h):

@@ -361,7 +361,8 @@ async function whyRefused() {
   try {
     await api("GET", "/v1/models");
     showError("the WebSocket connection was refused while HTTP is answered: a proxy without the WebSocket upgrade, " +
-              "or this page's origin not allowed (--cors-origins)");
+              "or one that does not pass this page's host on (X-Forwarded-Host), or this page's origin not " +
+              "allowed (--cors-origins); the server's log names it");
   } catch (e) {
     if (String(e.message).startsWith("401")) { state.model = null; $("model-line").textContent = "not connected"; }
     failed(e);

@@ -155,14 +155,20 @@ async def test_cors_is_off_by_default_and_allows_only_the_configured_origins(red
         assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
 
 
-@pytest.mark.parametrize("origin", ["https://app.example.com/", "https://app.example.com/api", "app.example.com",
-                                    "ftp://app.example.com"])
-def test_a_cors_origin_that_no_browser_sends_is_refused_at_start(origin):
-    """A trailing slash was accepted and then matched nothing: browsers send an origin without a path."""
+@pytest.mark.parametrize(("origin", "why"), [
+    ("https://app.example.com/", "no path"), ("https://app.example.com/api", "no path"), ("app.example.com", "no path"),
+    ("1http://app.example.com", "no path"), ("http://*.example.com", "no wildcards"), ("https://app.*", "no wildcards"),
+])
+def test_a_cors_origin_that_no_browser_sends_is_refused_at_start(origin, why):
+    """A trailing slash was accepted and then matched nothing: browsers send an origin without a path. A wildcard
+    was accepted and matched nothing too (origins are compared whole). Any scheme is one: a browser extension's
+    (chrome-extension://id) and a desktop app's webview (tauri://localhost) had been refused, though they send it."""
     from server.settings import Settings
     from txlserve.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="no path"):
+    assert Settings(cors_origins=("chrome-extension://abcdefgh", "moz-extension://0b1c-2d", "tauri://localhost",
+                                  "vscode-webview://x1")).cors_origins[0] == "chrome-extension://abcdefgh"
+    with pytest.raises(ConfigError, match=why):
         Settings(cors_origins=(origin,))
 
 

@@ -39,9 +39,9 @@ def test_addresses_and_names_no_page_can_point_are_always_allowed_other_names_on
                  "xlocal", "a.localhostx") + ("evil.com",):
         assert name_allowed(name, ()) is (name == "xlocal")  # one label: no public DNS name
     for name in ("txlserve", "gpu-box.local", "api.internal", "nas.home.arpa"):  # the LAN can answer for these:
-        assert not name_allowed(name, (), loopback=True)  # not on loopback (mDNS, LLMNR)
+        assert not name_allowed(name, (), strict=True)  # not on loopback (mDNS, LLMNR)
     for name in ("localhost", "app.localhost", "127.0.0.1", "::1", socket.gethostname().lower()):
-        assert name_allowed(name, (), loopback=True)
+        assert name_allowed(name, (), strict=True)
     allowed = ("app.example", "*.corp.example")
     assert name_allowed("app.example", allowed) and name_allowed("a.corp.example", allowed)
     assert name_allowed("a.b.corp.example", allowed)
@@ -85,6 +85,7 @@ LAN = ("172.18.0.3", 8000)  # the address a request reached: a container's, not 
     (("app.example",), True, [(b"host", b"rebind.example")], 403, LAN),  # a list given is checked, keys or not
     (("app.example",), True, [(b"host", b"APP.example.")], 204, LAN),
     (("app.example",), False, [(b"host", b"10.0.0.5:8000")], 204, LAN),
+    (("app.example",), False, [(b"host", b"txlserve:8000")], 403, LAN),  # a list says which names: only those
     (("*",), False, [(b"host", b"rebind.example")], 204, LAN),
 ])
 def test_the_host_check_answers_or_passes_on(allowed, keyed, headers, status, server):
@@ -120,6 +121,8 @@ OWN = [(b"host", b"127.0.0.1:8000")]
     ("POST", [(b"sec-fetch-site", b"cross-site"), (b"origin", b"https://evil.example")], ("https://app.example.com",),
      True),
     ("POST", [(b"sec-fetch-site", b"cross-site"), (b"origin", b"https://evil.example")], ("*",), False),
+    ("websocket", [(b"origin", b"chrome-extension://abcdefgh")], ("chrome-extension://abcdefgh",), False),  # its own
+    ("websocket", [(b"origin", b"chrome-extension://other")], ("chrome-extension://abcdefgh",), True),
     ("DELETE", [(b"sec-fetch-site", b"cross-site"), (b"origin", b"https://evil.example")], (), True),
     ("PATCH", [(b"origin", b"https://evil.example")], (), True),
     ("GET", [(b"sec-fetch-site", b"cross-site"), (b"origin", b"https://evil.example")], (), False),  # CORS's part
@@ -137,6 +140,7 @@ def test_the_origin_check_refuses_what_a_page_of_another_origin_sends(kind, head
     assert (err is not None) is refused
     if err is not None:
         assert (err.status, err.code) == (403, "origin_not_allowed") and "--cors-origins" in err.message
+        assert "X-Forwarded-Host" in err.message  # what a proxy in front must pass on
 
 
 @pytest.mark.parametrize("bad", ["http://app.example", "app.example:8000", "app.example/", "", " app.example",
@@ -189,7 +193,7 @@ def test_a_keyless_server_refuses_a_rebound_name_over_http_and_websocket(server,
         assert r.status_code == 403, (method, path, r.text)
         assert r.json()["error"]["code"] == "host_not_allowed" and rebound in r.json()["error"]["message"]
     logged = _logged(server, "rebound-POST-12")
-    assert logged["status"] == 403 and logged["error"] == "host_not_allowed"
+    assert logged["status"] == 403 and logged["error"] == "host_not_allowed" and logged["refused"] == rebound
 
     answer = _handshake(port, rebound, origin=f"http://{rebound}")
     assert answer.startswith(b"HTTP/1.1 403"), answer[:200]

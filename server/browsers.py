@@ -22,9 +22,9 @@ else stands in its way, and each check below closes one way:
   check at all (cross-site WebSocket hijacking). A request that changes something, and every WebSocket handshake,
   must come from no browser (no ``Origin``), from this server's own pages, or from an origin of ``--cors-origins``.
   Same-origin is the browser's word (``Sec-Fetch-Site``: ``same-origin``, or ``none`` for what the user typed),
-  where it says it (a fetch over HTTPS or to localhost: browsers send it only to trustworthy origins, and never in
-  a WebSocket's handshake), else the ``Origin`` header's host against ``Host`` (or ``X-Forwarded-Host`` behind a
-  proxy): Go's ``net/http.CrossOriginProtection``.
+  where it says it (a fetch over HTTPS or to localhost: browsers send it only to trustworthy origins, and Chromium
+  none in a WebSocket's handshake), else the ``Origin`` header's host against ``Host`` (or ``X-Forwarded-Host``
+  behind a proxy): Go's ``net/http.CrossOriginProtection``.
   GET, HEAD and OPTIONS change nothing here, and CORS keeps their answers from pages of other origins.
 """
 
@@ -81,12 +81,13 @@ _HOSTNAME = socket.gethostname().lower()
 
 def loopback_socket(scope: Scope) -> bool:
     """Whether the request arrived on a loopback address of this host (one bound to 0.0.0.0 included, when the
-    client connected through 127.0.0.1); ASGI names it in ``server``."""
+    client connected through 127.0.0.1); ASGI names it in ``server``. An address it does not name, or names as no
+    IP (a Unix socket, a test client's), counts as loopback: the stricter side."""
     server = scope.get("server") or (None,)
     ip = _ip(str(server[0])) if server[0] else None
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    return ip is not None and ip.is_loopback
+    return ip is None or ip.is_loopback
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -116,14 +117,16 @@ class BrowserChecks:
         for header, value in _named(scope, (b"host", b"x-forwarded-host")):  # every one: proxies append theirs
             if not name_allowed(host_name(value), self.allowed_hosts, strict=loopback or bool(self.allowed_hosts)):
                 request_fields(scope)["refused"] = value[:200]
+                where = f"its {header.decode().title()} header" + (", on loopback" if loopback else "")
                 return HostNotAllowed(
-                    f"this server answers requests addressed to an IP address, localhost, this machine's name, a "
-                    f"name of --allowed-hosts, or (beyond loopback, without that list) a name of one label or under "
-                    f".local, .internal or .home.arpa; this one was addressed to "
-                    f"{value[:100]!r} (its {header.decode().title()} header){' on loopback' if loopback else ''}. A "
-                    f"web page can point a name it owns at "
-                    f"this server's address (DNS rebinding) and act on it from your browser, so other names are "
-                    f"refused. To serve this name, add it to --allowed-hosts / TXLSERVE_ALLOWED_HOSTS")
+                    "this server answers requests addressed to an IP address, localhost or a name under it, this "
+                    "machine's name, a name of --allowed-hosts, or (beyond loopback, and without that list) a name "
+                    "of one label or under .local, .internal or .home.arpa; this one was addressed to "
+                    f"{value[:100]!r} ({where}). A web page can point a name it owns at this server's address (DNS "
+                    "rebinding) and act on it from your browser, so other names are refused. To serve this name, "
+                    "add it to --allowed-hosts / TXLSERVE_ALLOWED_HOSTS (a list, once given, is every name it "
+                    "answers besides addresses, localhost and this machine's: list the one-label or .local names "
+                    "you use too)")
         return None
 
     def origin_refusal(self, scope: Scope) -> PermissionDenied | None:
@@ -147,16 +150,21 @@ class BrowserChecks:
                                      if h}:
                 return None
         what = "a WebSocket" if websocket else f"a {scope.get('method')}"
-        forwarded = _header(scope, b"x-forwarded-host")
-        why = (f"the browser says it is another site's (Sec-Fetch-Site: {site[:20]})" if site is not None else
-               f"its host is not this request's Host, {(_header(scope, b'host') or '')[:100]!r}, " + (
-                   f"nor its X-Forwarded-Host, {forwarded[:100]!r}" if forwarded else "and it has no X-Forwarded-Host"))
-        request_fields(scope)["refused"] = (origin or "")[:200]
-        return PermissionDenied(f"{what} from origin {(origin or 'unknown')[:200]!r} is not allowed: {why}. The "
-                                "server takes these from its own pages (a reverse proxy passes the page's host on, "
-                                "port included: nginx's proxy_set_header X-Forwarded-Host $http_host) and from the "
-                                "origins of --cors-origins / TXLSERVE_CORS_ORIGINS; a page of another site could "
-                                "otherwise act on it through your browser")
+        shown = (origin or "unknown")[:200]
+        if site is not None:
+            why = f"the browser says the page is of another origin (Sec-Fetch-Site: {site[:20]})"
+        elif not origin.startswith(("http://", "https://")):
+            why = "it is no http(s) origin, and not one of --cors-origins"
+        else:
+            forwarded = _header(scope, b"x-forwarded-host")
+            why = (f"its host is not this request's Host, {(_header(scope, b'host') or '')[:100]!r}, " + (
+                f"nor its X-Forwarded-Host, {forwarded[:100]!r}" if forwarded else "and it has no X-Forwarded-Host")
+                + " (a reverse proxy passes the page's host on, port included: nginx's proxy_set_header "
+                  "X-Forwarded-Host $http_host)")
+        request_fields(scope)["refused"] = origin[:200] if origin is not None else f"Sec-Fetch-Site: {site[:20]}"
+        return PermissionDenied(f"{what} from origin {shown!r} is not allowed: {why}. The server takes these from "
+                                "its own pages and from the origins of --cors-origins / TXLSERVE_CORS_ORIGINS; a "
+                                "page of another site could otherwise act on it through your browser")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):

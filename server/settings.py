@@ -235,6 +235,8 @@ class Settings:
                 raise ConfigError(f"CORS origin {o!r} is not * or an origin as browsers send it, scheme://host[:port] "
                                   "with no path (https://app.example.com, not https://app.example.com/)",
                                   param="cors_origins")
+            if o != "*" and o != (sent := _as_sent(o)):  # compared whole: one written otherwise never matched
+                raise ConfigError(f"CORS origin {o!r} is written as browsers send it: {sent!r}", param="cors_origins")
 
         for h in self.allowed_hosts:  # a name as a Host header carries it, less its port
             if not isinstance(h, str) or not re.fullmatch(r"\*|(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?", h):
@@ -279,6 +281,13 @@ class Settings:
 # loaders' cache, the compose file's published port, and the tests'
 _NOT_SETTINGS = {"TXLSERVE_API_KEY", "TXLSERVE_BASE_URL", "TXLSERVE_DATA_CACHE", "TXLSERVE_PUBLISH",
                  "TXLSERVE_FUZZ_SECONDS", "TXLSERVE_FULL_EVAL", "TXLSERVE_UPDATE_SCREENSHOT"}
+
+
+def _as_sent(origin: str) -> str:
+    """An origin as browsers send it: scheme and host in lower case, without its scheme's default port."""
+    scheme, _, host = origin.partition("://")
+    scheme, host = scheme.lower(), host.lower()
+    return f"{scheme}://{host.removesuffix({'http': ':80', 'https': ':443'}.get(scheme, ':'))}".rstrip(":")
 
 
 # the settings that hold a list: comma-separated in the environment, several words after their flag

@@ -15,10 +15,12 @@ from txlserve_client import (
     APIError,
     APITimeoutError,
     AsyncClient,
+    AsyncWebSocketConnection,
     Client,
     RequestCancelledError,
     Timeout,
 )
+from websockets.protocol import State
 
 from tests.clients.scripted_ws import DONE, ScriptedWebSocket
 from tests.live import wait_for
@@ -238,3 +240,50 @@ async def test_a_stream_that_failed_to_start_cancels_only_itself(held_cancel_ser
             async for _ in second:
                 pass
     assert _types(held_cancel_server) == ["completion.create", "cancel"]
+
+
+class _DrainingSocket:
+    """A fake of the websockets library's connection (our seam): ``send`` takes the frame, then waits for
+    ``drained``, as the library's send buffers a frame and then waits for its buffer to drain."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+        self.drained = asyncio.Event()
+        self.inbox: asyncio.Queue[str] = asyncio.Queue()
+        self.state = State.OPEN
+
+    async def send(self, data: str) -> None:
+        self.sent.append(json.loads(data))
+        await self.drained.wait()
+
+    async def recv(self) -> str:
+        return await self.inbox.get()
+
+    async def close(self) -> None:
+        self.state = State.CLOSED
+
+
+@pytest.mark.anyio
+async def test_an_async_completion_whose_reader_is_cancelled_as_its_request_drains_runs_and_can_be_stopped() -> None:
+    """A stop (``task.cancel()``) while the request's frame drains: the frame had left, yet the stream was reset as
+    never sent, so a second read sent it again, and the first, marked as not running, could not be cancelled
+    (found by a review). It runs: its cancel goes out, and its end is its own."""
+    fake = _DrainingSocket()
+    conn = AsyncWebSocketConnection(fake, None)  # type: ignore[arg-type]
+    stream = conn.completion(model="m", prompt="long")
+    reading = asyncio.ensure_future(stream.__anext__())
+    for _ in range(10_000):  # until the frame is taken (a few loop turns), bounded
+        if fake.sent:
+            break
+        await asyncio.sleep(0)
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    fake.drained.set()
+    await stream.cancel()
+    assert [m["type"] for m in fake.sent] == ["completion.create", "cancel"]
+    fake.inbox.put_nowait(json.dumps({"type": "completion.done", "id": "cmpl-1", **DONE,
+                                      "finish_reason": "cancelled"}))
+    chunks = [c async for c in stream]
+    assert chunks[-1].finish_reason == "cancelled" and stream.done
+    assert [m["type"] for m in fake.sent] == ["completion.create", "cancel"]  # never sent twice

@@ -158,6 +158,8 @@ async def test_cors_is_off_by_default_and_allows_only_the_configured_origins(red
 @pytest.mark.parametrize(("origin", "why"), [
     ("https://app.example.com/", "no path"), ("https://app.example.com/api", "no path"), ("app.example.com", "no path"),
     ("1http://app.example.com", "no path"), ("http://*.example.com", "no wildcards"), ("https://app.*", "no wildcards"),
+    ("HTTPS://App.example.com", "'https://app.example.com'"), ("https://app.example.com:443", "'https://app.example.com'"),
+    ("http://localhost:80", "'http://localhost'"),
 ])
 def test_a_cors_origin_that_no_browser_sends_is_refused_at_start(origin, why):
     """A trailing slash was accepted and then matched nothing: browsers send an origin without a path. A wildcard

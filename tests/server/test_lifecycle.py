@@ -52,7 +52,7 @@ async def running_app(redis_url: str, tmp_path, *, open_gate: bool = True, cpu_l
 
 
 def _client(app) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost", timeout=30)
 
 
 async def asgi_post(app, path: str, body: dict, *, sent: asyncio.Queue, leave: asyncio.Event | None = None) -> None:

@@ -123,7 +123,7 @@ class AsyncWebSocketConnection(_Running):
         one: two tasks' completions on one connection cancelled the first and failed the second with the
         websockets library's own error. A stream that fails to start is as one never read (a cancel flags it);
         one cancelled while the one before it was read to its end is never sent."""
-        me = asyncio.current_task()
+        me, left = asyncio.current_task(), False
         try:
             async with self._starting:  # a second task waits here, then finds the first's completion streaming
                 owner = self._owner
@@ -139,11 +139,14 @@ class AsyncWebSocketConnection(_Running):
                 self._running, self._running_id, self._active = True, None, weakref.ref(stream)
                 try:
                     await self._send(stream.request)
+                except asyncio.CancelledError:  # while the frame drained: the library had it already, so it
+                    left = True  # runs, and a cancel, a close or the next completion's start stops it (found by a
+                    raise  # review: reset, it was sent again and the first ran on, out of reach)
                 except BaseException:
-                    self._running = False  # nothing runs: the request never left
+                    self._running, self._active = False, None  # nothing runs: the request never left
                     raise
         except BaseException:
-            stream.started = False
+            stream.started = left
             raise
         if self._unsent is not None and self._unsent() is stream:
             self._unsent = None
@@ -243,7 +246,12 @@ class AsyncWebSocketStream(AsyncIterator[CompletionChunk]):
             self._conn = await self._open()
         if not self.started:
             self.started = True
-            await self._conn._begin(self)
+            try:
+                await self._conn._begin(self)
+            except RequestCancelledError:  # cancelled as its connection opened, or as the one before it ended
+                if self._owns:
+                    await self._conn.close()
+                raise
         return self._conn
 
     async def __anext__(self) -> CompletionChunk:
@@ -270,7 +278,7 @@ class AsyncWebSocketStream(AsyncIterator[CompletionChunk]):
         if self.done:
             return
         conn = self._conn
-        if conn is not None and conn._active is not None and conn._active() is self:
+        if conn is not None and conn._running and conn._active is not None and conn._active() is self:
             await conn._cancel_running()
         else:
             self.cancelled = True

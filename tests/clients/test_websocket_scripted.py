@@ -16,6 +16,7 @@ from txlserve_client import (
     APITimeoutError,
     AsyncClient,
     AsyncWebSocketConnection,
+    AsyncWebSocketStream,
     Client,
     RequestCancelledError,
     Timeout,
@@ -287,3 +288,23 @@ async def test_an_async_completion_whose_reader_is_cancelled_as_its_request_drai
     chunks = [c async for c in stream]
     assert chunks[-1].finish_reason == "cancelled" and stream.done
     assert [m["type"] for m in fake.sent] == ["completion.create", "cancel"]  # never sent twice
+
+
+@pytest.mark.anyio
+async def test_a_one_shot_stream_cancelled_as_its_connection_opens_closes_it() -> None:
+    """``ws.stream`` owns its connection: cancelled while it opened, the stream was never sent and raised, but its
+    connection stayed open until collected (found by a review)."""
+    fake, opened = _DrainingSocket(), asyncio.Event()
+
+    async def open_later() -> AsyncWebSocketConnection:
+        await opened.wait()
+        return AsyncWebSocketConnection(fake, None)  # type: ignore[arg-type]
+
+    stream = AsyncWebSocketStream({"type": "completion.create", "model": "m", "prompt": "x"}, open=open_later)
+    reading = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)  # (any number of turns: the stream waits for its connection until ``opened``)
+    await stream.cancel()
+    opened.set()
+    with pytest.raises(RequestCancelledError, match="before it was sent"):
+        await reading
+    assert fake.sent == [] and fake.state is State.CLOSED

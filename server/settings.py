@@ -236,7 +236,8 @@ class Settings:
                                   "with no path (https://app.example.com, not https://app.example.com/)",
                                   param="cors_origins")
             if o != "*" and o != (sent := _as_sent(o)):  # compared whole: one written otherwise never matched
-                raise ConfigError(f"CORS origin {o!r} is written as browsers send it: {sent!r}", param="cors_origins")
+                raise ConfigError(f"CORS origin {o!r} must be written as browsers send it, {sent!r}: origins are "
+                                  "compared whole", param="cors_origins")
 
         for h in self.allowed_hosts:  # a name as a Host header carries it, less its port
             if not isinstance(h, str) or not re.fullmatch(r"\*|(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?", h):

@@ -141,23 +141,23 @@ class BrowserChecks:
             return None
         if origin is not None and ("*" in self.cors_origins or origin in self.cors_origins):
             return None
-        if origin is not None and site is None:  # plain HTTP beyond localhost: the Origin's host against Host
+        host, forwarded = _header(scope, b"host"), _header(scope, b"x-forwarded-host")
+        http = origin is not None and origin.startswith(("http://", "https://"))
+        if http and site is None:  # plain HTTP beyond localhost: the Origin's host against Host
             try:
-                netloc = urlsplit(origin).netloc.lower() if origin.startswith(("http://", "https://")) else ""
+                netloc = urlsplit(origin).netloc.lower()
             except ValueError:  # "http://[::1", say
                 netloc = ""
-            if netloc and netloc in {h.lower() for h in (_header(scope, b"host"), _header(scope, b"x-forwarded-host"))
-                                     if h}:
+            if netloc and netloc in {h.lower() for h in (host, forwarded) if h}:
                 return None
         what = "a WebSocket" if websocket else f"a {scope.get('method')}"
         shown = (origin or "unknown")[:200]
         if site is not None:
             why = f"the browser says the page is of another origin (Sec-Fetch-Site: {site[:20]})"
-        elif not origin.startswith(("http://", "https://")):
+        elif not http:
             why = "it is no http(s) origin, and not one of --cors-origins"
         else:
-            forwarded = _header(scope, b"x-forwarded-host")
-            why = (f"its host is not this request's Host, {(_header(scope, b'host') or '')[:100]!r}, " + (
+            why = (f"its host is not this request's Host, {(host or '')[:100]!r}, " + (
                 f"nor its X-Forwarded-Host, {forwarded[:100]!r}" if forwarded else "and it has no X-Forwarded-Host")
                 + " (a reverse proxy passes the page's host on, port included: nginx's proxy_set_header "
                   "X-Forwarded-Host $http_host)")

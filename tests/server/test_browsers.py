@@ -36,8 +36,9 @@ def test_addresses_and_names_no_page_can_point_are_always_allowed_other_names_on
                  "api.internal"):
         assert name_allowed(name, ())
     for name in ("rebind.example", "localhost.example", "127.0.0.1.nip.io", "local.example", "internal.example.com",
-                 "xlocal", "a.localhostx") + ("evil.com",):
-        assert name_allowed(name, ()) is (name == "xlocal")  # one label: no public DNS name
+                 "a.localhostx", "evil.com"):
+        assert not name_allowed(name, ())
+    assert name_allowed("xlocal", ())  # one label: no public DNS name
     for name in ("txlserve", "gpu-box.local", "api.internal", "nas.home.arpa"):  # the LAN can answer for these:
         assert not name_allowed(name, (), strict=True)  # not on loopback (mDNS, LLMNR)
     for name in ("localhost", "app.localhost", "127.0.0.1", "::1", socket.gethostname().lower()):

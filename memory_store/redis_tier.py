@@ -157,15 +157,30 @@ return gone
 """
 
 # The cold tier: rewrite a session in place, keeping its version and TTL, only if nobody holds its lease and
-# nobody wrote since it was read. ARGV[1] the version read, ARGV[2] header, ARGV[3] payload.
+# nobody wrote since it was read. ARGV[1] the header read, byte for byte (a metadata update keeps the version, so
+# a version compared alone let a sweep write back the metadata it had read), ARGV[2] header, ARGV[3] payload.
 _DEMOTE = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 'BUSY' end
 local h = redis.call('HGET', KEYS[1], 'header')
 if not h then return 'NOT_FOUND' end
-local ok, doc = pcall(cjson.decode, h)
-if not ok or type(doc) ~= 'table' or doc.version ~= tonumber(ARGV[1]) then return 'CONFLICT' end
+if h ~= ARGV[1] then return 'CONFLICT' end
 redis.call('HSET', KEYS[1], 'header', ARGV[2], 'payload', ARGV[3])
 redis.call('DEL', KEYS[3])
+return 'OK'
+"""
+
+# A header-only write (a metadata update): only if nobody holds the lease (its commit would write back the header
+# it leased) and the header is still the one read, byte for byte. A write: the idle TTLs start again (ARGV[3],
+# '0': none). KEYS: the session, its lease, its ring. ARGV[1] the header read, ARGV[2] the new one.
+_SET_HEADER = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 'BUSY' end
+local h = redis.call('HGET', KEYS[1], 'header')
+if not h then return 'NOT_FOUND' end
+if h ~= ARGV[1] then return 'CONFLICT' end
+redis.call('HSET', KEYS[1], 'header', ARGV[2])
+for _, key in ipairs({KEYS[1], KEYS[3]}) do
+  if ARGV[3] == '0' then redis.call('PERSIST', key) else redis.call('PEXPIRE', key, ARGV[3]) end
+end
 return 'OK'
 """
 
@@ -360,6 +375,7 @@ class RedisTier:
         self._ending = client.register_script(_ENDING)
         self._touch_script = client.register_script(_TOUCH)
         self._demote = client.register_script(_DEMOTE)
+        self._set_header = client.register_script(_SET_HEADER)
         self._read = client.register_script(_READ)
 
     @contextmanager
@@ -591,11 +607,19 @@ class RedisTier:
                 if isinstance(header, bytes):
                     yield session_id, header
 
-    async def demote(self, session_id: str, *, header: bytes, payload: bytes, expected: int) -> str:
-        """Rewrite a session in place if unleased and still at ``expected``: OK, BUSY, NOT_FOUND or CONFLICT."""
+    async def demote(self, session_id: str, *, header: bytes, payload: bytes, expected: bytes) -> str:
+        """Rewrite a session in place if unleased and its header is still ``expected``: OK, BUSY, NOT_FOUND or
+        CONFLICT."""
         keys = [session_key(session_id), lease_key(session_id), ring_key(session_id)]
         with self._translate():
             return (await self._demote(keys=keys, args=[expected, header, payload])).decode()
+
+    async def set_header(self, session_id: str, *, header: bytes, expected: bytes) -> str:
+        """Replace a session's header alone if unleased and still ``expected``, starting its idle TTLs again: OK,
+        BUSY, NOT_FOUND or CONFLICT."""
+        keys = [session_key(session_id), lease_key(session_id), ring_key(session_id)]
+        with self._translate():
+            return (await self._set_header(keys=keys, args=[expected, header, self._ttl_ms])).decode()
 
     async def delete(self, session_id: str, owner: str | None) -> bool:
         """Drop a session and its lease (a holder's next commit then fails); True if it existed."""

@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _CURSOR_SCORE = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() also accepts '²'
 _PUT_ATTEMPTS = 5
+_UPDATE_ATTEMPTS = 16  # each try loses only to another write that landed: n updaters at once need n tries
 _RELEASE_RETRY_S = 0.25  # how often a release Redis missed is tried again while it is away
 
 
@@ -366,6 +367,42 @@ class MemoryStore:
             info = source.info
             return await self._create(owner, tensors, info.mem_len, info.tokens_seen, codec.check_metadata(metadata))
 
+    async def update_metadata(
+        self, session_id: str, metadata: Mapping[str, Any], *, owner: str | None = None, max_keys: int | None = None
+    ) -> SessionInfo:
+        """Merge ``metadata`` into the session's: the keys given are set, a key given as None is removed, the
+        others stay (OpenAI's modify, Stripe's update; RFC 7396 at the top level), so that two writers of
+        different keys do not undo each other. ``max_keys`` bounds the merged result (an API's policy; the store's
+        own bound is its size).
+
+        Only the header is written. The version stays: it names the memory's state, which a hot copy and a
+        lease's compare-and-set stand for, and metadata is no part of it, so a hot session stays hot. What this
+        write compares instead is the header read, byte for byte. ``SessionBusy`` while a request holds the
+        session, since its commit writes back the header it leased."""
+        with self.metrics.timed("update"):
+            session_id = _checked_id(session_id)
+            if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
+                raise InvalidRequestError("metadata must be a JSON object", param="metadata")
+            for _ in range(_UPDATE_ATTEMPTS):
+                raw, _, _ = await self._redis.read(session_id, owner, payload=False)
+                header = self._header(session_id, raw, owner, compatible=False)
+                merged = {k: v for k, v in {**header.metadata, **metadata}.items() if v is not None}
+                if max_keys is not None and len(merged) > max_keys:
+                    raise InvalidRequestError(f"metadata would hold {len(merged)} keys, over {max_keys}: remove "
+                                              "keys by setting them to null", param="metadata")
+                new = dataclasses.replace(header, metadata=codec.check_metadata(merged))
+                if new == header:  # nothing changes: no write, and no TTL started again
+                    return self._info(session_id, header)
+                status = await self._redis.set_header(session_id, header=codec.encode_header(new), expected=raw)
+                if status == "OK":
+                    return self._info(session_id, new)
+                if status == "NOT_FOUND":
+                    raise SessionNotFound(f"session {session_id!r} not found")
+                if status == "BUSY":
+                    raise SessionBusy(f"session {session_id!r} is in use by a request: its metadata can be "
+                                      "changed once that request ends")
+            raise SessionConflict(f"session {session_id!r} kept changing during the update; try again")
+
     async def delete(self, session_id: str, *, owner: str | None = None) -> None:
         """Remove a session and its lease. A corrupt session can be deleted by anyone who knows its id."""
         with self.metrics.timed("delete"):
@@ -397,8 +434,7 @@ class MemoryStore:
         small = await asyncio.to_thread(codec.encode_payload, cold, max_bytes=self.config.max_payload_bytes)
         new = dataclasses.replace(header, form=codec.WINDOW_FORM, format_version=2, payload_bytes=len(small),
                                   dtype=str(cold[codec.WINDOW].dtype))
-        status = await self._redis.demote(session_id, header=codec.encode_header(new), payload=small,
-                                          expected=header.version)
+        status = await self._redis.demote(session_id, header=codec.encode_header(new), payload=small, expected=raw)
         if status == "OK":
             self._hot.discard(session_id)
             self.metrics.demotions += 1

@@ -79,6 +79,14 @@ def name_allowed(name: str, allowed: tuple[str, ...], *, strict: bool = False) -
 _HOSTNAME = socket.gethostname().lower()
 
 
+def loopback_name(host: str) -> bool:
+    """Whether a bind address or name reaches this host alone: any 127.x address, ``::1`` (bracketed or not),
+    ``localhost`` and the names under it (what ``--host`` may be without the keyless warning)."""
+    name = host_name(host)
+    ip = _ip(name)
+    return name == "localhost" or name.endswith(".localhost") if ip is None else ip.is_loopback
+
+
 def loopback_socket(scope: Scope) -> bool:
     """Whether the request arrived on a loopback address of this host (one bound to 0.0.0.0 included, when the
     client connected through 127.0.0.1); ASGI names it in ``server``. An address it does not name, or names as no

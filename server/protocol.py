@@ -25,18 +25,32 @@ STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attrib
 DESCRIBED = ConfigDict(use_attribute_docstrings=True)  # a field's docstring is its description in /docs
 
 
-def _utf8_text(metadata: dict[str, str] | None) -> dict[str, str] | None:
+METADATA_KEYS = 16  # OpenAI's bound on an object's metadata
+
+
+def _utf8_text(metadata: dict[str, str | None] | None) -> dict[str, str | None] | None:
     """JSON admits lone surrogates (``"\\ud800"``), which no response could carry back: refuse them here."""
     for text in (metadata or {}).items():
         for part in text:
             try:
-                part.encode()
+                part is None or part.encode()
             except UnicodeEncodeError:
                 raise ValueError("keys and values must be valid Unicode text (no lone surrogates)") from None
     return metadata
 
 
-Metadata = Annotated[dict[str, str] | None, Field(default=None, max_length=16), AfterValidator(_utf8_text)]
+def _named_keys(metadata: dict[str, str | None] | None) -> dict[str, str | None] | None:
+    """An empty key could be set, and never told apart from none in a form."""
+    if metadata and "" in metadata:
+        raise ValueError("a key is empty: keys are 1 or more characters")
+    return metadata
+
+
+Metadata = Annotated[dict[str, str] | None, Field(default=None, max_length=METADATA_KEYS),
+                     AfterValidator(_utf8_text), AfterValidator(_named_keys)]
+# what an export holds: a session's metadata as any version of the server let it be written (an empty key too)
+ExportedMetadata = Annotated[dict[str, str] | None, Field(default=None, max_length=METADATA_KEYS),
+                             AfterValidator(_utf8_text)]
 
 
 class StreamOptions(BaseModel):
@@ -209,6 +223,13 @@ class SessionFork(BaseModel):
     model_config = STRICT
     metadata: Metadata = None
     """The new session's metadata (default: the parent's)."""
+
+
+class SessionUpdate(BaseModel):
+    model_config = STRICT
+    metadata: Annotated[dict[str, str | None] | None, Field(default=None, max_length=METADATA_KEYS),
+                        AfterValidator(_utf8_text), AfterValidator(_named_keys)] = None
+    """Keys to set (a string) or remove (null); the keys not named stay. At most 16 keys after the change."""
 
 
 class SessionObject(BaseModel):
@@ -424,7 +445,7 @@ class SessionExport(BaseModel):
     # (a cap of 2^53 refused the export of a session imported there and grown, found by a helper); a request that
     # would take a session past it is a 400 (the store refuses the commit)
     window: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=1 << 20)
-    metadata: Metadata = None
+    metadata: ExportedMetadata = None
     model: str | None = Field(default=None, max_length=256)  # informative: the exporting server's model name
     created_at: int | None = None
 

@@ -29,6 +29,7 @@ import uvicorn
 
 from model.threads import set_threads
 from server.app import build_app
+from server.browsers import loopback_name
 from server.http_protocol import MAX_HEAD_BYTES, SendDeadline, protocol_class, websocket_protocol_class
 from server.listen import start_listening
 from server.runtime import close_runtime, open_runtime
@@ -231,7 +232,7 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
         install_redaction(settings)  # after uvicorn configured its loggers
         log.info("event loop: %s; HTTP parser: %s", type(asyncio.get_running_loop()).__module__.split(".")[0],
                  protocol.parser_name)
-        if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        if not settings.api_keys and not loopback_name(settings.host):
             log.warning("listening on %s without API keys: anyone who reaches this port can read every session "
                         "(set TXLSERVE_API_KEYS)", settings.host)
         server = _Server(config, hold)

@@ -680,9 +680,64 @@ def test_the_playground_streams_once_when_continue_must_connect_first(checkpoint
         srv.stop()
 
 
+def test_the_playground_renames_a_session_in_place(server, browser):
+    """Rename turns the card's title into a field: Enter keeps it (only the title key changes, the memory and its
+    tier stay), Escape keeps the old title and cancels no stream, an empty one is untitled."""
+    from selenium.webdriver.common.keys import Keys
+
+    driver = browser
+    sid = httpx.post(f"{server.url}/v1/sessions", timeout=30,
+                     json={"text": DOC, "metadata": {"title": "draft", "by": "ada"}}).json()["id"]
+    before = httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()
+    _open(driver, server.url + "/")
+    card = f'#sessions li[data-id="{sid}"]'
+
+    def title() -> str:
+        return driver.execute_script("const s = document.querySelector(arguments[0] + ' strong'); "
+                                     "return s && s.textContent", card)
+
+    def field():
+        _click(driver, card + " button.rename")
+        box = driver.switch_to.active_element
+        assert box.get_attribute("class") == "rename" and box.get_attribute("aria-label").endswith(sid)
+        return box
+
+    box = field()
+    assert box.get_attribute("value") == "draft"
+    box.send_keys(Keys.CONTROL, "a")
+    box.send_keys("act 3", Keys.ENTER)
+    _wait(driver, lambda d: title() == "act 3", "the new title on the card")
+    _settled(driver)
+    after = httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()
+    assert after["metadata"] == {"title": "act 3", "by": "ada"}
+    assert (after["tier"], after["tokens_seen"]) == (before["tier"], before["tokens_seen"]) == ("hot", len(DOC))
+    assert driver.switch_to.active_element.get_attribute("class") == "rename secondary"  # its own Rename, again
+
+    _click(driver, card + " button.select")  # a long stream on it: Escape in the field is the field's alone
+    _wait(driver, lambda d: _by_id(d, "current").text == sid, "the session selected")
+    _type(driver, "prompt", "")
+    _type(driver, "max-tokens", str(LONG))
+    _by_id(driver, "continue").click()
+    _wait(driver, lambda d: len(_by_id(d, "generated").get_attribute("textContent")) >= 5, "some streamed text")
+    box = field()
+    box.send_keys("!!", Keys.ESCAPE)
+    _wait(driver, lambda d: title() == "act 3", "the old title back")
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()["metadata"]["title"] == "act 3"
+    assert driver.execute_script("return state.running") and "finish_reason" not in _by_id(driver, "finish").text
+    _by_id(driver, "cancel").click()
+    _wait(driver, lambda d: "finish_reason: cancelled" in _by_id(d, "finish").text, "the stream cancelled")
+
+    box = field()
+    box.send_keys(Keys.CONTROL, "a")
+    box.send_keys(Keys.DELETE, Keys.ENTER)
+    _wait(driver, lambda d: title() == "untitled", "an empty title: untitled")
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()["metadata"] == {"by": "ada"}
+    assert _by_id(driver, "error").text == "" and not _severe(driver)
+
+
 def test_the_playground_keeps_an_older_selection_and_the_keyboard_can_skip_the_list(server, browser):
     """The list shows the newest 1,000 sessions: a selected session older than those was deselected on Refresh (it
-    is still there), and nothing said the list was cut. Three buttons a session: a skip link passes them by.
+    is still there), and nothing said the list was cut. Four buttons a session: a skip link passes them by.
     (Last here: the shared server holds over 1,000 sessions after it.)"""
     from selenium.webdriver.common.keys import Keys
 

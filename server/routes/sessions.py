@@ -1,4 +1,4 @@
-"""The sessions API: create, inspect, list, delete, append a document, fork."""
+"""The sessions API: create, inspect, list, update metadata, delete, append a document, fork."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from server.completion import (
 )
 from server.deps import owner, request_fields, runtime
 from server.protocol import (
+    METADATA_KEYS,
     AppendResult,
     SessionAppend,
     SessionCreate,
@@ -28,6 +29,7 @@ from server.protocol import (
     SessionFork,
     SessionList,
     SessionObject,
+    SessionUpdate,
 )
 from server.runtime import Runtime
 from server.scheduler import PromptScores
@@ -171,6 +173,20 @@ async def fork(session_id: str, body: SessionFork | None = None, rt: Runtime = D
                who: str | None = Depends(owner)) -> SessionObject:
     await settled(rt, session_id)
     info = await rt.store.fork(session_id, owner=who, metadata=(body.metadata if body else None))
+    return session_object(rt, info)
+
+
+@router.post("/{session_id}", response_model=SessionObject)
+async def update_session(session_id: str, body: SessionUpdate | None = None, rt: Runtime = Depends(runtime),
+                         who: str | None = Depends(owner)) -> SessionObject:
+    """OpenAI's modify (``POST /v1/threads/{id}``): only metadata changes, merged key by key. A request running
+    on the session is waited for as a read waits (``settled``); one still generating makes this a 409, since its
+    commit writes back the metadata it started with."""
+    await settled(rt, session_id)
+    if body is None or body.metadata is None:
+        info = await rt.store.info(session_id, owner=who)
+    else:
+        info = await rt.store.update_metadata(session_id, body.metadata, owner=who, max_keys=METADATA_KEYS)
     return session_object(rt, info)
 
 

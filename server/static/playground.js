@@ -141,6 +141,7 @@ async function refreshList() {
       li.querySelector("span").textContent = `${s.tokens_seen.toLocaleString()} tokens, ${tierName(s.tier)}`;
       li.querySelector(".sid").textContent = s.id;
       for (const [label, cls, act] of [["Select", "select", () => select(s.id)],
+                                       ["Rename", "rename", () => rename(li, s)],
                                        ["Fork", "fork", () => fork(s.id, s.metadata)],
                                        ["Delete", "delete", () => remove(s.id)]]) {
         const b = document.createElement("button");
@@ -191,6 +192,33 @@ async function fork(id, metadata) {
     await refreshList();
   }
   catch (e) { failed(e); }
+}
+
+function rename(li, s) {
+  // the title becomes a field in its place: Enter keeps what it holds (empty: untitled), Escape or leaving it the
+  // old title; only the title key changes (POST /v1/sessions/{id} merges metadata), and the memory stays as it is
+  const field = document.createElement("input");
+  field.className = "rename";  // the list redrawn under it puts the focus back on this card's Rename
+  field.value = (s.metadata && s.metadata.title) || "";
+  field.setAttribute("aria-label", `New title for session ${s.id}`);
+  let done = false;
+  const finish = async (save) => {
+    if (done) return;
+    done = true;
+    if (save) {
+      showError("");
+      try { await api("POST", "/v1/sessions/" + s.id, { metadata: { title: field.value.trim() || null } }); }
+      catch (e) { failed(e); }
+    }
+    await refreshList();
+  };
+  field.addEventListener("keydown", (e) => {
+    if (e.key === "Enter") { e.preventDefault(); finish(true); }
+    else if (e.key === "Escape") { e.preventDefault(); e.stopPropagation(); finish(false); }  // not a stream's cancel
+  });
+  field.addEventListener("blur", () => finish(false));
+  li.querySelector("strong").replaceWith(field);
+  field.focus(); field.select();
 }
 
 async function remove(id) {

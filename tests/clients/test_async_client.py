@@ -55,6 +55,9 @@ async def test_sessions(aclient: AsyncClient) -> None:
     assert done.session == SessionRef(created.id, 9) and done.usage.cached_tokens == 5
     fork = await aclient.sessions.fork(created.id)
     assert (await aclient.sessions.get(fork.id)).tokens_seen == 9
+    updated = await aclient.sessions.update(fork.id, metadata={"k": None, "branch": "b"})
+    assert updated.metadata == {"branch": "b"} and updated.tokens_seen == 9
+    assert (await aclient.sessions.get(created.id)).metadata == {"k": "v"}  # the fork's own
     assert (await aclient.sessions.delete(fork.id)).deleted
     with pytest.raises(NotFoundError):
         await aclient.sessions.get(fork.id)

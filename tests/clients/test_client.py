@@ -131,6 +131,15 @@ def test_sessions_crud_append_fork(client: Client) -> None:
     assert client.sessions.fork(fork.id).metadata == {"branch": "b"}  # none given: the source's
     assert client.sessions.get(created.id).tokens_seen == 26  # the original is untouched
 
+    updated = client.sessions.update(created.id, metadata={"user": None, "title": "tale"})
+    assert isinstance(updated, Session) and updated.metadata == {"title": "tale"} and updated.tokens_seen == 26
+    assert client.sessions.get(created.id).metadata == {"title": "tale"}
+    with pytest.raises(ValueError, match="mapping"):
+        client.sessions.update(created.id, metadata=[("title", "x")])  # type: ignore[arg-type]
+    with pytest.raises(BadRequestError) as bad:
+        client.sessions.update(created.id, metadata={"n": 1})  # type: ignore[dict-item]
+    assert bad.value.param == "metadata.n"
+
     deleted = client.sessions.delete(fork.id)
     assert deleted.id == fork.id and deleted.deleted
     with pytest.raises(NotFoundError) as info:

@@ -64,8 +64,13 @@ async def test_a_session_lives_in_one_slot_and_its_lifecycle_works(stores, redis
         with pytest.raises(SessionConflict):  # so the holder's next commit is refused, not silently undone
             await a.commit(lease, _state(8), tokens_seen=23)
     assert (await b.info(sid, owner=owner)).version == 3
+    async with a.lease(sid, owner=owner):  # a metadata update: one script on the session's slot
+        with pytest.raises(SessionBusy):
+            await b.update_metadata(sid, {"k": "v"}, owner=owner)
+    assert (await b.update_metadata(sid, {"k": "v"}, owner=owner)).version == 3
     assert await a.sweep(idle_s=0) >= len(infos)  # every primary is swept
     assert {(await b.info(i.session_id, owner=owner)).tier for i in infos} == {"cold"}
+    assert (await a.info(sid, owner=owner)).metadata == {"k": "v"}
     await b.delete(sid, owner=owner)
     with pytest.raises(SessionNotFound):
         await a.get(sid, owner=owner)

@@ -13,7 +13,7 @@ import socket
 import httpx
 import pytest
 
-from server.browsers import BrowserChecks, host_name, name_allowed
+from server.browsers import BrowserChecks, host_name, loopback_name, name_allowed
 from server.settings import Settings
 from tests.live import LiveServer, wait_for
 from txlserve.errors import ConfigError
@@ -28,6 +28,16 @@ REBOUND = "rebind.example"
 ])
 def test_host_name_is_the_header_less_its_port_and_final_dot(header, name):
     assert host_name(header) == name
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("[::1]", True), ("localhost", True),
+    ("LOCALHOST.", True), ("app.localhost", True), ("0.0.0.0", False), ("::", False), ("192.168.1.5", False),
+    ("localhost.example", False), ("example.com", False), ("[::1]evil", False)])
+def test_a_bind_address_is_loopback_only_where_it_reaches_this_host_alone(host, loopback):
+    """What serve's keyless warning asks: it compared three strings, so a bind of 127.0.0.2, [::1] or
+    app.localhost was warned of as open to anyone."""
+    assert loopback_name(host) is loopback
 
 
 def test_addresses_and_names_no_page_can_point_are_always_allowed_other_names_only_when_listed():

@@ -712,6 +712,37 @@ def test_session_crud(server):
     assert httpx.get(f"{server.url}/v1/sessions/{s['id']}").status_code == 404
 
 
+def test_session_metadata_update_merges_keys_and_leaves_the_memory_hot(server):
+    """OpenAI's modify (POST /v1/threads/{id}): the keys given are set, a null removes one, the others stay. The
+    memory is untouched and still hot: what the session generates next is what a session never updated does."""
+    sid = new_session(server, TEXT_A, metadata={"title": "tale", "tag": "x"})["id"]
+    twin = new_session(server, TEXT_A)["id"]
+    before = httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()
+    assert before["tier"] == "hot"
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}", json={"metadata": {"tag": None, "lang": "en"}}, timeout=30)
+    assert r.status_code == 200, r.text
+    after = r.json()
+    assert after["metadata"] == {"title": "tale", "lang": "en"}
+    assert {k: v for k, v in after.items() if k != "metadata"} == {k: v for k, v in before.items() if k != "metadata"}
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json() == after
+    for unchanged in (None, {}, {"metadata": {}}, {"metadata": None}):  # a body that changes nothing: the session
+        r = httpx.post(f"{server.url}/v1/sessions/{sid}", json=unchanged, timeout=30)
+        assert r.status_code == 200 and r.json() == after, r.text
+    x = complete(server, prompt=TEXT_B, max_tokens=12, temperature=0, session_id=sid)
+    y = complete(server, prompt=TEXT_B, max_tokens=12, temperature=0, session_id=twin)
+    assert x["choices"][0]["text"] == y["choices"][0]["text"]
+    lines = [line for line in server.log.read_text().splitlines() if "/v1/completions" in line and sid in line]
+    assert len(lines) == 1 and '"restored_from":"hot"' in lines[0], lines  # not read back from Redis
+    got = httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()
+    assert got["metadata"] == {"title": "tale", "lang": "en"} and got["tokens_seen"] == x["session"]["tokens_seen"]
+    too_many = {f"k{i}": "v" for i in range(15)}  # 2 kept + 15 new: over OpenAI's 16
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}", json={"metadata": too_many}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text
+    assert "17 keys, over 16" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}", json={"metadata": {**too_many, "title": None}}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["metadata"]) == 16
+
+
 def test_memory_is_fixed_size(server):
     """The product's promise: a session's stored size stops growing once it holds its window
     (n_layer * mem_len + 1 tokens: its hidden states stop growing at mem_len, its token window there)."""

@@ -37,6 +37,8 @@ def test_second_request_on_a_busy_session_gets_409_at_once(server):
         assert started.wait(30)
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "session_id": sid})
         busy = httpx.post(f"{server.url}/v1/sessions/{sid}/append", json={"text": "x"})
+        # its commit writes back the metadata it leased: an update now would be lost
+        relabel = httpx.post(f"{server.url}/v1/sessions/{sid}", json={"metadata": {"k": "v"}}, timeout=30)
         # the refusals came while the first stream still ran: they did not wait for its lease
         assert not ended, "the first request ended before the checks: they prove nothing"
     finally:
@@ -44,6 +46,10 @@ def test_second_request_on_a_busy_session_gets_409_at_once(server):
         t.join(60)
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
     assert busy.status_code == 409
+    assert relabel.status_code == 409 and "once that request ends" in relabel.json()["error"]["message"]
+    r2 = httpx.post(f"{server.url}/v1/sessions/{sid}", json={"metadata": {"k": "v"}}, timeout=30)  # it ended
+    assert r2.status_code == 200 and r2.json()["metadata"] == {"k": "v"}, r2.text
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()["metadata"] == {"k": "v"}
     # the OpenAI SDKs retry a 409 unless told not to: the writes were made one after the other behind the user
     assert r.headers["x-should-retry"] == busy.headers["x-should-retry"] == "false"
 
@@ -122,12 +128,14 @@ def test_api_keys_isolate_sessions(keyed):
     for method, path, body in (("GET", f"/v1/sessions/{sid}", None), ("DELETE", f"/v1/sessions/{sid}", None),
                                ("POST", f"/v1/sessions/{sid}/append", {"text": "x"}),
                                ("POST", f"/v1/sessions/{sid}/fork", {}),
+                               ("POST", f"/v1/sessions/{sid}", {"metadata": {"k": "v"}}),
                                ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "session_id": sid})):
         r = httpx.request(method, keyed.url + path, json=body, headers=two, timeout=30)
         assert r.status_code == 404, (method, path, r.text)
     assert sid in [s["id"] for s in httpx.get(keyed.url + "/v1/sessions", headers=one).json()["data"]]
     assert sid not in [s["id"] for s in httpx.get(keyed.url + "/v1/sessions", headers=two).json()["data"]]
-    assert httpx.get(f"{keyed.url}/v1/sessions/{sid}", headers=one).json()["tokens_seen"] == 4
+    mine = httpx.get(f"{keyed.url}/v1/sessions/{sid}", headers=one).json()
+    assert mine["tokens_seen"] == 4 and mine["metadata"] == {}
     with pytest.raises(InvalidStatus) as refused:
         connect(keyed.url.replace("http", "ws") + "/v1/ws").recv(timeout=5)
     assert refused.value.response.status_code == 401

@@ -163,6 +163,12 @@ class AsyncSessions:
 
         return AsyncSessionPager(lambda: page(after))
 
+    async def update(self, session_id: str, *, metadata: Mapping[str, str | None]) -> Session:
+        """Change the session's metadata: the keys given are set, a key given as None is removed, the others
+        stay (OpenAI's ``threads.update``). Its memory is untouched. A session a request is running on refuses
+        it (``SessionBusyError``): that request's commit writes back the metadata it started with."""
+        return await self._client._call(api.session_update_call(session_id, metadata))
+
     async def delete(self, session_id: str) -> SessionDeleted:
         return await self._client._call(api.session_delete_call(session_id))
 

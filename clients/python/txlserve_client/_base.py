@@ -162,6 +162,15 @@ def session_list_call(limit: int | None, after: str | None, order: str | None = 
     return Call("GET", "/v1/sessions", _page, params=params, retry=True)
 
 
+def session_update_call(session_id: str, metadata: Mapping[str, str | None]) -> Call[Session]:
+    """Idempotent (the same keys set to the same values), so retried as a read is."""
+    if not isinstance(metadata, Mapping):
+        raise ValueError(f"metadata is a mapping of keys to strings (None removes a key), not "
+                         f"{type(metadata).__name__}")
+    return Call("POST", f"/v1/sessions/{_sid(session_id)}", Session.from_dict, json={"metadata": dict(metadata)},
+                retry=True)
+
+
 def session_delete_call(session_id: str) -> Call[SessionDeleted]:
     return Call("DELETE", f"/v1/sessions/{_sid(session_id)}", SessionDeleted.from_dict, retry=True,
                 gone={"id": session_id, "object": "session.deleted", "deleted": True})

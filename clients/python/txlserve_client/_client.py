@@ -164,6 +164,12 @@ class Sessions:
 
         return SessionPage(**self._client._call(api.session_list_call(limit, after, order)), _fetch=fetch)
 
+    def update(self, session_id: str, *, metadata: Mapping[str, str | None]) -> Session:
+        """Change the session's metadata: the keys given are set, a key given as None is removed, the others
+        stay (OpenAI's ``threads.update``). Its memory is untouched. A session a request is running on refuses
+        it (``SessionBusyError``): that request's commit writes back the metadata it started with."""
+        return self._client._call(api.session_update_call(session_id, metadata))
+
     def delete(self, session_id: str) -> SessionDeleted:
         return self._client._call(api.session_delete_call(session_id))
 

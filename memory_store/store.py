@@ -656,17 +656,18 @@ class MemoryStore:
     # -- helpers -----------------------------------------------------------
 
     async def _landed(self, session_id: str, header: bytes, *, final: bool, error: StoreUnavailable) -> bool:
-        """Whether a commit whose reply never came was stored: its header, byte for byte, is the session's now (a
-        503 for a commit that had landed, retried as the README says, continued the session twice; found by a
-        helper). A write Redis had not yet run is refused once its deadline passes on Redis's clock, which the
-        wait for the reply outlasted, so "not stored" is final (``final``: the write carried a deadline).
+        """Whether a commit whose reply never came was stored: its header is the session's now, but for metadata,
+        which a rename may have changed since, the commit having given the lease back as it wrote (a 503 for a
+        commit that had landed, retried as the README says, continued the session twice; found by helpers). A
+        write Redis had not yet run is refused once its deadline passes on Redis's clock, which the wait for the
+        reply outlasted, so "not stored" is final (``final``: the write carried a deadline).
         ``CommitUnknown`` where Redis does not answer this either, or where it is not final."""
         try:
             raw, _, _ = await self._redis.read(session_id, None, payload=False, touch=False)
         except StoreUnavailable:
             raw = None
         else:
-            if raw == header:
+            if raw is not None and _same_but_metadata(raw, header):
                 log.warning("session %s: the reply to its commit was lost (%s), and the commit had landed",
                             session_id, error)
                 return True
@@ -836,6 +837,16 @@ class MemoryStore:
 
     def _on_device(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: t.detach().to(self.device) for name, t in tensors.items()}
+
+
+def _same_but_metadata(raw: bytes, header: bytes) -> bool:
+    if raw == header:
+        return True
+    try:
+        stored, ours = codec.decode_header(raw), codec.decode_header(header)
+    except (SessionCorrupt, SessionIncompatible):
+        return False
+    return dataclasses.replace(stored, metadata=ours.metadata) == ours
 
 
 def shown(session_id: object) -> str:

@@ -40,8 +40,9 @@ def _utf8_text(metadata: dict[str, str | None] | None) -> dict[str, str | None] 
 
 
 def _named_keys(metadata: dict[str, str | None] | None) -> dict[str, str | None] | None:
-    """An empty key could be set, and never told apart from none in a form."""
-    if metadata and "" in metadata:
+    """An empty key could be set, and never told apart from none in a form; one an older server stored (or an
+    import brought) can still be removed, with a null."""
+    if metadata and metadata.get("") is not None:
         raise ValueError("a key is empty: keys are 1 or more characters")
     return metadata
 
@@ -227,7 +228,8 @@ class SessionFork(BaseModel):
 
 class SessionUpdate(BaseModel):
     model_config = STRICT
-    metadata: Annotated[dict[str, str | None] | None, Field(default=None, max_length=METADATA_KEYS),
+    # bounded by what the change leaves (16 keys), checked against the stored keys: a change may remove 16 and set 16
+    metadata: Annotated[dict[str, str | None] | None, Field(default=None, max_length=2 * METADATA_KEYS),
                         AfterValidator(_utf8_text), AfterValidator(_named_keys)] = None
     """Keys to set (a string) or remove (null); the keys not named stay. At most 16 keys after the change."""
 

@@ -179,9 +179,9 @@ async def fork(session_id: str, body: SessionFork | None = None, rt: Runtime = D
 @router.post("/{session_id}", response_model=SessionObject)
 async def update_session(session_id: str, body: SessionUpdate | None = None, rt: Runtime = Depends(runtime),
                          who: str | None = Depends(owner)) -> SessionObject:
-    """OpenAI's modify (``POST /v1/threads/{id}``): only metadata changes, merged key by key. A request running
-    on the session is waited for as a read waits (``settled``); one still generating makes this a 409, since its
-    commit writes back the metadata it started with."""
+    """OpenAI's modify (``POST /v1/threads/{id}``): only the metadata changes, key by key (a null removes one);
+    the memory is untouched. A request whose client has left is waited for while it commits, as a read waits; one
+    still generating makes this a 409, since its commit writes back the metadata it started with."""
     await settled(rt, session_id)
     if body is None or body.metadata is None:
         info = await rt.store.info(session_id, owner=who)

@@ -109,6 +109,7 @@ function select(id) {
   refreshSelected();
 }
 
+let renaming = null;  // the rename under way: { id, field }
 let pending = 0;  // list refreshes in flight: document.body.dataset.pending, so a script (or test) can wait
 function busy(delta) { pending += delta; document.body.dataset.pending = String(pending); }
 
@@ -131,6 +132,12 @@ async function refreshList() {
     // the selected session's (a fork made, a session deleted); it fell to the page, and Tab began at the top
     const had = list.contains(document.activeElement) ? document.activeElement : null;
     const was = had && had.closest("li") ? [had.closest("li").dataset.id, had.className.split(" ")[0]] : null;
+    // a rename under way is opened again on its redrawn card, with what was typed (a stream's end or another
+    // action's refresh dropped a half-typed title); the old field's blur, as it goes, saves nothing
+    const open = renaming && { id: renaming.id, value: renaming.field.value,
+                               focused: renaming.field === document.activeElement,
+                               range: [renaming.field.selectionStart, renaming.field.selectionEnd] };
+    renaming = null;
     list.replaceChildren();
     for (const s of all) {
       const li = document.createElement("li");
@@ -165,6 +172,8 @@ async function refreshList() {
       const chosen = state.selected && list.querySelector(`li[data-id="${CSS.escape(state.selected)}"] button.select`);
       (same || chosen || $("refresh")).focus();
     }
+    const card = open && list.querySelector(`li[data-id="${CSS.escape(open.id)}"]`);
+    if (card) rename(card, all.find((s) => s.id === open.id), open);
     if (errorFrom === "list") showError("");  // a stream's or an action's error stays until the next action
   } catch (e) { failed(e, "list"); } finally { busy(-1); }
 }
@@ -194,21 +203,30 @@ async function fork(id, metadata) {
   catch (e) { failed(e); }
 }
 
-function rename(li, s) {
-  // the title becomes a field in its place: Enter keeps what it holds (empty: untitled), Escape or leaving it the
+function rename(li, s, reopen = null) {
+  // the title becomes a field in its place: Enter or leaving it keeps what it holds (empty: untitled), Escape the
   // old title; only the title key changes (POST /v1/sessions/{id} merges metadata), and the memory stays as it is
+  const strong = li.querySelector("strong");
+  if (!strong) return;  // its field is open: a second click on Rename, whose blur has just kept the title
+  const old = (s.metadata && s.metadata.title) || "";
   const field = document.createElement("input");
   field.className = "rename";  // the list redrawn under it puts the focus back on this card's Rename
-  field.value = (s.metadata && s.metadata.title) || "";
+  field.value = reopen ? reopen.value : old;
   field.setAttribute("aria-label", `New title for session ${s.id}`);
-  let done = false;
+  renaming = { id: s.id, field };
   const finish = async (save) => {
-    if (done) return;
-    done = true;
-    if (save) {
+    if (!renaming || renaming.field !== field) return;  // closed already, or redrawn
+    renaming = null;
+    const title = field.value.trim();
+    if (save && title !== old) {
       showError("");
-      try { await api("POST", "/v1/sessions/" + s.id, { metadata: { title: field.value.trim() || null } }); }
-      catch (e) { failed(e); }
+      try { await api("POST", "/v1/sessions/" + s.id, { metadata: { title: title || null } }); }
+      catch (e) {  // refused (a 409 while a request runs on it, say): the field stays, with what was typed
+        failed(e);
+        if (String(e.message).startsWith("404")) return refreshList();  // gone: its card goes too
+        if (field.isConnected) renaming = { id: s.id, field };
+        return;
+      }
     }
     await refreshList();
   };
@@ -216,9 +234,12 @@ function rename(li, s) {
     if (e.key === "Enter") { e.preventDefault(); finish(true); }
     else if (e.key === "Escape") { e.preventDefault(); e.stopPropagation(); finish(false); }  // not a stream's cancel
   });
-  field.addEventListener("blur", () => finish(false));
-  li.querySelector("strong").replaceWith(field);
-  field.focus(); field.select();
+  field.addEventListener("blur", () => finish(true));
+  strong.replaceWith(field);
+  if (!reopen || reopen.focused) {
+    field.focus();
+    if (reopen) field.setSelectionRange(...reopen.range); else field.select();
+  }
 }
 
 async function remove(id) {

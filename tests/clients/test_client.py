@@ -134,8 +134,13 @@ def test_sessions_crud_append_fork(client: Client) -> None:
     updated = client.sessions.update(created.id, metadata={"user": None, "title": "tale"})
     assert isinstance(updated, Session) and updated.metadata == {"title": "tale"} and updated.tokens_seen == 26
     assert client.sessions.get(created.id).metadata == {"title": "tale"}
-    with pytest.raises(ValueError, match="mapping"):
-        client.sessions.update(created.id, metadata=[("title", "x")])  # type: ignore[arg-type]
+    for bad in ([("title", "x")], {5: "n"}):  # JSON had made the key 5 "5"
+        with pytest.raises(ValueError, match="mapping of str keys"):
+            client.sessions.update(created.id, metadata=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"a str \(session.id\), not Session"):
+        client.sessions.update(got, metadata={"title": "x"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'import' is no session's id"):
+        client.sessions.update("import", metadata={"title": "x"})
     with pytest.raises(BadRequestError) as bad:
         client.sessions.update(created.id, metadata={"n": 1})  # type: ignore[dict-item]
     assert bad.value.param == "metadata.n"

@@ -277,6 +277,29 @@ async def test_a_commit_whose_reply_is_lost_is_found_landed_or_not(
         await lease.release()
 
 
+async def test_a_commit_whose_reply_is_lost_has_landed_though_renamed_since(
+    store: MemoryStore, other_store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit gives the lease back as it writes, so a rename can land before the lost reply's read: the header
+    compared byte for byte then said "not stored", and the 503 invited a retry that continued the session twice
+    (found by a helper)."""
+    info = await store.create(tensors=make_state(), mem_len=8, metadata={"title": "old"})
+    tier = store._redis
+    write = tier.write
+
+    async def lost(*args: object, **kw: object) -> str:
+        await write(*args, **kw)
+        await other_store.update_metadata(info.session_id, {"title": "new"})
+        raise StoreUnavailable("Redis at test is unavailable: Timeout reading from socket")
+
+    lease = await store.lease(info.session_id)
+    monkeypatch.setattr(tier, "write", lost)
+    done = await store.commit(lease, make_state(seed=1), tokens_seen=8, release=True)
+    assert done.version == 2 and done.tokens_seen == 8 and lease.released
+    got = await other_store.info(info.session_id)
+    assert (got.version, got.tokens_seen, got.metadata) == (2, 8, {"title": "new"})
+
+
 async def test_a_commit_whose_outcome_cannot_be_read_is_commit_unknown(
     store: MemoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -741,6 +741,11 @@ def test_session_metadata_update_merges_keys_and_leaves_the_memory_hot(server):
     assert "17 keys, over 16" in r.json()["error"]["message"]
     r = httpx.post(f"{server.url}/v1/sessions/{sid}", json={"metadata": {**too_many, "title": None}}, timeout=30)
     assert r.status_code == 200 and len(r.json()["metadata"]) == 16
+    every = {**{k: None for k in r.json()["metadata"]}, **{f"n{i}": "v" for i in range(16)}}  # 32: 16 out, 16 in
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}", json={"metadata": every}, timeout=30)
+    assert r.status_code == 200 and r.json()["metadata"] == {f"n{i}": "v" for i in range(16)}, r.text
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}", json={"metadata": {"n0": "w", "x": "y"}}, timeout=30)
+    assert r.status_code == 400 and "17 keys, over 16" in r.json()["error"]["message"], r.text  # one message
 
 
 def test_memory_is_fixed_size(server):

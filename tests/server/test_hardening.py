@@ -68,11 +68,15 @@ def test_a_stored_session_with_bad_metadata_stays_readable(server, redis_url):
     r = redis.Redis.from_url(redis_url)
     key = f"txl:{{{sid}}}"
     header = json.loads(r.hget(key, "header"))
-    header["metadata"] = {"k": "\ud800"}
+    header["metadata"] = {"k": "\ud800", "": "an empty key"}
     r.hset(key, "header", json.dumps(header))  # ensure_ascii writes the "\ud800" escape, as old servers did
     got = httpx.get(f"{server.url}/v1/sessions/{sid}")
-    assert got.status_code == 200 and got.json()["metadata"] == {"k": "?"}
+    assert got.status_code == 200 and got.json()["metadata"] == {"k": "?", "": "an empty key"}
     assert httpx.get(server.url + "/v1/sessions?limit=100").status_code == 200
+    # and its metadata can be changed: an empty key (no longer accepted) removed, the text kept as it reads now
+    changed = httpx.post(f"{server.url}/v1/sessions/{sid}", json={"metadata": {"": None, "n": "1"}})
+    assert changed.status_code == 200 and changed.json()["metadata"] == {"k": "?", "n": "1"}, changed.text
+    assert json.loads(r.hget(key, "header"))["metadata"] == {"k": "?", "n": "1"}
 
 
 @pytest.mark.parametrize("cursor", ["%C2%B2.abc", "\u00b2.abc", "1.", ".abc", "-1.abc", "1" * 30 + ".abc",

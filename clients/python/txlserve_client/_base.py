@@ -136,6 +136,8 @@ def completion_call(body: dict[str, Any]) -> Call[Completion]:
 def _sid(session_id: str) -> str:
     """One path segment. A URL's "." and ".." segments are removed (RFC 3986) before the request leaves: sent as
     they are, get(".") read the session list and get("..") a 404 for /v1; escaped, they name no session."""
+    if not isinstance(session_id, str):  # a Session passed whole said "quote_from_bytes() expected bytes"
+        raise TypeError(f"session_id is a session's id, a str (session.id), not {type(session_id).__name__}")
     if not session_id:
         raise ValueError("session_id must be a non-empty string")
     quoted = quote(session_id, safe="")
@@ -164,9 +166,10 @@ def session_list_call(limit: int | None, after: str | None, order: str | None = 
 
 def session_update_call(session_id: str, metadata: Mapping[str, str | None]) -> Call[Session]:
     """Idempotent (the same keys set to the same values), so retried as a read is."""
-    if not isinstance(metadata, Mapping):
-        raise ValueError(f"metadata is a mapping of keys to strings (None removes a key), not "
-                         f"{type(metadata).__name__}")
+    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):  # JSON made 5 "5"
+        raise ValueError(f"metadata is a mapping of str keys to strings (None removes a key), not {metadata!r:.80}")
+    if session_id == "import":  # that path imports a session: no session the server made has this id
+        raise ValueError("'import' is no session's id (POST /v1/sessions/import imports one): pass a session's id")
     return Call("POST", f"/v1/sessions/{_sid(session_id)}", Session.from_dict, json={"metadata": dict(metadata)},
                 retry=True)
 

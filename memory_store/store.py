@@ -656,22 +656,23 @@ class MemoryStore:
     # -- helpers -----------------------------------------------------------
 
     async def _landed(self, session_id: str, header: bytes, *, final: bool, error: StoreUnavailable) -> bool:
-        """Whether a commit whose reply never came was stored: its header is the session's now, but for metadata,
-        which a rename may have changed since, the commit having given the lease back as it wrote (a 503 for a
-        commit that had landed, retried as the README says, continued the session twice; found by helpers). A
-        write Redis had not yet run is refused once its deadline passes on Redis's clock, which the wait for the
-        reply outlasted, so "not stored" is final (``final``: the write carried a deadline).
-        ``CommitUnknown`` where Redis does not answer this either, or where it is not final."""
+        """Whether a commit whose reply never came was stored (a 503 for a commit that had landed, retried as the
+        README says, continued the session twice; found by helpers). The commit gave the lease back as it wrote,
+        so the session may have changed since: see :func:`_verdict`. A write Redis had not yet run is refused once
+        its deadline passes on Redis's clock, which the wait for the reply outlasted, so "not stored" is final
+        (``final``: the write carried a deadline). ``CommitUnknown`` where Redis does not answer this either, where
+        the session was written since, or where "not stored" is not final."""
         try:
             raw, _, _ = await self._redis.read(session_id, None, payload=False, touch=False)
         except StoreUnavailable:
-            raw = None
+            verdict = None
         else:
-            if raw is not None and _same_but_metadata(raw, header):
+            verdict = False if raw is None else _verdict(raw, header)
+            if verdict:
                 log.warning("session %s: the reply to its commit was lost (%s), and the commit had landed",
                             session_id, error)
                 return True
-            if final:
+            if verdict is False and final:
                 return False
         raise CommitUnknown(f"Redis at {self._redis.where} stopped answering as session {session_id!r} was "
                             "committed, and it is not known whether the commit landed: read the session "
@@ -839,14 +840,20 @@ class MemoryStore:
         return {name: t.detach().to(self.device) for name, t in tensors.items()}
 
 
-def _same_but_metadata(raw: bytes, header: bytes) -> bool:
+def _verdict(raw: bytes, header: bytes) -> bool | None:
+    """Whether the commit whose header is ``header`` is the one stored as ``raw``: True where the stored record is
+    that commit's memory (its version and time written: a metadata update and a demotion to the cold tier keep
+    both), False where it is older, None where another write came since (a commit through another lease, which
+    may have followed this one or taken its place once its lease expired)."""
     if raw == header:
         return True
     try:
         stored, ours = codec.decode_header(raw), codec.decode_header(header)
     except (SessionCorrupt, SessionIncompatible):
-        return False
-    return dataclasses.replace(stored, metadata=ours.metadata) == ours
+        return None
+    if stored.revision == ours.revision:
+        return True
+    return None if stored.version >= ours.version else False
 
 
 def shown(session_id: object) -> str:

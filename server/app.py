@@ -17,7 +17,6 @@ from typing import Any
 import swagger_ui_bundle
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import Headers
@@ -316,6 +315,37 @@ async def _refuse(send: Send, status: int, message: str, code: str, *, close: bo
                      headers=headers)
 
 
+# Every URL in it is relative to the page, and its document's server is the page's directory, so that behind a proxy
+# that serves the server under a prefix (/txl/docs) the assets, the document and "Try it out" keep the prefix: with
+# FastAPI's page (absolute URLs, and OpenAPI's default server "/") it was blank there, and its calls went to the
+# proxy's root. The newest offline Swagger UI (swagger-ui-bundle 1.1: Swagger UI 4.15) renders OpenAPI 3.0, not the
+# 3.1 that FastAPI writes, and said only "Unable to render this definition": the page shows the document as 3.0
+# (its schemas read the same there; /openapi.json itself stays 3.1).
+_DOCS_PAGE = """<!DOCTYPE html>
+<html>
+<head>
+<meta name="viewport" content="width=device-width, initial-scale=1.0">
+<link type="text/css" rel="stylesheet" href="docs/static/swagger-ui.css">
+<link rel="shortcut icon" href="docs/static/favicon-32x32.png">
+<title>txlserve API</title>
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="docs/static/swagger-ui-bundle.js"></script>
+<script>
+fetch("openapi.json").then((r) => r.json()).then((spec) => {
+  spec.openapi = "3.0.3";  // what Swagger UI 4 renders (it refused FastAPI's 3.1.0: "Unable to render this definition")
+  spec.servers = [{ url: new URL(".", location.href).href.replace(/\\/$/, "") }];
+  window.ui = SwaggerUIBundle({ spec, dom_id: "#swagger-ui", layout: "BaseLayout", deepLinking: true,
+    showExtensions: true, showCommonExtensions: true,
+    presets: [SwaggerUIBundle.presets.apis, SwaggerUIBundle.SwaggerUIStandalonePreset] });
+});
+</script>
+</body>
+</html>
+"""
+
+
 def _offline_docs(app: FastAPI) -> None:
     """Swagger UI at /docs from the installed swagger-ui-bundle, not a CDN, so it works offline."""
     app.mount("/docs/static", ws.http_only(StaticFiles(directory=swagger_ui_bundle.swagger_ui_path)),
@@ -323,10 +353,7 @@ def _offline_docs(app: FastAPI) -> None:
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url=app.openapi_url, title="txlserve API",
-                                   swagger_js_url="/docs/static/swagger-ui-bundle.js",
-                                   swagger_css_url="/docs/static/swagger-ui.css",
-                                   swagger_favicon_url="/docs/static/favicon-32x32.png")
+        return HTMLResponse(_DOCS_PAGE)
 
 
 STATIC = Path(__file__).resolve().parent / "static"

@@ -279,6 +279,23 @@ def test_the_playground_works_under_a_path_prefix(server, browser, tmp_path):
         assert not errors, errors
         assert "frame-ancestors 'none'" in httpx.get(url, timeout=30).headers["content-security-policy"]
 
+        # the API's docs too: their assets and document load through the prefix (absolute URLs had left the page
+        # blank), and "Try it out" calls it there (OpenAPI's default server, "/", called the proxy's root)
+        driver.get(url + "docs")
+        _wait(driver, lambda d: d.execute_script("return !!window.ui && document.querySelectorAll('.opblock')"
+                                                 ".length > 10"), "the docs' operations, through the prefix")
+        models = ("const b = [...document.querySelectorAll('.opblock-get')]"
+                  ".find((b) => b.querySelector('.opblock-summary-path[data-path=\"/v1/models\"]'));")
+        for button in (".opblock-summary-control", ".try-out__btn", ".execute"):  # open it, Try it out, Execute
+            click = models + f"const e = b.querySelector('{button}'); return !!e && (e.click(), true)"
+            _wait(driver, lambda d, click=click: d.execute_script(click), f"the docs' {button}")
+        answer = models + ("const u = b.querySelector('.request-url pre'), "
+                           "s = b.querySelector('.live-responses-table tbody .response-col_status'); "
+                           "return u && s && [u.textContent.trim(), s.textContent.trim()]")
+        assert _wait(driver, lambda d: d.execute_script(answer), "Try it out's answer") == [url + "v1/models", "200"]
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+
         # a page whose name was rebound to this proxy's address: the proxy connects by address (its Host is
         # 127.0.0.1:UPSTREAM) but passes the page's host on in X-Forwarded-Host, checked as a Host is (it had let
         # the page load the playground and export and delete sessions: found by a helper)
@@ -727,6 +744,16 @@ def test_the_playground_renames_a_session_in_place(server, browser, redis_url):
         assert box.get_attribute("class") == "rename" and box.get_attribute("aria-label").endswith(session)
         return box
 
+    def to_other(kept: str) -> None:
+        """Rename on the other card: this card's field closes, showing ``kept``, and the other's opens (Escape)."""
+        _click(driver, f'#sessions li[data-id="{other}"] button.rename')
+        _wait(driver, lambda d: title() == kept, f"this card's title: {kept}")
+        _settled(driver)
+        box = driver.switch_to.active_element
+        assert box.get_attribute("class") == "rename" and box.get_attribute("aria-label").endswith(other)
+        box.send_keys(Keys.ESCAPE)
+        _wait(driver, lambda d: title(other) == "other", "the other card's field closed by Escape")
+
     box = field()
     assert box.get_attribute("value") == "draft"
     box.send_keys(Keys.CONTROL, "a")
@@ -769,30 +796,41 @@ def test_the_playground_renames_a_session_in_place(server, browser, redis_url):
         box = driver.switch_to.active_element
         assert box.get_attribute("class") == "rename" and box.get_attribute("value") == "busy title"
         assert metadata()["title"] == "act 3"
+        # another card's Rename now: leaving this field sends it again, refused again; one rename at a time, so
+        # this one closes and that one opens, and works (this one's refusal had left that one's keys doing nothing)
+        to_other("act 3")
+        assert "409 session_busy" in _by_id(driver, "error").text
     finally:
         held.delete(lease_key(sid))
         held.close()
+    box = field()
+    box.send_keys(Keys.CONTROL, "a")
+    box.send_keys("busy title")
     _click(driver, f'#sessions li[data-id="{sid}"] button.rename')  # a second click on Rename: leaves the field,
     _wait(driver, lambda d: title() == "busy title", "the title kept by leaving the field")  # which keeps it
     assert metadata()["title"] == "busy title"
 
     box = field()  # another card's Rename while this one's field is open: this one kept, that one opened
     box.send_keys(Keys.END, " 2")
-    _click(driver, f'#sessions li[data-id="{other}"] button.rename')
-    _wait(driver, lambda d: title() == "busy title 2", "the first title kept")
-    _settled(driver)
-    box = driver.switch_to.active_element
-    assert box.get_attribute("class") == "rename" and box.get_attribute("aria-label").endswith(other)
-    box.send_keys(Keys.ESCAPE)
-    _wait(driver, lambda d: title(other) == "other", "the other card's title back")
+    to_other("busy title 2")
 
     box = field()
     box.send_keys(Keys.CONTROL, "a")
     box.send_keys(Keys.DELETE, Keys.ENTER)
     _wait(driver, lambda d: title() == "untitled", "an empty title: untitled")
     assert metadata() == {"by": "ada"} and metadata(other) == {"title": "other"}
+
+    # Delete clicked with an edit in the field: leaving it sends the title as the session goes, and its 404 (when
+    # the delete wins) is no error to show
+    doomed = httpx.post(f"{server.url}/v1/sessions", json={}, timeout=30).json()["id"]
+    _by_id(driver, "refresh").click()
+    box = field(doomed)
+    box.send_keys("doomed")
+    _click(driver, f'#sessions li[data-id="{doomed}"] button.delete')
+    _wait(driver, lambda d: doomed not in _sessions(d), "the deleted card gone")
     _settled(driver)
-    assert not _severe(driver, "409")
+    assert _by_id(driver, "error").text == ""
+    assert not _severe(driver, "409", "404")
 
 
 def test_the_playground_keeps_an_older_selection_and_the_keyboard_can_skip_the_list(server, browser):

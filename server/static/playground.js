@@ -219,12 +219,16 @@ function rename(li, s, reopen = null) {
     renaming = null;
     const title = field.value.trim();
     if (save && title !== old) {
-      showError("");
-      try { await api("POST", "/v1/sessions/" + s.id, { metadata: { title: title || null } }); }
-      catch (e) {  // refused (a 409 while a request runs on it, say): the field stays, with what was typed
-        failed(e);
-        if (String(e.message).startsWith("404")) return refreshList();  // gone: its card goes too
-        if (field.isConnected) renaming = { id: s.id, field };
+      // an error shown stays until the answer: cleared as the field left (on the mousedown of another card's
+      // Rename), it moved the list up under the pointer, and the click landed beside that button
+      try { await api("POST", "/v1/sessions/" + s.id, { metadata: { title: title || null } }); showError(""); }
+      catch (e) {
+        // gone (deleted here, the Delete that took the focus from the field, or elsewhere): its card goes too, and
+        // no error: the session's absence says it
+        if (String(e.message).startsWith("404")) { showError(""); return refreshList(); }
+        failed(e);  // refused (a 409 while a request runs on it, say): the field stays, with what was typed,
+        if (renaming === null && field.isConnected) renaming = { id: s.id, field };
+        else refreshList();  // unless another card's opened meanwhile: one rename at a time
         return;
       }
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -277,27 +278,46 @@ async def test_a_commit_whose_reply_is_lost_is_found_landed_or_not(
         await lease.release()
 
 
-async def test_a_commit_whose_reply_is_lost_has_landed_though_renamed_since(
-    store: MemoryStore, other_store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("since", ["renamed", "demoted", "continued"])
+async def test_a_commit_whose_reply_is_lost_is_judged_by_what_was_written_since(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, since: str
 ) -> None:
-    """The commit gives the lease back as it writes, so a rename can land before the lost reply's read: the header
-    compared byte for byte then said "not stored", and the 503 invited a retry that continued the session twice
-    (found by a helper)."""
-    info = await store.create(tensors=make_state(), mem_len=8, metadata={"title": "old"})
-    tier = store._redis
-    write = tier.write
+    """The commit gives the lease back as it writes, so the session can change before the lost reply's read. The
+    header compared byte for byte then said "not stored", and the 503 invited a retry that continued the session
+    twice (found by helpers): a rename or a demotion keeps the commit's version and time, so it landed; a later
+    commit (another request's) may have followed it or taken its place, so that is not known."""
+    identity = dataclasses.replace(IDENTITY, tokenizer="byte:test")
+    window = {"window": torch.arange(8, dtype=torch.int32)}
+    async with (MemoryStore.from_url(redis_url, identity=identity) as store,
+                MemoryStore.from_url(redis_url, identity=identity) as other):
+        info = await store.create(tensors={**make_state(), **window}, mem_len=8, tokens_seen=8,
+                                  metadata={"title": "old"})
+        tier = store._redis
+        write = tier.write
 
-    async def lost(*args: object, **kw: object) -> str:
-        await write(*args, **kw)
-        await other_store.update_metadata(info.session_id, {"title": "new"})
-        raise StoreUnavailable("Redis at test is unavailable: Timeout reading from socket")
+        async def lost(*args: object, **kw: object) -> str:
+            await write(*args, **kw)
+            if since == "renamed":
+                await other.update_metadata(info.session_id, {"title": "new"})
+            elif since == "demoted":
+                assert await other.demote(info.session_id)
+            else:
+                async with other.lease(info.session_id) as lease:
+                    await other.commit(lease, {**make_state(seed=2), **window}, tokens_seen=8)
+            raise StoreUnavailable("Redis at test is unavailable: Timeout reading from socket")
 
-    lease = await store.lease(info.session_id)
-    monkeypatch.setattr(tier, "write", lost)
-    done = await store.commit(lease, make_state(seed=1), tokens_seen=8, release=True)
-    assert done.version == 2 and done.tokens_seen == 8 and lease.released
-    got = await other_store.info(info.session_id)
-    assert (got.version, got.tokens_seen, got.metadata) == (2, 8, {"title": "new"})
+        lease = await store.lease(info.session_id)
+        monkeypatch.setattr(tier, "write", lost)
+        if since == "continued":
+            with pytest.raises(CommitUnknown, match="not known whether the commit landed"):
+                await store.commit(lease, {**make_state(seed=1), **window}, tokens_seen=8, release=True)
+            return
+        done = await store.commit(lease, {**make_state(seed=1), **window}, tokens_seen=8, release=True)
+        assert done.version == 2 and lease.released
+        got = await other.info(info.session_id)
+        assert (got.version, got.updated_at) == (done.version, done.updated_at)
+        assert (got.metadata, got.tier) == (({"title": "new"}, "redis") if since == "renamed"
+                                            else ({"title": "old"}, "cold"))
 
 
 async def test_a_commit_whose_outcome_cannot_be_read_is_commit_unknown(

@@ -17,7 +17,7 @@ from typing import Any
 import swagger_ui_bundle
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import Headers
 from starlette.routing import compile_path
@@ -353,7 +353,14 @@ def _offline_docs(app: FastAPI) -> None:
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
-        return HTMLResponse(_DOCS_PAGE)
+        # framed by another site, its Execute buttons could be clicked for a keyless server, as the playground's
+        return HTMLResponse(_DOCS_PAGE, headers={"content-security-policy": "frame-ancestors 'none'",
+                                                 "x-frame-options": "DENY"})
+
+    @app.get("/docs/", include_in_schema=False)
+    async def docs_slash() -> RedirectResponse:
+        """Relative, so that it stays under a proxy's prefix (/txl/docs/ → /txl/docs)."""
+        return RedirectResponse("../docs", status_code=307)
 
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -412,7 +419,7 @@ def build_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     routers = [module.router for module in (health, completions, sessions, tokenize, ws)]
     for router in routers:
         app.include_router(router)
-    describe_errors(app, routers)
+    describe_errors(app, routers, model=settings.model_name)
 
     app.add_middleware(HeadAsGet)  # innermost: the log and the limits still see HEAD
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)

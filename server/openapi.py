@@ -1,7 +1,7 @@
-"""The OpenAPI document says what the server answers. FastAPI's lists, for every operation that reads input, a 422
-with its own ``{"detail": [...]}`` body, where this server answers 400 in OpenAI's error shape; it names none of
-the other errors the routes answer, nor the Bearer keys. Clients generated from the document (and fuzzers that
-read it) followed it."""
+"""The OpenAPI document says what the server answers, and gives "Try it out" bodies it takes. FastAPI's lists, for
+every operation that reads input, a 422 with its own ``{"detail": [...]}`` body, where this server answers 400 in
+OpenAI's error shape; it names none of the other errors the routes answer, nor the Bearer keys. Clients generated
+from the document (and fuzzers that read it) followed it."""
 
 from __future__ import annotations
 
@@ -29,8 +29,24 @@ def _keyed(routers: list[APIRouter]) -> set[tuple[str, str]]:
             for method in route.methods}
 
 
-def describe_errors(app: FastAPI, routers: list[APIRouter]) -> None:
+def _examples(model: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """A body each of these operations takes as it is: the docs' "Try it out" made its own from the schemas, which
+    the server refused (a seed of -2^63, rounded by JavaScript past the bound; "model": "string"; beam search)."""
+    return {
+        ("/v1/completions", "post"): {"model": model, "prompt": "ROMEO:", "max_tokens": 32, "temperature": 0.8},
+        ("/v1/sessions", "post"): {"text": "ROMEO:\nBut soft, what light through yonder window breaks?\n",
+                                   "metadata": {"title": "balcony"}},
+        ("/v1/sessions/{session_id}", "post"): {"metadata": {"title": "balcony, act 2", "draft": None}},
+        ("/v1/sessions/{session_id}/append", "post"): {"text": "JULIET:\nAy me!\n"},
+        ("/v1/sessions/{session_id}/fork", "post"): {"metadata": {"title": "balcony (fork)"}},
+        ("/tokenize", "post"): {"prompt": "ROMEO:"},
+        ("/detokenize", "post"): {"tokens": [82, 79, 77, 69, 79, 58]},  # "ROMEO:" in bytes (the bundled model's)
+    }
+
+
+def describe_errors(app: FastAPI, routers: list[APIRouter], *, model: str) -> None:
     generate: Callable[[], dict[str, Any]] = app.openapi
+    examples = _examples(model)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -57,6 +73,8 @@ def describe_errors(app: FastAPI, routers: list[APIRouter]) -> None:
                     op["security"] = [{"bearer": []}]
                 if "{" in path:
                     responses["404"] = _error("no such session (or model)")
+                if (path, method) in examples:
+                    op["requestBody"]["content"]["application/json"]["example"] = examples[path, method]
                 if "requestBody" in op:
                     responses["413"] = _error("the body is larger than the server's --max-body-bytes, or its prompt "
                                               "or document more tokens than --max-prompt-bytes or --max-append-bytes "

@@ -26,7 +26,7 @@ from server.completion import (
 )
 from server.deps import owner, request_fields, runtime
 from server.errors import stream_error
-from server.protocol import CompletionRequest
+from server.protocol import CompletionObject, CompletionRequest
 from server.runtime import Runtime
 from server.scheduler import PromptScores
 from server.service import Final
@@ -55,7 +55,11 @@ async def chat_completions(_owner: str | None = Depends(owner)) -> None:  # a ke
                               param="model")
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, responses={200: {
+    "model": CompletionObject,  # the document had none: a generated client (and the docs' example) read "string"
+    "description": "the completion; with stream, server-sent events: `data: ` and a chunk of this shape (its "
+                   "choices' text the new text alone), then `data: [DONE]`",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
 async def create_completion(req: CompletionRequest, request: Request, rt: Runtime = Depends(runtime),
                             who: str | None = Depends(owner)) -> Response:
     t0 = time.monotonic()

@@ -10,6 +10,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
+from server.protocol import CompletionObject
 from tests.live import LONG, MODEL, wait_for
 
 TEXT_A = "It was the best of times, it was the worst of times, "
@@ -50,6 +51,12 @@ def test_completion_shape(server):
     assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert "session" not in out
+    # the shape the OpenAPI document gives its 200 (it gave none: a generated client read "string")
+    doc = httpx.get(server.url + "/openapi.json").json()
+    ok = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"]["$ref"] == "#/components/schemas/CompletionObject"
+    assert "text/event-stream" in ok
+    assert CompletionObject.model_validate(out).dump() == out
 
 
 def test_sse_exact_shape(server):

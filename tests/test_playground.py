@@ -800,6 +800,21 @@ def test_the_playground_renames_a_session_in_place(server, browser, redis_url):
         # this one closes and that one opens, and works (this one's refusal had left that one's keys doing nothing)
         to_other("act 3")
         assert "409 session_busy" in _by_id(driver, "error").text
+        # the list redrawn while the title is on its way, then refused: the field opens again with what was typed
+        driver.execute_script(HOLD, "POST", f"/v1/sessions/{sid}")
+        box = field()
+        box.send_keys(Keys.CONTROL, "a")
+        box.send_keys("held title", Keys.ENTER)
+        _wait(driver, lambda d: d.execute_script("return window.held.length") == 1, "the title, held on its way")
+        driver.execute_script("refreshList()")
+        _settled(driver)
+        assert title() == "act 3"  # the field closed by the redraw
+        driver.execute_script("window.release(); window.fetch = window.unheld")
+        _wait(driver, lambda d: d.execute_script("return window.answered") == 1, "the refusal, read")
+        box = driver.find_element("css selector", f'#sessions li[data-id="{sid}"] input.rename')
+        assert box.get_attribute("value") == "held title" and box == driver.switch_to.active_element
+        box.send_keys(Keys.ESCAPE)
+        _wait(driver, lambda d: title() == "act 3", "the old title back")
     finally:
         held.delete(lease_key(sid))
         held.close()

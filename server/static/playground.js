@@ -226,9 +226,14 @@ function rename(li, s, reopen = null) {
         // gone (deleted here, the Delete that took the focus from the field, or elsewhere): its card goes too, and
         // no error: the session's absence says it
         if (String(e.message).startsWith("404")) { showError(""); return refreshList(); }
-        failed(e);  // refused (a 409 while a request runs on it, say): the field stays, with what was typed,
-        if (renaming === null && field.isConnected) renaming = { id: s.id, field };
-        else refreshList();  // unless another card's opened meanwhile: one rename at a time
+        failed(e);  // refused (a 409 while a request runs on it, say): the field stays, with what was typed
+        // (opened again on its card where the list was redrawn while the title was on its way), unless another
+        // card's opened meanwhile: one rename at a time
+        if (renaming !== null) return refreshList();
+        const card = $("sessions").querySelector(`li[data-id="${CSS.escape(s.id)}"]`);
+        if (field.isConnected) renaming = { id: s.id, field };
+        else if (card) rename(card, s, { value: field.value, focused: card.contains(document.activeElement),
+                                         range: [field.selectionStart, field.selectionEnd] });
         return;
       }
     }

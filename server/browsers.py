@@ -69,7 +69,7 @@ PRIVATE_SUFFIXES = (".local", ".internal", ".home.arpa")  # mDNS's, ICANN's and 
 def name_allowed(name: str, allowed: tuple[str, ...], *, strict: bool = False) -> bool:
     """``allowed`` holds names and ``*.suffix`` patterns (a pattern matches a subdomain, not the suffix itself);
     ``strict``: names the LAN can answer for are not taken (on loopback, or where a list says which names are)."""
-    if not name or _ip(name) is not None or name == "localhost" or name.endswith(".localhost") or name == _HOSTNAME:
+    if not name or _ip(name) is not None or _localhost(name) or name == _HOSTNAME:
         return True  # no Host (HTTP/1.0, never a browser) is no name a page could have chosen
     if not strict and ("." not in name or name.endswith(PRIVATE_SUFFIXES)):
         return True
@@ -84,7 +84,11 @@ def loopback_name(host: str) -> bool:
     ``localhost`` and the names under it (what ``--host`` may be without the keyless warning)."""
     name = host_name(host)
     ip = _ip(name)
-    return name == "localhost" or name.endswith(".localhost") if ip is None else ip.is_loopback
+    return _localhost(name) if ip is None else ip.is_loopback
+
+
+def _localhost(name: str) -> bool:
+    return name == "localhost" or name.endswith(".localhost")  # RFC 6761: always this host
 
 
 def loopback_socket(scope: Scope) -> bool:

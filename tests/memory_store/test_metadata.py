@@ -133,6 +133,7 @@ async def test_updates_refused(store: MemoryStore, raw: redis.asyncio.Redis) -> 
         await store.update_metadata("no-such-session", {"k": "v"})
     with pytest.raises(InvalidRequestError, match="3 keys, over 2: remove keys by setting them to null"):
         await store.update_metadata(made.session_id, {"c": "3"}, owner=owner, max_keys=2)
+    assert await raw.hget(session_key(made.session_id), "header") == before  # nothing written by the refusals
     assert (await store.update_metadata(made.session_id, {"a": None, "c": "3"}, owner=owner, max_keys=2)).metadata \
         == {"b": "2", "c": "3"}  # the bound is on the result: one removed, one added
     before = await raw.hget(session_key(made.session_id), "header")

@@ -102,6 +102,12 @@ def _create_and_continue(driver, what: str) -> None:
     _wait(driver, lambda d: "finish_reason: length, 8 tokens" in _by_id(d, "finish").text, f"the stream's end {what}")
 
 
+def _generated(driver) -> str:
+    """The streamed continuation's text (the page shows it in blocks)."""
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#output .generated')].map(e => e.textContent).join('')")
+
+
 def _sessions(driver) -> list[str]:
     """The listed session ids, read in one script call (the list is re-rendered as it refreshes)."""
     return driver.execute_script("return [...document.querySelectorAll('#sessions li')].map(li => li.dataset.id)")
@@ -142,7 +148,7 @@ def test_the_playground_creates_streams_cancels_and_forks(server, browser, tmp_p
     _wait(driver, lambda d: "finish_reason" in _by_id(d, "finish").text, "the end of the stream")
     assert "finish_reason: length, 40 tokens" in _by_id(driver, "finish").text
     assert _by_id(driver, "prompt").get_attribute("value") == ""  # in the session now: a second click resent it
-    streamed = _by_id(driver, "generated").get_attribute("textContent")
+    streamed = _generated(driver)
     http = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": "Or to take arms", "max_tokens": 40, "temperature": 0, "session_id": twin})
     assert streamed == http.json()["choices"][0]["text"]
@@ -154,7 +160,7 @@ def test_the_playground_creates_streams_cancels_and_forks(server, browser, tmp_p
     _type(driver, "max-tokens", str(LONG))  # more than an engine of its own makes before the click lands
     _type(driver, "temperature", "0.8")
     _by_id(driver, "continue").click()
-    _wait(driver, lambda d: len(_by_id(d, "generated").get_attribute("textContent")) >= 5, "some streamed text")
+    _wait(driver, lambda d: len(_generated(d)) >= 5, "some streamed text")
     # the keyboard's focus moved to Cancel (Continue, disabled under it, dropped it to the page), and Escape cancels
     assert driver.switch_to.active_element.get_attribute("id") == "cancel"
     driver.switch_to.active_element.send_keys(Keys.ESCAPE)
@@ -361,7 +367,7 @@ def test_the_playground_with_api_keys_connects_once_a_key_is_typed_and_shows_a_s
         # the server killed mid-stream: the page said only "connection closed (1006)", still "connected"
         _type(driver, "max-tokens", str(LONG))
         _by_id(driver, "continue").click()
-        _wait(driver, lambda d: len(_by_id(d, "generated").get_attribute("textContent")) >= 5, "a long stream")
+        _wait(driver, lambda d: len(_generated(d)) >= 5, "a long stream")
         srv.kill()
         _wait(driver, lambda d: "connection to the server was lost" in _by_id(d, "error").text, "the lost server")
         assert "does not answer" in _by_id(driver, "model-line").text
@@ -454,15 +460,15 @@ def test_the_playground_shows_only_the_selected_sessions_figures_and_output(serv
     _type(driver, "max-tokens", str(LONG))
     _type(driver, "temperature", "0.8")
     _by_id(driver, "continue").click()
-    _wait(driver, lambda d: len(_by_id(d, "generated").get_attribute("textContent")) >= 5, "A's stream")
+    _wait(driver, lambda d: len(_generated(d)) >= 5, "A's stream")
     _click(driver, f'#sessions li[data-id="{b}"] button.select')
     _wait(driver, lambda d: _by_id(d, "current").text == b, "B selected while A streams")
     assert not _by_id(driver, "output").is_displayed() and not _by_id(driver, "finish").is_displayed()
     assert _by_id(driver, "elsewhere").is_displayed()
     _click(driver, f'#sessions li[data-id="{a}"] button.select')
     _wait(driver, lambda d: _by_id(d, "output").is_displayed(), "A's stream shown again")
-    shown = len(_by_id(driver, "generated").get_attribute("textContent"))
-    _wait(driver, lambda d: len(_by_id(d, "generated").get_attribute("textContent")) > shown, "A's stream, going on")
+    shown = len(_generated(driver))
+    _wait(driver, lambda d: len(_generated(d)) > shown, "A's stream, going on")
     _click(driver, f'#sessions li[data-id="{b}"] button.select')
     _wait(driver, lambda d: _by_id(d, "current").text == b, "B selected again")
     driver.switch_to.active_element.send_keys(Keys.ESCAPE)  # A's stream, cancelled with B selected
@@ -471,6 +477,41 @@ def test_the_playground_shows_only_the_selected_sessions_figures_and_output(serv
     assert _by_id(driver, "output").get_attribute("textContent") == ""
     assert _by_id(driver, "finish").get_attribute("textContent") == ""
     _settled(driver)
+    assert not _severe(driver)
+
+
+def test_a_long_continuation_is_shown_in_blocks_of_lines_that_render_as_one_text(server, browser):
+    """A continuation is shown in blocks of whole lines, so a frame lays out its last block alone: one growing
+    text took a frame 8 ms at 100,000 characters, and the page fell seconds behind its clicks. The blocks read and
+    render as the text does in one piece: every block but the last ends its last line, and the output is as tall
+    as the same text in one node (a newline doubled at a block's end would show as a blank line)."""
+    driver = browser
+    sid = httpx.post(f"{server.url}/v1/sessions", json={"text": DOC}, timeout=30).json()["id"]
+    _open(driver, server.url + "/")
+    _click(driver, f'#sessions li[data-id="{sid}"] button.select')
+    _wait(driver, lambda d: _by_id(d, "current").text == sid, "the session selected")
+    _type(driver, "prompt", "Or not")
+    _type(driver, "max-tokens", "8000")  # the tiny model's text has a newline every ~90 characters
+    _type(driver, "temperature", "0.8")
+    _by_id(driver, "continue").click()
+    _wait(driver, lambda d: "finish_reason: length, 8000 tokens" in _by_id(d, "finish").text, "the stream's end")
+    blocks = driver.execute_script("return [...document.querySelectorAll('#output .generated')].map(e => "
+                                   "e.textContent)")
+    text = "".join(blocks)
+    assert len(text) == 8000 and len(blocks) >= 3  # a byte model: a token a character
+    assert all(b.endswith("\n") for b in blocks[:-1])
+    assert all(len(b) < 2 * 2000 for b in blocks)  # the page's BLOCK_CHARS, and one frame's deltas at most
+    # the output with the same text in one node instead is as tall
+    heights = driver.execute_script("""
+        const out = document.getElementById("output"), shown = [...out.childNodes];
+        out.style.maxHeight = "none";
+        const h = [out.getBoundingClientRect().height];
+        out.replaceChildren(shown[0].cloneNode(true), arguments[0]);
+        h.push(out.getBoundingClientRect().height);
+        out.replaceChildren(...shown); out.style.maxHeight = "";
+        return h;""", text)
+    assert heights[0] == heights[1] and heights[0] > 20 * 8000 / 200, heights  # many lines, none added
+    assert driver.execute_script("return document.getElementById('output').textContent") == "Or not" + text
     assert not _severe(driver)
 
 

@@ -1,7 +1,8 @@
 """GET /v1/ws: completions over a WebSocket, many in turn on one connection, with cancel.
 
 Client -> server: {"type": "completion.create", ...the /v1/completions fields} | {"type": "cancel", "id"?}
-Server -> client: {"type": "completion.delta", "id", "text", "logprobs"?} ... then
+Server -> client: {"type": "completion.delta", "id", "text", "logprobs"?} ... (the tokens already waiting as one is
+read leave with it, in one delta: :class:`Deltas`) then
 {"type": "completion.done", "id", "text", "finish_reason", "usage", "session"?} or {"type": "error", "id", "error"}.
 An error without an id answers the message just sent (refused before any request started, or while one runs) and
 ends nothing that runs. After a cancel, messages wait until the cancelled request has ended. As the server drains
@@ -26,7 +27,7 @@ from model.engine import TokenEvent
 from server.completion import Completion, choices, events, launch, off_loop, the_prompts
 from server.deps import ws_owner
 from server.errors import classify, error_body, stream_error, unreadable_json, validation_message
-from server.protocol import CompletionRequest
+from server.protocol import CompletionLogprobs, CompletionRequest
 from server.scheduler import PromptScores
 from txlserve.errors import InvalidRequestError, RouteNotFound, UpgradeRequired
 
@@ -46,6 +47,43 @@ def _delta(comp: Completion, *args: Any) -> str:
 def _done(comp: Completion, *args: Any) -> str:
     """A ``completion.done`` message (``Completion.done``'s arguments), as ``send_json`` writes it."""
     return _dumps(comp.done(*args).dump())
+
+
+MERGED_TOKENS = 256  # the most tokens one completion.delta carries (a client far behind: ~4 KB of text)
+
+
+class Deltas:
+    """The tokens read but not yet sent: those already waiting when one is read leave with it, in one
+    ``completion.delta`` (text, logprobs and ids in order), as vLLM merges a slow consumer's outputs. A message per
+    token (a tiny model's 10,000 a second) left a browser's page seconds behind its socket, its clicks with it."""
+
+    def __init__(self, ids: bool) -> None:
+        self.text: list[str] = []
+        self.ids: list[int] | None = [] if ids else None  # vLLM's ``token_ids``: every token's
+        self.logprobs: CompletionLogprobs | None = None
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+    def add(self, token: TokenEvent, logprobs: CompletionLogprobs | None) -> None:
+        self.text.append(token.text)
+        if self.ids is not None:
+            self.ids.append(token.token)
+        if logprobs is None:
+            return
+        if self.logprobs is None:
+            self.logprobs = logprobs
+            return
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(self.logprobs, name).extend(getattr(logprobs, name))
+
+    async def send(self, ws: WebSocket, comp: Completion) -> None:
+        """Send what waits (nothing without text, logprobs or ids: a token that released no text yet)."""
+        text, logprobs, ids = "".join(self.text), self.logprobs, self.ids
+        self.text, self.logprobs, self.ids = [], None, None if ids is None else []
+        if text or logprobs is not None or ids:  # (logprobs and a first delta's prompt ids: rendered off the loop)
+            rows = comp.prompt_rows() + (len(logprobs.tokens) if logprobs is not None else 0)
+            await ws.send_text(await off_loop(rows, _delta, comp, text, logprobs, ids))
 
 
 def _invalid(message: str, param: str | None = None) -> dict:
@@ -195,6 +233,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
         await ws.send_json({"type": "error", **stream_error(err)})
         return
     echo = req.echo and run.prompt_logprobs is None and bool(comp.echoed)  # sent with the first event, not before
+    unsent = Deltas(bool(comp.req.return_token_ids))
     answered = False
     streaming = asyncio.get_running_loop().create_future()  # until its last message is sent: the drain waits
     rt.ws_streams.add(streaming)
@@ -233,8 +272,11 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
             except StopAsyncIteration:
                 return
             except Exception as err:  # it ends the request: its id tells it from a refusal of a message just sent
+                await unsent.send(ws, comp)  # the tokens read before it
                 await ws.send_json({"type": "error", "id": comp.id, **stream_error(err)})
                 return
+            if not isinstance(item, TokenEvent):
+                await unsent.send(ws, comp)
             if echo:
                 await ws.send_text(await off_loop(comp.prompt_rows(), _delta, comp, comp.echoed, None))
                 echo = False
@@ -242,10 +284,11 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
                 await ws.send_text(await off_loop(len(item), comp.prompt_piece, run.ids, item, _dumps,
                                                   delta=True))
             elif isinstance(item, TokenEvent):
-                logprobs = comp.add(item)
-                ids = [item.token] if comp.req.return_token_ids else None  # vLLM's: every token's delta
-                if item.text or logprobs is not None or ids:  # (a first delta's prompt ids: rendered off the loop)
-                    await ws.send_text(await off_loop(comp.prompt_rows(), _delta, comp, item.text, logprobs, ids))
+                unsent.add(item, comp.add(item))
+                if item.finish_reason is None and run.events.qsize() and len(unsent) < MERGED_TOKENS:
+                    next_item = asyncio.ensure_future(stream.__anext__())  # more are ready: they leave with it
+                    continue
+                await unsent.send(ws, comp)
             elif isinstance(item, str):  # held back until the run was cancelled
                 comp.add_text(item)
                 await ws.send_json(comp.delta(item, None).dump())

@@ -109,6 +109,7 @@ function select(id) {
   refreshSelected();
 }
 
+const BLOCK_CHARS = 2000;  // a streamed continuation's text is shown in blocks of about this many characters
 let renaming = null;  // the rename under way: { id, field }
 let pending = 0;  // list refreshes in flight: document.body.dataset.pending, so a script (or test) can wait
 function busy(delta) { pending += delta; document.body.dataset.pending = String(pending); }
@@ -346,7 +347,7 @@ async function startContinue() {
   out.replaceChildren();
   const prompt = $("prompt").value;
   if (prompt) { const p = document.createElement("span"); p.className = "prompt"; p.textContent = prompt; out.appendChild(p); }
-  const gen = document.createElement("span"); gen.id = "generated"; out.appendChild(gen);
+  const gen = document.createElement("span"); gen.className = "generated"; out.appendChild(gen);
   $("finish").textContent = "streaming…";
   const socket = new WebSocket(wsUrl());
   state.socket = socket;
@@ -372,8 +373,21 @@ async function startContinue() {
   // the deltas of a frame are shown together, one text node and one scroll a frame: a text node per delta (of a
   // tiny model's 10,000 a second) made every frame lay out more nodes, the page fell behind, and a Cancel clicked
   // after 13,000 characters was acted on 12 s later, the stream then 117,000 tokens long
-  let shown = "", framed = false;
-  const show = () => { framed = false; if (shown) { gen.append(shown); shown = ""; out.scrollTop = out.scrollHeight; } };
+  let shown = "", framed = false, block = gen, blockChars = 0;
+  const show = () => {
+    framed = false;
+    if (!shown) return;
+    // in blocks of whole lines: a frame lays out the last block alone (one block of 100,000 characters took the
+    // frame 8 ms, and the page fell seconds behind its clicks); a block's last newline ends its last line
+    const cut = blockChars + shown.length >= BLOCK_CHARS ? shown.lastIndexOf("\n") : -1;
+    if (cut >= 0) {
+      block.append(shown.slice(0, cut + 1));
+      block = document.createElement("div"); block.className = "generated"; out.appendChild(block);
+      blockChars = 0; shown = shown.slice(cut + 1);
+    }
+    block.append(shown); blockChars += shown.length; shown = "";
+    out.scrollTop = out.scrollHeight;
+  };
   socket.onmessage = (event) => {
     if (!current()) return;
     const msg = JSON.parse(event.data);

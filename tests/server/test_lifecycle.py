@@ -275,6 +275,53 @@ async def test_tokens_waiting_together_leave_in_one_write(redis_url, tmp_path):
         assert end[1]["choices"][0]["finish_reason"] == "length"
 
 
+async def test_websocket_tokens_waiting_together_leave_in_one_delta(redis_url, tmp_path):
+    """Over a WebSocket the tokens already waiting when one is read leave in one ``completion.delta``: their text,
+    ids and logprobs in order (a message per token left a browser's page seconds behind). A token alone is a delta
+    alone, and the last goes out before the end."""
+    async with running_app(redis_url, tmp_path, open_gate=False) as (app, _rt, engine):
+        frames: asyncio.Queue = asyncio.Queue()
+        out: asyncio.Queue = asyncio.Queue()
+        for frame in ({"type": "websocket.connect"}, {"type": "websocket.receive", "text": json.dumps(
+                {"type": "completion.create", "model": MODEL, "prompt": "yo", "max_tokens": 5, "logprobs": 0,
+                 "return_token_ids": True})}):
+            frames.put_nowait(frame)
+
+        async def send(msg: dict) -> None:
+            if msg["type"] == "websocket.send":
+                out.put_nowait(json.loads(msg["text"]))
+
+        scope = {"type": "websocket", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "ws",
+                 "path": "/v1/ws", "raw_path": b"/v1/ws", "query_string": b"", "root_path": "", "headers": [],
+                 "client": ("127.0.0.1", 1), "server": ("test", 80), "subprotocols": [], "state": {}}
+        task = asyncio.create_task(app(scope, frames.get, send))
+        try:
+            engine.release()
+            first = await asyncio.wait_for(out.get(), 30)
+            assert (first["text"], first["token_ids"], first["prompt_token_ids"]) == ("a", [97], [121, 111])
+            engine.release(3)  # three tokens at once
+            merged = await asyncio.wait_for(out.get(), 30)
+            assert (merged["text"], merged["token_ids"]) == ("bcd", [98, 99, 100])
+            assert "prompt_token_ids" not in merged  # the first delta's alone
+            logprobs = merged["logprobs"]
+            assert logprobs["tokens"] == ["b", "c", "d"] and logprobs["text_offset"] == [1, 2, 3]
+            assert len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 3
+            engine.release()
+            last, done = await asyncio.wait_for(out.get(), 30), await asyncio.wait_for(out.get(), 30)
+            assert (last["type"], last["text"], last["token_ids"]) == ("completion.delta", "e", [101])
+            assert (done["type"], done["text"], done["finish_reason"]) == ("completion.done", "abcde", "length")
+            # a failure read after tokens waiting with it: they leave first, then the error
+            frames.put_nowait({"type": "websocket.receive", "text": json.dumps(
+                {"type": "completion.create", "model": MODEL, "prompt": "FAIL", "max_tokens": 5})})
+            engine.release(2)  # its first token, and the failure at its second
+            sent, error = await asyncio.wait_for(out.get(), 30), await asyncio.wait_for(out.get(), 30)
+            assert (sent["type"], sent["text"]) == ("completion.delta", "a")
+            assert error["type"] == "error" and error["id"] == sent["id"] and error["status"] == 400, error
+        finally:
+            frames.put_nowait({"type": "websocket.disconnect", "code": 1000})
+            await asyncio.wait_for(task, 30)
+
+
 async def test_the_cpu_latency_request_is_held_while_requests_run(redis_url, tmp_path):
     """``--cpu-latency-qos-us``: held from a request's start until its run has committed and ended (here with no
     linger), shown in /metrics, taken again by the next request, let go by the drain."""

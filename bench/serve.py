@@ -201,12 +201,16 @@ class _Connection:
                 self.writer = None
 
 
-async def _stream(conn: _Connection, body: dict[str, Any]) -> tuple[float, list[float], int, list[float]]:
-    """Time to first token, inter-token gaps, tokens (from the usage the server reports), and when each
-    token's event arrived (``perf_counter``: one event per token, text or not)."""
+async def _stream(conn: _Connection, body: dict[str, Any], *, arrivals_of_tokens: bool = False
+                  ) -> tuple[float, list[float], int, list[float]]:
+    """Time to first token, the gaps between chunks with text, tokens (from the usage the server reports), and
+    with ``arrivals_of_tokens`` when each token arrived (``perf_counter``): a chunk carries the tokens that were
+    waiting when it was written (one, while the client keeps up), so each is counted by its ids
+    (``return_token_ids``, which the first chunk answers with the prompt's: left out where not needed)."""
     t0 = time.perf_counter()
     ttft, gaps, last, n, arrivals, final_at = None, [], None, 0, [], None
-    body = {"model": conn.model, "stream": True, "stream_options": {"include_usage": True}, **body}
+    body = {"model": conn.model, "stream": True, "stream_options": {"include_usage": True}, **body,
+            **({"return_token_ids": True} if arrivals_of_tokens else {})}
     async with contextlib.aclosing(conn.events(body)) as events:  # closed at once if this stops early
         async for chunk in events:
             if "error" in chunk:
@@ -216,19 +220,19 @@ async def _stream(conn: _Connection, body: dict[str, Any]) -> tuple[float, list[
             if not chunk["choices"]:
                 continue
             now = time.perf_counter()
-            if chunk["choices"][0]["finish_reason"] is None:
-                arrivals.append(now)
-            else:
-                final_at = now  # the last token's event, or an event that only says why it ended
-            if not chunk["choices"][0]["text"]:
+            choice = chunk["choices"][0]
+            arrivals += [now] * len(choice.get("token_ids") or ())
+            if choice["finish_reason"] is not None:
+                final_at = now  # an event that says why it ended
+            if not choice["text"]:
                 continue
             if ttft is None:
                 ttft = now - t0
             else:
                 gaps.append(now - last)
             last = now
-    if len(arrivals) < n and final_at is not None:
-        arrivals.append(final_at)
+    if arrivals_of_tokens and len(arrivals) < n and final_at is not None:  # (a server that gives no ids)
+        arrivals += [final_at] * (n - len(arrivals))
     return ttft or 0.0, gaps, n, arrivals
 
 
@@ -529,7 +533,8 @@ async def _load(url: str, model: str, sessions: list[str], duration: float, leng
             while time.perf_counter() < window[1]:
                 asked = draw()
                 try:
-                    ttft, g, n, arrivals = await _stream(c, {**body, "session_id": sid, "max_tokens": asked})
+                    ttft, g, n, arrivals = await _stream(c, {**body, "session_id": sid, "max_tokens": asked},
+                                                         arrivals_of_tokens=True)
                 except Exception as err:
                     failed(err)
                     continue

@@ -126,7 +126,8 @@ class Settings:
                                                  "(as SGLang's --disable-overlap-schedule); for debugging and "
                                                  "comparison")
     stream_interval: int = _opt(1, "a request's generated tokens after its first are handed to the server's "
-                                   "event loop, and so sent, in groups of this many (as vLLM's --stream-interval): "
+                                   "event loop, and so sent, in groups of this many, a chunk each (as vLLM's "
+                                   "--stream-interval): "
                                    "fewer wake-ups, more tokens/s, burstier streams; 1 sends every token as it "
                                    "is made")
     cpu_latency_qos_us: int | None = _opt(None, "while requests run (and a second after), ask Linux to wake idle CPUs "

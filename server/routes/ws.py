@@ -24,10 +24,10 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from model.engine import TokenEvent
-from server.completion import Completion, choices, events, launch, off_loop, the_prompts
+from server.completion import Completion, Deltas, choices, events, launch, off_loop, the_prompts
 from server.deps import ws_owner
 from server.errors import classify, error_body, stream_error, unreadable_json, validation_message
-from server.protocol import CompletionLogprobs, CompletionRequest
+from server.protocol import CompletionRequest
 from server.scheduler import PromptScores
 from txlserve.errors import InvalidRequestError, RouteNotFound, UpgradeRequired
 
@@ -49,41 +49,12 @@ def _done(comp: Completion, *args: Any) -> str:
     return _dumps(comp.done(*args).dump())
 
 
-MERGED_TOKENS = 256  # the most tokens one completion.delta carries (a client far behind: ~4 KB of text)
-
-
-class Deltas:
-    """The tokens read but not yet sent: those already waiting when one is read leave with it, in one
-    ``completion.delta`` (text, logprobs and ids in order), as vLLM merges a slow consumer's outputs. A message per
-    token (a tiny model's 10,000 a second) left a browser's page seconds behind its socket, its clicks with it."""
-
-    def __init__(self, ids: bool) -> None:
-        self.text: list[str] = []
-        self.ids: list[int] | None = [] if ids else None  # vLLM's ``token_ids``: every token's
-        self.logprobs: CompletionLogprobs | None = None
-
-    def __len__(self) -> int:
-        return len(self.text)
-
-    def add(self, token: TokenEvent, logprobs: CompletionLogprobs | None) -> None:
-        self.text.append(token.text)
-        if self.ids is not None:
-            self.ids.append(token.token)
-        if logprobs is None:
-            return
-        if self.logprobs is None:
-            self.logprobs = logprobs
-            return
-        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-            getattr(self.logprobs, name).extend(getattr(logprobs, name))
-
-    async def send(self, ws: WebSocket, comp: Completion) -> None:
-        """Send what waits (nothing without text, logprobs or ids: a token that released no text yet)."""
-        text, logprobs, ids = "".join(self.text), self.logprobs, self.ids
-        self.text, self.logprobs, self.ids = [], None, None if ids is None else []
-        if text or logprobs is not None or ids:  # (logprobs and a first delta's prompt ids: rendered off the loop)
-            rows = comp.prompt_rows() + (len(logprobs.tokens) if logprobs is not None else 0)
-            await ws.send_text(await off_loop(rows, _delta, comp, text, logprobs, ids))
+async def send_deltas(ws: WebSocket, comp: Completion, unsent: Deltas) -> None:
+    """One ``completion.delta`` of the tokens read and not yet sent (none for tokens that released no text yet)."""
+    rows, due = comp.prompt_rows() + unsent.rows, bool(unsent)  # (logprobs, a first delta's prompt ids: off the loop)
+    taken = unsent.take()
+    if due:
+        await ws.send_text(await off_loop(rows, _delta, comp, *taken))
 
 
 def _invalid(message: str, param: str | None = None) -> dict:
@@ -264,6 +235,7 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
                     run.cancel()
                     next_msg = None
                     continue
+                await send_deltas(ws, comp, unsent)  # the tokens read before the refused message came
                 await ws.send_json(error or _invalid("a completion is in progress: send 'cancel' or wait", "type"))
                 next_msg = asyncio.ensure_future(inbox.get())
                 continue
@@ -272,11 +244,11 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
             except StopAsyncIteration:
                 return
             except Exception as err:  # it ends the request: its id tells it from a refusal of a message just sent
-                await unsent.send(ws, comp)  # the tokens read before it
+                await send_deltas(ws, comp, unsent)  # the tokens read before it
                 await ws.send_json({"type": "error", "id": comp.id, **stream_error(err)})
                 return
             if not isinstance(item, TokenEvent):
-                await unsent.send(ws, comp)
+                await send_deltas(ws, comp, unsent)
             if echo:
                 await ws.send_text(await off_loop(comp.prompt_rows(), _delta, comp, comp.echoed, None))
                 echo = False
@@ -285,13 +257,13 @@ async def _handle(ws: WebSocket, raw: str | bytes, inbox: Inbox, who: str | None
                                                   delta=True))
             elif isinstance(item, TokenEvent):
                 unsent.add(item, comp.add(item))
-                if item.finish_reason is None and run.events.qsize() and len(unsent) < MERGED_TOKENS:
+                if item.finish_reason is None and run.events.qsize() and not unsent.full():
                     next_item = asyncio.ensure_future(stream.__anext__())  # more are ready: they leave with it
                     continue
-                await unsent.send(ws, comp)
-            elif isinstance(item, str):  # held back until the run was cancelled
+                await send_deltas(ws, comp, unsent)
+            elif isinstance(item, str):  # held back until the run was cancelled: it leaves before the end
                 comp.add_text(item)
-                await ws.send_json(comp.delta(item, None).dump())
+                unsent.add_text(item)
             else:  # the Final is the run's last item: the next message is the next request's, never "in progress"
                 await ws.send_text(await off_loop(comp.prompt_rows(), _done, comp, item, len(run.ids)))  # (a client
                 # that sends it as soon as it

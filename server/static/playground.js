@@ -370,22 +370,26 @@ async function startContinue() {
   // a socket's handlers act only while it is the current one: the previous stream's socket may report its
   // close after this one started, and must not mark this one stopped (its cancel button disabled)
   const current = () => state.socket === socket;
-  // the deltas of a frame are shown together, one text node and one scroll a frame: a text node per delta (of a
-  // tiny model's 10,000 a second) made every frame lay out more nodes, the page fell behind, and a Cancel clicked
-  // after 13,000 characters was acted on 12 s later, the stream then 117,000 tokens long
+  // the deltas of a frame are shown together, a text node (two where a block ends) and one scroll a frame: a
+  // text node per delta (of a tiny model's 10,000 a second) made every frame lay out more nodes, the page fell
+  // behind, and a Cancel clicked after 13,000 characters was acted on 12 s later, the stream then 117,000 tokens long
   let shown = "", framed = false, block = gen, blockChars = 0;
   const show = () => {
     framed = false;
     if (!shown) return;
-    // in blocks of whole lines: a frame lays out the last block alone (one block of 100,000 characters took the
-    // frame 8 ms, and the page fell seconds behind its clicks); a block's last newline ends its last line
-    const cut = blockChars + shown.length >= BLOCK_CHARS ? shown.lastIndexOf("\n") : -1;
+    // in blocks of whole lines, so a frame lays out the last block alone (one block of 100,000 characters took the
+    // frame 8 ms, and the page fell seconds behind its clicks): a block's last newline ends its last line. A line
+    // twice as long ends its block where this frame's text ends (after its last space, if it has one), which
+    // wraps the line there; a line of 180,000 characters kept the page 3.5 s behind
+    const full = blockChars + shown.length;
+    let cut = full >= BLOCK_CHARS ? shown.lastIndexOf("\n") : -1;
+    if (cut < 0 && full >= 2 * BLOCK_CHARS) cut = shown.lastIndexOf(" ") >= 0 ? shown.lastIndexOf(" ") : shown.length - 1;
     if (cut >= 0) {
       block.append(shown.slice(0, cut + 1));
       block = document.createElement("div"); block.className = "generated"; out.appendChild(block);
       blockChars = 0; shown = shown.slice(cut + 1);
     }
-    block.append(shown); blockChars += shown.length; shown = "";
+    if (shown) { block.append(shown); blockChars += shown.length; shown = ""; }
     out.scrollTop = out.scrollHeight;
   };
   socket.onmessage = (event) => {

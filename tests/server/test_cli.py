@@ -380,8 +380,9 @@ def test_bench_startup_json(checkpoint, capsys):
                  "--no-engine-process"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["server_args"] == ["--no-engine-process"] and len(out["ready_s"]) == len(out["torch_import_s"]) == 1
-    # a server imports torch and more before it answers: never faster than the bare import beside it
-    assert out["ready_s_median"] > out["torch_import_s_median"] > 0
+    # a server imports torch and more before it answers, but one repeat on a busy machine can make either the
+    # slower (a bare import took 2.01 s, the server's start 1.82 s, with other processes on both cores)
+    assert out["ready_s_median"] > 0 and out["torch_import_s_median"] > 0
     assert out["ready_over_torch_import"] == pytest.approx(out["ready_s_median"] / out["torch_import_s_median"])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 import time
@@ -328,6 +329,13 @@ def test_prompt_logprobs_are_vllms_and_the_reference_forwards(server, checkpoint
     assert events and not any("prompt_logprobs" in c for e in events for c in e["choices"])
 
 
+def _released_by_their_ids(chunks: list[dict]) -> bool:
+    """Each chunk's text is what its ids release after those before them (a byte model: UTF-8 decoded as it
+    comes), whether a chunk carries one token or the several that were waiting."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    return all(c["text"] == decoder.decode(bytes(c.get("token_ids", []))) for c in chunks)
+
+
 def test_return_token_ids_gives_the_prompts_and_the_generated_ids_on_every_surface(server):
     """vLLM's return_token_ids: a JSON choice has its prompt's ids and the ids generated (a stop token's too, its
     text left out); a stream's choice has the prompt's on its first chunk and each token's own on its chunk, so
@@ -350,7 +358,7 @@ def test_return_token_ids_gives_the_prompts_and_the_generated_ids_on_every_surfa
         mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == j]
         assert mine[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in mine[1:])
         assert [t for c in mine for t in c.get("token_ids", [])] == whole[j]["token_ids"]
-        assert all(len(c["token_ids"]) == 1 for c in mine if "token_ids" in c)
+        assert _released_by_their_ids(mine)  # a chunk: the tokens waiting as one was read (one, or several)
     with connect(server.url.replace("http://", "ws://") + "/v1/ws") as conn:
         conn.send(json.dumps({"type": "completion.create", "model": MODEL, **body, "return_token_ids": True}))
         deltas = []
@@ -364,13 +372,13 @@ def test_return_token_ids_gives_the_prompts_and_the_generated_ids_on_every_surfa
     whole = complete(server, **split)["choices"][0]
     held = [e["choices"][0] for e in sse_events(server, **split) if isinstance(e, dict) and e["choices"]]
     assert [t for c in held for t in c.get("token_ids", [])] == whole["token_ids"] and len(whole["token_ids"]) == 6
-    assert any(c["text"] == "" and c.get("token_ids") for c in held)  # ids whose text waits for the next byte
+    assert _released_by_their_ids(held)  # ids whose text waits for the next byte: "" on their chunk, if alone
     with connect(server.url.replace("http://", "ws://") + "/v1/ws") as conn:  # the WebSocket's deltas alike
         conn.send(json.dumps({"type": "completion.create", "model": MODEL, **split}))
         deltas = []
         while (msg := json.loads(conn.recv(timeout=60)))["type"] == "completion.delta":
             deltas.append(msg)
-    assert [t for d in deltas for t in d["token_ids"]] == whole["token_ids"]
+    assert [t for d in deltas for t in d["token_ids"]] == whole["token_ids"] and _released_by_their_ids(deltas)
     scored = complete(server, prompt=["ROMEO.", "Hi"], max_tokens=2, echo=True, logprobs=1, return_token_ids=True)
     for choice, prompt in zip(scored["choices"], ("ROMEO.", "Hi")):  # each its own prompt's; echo is text, not ids
         assert choice["prompt_token_ids"] == list(prompt.encode()) and len(choice["token_ids"]) == 2

@@ -1018,7 +1018,7 @@ def test_bench_load_generator_streams_over_one_connection_and_reports_errors(ser
 
     async def go() -> tuple:
         async with _Connection(server.url, MODEL, timeout=60) as conn:
-            first = await _stream(conn, {"prompt": "Once", "max_tokens": 5, "temperature": 0})
+            first = await _stream(conn, {"prompt": "Once", "max_tokens": 5, "temperature": 0}, arrivals_of_tokens=True)
             writer = conn.writer
             second = await _stream(conn, {"prompt": "Once", "max_tokens": 3, "temperature": 0})
             reused = conn.writer is writer
@@ -1041,6 +1041,46 @@ def test_bench_load_generator_streams_over_one_connection_and_reports_errors(ser
     assert second[2] == 3 and reused and dropped and third[2] == 2 and fourth[2] == 2
     with pytest.raises(ValueError, match="http://"):
         _Connection("https://example.com", MODEL)
+
+
+def test_bench_counts_each_token_of_a_chunk_that_carries_several():
+    """A chunk carries the tokens waiting when it was written: the load generator counts each by its ids
+    (``return_token_ids``, asked for), all arrived with their chunk, and times the gaps between chunks. A server
+    of our own seam (canned events over a real socket) writes a chunk of one token, then one of three."""
+    import asyncio
+
+    from bench.serve import _Connection, _stream
+
+    asked: list[dict] = []
+
+    def event(text: str, ids: list[int] | None, finish: str | None = None, usage: int | None = None) -> bytes:
+        choice = {"index": 0, "text": text, "finish_reason": finish, **({"token_ids": ids} if ids else {})}
+        chunk = {"choices": [] if usage else [choice], **({"usage": {"completion_tokens": usage}} if usage else {})}
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(re.search(rb"Content-Length: (\d+)", head)[1])
+        asked.append(json.loads(await reader.readexactly(length)))
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        for body in (event("a", [97]), event("bcd", [98, 99, 100]), event("", None, "length") + event("", None,
+                     usage=4) + b"data: [DONE]\n\n"):
+            writer.write(b"%x\r\n%s\r\n" % (len(body), body))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def go() -> tuple:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        async with server, _Connection(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", MODEL,
+                                       timeout=30) as conn:
+            return await asyncio.wait_for(_stream(conn, {"prompt": "x", "max_tokens": 4}, arrivals_of_tokens=True),
+                                          30)
+
+    ttft, gaps, n, arrivals = asyncio.run(go())
+    assert asked[0]["return_token_ids"] is True and n == 4 and len(arrivals) == 4 and len(gaps) == 1
+    assert arrivals[0] <= arrivals[1] == arrivals[2] == arrivals[3] and ttft > 0
 
 
 def test_asking_for_a_loop_or_parser_that_is_not_installed_is_a_config_error(monkeypatch):

@@ -257,17 +257,26 @@ async def test_drain_ends_streams_as_cancelled_commits_them_and_refuses_new_work
         assert last["session"]["tokens_seen"] == 2 + 2 + 1
 
 
-async def test_tokens_waiting_together_leave_in_one_write(redis_url, tmp_path):
-    """Tokens already waiting when the stream reads one (a --stream-interval group, or a stream whose event loop
-    fell behind) go out in one body message, each still its own SSE event; the last token goes with the end."""
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 0, "return_token_ids": True}], ids=["text", "logprobs-ids"])
+async def test_tokens_waiting_together_leave_in_one_chunk(redis_url, tmp_path, extra):
+    """Tokens already waiting when the stream reads one (a --stream-interval group, or a client or event loop
+    that fell behind) leave in one SSE chunk, their text, logprobs and ids in order, as vLLM merges a slow
+    consumer's outputs; the last token goes in the write of the end."""
     async with running_app(redis_url, tmp_path, open_gate=False) as (app, rt, engine):
         sent = asyncio.Queue()
         task = asyncio.create_task(asgi_post(app, "/v1/completions", {
-            "model": MODEL, "prompt": "yo", "max_tokens": 5, "stream": True}, sent=sent))
+            "model": MODEL, "prompt": "yo", "max_tokens": 5, "stream": True, **extra}, sent=sent))
         engine.release()
-        assert [p["choices"][0]["text"] for p in await next_chunk(sent)] == ["a"]  # alone: nothing else waited
+        (first,) = await next_chunk(sent)  # alone: nothing else waited
+        assert first["choices"][0]["text"] == "a"
         engine.release(3)  # three tokens at once
-        assert [p["choices"][0]["text"] for p in await next_chunk(sent)] == ["b", "c", "d"]
+        (merged,) = await next_chunk(sent)
+        choice = merged["choices"][0]
+        assert choice["text"] == "bcd"
+        if extra:
+            assert first["choices"][0]["token_ids"] == [97] and first["choices"][0]["prompt_token_ids"] == [121, 111]
+            assert choice["token_ids"] == [98, 99, 100] and choice.get("prompt_token_ids") is None
+            assert choice["logprobs"]["tokens"] == ["b", "c", "d"] and choice["logprobs"]["text_offset"] == [1, 2, 3]
         engine.release()
         await task
         end = await next_chunk(sent)
@@ -277,8 +286,8 @@ async def test_tokens_waiting_together_leave_in_one_write(redis_url, tmp_path):
 
 async def test_websocket_tokens_waiting_together_leave_in_one_delta(redis_url, tmp_path):
     """Over a WebSocket the tokens already waiting when one is read leave in one ``completion.delta``: their text,
-    ids and logprobs in order (a message per token left a browser's page seconds behind). A token alone is a delta
-    alone, and the last goes out before the end."""
+    ids and logprobs in order, as vLLM merges a slow consumer's outputs. A token alone is a delta alone, and the
+    last goes out before the end."""
     async with running_app(redis_url, tmp_path, open_gate=False) as (app, _rt, engine):
         frames: asyncio.Queue = asyncio.Queue()
         out: asyncio.Queue = asyncio.Queue()

@@ -22,6 +22,12 @@ def test_text_event_is_the_rendered_chunk(text):
     comp = Completion(CompletionRequest(model="m", prompt="x"), "m")
     assert comp.text_event(text) == _sse(comp.chunk(text).dump())
     assert comp.text_event(text + text) == _sse(comp.chunk(text + text).dump())  # the template is reused
+    # with return_token_ids: the first chunk (the prompt's ids) rendered, then the template, one id or several
+    comp = Completion(CompletionRequest(model="m", prompt="x", return_token_ids=True), "m", prompt_ids=[120])
+    assert json.loads(comp.text_event(text, [5])[6:])["choices"][0]["prompt_token_ids"] == [120]
+    for ids in ([7], [7, 8, 300]):
+        assert comp.text_event(text, ids) == _sse(comp.chunk(text, token_ids=ids).dump())
+    assert comp.text_event(text, None) == _sse(comp.chunk(text).dump())  # held-back text: no ids of its own
 
 
 def test_chunk_shapes():

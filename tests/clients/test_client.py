@@ -94,6 +94,20 @@ def test_streaming_completion(client: Client) -> None:
         ends = [c for c in stream if c.finish_reason]
     assert [(c.finish_reason, c.stop_reason) for c in ends] == [("stop", stop)]
     assert plain.choices[0].stop_reason is None
+    # vLLM's return_token_ids: the prompt's ids and the generated ones, on the choice and across a stream's pieces
+    ids = {"return_token_ids": True}
+    got = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, extra_body=ids)
+    assert got.choices[0].prompt_token_ids == list(b"Hello") and bytes(got.choices[0].token_ids).decode() == plain.text
+    assert plain.choices[0].token_ids is None
+    with client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, stream=True,
+                                   extra_body=ids) as stream:
+        pieces = list(stream)
+    assert pieces[0].prompt_token_ids == list(b"Hello") and all(p.prompt_token_ids is None for p in pieces[1:])
+    assert [t for p in pieces for t in p.token_ids or ()] == got.choices[0].token_ids
+    with client.ws.connect() as conn:
+        pieces = list(conn.completion(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, extra_body=ids))
+    assert pieces[0].prompt_token_ids == list(b"Hello")
+    assert [t for p in pieces for t in p.token_ids or ()] == got.choices[0].token_ids
 
 
 def test_session_continues_across_requests(client: Client) -> None:

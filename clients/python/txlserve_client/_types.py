@@ -57,11 +57,14 @@ class Choice:
     finish_reason: str | None
     logprobs: Logprobs | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None: none did)
+    # vLLM's ``return_token_ids`` (``extra_body={"return_token_ids": True}``): the ids generated, and the prompt's
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Choice:
         return cls(d.get("index", 0), d["text"], d.get("finish_reason"), Logprobs.from_dict(d.get("logprobs")),
-                   d.get("stop_reason"))
+                   d.get("stop_reason"), d.get("token_ids"), d.get("prompt_token_ids"))
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,10 @@ class CompletionChunk:
     logprobs: Logprobs | None = None
     index: int = 0  # the choice it belongs to (a list of prompts, or n above 1, streams several over SSE)
     stop_reason: int | str | None = None  # on the piece with finish_reason: the stop string or token that ended it
+    # with vLLM's ``return_token_ids``: this piece's tokens' ids (a piece carries the tokens that were waiting when
+    # the server wrote it: one, or several for a client behind), and on a choice's first piece the prompt's
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
     @classmethod
     def from_sse(cls, d: dict[str, Any]) -> CompletionChunk:
@@ -110,15 +117,17 @@ class CompletionChunk:
         usage = d.get("usage")
         return cls(d["id"], choice.get("text", ""), choice.get("finish_reason"),
                    Usage.from_dict(usage) if usage else None, SessionRef.from_dict(d.get("session")),
-                   Logprobs.from_dict(choice.get("logprobs")), choice.get("index", 0), choice.get("stop_reason"))
+                   Logprobs.from_dict(choice.get("logprobs")), choice.get("index", 0), choice.get("stop_reason"),
+                   choice.get("token_ids"), choice.get("prompt_token_ids"))
 
     @classmethod
     def from_ws(cls, d: dict[str, Any]) -> CompletionChunk:
         """A ``completion.delta``, or the ``completion.done`` that ends it (text already sent: empty here)."""
         if d["type"] == "completion.delta":
-            return cls(d["id"], d["text"], logprobs=Logprobs.from_dict(d.get("logprobs")))
+            return cls(d["id"], d["text"], logprobs=Logprobs.from_dict(d.get("logprobs")), token_ids=d.get("token_ids"),
+                       prompt_token_ids=d.get("prompt_token_ids"))
         return cls(d["id"], "", d["finish_reason"], Usage.from_dict(d["usage"]), SessionRef.from_dict(d.get("session")),
-                   stop_reason=d.get("stop_reason"))
+                   stop_reason=d.get("stop_reason"), prompt_token_ids=d.get("prompt_token_ids"))
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from model.data import Corpus, load_corpus
 from model.evaluate import evaluate
 from model.tokenizer import ByteTokenizer, Tokenizer
 from model.train_state import (
+    BEST,
     SAVING,
     await_recovery,
     commit_save,
@@ -388,15 +390,72 @@ def _mean_over_ranks(value: float, world: int, device: torch.device, flag: bool 
     return float(total[0]) / world, bool(total[1] > 0)
 
 
+@contextlib.contextmanager
+def claimed(out: Path) -> Iterator[None]:
+    """``--out``, made if missing, held by this process alone while it trains (an ``flock`` of the directory,
+    let go however the process ends): two runs into one directory interleaved their metrics and tore each
+    other's saves (found by a helper). A directory made here is removed again, if still empty, when the run
+    fails (one too large for memory leaves nothing behind)."""
+    import fcntl
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"--out {out} is being written by another `txlserve train`: wait for it to end, or "
+                              "choose another --out") from None
+        try:
+            yield
+        except BaseException:
+            if made:
+                with contextlib.suppress(OSError):
+                    out.rmdir()
+            raise
+    finally:
+        os.close(fd)
+
+
+def _ours(out: Path) -> None:
+    """Before anything in ``--out`` is touched (a save completed or dropped, metrics started over): it is a
+    checkpoint's directory, or a run's (its metrics, its save part way in), or new. A user's directory lost a
+    ``.saving`` folder and a ``metrics.jsonl`` of its own that way (found by a helper)."""
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file() and not our_metrics(metrics):
+        raise ConfigError(f"--out {out} holds a metrics.jsonl that no training wrote: choose a new or empty directory")
+    check_out_dir(out, allow_checkpoint=True, ignore=(SAVING, "metrics.jsonl"))
+
+
+def our_metrics(path: Path) -> bool:
+    """A training's metrics (a JSON record with its step a line), or nothing yet."""
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline(1 << 16)
+        record = json.loads(first) if first.strip() else {"step": 0}
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(record, dict) and "step" in record
+
+
 def train(args: TrainArgs) -> dict[str, Any]:
+    """Train per ``args``; rank 0 (the one process that writes) holds ``--out`` for the whole run."""
+    if os.environ.get("RANK", "0") != "0":
+        await_recovery(args.out)  # rank 0 completes a save interrupted as it moved in
+        return _train(args)
+    with claimed(Path(args.out)):
+        _ours(Path(args.out))
+        if recover_save(args.out):  # the last save, interrupted as it moved in, completed
+            print(f"txlserve: completed the save that was interrupted in {args.out}", file=sys.stderr)
+        return _train(args)
+
+
+def _train(args: TrainArgs) -> dict[str, Any]:
     from model.data import OrderedIterator
 
-    # the last save, interrupted as it moved in, completed (by the one process that writes: rank 0)
-    if os.environ.get("RANK", "0") == "0":
-        if Path(args.out).is_dir() and recover_save(args.out):
-            print(f"txlserve: completed the save that was interrupted in {args.out}", file=sys.stderr)
-    else:
-        await_recovery(args.out)
     if not args.resume and (Path(args.out) / "config.json").exists():  # hours of training, overwritten unasked
         raise ConfigError(f"{args.out} already holds a checkpoint: pass --resume to continue its training, or "
                           "choose another --out")
@@ -422,7 +481,7 @@ def train(args: TrainArgs) -> dict[str, Any]:
                               device=device)
     step, tokens_seen, mems, last_eval = 0, 0, None, {}
     commands: list[str] = []  # every command that trained this run, the first one first (a resume kept only its own)
-    best_bpc = _best_so_far(out / "best") if args.resume and args.save_best else math.inf
+    best_bpc = _best_so_far(out / BEST) if args.resume and args.save_best else math.inf
     if args.resume:
         ckpt = load_checkpoint(out, device=device)
         before = ckpt.meta.get("training") if isinstance(ckpt.meta.get("training"), dict) else {}
@@ -527,7 +586,6 @@ def train(args: TrainArgs) -> dict[str, Any]:
         print(f"txlserve: warning: the run's {opt['steps']:,} steps end inside its warm-up of "
               f"{opt['warmup_steps']:,}: the learning rate never reaches {opt['lr']:g} (--warmup-steps sets it)",
               file=sys.stderr)
-    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     bar = None
     if args.progress and rank == 0:
@@ -594,7 +652,7 @@ def train(args: TrainArgs) -> dict[str, Any]:
                         with signals_deferred():
                             stage = out / SAVING
                             shutil.rmtree(stage, ignore_errors=True)
-                            save_checkpoint(model, stage / "best", training=meta(), tokenizer=tokenizer)
+                            save_checkpoint(model, stage / BEST, training=meta(), tokenizer=tokenizer)
                             commit_save(out)
                 model.train()
             log(record)
@@ -610,11 +668,6 @@ def train(args: TrainArgs) -> dict[str, Any]:
         if stopped() and rank == 0:
             print(f"txlserve: interrupted: step {step} saved in {out}; `txlserve train --out {out} --resume` "
                   "continues", file=sys.stderr)
-    except BaseException:
-        if made and rank == 0:  # a run that failed before it wrote anything (too large for memory) leaves no dir
-            with contextlib.suppress(OSError):
-                out.rmdir()
-        raise
     finally:
         if stop is not None:
             stop.release()  # the handlers put back; a held signal acts now (Ctrl-C: KeyboardInterrupt, exit 130)

@@ -18,10 +18,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import COMMITTED, SAVING, pickle_note, pickles_beside
-from txlserve.errors import CheckpointError
+from model.checkpoint import COMMITTED, CONFIG, SAVING, WEIGHTS, pickle_note, pickles_beside
+from txlserve.errors import CheckpointError, ConfigError
 
 STATE_DIR = "train_state"
+BEST = "best"  # --save-best's checkpoint, a folder of the run's
 
 
 def commit_save(out_dir: str | Path) -> None:
@@ -43,11 +44,26 @@ def recover_save(out_dir: str | Path) -> bool:
     stage = Path(out_dir) / SAVING
     if not stage.is_dir():
         return False
+    foreign = next((p for p in sorted(stage.rglob("*")) if not _saved(p.relative_to(stage))), None)
+    if foreign is not None:  # a user's folder of that name lost its files (found by a helper)
+        raise ConfigError(f"--out {out_dir} holds {SAVING}/{foreign.relative_to(stage)}, which no save of a "
+                          "training writes: move it away (nothing was changed), or choose another --out")
     if (stage / COMMITTED).exists():
         _move_in(stage)
         return True
     shutil.rmtree(stage)
     return False
+
+
+_SAVED = {COMMITTED, CONFIG, WEIGHTS, WEIGHTS + ".tmp", STATE_DIR, BEST, "state.safetensors",
+          "state.safetensors.tmp", "state.json", "state.json.tmp"}
+
+
+def _saved(rel: Path) -> bool:
+    """A path a save writes under ``.saving``: its files, their temporary names, the training state's folder and
+    ``--save-best``'s."""
+    where = len(rel.parts) == 1 or (len(rel.parts) == 2 and rel.parts[0] in (STATE_DIR, BEST))
+    return where and (rel.name in _SAVED or rel.name.startswith(".tmp"))
 
 
 def await_recovery(out_dir: str | Path, timeout_s: float = 600.0) -> None:

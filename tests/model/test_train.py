@@ -122,6 +122,43 @@ def test_a_run_writes_only_into_a_new_or_empty_directory_or_its_own_checkpoint(c
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
+@pytest.mark.parametrize("files", [{".saving/keep.txt": "mine", "other.txt": "mine"}, {".saving/keep.txt": "mine"},
+                                   {".saving/COMMITTED": "", ".saving/notes/a.txt": "mine"},
+                                   {"metrics.jsonl": '{"user": "data"}\n'}, {"metrics.jsonl": "my notes\n"}])
+def test_a_users_files_in_out_are_never_moved_or_removed(corpus, tmp_path, files):
+    """A run completed or dropped a `.saving` folder, and started `metrics.jsonl` over, before it looked at what
+    the directory held: a user's `.saving/keep.txt` was deleted (with `COMMITTED` beside it, moved over the
+    directory's files), and a user's `metrics.jsonl` replaced (found by a helper). Now refused, nothing changed."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    for resume in (False, True):
+        with pytest.raises(ConfigError, match="no save of a training writes|no training wrote|holds no checkpoint"):
+            train(TrainArgs(data=str(corpus), out=str(tmp_path), preset="tiny", steps=2, progress=False,
+                            resume=resume))
+    assert {str(p.relative_to(tmp_path)): p.read_text() for p in tmp_path.rglob("*") if p.is_file()} == files
+
+
+def test_out_is_held_by_one_training_at_a_time(corpus, tmp_path):
+    """Two runs into one --out interleaved their metrics.jsonl and tore each other's saves (a rename of the other's
+    temporary file failed; found by a helper). A run holds the directory (flock) from start to end."""
+    import fcntl
+    import os
+
+    out = tmp_path / "ck"
+    out.mkdir()
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as another run's process holds it
+        with pytest.raises(ConfigError, match="being written by another `txlserve train`"):
+            train(TrainArgs(data=str(corpus), out=str(out), preset="tiny", steps=2, progress=False))
+        assert list(out.iterdir()) == []
+    finally:
+        os.close(fd)  # let go: the next run trains
+    train(TrainArgs(data=str(corpus), out=str(out), preset="tiny", steps=2, progress=False))
+    assert (out / "config.json").exists()
+
+
 @pytest.mark.parametrize("size, says", [({"n_layer": 100_000}, "n_layer must be at most 1,024"),
                                         ({"d_model": 10**10}, "d_model must be at most 65,536"),
                                         ({"d_model": 65_536}, "parameters: training it needs about"),

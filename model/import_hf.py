@@ -81,28 +81,35 @@ def _hf_config(data: dict[str, Any]) -> TXLConfig:
                               "relative attention (attn_type 0, the integer)")
     if data.get("sample_softmax", -1) > 0:
         raise CheckpointError("sample_softmax models are not supported")
+    flags = ("same_length", "pre_lnorm", "untie_r", "tie_word_embeddings", "tie_weight", "proj_share_all_but_first")
+    for name in flags:  # bool() read the string "false" as true, and such a model computed otherwise (a helper)
+        if name in data and not isinstance(data[name], bool):
+            raise CheckpointError(f"config.json's {name!r} is {json.dumps(data[name])[:60]}, not true or false")
+    tie_projs = data.get("tie_projs")
+    if tie_projs is not None and (not isinstance(tie_projs, list) or not all(isinstance(t, bool) for t in tie_projs)):
+        raise CheckpointError(f"config.json's 'tie_projs' is {json.dumps(tie_projs)[:60]}, not a list of true or "
+                              "false")
     # a key the config leaves out takes TransfoXLConfig's default, as transformers reads it (same_length and
     # clamp_len change the window silently)
-    same_length = bool(data.get("same_length", True))
+    same_length = data.get("same_length", True)
     cutoffs = data.get("cutoffs") or []
     if not isinstance(cutoffs, list):  # a string was read as its characters: "got ['2', '0', '0', '0']"
         raise CheckpointError(f"config.json's 'cutoffs' is {json.dumps(cutoffs)[:60]}, not a list of numbers")
     n_clusters = len(cutoffs)
     tie_weight = data.get("tie_word_embeddings", data.get("tie_weight", True))  # older configs say tie_weight
     vocab_size = data.get("vocab_size", data.get("n_token"))
-    tie_projs = data.get("tie_projs")
     if tie_projs is None:  # TransfoXLConfig derives it from proj_share_all_but_first
-        tie_projs = [False] + [bool(data.get("proj_share_all_but_first", True))] * n_clusters
+        tie_projs = [False] + [data.get("proj_share_all_but_first", True)] * n_clusters
     try:
         return TXLConfig(
             n_layer=data["n_layer"], d_model=data["d_model"], n_head=data["n_head"], d_head=data["d_head"],
             d_inner=data["d_inner"], dropout=0.0, dropatt=0.0, tgt_len=data.get("tgt_len", 128),
             mem_len=TXLConfig.from_original_mem_len(data.get("mem_len", 1600) or 0, same_length),
             clamp_len=max(0, data.get("clamp_len", 1000) or 0), same_length=same_length,
-            pre_lnorm=bool(data.get("pre_lnorm", False)), untie_r=bool(data.get("untie_r", True)),
-            vocab_size=vocab_size, tie_weight=bool(tie_weight),
+            pre_lnorm=data.get("pre_lnorm", False), untie_r=data.get("untie_r", True),
+            vocab_size=vocab_size, tie_weight=tie_weight,
             init_std=data.get("init_std", 0.02), d_embed=data.get("d_embed") or data["d_model"], cutoffs=tuple(cutoffs),
-            div_val=data.get("div_val", 1), tie_projs=tuple(bool(t) for t in tie_projs),
+            div_val=data.get("div_val", 1), tie_projs=tuple(tie_projs),
             layer_norm_eps=data.get("layer_norm_epsilon", 1e-5))
     except KeyError as err:
         raise CheckpointError(f"config.json has no {err.args[0]!r}") from None

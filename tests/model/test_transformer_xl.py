@@ -226,6 +226,15 @@ def test_hf_config_names_what_is_missing():
                         ({"sample_softmax": "x"}, "'sample_softmax' is \"x\""), ({"n_head": True}, "'n_head' is true")):
         with pytest.raises(CheckpointError, match=says):  # named (found by a helper)
             hf_config({**base, **wrong})
+    # flags are JSON's true and false: the string "false" was read as true, a model that computes otherwise
+    for name in ("same_length", "pre_lnorm", "untie_r", "tie_word_embeddings", "proj_share_all_but_first"):
+        for wrong in ("false", 0, None):
+            with pytest.raises(CheckpointError, match=f"config.json's '{name}' is .*, not true or false"):
+                hf_config({**base, name: wrong})
+    with pytest.raises(CheckpointError, match="'tie_projs' is .*, not a list of true or false"):
+        hf_config({**base, "tie_projs": [False, "true", 1]})
+    flags = hf_config({**base, "same_length": False, "pre_lnorm": True, "tie_projs": [False, True, True]})
+    assert (flags.same_length, flags.pre_lnorm, flags.tie_projs) == (False, True, (False, True, True))
 
 
 def test_an_hf_vocabulary_that_is_not_utf8_is_one_line(tmp_path):

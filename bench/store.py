@@ -215,7 +215,8 @@ def restore_vs_recompute(checkpoint: str, *, doc_bytes: int = 100_000, iters: in
     return {"doc_bytes": len(ids), "mem_len": engine.mem_len, "n_layer": engine.config.n_layer,
             "d_model": engine.config.d_model, "state_mb": sum(t.nbytes for t in tensors.values()) / 1e6,
             "recompute_ms": recompute_s * 1e3, "restore_ms": restore_s * 1e3,
-            "restore_p99_ms": _stats(samples, 1)["p99_ms"], "restore_speedup": recompute_s / restore_s}
+            "restore_p99_ms": _stats(samples, 1)["p99_ms"], "restore_speedup": recompute_s / restore_s,
+            "threads": torch.get_num_threads()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -242,7 +243,9 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         add_arguments(parser)
         args = parser.parse_args(args)
     from model.bundled import resolve_checkpoint
+    from model.threads import set_threads
 
+    set_threads(args.threads)  # before the first measure: restore against recompute ran at torch's default (a helper)
     result = run(state_mb_large=args.state_mb_large, state_mb_small=args.state_mb_small, iters=args.iters, url=args.url)
     result.update(restore_vs_recompute(resolve_checkpoint(args.checkpoint), doc_bytes=int(args.doc_kb * 1000),
                                        iters=min(args.iters, 20), url=args.url, mem_len=args.mem_len))

@@ -588,7 +588,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["chat"]:  # every flag after `chat` belongs to the client's own parser
         return _cmd_chat(argparse.Namespace(args=argv[1:]))
-    ns = build_parser(with_bench=argv[:1] == ["bench"]).parse_args(argv)
+    try:  # the benchmarks' parsers import their modules (torch): a Ctrl-C meanwhile is an exit, not a traceback
+        ns = build_parser(with_bench=argv[:1] == ["bench"]).parse_args(argv)
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as err:
+        if _interrupted(err):
+            return 130
+        raise
     ns.argv = argv
     term = None
     if argv[:1] == ["bench"] and threading.current_thread() is threading.main_thread():

@@ -263,9 +263,10 @@ def test_bench_scales_scoring_times_prompt_logprobs_ranks_against_scores_alone(t
 
 def test_bench_store_json(checkpoint):
     r = txlserve("bench", "store", "--json", "--iters", "3", "--state-mb-large", "1", "--state-mb-small", "0.05",
-                 "--checkpoint", str(checkpoint), "--doc-kb", "2", timeout=180)
+                 "--checkpoint", str(checkpoint), "--doc-kb", "2", "--threads", "1", timeout=180)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
+    assert out["threads"] == 1  # restore against recompute at --threads (it ran at torch's default: a helper)
     for key in ("restore_ms", "recompute_ms", "restore_speedup"):
         assert out[key] > 0
     assert out["large"]["put"]["p50_ms"] > 0 and out["small"]["get_hot"]["p99_ms"] > 0
@@ -666,3 +667,21 @@ def test_a_ctrl_c_that_an_import_wrapped_in_a_runtime_error_exits_130_without_a_
                 cli._main([])
         else:
             assert cli._main([]) == want
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, RuntimeError])
+def test_a_ctrl_c_while_the_benchmarks_parsers_import_torch_exits_130(monkeypatch, raised):
+    """``bench``'s parsers import their modules, and torch with them, before the command's own try: a Ctrl-C in
+    its first second printed a KeyboardInterrupt traceback (found by a helper)."""
+    from server import cli
+
+    def importing(with_bench: bool = False):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            if raised is KeyboardInterrupt:
+                raise
+            raise RuntimeError("Error calling __set_name__ on 'cached_property' instance 'x'") from None
+
+    monkeypatch.setattr(cli, "build_parser", importing)
+    assert cli._main(["bench", "decode"]) == 130

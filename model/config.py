@@ -67,10 +67,12 @@ class TXLConfig:
         for name, most in _MOST.items():  # past these no model here is meant: a typo (or a hang building one)
             if getattr(self, name) > most:
                 raise ConfigError(f"config.{name} must be at most {most:,}, got {getattr(self, name):,}", param=name)
-        for name in ("mem_len", "clamp_len"):
-            value = getattr(self, name)
+        for name, most in (("mem_len", 1 << 20), ("clamp_len", 1 << 40)):  # past them torch's int64 positions
+            value = getattr(self, name)  # overflowed, a traceback in eval, generate and serve (found by a helper)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"config.{name} must be an integer >= 0, got {value!r}", param=name)
+            if value > most:
+                raise ConfigError(f"config.{name} must be at most {most:,}, got {value:,}", param=name)
         for name in ("dropout", "dropatt"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:

@@ -277,3 +277,14 @@ def test_dropout_acts_in_training_only_and_is_not_called_outside_it():
         evals = [model(x)[0] for _ in range(2)]
     assert not [e for e in prof.events() if "dropout" in e.name]
     assert torch.equal(evals[0], evals[1])
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("clamp_len", 10**20, "config.clamp_len must be at most 1,099,511,627,776"),
+    ("mem_len", 10**20, "config.mem_len must be at most 1,048,576")])
+def test_a_config_past_torchs_positions_is_refused(field, value, says):
+    """A checkpoint's clamp_len or mem_len of 10^20 was an OverflowError in eval, generate and serve (a helper)."""
+    from txlserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        TXLConfig(**{field: value})

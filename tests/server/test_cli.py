@@ -685,3 +685,16 @@ def test_a_ctrl_c_while_the_benchmarks_parsers_import_torch_exits_130(monkeypatc
 
     monkeypatch.setattr(cli, "build_parser", importing)
     assert cli._main(["bench", "decode"]) == 130
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("generate", "--prompt", "hi", "--clamp-len", str(10**20)), "--clamp-len: expected a whole number"),
+    (("bench", "decode", "--clamp-len", str(10**20)), "--clamp-len: expected a whole number"),
+    (("train", "--data", "x", "--out", "y", "--lr", "1e308"), "--lr: expected a number above 0 to 10"),
+    (("train", "--data", "x", "--out", "y", "--weight-decay", "1e308"), "--weight-decay: expected a number from 0"),
+    (("train", "--data", "x", "--out", "y", "--seed", str(10**20)), "--seed: expected a whole number"),
+])
+def test_numbers_past_what_torch_holds_are_refused_by_the_parser(capsys, argv, says):
+    """Each was a traceback (OverflowError from a position, Adam's "cannot be converted to type float without
+    overflow", "Overflow when unpacking long long"; found by a helper)."""
+    assert says in _refused(capsys, *argv)

@@ -60,8 +60,8 @@ def weights_of(model: MemTransformerLM) -> dict[str, torch.Tensor]:
 def fingerprint_of(tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        t = tensors[name].detach().cpu().contiguous().reshape(-1)  # (a 0-dim tensor cannot be viewed as bytes)
+        digest.update(f"{name}|{t.dtype}|{tuple(tensors[name].shape)}|".encode())
         digest.update(t.view(torch.uint8).numpy() if t.numel() else b"")  # hashed in place, not copied
     return digest.hexdigest()[:32]
 
@@ -155,8 +155,8 @@ def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {ckpt_dir} has no {CONFIG}") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"checkpoint {path} is not valid JSON: {err}") from None
+    except (OSError, ValueError, RecursionError) as err:  # (JSON's syntax, UTF-8, a 5,000-digit number, nesting)
+        raise CheckpointError(f"checkpoint {path} is not valid JSON: {err or 'nested too deep'}") from None
     if isinstance(meta, dict) and meta.get("model_type") == "transfo-xl":
         out = str(Path(ckpt_dir)).rstrip("/") + "-txlserve"
         raise CheckpointError(f"{ckpt_dir} is a Hugging Face TransfoXL directory; convert it once with: "
@@ -238,9 +238,12 @@ def build_from_tensors(config: TXLConfig, tensors: dict[str, torch.Tensor], *, c
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong = sorted(k for k in set(expected) & set(tensors) if expected[k].shape != tensors[k].shape)
-    if missing or unexpected or wrong:
+    # weights are numbers with fractions: integer ones of the right shape failed in load_state_dict's traceback
+    kind = sorted(k for k in set(expected) & set(tensors) if not tensors[k].is_floating_point())
+    if missing or unexpected or wrong or kind:
         detail = "; ".join(f"{label}: {', '.join(names[:4])}" for label, names in
-                           (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names)
+                           (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong),
+                            ("not floating point", kind)) if names)
         raise CheckpointError(f"{ckpt_dir} does not fit its config ({detail})")
     target = dtype or torch.float32
     for name in list(tensors):  # one tensor at a time: the source copy is freed as its cast is made

@@ -39,7 +39,7 @@ def is_hf_dir(path: str | Path) -> bool:
     """A Hugging Face TransfoXL directory (its config.json names the model type)."""
     try:
         data = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(data, dict) and data.get("model_type") == "transfo-xl"
 
@@ -126,11 +126,11 @@ def read_vocab(src: Path) -> list[str]:
     if (src / "vocab.json").is_file():
         try:
             data = json.loads((src / "vocab.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, RecursionError) as err:  # (a 5,000-digit number, nesting too deep)
             if note := pickle_note(src / "vocab.json"):  # a pickle under a JSON name: say so, and what to give
                 raise CheckpointError(f"{src / 'vocab.json'} is not JSON{note}: give the vocabulary as vocab.json "
                                       "(JSON) or vocab.txt") from None
-            raise CheckpointError(f"{src / 'vocab.json'} is not valid JSON: {err}") from None
+            raise CheckpointError(f"{src / 'vocab.json'} is not valid JSON: {err or 'nested too deep'}") from None
         if isinstance(data, dict) and isinstance(data.get("idx2sym"), list) and data["idx2sym"]:
             return data["idx2sym"]
         mapping = data.get("sym2idx", data) if isinstance(data, dict) else None
@@ -194,8 +194,8 @@ def import_hf(src: str | Path, out: str | Path, *, dtype: torch.dtype | None = N
         raise CheckpointError(f"{src} has no config.json (expected a Hugging Face TransfoXL directory)")
     try:
         data = json.loads((src / "config.json").read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{src / 'config.json'} is not valid JSON: {err}") from None
+    except (OSError, ValueError, RecursionError) as err:  # (a 5,000-digit number, nesting too deep)
+        raise CheckpointError(f"{src / 'config.json'} is not valid JSON: {err or 'nested too deep'}") from None
     cfg = hf_config(data if isinstance(data, dict) else {})
     symbols = read_vocab(src)
     if len(symbols) != cfg.vocab_size:

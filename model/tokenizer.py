@@ -121,6 +121,9 @@ class WordTokenizer:
         if len(self.index) != len(symbols):
             dup = next(s for s, n in Counter(symbols).items() if n > 1)
             raise CheckpointError(f"the word vocabulary lists {dup!r} twice")
+        if not isinstance(eos, str) or not (unk is None or isinstance(unk, str)):  # a list: "unhashable" (a helper)
+            raise CheckpointError(f"a word tokenizer's eos is a symbol and its unk a symbol or null, not "
+                                  f"{json.dumps(eos if not isinstance(eos, str) else unk)[:60]}")
         if eos not in self.index:
             raise CheckpointError(f"the word vocabulary has no end-of-line symbol {eos!r}")
         self.eos, self.unk = eos, unk if unk in self.index else None

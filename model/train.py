@@ -91,6 +91,7 @@ RUN_FIELDS = ("data", "preset", "steps", "batch_size", "lr", "warmup_steps", "tg
               "d_model", "eval_every", "eval_tokens", "save_every", "save_best", "grad_accum", "clip", "weight_decay",
               "seed", "tokenizer", "max_vocab", "min_freq", "model_overrides")
 
+_MOST = {"lr": 10, "weight_decay": 10, "seed": (1 << 63) - 1}  # the flags' bounds (server/cli.py)
 _RUN_KINDS: dict[str, type | tuple[type, ...]] = {  # what each saved field holds; int for the rest
     "data": str, "preset": str, "tokenizer": str, "save_best": bool, "model_overrides": dict,
     "lr": (int, float), "clip": (int, float), "weight_decay": (int, float)}
@@ -104,7 +105,10 @@ def resumed_args(args: TrainArgs) -> TrainArgs:
     changes = {f: saved[f] for f in RUN_FIELDS if f in saved and f not in args.given}
     for f, value in changes.items():  # of the kind the flag gives (a hand edit made a traceback later on)
         kind = _RUN_KINDS.get(f, int)
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool):
+        wrong = value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool)
+        if not wrong and isinstance(value, (int, float)) and not isinstance(value, bool):  # and of its range: an
+            wrong = not (math.isfinite(value) and 0 <= value <= _MOST.get(f, math.inf)) or f == "lr" and value == 0
+        if wrong:  # lr of NaN or -1 failed in AdamW (found by a helper)
             raise CheckpointError(f"--resume: training state in {args.out} is damaged: its {f} is {value!r}")
     if isinstance(changes.get("model_overrides"), dict):  # JSON made its tuples lists
         unknown = sorted(set(changes["model_overrides"]) - {f.name for f in fields(TXLConfig)})
@@ -250,10 +254,17 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.T
         raise CheckpointError(f"--resume: the optimizer state in {out} does not fit this model: {err}") from None
     for group in optimizer.param_groups:
         for p in group["params"]:
-            for name, t in optimizer.state.get(p, {}).items():
+            state = optimizer.state.get(p, {})
+            for name, t in state.items():
                 if isinstance(t, torch.Tensor) and t.dim() and t.shape != p.shape:
                     raise CheckpointError(f"--resume: the optimizer state in {out} is another model's ({name} "
                                           f"{list(t.shape)} for a parameter {list(p.shape)})")
+            # a run past its first step has Adam's moments for every parameter: without them it failed at its
+            # first step (one missing) or went on with fresh moments, unlike the run it resumed (all missing)
+            moments = [state.get(k) for k in ("exp_avg", "exp_avg_sq")]
+            if info["step"] and not all(isinstance(t, torch.Tensor) and t.shape == p.shape for t in moments):
+                raise CheckpointError(f"--resume: training state in {out} is damaged: its optimizer has no moments "
+                                      f"of the shape {list(p.shape)} for a parameter")
 
 
 _MISSING = object()
@@ -485,13 +496,14 @@ def _train(args: TrainArgs) -> dict[str, Any]:
     if args.resume:
         ckpt = load_checkpoint(out, device=device)
         before = ckpt.meta.get("training") if isinstance(ckpt.meta.get("training"), dict) else {}
-        commands = [c for c in before.get("commands") or [before.get("command")] if isinstance(c, str)]
+        listed = before.get("commands") if isinstance(before.get("commands"), list) else None  # (5: a traceback)
+        commands = [c for c in listed or [before.get("command")] if isinstance(c, str)]
         if ckpt.config != cfg.replace(dropout=0.0, dropatt=0.0):
             raise ConfigError(f"--resume: {out} was trained with another model config: "
                               f"{_differences(ckpt.config, cfg)}; leave those flags out to take the run's")
         model.load_state_dict(ckpt.model.state_dict())
         tensors, info = load_train_state(out)
-        saved_at = ckpt.meta.get("training", {}).get("steps")
+        saved_at = before.get("steps")  # ("training": [] had been a traceback: found by a helper)
         if saved_at is not None and saved_at != info["step"]:  # saved by a version that wrote its files one by one
             raise CheckpointError(f"--resume: {out} holds weights of step {saved_at} but the training state of step "
                                   f"{info['step']} (a save was cut short): they would resume as neither")

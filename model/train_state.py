@@ -152,12 +152,20 @@ def read_train_info(out_dir: str | Path) -> dict[str, Any]:
         (all(type(info.get(k)) is int and info[k] >= 0 for k in ("step", "tokens_seen")),
          "step and tokens_seen must be integers >= 0"),
         (isinstance(info.get("data"), dict), "data must be an object"),
+        (isinstance(info.get("data"), dict) and type(info["data"].get("segment")) is int and all(
+            type(v) is int for k, v in info["data"].items() if k in _DATA_INTS), "data's positions must be integers"),
+        (isinstance(info.get("last_eval", {}), dict) and all(  # at the run's last save: a run's steps lost
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in info.get("last_eval", {}).values()),
+         "last_eval must be an object of numbers"),
         (isinstance(info.get("param_groups"), list) and bool(info.get("param_groups")),
          "param_groups must be a non-empty list"),
         (isinstance(info.get("args", {}), dict), "args must be an object"))
     if wrong := next((says for ok, says in checks if not ok), None):
         raise CheckpointError(f"--resume: training state in {path} is damaged: {wrong}")
     return info
+
+
+_DATA_INTS = ("segment", "epoch", "batch_size", "tgt_len", "stream_len", "world_size", "rank")
 
 
 def load_train_state(out_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

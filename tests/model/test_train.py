@@ -801,6 +801,53 @@ def test_a_training_state_whose_memory_or_random_state_is_damaged_is_one_line(co
     train(TrainArgs(resume=True, given=frozenset(), **common))  # the good state still resumes
 
 
+def test_every_damage_a_helper_made_to_a_training_state_is_one_line_before_a_step_runs(corpus, tmp_path):
+    """Each was a traceback, at the resume, at the first step, or at the run's last save (its steps lost): a
+    config's training record that is no object, data positions or a last evaluation of the wrong type, an lr of
+    NaN or -1, Adam's moments missing for one parameter or 0-dim; and with every moment gone the run went on with
+    fresh ones, unlike the run it resumed."""
+    from safetensors.torch import load_file, save_file
+
+    common = dict(data=str(corpus), out=str(tmp_path), preset="tiny", steps=4, progress=False)
+    train(TrainArgs(stop_at=2, **common))
+    state, config = tmp_path / "train_state" / "state.json", tmp_path / "config.json"
+    tensors = tmp_path / "train_state" / "state.safetensors"
+    saved_state, saved_config, good = state.read_text(), config.read_text(), load_file(str(tensors))
+    info = json.loads(saved_state)
+
+    def edited(**changes) -> str:
+        return json.dumps({**info, **changes})
+    moment = next(k for k in good if k.endswith("exp_avg"))
+    cases = [
+        (state, edited(data={**info["data"], "segment": "x"}), "data's positions must be integers"),
+        (state, edited(data={**info["data"], "segment": None}), "data's positions must be integers"),
+        (state, edited(data={**info["data"], "epoch": [1]}), "data's positions must be integers"),
+        (state, edited(last_eval=[1]), "last_eval must be an object of numbers"),
+        (state, edited(args={**info["args"], "lr": float("nan")}), "its lr is nan"),
+        (state, edited(args={**info["args"], "lr": -1}), "its lr is -1"),
+        (tensors, {k: v for k, v in good.items() if k != moment}, "its optimizer has no moments"),
+        (tensors, {**good, moment: torch.tensor(0.0)}, "its optimizer has no moments"),
+        (tensors, {k: v for k, v in good.items() if not k.startswith("optim.")}, "its optimizer has no moments"),
+    ]
+    for path, damaged, says in cases:
+        if path == tensors:
+            save_file(damaged, str(path))
+        else:
+            path.write_text(damaged)
+        with pytest.raises(CheckpointError, match=f"damaged: {says}"):
+            train(TrainArgs(resume=True, given=frozenset(), **common))
+        state.write_text(saved_state)
+        save_file(good, str(tensors))
+    weights = (tmp_path / "model.safetensors").read_bytes()
+    for record in ([], "x", {"commands": 5, "steps": 2}):  # the config's training record: only what it names
+        config.write_text(json.dumps({**json.loads(saved_config), "training": record}))
+        train(TrainArgs(resume=True, given=frozenset(), stop_at=3, **common))  # read what it can, and train on
+        assert json.loads(state.read_text())["step"] == 3
+        state.write_text(saved_state)
+        save_file(good, str(tensors))
+        (tmp_path / "model.safetensors").write_bytes(weights)
+
+
 def test_a_resume_refuses_another_runs_state_a_finished_run_and_the_other_tokenizer(corpus, tmp_path):
     """Another run's train_state (a wider model) loaded and failed at the first step; a resume at or past the
     run's last step saved the run again as it was (its record rewritten); --tokenizer word on a byte run was an

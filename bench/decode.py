@@ -32,7 +32,7 @@ import torch
 
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import TXLConfig
-from model.decode import Decoder
+from model.decode import Decoder, available_bytes
 from model.engine import Engine
 from model.threads import set_threads
 from model.train import pick_device
@@ -90,8 +90,20 @@ def random_checkpoint(shape: str, out: str, mem_len: int) -> str:
     torch.manual_seed(0)
     cfg = TXLConfig(n_layer=n_layer, d_model=d_model, n_head=max(1, d_model // 64), d_head=64, d_inner=4 * d_model,
                     dropout=0.0, tgt_len=mem_len, mem_len=mem_len)
+    with torch.device("meta"):  # counted before it is built: 64x8192 was the kernel's OOM kill (exit 137, no word)
+        weights = 4 * sum(p.numel() for p in MemTransformerLM(cfg).parameters())
+    _refuse_past(3 * weights, torch.device("cpu"), f"a random {shape} model's weights (built, saved and loaded: "
+                 f"{weights / 2**30:,.1f} GiB each)", "a smaller --shape")
     save_checkpoint(MemTransformerLM(cfg), out)
     return out
+
+
+def _refuse_past(need: int, device: torch.device, what: str, instead: str) -> None:
+    """One line where ``need`` bytes are more than ``device`` has: a lower bound, so a run refused could not fit."""
+    free = available_bytes(device)
+    if free is not None and need > free:
+        raise ConfigError(f"{what} need at least {need / 2**30:,.1f} GiB on {device}, and "
+                          f"{free / 2**30:,.1f} GiB is available: use {instead}")
 
 
 def prefill_macs(cfg: TXLConfig, mem_len: int, n: int, chunk: int) -> tuple[int, int] | None:
@@ -131,6 +143,11 @@ def run(checkpoint: str, *, mem_len: int, batch: int, tokens: int, clamp_len: in
                                     prefill_chunk=prefill_chunk)
     chunk = engine.prefill_chunk
     vocab = engine.config.vocab_size
+    cfg = engine.config  # each session's layer inputs, keys and values, and the reference's own copy of them:
+    session = cfg.n_layer * mem_len * (cfg.d_model + 2 * cfg.n_head * cfg.d_head) * torch_dtype.itemsize
+    _refuse_past(batch * session * (2 if naive else 1), dev, f"{batch:,} sessions of mem_len {mem_len:,} "
+                 f"({session / 2**20:,.1f} MiB each{', twice with the reference' if naive else ''})",
+                 "a smaller --batch or --mem-len")  # --batch 30000 was the kernel's OOM kill (found by a helper)
     gen = torch.Generator().manual_seed(seed)
     context = torch.randint(0, vocab, (batch, mem_len), generator=gen).to(dev)  # fills the memory
     steps = torch.randint(0, vocab, (batch, tokens), generator=gen).to(dev)

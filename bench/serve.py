@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from txlserve.args import count, device, real
-from txlserve.errors import ConfigError
+from txlserve.errors import CheckpointError, ConfigError
 
 MODEL = "bench-model"  # the name a spawned server gets; with --url, read from /v1/models
 PROMPT = " and"  # every request's prompt: each continues its own session
@@ -250,8 +250,10 @@ def _refused(what: str, r: httpx.Response) -> ConfigError:
     return ConfigError(f"{what} answered {r.status_code}: {message}{hint}")
 
 
-def served_model(url: str, api_key: str | None = None) -> str:
-    """The model a running server serves (its first in /v1/models)."""
+def served_model(url: str, api_key: str | None = None, checkpoint: str | None = None) -> str:
+    """The model a running server serves (its first in /v1/models); with ``checkpoint``, refused unless it is
+    that checkpoint's (its fingerprint): the engine alone runs ``checkpoint``, and a server of another model made
+    a ratio of two models without a word (found by a helper)."""
     try:
         r = httpx.get(url + "/v1/models", timeout=30, headers=_auth(api_key))
     except httpx.HTTPError as err:
@@ -259,9 +261,22 @@ def served_model(url: str, api_key: str | None = None) -> str:
     if r.status_code != 200:
         raise _refused(f"{url}/v1/models", r)
     try:
-        return r.json()["data"][0]["id"]
+        card = r.json()["data"][0]
+        model = card["id"]
     except (ValueError, KeyError, IndexError, TypeError) as err:
         raise ConfigError(f"{url}/v1/models is not a txlserve server's answer: {err or type(err).__name__}") from None
+    if checkpoint is not None and isinstance(card, dict) and card.get("fingerprint"):
+        from model.checkpoint import read_meta
+
+        try:
+            mine = read_meta(checkpoint).get("fingerprint")
+        except CheckpointError:  # not ours to read here (a Hugging Face directory): the engine's load says why
+            mine = None
+        theirs = str(card["fingerprint"]).split(":")[0]
+        if mine and mine != theirs:  # (the weights' part: the server's adds its mem_len and clamp_len)
+            raise ConfigError(f"the server at {url} serves another model than --checkpoint {checkpoint} (weights "
+                              f"{theirs}, not {mine}), which the engine alone runs: give the server's checkpoint")
+    return model
 
 
 class EngineAlone:
@@ -948,7 +963,7 @@ def run(checkpoint: str, *, concurrency: tuple[int, ...] = (1, 16, 64), duration
                                                                  "--stream-interval", str(stream_interval), *qos],
                                           workers, max(workers, api_server_count))
         target = url or server.url
-        model = served_model(target, api_key)
+        model = served_model(target, api_key, checkpoint if url else None)
         try:
             for n in concurrency:
                 alone = EngineAlone(checkpoint, n, max_tokens, device, enforce_eager, overlap)

@@ -698,3 +698,15 @@ def test_numbers_past_what_torch_holds_are_refused_by_the_parser(capsys, argv, s
     """Each was a traceback (OverflowError from a position, Adam's "cannot be converted to type float without
     overflow", "Overflow when unpacking long long"; found by a helper)."""
     assert says in _refused(capsys, *argv)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--mem-len", "32", "--no-naive", "--batch", "10000000"), "10,000,000 sessions of mem_len 32 .* need at least"),
+    (("--shape", "64x65536"), "a random 64x65536 model's weights .* need at least"),
+])
+def test_bench_decode_refuses_what_cannot_fit_before_allocating(capsys, argv, says):
+    """--batch 30000 and --shape 64x8192 were the kernel's OOM kill: exit 137 and no word (found by a helper)."""
+    from server.cli import main
+
+    assert main(["bench", "decode", *argv]) == 2
+    assert re.search(says, capsys.readouterr().err)

@@ -19,7 +19,7 @@ import redis
 import torch
 from websockets.sync.client import connect
 
-from tests.live import API_KEYS, LONG, MODEL, LiveServer, wait_for
+from tests.live import API_KEYS, LONG, MODEL, LiveServer, tiny_checkpoint, wait_for
 
 OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
@@ -276,9 +276,10 @@ def keyed(keyed_server):
     return keyed_server.live
 
 
-def test_bench_serve_takes_an_api_key_and_says_what_a_refusal_was(keyed):
+def test_bench_serve_takes_an_api_key_and_says_what_a_refusal_was(keyed, tmp_path):
     """Against a server with keys it had no --api-key, and said no server answered when one had, with a 401; a
-    document over the server's limits was a KeyError (found by a helper)."""
+    document over the server's limits was a KeyError; a server of another model than --checkpoint was measured
+    against the engine alone on that checkpoint (both found by helpers)."""
     import asyncio
 
     from bench.serve import _Connection, _sessions, _stream, served_model
@@ -287,6 +288,10 @@ def test_bench_serve_takes_an_api_key_and_says_what_a_refusal_was(keyed):
     with pytest.raises(ConfigError, match="answered 401.*--api-key"):
         served_model(keyed.url)
     assert served_model(keyed.url, KEYS[0]) == MODEL
+    assert served_model(keyed.url, KEYS[0], str(keyed.checkpoint)) == MODEL  # the checkpoint it serves
+    other = tiny_checkpoint(tmp_path / "other", seed=1)
+    with pytest.raises(ConfigError, match=f"serves another model than --checkpoint {other}"):
+        served_model(keyed.url, KEYS[0], str(other))  # the engine alone would run another model
 
     async def stream() -> int:
         sid = (await _sessions(keyed.url, 1, KEYS[0]))[0]

@@ -46,6 +46,7 @@ from model.train_state import (
     save_train_state,
 )
 from model.transformer_xl import MemTransformerLM
+from txlserve import json_out
 from txlserve.errors import CheckpointError, ConfigError, DataError
 from txlserve.signals import HeldSignals
 
@@ -592,7 +593,7 @@ def _train(args: TrainArgs) -> dict[str, Any]:
     def log(record: dict[str, Any]) -> None:
         if rank == 0:
             with open(out / "metrics.jsonl", "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+                fh.write(json_out.dumps(record) + "\n")  # a diverged step's NaN as null: JSON every reader reads
 
     if opt["warmup_steps"] > opt["steps"] and step == 0 and rank == 0:  # a short try of a preset barely moved
         print(f"txlserve: warning: the run's {opt['steps']:,} steps end inside its warm-up of "

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import shlex
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from txlserve import json_out
 from txlserve.args import MAX_THREADS, count, device, real
 from txlserve.errors import ConfigError, DataError, TxlError
 
@@ -138,7 +140,10 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     summary = {k: v for k, v in result.items() if k != "losses"}
     summary["final_loss"] = result["losses"][-1] if result["losses"] else None
     if os.environ.get("RANK", "0") == "0":  # the run's, once: every rank printed it (found by a helper)
-        print(json.dumps(summary))
+        if summary["final_loss"] is not None and not math.isfinite(summary["final_loss"]):
+            print("txlserve: warning: the loss is not a number: the run diverged and its weights are not numbers "
+                  "either (lower --lr or --weight-decay)", file=sys.stderr)
+        print(json_out.dumps(summary))
     return 0  # a torchrun worker then leaves without Python's teardown, which gloo's threads can abort (main)
 
 
@@ -223,9 +228,9 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
         settings["batch_size"] = results[splits[0]]["batch_size"]
     if ns.json:
         if len(splits) == 1:
-            print(json.dumps({**results[splits[0]], "split": splits[0], **settings}))
+            print(json_out.dumps({**results[splits[0]], "split": splits[0], **settings}))
         else:
-            print(json.dumps({"splits": results, **settings}))
+            print(json_out.dumps({"splits": results, **settings}))
     else:
         for name, r in results.items():
             if ckpt.tokenizer.name == "word":
@@ -353,6 +358,9 @@ def _cmd_import_hf(ns: argparse.Namespace) -> int:
     import torch
 
     from model.import_hf import import_hf
+    from model.threads import set_threads
+
+    set_threads(None)  # as every command that runs torch: deliberately, not torch's default (a helper)
 
     fingerprint = import_hf(ns.src, ns.out, dtype=getattr(torch, ns.dtype) if ns.dtype else None)
     print(json.dumps({"out": ns.out, "fingerprint": fingerprint}))

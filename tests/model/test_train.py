@@ -932,3 +932,20 @@ def test_a_rank_past_the_nodes_gpus_is_refused_in_one_line():
     assert rank_device(1, 2) == torch.device("cuda", 1)
     with pytest.raises(ConfigError, match=r"rank 1 but has 1 CUDA device\(s\).*--nproc_per_node.*--device cpu"):
         rank_device(1, 1)
+
+
+def test_a_diverged_run_says_so_and_writes_json_every_reader_reads(corpus, tmp_path, capsys):
+    """A run whose loss went to NaN exited 0 and wrote bare NaN into metrics.jsonl and its summary, which no JSON
+    reader but Python's takes (found by a helper): null there, and a warning."""
+    from server import cli
+
+    def strict(line: str) -> dict:
+        return json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in {line}"))
+
+    argv = ["train", "--data", str(corpus), "--out", str(tmp_path / "ck"), "--preset", "tiny", "--steps", "12",
+            "--warmup-steps", "0", "--lr", "10", "--weight-decay", "10", "--no-progress"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert strict(out)["final_loss"] is None and "the run diverged" in err
+    records = [strict(line) for line in (tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] is None

@@ -487,7 +487,9 @@ def test_a_long_continuation_is_shown_in_blocks_of_lines_that_render_as_one_text
     as the same text in one node (a newline doubled at a block's end would show as a blank line). A text without
     newlines (the tiny model's at temperature 0) is cut into blocks too, and reads as the API's."""
     driver = browser
-    sid = httpx.post(f"{server.url}/v1/sessions", json={"text": DOC}, timeout=30).json()["id"]
+    # the second and third of DOC alone, so that their greedy text is known: 12,000 characters without a newline
+    sid, fresh, twin = (httpx.post(f"{server.url}/v1/sessions", json={"text": DOC}, timeout=30).json()["id"]
+                        for _ in range(3))
     _open(driver, server.url + "/")
     _click(driver, f'#sessions li[data-id="{sid}"] button.select')
     _wait(driver, lambda d: _by_id(d, "current").text == sid, "the session selected")
@@ -518,7 +520,8 @@ def test_a_long_continuation_is_shown_in_blocks_of_lines_that_render_as_one_text
     assert heights[0] == heights[1] and heights[0] > 20 * 8000 / 200, heights  # many lines, none added
     assert driver.execute_script("return document.getElementById('output').textContent") == "Or not" + text
 
-    twin = httpx.post(f"{server.url}/v1/sessions/{sid}/fork", timeout=30).json()["id"]
+    _click(driver, f'#sessions li[data-id="{fresh}"] button.select')
+    _wait(driver, lambda d: _by_id(d, "current").text == fresh, "the fresh session selected")
     blocks = stream("", 12000, "0")
     http = httpx.post(server.url + "/v1/completions", timeout=120, json={
         "model": MODEL, "prompt": "", "max_tokens": 12000, "temperature": 0, "session_id": twin})

@@ -125,9 +125,11 @@ async def _stream(rt: Runtime, comps: list[Completion], interleaved: Interleaved
         """Choice ``i``'s waiting tokens, as one event, to ``out``."""
         comp, due, rows = comps[i], bool(unsent[i]), comps[i].prompt_rows() + unsent[i].rows
         text, logprobs, ids = unsent[i].take()
+        if not due:  # no token yet (a write of another choice's), or none that released text, logprobs or ids:
+            return  # an empty chunk with the prompt's ids alone had been sent
         if logprobs is not None or (continuous and text) or rows:  # (logprobs, a first chunk's prompt ids: long)
             out.append(await off_loop(rows, _piece, comp, text, None, logprobs, usage=so_far(i), token_ids=ids))
-        elif due:
+        else:
             out.append(comp.text_event(text, ids))
 
     async def written() -> str:

@@ -359,6 +359,7 @@ def test_return_token_ids_gives_the_prompts_and_the_generated_ids_on_every_surfa
         assert mine[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in mine[1:])
         assert [t for c in mine for t in c.get("token_ids", [])] == whole[j]["token_ids"]
         assert _released_by_their_ids(mine)  # a chunk: the tokens waiting as one was read (one, or several)
+        assert all(c.get("token_ids") for c in mine if c["finish_reason"] is None)  # none without a token
     with connect(server.url.replace("http://", "ws://") + "/v1/ws") as conn:
         conn.send(json.dumps({"type": "completion.create", "model": MODEL, **body, "return_token_ids": True}))
         deltas = []

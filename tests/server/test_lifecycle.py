@@ -284,6 +284,26 @@ async def test_tokens_waiting_together_leave_in_one_chunk(redis_url, tmp_path, e
         assert end[1]["choices"][0]["finish_reason"] == "length"
 
 
+async def test_a_choice_with_no_token_yet_sends_no_chunk(redis_url, tmp_path):
+    """With ``return_token_ids`` a choice's first chunk carries its prompt's ids: a write of another choice's
+    token must not send an empty chunk for a choice that has none yet (its prompt ids alone)."""
+    async with running_app(redis_url, tmp_path, open_gate=False) as (app, _rt, engine):
+        sent = asyncio.Queue()
+        task = asyncio.create_task(asgi_post(app, "/v1/completions", {
+            "model": MODEL, "prompt": "yo", "max_tokens": 2, "n": 2, "stream": True, "return_token_ids": True},
+            sent=sent))
+        engine.release()  # one token, of one choice
+        first, *others = await next_chunk(sent)
+        assert others == [], others
+        assert first["choices"][0]["token_ids"] == [97] and first["choices"][0]["prompt_token_ids"] == [121, 111]
+        engine.release(3)
+        await task
+        rest = [p for p in sse_payloads([sent.get_nowait() for _ in range(sent.qsize())]) if p != "[DONE]"]
+        other = 1 - first["choices"][0]["index"]
+        mine = [p["choices"][0] for p in rest if p["choices"] and p["choices"][0]["index"] == other]
+        assert mine[0]["token_ids"][0] == 97 and mine[0]["prompt_token_ids"] == [121, 111]  # its first: a token
+
+
 async def test_websocket_tokens_waiting_together_leave_in_one_delta(redis_url, tmp_path):
     """Over a WebSocket the tokens already waiting when one is read leave in one ``completion.delta``: their text,
     ids and logprobs in order, as vLLM merges a slow consumer's outputs. A token alone is a delta alone, and the

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from model.checkpoint import load_checkpoint, save_checkpoint
-from model.config import TXLConfig
+from model.config import CLAMP_LEN_MOST, MEM_LEN_MOST, TXLConfig
 from model.decode import Decoder, available_bytes
 from model.engine import Engine
 from model.threads import set_threads
@@ -265,8 +265,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, help="default: the bundled checkpoint")
     p.add_argument("--shape", type=shape, default=None, metavar="LxD",
                    help="random weights of n_layer L and d_model D (e.g. 12x512) instead of a checkpoint")
-    p.add_argument("--mem-len", type=count(1, 1 << 20), default=512, help="the engine's mem_len (default: 512)")
-    p.add_argument("--clamp-len", type=count(0, 1 << 40), default=None, help="default: the checkpoint's")
+    p.add_argument("--mem-len", type=count(1, MEM_LEN_MOST), default=512, help="the engine's mem_len (default: 512)")
+    p.add_argument("--clamp-len", type=count(0, CLAMP_LEN_MOST), default=None, help="default: the checkpoint's")
     p.add_argument("--batch", type=count(1), default=1, help="sessions decoded together (default: 1)")
     p.add_argument("--tokens", type=count(1), default=64, help="decode steps timed (default: 64)")
     p.add_argument("--prefill-tokens", type=count(1), default=None,

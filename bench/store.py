@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from memory_store import MemoryStore, ModelIdentity
+from model.config import MEM_LEN_MOST
 from txlserve.args import count, real
 
 N_LAYER, D_MODEL, DTYPE = 12, 512, torch.bfloat16
@@ -230,7 +231,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default=None, help="model for restore vs recompute (default: bundled)")
     parser.add_argument("--doc-kb", type=real(0, above=True), default=100,
                         help="document size for restore vs recompute")
-    parser.add_argument("--mem-len", type=count(1, 1 << 20), default=None, help="default: the checkpoint's")
+    parser.add_argument("--mem-len", type=count(1, MEM_LEN_MOST), default=None, help="default: the checkpoint's")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
     from bench import tiers
 

@@ -12,6 +12,10 @@ from txlserve.errors import ConfigError
 
 # The largest sizes accepted: 10-100x the largest published Transformer-XL (18 layers, d_model 1024, d_inner 4096)
 _MOST = {"n_layer": 1024, "d_model": 65536, "n_head": 4096, "d_head": 65536, "d_inner": 1 << 20}
+# past these torch's int64 positions (and Redis's millisecond times) overflow: every flag and config is bounded so
+MEM_LEN_MOST, CLAMP_LEN_MOST = 1 << 20, 1 << 40
+# a training's flags past which AdamW overflows, or torch's seed does not hold them (the flags' and a resume's)
+TRAIN_MOST = {"lr": 10, "weight_decay": 10, "seed": (1 << 63) - 1}
 # The fields a saved config must state (from_dict): each sets the shape of some weight
 SHAPE_FIELDS = ("n_layer", "d_model", "n_head", "d_head", "d_inner", "vocab_size")
 
@@ -67,8 +71,8 @@ class TXLConfig:
         for name, most in _MOST.items():  # past these no model here is meant: a typo (or a hang building one)
             if getattr(self, name) > most:
                 raise ConfigError(f"config.{name} must be at most {most:,}, got {getattr(self, name):,}", param=name)
-        for name, most in (("mem_len", 1 << 20), ("clamp_len", 1 << 40)):  # past them torch's int64 positions
-            value = getattr(self, name)  # overflowed, a traceback in eval, generate and serve (found by a helper)
+        for name, most in (("mem_len", MEM_LEN_MOST), ("clamp_len", CLAMP_LEN_MOST)):  # past them a traceback
+            value = getattr(self, name)  # in eval, generate and serve (found by a helper)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"config.{name} must be an integer >= 0, got {value!r}", param=name)
             if value > most:

@@ -30,7 +30,7 @@ from model.checkpoint import (
     save_checkpoint,
     signals_deferred,
 )
-from model.config import PRESETS, TXLConfig
+from model.config import PRESETS, TRAIN_MOST, TXLConfig
 from model.data import Corpus, load_corpus
 from model.evaluate import evaluate
 from model.tokenizer import ByteTokenizer, Tokenizer
@@ -92,7 +92,6 @@ RUN_FIELDS = ("data", "preset", "steps", "batch_size", "lr", "warmup_steps", "tg
               "d_model", "eval_every", "eval_tokens", "save_every", "save_best", "grad_accum", "clip", "weight_decay",
               "seed", "tokenizer", "max_vocab", "min_freq", "model_overrides")
 
-_MOST = {"lr": 10, "weight_decay": 10, "seed": (1 << 63) - 1}  # the flags' bounds (server/cli.py)
 _RUN_KINDS: dict[str, type | tuple[type, ...]] = {  # what each saved field holds; int for the rest
     "data": str, "preset": str, "tokenizer": str, "save_best": bool, "model_overrides": dict,
     "lr": (int, float), "clip": (int, float), "weight_decay": (int, float)}
@@ -108,7 +107,7 @@ def resumed_args(args: TrainArgs) -> TrainArgs:
         kind = _RUN_KINDS.get(f, int)
         wrong = value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool)
         if not wrong and isinstance(value, (int, float)) and not isinstance(value, bool):  # and of its range: an
-            wrong = not (math.isfinite(value) and 0 <= value <= _MOST.get(f, math.inf)) or f == "lr" and value == 0
+            wrong = not (math.isfinite(value) and 0 <= value <= TRAIN_MOST.get(f, math.inf)) or f == "lr" and value == 0
         if wrong:  # lr of NaN or -1 failed in AdamW (found by a helper)
             raise CheckpointError(f"--resume: training state in {args.out} is damaged: its {f} is {value!r}")
     if isinstance(changes.get("model_overrides"), dict):  # JSON made its tuples lists
@@ -260,12 +259,14 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.T
                 if isinstance(t, torch.Tensor) and t.dim() and t.shape != p.shape:
                     raise CheckpointError(f"--resume: the optimizer state in {out} is another model's ({name} "
                                           f"{list(t.shape)} for a parameter {list(p.shape)})")
-            # a run past its first step has Adam's moments for every parameter: without them it failed at its
-            # first step (one missing) or went on with fresh moments, unlike the run it resumed (all missing)
+            # a parameter Adam has stepped has both moments: without one the run failed at its first step (a
+            # parameter no batch reached, an adaptive softmax's rare cluster, has none, and needs none)
             moments = [state.get(k) for k in ("exp_avg", "exp_avg_sq")]
-            if info["step"] and not all(isinstance(t, torch.Tensor) and t.shape == p.shape for t in moments):
+            if state and not all(isinstance(t, torch.Tensor) and t.shape == p.shape for t in moments):
                 raise CheckpointError(f"--resume: training state in {out} is damaged: its optimizer has no moments "
                                       f"of the shape {list(p.shape)} for a parameter")
+    if info["step"] and not optimizer.state:  # all gone: it went on with fresh moments, unlike the run it resumed
+        raise CheckpointError(f"--resume: training state in {out} is damaged: its optimizer has no moments at all")
 
 
 _MISSING = object()
@@ -437,12 +438,12 @@ def _ours(out: Path) -> None:
     checkpoint's directory, or a run's (its metrics, its save part way in), or new. A user's directory lost a
     ``.saving`` folder and a ``metrics.jsonl`` of its own that way (found by a helper)."""
     metrics = out / "metrics.jsonl"
-    if metrics.is_file() and not our_metrics(metrics):
+    if metrics.is_file() and not _our_metrics(metrics):
         raise ConfigError(f"--out {out} holds a metrics.jsonl that no training wrote: choose a new or empty directory")
     check_out_dir(out, allow_checkpoint=True, ignore=(SAVING, "metrics.jsonl"))
 
 
-def our_metrics(path: Path) -> bool:
+def _our_metrics(path: Path) -> bool:
     """A training's metrics (a JSON record with its step a line), or nothing yet."""
     try:
         with open(path, "rb") as fh:

@@ -165,7 +165,7 @@ def read_train_info(out_dir: str | Path) -> dict[str, Any]:
     return info
 
 
-_DATA_INTS = ("segment", "epoch", "batch_size", "tgt_len", "stream_len", "world_size", "rank")
+_DATA_INTS = ("segment", "epoch", "batch_size", "tgt_len", "stream_len", "world_size")  # OrderedIterator's
 
 
 def load_train_state(out_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

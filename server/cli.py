@@ -18,11 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from model.config import CLAMP_LEN_MOST, MEM_LEN_MOST, TRAIN_MOST
 from txlserve import json_out
 from txlserve.args import MAX_THREADS, count, device, real
 from txlserve.errors import ConfigError, DataError, TxlError
 
-MEM = count(0, 1 << 20)  # a memory length, as serve bounds it
+MEM = count(0, MEM_LEN_MOST)  # a memory length, as serve bounds it
 
 
 def _add_threads(p: argparse.ArgumentParser) -> None:
@@ -55,7 +56,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default="tiny", help="tiny | small | enwik8-base (default: tiny)")
     for flag, typ, says in (
             ("--steps", count(1), "optimizer steps in all"), ("--batch-size", count(1), "sequences a step"),
-            ("--lr", real(0, 10, above=True), "peak learning rate (cosine decay after the warm-up; at most 10)"),
+            ("--lr", real(0, TRAIN_MOST["lr"], above=True),
+             f"peak learning rate (cosine decay after the warm-up; at most {TRAIN_MOST['lr']})"),
             ("--warmup-steps", count(0), "steps of linear warm-up"),
             ("--tgt-len", count(1), "tokens a segment (the paper's tgt_len)"),
             ("--mem-len", MEM, "cached layer inputs a layer attends beyond the segment (mem_len)"),
@@ -75,8 +77,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "--eval-every, or a preset that has them")
     p.add_argument("--grad-accum", type=count(1), default=1,
                    help="micro-batches a step (the batch split N ways; default: 1)")
-    p.add_argument("--weight-decay", type=real(0, 10), default=0.0, help="AdamW weight decay (default: 0; at most 10)")
-    p.add_argument("--seed", type=count(0, (1 << 63) - 1), default=1111,  # torch's seeds are 64-bit
+    p.add_argument("--weight-decay", type=real(0, TRAIN_MOST["weight_decay"]), default=0.0,
+                   help=f"AdamW weight decay (default: 0; at most {TRAIN_MOST['weight_decay']})")
+    p.add_argument("--seed", type=count(0, TRAIN_MOST["seed"]), default=1111,
                    help="seed of the weights' initialisation and dropout (default: 1111)")
     p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda")
     p.add_argument("--resume", action="store_true",
@@ -157,7 +160,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                         "(a held-out file scored entire, where a byte corpus's file is otherwise split 90/5/5)")
     p.add_argument("--tgt-len", type=count(1), default=None, help="tokens a segment (default: the checkpoint's)")
     p.add_argument("--mem-len", type=MEM, default=None, help="default: the checkpoint's")
-    p.add_argument("--clamp-len", type=count(0, 1 << 40), default=None,
+    p.add_argument("--clamp-len", type=count(0, CLAMP_LEN_MOST), default=None,
                    help="relative distances clamped to this (0: none; default: the checkpoint's)")
     p.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
                    help="every token attends the same number of keys (default: the checkpoint's); with "
@@ -263,9 +266,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-tokens", type=count(0), default=0,
                    help="generate at least this many tokens before a stop string may end the text (vLLM's; at most "
                         "--max-tokens)")
-    p.add_argument("--mem-len", type=count(1, 1 << 20), default=None,  # decoding keeps a memory
+    p.add_argument("--mem-len", type=count(1, MEM_LEN_MOST), default=None,  # decoding keeps a memory
                    help="default: the checkpoint's")
-    p.add_argument("--clamp-len", type=count(0, 1 << 40), default=None, help="default: the checkpoint's")
+    p.add_argument("--clamp-len", type=count(0, CLAMP_LEN_MOST), default=None, help="default: the checkpoint's")
     p.add_argument("--device", type=device, default="auto", help="auto | cpu | cuda")
     _add_threads(p)
     p.set_defaults(func=_cmd_generate)

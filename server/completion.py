@@ -474,7 +474,7 @@ class Completion:
     prompt_ids: list[int] = field(default_factory=list)  # the prompt's ids as read, for return_token_ids
     token_ids: list[int] = field(default_factory=list)  # the ids generated (self.tokens has the echoed prompt's too)
     _prompt_ids_due: bool = True  # a stream's first chunk of this choice carries prompt_token_ids
-    _template: tuple[str, ...] | None = field(default=None, repr=False)
+    _template: tuple[str, str, str] | None = field(default=None, repr=False)
     _decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"), repr=False)
     _chars: int = 0  # characters the generated tokens decode to so far, text held back (a stop string's start) too
@@ -559,16 +559,16 @@ class Completion:
         many concurrent streams. A choice's first chunk with ``return_token_ids`` (the prompt's ids) is rendered."""
         if self.req.return_token_ids and (self._prompt_ids_due or token_ids is None):
             return f"data: {json.dumps(self.piece(text, token_ids=token_ids), ensure_ascii=False)}\n\n"
-        if self._template is None:
+        ids = self.req.return_token_ids
+        if self._template is None:  # (data: head) text (middle) ids (tail): the text comes before the ids
             marker = json.dumps(_MARKER)[1:-1]
-            ids = [_ID_MARKER] if self.req.return_token_ids else None
-            head, tail = json.dumps(self.piece(_MARKER, token_ids=ids), ensure_ascii=False).rsplit(marker, 1)
-            self._template = ("data: " + head, *tail.rsplit(f"[{_ID_MARKER}]", 1), "\n\n")  # text, then ids
-        if not self.req.return_token_ids:
-            head, tail, end = self._template
-            return head + json.dumps(text, ensure_ascii=False)[1:-1] + tail + end
-        head, middle, tail, end = self._template
-        return head + json.dumps(text, ensure_ascii=False)[1:-1] + middle + json.dumps(token_ids) + tail + end
+            head, rest = json.dumps(self.piece(_MARKER, token_ids=[_ID_MARKER] if ids else None),
+                                    ensure_ascii=False).rsplit(marker, 1)
+            middle, tail = rest.rsplit(f"[{_ID_MARKER}]", 1) if ids else (rest, "")
+            self._template = ("data: " + head, middle, tail + "\n\n")
+        head, middle, tail = self._template
+        return head + json.dumps(text, ensure_ascii=False)[1:-1] + middle + (json.dumps(token_ids) if ids else "") \
+            + tail
 
     def chunk(self, text: str, finish_reason: FinishReason | None = None, logprobs: CompletionLogprobs | None = None,
               *, session: SessionRef | None = None, token_ids: list[int] | None = None) -> CompletionObject:
@@ -695,10 +695,6 @@ class Deltas:
         self.logprobs: CompletionLogprobs | None = None
         self.ids: list[int] | None = [] if self.with_ids else None
 
-    def __bool__(self) -> bool:
-        """Anything to send: a token that released no text yet (a stop string's start held back) sends nothing."""
-        return any(self.text) or self.logprobs is not None or bool(self.ids)
-
     def full(self) -> bool:
         return self.tokens >= MERGED_TOKENS
 
@@ -725,12 +721,14 @@ class Deltas:
         """Text released without a token of its own (what a cancelled generation held back)."""
         self.text.append(text)
 
-    def take(self) -> tuple[str, CompletionLogprobs | None, list[int] | None]:
-        """(text, logprobs, ids) of the tokens waiting, which are then sent; ids None where none came (only text
-        a cancelled generation held back)."""
+    def pop(self) -> tuple[str, CompletionLogprobs | None, list[int] | None] | None:
+        """(text, logprobs, ids) of the tokens waiting, which are then sent (ids None where none came: only text a
+        cancelled generation held back); None where there is nothing to send: no token yet, or tokens that
+        released no text yet (a stop string's start held back)."""
+        due = any(self.text) or self.logprobs is not None or bool(self.ids)
         taken = "".join(self.text), self.logprobs, self.ids or None
         self._clear()
-        return taken
+        return taken if due else None
 
 
 async def events(run: Run, first: Any, since: float | None = None

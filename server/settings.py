@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from model.config import CLAMP_LEN_MOST, MEM_LEN_MOST
 from txlserve.args import MAX_THREADS
 from txlserve.errors import ConfigError
 
@@ -209,7 +210,7 @@ class Settings:
                               param="cpu_latency_qos_us")
         # past these Redis's millisecond times (int64) or torch's int64 positions overflow: every session call was
         # a 503 "value is not an integer" from Redis, a clamp_len a traceback (found by a helper)
-        for name, most, unit in (("mem_len", 1 << 20, ""), ("clamp_len", 1 << 40, ""),
+        for name, most, unit in (("mem_len", MEM_LEN_MOST, ""), ("clamp_len", CLAMP_LEN_MOST, ""),
                                  ("session_ttl_s", 100 * 365 * 86400, " (100 years; 0 keeps sessions forever)"),
                                  ("lease_ttl_ms", 86_400_000, " (a day)")):
             if getattr(self, name) is not None and getattr(self, name) > most:

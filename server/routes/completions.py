@@ -123,10 +123,10 @@ async def _stream(rt: Runtime, comps: list[Completion], interleaved: Interleaved
 
     async def chunk(i: int) -> None:
         """Choice ``i``'s waiting tokens, as one event, to ``out``."""
-        comp, due, rows = comps[i], bool(unsent[i]), comps[i].prompt_rows() + unsent[i].rows
-        text, logprobs, ids = unsent[i].take()
-        if not due:  # no token yet (a write of another choice's), or none that released text, logprobs or ids:
-            return  # an empty chunk with the prompt's ids alone had been sent
+        comp, rows = comps[i], comps[i].prompt_rows() + unsent[i].rows
+        if (taken := unsent[i].pop()) is None:  # (a write of another choice's token had sent this one, with none
+            return  # yet, an empty chunk of its prompt's ids alone)
+        text, logprobs, ids = taken
         if logprobs is not None or (continuous and text) or rows:  # (logprobs, a first chunk's prompt ids: long)
             out.append(await off_loop(rows, _piece, comp, text, None, logprobs, usage=so_far(i), token_ids=ids))
         else:

@@ -51,9 +51,8 @@ def _done(comp: Completion, *args: Any) -> str:
 
 async def send_deltas(ws: WebSocket, comp: Completion, unsent: Deltas) -> None:
     """One ``completion.delta`` of the tokens read and not yet sent (none for tokens that released no text yet)."""
-    rows, due = comp.prompt_rows() + unsent.rows, bool(unsent)  # (logprobs, a first delta's prompt ids: off the loop)
-    taken = unsent.take()
-    if due:
+    rows = comp.prompt_rows() + unsent.rows  # (logprobs, a first delta's prompt ids: rendered off the loop)
+    if (taken := unsent.pop()) is not None:
         await ws.send_text(await off_loop(rows, _delta, comp, *taken))
 
 

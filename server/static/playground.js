@@ -383,7 +383,8 @@ async function startContinue() {
     // wraps the line there; a line of 180,000 characters kept the page 3.5 s behind
     const full = blockChars + shown.length;
     let cut = full >= BLOCK_CHARS ? shown.lastIndexOf("\n") : -1;
-    if (cut < 0 && full >= 2 * BLOCK_CHARS) cut = shown.lastIndexOf(" ") >= 0 ? shown.lastIndexOf(" ") : shown.length - 1;
+    if (cut < 0 && full >= 2 * BLOCK_CHARS) cut = shown.lastIndexOf(" ");
+    if (cut < 0 && full >= 2 * BLOCK_CHARS) cut = shown.length - 1;
     if (cut >= 0) {
       block.append(shown.slice(0, cut + 1));
       block = document.createElement("div"); block.className = "generated"; out.appendChild(block);

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from bench.decode import _timed, read_bandwidth, step_bytes
-from model.checkpoint import WEIGHTS, save_checkpoint
+from model.checkpoint import WEIGHTS, read_meta, save_checkpoint
 from model.config import TXLConfig
 from model.engine import Engine
 from model.sampling import rows_logprobs
@@ -36,6 +36,7 @@ from model.threads import set_threads
 from model.tokenizer import WordTokenizer
 from model.transformer_xl import MemTransformerLM
 from txlserve.args import MAX_THREADS, count
+from txlserve.errors import ConfigError
 
 WT103 = dict(n_layer=18, d_model=1024, n_head=16, d_head=64, d_inner=4096, dropout=0.0, tgt_len=128,
              mem_len=1599, clamp_len=1000, same_length=True, vocab_size=267_735, cutoffs=(20_000, 40_000, 200_000),
@@ -67,7 +68,8 @@ def random_wt103(out: Path, **changes: Any) -> TXLConfig:
 
 def measure_load(ckpt: Path) -> dict[str, Any]:
     weights = (ckpt / WEIGHTS).stat().st_size
-    proc = subprocess.run([sys.executable, "-c", _LOAD, str(ckpt)], capture_output=True, text=True, timeout=1800,
+    proc = subprocess.run([sys.executable, "-c", _LOAD, str(ckpt.resolve())], capture_output=True, text=True,
+                          timeout=1800,  # (resolved: it runs in the repository, where a relative path was not found)
                           cwd=Path(__file__).resolve().parents[1])
     if proc.returncode:
         raise RuntimeError(proc.stderr[-2000:])
@@ -156,6 +158,8 @@ def run(*, tokens: int, prefill_tokens: int, iters: int, work_dir: Path, checkpo
     if ckpt is None:
         ckpt = work_dir / "wt103-random"
         random_wt103(ckpt)
+    else:  # one line for a path that is no checkpoint, before the load is timed in a process of its own
+        read_meta(ckpt)
     result: dict[str, Any] = {"checkpoint": str(checkpoint) if checkpoint else "random wt103 shape",
                               "threads": torch.get_num_threads(), "torch": torch.__version__}
     result.update(measure_load(ckpt))
@@ -189,6 +193,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     set_threads(ns.threads)
+    if ns.work_dir is not None and not Path(ns.work_dir).is_dir():  # (it was named with the temporary directory
+        raise ConfigError(f"--work-dir {ns.work_dir} is not a directory")  # made inside it)
     with tempfile.TemporaryDirectory(prefix="txl-scale-", dir=ns.work_dir) as tmp:
         result = run(tokens=ns.tokens, prefill_tokens=ns.prefill_tokens, iters=ns.iters, work_dir=Path(tmp),
                      checkpoint=Path(ns.checkpoint) if ns.checkpoint else None)

@@ -28,6 +28,7 @@ from model.config import TXLConfig
 from model.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_dict
 from model.transformer_xl import MemTransformerLM
 from txlserve.errors import CheckpointError, ConfigError
+from txlserve.pickles import looks_pickled
 from txlserve.signals import HeldSignals
 
 WEIGHTS = "model.safetensors"
@@ -152,7 +153,7 @@ def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
     if not Path(ckpt_dir).is_dir():
         raise CheckpointError(not_a_directory(ckpt_dir))
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(path.read_text(encoding="utf-8-sig"))
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {ckpt_dir} has no {CONFIG}") from None
     except (OSError, ValueError, RecursionError) as err:  # (JSON's syntax, UTF-8, a 5,000-digit number, nesting)
@@ -177,7 +178,7 @@ def pickle_note(path: Path) -> str:
             head = f.read(4)
     except OSError:
         return ""
-    if head[:1] == b"\x80" or head == b"PK\x03\x04":
+    if looks_pickled(head):
         return f" ({path.name} is a pickle, as torch.save writes, which txlserve never loads: it reads safetensors)"
     return ""
 

@@ -167,7 +167,7 @@ class TXLConfig:
     @classmethod
     def from_json_file(cls, path: str | Path) -> TXLConfig:
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8-sig")))
         except (OSError, json.JSONDecodeError) as err:
             raise ConfigError(f"cannot read model config {path}: {err}") from None
 

@@ -38,7 +38,7 @@ PICKLED = {"pytorch_model.bin": "model.safetensors", "tf_model.h5": "model.safet
 def is_hf_dir(path: str | Path) -> bool:
     """A Hugging Face TransfoXL directory (its config.json names the model type)."""
     try:
-        data = json.loads((Path(path) / "config.json").read_text())
+        data = json.loads((Path(path) / "config.json").read_text(encoding="utf-8-sig"))
     except (OSError, ValueError, RecursionError):
         return False
     return isinstance(data, dict) and data.get("model_type") == "transfo-xl"
@@ -125,7 +125,7 @@ def read_vocab(src: Path) -> list[str]:
     refuse_pickles(src, "vocabulary", "vocab.json", also="vocab.txt")
     if (src / "vocab.json").is_file():
         try:
-            data = json.loads((src / "vocab.json").read_text(encoding="utf-8"))
+            data = json.loads((src / "vocab.json").read_text(encoding="utf-8-sig"))
         except (OSError, ValueError, RecursionError) as err:  # (a 5,000-digit number, nesting too deep)
             if note := pickle_note(src / "vocab.json"):  # a pickle under a JSON name: say so, and what to give
                 raise CheckpointError(f"{src / 'vocab.json'} is not JSON{note}: give the vocabulary as vocab.json "
@@ -144,7 +144,7 @@ def read_vocab(src: Path) -> list[str]:
         raise CheckpointError(f"{src / 'vocab.json'}: expected a list of symbols or a symbol-to-id object")
     if (src / "vocab.txt").is_file():
         try:
-            lines = (src / "vocab.txt").read_text(encoding="utf-8").splitlines()
+            lines = (src / "vocab.txt").read_text(encoding="utf-8-sig").splitlines()
         except (OSError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{src / 'vocab.txt'} cannot be read as UTF-8 text: {err}") from None
         return [line.split()[0] for line in lines if line.strip()]
@@ -193,7 +193,7 @@ def import_hf(src: str | Path, out: str | Path, *, dtype: torch.dtype | None = N
     if not (src / "config.json").is_file():
         raise CheckpointError(f"{src} has no config.json (expected a Hugging Face TransfoXL directory)")
     try:
-        data = json.loads((src / "config.json").read_text())
+        data = json.loads((src / "config.json").read_text(encoding="utf-8-sig"))
     except (OSError, ValueError, RecursionError) as err:  # (a 5,000-digit number, nesting too deep)
         raise CheckpointError(f"{src / 'config.json'} is not valid JSON: {err or 'nested too deep'}") from None
     cfg = hf_config(data if isinstance(data, dict) else {})

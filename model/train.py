@@ -291,7 +291,7 @@ def _best_so_far(best: Path) -> float:
     the record, so a run that stopped between writing it and its training state, or that first ran without the
     flag, compares with what is there."""
     try:
-        return float(json.loads((best / "config.json").read_text())["training"]["valid_bpc"])
+        return float(json.loads((best / "config.json").read_text(encoding="utf-8-sig"))["training"]["valid_bpc"])
     except (OSError, ValueError, KeyError, TypeError):
         return math.inf
 
@@ -480,6 +480,10 @@ def _train(args: TrainArgs) -> dict[str, Any]:
     args = resumed_args(args)
     corpus, tokenizer = load_training_corpus(args)
     cfg, opt = resolve(args, tokenizer.vocab_size)
+    if opt["eval_every"] and len(corpus.valid) < 2:  # found at the first evaluation, after eval_every steps
+        raise DataError(f"the valid split of {args.data} holds {len(corpus.valid)} token"
+                        f"{'s' * (len(corpus.valid) != 1)}, and this run evaluates on it every {opt['eval_every']:,} "
+                        "steps: give a longer valid split, or --eval-every 0")
     device = pick_device(args.device)
     world_size = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else 1  # torchrun sets both
     _check_fits(cfg, device, micro_batch=opt["batch_size"] // args.grad_accum,

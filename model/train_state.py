@@ -141,7 +141,7 @@ def read_train_info(out_dir: str | Path) -> dict[str, Any]:
     """The training state's JSON alone (the run's arguments, step and data position), without its tensors."""
     path = Path(out_dir) / STATE_DIR / "state.json"
     try:
-        info = json.loads(path.read_text())
+        info = json.loads(path.read_text(encoding="utf-8-sig"))
     except FileNotFoundError:
         raise CheckpointError(f"--resume: no training state in {path.parent}") from None
     except (OSError, ValueError) as err:

@@ -22,6 +22,7 @@ from model.config import CLAMP_LEN_MOST, MEM_LEN_MOST, TRAIN_MOST
 from txlserve import json_out
 from txlserve.args import MAX_THREADS, count, device, real
 from txlserve.errors import ConfigError, DataError, TxlError
+from txlserve.pickles import looks_pickled
 
 MEM = count(0, MEM_LEN_MOST)  # a memory length, as serve bounds it
 
@@ -156,8 +157,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, help="a checkpoint directory")
     p.add_argument("--data", required=True, help="a byte corpus, or for word models a WikiText folder or file")
     p.add_argument("--split", default="test", choices=["train", "valid", "test", "all", "whole"],
-                   help="default: test; all: each split in turn; whole: every token of --data in order, as one text "
-                        "(a held-out file scored entire, where a byte corpus's file is otherwise split 90/5/5)")
+                   help="default: test; all: each split in turn (those a word folder has); whole: every token of "
+                        "--data in order, as one text (a held-out file scored entire, where a byte corpus's file is "
+                        "otherwise split 90/5/5)")
     p.add_argument("--tgt-len", type=count(1), default=None, help="tokens a segment (default: the checkpoint's)")
     p.add_argument("--mem-len", type=MEM, default=None, help="default: the checkpoint's")
     p.add_argument("--clamp-len", type=count(0, CLAMP_LEN_MOST), default=None,
@@ -206,16 +208,20 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 
         if Path(ns.data).expanduser().is_file():  # a file stands for every split: read once, as itself (--split
             splits, parts = ["whole"], ["test"]  # all printed the one file's figures three times, as three splits)
-        elif ns.split == "whole":  # a folder's splits, those it has
+        elif ns.split in ("whole", "all"):  # a folder's splits, those it has (WikiText-2's held-out files alone)
             parts = [n for n in parts if split_path(ns.data, n)]
             if not parts:
                 raise DataError(f"{ns.data} has no split to read (expected wiki.test.tokens, or test.txt, and so on)")
+            splits = parts if ns.split == "all" else splits
         corpus, _ = load_word_corpus(ns.data, ckpt.tokenizer, splits=tuple(parts))
     else:
         corpus = load_corpus(ns.data)
     results = {}
     for name in splits:
         data = np.concatenate([corpus.split(n) for n in parts]) if name == "whole" else corpus.split(name)
+        if len(data) < 2:  # scoring needs a token and the one after it
+            raise DataError(f"the {name} split of {ns.data} holds {len(data)} token{'s' * (len(data) != 1)}: "
+                            "nothing to score (a token is scored from the one before it)")
         top = int(np.asarray(data).max()) if len(data) else 0
         if top >= cfg.vocab_size:  # a hand-made checkpoint's tokenizer names more symbols than the model reads
             raise DataError(f"the {name} split holds token {top}, past this model's {cfg.vocab_size:,} outputs "
@@ -540,10 +546,14 @@ def _cmd_session(ns: argparse.Namespace) -> int:
                 else:
                     print(text)
                 return 0
-            try:  # a BOM, as some editors write, is no reason to refuse a document
-                raw = sys.stdin.read() if ns.file == "-" else Path(ns.file).read_text(encoding="utf-8-sig")
-                document = json.loads(raw)
-            except (ValueError, RecursionError) as err:  # JSON's errors, bytes that are not UTF-8, deep nesting
+            try:
+                raw = sys.stdin.buffer.read() if ns.file == "-" else Path(ns.file).read_bytes()
+                if looks_pickled(raw[:4]):  # it was "not a JSON export document: 'utf-8' codec can't decode"
+                    print(f"txlserve: error: {ns.file} is a pickle, which txlserve never loads: session import reads "
+                          "the JSON document `txlserve session export` writes", file=sys.stderr)
+                    return 2
+                document = json.loads(raw.decode("utf-8-sig"))  # a BOM, as some editors write, is no reason to
+            except (ValueError, RecursionError) as err:  # refuse one; JSON's errors, bytes not UTF-8, deep nesting
                 why = "nested too deeply" if isinstance(err, RecursionError) else err
                 print(f"txlserve: error: {ns.file} is not a JSON export document: {why}", file=sys.stderr)
                 return 2
@@ -555,6 +565,19 @@ def _cmd_session(ns: argparse.Namespace) -> int:
         return 2
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+    """A flag's default at the end of its help, where the help does not give it: most of the benchmarks' flags
+    said none (found by a helper)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text, default = action.help or "", action.default
+        if (not action.option_strings or "default" in text or text == argparse.SUPPRESS or default is None
+                or default is False or default == argparse.SUPPRESS or default in ((), [])):
+            return action.help
+        shown = ",".join(map(str, default)) if isinstance(default, (tuple, list)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"  # 1,16,64 as it is typed
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors are one line, like every other error of the command, pointing at --help. No flag is taken
     by a prefix of its name: ``serve --model PATH`` (vLLM's flag) had been taken as ``--model-name`` and served
@@ -562,6 +585,7 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _DefaultsShown)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
@@ -596,7 +620,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+class _ClosedStdout(io.TextIOBase):
+    """Python's stdout where the process was started with none (``>&-``): ``print`` went nowhere (a command's
+    figures lost, exit 0), and ``generate``'s first write was an AttributeError's traceback. Now a write is an
+    error, as ``cat``'s and ``echo``'s are, and a command that writes nothing there (``serve``) runs."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(9, "standard output is closed (redirect it: > FILE, or > /dev/null to discard what it says)")
+
+
 def _main(argv: list[str]) -> int:
+    if sys.stdout is None:
+        sys.stdout = _ClosedStdout()
     if argv[:1] == ["chat"]:  # every flag after `chat` belongs to the client's own parser
         return _cmd_chat(argparse.Namespace(args=argv[1:]))
     try:  # the benchmarks' parsers import their modules (torch): a Ctrl-C meanwhile is an exit, not a traceback

@@ -41,6 +41,15 @@ from txlserve.signals import STOP_SIGNALS, HeldSignals
 log = logging.getLogger("txlserve")
 
 
+def _cancelled_by_the_exit(record: logging.LogRecord) -> bool:
+    """False for uvicorn's reports of a task the forced exit cancelled: a request's ("Exception in ASGI
+    application", with the exception) and the lifespan's (its traceback as the message)."""
+    if record.exc_info and isinstance(record.exc_info[1], (asyncio.CancelledError, KeyboardInterrupt)):
+        return False
+    text = str(record.msg)
+    return not (text.startswith("Traceback") and text.rstrip().endswith("CancelledError"))
+
+
 class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, hold: HeldSignals | None) -> None:
         super().__init__(config)
@@ -75,6 +84,13 @@ class _Server(uvicorn.Server):
                 await asyncio.wait([drain, *rt.ws_streams], timeout=0.1)  # a second Ctrl-C (force_exit) ends it
             self._abort_stalled()
         await super().shutdown(sockets=sockets)
+        if self.force_exit:  # a second Ctrl-C: uvicorn skips the app's shutdown, and the tasks left (the lifespan,
+            # each request's) are cancelled as the loop closes, each logged as a failure with a traceback
+            rt = getattr(self.config.app.state, "runtime", None)
+            running = len(rt.runs) if rt is not None else 0
+            log.info("stopped at once (a second signal)%s", f": {running} request(s) still running end without "
+                     "committing what they generated" if running else "")
+            logging.getLogger("uvicorn.error").addFilter(_cancelled_by_the_exit)
 
     def _abort_stalled(self) -> None:
         for connection in list(self.server_state.connections):
@@ -84,7 +100,8 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         """uvicorn's, except that it puts back the handlers ``_serve``'s hold found, not the holding ones, before
-        it raises the signals it caught again (uvicorn's: a drained Ctrl-C exits 130, a SIGTERM as SIGTERM)."""
+        it raises the signals it caught again, each kind once (uvicorn's: a drained Ctrl-C exits 130, a SIGTERM as
+        SIGTERM)."""
         if self.hold is None:  # not the main thread: no signals to take
             with super().capture_signals():
                 yield
@@ -95,8 +112,11 @@ class _Server(uvicorn.Server):
             yield
         finally:
             self.hold.release()  # nothing held: from its server's creation on, a signal went to the server
-        for sig in reversed(self._captured_signals):
-            signal.raise_signal(sig)
+        for sig in dict.fromkeys(reversed(self._captured_signals)):  # each once: a second Ctrl-C (the force
+            signal.raise_signal(sig)  # exit) raised again was a KeyboardInterrupt through the clean-up, 4 tracebacks
+        if signal.SIGINT in self._captured_signals:  # asyncio's runner has it (it cancels the serving): leaving, a
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C more, as a worker's supervisor passes each on,
+            # landed in the runner's or the interpreter's teardown, with tracebacks (and a worker's status 1)
 
 
 class Redact(logging.Filter):

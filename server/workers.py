@@ -148,7 +148,9 @@ class _Supervisor:
             self.stop_all()
             return code if code > 0 else 1  # a worker's own status (2: its one-line error), else 1
         self.stop_all()
-        clean = (0, -signal.SIGTERM, 130)  # uvicorn raises the signal it stopped on again once it has drained
+        # uvicorn raises the signal it stopped on again once it has drained (a second Ctrl-C can land as its
+        # handler is put back: -SIGINT)
+        clean = (0, -signal.SIGTERM, 130, -signal.SIGINT)
         engine_clean = self.engine is None or self.engine.returncode == 0  # it exits 0 after its last server
         return 0 if engine_clean and all(p.returncode in clean for p in self.procs) else 1
 
@@ -364,6 +366,9 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
+        # served: the worker leaves. A Ctrl-C pressed again (the supervisor passes each on) that landed in the
+        # interpreter's teardown printed torch's atexit traceback, and the worker exited 1
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if sock is not None:
             sock.close()
 

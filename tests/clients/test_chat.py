@@ -165,9 +165,14 @@ def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(server: LiveSer
         assert client.sessions.get(session.id).tokens_seen == 1 + len("ok\n") + 3  # the bad line fed nothing
 
 
-def test_unknown_session_is_an_error(server: LiveServer) -> None:
+def test_unknown_session_is_an_error(server: LiveServer, client: Client) -> None:
     rc, _, err = run_chat(server, "", "--session", "no-such-session")
     assert rc == 2 and "404" in err and "not found" in err  # 2, as `txlserve session` exits
+    # an empty id (--session "$SID", SID unset) is a usage error: it had started a new session, as if none were given
+    before = sum(1 for _ in client.sessions.list().iter_all())
+    rc, _, err = run_chat(server, "hi\n", "--session", "")
+    assert rc == 2 and "argument --session: an empty session id" in err, err
+    assert sum(1 for _ in client.sessions.list().iter_all()) == before
 
 
 @contextlib.contextmanager

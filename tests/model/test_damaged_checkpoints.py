@@ -57,3 +57,12 @@ def test_a_damaged_checkpoint_is_one_line(tmp_path, damage, says):
     with pytest.raises(CheckpointError, match=says):
         load_checkpoint(ck)
 
+
+
+def test_a_config_saved_with_a_bom_loads(tmp_path):
+    """An editor that writes a byte order mark (Notepad) made a hand-edited config.json "not valid JSON", where
+    `txlserve session import` took the same mark."""
+    ck = tiny_checkpoint(tmp_path / "ck")
+    text = (ck / CONFIG).read_text()
+    (ck / CONFIG).write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_checkpoint(ck).meta == json.loads(text)

@@ -180,6 +180,12 @@ def test_pickled_files_are_refused(tmp_path):
     _export(hf, src)  # whole again, a vocab.txt written
     assert (src / "vocab.pkl").exists() and (src / "vocab.txt").exists()
     import_hf(src, tmp_path / "out")
+    # files an editor saved with a byte order mark: config.json was "not valid JSON", and vocab.txt's first symbol
+    # silently became "\ufeff<eos>"
+    for name in ("config.json", "vocab.txt"):
+        (src / name).write_bytes(b"\xef\xbb\xbf" + (src / name).read_bytes())
+    import_hf(src, tmp_path / "bom")
+    assert load_checkpoint(tmp_path / "bom").tokenizer.symbols == load_checkpoint(tmp_path / "out").tokenizer.symbols
 
 
 def test_a_malformed_vocabulary_or_config_is_named(tmp_path):

@@ -220,6 +220,25 @@ def test_a_word_run_reads_the_splits_it_uses(tmp_path, capsys):
                          "--max-tokens", "200", "--no-progress"]) == 0
         rows = capsys.readouterr().out.splitlines()
         assert len(rows) == 1 and rows[0].startswith("whole  ppl "), rows
+    # --split all on a folder of held-out splits alone (WikiText-2's valid and test): each it has (it was refused
+    # for want of a train split); an empty split is said in one line before any other is scored
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "wiki.test.tokens").write_text(one.read_text()[:2000])
+    (held / "wiki.valid.tokens").write_text(one.read_text()[2000:4000])
+    assert cli_main(["eval", "--checkpoint", str(tmp_path / "d"), "--data", str(held), "--split", "all",
+                     "--no-progress"]) == 0
+    assert [row.split()[0] for row in capsys.readouterr().out.splitlines()] == ["valid", "test"]
+    (held / "wiki.valid.tokens").write_text("")
+    assert cli_main(["eval", "--checkpoint", str(tmp_path / "d"), "--data", str(held), "--split", "all"]) == 2
+    out, err = capsys.readouterr()
+    assert not out and f"the valid split of {held} holds 0 tokens: nothing to score" in err, err
+    # a run that evaluates on an empty valid split is refused before its first step (it failed at its first
+    # evaluation, eval_every steps in, with no word of which text was short)
+    (data / "wiki.valid.tokens").write_text("\n")  # one line: its <eos> alone
+    with pytest.raises(DataError, match=r"valid split of .* holds 1 token, and this run evaluates on it every 1 "):
+        train(TrainArgs(data=str(data), out=str(tmp_path / "e"), eval_every=1, **common))
+    assert not (tmp_path / "e").exists()
 
 
 def test_a_word_runs_cutoffs_are_checked_against_its_vocabulary(tmp_path):

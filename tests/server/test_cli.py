@@ -89,6 +89,21 @@ def test_generate_stopped_by_ctrl_c_ends_its_line(checkpoint):
     assert b"Traceback" not in err
 
 
+def test_a_command_started_without_stdout_says_so(checkpoint):
+    """Started with stdout closed (``>&-``), ``generate``'s first write was an AttributeError's traceback, and
+    ``eval``'s figures went nowhere with exit 0 (found by a helper); now one line, as ``cat``'s write error."""
+    for args in (["generate", "--checkpoint", str(checkpoint), "--prompt", "Hello", "--max-tokens", "5"],
+                 ["eval", "--checkpoint", str(checkpoint), "--data", str(REPO / "README.md"), "--split", "whole",
+                  "--max-tokens", "50", "--no-progress"]):
+        r = subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=REPO, capture_output=False,
+                           stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1),
+                           timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        err = r.stderr.decode()
+        assert r.returncode == 2 and "Traceback" not in err, err[-2000:]
+        assert err.strip().splitlines()[-1] == ("txlserve: error: standard output is closed (redirect it: > FILE, "
+                                                "or > /dev/null to discard what it says)"), err
+
+
 def test_generate_into_a_pipe_its_reader_closes_ends_quietly(checkpoint):
     """``txlserve generate ... | head -c 100`` printed "Task was destroyed but it is pending!" and "error: [Errno 32]
     Broken pipe", exit 2 (found by a helper); now quiet, with SIGPIPE's status, as ``cat`` into ``head``."""
@@ -259,6 +274,27 @@ def test_bench_scales_scoring_times_prompt_logprobs_ranks_against_scores_alone(t
     out = measure_scoring(make_engine(tmp_path), 12)
     assert out["scored_tokens"] == 12 and out["score_ms"] > 0 and out["score_with_ranks_ms"] > 0
     assert out["ranks_over_scores"] == pytest.approx(out["score_with_ranks_ms"] / out["score_ms"])
+
+
+def test_bench_scale_takes_relative_paths_and_says_a_bad_work_dir(checkpoint, tmp_path):
+    """A relative --checkpoint (or --work-dir) was not found by the load's timing process, which runs in the
+    repository: a traceback. A --work-dir that is no directory was named with the temporary path made inside it."""
+    import shutil
+
+    shutil.copytree(checkpoint, tmp_path / "ck")
+    (tmp_path / "afile").write_text("")
+    common = [sys.executable, "-m", "server.cli", "bench", "scale", "--tokens", "1", "--prefill-tokens", "8",
+              "--iters", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([*common, "--checkpoint", "ck"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["load_s"] > 0
+    for flags, said in ((["--work-dir", "afile"], "--work-dir afile is not a directory"),
+                        (["--work-dir", "nowhere"], "--work-dir nowhere is not a directory"),
+                        (["--checkpoint", "nowhere"], "checkpoint directory nowhere does not exist")):
+        r = subprocess.run([*common, *flags], cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+        assert r.returncode == 2 and r.stderr == f"txlserve: error: {said}\n", r.stderr[-2000:]
 
 
 def test_bench_store_json(checkpoint):
@@ -566,7 +602,10 @@ def test_a_stop_signal_before_serving_closes_the_runtime_quietly(checkpoint, tmp
                                              ("not json", "is not a JSON export document"),
                                              (b"\xff\xfe{}", "is not a JSON export document"),
                                              ("[1, 2]", "a JSON object (what sessions.export returns), not list"),
-                                             ("42", "not int"), ('"ab"', "not str")])
+                                             ("42", "not int"), ('"ab"', "not str"),
+                                             (b"\x80\x04\x95\x05\x00", "is a pickle, which txlserve never loads: "
+                                              "session import reads the JSON document `txlserve session export`"),
+                                             (b"PK\x03\x04", "is a pickle")])  # (a pickle had been "not UTF-8")
 def test_session_import_refuses_a_bad_file_in_one_line(tmp_path, content, needle):
     path = tmp_path / "doc.json"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -575,24 +614,42 @@ def test_session_import_refuses_a_bad_file_in_one_line(tmp_path, content, needle
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr  # one line (a RecursionError's was 1000)
 
 
-def test_every_flag_of_every_command_says_what_it_does():
-    """`--help` listed some flags bare (train's --steps, eval's --split, generate's --seed, bench's --batch ...)."""
+def test_session_import_reads_a_bom_from_stdin_as_from_a_file(tmp_path):
+    """A file's byte order mark was skipped, stdin's read as part of the JSON ("not a JSON export document")."""
+    done = subprocess.run([sys.executable, "-m", "server.cli", "session", "import", "-", "--url", "http://127.0.0.1:9"],
+                          cwd=REPO, input=b"\xef\xbb\xbf{}", capture_output=True, timeout=60)
+    err = done.stderr.decode()
+    assert done.returncode == 2 and "JSON" not in err and "127.0.0.1:9" in err, err  # read; the server is not there
+
+
+def test_every_flag_of_every_command_says_what_it_does_and_its_default():
+    """`--help` listed some flags bare (train's --steps, eval's --split, generate's --seed, bench's --batch ...);
+    most of the benchmarks' flags, and a few others (generate's --top-p, every --device), gave no default."""
     import argparse
 
     import server.cli as cli
 
-    bare = []
+    bare, silent = [], []
 
     def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        text = re.sub(r"\n {10,}", " ", parser.format_help())  # each flag's help on one line
+        helps = {line.split()[0].rstrip(","): line for line in text.splitlines() if line.startswith("  -")}
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 for name, sub in action.choices.items():
                     walk(sub, f"{path} {name}")
             elif action.option_strings and not action.help and action.dest != "help":
                 bare.append(f"{path} {action.option_strings[0]}")
+            elif action.option_strings and not (action.default is None or action.default is False or action.default
+                                                in ((), [], argparse.SUPPRESS)) and not (
+                    "default" in helps[action.option_strings[0]] or path.endswith((" chat", " bench"))):
+                silent.append(f"{path} {action.option_strings[0]} ({action.default!r})")
 
     walk(cli.build_parser(with_bench=True), "txlserve")
-    assert bare == []
+    assert bare == [] and silent == []
+    text = cli.build_parser(with_bench=True)._subparsers._group_actions[0].choices["bench"]
+    serve = text._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "(default: 1,16,64)" in re.sub(r"\s+", " ", serve)  # as it is typed, not a tuple's repr
 
 
 def test_bench_decode_takes_a_shape_or_a_checkpoint_not_both(capsys):

@@ -213,6 +213,29 @@ def test_sigterm_lets_websocket_streams_end_then_closes_the_sockets(own_server, 
     assert done["usage"]["completion_tokens"] < asked
 
 
+def test_a_second_ctrl_c_during_the_drain_stops_at_once_and_quietly(own_server):
+    """A second Ctrl-C (uvicorn's force exit) while a stream drained printed four tracebacks: the captured signals
+    were each raised again (a KeyboardInterrupt through the clean-up), and the app's lifespan, whose shutdown a
+    force exit skips, logged its cancellation as a failed shutdown. Now it is one line, and 130 as a Ctrl-C."""
+    import signal
+
+    srv = own_server(args=("--shutdown-timeout-s", "60"))
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "go", "max_tokens": LONG, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # streaming: the drain will wait for it
+        srv.proc.send_signal(signal.SIGINT)
+        wait_for(lambda: "draining: waiting up to 60 s" in srv.log.read_text(), 60, "the drain to begin")
+        began = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(30) == 130
+    assert time.monotonic() - began < 20  # not the drain's 60 s
+    log = srv.log.read_text()
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+    assert "stopped at once (a second signal): 1 request(s) still running" in log, log[-3000:]
+
+
 def test_sigterm_ends_a_response_its_client_reads_nothing_of_without_a_traceback(own_server):
     """A stream whose run had ended, but whose client read nothing, held the shutdown until uvicorn's own deadline,
     which cancelled its app with a traceback (found by a helper). Once the drain's runs end, such connections are

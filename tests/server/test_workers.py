@@ -113,6 +113,31 @@ def test_workers_share_the_port_the_sessions_and_the_embedded_redis(checkpoint: 
         srv.stop()
 
 
+def test_a_second_ctrl_c_stops_the_workers_at_once_and_quietly(checkpoint: Path, redis_url: str, tmp_path: Path):
+    """The supervisor passes each Ctrl-C on. A second one, as a worker's stream drained, printed tracebacks: a
+    worker raised both again, and one that landed in asyncio's or the interpreter's teardown was a KeyboardInterrupt
+    there (torch's atexit; 1 stop in 6), or killed the worker (-SIGINT), which the supervisor called a failure."""
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path,
+                     args=(*WORKERS, "--shutdown-timeout-s", "60")).start(timeout=120)
+    try:
+        workers = _workers_of(srv)
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "go", "max_tokens": 200_000, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # held: a generator of it, closed, would close the stream
+            next(line for line in lines if line.startswith("data: "))  # the drain waits for it
+            srv.proc.send_signal(signal.SIGINT)
+            wait_for(lambda: "draining: waiting up to 60 s" in srv.log.read_text(), 60, "a worker's drain")
+            srv.proc.send_signal(signal.SIGINT)
+            assert srv.proc.wait(60) == 130
+        assert wait_exit(workers, 30)
+        log = srv.log.read_text()
+        assert "Traceback" not in log and "exited with status" not in log, log[-3000:]
+        assert "stopped at once (a second signal): 1 request(s) still running" in log, log[-3000:]
+    finally:
+        srv.stop()
+
+
 def test_a_worker_that_dies_stops_the_server(checkpoint: Path, redis_url: str, tmp_path: Path):
     srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path, args=WORKERS).start(timeout=120)
     try:

@@ -50,7 +50,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(prog: str = "txlserve-chat") -> argparse.ArgumentParser:
     about = __doc__.replace("``txlserve-chat``", prog).replace("``", "")  # as the terminal shows it, not as rST
     p = _Parser(prog=prog, description=about, epilog=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--session", default=None, help="continue this session (default: create one)")
+    p.add_argument("--session", type=_session_id, default=None, help="continue this session (default: create one)")
     p.add_argument("--url", default=None, help="server URL (default: $TXLSERVE_BASE_URL or http://127.0.0.1:8000)")
     p.add_argument("--api-key", default=None, help="default: $TXLSERVE_API_KEY")
     p.add_argument("--model", default=None, help="default: the server's model")
@@ -58,6 +58,13 @@ def build_parser(prog: str = "txlserve-chat") -> argparse.ArgumentParser:
                    help=f"per line (default: {MAX_TOKENS}, or the server's limit where that is lower)")
     p.add_argument("--temperature", type=_bounded(float, 0.0, 2.0), default=0.8, help="0 to 2 (default: 0.8)")
     return p
+
+
+def _session_id(text: str) -> str:
+    """An empty id (``--session "$SID"`` with SID unset) had started a new session, as if none were given."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty session id (leave --session out to create a session)")
+    return text
 
 
 def _bounded(kind: Callable[[str], float], lo: float, hi: float | None) -> Callable[[str], float]:
@@ -339,7 +346,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "txlserve-chat") -> int:
                 print(f"{prog}: error: --max-tokens {args.max_tokens} is over this server's limit of {limit}",
                       file=sys.stderr)
                 return 2
-            session = client.sessions.get(args.session) if args.session else client.sessions.create()
+            session = client.sessions.get(args.session) if args.session is not None else client.sessions.create()
             return Chat(client, model, session, args).run()
     except APIError as err:  # the server refused or is gone: one line, status 2 as `txlserve session` exits
         print(f"{prog}: error: {err}", file=sys.stderr)

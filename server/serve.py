@@ -247,6 +247,10 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
                                 timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
                                 http=protocol,  # headers get the body's deadline
                                 ws=websocket_protocol_class(settings.send_timeout_s),
+                                # a client that pauses reads its pong no sooner than its messages: one paused past
+                                # uvicorn's 20 s lost its WebSocket at 40 s, where an SSE stream waits for the send
+                                # deadline (found by a helper); a vanished peer is still found within 20 s plus this
+                                ws_ping_timeout=max(20.0, settings.send_timeout_s),
                                 h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                                 ws_max_size=settings.max_body_bytes)  # a message's limit: a body's (uvicorn: 16 MiB)
         install_redaction(settings)  # after uvicorn configured its loggers

@@ -32,3 +32,13 @@ async def aclient(server: LiveServer) -> AsyncIterator[AsyncClient]:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def grouped_server(checkpoint: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[LiveServer]:
+    """A server whose streams send a chunk per 100,000 tokens: after the first, a reader waits in a read."""
+    srv = LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp("grouped"),
+                     args=("--stream-interval", "100000")).start()
+    yield srv
+    srv.stop()

@@ -25,7 +25,7 @@ from txlserve_client import (
 from websockets.protocol import State
 
 from tests.conftest import KeyedServer
-from tests.live import LONG, MODEL
+from tests.live import LONG, MODEL, LiveServer
 
 pytestmark = pytest.mark.anyio
 
@@ -93,6 +93,33 @@ async def test_session_busy_and_early_close(aclient: AsyncClient) -> None:
             break
         await asyncio.sleep(0.05)
     assert 4 < s.tokens_seen < 4 + LONG
+
+
+async def test_a_stream_closed_by_another_task_ends_its_loop_and_the_run(grouped_server: LiveServer) -> None:
+    """As the sync client's from another thread: ``close()`` while another task awaited the stream raised
+    "aclose(): asynchronous generator is already running", and the session got every token."""
+    async with AsyncClient(base_url=grouped_server.url, timeout=30) as client:
+        session = await client.sessions.create(text="abc")
+        stream = await client.completions.create(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id,
+                                                 stream=True)
+        await stream.__anext__()  # the next chunk is 100,000 tokens away
+
+        async def read() -> int:
+            return sum([1 async for _ in stream])
+
+        reader = asyncio.create_task(read())
+        for _ in range(10_000):  # until the reader awaits inside the stream's generator
+            if stream._chunks.ag_running or reader.done():
+                break
+            await asyncio.sleep(0)
+        assert stream._chunks.ag_running, reader
+        await stream.close()
+        assert await asyncio.wait_for(reader, 30) == 0
+        for _ in range(600):  # the cancelled run commits what it generated
+            if (s := await client.sessions.get(session.id)).tokens_seen > 4:
+                break
+            await asyncio.sleep(0.05)
+        assert 4 < s.tokens_seen < 4 + LONG
 
 
 @pytest.mark.parametrize("drop", ["break", "unread", "ws"])
@@ -182,6 +209,16 @@ async def test_errors(aclient: AsyncClient) -> None:
     with pytest.raises(BadRequestError) as info:
         await aclient.completions.create(model=MODEL, prompt="x", temperature=-1.0, stream=True)
     assert info.value.param == "temperature"
+
+
+async def test_a_websocket_that_could_not_connect_is_opened_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the sync client's: it failed at once, without saying where."""
+    async with AsyncClient(base_url="http://127.0.0.1:9", max_retries=2) as client:
+        waits: list[int] = []
+        monkeypatch.setattr(client, "_backoff", lambda attempt: waits.append(attempt) or 0.0)
+        with pytest.raises(APIConnectionError, match="at ws://127.0.0.1:9 "):
+            await client.ws.connect()
+        assert waits == [0, 1]
 
 
 async def test_websocket(aclient: AsyncClient) -> None:

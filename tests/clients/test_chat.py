@@ -154,6 +154,38 @@ def test_a_flag_an_older_server_refuses_ends_the_chat_with_the_way_back(monkeypa
     assert "resume with --session s-1 and another --max-tokens" in out.getvalue(), out.getvalue()
 
 
+@pytest.mark.parametrize("failure", ["server", "gone"])
+def test_an_error_mid_line_is_said_on_a_line_of_its_own(monkeypatch, failure: str) -> None:
+    """A server that failed (or went) after some of a line's tokens: the error, or the way back, was printed on
+    the same line as the last token ("...He would be in prayesession ...: resume with ..."; found by a helper)."""
+    from txlserve_client import APIConnectionError, CompletionChunk
+    from txlserve_client._exceptions import error_from_body
+
+    class FailingConnection:  # the chat's WebSocket (a fake of the client's own seam)
+        def completion(self, **body: object) -> Iterator[object]:
+            yield CompletionChunk("c-1", "He would be in praye")
+            if failure == "server":
+                raise error_from_body({"error": {"message": "the engine failed", "type": "server_error"}}, 500)
+            raise APIConnectionError("the WebSocket closed")
+
+        def close(self) -> None:
+            pass
+
+    with Client(base_url="http://failing.invalid") as client:
+        monkeypatch.setattr(client.ws, "connect", FailingConnection)
+        out = io.StringIO()  # stdout and stderr, as a terminal shows them: one screen
+        monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+        chat = chat_module.Chat(client, "m", Session("s-1", "m", 0, 8, 0, "hot", 0, 0),
+                                chat_module.build_parser().parse_args([]), out=out, err=out)
+        if failure == "server":
+            chat.run()
+            assert "He would be in praye\nerror: 500" in out.getvalue(), out.getvalue()
+        else:
+            with pytest.raises(APIConnectionError):
+                chat.run()
+            assert "He would be in praye\nsession s-1: resume with --session s-1 once" in out.getvalue(), out.getvalue()
+
+
 def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(server: LiveServer, client: Client) -> None:
     """Bytes that are not UTF-8 (a Latin-1 terminal) had ended the program with UnicodeEncodeError from inside the
     client, or UnicodeDecodeError where stdin's errors were strict (PYTHONIOENCODING=utf-8)."""

@@ -203,6 +203,42 @@ def test_closing_a_stream_cancels_and_keeps_what_was_generated(client: Client) -
     assert done.session == SessionRef(session.id, after.tokens_seen + 3)  # ...and the session goes on
 
 
+def test_a_stream_closed_from_another_thread_ends_the_readers_loop_and_the_run(grouped_server: LiveServer) -> None:
+    """A stop button: ``close()`` while another thread waits in the stream's read raised "generator already
+    executing", and the reader read on to the end, the session given every token (found by a helper)."""
+    import sys
+    import threading
+
+    with Client(base_url=grouped_server.url, timeout=30) as client:
+        session = client.sessions.create(text="abc")
+        stream = client.completions.create(model=MODEL, prompt="d", max_tokens=LONG, session_id=session.id,
+                                           stream=True)
+        next(stream)  # the next chunk is 100,000 tokens away: the reader waits in a read
+        got: dict[str, object] = {}
+
+        def read() -> None:
+            try:
+                got["rest"] = sum(1 for _ in stream)
+            except Exception as err:  # noqa: BLE001 (what it raised is the test's finding)
+                got["error"] = err
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+
+        def reading() -> bool:  # the reader's stack is inside the stream's generator
+            frame = sys._current_frames().get(reader.ident or -1)
+            while frame is not None and frame.f_code.co_name != "_iter_chunks":
+                frame = frame.f_back
+            return frame is not None
+
+        wait_for(reading, 30, "the reader to wait in the stream's read")
+        stream.close()
+        reader.join(30)
+        assert not reader.is_alive() and got == {"rest": 0}, got
+        after = wait_for_tokens(client, session.id, above=4)
+        assert after.tokens_seen < 4 + LONG
+
+
 def test_a_stream_dropped_after_break_closes_at_once(client: Client) -> None:
     """``for chunk in create(..., stream=True): break`` without ``with``: the stream's generator held the stream, a
     cycle only the cyclic collector freed, so the connection stayed open and the server went on generating into
@@ -403,12 +439,23 @@ def test_the_openai_sdks_base_url_and_a_session_id_no_header_can_hold(server: Li
                                                stream=True))
 
 
-def test_connection_error() -> None:
+def test_connection_error(monkeypatch: pytest.MonkeyPatch) -> None:
     with Client(base_url="http://127.0.0.1:9", max_retries=0) as client:
         with pytest.raises(APIConnectionError, match="at http://127.0.0.1:9 "):  # where it tried
             client.models.list()
-        with pytest.raises(APIConnectionError):
+        with pytest.raises(APIConnectionError, match="at ws://127.0.0.1:9 "):  # (it had not said where)
             client.ws.connect()
+    # a WebSocket that could not connect is opened again, as any call that provably did not run (it failed at once)
+    with Client(base_url="http://127.0.0.1:9", max_retries=2) as client:
+        waits: list[int] = []
+        monkeypatch.setattr(client, "_backoff", lambda attempt: waits.append(attempt) or 0.0)
+        with pytest.raises(APIConnectionError, match="at ws://127.0.0.1:9 "):
+            client.ws.connect()
+        assert waits == [0, 1]
+        waits.clear()
+        with pytest.raises(APIConnectionError):
+            next(iter(client.ws.stream(model=MODEL, prompt="x")))
+        assert waits == [0, 1]
 
 
 def test_a_closed_client_and_a_url_that_is_not_one_say_so() -> None:
@@ -504,3 +551,27 @@ def test_append_with_logprobs_and_completions_name_their_session(client: Client)
     assert client.sessions.append(made.id, "!").logprobs is None
     out = client.completions.create(model=MODEL, prompt="", max_tokens=3, session_id=made.id)
     assert out.session is not None and out.session.id == made.id and out.session.rebuilt is False
+
+
+def test_a_websocket_message_over_the_servers_limit_is_payload_too_large(grouped_server: LiveServer) -> None:
+    """As over HTTP (413), not a bare APIConnectionError ("received 1009 (message too big)"); a Session given
+    whole as the session_id is a TypeError that says what to give, not "AppendResult is not JSON serializable"
+    (both found by a helper)."""
+    with Client(base_url=grouped_server.url, timeout=30, max_retries=0) as client:
+        with client.ws.connect() as conn, pytest.raises(PayloadTooLargeError) as info:
+            list(conn.completion(model=MODEL, prompt="x" * 11_000_000, max_tokens=1))  # the limit is 10 MB
+        assert info.value.status_code == 413 and "--max-body-bytes" in str(info.value)
+        session = client.sessions.create(text="abc")
+        with pytest.raises(TypeError, match=r"a str \(session.id\), not AppendResult"):
+            client.completions.create(model=MODEL, prompt="x", session_id=session)  # type: ignore[arg-type]
+
+
+def test_a_websocket_sends_no_pings_of_its_own() -> None:
+    """A client that stops reading for a while (a user thinking between tokens) stops reading pongs too: its own
+    pings timed out at 40 s and closed the connection with 1011, where an SSE stream waits. The server pings; a
+    dead server is found by the read timeout, as over HTTP (measured by hand: a 45 s pause, then the 4,000 tokens
+    all read)."""
+    from txlserve_client._websocket import connect_options
+
+    with Client(base_url="http://127.0.0.1:9") as client:
+        assert connect_options(client)["ping_interval"] is None

@@ -242,3 +242,27 @@ def test_a_stream_dropped_unread_closes_its_response() -> None:
         assert closed == [True]
     finally:
         gc.enable()
+
+
+def test_create_has_an_overload_for_a_stream_flag_known_at_run_time() -> None:
+    """``create(..., stream=flag)`` with ``flag: bool`` matched no overload for a type checker (openai-python has
+    a third, returning either)."""
+    import inspect
+    import typing
+
+    if not hasattr(typing, "get_overloads"):
+        pytest.skip("typing.get_overloads is Python 3.11's")
+    for create, stream in ((txlserve_client.Completions.create, "Stream"),
+                           (txlserve_client.AsyncCompletions.create, "AsyncStream")):
+        signatures = [inspect.signature(f) for f in typing.get_overloads(create)]
+        shapes = {(str(s.parameters["stream"].annotation), str(s.return_annotation)) for s in signatures}
+        assert shapes == {("Literal[False]", "Completion"), ("Literal[True]", stream),
+                          ("bool", f"Completion | {stream}")}, shapes
+
+
+def test_a_status_errors_status_code_is_typed_int() -> None:
+    """As openai-python's ``APIStatusError.status_code``; ``APIError``'s (a connection error's) may be None."""
+    import typing
+
+    assert typing.get_type_hints(APIStatusError.status_code.fget)["return"] is int
+    assert error_from_body({"error": {"message": "no"}}, 404).status_code == 404

@@ -126,6 +126,16 @@ class AsyncCompletions:
                      stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
                      stream: Literal[True]) -> AsyncStream: ...
 
+    @overload  # a flag known only at run time (openai-python's third)
+    async def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
+                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                     stop: str | Sequence[str] | None = None, seed: int | None = None, logprobs: int | None = None,
+                     echo: bool | None = None, n: int | None = None, user: str | None = None,
+                     session_id: str | None = None, logit_bias: Mapping[str, float] | None = None,
+                     frequency_penalty: float | None = None, presence_penalty: float | None = None,
+                     stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
+                     stream: bool) -> Completion | AsyncStream: ...
+
     async def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                      stop: str | Sequence[str] | None = None, seed: int | None = None, logprobs: int | None = None,

@@ -92,11 +92,18 @@ class AsyncWebSocketConnection(_Running):
     async def open(cls, client: BaseClient) -> AsyncWebSocketConnection:
         if client.is_closed:
             raise closed_error()
-        try:
-            ws = await websockets.asyncio.client.connect(client.ws_url, **connect_options(client))
-        except _CONNECT_ERRORS as err:
-            raise connect_error(err) from err
-        return cls(ws, client.timeout.read)
+        attempt = 0
+        while True:
+            try:
+                ws = await websockets.asyncio.client.connect(client.ws_url, **connect_options(client))
+                return cls(ws, client.timeout.read)
+            except _CONNECT_ERRORS as err:
+                if (delay := client._reopen_delay(attempt, err)) is None:
+                    raise connect_error(err, client.ws_url) from err
+            await asyncio.sleep(delay)
+            attempt += 1
+            if client.is_closed:  # closed while the retry waited
+                raise closed_error()
 
     def completion(self, *, model: str, prompt: Prompt = "", **options: Any) -> AsyncWebSocketStream:
         """The request is sent when the stream is first read (or entered with ``async with``)."""

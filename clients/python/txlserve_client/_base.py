@@ -115,6 +115,8 @@ def completion_body(model: str, prompt: Prompt, stream: bool, options: Mapping[s
     """The request body: unset options are left out, so the server's defaults apply; ``extra_body``'s fields
     (OpenAI's SDK's name) are sent as they are, last (so they may name another model or prompt), but ``stream``,
     which decides how the answer is read, is the caller's."""
+    if options.get("session_id") is not None:  # a Session given whole had said "AppendResult is not JSON
+        _check_sid(options["session_id"])  # serializable" (found by a helper)
     body = {"model": model, "prompt": prompt, **{k: v for k, v in options.items() if v is not None},
             **(extra_body or {})}
     body.pop("stream", None)
@@ -136,12 +138,16 @@ def completion_call(body: dict[str, Any]) -> Call[Completion]:
 def _sid(session_id: str) -> str:
     """One path segment. A URL's "." and ".." segments are removed (RFC 3986) before the request leaves: sent as
     they are, get(".") read the session list and get("..") a 404 for /v1; escaped, they name no session."""
-    if not isinstance(session_id, str):  # a Session passed whole said "quote_from_bytes() expected bytes"
-        raise TypeError(f"session_id is a session's id, a str (session.id), not {type(session_id).__name__}")
+    _check_sid(session_id)  # a Session passed whole said "quote_from_bytes() expected bytes"
     if not session_id:
         raise ValueError("session_id must be a non-empty string")
     quoted = quote(session_id, safe="")
     return quoted.replace(".", "%2E") if quoted in (".", "..") else quoted
+
+
+def _check_sid(session_id: object) -> None:
+    if not isinstance(session_id, str):
+        raise TypeError(f"session_id is a session's id, a str (session.id), not {type(session_id).__name__}")
 
 
 def session_create_call(text: str | None, metadata: Mapping[str, str] | None) -> Call[AppendResult]:
@@ -232,8 +238,9 @@ def stream_error(response: httpx.Response) -> APIError | None:
                     response=response)
 
 
-def connection_error(err: Exception) -> APIConnectionError:
-    where, request = _origin(err), _request(err)
+def connection_error(err: Exception, url: str | None = None) -> APIConnectionError:
+    """``url``: the address tried, where ``err`` is not httpx's (a WebSocket's)."""
+    where, request = _origin(err) or (_origin_of(url) if url else ""), _request(err)
     if isinstance(err, (httpx.TimeoutException, TimeoutError, asyncio.TimeoutError)):  # two classes before 3.11
         return APITimeoutError(f"the request{where} timed out ({type(err).__name__}: {err})", request=request)
     return APIConnectionError(f"could not talk to the txlserve server{where} ({type(err).__name__}: {err})",
@@ -301,6 +308,13 @@ def _origin(err: Exception) -> str:
     if not url.scheme or not url.host:  # not a URL at all (httpx says so in the error itself)
         return ""
     return f" at {url.scheme}://{url.netloc.decode('ascii', 'replace')}"
+
+
+def _origin_of(url: str) -> str:
+    """As ``_origin``, of a URL (its scheme, host and port alone)."""
+    scheme, _, rest = url.partition("://")
+    host = rest.split("/", 1)[0].rpartition("@")[2]  # never a user:password
+    return f" at {scheme}://{host}" if scheme and host else ""
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -424,4 +438,20 @@ class BaseClient:
                 return after
         elif not call.retry and not isinstance(err, UNSENT):
             return None
+        return self._backoff(attempt)
+
+    def _backoff(self, attempt: int) -> float:
         return min(self.initial_retry_delay * 2.0**attempt, self.max_retry_delay) * (1 - 0.25 * random.random())
+
+    def _reopen_delay(self, attempt: int, err: Exception) -> float | None:
+        """Seconds before opening a WebSocket again after a failed ``attempt``, or None to give up. Opening one
+        runs nothing on the server, so it is retried as a GET is: a connection refused or timed out, or an answer
+        of 408, 429 or 5xx (the README's "any call ... that could not connect" had not held for it)."""
+        import websockets.exceptions  # (the client's own dependency; imported here, where a socket failed)
+
+        if attempt >= self.max_retries:
+            return None
+        if isinstance(err, websockets.exceptions.InvalidStatus):
+            status = err.response.status_code
+            return self._backoff(attempt) if status in (408, 429) or status >= 500 else None
+        return self._backoff(attempt) if isinstance(err, (OSError, TimeoutError, asyncio.TimeoutError)) else None

@@ -85,6 +85,13 @@ class APIStatusError(APIError):
     """An error answer that carries a status: the base of the classes named for one, and itself the class of a
     status none names (405, an unfollowed redirect), as OpenAI's SDK raises it."""
 
+    status: int  # always one here (``error_from_body`` picks this class only for a status)
+
+    @property
+    def status_code(self) -> int:
+        """OpenAI's SDK's, typed ``int`` as there (``APIError``'s may be None)."""
+        return self.status
+
 
 class BadRequestError(APIStatusError):
     pass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
 from types import TracebackType
 
@@ -139,19 +140,32 @@ class Stream(Iterator[CompletionChunk]):
     def __init__(self, response: httpx.Response) -> None:
         self.response = response
         self._chunks = _iter_chunks(response)
+        self._closed = False
 
     def __del__(self) -> None:  # a stream never iterated: its generator never started, so its finally never runs
         with contextlib.suppress(Exception):  # at interpreter exit, or a response already torn down
             self.response.close()
 
     def __next__(self) -> CompletionChunk:
-        return next(self._chunks)
+        try:
+            return next(self._chunks)
+        except (APIConnectionError, ValueError):  # closed from another thread: the read it ended, or a next()
+            if self._closed:  # that met close() inside the generator ("generator already executing")
+                raise StopIteration from None
+            raise
 
     def __iter__(self) -> Stream:
         return self
 
     def close(self) -> None:
-        self._chunks.close()
+        """Also from another thread than the one reading (a stop button), as openai-python's: the read waiting
+        there ends, and the loop over the stream with it. That had raised "generator already executing", and the
+        server generated on into the session."""
+        self._closed = True
+        try:
+            self._chunks.close()
+        except ValueError:  # being read in another thread: its socket is shut, which wakes the read
+            shutdown_socket(self.response)
         self.response.close()
 
     def __enter__(self) -> Stream:
@@ -169,6 +183,7 @@ class AsyncStream(AsyncIterator[CompletionChunk]):
         self.response = response
         self._chunks = _aiter_chunks(response)  # no cycle: asyncio's finalizer closes it once the stream is dropped
         self._loop = asyncio.get_running_loop()
+        self._closed = False
 
     def __del__(self) -> None:
         """A stream never iterated: its generator never started, so asyncio has nothing to finalize, and the
@@ -178,13 +193,23 @@ class AsyncStream(AsyncIterator[CompletionChunk]):
             close_soon(getattr(self, "_loop", None), response.aclose)
 
     async def __anext__(self) -> CompletionChunk:
-        return await self._chunks.__anext__()
+        try:
+            return await self._chunks.__anext__()
+        except (APIConnectionError, RuntimeError):  # closed by another task: as Stream's
+            if self._closed:
+                raise StopAsyncIteration from None
+            raise
 
     def __aiter__(self) -> AsyncStream:
         return self
 
     async def close(self) -> None:
-        await self._chunks.aclose()
+        """Also from another task than the one reading, as :meth:`Stream.close` from another thread."""
+        self._closed = True
+        try:
+            await self._chunks.aclose()
+        except RuntimeError:  # "aclose(): asynchronous generator is already running": being read by another task
+            shutdown_socket(self.response)
         await self.response.aclose()
 
     async def __aenter__(self) -> AsyncStream:
@@ -193,3 +218,13 @@ class AsyncStream(AsyncIterator[CompletionChunk]):
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.close()
+
+
+def shutdown_socket(response: httpx.Response) -> None:
+    """Shut the connection's socket both ways: a read waiting on it in another thread or task returns (closing
+    the socket would not wake it), and the server sees the client leave."""
+    stream = response.extensions.get("network_stream")
+    sock = stream.get_extra_info("socket") if stream is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)

@@ -23,7 +23,9 @@ connection whose read timed out: the server then stops the completion and commit
 call on the connection raises APIConnectionError. Kept open, the connection's next completion was answered with
 the late messages of the one before (its tokens, or its 499 that says nothing was stored when the first had
 been). A message naming another completion than the running one (a late one of an earlier completion) is
-skipped for the same reason.
+skipped for the same reason. The client sends no pings of its own: one that stops reading for a while stops
+reading their pongs too, and its pings closed the connection (1011) after 40 s of a pause an SSE stream survives;
+the server's pings wait as long as its send deadline.
 
 A connection is not thread-safe: it runs one completion at a time, read by one thread (``cancel()`` may come
 from another). Open one connection per thread; the ``Client`` itself may be shared.
@@ -36,6 +38,7 @@ import contextlib
 import json
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -51,6 +54,7 @@ from txlserve_client._exceptions import (
     APIError,
     APITimeoutError,
     AuthenticationError,
+    PayloadTooLargeError,
     error_from_body,
 )
 from txlserve_client._types import CompletionChunk
@@ -67,7 +71,7 @@ _CONNECT_ERRORS = (OSError, TimeoutError, asyncio.TimeoutError, websockets.excep
 def connect_options(client: BaseClient) -> dict[str, Any]:
     headers = client._headers()
     return {"additional_headers": headers, "user_agent_header": headers.pop("User-Agent"),
-            "open_timeout": client.timeout.connect, "max_size": MAX_MESSAGE_BYTES}
+            "open_timeout": client.timeout.connect, "max_size": MAX_MESSAGE_BYTES, "ping_interval": None}
 
 
 def _cancel(completion_id: str | None) -> dict[str, Any]:
@@ -76,8 +80,8 @@ def _cancel(completion_id: str | None) -> dict[str, Any]:
     return {"type": "cancel"} if completion_id is None else {"type": "cancel", "id": completion_id}
 
 
-def connect_error(err: Exception) -> APIError:
-    """The exception for a failed opening handshake or socket."""
+def connect_error(err: Exception, url: str | None = None) -> APIError:
+    """The exception for a failed opening handshake or socket (``url``: the address tried)."""
     if isinstance(err, websockets.exceptions.InvalidStatus):
         status = err.response.status_code
         try:
@@ -88,7 +92,7 @@ def connect_error(err: Exception) -> APIError:
             return AuthenticationError("the server refused the WebSocket: invalid or missing API key",
                                        status=status, type="authentication_error", code="invalid_api_key")
         return error_from_body(body, status)
-    return connection_error(err)
+    return connection_error(err, url)
 
 
 def _message(raw: str | bytes) -> dict[str, Any]:
@@ -111,7 +115,11 @@ def _chunk(msg: dict[str, Any]) -> CompletionChunk | None:
     return None
 
 
-def _closed(err: websockets.exceptions.ConnectionClosed) -> APIConnectionError:
+def _closed(err: websockets.exceptions.ConnectionClosed) -> APIError:
+    if err.rcvd is not None and err.rcvd.code == 1009:  # the server's "message too big": what HTTP answers 413
+        return PayloadTooLargeError(f"the server closed the WebSocket: a message was larger than it takes (its "
+                                    f"--max-body-bytes) ({err})", status=413, type="invalid_request_error",
+                                    code="payload_too_large")
     return APIConnectionError(f"the WebSocket closed ({err})")
 
 
@@ -216,12 +224,19 @@ class WebSocketConnection(_Running):
     def open(cls, client: BaseClient) -> WebSocketConnection:
         if client.is_closed:
             raise closed_error()
-        stack = contextlib.ExitStack()  # websockets >= 17.1 wants connect() entered as a context manager
-        try:
-            ws = stack.enter_context(websockets.sync.client.connect(client.ws_url, **connect_options(client)))
-        except _CONNECT_ERRORS as err:
-            raise connect_error(err) from err
-        return cls(ws, client.timeout.read, stack)
+        attempt = 0
+        while True:
+            stack = contextlib.ExitStack()  # websockets >= 17.1 wants connect() entered as a context manager
+            try:
+                ws = stack.enter_context(websockets.sync.client.connect(client.ws_url, **connect_options(client)))
+                return cls(ws, client.timeout.read, stack)
+            except _CONNECT_ERRORS as err:
+                if (delay := client._reopen_delay(attempt, err)) is None:
+                    raise connect_error(err, client.ws_url) from err
+            time.sleep(delay)
+            attempt += 1
+            if client.is_closed:  # closed while the retry waited
+                raise closed_error()
 
     def completion(self, *, model: str, prompt: Prompt = "", **options: Any) -> WebSocketStream:
         return self._start(completion_body(model, prompt, False, options, options.pop("extra_body", None)))

@@ -235,6 +235,11 @@ class Chat:
                     end = chunk
         except RequestCancelledError:  # Ctrl-C while the line was read: nothing was stored
             sent = False
+        except APIError:  # the server failed or went mid-line: what says so starts a line of its own, not after the
+            if not at_line_start:  # last token shown (found by a helper)
+                self.out.write("\n")
+                self.out.flush()
+            raise
         except KeyboardInterrupt:
             if not (self._sse and self._pressed):
                 raise

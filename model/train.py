@@ -683,9 +683,10 @@ def _train(args: TrainArgs) -> dict[str, Any]:
         if bar is not None:
             bar.close()
         save()
-        if stopped() and rank == 0:
-            print(f"txlserve: interrupted: step {step} saved in {out}; `txlserve train --out {out} --resume` "
-                  "continues", file=sys.stderr)
+        if stopped() and rank == 0:  # (under torchrun, its command: `txlserve train` refuses another world size)
+            again = f"torchrun --nproc_per_node {world} -m server.cli train" if world > 1 else "txlserve train"
+            print(f"txlserve: interrupted: step {step} saved in {out}; `{again} --out {out} --resume` continues",
+                  file=sys.stderr)
     finally:
         if stop is not None:
             stop.release()  # the handlers put back; a held signal acts now (Ctrl-C: KeyboardInterrupt, exit 130)
@@ -693,4 +694,6 @@ def _train(args: TrainArgs) -> dict[str, Any]:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+    if stopping:  # another rank's signal stopped this one: an interrupted run, as that rank's (it had printed the
+        raise KeyboardInterrupt  # summary of a finished run and exited 0; found by a helper)
     return {"steps": step, "tokens_seen": tokens_seen, "losses": losses, "out": str(out), **last_eval}

@@ -67,12 +67,13 @@ def _saved(rel: Path) -> bool:
 
 
 def await_recovery(out_dir: str | Path, timeout_s: float = 600.0) -> None:
-    """For a DDP rank other than 0: wait while rank 0 completes a save interrupted as it moved in (it alone
-    writes), so that no rank reads the run's config or state half moved. A stage not marked whole is dropped by
-    rank 0 without touching what the others read."""
-    marker = Path(out_dir) / SAVING / COMMITTED
+    """For a DDP rank other than 0: wait while rank 0 completes a save interrupted as it moved in, or drops one
+    not marked whole (it alone writes), so that no rank reads the run's config or state half moved, or finds the
+    directory holding a stage (a rank that did was refused "--out is not empty", 1 restart in 4 after a kill
+    during a first save; found by a helper). Rank 0 makes no new stage before every rank has joined it."""
+    stage = Path(out_dir) / SAVING
     deadline = time.monotonic() + timeout_s
-    while marker.exists():
+    while stage.exists():
         if time.monotonic() > deadline:
             raise CheckpointError(f"{out_dir}: rank 0 did not complete the interrupted save in {timeout_s:.0f} s")
         time.sleep(0.05)  # poll, bounded by the deadline: the ranks have not met yet, so no barrier can be had

@@ -56,7 +56,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                                                 "the checkpoint to continue")
     p.add_argument("--preset", default="tiny", help="tiny | small | enwik8-base (default: tiny)")
     for flag, typ, says in (
-            ("--steps", count(1), "optimizer steps in all"), ("--batch-size", count(1), "sequences a step"),
+            ("--steps", count(1), "optimizer steps in all"), ("--batch-size", count(1),
+                                                                 "sequences a step (under torchrun, each process's)"),
             ("--lr", real(0, TRAIN_MOST["lr"], above=True),
              f"peak learning rate (cosine decay after the warm-up; at most {TRAIN_MOST['lr']})"),
             ("--warmup-steps", count(0), "steps of linear warm-up"),

@@ -406,6 +406,14 @@ def test_other_ranks_read_a_run_only_once_rank_0_completed_its_interrupted_save(
     recover_save(tmp_path)  # rank 0
     rank1.join(60)
     assert read == ["new"]
+    # a stage not marked whole (a kill during a first save) is waited for too, until rank 0 drops it: a rank that
+    # went on found --out holding it, and was refused "not empty" (1 restart in 4, found by a helper)
+    (tmp_path / SAVING).mkdir()
+    (tmp_path / SAVING / "config.json").write_text("half")
+    with pytest.raises(CheckpointError, match="rank 0 did not complete"):
+        await_recovery(tmp_path, timeout_s=0.1)
+    assert not recover_save(tmp_path)  # rank 0 drops it
+    await_recovery(tmp_path, timeout_s=0.1)
 
 
 def test_ddp_with_gloo_on_cpu(corpus, tmp_path):
@@ -470,12 +478,53 @@ def test_ctrl_c_under_torchrun_saves_the_step_every_rank_stopped_at(corpus, tmp_
         run.proc.wait(120)
         err = run.proc.stderr.read().decode()
     step = json.loads((out / "config.json").read_text())["training"]["steps"]
-    assert f"txlserve: interrupted: step {step} saved in {out}" in err, err[-3000:]
+    # the way back is torchrun's: `txlserve train --resume` refuses a run of 2 processes (found by a helper)
+    assert (f"txlserve: interrupted: step {step} saved in {out}; `torchrun --nproc_per_node 2 -m server.cli train "
+            f"--out {out} --resume` continues") in err, err[-3000:]
     assert step >= 3 and metrics.read_text().count("\n") == step
     r = subprocess.run([*cmd[:cmd.index("--data")], "--resume", "--steps", str(step + 2), "--device", "cpu"], cwd=REPO,
                        capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, step + 3))
+    # a signal to one rank other than 0 (an orchestrator's, or an out-of-memory killer's SIGTERM): every rank stops
+    # at one step and saves it, and rank 0 no longer prints a finished run's summary (it exited 0 beside "interrupted")
+    run = Streamed([*cmd[:cmd.index("--data")], "--resume", "--steps", "100000", "--device", "cpu"], cwd=REPO,
+                   env=env)
+    with run:
+        wait_for(lambda: metrics.read_text().count("\n") >= step + 4, 180, "the resumed run's steps")
+        os.kill(_rank_pid(run.proc.pid, 1), signal.SIGTERM)
+        run.wait(120)
+        out_text, err = bytes(run.out).decode(), run.proc.stderr.read().decode()
+    assert run.proc.returncode != 0 and "txlserve: interrupted: step" in err, err[-3000:]
+    assert '"steps"' not in out_text, out_text  # no summary of a run that did not finish
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun's ranks), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.extend(kids := children.get(todo.pop(), []))
+        todo.extend(kids)
+    return found
+
+
+def _rank_pid(torchrun: int, rank: int) -> int:
+    """The pid of ``torchrun``'s worker of ``rank`` (its environment's RANK)."""
+    for pid in _descendants(torchrun):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no rank {rank} under torchrun {torchrun}")
 
 
 def _valid_curve(out: Path) -> dict[int, float]:

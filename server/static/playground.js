@@ -17,6 +17,11 @@ function notConnected() {  // the server did not answer: the header says so unti
 }
 
 async function api(method, path, body) {
+  if (/[^\x20-\x7e]/.test(key())) {  // fetch refuses such a header with a TypeError, which read as "the server did
+    // not answer" while it was up (found by a helper)
+    throw new Error("the API key holds characters a request header cannot carry (printable ASCII only): check " +
+                    "what was typed or pasted");
+  }
   const headers = { "content-type": "application/json" };
   if (key()) headers.authorization = "Bearer " + key();
   if (state.selected && path.startsWith("/v1/sessions/" + state.selected)) headers["x-session-id"] = state.selected;
@@ -69,8 +74,17 @@ function showMemory(s) {
 }
 
 function failed(e, from = null) {  // a refused key says what to do, whichever call met it (Create's said nothing)
-  showError(e.message + (String(e.message).startsWith("401") ? " (enter an API key above)" : ""),
-            e.connection ? "connection" : from);
+  const refused = String(e.message).startsWith("401");
+  showError(e.message + (refused ? " (enter an API key above)" : ""), e.connection ? "connection" : from);
+  if (refused) forget();
+}
+
+function forget() {  // a key refused (changed, cleared): the last key's sessions, titles, figures and continuation
+  // leave the screen, which had kept them beside the 401 (found by a helper). The selection is kept, unshown: the
+  // list a key gets back selects it again if the key's, and deselects it if not
+  $("sessions").replaceChildren(); $("list-note").textContent = "";
+  showMemory(null);
+  $("output").hidden = $("finish").hidden = $("elsewhere").hidden = true;
 }
 
 async function refreshSelected() {
@@ -82,20 +96,25 @@ async function refreshSelected() {
     if (state.selected !== id) return;  // another session chosen meanwhile: this one's answer is not its
     if (String(e.message).startsWith("404")) {  // deleted elsewhere (another tab, a replica) or another key's:
       state.selected = null;  // its figures must not stay on screen as if it were there
-      showMemory(null); clearOutput();
+      showMemory(null); dropOutput(id); clearOutput();
     }
     return failed(e);
   }
   if (state.selected === id) showMemory(s);  // a slow answer for the last one overwrote the next one's figures
 }
 
-function clearOutput() {  // the continuation shown is the selected session's, or none; one still streaming into
-  // another session is hidden, not dropped (selecting that one shows it): it went on, and stayed, under the next
+function clearOutput() {  // the continuation shown is the selected session's, or none. Another session's is hidden,
+  // not dropped, streaming or ended (selecting that one shows it): one that ended while another was selected was
+  // dropped, though the note had said "select it to see it", and its text had gone into the session (a helper)
   const theirs = state.streamed !== state.selected;
-  if (theirs && !state.running) { $("output").replaceChildren(); $("finish").textContent = ""; state.streamed = null; }
-  const hidden = theirs && state.running;
-  $("output").hidden = $("finish").hidden = hidden;
-  $("elsewhere").hidden = !hidden;
+  $("output").hidden = $("finish").hidden = theirs;
+  $("elsewhere").hidden = !(theirs && state.running);
+}
+
+function dropOutput(id) {  // a session gone (deleted, another key's): its continuation goes too
+  if (id && state.streamed === id && !state.running) {
+    $("output").replaceChildren(); $("finish").textContent = ""; state.streamed = null;
+  }
 }
 
 function select(id) {
@@ -155,7 +174,7 @@ async function refreshList() {
         const b = document.createElement("button");
         b.type = "button"; b.textContent = label; b.className = cls + (cls === "select" ? "" : " secondary");
         b.setAttribute("aria-label", `${label} session ${title} ${s.id}`);
-        b.addEventListener("click", act);
+        b.addEventListener("click", cls === "fork" || cls === "delete" ? () => once(b, act) : act);
         li.appendChild(b);
       }
       list.appendChild(li);
@@ -164,7 +183,7 @@ async function refreshList() {
     // figures beside 404s; past a cut list's end it may be older than the newest 1,000: select() asks the server,
     // and only its 404 deselects it (it was deselected, though it was there)
     if (state.selected && !more && !all.some((s) => s.id === state.selected)) {
-      state.selected = null;
+      dropOutput(state.selected); state.selected = null;
       showMemory(null); clearOutput();
     }
     if (state.selected) select(state.selected);
@@ -179,17 +198,28 @@ async function refreshList() {
   } catch (e) { failed(e, "list"); } finally { busy(-1); }
 }
 
+async function once(button, act) {  // one request a button: a double click (or Enter pressed twice) made two
+  // sessions, two forks, or a delete then its 404 (found by a helper). Marked busy, not disabled: a disabled
+  // button drops the keyboard's focus to the page
+  if (button.getAttribute("aria-busy") === "true") return;
+  button.setAttribute("aria-busy", "true");
+  try { await act(); } finally { button.removeAttribute("aria-busy"); }
+}
+
 async function create(event) {
   event.preventDefault();
-  const title = $("new-title").value.trim();
-  showError("");
-  try {
-    const made = await api("POST", "/v1/sessions", { text: $("new-text").value,
-                                                    metadata: title ? { title } : undefined });
-    $("new-text").value = ""; $("new-title").value = "";
-    state.selected = made.id; clearOutput();
-    await refreshList();
-  } catch (e) { failed(e); }
+  await once($("create"), async () => {
+    const title = $("new-title").value.trim(), text = $("new-text").value;
+    showError("");
+    // a long document takes a while (2 MB: minutes on a CPU): the page says it is at work
+    $("create-status").textContent = text ? `reading ${text.length.toLocaleString()} characters…` : "creating…";
+    try {
+      const made = await api("POST", "/v1/sessions", { text, metadata: title ? { title } : undefined });
+      $("new-text").value = ""; $("new-title").value = "";
+      state.selected = made.id; clearOutput();
+      await refreshList();
+    } catch (e) { failed(e); } finally { $("create-status").textContent = ""; }
+  });
 }
 
 async function fork(id, metadata) {
@@ -256,6 +286,7 @@ async function remove(id) {
   showError("");
   try {
     await api("DELETE", "/v1/sessions/" + id);
+    dropOutput(id);
     if (state.selected === id) { state.selected = null; clearOutput(); }
     await refreshList(); refreshSelected();
   } catch (e) { failed(e); }

@@ -73,7 +73,7 @@ def await_recovery(out_dir: str | Path, timeout_s: float = 600.0) -> None:
     during a first save; found by a helper). Rank 0 makes no new stage before every rank has joined it."""
     stage = Path(out_dir) / SAVING
     deadline = time.monotonic() + timeout_s
-    while stage.exists():
+    while stage.is_dir():  # as recover_save reads it: a file of that name is no stage, and rank 0 leaves it
         if time.monotonic() > deadline:
             raise CheckpointError(f"{out_dir}: rank 0 did not complete the interrupted save in {timeout_s:.0f} s")
         time.sleep(0.05)  # poll, bounded by the deadline: the ranks have not met yet, so no barrier can be had

@@ -217,16 +217,18 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
         corpus, _ = load_word_corpus(ns.data, ckpt.tokenizer, splits=tuple(parts))
     else:
         corpus = load_corpus(ns.data)
-    results = {}
-    for name in splits:
-        data = np.concatenate([corpus.split(n) for n in parts]) if name == "whole" else corpus.split(name)
+    texts = {name: np.concatenate([corpus.split(n) for n in parts]) if name == "whole" else corpus.split(name)
+             for name in splits}
+    for name, data in texts.items():  # every split checked before any is scored (a late one's hours were lost)
         if len(data) < 2:  # scoring needs a token and the one after it
             raise DataError(f"the {name} split of {ns.data} holds {len(data)} token{'s' * (len(data) != 1)}: "
                             "nothing to score (a token is scored from the one before it)")
-        top = int(np.asarray(data).max()) if len(data) else 0
+        top = int(np.asarray(data).max())
         if top >= cfg.vocab_size:  # a hand-made checkpoint's tokenizer names more symbols than the model reads
             raise DataError(f"the {name} split holds token {top}, past this model's {cfg.vocab_size:,} outputs "
                             "(its checkpoint's tokenizer names more symbols than the model has)")
+    results = {}
+    for name, data in texts.items():
         total = max(0, min(len(data) - 1, ns.max_tokens or len(data)))
         with tqdm(total=total, unit="tok", unit_scale=True, desc=name, dynamic_ncols=True, leave=False,
                   disable=True if ns.no_progress else None) as bar:  # None: shown on a terminal only
@@ -615,10 +617,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     own = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     code = _main(argv)
+    if own and argv[:1] == ["serve"]:  # stopped, and leaving: a Ctrl-C pressed again in the interpreter's teardown
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # was a traceback (serve() puts its handler back for others)
     if own and argv[:1] and argv[0] in _LEAVE_QUICKLY:  # once torch has loaded a model, Python's teardown takes
         from server.leave import leave_without_finalizing  # ~0.4 s, and a torchrun worker's can abort (leave.py)
         leave_without_finalizing(code)
     return code
+
+
+_STDOUT_CLOSED = "standard output is closed (redirect it: > FILE, or > /dev/null to discard what it says)"
 
 
 class _ClosedStdout(io.TextIOBase):
@@ -630,12 +637,17 @@ class _ClosedStdout(io.TextIOBase):
         return True
 
     def write(self, text: str) -> int:
-        raise OSError(9, "standard output is closed (redirect it: > FILE, or > /dev/null to discard what it says)")
+        raise OSError(9, _STDOUT_CLOSED)
 
 
 def _main(argv: list[str]) -> int:
     if sys.stdout is None:
-        sys.stdout = _ClosedStdout()
+        sys.stdout = _ClosedStdout()  # serve writes nothing there, nor session export --out
+        if not (argv[:1] == ["serve"] or (argv[:2] == ["session", "export"] and "--out" in argv)):
+            # said before the command works: at its first write, a train had run and saved, and a session import
+            # had made its session, before the error (a retrying script made another)
+            print(f"txlserve: error: {_STDOUT_CLOSED}", file=sys.stderr)
+            return 2
     if argv[:1] == ["chat"]:  # every flag after `chat` belongs to the client's own parser
         return _cmd_chat(argparse.Namespace(args=argv[1:]))
     try:  # the benchmarks' parsers import their modules (torch): a Ctrl-C meanwhile is an exit, not a traceback

@@ -277,15 +277,21 @@ def _opened(rt: Runtime, checkpoint: str, device: torch.device, threads: int) ->
     return rt
 
 
-async def close_runtime(rt: Runtime) -> None:
-    """Drain (:meth:`Runtime.drain`), then stop the engine and close the store. Idempotent."""
+async def close_runtime(rt: Runtime, *, at_once: bool = False) -> None:
+    """Drain (:meth:`Runtime.drain`), then stop the engine and close the store. Idempotent. ``at_once`` (a second
+    Ctrl-C): no drain; the runs are cancelled where they stand, and the engine and the store (its embedded Redis,
+    which a forced exit had left running) are closed."""
     if rt.closed:
         return
     rt.closed = True
     for task in (rt.sweeper, rt.watchdog):
         if task is not None:
             task.cancel()
-    await rt.drain()
+    if at_once:
+        for r in list(rt.runs):
+            r.cancel()
+    else:
+        await rt.drain()
     rt.cpu_latency.close()
     await asyncio.to_thread(rt.scheduler.stop)
     await rt.store.aclose()

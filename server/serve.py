@@ -39,6 +39,7 @@ from txlserve.errors import ConfigError
 from txlserve.signals import STOP_SIGNALS, HeldSignals
 
 log = logging.getLogger("txlserve")
+FORCED_CLOSE_S = 5.0  # a second Ctrl-C's bound on closing the engine and the store
 
 
 def _cancelled_by_the_exit(record: logging.LogRecord) -> bool:
@@ -90,7 +91,15 @@ class _Server(uvicorn.Server):
             running = len(rt.runs) if rt is not None else 0
             log.info("stopped at once (a second signal)%s", f": {running} request(s) still running end without "
                      "committing what they generated" if running else "")
-            logging.getLogger("uvicorn.error").addFilter(_cancelled_by_the_exit)
+            logging.getLogger("uvicorn.error").addFilter(_cancelled_by_the_exit)  # (taken off as serve() returns)
+            if rt is not None:  # the engine and the store closed still, within a bound: a wedged engine must not
+                try:  # hold a forced exit
+                    await asyncio.wait_for(close_runtime(rt, at_once=True), FORCED_CLOSE_S)
+                except asyncio.TimeoutError:
+                    log.warning("stopping at once: the engine and the store did not close within %g s",
+                                FORCED_CLOSE_S)
+                except Exception as err:  # noqa: BLE001 (leaving anyway: said in one line, not a traceback)
+                    log.warning("stopping at once: closing the engine and the store failed: %s", err)
 
     def _abort_stalled(self) -> None:
         for connection in list(self.server_state.connections):
@@ -208,7 +217,14 @@ def serve(settings: Settings, sock: socket.socket, worker: int | None = None, pe
     protocol = protocol_class(settings.body_timeout_s, settings.http,  # a missing parser fails before the load
                               send_timeout_s=settings.send_timeout_s)
     settings = dataclasses.replace(settings, port=sock.getsockname()[1])  # --port 0: the one the system chose
-    return runner(settings.loop)(_serve(settings, sock, protocol, worker, peers))
+    main = threading.current_thread() is threading.main_thread()
+    interrupt = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        return runner(settings.loop)(_serve(settings, sock, protocol, worker, peers))
+    finally:  # what a stop set for the process's last moments, put back for a program that runs serve() and goes on
+        logging.getLogger("uvicorn.error").removeFilter(_cancelled_by_the_exit)
+        if main and signal.getsignal(signal.SIGINT) is signal.SIG_IGN and interrupt is not None:
+            signal.signal(signal.SIGINT, interrupt)
 
 
 def runner(loop: str) -> Callable[[Coroutine[Any, Any, int]], int]:
@@ -250,7 +266,8 @@ async def _serve(settings: Settings, sock: socket.socket, protocol: type, worker
                                 # a client that pauses reads its pong no sooner than its messages: one paused past
                                 # uvicorn's 20 s lost its WebSocket at 40 s, where an SSE stream waits for the send
                                 # deadline (found by a helper); a vanished peer is still found within 20 s plus this
-                                ws_ping_timeout=max(20.0, settings.send_timeout_s),
+                                ws_ping_timeout=max(20.0, settings.send_timeout_s) if settings.send_timeout_s
+                                else None,  # (0: never, as the send deadline)
                                 h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                                 ws_max_size=settings.max_body_bytes)  # a message's limit: a body's (uvicorn: 16 MiB)
         install_redaction(settings)  # after uvicorn configured its loggers

@@ -373,7 +373,25 @@ def test_the_playground_with_api_keys_connects_once_a_key_is_typed_and_shows_a_s
         _wait(driver, lambda d: MODEL in _by_id(d, "model-line").text, "connected again with the key")
         _wait(driver, lambda d: _by_id(d, "output").is_displayed() and _sessions(d), "the key's list and selection")
 
+        # a continuation whose start stopped before it streamed (a refused key: no connection) left the last
+        # session's continuation in the output, shown then under the session selected (found by a reviewer)
+        _create_and_continue(driver, "the last session")
+        assert _generated(driver)
+        _type(driver, "new-text", "")
+        _by_id(driver, "create").click()
+        _wait(driver, lambda d: not _by_id(d, "output").is_displayed(), "another session, the last one's hidden")
+        _by_id(driver, "api-key").clear()
+        _by_id(driver, "api-key").send_keys("sk-wrong", Keys.TAB)
+        _wait(driver, lambda d: "401" in _by_id(d, "error").text, "the wrong key, refused")
+        _by_id(driver, "continue").click()  # not connected: its start stops at connecting
+        _wait(driver, lambda d: d.find_element("id", "continue").is_enabled(), "the start stopped")
+        _by_id(driver, "api-key").clear()
+        _by_id(driver, "api-key").send_keys(key, Keys.TAB)
+        _wait(driver, lambda d: _by_id(d, "output").is_displayed(), "the new session's (empty) output")
+        assert _generated(driver) == "" and _by_id(driver, "finish").text == ""
+
         # the server killed mid-stream: the page said only "connection closed (1006)", still "connected"
+        _type(driver, "prompt", "Once")  # (the session selected is empty)
         _type(driver, "max-tokens", str(LONG))
         _by_id(driver, "continue").click()
         _wait(driver, lambda d: len(_generated(d)) >= 5, "a long stream")

@@ -3,8 +3,9 @@
 const $ = (id) => document.getElementById(id);
 // running: a stream, or its start (connect() first), is under way; cancelled: its Cancel came before its socket
 // opened; streamed: the session whose continuation #output holds
+// forgotten: a key was refused, and what the last one showed is off the screen until a list comes back
 const state = { model: null, selected: null, socket: null, running: false, cancelled: false, streamed: null,
-                offline: false };
+                offline: false, forgotten: false };
 
 function key() { return $("api-key").value.trim(); }
 
@@ -82,9 +83,10 @@ function failed(e, from = null) {  // a refused key says what to do, whichever c
 function forget() {  // a key refused (changed, cleared): the last key's sessions, titles, figures and continuation
   // leave the screen, which had kept them beside the 401 (found by a helper). The selection is kept, unshown: the
   // list a key gets back selects it again if the key's, and deselects it if not
+  if ($("sessions").contains(document.activeElement)) $("api-key").focus();  // it fell to the page with the list
   $("sessions").replaceChildren(); $("list-note").textContent = "";
-  showMemory(null);
-  $("output").hidden = $("finish").hidden = $("elsewhere").hidden = true;
+  state.forgotten = true; renaming = null;
+  showMemory(null); clearOutput();
 }
 
 async function refreshSelected() {
@@ -106,9 +108,9 @@ async function refreshSelected() {
 function clearOutput() {  // the continuation shown is the selected session's, or none. Another session's is hidden,
   // not dropped, streaming or ended (selecting that one shows it): one that ended while another was selected was
   // dropped, though the note had said "select it to see it", and its text had gone into the session (a helper)
-  const theirs = state.streamed !== state.selected;
+  const theirs = state.streamed !== state.selected || state.forgotten;
   $("output").hidden = $("finish").hidden = theirs;
-  $("elsewhere").hidden = !(theirs && state.running);
+  $("elsewhere").hidden = !(theirs && state.running && !state.forgotten);
 }
 
 function dropOutput(id) {  // a session gone (deleted, another key's): its continuation goes too
@@ -158,6 +160,7 @@ async function refreshList() {
                                focused: renaming.field === document.activeElement,
                                range: [renaming.field.selectionStart, renaming.field.selectionEnd] };
     renaming = null;
+    state.forgotten = false;
     list.replaceChildren();
     for (const s of all) {
       const li = document.createElement("li");
@@ -174,7 +177,9 @@ async function refreshList() {
         const b = document.createElement("button");
         b.type = "button"; b.textContent = label; b.className = cls + (cls === "select" ? "" : " secondary");
         b.setAttribute("aria-label", `${label} session ${title} ${s.id}`);
-        b.addEventListener("click", cls === "fork" || cls === "delete" ? () => once(b, act) : act);
+        b.dataset.act = `${cls} ${s.id}`;
+        if (acting.has(b.dataset.act)) b.setAttribute("aria-busy", "true");
+        b.addEventListener("click", cls === "fork" || cls === "delete" ? () => once(b.dataset.act, b, act) : act);
         li.appendChild(b);
       }
       list.appendChild(li);
@@ -198,17 +203,23 @@ async function refreshList() {
   } catch (e) { failed(e, "list"); } finally { busy(-1); }
 }
 
-async function once(button, act) {  // one request a button: a double click (or Enter pressed twice) made two
-  // sessions, two forks, or a delete then its 404 (found by a helper). Marked busy, not disabled: a disabled
-  // button drops the keyboard's focus to the page
-  if (button.getAttribute("aria-busy") === "true") return;
-  button.setAttribute("aria-busy", "true");
-  try { await act(); } finally { button.removeAttribute("aria-busy"); }
+const acting = new Set();  // the actions whose request runs: "create", "fork s-1", "delete s-1"
+async function once(what, button, act) {  // one request an action: a double click (or Enter pressed twice) made
+  // two sessions, two forks, or a delete then its 404 (found by a helper). Marked busy, not disabled: a disabled
+  // button drops the keyboard's focus to the page. By name, not by button: the list redrawn meanwhile (a stream's
+  // end) made a new button of the same action
+  if (acting.has(what)) return;
+  acting.add(what); button.setAttribute("aria-busy", "true");
+  try { await act(); } finally {
+    acting.delete(what);
+    for (const b of document.querySelectorAll('[aria-busy="true"]')) if (b.dataset.act === what) b.removeAttribute("aria-busy");
+    button.removeAttribute("aria-busy");
+  }
 }
 
 async function create(event) {
   event.preventDefault();
-  await once($("create"), async () => {
+  await once("create", $("create"), async () => {
     const title = $("new-title").value.trim(), text = $("new-text").value;
     showError("");
     // a long document takes a while (2 MB: minutes on a CPU): the page says it is at work
@@ -366,6 +377,9 @@ async function startContinue() {
   // running from here, before the wait on connect(): a double click while not connected passed the checks twice
   // and streamed twice into the session, the second stream's text never shown
   state.socket = null; state.cancelled = false; state.streamed = id;
+  // the output is this session's from here: a start that stopped before streaming (no connection, a refused key,
+  // a Cancel while connecting) had left the last session's continuation in it, shown then under this one
+  $("output").replaceChildren(); $("finish").textContent = "";
   setRunning(true);
   if (!state.model && !(await connect())) return setRunning(false);  // not connected yet (no key when the page
   // loaded, a server restarted)

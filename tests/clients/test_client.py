@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -456,6 +457,27 @@ def test_connection_error(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(APIConnectionError):
             next(iter(client.ws.stream(model=MODEL, prompt="x")))
         assert waits == [0, 1]
+    # a connection dropped during the handshake (websockets' InvalidMessage) is retried too, as a GET's is
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(30)
+
+    def drop() -> None:  # each connection closed unanswered, until the test closes the listener
+        with contextlib.suppress(OSError):
+            while True:
+                listener.accept()[0].close()
+
+    threading.Thread(target=drop, daemon=True).start()
+    try:
+        with Client(base_url=f"http://127.0.0.1:{listener.getsockname()[1]}", max_retries=2) as client:
+            waits = []
+            monkeypatch.setattr(client, "_backoff", lambda attempt: waits.append(attempt) or 0.0)
+            with pytest.raises(APIConnectionError):
+                client.ws.connect()
+            assert waits == [0, 1]
+    finally:
+        listener.close()
 
 
 def test_a_closed_client_and_a_url_that_is_not_one_say_so() -> None:

@@ -197,7 +197,7 @@ def test_word_corpus_reads_the_wikitext_layout(tmp_path):
     assert np.array_equal(again.test, corpus.test)
 
 
-def test_a_word_run_reads_the_splits_it_uses(tmp_path, capsys):
+def test_a_word_run_reads_the_splits_it_uses(tmp_path, capsys, monkeypatch):
     """A folder of wiki.train.tokens alone was refused for want of a valid split that a run with no evaluations
     never reads (and a test split no run reads); a single file, which stands for every split, was taken for a run
     that evaluates, whose validation then scored its own training text (both found by a helper)."""
@@ -229,10 +229,16 @@ def test_a_word_run_reads_the_splits_it_uses(tmp_path, capsys):
     assert cli_main(["eval", "--checkpoint", str(tmp_path / "d"), "--data", str(held), "--split", "all",
                      "--no-progress"]) == 0
     assert [row.split()[0] for row in capsys.readouterr().out.splitlines()] == ["valid", "test"]
-    (held / "wiki.valid.tokens").write_text("")
+    (held / "wiki.test.tokens").write_text("")  # the later split: none is scored first (hours, then lost)
+    import model.evaluate
+
+    scored = []
+    real = model.evaluate.evaluate
+    monkeypatch.setattr(model.evaluate, "evaluate", lambda *a, **k: scored.append(1) or real(*a, **k))
     assert cli_main(["eval", "--checkpoint", str(tmp_path / "d"), "--data", str(held), "--split", "all"]) == 2
     out, err = capsys.readouterr()
-    assert not out and f"the valid split of {held} holds 0 tokens: nothing to score" in err, err
+    assert not out and f"the test split of {held} holds 0 tokens: nothing to score" in err, err
+    assert scored == []
     # a run that evaluates on an empty valid split is refused before its first step (it failed at its first
     # evaluation, eval_every steps in, with no word of which text was short)
     (data / "wiki.valid.tokens").write_text("\n")  # one line: its <eos> alone

@@ -89,12 +89,15 @@ def test_generate_stopped_by_ctrl_c_ends_its_line(checkpoint):
     assert b"Traceback" not in err
 
 
-def test_a_command_started_without_stdout_says_so(checkpoint):
+def test_a_command_started_without_stdout_says_so(checkpoint, tmp_path):
     """Started with stdout closed (``>&-``), ``generate``'s first write was an AttributeError's traceback, and
     ``eval``'s figures went nowhere with exit 0 (found by a helper); now one line, as ``cat``'s write error."""
+    out = tmp_path / "run"
     for args in (["generate", "--checkpoint", str(checkpoint), "--prompt", "Hello", "--max-tokens", "5"],
                  ["eval", "--checkpoint", str(checkpoint), "--data", str(REPO / "README.md"), "--split", "whole",
-                  "--max-tokens", "50", "--no-progress"]):
+                  "--max-tokens", "50", "--no-progress"],
+                 # refused before it works: a train had run and saved, then failed at its summary
+                 ["train", "--data", str(REPO / "README.md"), "--out", str(out), "--preset", "tiny", "--steps", "1"]):
         r = subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=REPO, capture_output=False,
                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1),
                            timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -102,6 +105,7 @@ def test_a_command_started_without_stdout_says_so(checkpoint):
         assert r.returncode == 2 and "Traceback" not in err, err[-2000:]
         assert err.strip().splitlines()[-1] == ("txlserve: error: standard output is closed (redirect it: > FILE, "
                                                 "or > /dev/null to discard what it says)"), err
+    assert not out.exists()
 
 
 def test_generate_into_a_pipe_its_reader_closes_ends_quietly(checkpoint):

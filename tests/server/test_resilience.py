@@ -213,13 +213,18 @@ def test_sigterm_lets_websocket_streams_end_then_closes_the_sockets(own_server, 
     assert done["usage"]["completion_tokens"] < asked
 
 
-def test_a_second_ctrl_c_during_the_drain_stops_at_once_and_quietly(own_server):
+def test_a_second_ctrl_c_during_the_drain_stops_at_once_and_quietly(checkpoint, tmp_path):
     """A second Ctrl-C (uvicorn's force exit) while a stream drained printed four tracebacks: the captured signals
     were each raised again (a KeyboardInterrupt through the clean-up), and the app's lifespan, whose shutdown a
-    force exit skips, logged its cancellation as a failed shutdown. Now it is one line, and 130 as a Ctrl-C."""
+    force exit skips, logged its cancellation as a failed shutdown. Now it is one line, and 130 as a Ctrl-C; and
+    the embedded Redis the server started is stopped (a forced exit had left it running; found by a reviewer)."""
     import signal
 
-    srv = own_server(args=("--shutdown-timeout-s", "60"))
+    from tests.procs import wait_exit
+
+    srv = LiveServer(checkpoint, redis_url=None, data_dir=tmp_path / "data",
+                     args=("--shutdown-timeout-s", "60")).start()
+    redis_pid = int((tmp_path / "data" / "redis.pid").read_text())
     with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
             "model": MODEL, "prompt": "go", "max_tokens": LONG, "stream": True}) as r:
         assert r.status_code == 200, r.read()
@@ -234,6 +239,7 @@ def test_a_second_ctrl_c_during_the_drain_stops_at_once_and_quietly(own_server):
     log = srv.log.read_text()
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
     assert "stopped at once (a second signal): 1 request(s) still running" in log, log[-3000:]
+    assert wait_exit({redis_pid}, 30), "the embedded Redis outlived its server"
 
 
 def test_sigterm_ends_a_response_its_client_reads_nothing_of_without_a_traceback(own_server):

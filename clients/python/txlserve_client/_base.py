@@ -317,7 +317,7 @@ def _origin_of(url: str) -> str:
     return f" at {scheme}://{host}" if scheme and host else ""
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def _retry_after(response: Any) -> float | None:
     """The wait the server asks for: ``retry-after-ms`` (OpenAI's, first), else ``Retry-After`` in seconds or as
     a date; None where it names none, or one over ``MAX_RETRY_AFTER`` (the backoff applies instead)."""
     if (ms := response.headers.get("retry-after-ms")) is not None:
@@ -445,13 +445,19 @@ class BaseClient:
 
     def _reopen_delay(self, attempt: int, err: Exception) -> float | None:
         """Seconds before opening a WebSocket again after a failed ``attempt``, or None to give up. Opening one
-        runs nothing on the server, so it is retried as a GET is: a connection refused or timed out, or an answer
-        of 408, 429 or 5xx (the README's "any call ... that could not connect" had not held for it)."""
+        runs nothing on the server, so it is retried as a GET is: a connection refused, reset, dropped mid-handshake
+        (InvalidMessage) or timed out, or an answer of 408, 409, 429 or 5xx, after its ``Retry-After`` where it
+        names one (the README's "any call ... that could not connect" had not held for it)."""
         import websockets.exceptions  # (the client's own dependency; imported here, where a socket failed)
 
         if attempt >= self.max_retries:
             return None
         if isinstance(err, websockets.exceptions.InvalidStatus):
             status = err.response.status_code
-            return self._backoff(attempt) if status in (408, 429) or status >= 500 else None
-        return self._backoff(attempt) if isinstance(err, (OSError, TimeoutError, asyncio.TimeoutError)) else None
+            if not (status in (408, 409, 429) or status >= 500):
+                return None
+            after = _retry_after(err.response)
+            return after if after is not None else self._backoff(attempt)
+        lost = (OSError, TimeoutError, asyncio.TimeoutError, websockets.exceptions.InvalidMessage,
+                websockets.exceptions.ConnectionClosed)
+        return self._backoff(attempt) if isinstance(err, lost) else None

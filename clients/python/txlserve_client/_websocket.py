@@ -65,6 +65,7 @@ _END_TYPES = ("completion.done", "error")
 # what opening a connection can raise, said as connect_error: InvalidURI where a redirect points to http(s)://
 # (websockets follows redirects itself)
 _CONNECT_ERRORS = (OSError, TimeoutError, asyncio.TimeoutError, websockets.exceptions.InvalidHandshake,
+                   websockets.exceptions.ConnectionClosed,  # a connection dropped mid-handshake (websockets 17's)
                    websockets.exceptions.InvalidURI)
 
 

@@ -628,26 +628,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 _STDOUT_CLOSED = "standard output is closed (redirect it: > FILE, or > /dev/null to discard what it says)"
 
 
-class _ClosedStdout(io.TextIOBase):
-    """Python's stdout where the process was started with none (``>&-``): ``print`` went nowhere (a command's
-    figures lost, exit 0), and ``generate``'s first write was an AttributeError's traceback. Now a write is an
-    error, as ``cat``'s and ``echo``'s are, and a command that writes nothing there (``serve``) runs."""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        raise OSError(9, _STDOUT_CLOSED)
-
-
 def _main(argv: list[str]) -> int:
-    if sys.stdout is None:
-        sys.stdout = _ClosedStdout()  # serve writes nothing there, nor session export --out
-        if not (argv[:1] == ["serve"] or (argv[:2] == ["session", "export"] and "--out" in argv)):
-            # said before the command works: at its first write, a train had run and saved, and a session import
-            # had made its session, before the error (a retrying script made another)
-            print(f"txlserve: error: {_STDOUT_CLOSED}", file=sys.stderr)
-            return 2
+    # started with stdout closed (``>&-``): Python has none, so print() went nowhere (eval's figures lost, exit 0) and
+    # generate's first write was an AttributeError's traceback. Said before the command works, as cat's write error
+    # (at the first write, a train had run and saved, and a session import made its session); serve and session
+    # export --out write nothing there
+    if sys.stdout is None and not (argv[:1] == ["serve"] or (argv[:2] == ["session", "export"] and "--out" in argv)):
+        print(f"txlserve: error: {_STDOUT_CLOSED}", file=sys.stderr)
+        return 2
     if argv[:1] == ["chat"]:  # every flag after `chat` belongs to the client's own parser
         return _cmd_chat(argparse.Namespace(args=argv[1:]))
     try:  # the benchmarks' parsers import their modules (torch): a Ctrl-C meanwhile is an exit, not a traceback

@@ -31,6 +31,8 @@ def leave_without_finalizing(code: int = 0) -> NoReturn:
     logging.shutdown()
     failed = False
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # started without it (``>&-``): nothing was written there to lose
+            continue
         try:
             stream.flush()
         except Exception:  # a full disk, a closed pipe: what it printed is lost, so it did not succeed

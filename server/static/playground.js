@@ -212,8 +212,8 @@ async function once(what, button, act) {  // one request an action: a double cli
   acting.add(what); button.setAttribute("aria-busy", "true");
   try { await act(); } finally {
     acting.delete(what);
-    for (const b of document.querySelectorAll('[aria-busy="true"]')) if (b.dataset.act === what) b.removeAttribute("aria-busy");
-    button.removeAttribute("aria-busy");
+    button.removeAttribute("aria-busy");  // and the button a redrawn list made for it
+    for (const b of document.querySelectorAll(`[data-act="${CSS.escape(what)}"]`)) b.removeAttribute("aria-busy");
   }
 }
 
@@ -388,8 +388,7 @@ async function startContinue() {
     return setRunning(false);
   }
   showError("");
-  const out = $("output");
-  out.replaceChildren();
+  const out = $("output");  // (emptied as the start began)
   const prompt = $("prompt").value;
   if (prompt) { const p = document.createElement("span"); p.className = "prompt"; p.textContent = prompt; out.appendChild(p); }
   const gen = document.createElement("span"); gen.className = "generated"; out.appendChild(gen);

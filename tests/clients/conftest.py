@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.clients.scripted_http import Scripted
 from tests.live import LiveServer
 
 # The client is its own distribution (clients/python); test the working tree's copy even where
@@ -42,3 +44,13 @@ def grouped_server(checkpoint: Path, redis_url: str, tmp_path_factory: pytest.Te
                      args=("--stream-interval", "100000")).start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def scripted() -> Iterator[Scripted]:
+    srv = Scripted()
+    thread = threading.Thread(target=srv.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    yield srv
+    srv.httpd.shutdown()
+    srv.httpd.server_close()

@@ -593,7 +593,7 @@ def test_a_websocket_sends_no_pings_of_its_own() -> None:
     pings timed out at 40 s and closed the connection with 1011, where an SSE stream waits. The server pings; a
     dead server is found by the read timeout, as over HTTP (measured by hand: a 45 s pause, then the 4,000 tokens
     all read)."""
-    from txlserve_client._websocket import connect_options
+    from txlserve_client._websocket import Target
 
     with Client(base_url="http://127.0.0.1:9") as client:
-        assert connect_options(client)["ping_interval"] is None
+        assert Target.of(client, {}).connect["ping_interval"] is None

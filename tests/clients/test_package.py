@@ -35,6 +35,7 @@ from tests.clients.conftest import CLIENT_SRC
 
 PUBLIC = {
     "Client", "AsyncClient", "Timeout", "__version__",
+    "RequestOptions", "BodyRequestOptions", "ClientOptions",
     "Completions", "Sessions", "Models", "WebSocket", "AsyncCompletions", "AsyncSessions", "AsyncModels",
     "AsyncWebSocket",
     "Completion", "Choice", "CompletionChunk", "Usage", "Logprobs", "SessionRef", "Session", "AppendResult",

@@ -16,7 +16,7 @@ from httpx import Timeout
 
 from txlserve_client._async_client import AsyncClient, AsyncCompletions, AsyncModels, AsyncSessions, AsyncWebSocket
 from txlserve_client._async_websocket import AsyncWebSocketConnection, AsyncWebSocketStream
-from txlserve_client._base import __version__
+from txlserve_client._base import BodyRequestOptions, ClientOptions, RequestOptions, __version__
 from txlserve_client._client import Client, Completions, Models, Sessions, WebSocket
 from txlserve_client._exceptions import (
     APIConnectionError,
@@ -57,6 +57,8 @@ from txlserve_client._websocket import WebSocketConnection, WebSocketStream
 __all__ = [
     # clients
     "Client", "AsyncClient", "Timeout", "__version__",
+    # what calls and with_options() take, for type hints
+    "RequestOptions", "BodyRequestOptions", "ClientOptions",
     # their resources (client.completions, .sessions, .models, .ws)
     "Completions", "Sessions", "Models", "WebSocket", "AsyncCompletions", "AsyncSessions", "AsyncModels",
     "AsyncWebSocket",

@@ -7,13 +7,20 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import httpx
 
 from txlserve_client import _base as api
 from txlserve_client._async_websocket import AsyncConnect, AsyncWebSocketConnection, AsyncWebSocketStream
-from txlserve_client._base import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, BaseClient, Call
+from txlserve_client._base import (
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_TIMEOUT,
+    BaseClient,
+    BodyRequestOptions,
+    Call,
+    RequestOptions,
+)
 from txlserve_client._exceptions import APIError
 from txlserve_client._streaming import AsyncStream
 from txlserve_client._types import (
@@ -25,6 +32,9 @@ from txlserve_client._types import (
     Session,
     SessionDeleted,
 )
+
+if TYPE_CHECKING:  # typing_extensions: in every type checker, not needed at run time
+    from typing_extensions import Unpack
 
 log = logging.getLogger("txlserve_client")
 T = TypeVar("T")
@@ -40,9 +50,16 @@ class AsyncClient(BaseClient):
 
     def __init__(self, *, base_url: str | None = None, api_key: str | None = None,
                  timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
-                 max_retries: int = DEFAULT_MAX_RETRIES) -> None:
-        super().__init__(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers(), timeout=self.timeout)
+                 max_retries: int = DEFAULT_MAX_RETRIES, default_headers: Mapping[str, str] | None = None,
+                 default_query: Mapping[str, Any] | None = None,
+                 http_client: httpx.AsyncClient | None = None) -> None:
+        super().__init__(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
+                         default_headers=default_headers, default_query=default_query)
+        if http_client is not None and not isinstance(http_client, httpx.AsyncClient):
+            raise TypeError(f"http_client is an httpx.AsyncClient (Client takes an httpx.Client), not "
+                            f"{type(http_client).__name__}")
+        self._http = http_client if http_client is not None else httpx.AsyncClient()  # as Client's
+        self._owns_http = True
         self.completions = AsyncCompletions(self)
         self.sessions = AsyncSessions(self)
         self.models = AsyncModels(self)
@@ -50,7 +67,7 @@ class AsyncClient(BaseClient):
 
     async def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
         """The answer to ``call``, retried as the policy allows; raises the APIError of a failure."""
-        request = call.build(self._http)
+        request = call.build(self._http, self)
         attempt, lost = 0, False
         before: APIError | None = None  # the last try's failure, the cause of the next one's
         while True:
@@ -91,8 +108,10 @@ class AsyncClient(BaseClient):
         return call.answer(await self._send(call))
 
     async def close(self) -> None:
+        """See ``Client.close``."""
         await api.closes_begun()
-        await self._http.aclose()
+        if self._owns_http:
+            await self._http.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -114,7 +133,7 @@ class AsyncCompletions:
                      session_id: str | None = None, logit_bias: Mapping[str, float] | None = None,
                      frequency_penalty: float | None = None, presence_penalty: float | None = None,
                      stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
-                     stream: Literal[False] = False) -> Completion: ...
+                     stream: Literal[False] = False, **options: Unpack[RequestOptions]) -> Completion: ...
 
     @overload
     async def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
@@ -124,7 +143,7 @@ class AsyncCompletions:
                      session_id: str | None = None, logit_bias: Mapping[str, float] | None = None,
                      frequency_penalty: float | None = None, presence_penalty: float | None = None,
                      stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
-                     stream: Literal[True]) -> AsyncStream: ...
+                     stream: Literal[True], **options: Unpack[RequestOptions]) -> AsyncStream: ...
 
     @overload  # a flag known only at run time (openai-python's third)
     async def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
@@ -134,7 +153,7 @@ class AsyncCompletions:
                      session_id: str | None = None, logit_bias: Mapping[str, float] | None = None,
                      frequency_penalty: float | None = None, presence_penalty: float | None = None,
                      stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
-                     stream: bool) -> Completion | AsyncStream: ...
+                     stream: bool, **options: Unpack[RequestOptions]) -> Completion | AsyncStream: ...
 
     async def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
@@ -143,12 +162,13 @@ class AsyncCompletions:
                      session_id: str | None = None, logit_bias: Mapping[str, float] | None = None,
                      frequency_penalty: float | None = None, presence_penalty: float | None = None,
                      stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
-                     stream: bool = False) -> Completion | AsyncStream:
+                     stream: bool = False, **options: Unpack[RequestOptions]) -> Completion | AsyncStream:
         """See ``Client.completions.create``; ``stream=True`` gives an ``AsyncStream``."""
         call = api.completion_call(api.completion_body(model, prompt, stream, dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed,
             logprobs=logprobs, echo=echo, n=n, user=user, session_id=session_id, stream_options=stream_options,
-            logit_bias=logit_bias, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty), extra_body))
+            logit_bias=logit_bias, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty),
+            extra_body)).using(options)
         if stream:
             return AsyncStream(await self._client._send(call, stream=True))
         return await self._client._call(call)
@@ -158,51 +178,57 @@ class AsyncSessions:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def create(self, *, text: str | None = None, metadata: Mapping[str, str] | None = None) -> AppendResult:
-        return await self._client._call(api.session_create_call(text, metadata))
+    async def create(self, *, text: str | None = None, metadata: Mapping[str, str] | None = None,
+                     **options: Unpack[BodyRequestOptions]) -> AppendResult:
+        return await self._client._call(api.session_create_call(text, metadata).using(options))
 
-    async def get(self, session_id: str) -> Session:
-        return await self._client._call(api.session_get_call(session_id))
+    async def get(self, session_id: str, **options: Unpack[RequestOptions]) -> Session:
+        return await self._client._call(api.session_get_call(session_id).using(options))
 
     def list(self, *, limit: int | None = None, after: str | None = None,
-             order: Literal["asc", "desc"] | None = None) -> AsyncSessionPager:
+             order: Literal["asc", "desc"] | None = None, **options: Unpack[RequestOptions]) -> AsyncSessionPager:
         """``await`` it for one page (as the sync client's), or ``async for`` over it for every session."""
+        api.session_list_call(limit, after, order).using(options)  # checked now, not when first awaited
+
         async def page(cursor: str | None) -> AsyncSessionPage:
-            return AsyncSessionPage(**await self._client._call(api.session_list_call(limit, cursor, order)),
-                                    _fetch=page)
+            call = api.session_list_call(limit, cursor, order).using(options)
+            return AsyncSessionPage(**await self._client._call(call), _fetch=page)
 
         return AsyncSessionPager(lambda: page(after))
 
-    async def update(self, session_id: str, *, metadata: Mapping[str, str | None]) -> Session:
+    async def update(self, session_id: str, *, metadata: Mapping[str, str | None],
+                     **options: Unpack[BodyRequestOptions]) -> Session:
         """Change the session's metadata: the keys given are set, a key given as None is removed, the others
         stay (OpenAI's ``threads.update``). Its memory is untouched. A session a request is running on refuses
         it (``SessionBusyError``): that request's commit writes back the metadata it started with."""
-        return await self._client._call(api.session_update_call(session_id, metadata))
+        return await self._client._call(api.session_update_call(session_id, metadata).using(options))
 
-    async def delete(self, session_id: str) -> SessionDeleted:
-        return await self._client._call(api.session_delete_call(session_id))
+    async def delete(self, session_id: str, **options: Unpack[RequestOptions]) -> SessionDeleted:
+        return await self._client._call(api.session_delete_call(session_id).using(options))
 
-    async def append(self, session_id: str, text: str, *, logprobs: int | None = None) -> AppendResult:
-        return await self._client._call(api.session_append_call(session_id, text, logprobs))
+    async def append(self, session_id: str, text: str, *, logprobs: int | None = None,
+                     **options: Unpack[BodyRequestOptions]) -> AppendResult:
+        return await self._client._call(api.session_append_call(session_id, text, logprobs).using(options))
 
-    async def fork(self, session_id: str, *, metadata: Mapping[str, str] | None = None) -> Session:
-        return await self._client._call(api.session_fork_call(session_id, metadata))
+    async def fork(self, session_id: str, *, metadata: Mapping[str, str] | None = None,
+                   **options: Unpack[BodyRequestOptions]) -> Session:
+        return await self._client._call(api.session_fork_call(session_id, metadata).using(options))
 
-    async def export(self, session_id: str) -> dict[str, Any]:
+    async def export(self, session_id: str, **options: Unpack[RequestOptions]) -> dict[str, Any]:
         """The session as a small JSON document; see ``Client.sessions.export``."""
-        return await self._client._call(api.session_export_call(session_id))
+        return await self._client._call(api.session_export_call(session_id).using(options))
 
-    async def import_(self, document: Mapping[str, Any]) -> AppendResult:
+    async def import_(self, document: Mapping[str, Any], **options: Unpack[BodyRequestOptions]) -> AppendResult:
         """A new session rebuilt from an ``export`` document; retried only where it provably did not run."""
-        return await self._client._call(api.session_import_call(document))
+        return await self._client._call(api.session_import_call(document).using(options))
 
 
 class AsyncModels:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def list(self) -> list[Model]:
-        return await self._client._call(api.models_call())
+    async def list(self, **options: Unpack[RequestOptions]) -> list[Model]:
+        return await self._client._call(api.models_call().using(options))
 
 
 class AsyncWebSocket:
@@ -211,12 +237,17 @@ class AsyncWebSocket:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    def connect(self) -> AsyncConnect:
-        """``async with client.ws.connect() as conn`` (or ``conn = await client.ws.connect()``)."""
-        return AsyncConnect(self._client)
+    def connect(self, **options: Unpack[RequestOptions]) -> AsyncConnect:
+        """``async with client.ws.connect() as conn`` (or ``conn = await client.ws.connect()``); ``options`` as
+        ``Client.ws.connect``'s."""
+        api.check_options(options, body=False, where="ws.connect()")
+        return AsyncConnect(self._client, options)
 
     def stream(self, *, model: str, prompt: api.Prompt = "", **options: Any) -> AsyncWebSocketStream:
-        """One completion on a connection of its own, opened when the stream is first read, closed with it."""
+        """One completion on a connection of its own, opened when the stream is first read, closed with it;
+        ``options`` as ``Client.ws.stream``'s."""
+        request = api.request_options(options)
+        api.check_options(request, body=False, where="ws.stream()")
         body = api.completion_body(model, prompt, False, options, options.pop("extra_body", None))
         return AsyncWebSocketStream({"type": "completion.create", **body},
-                                    open=lambda: AsyncWebSocketConnection.open(self._client))
+                                    open=lambda: AsyncWebSocketConnection.open(self._client, request))

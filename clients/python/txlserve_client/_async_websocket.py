@@ -9,7 +9,7 @@ import json
 import sys
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -23,6 +23,7 @@ from txlserve_client._types import CompletionChunk
 from txlserve_client._websocket import (
     _CONNECT_ERRORS,
     DROPPED_CLOSE_TIMEOUT_S,
+    Target,
     _cancel,
     _chunk,
     _closed,
@@ -31,7 +32,6 @@ from txlserve_client._websocket import (
     _timed_out,
     _unkept,
     connect_error,
-    connect_options,
 )
 
 T = TypeVar("T")
@@ -89,17 +89,18 @@ class AsyncWebSocketConnection(_Running):
         # completion before and sends (two tasks that took over a dropped one both read it: the library's error)
 
     @classmethod
-    async def open(cls, client: BaseClient) -> AsyncWebSocketConnection:
+    async def open(cls, client: BaseClient, options: Mapping[str, Any]) -> AsyncWebSocketConnection:
+        target = Target.of(client, options)
         if client.is_closed:
             raise closed_error()
         attempt = 0
         while True:
             try:
-                ws = await websockets.asyncio.client.connect(client.ws_url, **connect_options(client))
-                return cls(ws, client.timeout.read)
+                ws = await websockets.asyncio.client.connect(target.url, **target.connect)
+                return cls(ws, target.read_timeout)
             except _CONNECT_ERRORS as err:
                 if (delay := client._reopen_delay(attempt, err)) is None:
-                    raise connect_error(err, client.ws_url) from err
+                    raise connect_error(err, target.url) from err
             await asyncio.sleep(delay)
             attempt += 1
             if client.is_closed:  # closed while the retry waited
@@ -214,15 +215,15 @@ class AsyncWebSocketConnection(_Running):
 class AsyncConnect:
     """What ``AsyncClient.ws.connect()`` returns: ``await`` it, or ``async with`` it to close the connection."""
 
-    def __init__(self, client: BaseClient) -> None:
-        self._client = client
+    def __init__(self, client: BaseClient, options: Mapping[str, Any]) -> None:
+        self._client, self._options = client, options
         self._conn: AsyncWebSocketConnection | None = None
 
     def __await__(self) -> Generator[Any, None, AsyncWebSocketConnection]:
-        return AsyncWebSocketConnection.open(self._client).__await__()
+        return AsyncWebSocketConnection.open(self._client, self._options).__await__()
 
     async def __aenter__(self) -> AsyncWebSocketConnection:
-        self._conn = await AsyncWebSocketConnection.open(self._client)
+        self._conn = await AsyncWebSocketConnection.open(self._client, self._options)
         return self._conn
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

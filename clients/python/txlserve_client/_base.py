@@ -33,8 +33,8 @@ import random
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar
 from urllib.parse import quote, urlsplit
 
 import httpx
@@ -59,8 +59,46 @@ NOT_RUN_STATUSES = frozenset({429, 503})  # with a Retry-After: the server's wor
 UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 MAX_RETRY_AFTER = 60.0  # a longer Retry-After is not waited for: the normal backoff applies
 
+if TYPE_CHECKING:  # typing_extensions: in every type checker, not needed at run time
+    from typing_extensions import Unpack
+
 T = TypeVar("T")
+C = TypeVar("C", bound="BaseClient")
 _CLOSING: set[asyncio.Task[None]] = set()  # closes begun by finalizers (``close_soon``), held until they end
+
+
+class RequestOptions(TypedDict, total=False):
+    """What every call takes besides its own arguments, as openai-python's methods take them: headers and query
+    parameters added to the request (a header given None is not sent), and a timeout of this call's own
+    (seconds or an ``httpx.Timeout``; None waits forever) in place of the client's."""
+
+    extra_headers: Mapping[str, str | None]
+    extra_query: Mapping[str, Any]
+    timeout: float | httpx.Timeout | None
+
+
+class BodyRequestOptions(RequestOptions, total=False):
+    """``RequestOptions`` of a call that sends a JSON body: ``extra_body``'s fields are added to it."""
+
+    extra_body: Mapping[str, Any]
+
+
+class ClientOptions(TypedDict, total=False):
+    """What ``with_options`` may change: the client's own arguments."""
+
+    base_url: str
+    api_key: str
+    timeout: float | httpx.Timeout | None
+    max_retries: int
+    default_headers: Mapping[str, str]
+    default_query: Mapping[str, Any]
+
+
+class _Unset:
+    """A call's timeout left to the client's (None is a timeout: wait forever)."""
+
+
+_UNSET: Any = _Unset()
 
 
 @dataclass(frozen=True)
@@ -73,9 +111,21 @@ class Call(Generic[T]):
     json: Any = None
     params: Mapping[str, Any] | None = None
     retry: bool = False
-    headers: Mapping[str, str] | None = None
+    headers: Mapping[str, str | None] | None = None
     gone: Any = None  # the answer a 404 stands for once the call was sent again after its answer was lost: a
     # DELETE whose first try did its work (the retry then found nothing to delete)
+    timeout: Any = _UNSET  # float | httpx.Timeout | None: the caller's for this call, else the client's
+
+    def using(self, options: Mapping[str, Any]) -> Call[T]:
+        """This call with a caller's ``RequestOptions``."""
+        check_options(options, body=self.json is not None, where=f"{self.method} {self.path}")
+        if not options:
+            return self
+        headers, query, body = (options.get(k) for k in ("extra_headers", "extra_query", "extra_body"))
+        return replace(self, headers={**(self.headers or {}), **(headers or {})},
+                       params={**(self.params or {}), **(query or {})},
+                       json=self.json if body is None else {**self.json, **body},
+                       timeout=options.get("timeout", self.timeout))
 
     def answer(self, response: httpx.Response) -> T:
         """The result a 2xx answer carries. One that is not the server's (a captive portal's page, a body cut
@@ -88,11 +138,68 @@ class Call(Generic[T]):
                            f"; {response.headers.get('content-type', 'no content type')})",
                            status=response.status_code, response=response) from None
 
-    def build(self, http: httpx.Client | httpx.AsyncClient) -> httpx.Request:
-        if self.json is None:
-            return http.build_request(self.method, self.path, params=self.params, headers=self.headers)
-        return http.build_request(self.method, self.path, content=json_body(self.json), params=self.params,
-                                  headers={**(self.headers or {}), "content-type": "application/json"})
+    def build(self, http: httpx.Client | httpx.AsyncClient, client: BaseClient) -> httpx.Request:
+        """The request, with ``client``'s headers, query and timeout under the call's own. They are set on each
+        request, not on ``http``: clients made by ``with_options`` share one connection pool."""
+        headers = merged_headers(client._headers(), self.headers)
+        if self.json is not None:
+            headers["content-type"] = "application/json"
+        request = http.build_request(
+            self.method, client.base_url + self.path, params={**client.default_query, **(self.params or {})},
+            headers=headers, content=None if self.json is None else json_body(self.json),
+            timeout=client.timeout if self.timeout is _UNSET else self.timeout)
+        for name in unsent(client.default_headers, self.headers):  # httpx's own defaults too (Accept: */*)
+            request.headers.pop(name, None)
+        return request
+
+
+def check_options(options: Mapping[str, Any], *, body: bool, where: str) -> None:
+    """Raise the TypeError Python raises for a keyword argument a call does not take, and for an option of the
+    wrong kind: a misspelt option (``timout=``), passed through ``**options``, would otherwise be ignored."""
+    allowed = BodyRequestOptions.__optional_keys__ if body else RequestOptions.__optional_keys__
+    if unknown := sorted(set(options) - allowed):
+        extra = " (it sends no body)" if unknown[0] == "extra_body" else ""
+        raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}{extra}")
+    for name in ("extra_headers", "extra_query", "extra_body"):
+        if options.get(name) is not None and not isinstance(options[name], Mapping):
+            raise TypeError(f"{name} is a mapping, not {type(options[name]).__name__}")
+    if not isinstance(options.get("timeout"), (int, float, httpx.Timeout, type(None))):
+        raise TypeError(f"timeout is seconds or an httpx.Timeout, not {type(options['timeout']).__name__}")
+
+
+def request_options(fields: dict[str, Any]) -> dict[str, Any]:
+    """The ``RequestOptions`` among a WebSocket completion's ``fields``, taken out of them (the rest are the
+    body's)."""
+    return {k: fields.pop(k) for k in RequestOptions.__optional_keys__ if k in fields}
+
+
+def merged_headers(*layers: Mapping[str, str | None] | None) -> httpx.Headers:
+    """Each layer's headers over the layers before it, whatever the case of their names (``user-agent`` replaces
+    ``User-Agent``; two were sent); a name given None is not sent. A value a header cannot carry is a ValueError
+    that never quotes it (it may be a key): httpx's UnicodeEncodeError or h11's LocalProtocolError had."""
+    headers = httpx.Headers()
+    for layer in layers:
+        for name, value in (layer or {}).items():
+            if value is None:
+                headers.pop(name, None)
+                continue
+            if not isinstance(name, str) or not isinstance(value, str):
+                raise TypeError(f"a header's name and value are str, not {type(name).__name__}: "
+                                f"{type(value).__name__}")
+            if not (_TOKEN.fullmatch(name) and value.isascii() and value.isprintable()):
+                raise ValueError(f"the header {name[:60]!r} has a name or value an HTTP header cannot carry (a "
+                                 f"name is letters, digits and !#$%&'*+-.^_`|~; a value printable ASCII)")
+            headers[name] = value
+    return headers
+
+
+def unsent(*layers: Mapping[str, str | None] | None) -> set[str]:
+    """The headers ``merged_headers`` leaves out (given None, and not given again by a later layer)."""
+    names: set[str] = set()
+    for layer in layers:
+        for name, value in (layer or {}).items():
+            (names.add if value is None else names.discard)(name.lower())
+    return names
 
 
 def json_body(value: Any) -> bytes:
@@ -368,6 +475,7 @@ def given_up(error: APIError, before: APIError | None) -> APIError:
 # Visible ASCII: what a Bearer token can be sent as. Anything else failed in httpx or websockets with a message
 # that quoted the whole header, key and all (found by a helper).
 _HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header's name (RFC 9110's token)
 
 
 class BaseClient:
@@ -375,11 +483,22 @@ class BaseClient:
 
     initial_retry_delay = 0.5
     max_retry_delay = 8.0
+    _http: httpx.Client | httpx.AsyncClient  # the subclass's
+    _owns_http: bool  # closed with this client: not a with_options copy's, which is its parent's
 
     def __init__(self, *, base_url: str | None, api_key: str | None, timeout: float | httpx.Timeout | None,
-                 max_retries: int) -> None:
+                 max_retries: int, default_headers: Mapping[str, str] | None = None,
+                 default_query: Mapping[str, Any] | None = None) -> None:
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int):
+            raise TypeError(f"max_retries is an int, not {type(max_retries).__name__}")
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        for name, value in (("default_headers", default_headers), ("default_query", default_query)):
+            if value is not None and not isinstance(value, Mapping):
+                raise TypeError(f"{name} is a mapping, not {type(value).__name__}")
+        merged_headers(default_headers)  # checked now, not at the first call
+        self.default_headers: dict[str, str] = dict(default_headers or {})
+        self.default_query: dict[str, Any] = dict(default_query or {})
         self.base_url = (base_url or os.environ.get("TXLSERVE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
         parts = urlsplit(self.base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -404,11 +523,36 @@ class BaseClient:
         http = getattr(self, "_http", None)
         return http is not None and http.is_closed
 
-    def _headers(self) -> dict[str, str]:
+    def _headers(self) -> httpx.Headers:
+        """Every request's headers: ``default_headers`` last, so they may replace the User-Agent, or the
+        Authorization of a gateway that wants its own."""
         headers = {"User-Agent": f"txlserve-client/{__version__}", "Accept": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
+        return merged_headers(headers, self.default_headers)
+
+    def _options(self, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """The arguments of a client like this one but for ``changes`` (``with_options``'s), checked by name: a
+        misspelt one would otherwise be dropped without a word. Headers and query are added to this client's."""
+        if unknown := sorted(set(changes) - ClientOptions.__optional_keys__):
+            raise TypeError(f"with_options() got an unexpected keyword argument {unknown[0]!r}")
+        return {"base_url": changes.get("base_url", self.base_url), "api_key": changes.get("api_key", self.api_key),
+                "timeout": changes.get("timeout", self.timeout),
+                "max_retries": changes.get("max_retries", self.max_retries),
+                "default_headers": {**self.default_headers, **(changes.get("default_headers") or {})},
+                "default_query": {**self.default_query, **(changes.get("default_query") or {})}}
+
+    def with_options(self: C, **changes: Unpack[ClientOptions]) -> C:
+        """A client like this one but for ``changes`` (openai-python's): ``client.with_options(timeout=5,
+        max_retries=0).sessions.get(sid)``. It shares this client's connections (a new ``base_url`` opens its own),
+        and its ``close()`` leaves them open; ``default_headers`` and ``default_query`` add to this client's."""
+        options = self._options(changes)
+        shared = options["base_url"].rstrip("/") == self.base_url
+        copy = type(self)(**options, http_client=self._http if shared else None)  # type: ignore[call-arg]
+        copy._owns_http = not shared
+        return copy
+
+    copy = with_options
 
     @property
     def ws_url(self) -> str:

@@ -6,16 +6,26 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import httpx
 
 from txlserve_client import _base as api
-from txlserve_client._base import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, BaseClient, Call
+from txlserve_client._base import (
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_TIMEOUT,
+    BaseClient,
+    BodyRequestOptions,
+    Call,
+    RequestOptions,
+)
 from txlserve_client._exceptions import APIError
 from txlserve_client._streaming import Stream
 from txlserve_client._types import AppendResult, Completion, Model, Session, SessionDeleted, SessionPage
 from txlserve_client._websocket import WebSocketConnection, WebSocketStream
+
+if TYPE_CHECKING:  # typing_extensions: in every type checker, not needed at run time
+    from typing_extensions import Unpack
 
 log = logging.getLogger("txlserve_client")
 T = TypeVar("T")
@@ -26,7 +36,10 @@ class Client(BaseClient):
 
     ``base_url`` defaults to ``$TXLSERVE_BASE_URL`` (else http://127.0.0.1:8000), ``api_key`` to
     ``$TXLSERVE_API_KEY``; ``timeout`` is an ``httpx.Timeout`` or seconds (None: wait forever);
-    ``max_retries`` applies where a second try cannot apply a call twice (see ``txlserve_client._base``).
+    ``max_retries`` applies where a second try cannot apply a call twice (see ``txlserve_client._base``);
+    ``default_headers`` and ``default_query`` go with every request; ``http_client``: an ``httpx.Client`` of your
+    own (a proxy, certificates), closed with this client. Every call takes ``RequestOptions`` (``extra_headers``,
+    ``extra_query``, ``timeout``, and ``extra_body`` where it sends a body); ``with_options()`` makes a copy.
     """
 
     completions: Completions
@@ -36,9 +49,16 @@ class Client(BaseClient):
 
     def __init__(self, *, base_url: str | None = None, api_key: str | None = None,
                  timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
-                 max_retries: int = DEFAULT_MAX_RETRIES) -> None:
-        super().__init__(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
-        self._http = httpx.Client(base_url=self.base_url, headers=self._headers(), timeout=self.timeout)
+                 max_retries: int = DEFAULT_MAX_RETRIES, default_headers: Mapping[str, str] | None = None,
+                 default_query: Mapping[str, Any] | None = None, http_client: httpx.Client | None = None) -> None:
+        super().__init__(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
+                         default_headers=default_headers, default_query=default_query)
+        if http_client is not None and not isinstance(http_client, httpx.Client):
+            raise TypeError(f"http_client is an httpx.Client (AsyncClient takes an httpx.AsyncClient), not "
+                            f"{type(http_client).__name__}")
+        # headers, query and timeout go on each request (Call.build), so that with_options' copies share this pool
+        self._http = http_client if http_client is not None else httpx.Client()
+        self._owns_http = True  # a copy's close() leaves its parent's pool open
         self.completions = Completions(self)
         self.sessions = Sessions(self)
         self.models = Models(self)
@@ -46,7 +66,7 @@ class Client(BaseClient):
 
     def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
         """The answer to ``call``, retried as the policy allows; raises the APIError of a failure."""
-        request = call.build(self._http)
+        request = call.build(self._http, self)
         attempt, lost = 0, False
         before: APIError | None = None  # the last try's failure, the cause of the next one's
         while True:
@@ -87,7 +107,9 @@ class Client(BaseClient):
         return call.answer(self._send(call))
 
     def close(self) -> None:
-        self._http.close()
+        """Close the connections (an ``http_client`` given too); a ``with_options`` copy's are its parent's."""
+        if self._owns_http:
+            self._http.close()
 
     def __enter__(self) -> Client:
         return self
@@ -110,7 +132,7 @@ class Completions:
                logit_bias: Mapping[str, float] | None = None,
                frequency_penalty: float | None = None, presence_penalty: float | None = None,
                stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
-               stream: Literal[False] = False) -> Completion: ...
+               stream: Literal[False] = False, **options: Unpack[RequestOptions]) -> Completion: ...
 
     @overload
     def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
@@ -121,7 +143,7 @@ class Completions:
                logit_bias: Mapping[str, float] | None = None,
                frequency_penalty: float | None = None, presence_penalty: float | None = None,
                stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
-               stream: Literal[True]) -> Stream: ...
+               stream: Literal[True], **options: Unpack[RequestOptions]) -> Stream: ...
 
     @overload  # a flag known only at run time (openai-python's third)
     def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
@@ -132,7 +154,7 @@ class Completions:
                logit_bias: Mapping[str, float] | None = None,
                frequency_penalty: float | None = None, presence_penalty: float | None = None,
                stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
-               stream: bool) -> Completion | Stream: ...
+               stream: bool, **options: Unpack[RequestOptions]) -> Completion | Stream: ...
 
     def create(self, *, model: str, prompt: api.Prompt = "", max_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
@@ -142,14 +164,15 @@ class Completions:
                logit_bias: Mapping[str, float] | None = None,
                frequency_penalty: float | None = None, presence_penalty: float | None = None,
                stream_options: Mapping[str, bool] | None = None, extra_body: Mapping[str, Any] | None = None,
-               stream: bool = False) -> Completion | Stream:
+               stream: bool = False, **options: Unpack[RequestOptions]) -> Completion | Stream:
         """A completion of ``prompt``; in ``session_id``, of the session's text so far followed by ``prompt``
         (and the prompt and completion are then added to the session). ``stream=True``: a ``Stream``.
         ``extra_body``: more fields for the body, as OpenAI's SDK takes them (vLLM's ``min_tokens``, say)."""
         call = api.completion_call(api.completion_body(model, prompt, stream, dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed,
             logprobs=logprobs, echo=echo, n=n, user=user, session_id=session_id, stream_options=stream_options,
-            logit_bias=logit_bias, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty), extra_body))
+            logit_bias=logit_bias, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty),
+            extra_body)).using(options)
         if stream:
             return Stream(self._client._send(call, stream=True))
         return self._client._call(call)
@@ -159,58 +182,63 @@ class Sessions:
     def __init__(self, client: Client) -> None:
         self._client = client
 
-    def create(self, *, text: str | None = None, metadata: Mapping[str, str] | None = None) -> AppendResult:
+    def create(self, *, text: str | None = None, metadata: Mapping[str, str] | None = None,
+               **options: Unpack[BodyRequestOptions]) -> AppendResult:
         """A new session, its memory built from ``text`` (none: empty)."""
-        return self._client._call(api.session_create_call(text, metadata))
+        return self._client._call(api.session_create_call(text, metadata).using(options))
 
-    def get(self, session_id: str) -> Session:
-        return self._client._call(api.session_get_call(session_id))
+    def get(self, session_id: str, **options: Unpack[RequestOptions]) -> Session:
+        return self._client._call(api.session_get_call(session_id).using(options))
 
     def list(self, *, limit: int | None = None, after: str | None = None,
-             order: Literal["asc", "desc"] | None = None) -> SessionPage:
+             order: Literal["asc", "desc"] | None = None, **options: Unpack[RequestOptions]) -> SessionPage:
         """One page of sessions, oldest first (``order="desc"``: newest first); ``page.iter_all()`` continues
-        through the later pages."""
+        through the later pages, with the same ``options``."""
         def fetch(cursor: str) -> SessionPage:
-            return self.list(limit=limit, after=cursor, order=order)
+            return self.list(limit=limit, after=cursor, order=order, **options)
 
-        return SessionPage(**self._client._call(api.session_list_call(limit, after, order)), _fetch=fetch)
+        call = api.session_list_call(limit, after, order).using(options)
+        return SessionPage(**self._client._call(call), _fetch=fetch)
 
-    def update(self, session_id: str, *, metadata: Mapping[str, str | None]) -> Session:
+    def update(self, session_id: str, *, metadata: Mapping[str, str | None],
+               **options: Unpack[BodyRequestOptions]) -> Session:
         """Change the session's metadata: the keys given are set, a key given as None is removed, the others
         stay (OpenAI's ``threads.update``). Its memory is untouched. A session a request is running on refuses
         it (``SessionBusyError``): that request's commit writes back the metadata it started with."""
-        return self._client._call(api.session_update_call(session_id, metadata))
+        return self._client._call(api.session_update_call(session_id, metadata).using(options))
 
-    def delete(self, session_id: str) -> SessionDeleted:
-        return self._client._call(api.session_delete_call(session_id))
+    def delete(self, session_id: str, **options: Unpack[RequestOptions]) -> SessionDeleted:
+        return self._client._call(api.session_delete_call(session_id).using(options))
 
-    def append(self, session_id: str, text: str, *, logprobs: int | None = None) -> AppendResult:
+    def append(self, session_id: str, text: str, *, logprobs: int | None = None,
+               **options: Unpack[BodyRequestOptions]) -> AppendResult:
         """Feed ``text`` to the session's memory (nothing is generated); retried only where it provably did not
         run (see ``txlserve_client._base``). With ``logprobs``, the result's ``logprobs`` scores each token of it
         (with that many alternatives)."""
-        return self._client._call(api.session_append_call(session_id, text, logprobs))
+        return self._client._call(api.session_append_call(session_id, text, logprobs).using(options))
 
-    def fork(self, session_id: str, *, metadata: Mapping[str, str] | None = None) -> Session:
+    def fork(self, session_id: str, *, metadata: Mapping[str, str] | None = None,
+             **options: Unpack[BodyRequestOptions]) -> Session:
         """A new session with a copy of this one's memory; the two then go their own ways."""
-        return self._client._call(api.session_fork_call(session_id, metadata))
+        return self._client._call(api.session_fork_call(session_id, metadata).using(options))
 
-    def export(self, session_id: str) -> dict[str, Any]:
+    def export(self, session_id: str, **options: Unpack[RequestOptions]) -> dict[str, Any]:
         """The session as a small JSON document (its last tokens, tokens seen, metadata, tokenizer id): save
         it anywhere, and ``import_`` it into any server whose model reads text the same way."""
-        return self._client._call(api.session_export_call(session_id))
+        return self._client._call(api.session_export_call(session_id).using(options))
 
-    def import_(self, document: Mapping[str, Any]) -> AppendResult:
+    def import_(self, document: Mapping[str, Any], **options: Unpack[BodyRequestOptions]) -> AppendResult:
         """A new session (this client's key owns it) rebuilt from an ``export`` document; retried only where it
         provably did not run."""
-        return self._client._call(api.session_import_call(document))
+        return self._client._call(api.session_import_call(document).using(options))
 
 
 class Models:
     def __init__(self, client: Client) -> None:
         self._client = client
 
-    def list(self) -> list[Model]:
-        return self._client._call(api.models_call())
+    def list(self, **options: Unpack[RequestOptions]) -> list[Model]:
+        return self._client._call(api.models_call().using(options))
 
 
 class WebSocket:
@@ -219,12 +247,15 @@ class WebSocket:
     def __init__(self, client: Client) -> None:
         self._client = client
 
-    def connect(self) -> WebSocketConnection:
-        return WebSocketConnection.open(self._client)
+    def connect(self, **options: Unpack[RequestOptions]) -> WebSocketConnection:
+        """``options``' headers, query and timeout (its read timeout: the longest wait for a message) hold for the
+        connection's life."""
+        return WebSocketConnection.open(self._client, options)
 
     def stream(self, *, model: str, prompt: api.Prompt = "", **options: Any) -> WebSocketStream:
-        """One completion on a connection of its own, closed with the stream."""
-        conn = self.connect()
+        """One completion on a connection of its own, closed with the stream; ``options`` are the completion's
+        fields and ``extra_body``, and the connection's ``RequestOptions``."""
+        conn = self.connect(**api.request_options(options))
         try:
             body = api.completion_body(model, prompt, False, options, options.pop("extra_body", None))
             return conn._start(body, owns_connection=True)

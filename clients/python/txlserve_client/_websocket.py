@@ -41,14 +41,24 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+import httpx
 import websockets.exceptions
 import websockets.sync.client
 
-from txlserve_client._base import BaseClient, Prompt, closed_error, completion_body, connection_error
+from txlserve_client._base import (
+    BaseClient,
+    Prompt,
+    check_options,
+    closed_error,
+    completion_body,
+    connection_error,
+    merged_headers,
+)
 from txlserve_client._exceptions import (
     APIConnectionError,
     APIError,
@@ -69,10 +79,25 @@ _CONNECT_ERRORS = (OSError, TimeoutError, asyncio.TimeoutError, websockets.excep
                    websockets.exceptions.InvalidURI)
 
 
-def connect_options(client: BaseClient) -> dict[str, Any]:
-    headers = client._headers()
-    return {"additional_headers": headers, "user_agent_header": headers.pop("User-Agent"),
-            "open_timeout": client.timeout.connect, "max_size": MAX_MESSAGE_BYTES, "ping_interval": None}
+@dataclass(frozen=True)
+class Target:
+    """Where and how a connection opens: the client's settings under a call's ``RequestOptions``."""
+
+    url: str
+    connect: dict[str, Any]  # websockets' connect()'s arguments
+    read_timeout: float | None  # the longest wait for a message
+
+    @classmethod
+    def of(cls, client: BaseClient, options: Mapping[str, Any]) -> Target:
+        check_options(options, body=False, where="ws.connect()")
+        headers = merged_headers(client._headers(), options.get("extra_headers"))
+        timeout = options.get("timeout", client.timeout)
+        timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        query = {**client.default_query, **(options.get("extra_query") or {})}
+        url = str(httpx.URL(client.ws_url, params=query)) if query else client.ws_url
+        return cls(url, {"additional_headers": [(k, v) for k, v in headers.items() if k != "user-agent"],
+                         "user_agent_header": headers.get("user-agent"), "open_timeout": timeout.connect,
+                         "max_size": MAX_MESSAGE_BYTES, "ping_interval": None}, timeout.read)
 
 
 def _cancel(completion_id: str | None) -> dict[str, Any]:
@@ -222,18 +247,19 @@ class WebSocketConnection(_Running):
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, client: BaseClient) -> WebSocketConnection:
+    def open(cls, client: BaseClient, options: Mapping[str, Any]) -> WebSocketConnection:
+        target = Target.of(client, options)
         if client.is_closed:
             raise closed_error()
         attempt = 0
         while True:
             stack = contextlib.ExitStack()  # websockets >= 17.1 wants connect() entered as a context manager
             try:
-                ws = stack.enter_context(websockets.sync.client.connect(client.ws_url, **connect_options(client)))
-                return cls(ws, client.timeout.read, stack)
+                ws = stack.enter_context(websockets.sync.client.connect(target.url, **target.connect))
+                return cls(ws, target.read_timeout, stack)
             except _CONNECT_ERRORS as err:
                 if (delay := client._reopen_delay(attempt, err)) is None:
-                    raise connect_error(err, client.ws_url) from err
+                    raise connect_error(err, target.url) from err
             time.sleep(delay)
             attempt += 1
             if client.is_closed:  # closed while the retry waited

@@ -85,6 +85,10 @@ def test_streaming_completion(client: Client) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
     plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0)
     assert "".join(c.text for c in chunks) == plain.text
+    # read as openai-python's chunks are: a choice each, none in the usage's own last piece
+    assert chunks[-1].choices == [] and all(len(c.choices) == 1 for c in chunks[:-1])
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == plain.text
+    assert [c.choices[0].finish_reason for c in chunks[:-1] if c.choices[0].finish_reason] == ["length"]
     # extra_body, as OpenAI's SDK takes it: vLLM's fields reach the server; stop_reason says what ended the text
     stop = plain.text[3:5]
     cut = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, stop=[stop],
@@ -107,7 +111,8 @@ def test_streaming_completion(client: Client) -> None:
     assert [t for p in pieces for t in p.token_ids or ()] == got.choices[0].token_ids
     with client.ws.connect() as conn:
         pieces = list(conn.completion(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, extra_body=ids))
-    assert pieces[0].prompt_token_ids == list(b"Hello")
+    assert pieces[0].prompt_token_ids == list(b"Hello") == pieces[0].choices[0].prompt_token_ids
+    assert "".join(p.choices[0].text for p in pieces) == plain.text and pieces[-1].choices[0].finish_reason
     assert [t for p in pieces for t in p.token_ids or ()] == got.choices[0].token_ids
 
 

@@ -110,6 +110,16 @@ class CompletionChunk:
     # the server wrote it: one, or several for a client behind), and on a choice's first piece the prompt's
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    usage_only: bool = field(default=False, repr=False)  # SSE's last piece of include_usage: no choice in it
+
+    @property
+    def choices(self) -> list[Choice]:
+        """The piece's choice as OpenAI's chunk holds it (``chunk.choices[0].text``), so that code written for
+        openai-python reads it unchanged; empty for the usage's own last piece, as there."""
+        if self.usage_only:
+            return []
+        return [Choice(self.index, self.text, self.finish_reason, self.logprobs, self.stop_reason, self.token_ids,
+                       self.prompt_token_ids)]
 
     @classmethod
     def from_sse(cls, d: dict[str, Any]) -> CompletionChunk:
@@ -118,7 +128,7 @@ class CompletionChunk:
         return cls(d["id"], choice.get("text", ""), choice.get("finish_reason"),
                    Usage.from_dict(usage) if usage else None, SessionRef.from_dict(d.get("session")),
                    Logprobs.from_dict(choice.get("logprobs")), choice.get("index", 0), choice.get("stop_reason"),
-                   choice.get("token_ids"), choice.get("prompt_token_ids"))
+                   choice.get("token_ids"), choice.get("prompt_token_ids"), usage_only=not d.get("choices"))
 
     @classmethod
     def from_ws(cls, d: dict[str, Any]) -> CompletionChunk:

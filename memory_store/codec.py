@@ -171,6 +171,8 @@ def check_metadata(metadata: Mapping[str, Any] | None, *, max_bytes: int = MAX_M
         return {}
     if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
         raise InvalidRequestError("metadata must be a JSON object", param="metadata")
+    if not all(isinstance(v, str) for v in metadata.values()):  # as every API takes it (OpenAI's): text values
+        raise InvalidRequestError("metadata's values must be strings", param="metadata")
     try:  # UTF-8, as the header stores it: text that is not ASCII counts its bytes, not its \\uXXXX escapes
         raw = json.dumps(dict(metadata), allow_nan=False, ensure_ascii=False).encode()  # a lone surrogate: no
     except (TypeError, ValueError) as err:  # UnicodeEncodeError is a ValueError
@@ -369,6 +371,8 @@ def decode_header(raw: bytes) -> Header:
         raise SessionCorrupt(f"session header has form {doc['form']!r} with {doc['window_tokens']} window tokens")
     if not 0 <= doc["mem_rows"] <= doc["mem_len"]:
         raise SessionCorrupt(f"session header declares {doc['mem_rows']} rows of a {doc['mem_len']}-slot memory")
+    if not all(isinstance(v, str) for v in doc["metadata"].values()):  # an export of it was a 500 (a helper's)
+        raise SessionCorrupt("session header field 'metadata' holds a value that is not a string")
     # Older servers stored lone surrogates, which no response can carry: keep such a session readable.
     doc["metadata"] = json.loads(json.dumps(doc["metadata"], ensure_ascii=False).encode("utf-8", "replace"))
     return Header(**{name: doc[name] for name in (*_FIELD_TYPES, *_OPTIONAL_FIELDS)})

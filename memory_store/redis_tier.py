@@ -146,14 +146,35 @@ return {'OK', h, t[1], t[2]}
 # and with appendfsync always every write costs an fsync, which a read must not.
 # Every key given (a session and its ring) is looked at on its own.
 # The number of keys that were gone: an owner's index gone while one of its sessions is used is written again.
+# A TTL is never shortened here, and ARGV[1] '0' (a server that keeps sessions forever) makes a key persistent:
+# an owner's index must outlive every session in it, whatever TTL each server that wrote one had.
 _TOUCH = """
 local gone = 0
 for _, key in ipairs(KEYS) do
   local left = redis.call('PTTL', key)
   if left == -2 then gone = gone + 1 end
-  if left >= 0 and left < tonumber(ARGV[1]) - tonumber(ARGV[2]) then redis.call('PEXPIRE', key, ARGV[1]) end
+  if ARGV[1] == '0' then
+    if left >= 0 then redis.call('PERSIST', key) end
+  elseif left >= 0 and left < tonumber(ARGV[1]) - tonumber(ARGV[2]) then
+    redis.call('PEXPIRE', key, ARGV[1])
+  end
 end
 return gone
+"""
+
+# List a session in its owner's index: ARGV[2] its score (created at, ms), ARGV[3] its id. The index's TTL only
+# grows (ARGV[1] ms; '0': persistent), as _TOUCH's: a server of a shorter TTL, or of none, had cut it under the
+# TTL of sessions other servers wrote, and they were never listed again once it expired (found by a helper).
+_LIST = """
+local existed = redis.call('EXISTS', KEYS[1])
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
+if ARGV[1] == '0' then
+  redis.call('PERSIST', KEYS[1])
+else
+  local left = redis.call('PTTL', KEYS[1])
+  if existed == 0 or (left >= 0 and left < tonumber(ARGV[1])) then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+end
+return 1
 """
 
 # The cold tier: rewrite a session in place, keeping its version and TTL, only if nobody holds its lease and
@@ -374,6 +395,7 @@ class RedisTier:
         self._release = client.register_script(_RELEASE)
         self._ending = client.register_script(_ENDING)
         self._touch_script = client.register_script(_TOUCH)
+        self._list = client.register_script(_LIST)
         self._demote = client.register_script(_DEMOTE)
         self._set_header = client.register_script(_SET_HEADER)
         self._read = client.register_script(_READ)
@@ -399,8 +421,8 @@ class RedisTier:
             pipe.evalsha(self._touch_script.sha, len(keys), *keys, self._ttl_ms, self._touch_slack_ms)
 
     def _touch_index(self, pipe: redis.asyncio.client.Pipeline, owner: str | None) -> None:
-        if self._ttl_ms:
-            pipe.evalsha(self._touch_script.sha, 1, owner_key(owner), self._index_ttl_ms, self._touch_slack_ms)
+        """Also where sessions never expire: the index is made persistent once (an earlier server's TTL on it)."""
+        pipe.evalsha(self._touch_script.sha, 1, owner_key(owner), self._index_ttl_ms, self._touch_slack_ms)
 
     def _touch_index_now(self, owner: str | None) -> Awaitable[Any]:
         return self._touch_script(keys=[owner_key(owner)], args=[self._index_ttl_ms, self._touch_slack_ms])
@@ -435,7 +457,7 @@ class RedisTier:
         the first uses' TTL touches are not lost to NOSCRIPT on a Redis that never ran them."""
         if not self._cluster:
             with self._translate():
-                for script in (self._acquire, self._touch_script, self._read):
+                for script in (self._acquire, self._touch_script, self._read, self._list):
                     await self._client.script_load(script.script)
 
     async def evicts(self) -> str | None:
@@ -460,8 +482,8 @@ class RedisTier:
         whole = payload and ring
         with self._translate():
             if self._cluster:  # a cluster pipeline cannot carry scripts: the touches run beside the read
-                touches = [self._touch_script(keys=record, args=[self._ttl_ms, self._touch_slack_ms]),
-                           self._touch_index_now(owner)] if touch and self._ttl_ms else []
+                touches = ([self._touch_script(keys=record, args=[self._ttl_ms, self._touch_slack_ms])]
+                           if touch and self._ttl_ms else []) + ([self._touch_index_now(owner)] if touch else [])
                 read = (self._read(keys=record) if whole
                         else self._client.hmget(session_key(session_id), fields))
                 values, *_ = await asyncio.gather(read, *touches, return_exceptions=True)
@@ -515,14 +537,20 @@ class RedisTier:
         made a listing's first page take 3 s, found by a helper). Each creation adds one and removes twice the
         dead share, so dead entries stay under half of an index."""
         key = owner_key(owner)
+        args = [self._index_ttl_ms, int(created_at * 1000), session_id]
         with self._translate():
-            async with self._client.pipeline(transaction=False) as pipe:
-                pipe.zadd(key, {session_id: int(created_at * 1000)})
-                if self._ttl_ms:  # already a write, so refresh the TTL outright
-                    pipe.pexpire(key, self._index_ttl_ms)
-                if prune:
-                    pipe.zrandmember(key, prune)
-                drawn = (await pipe.execute())[-1] if prune else []
+            if self._cluster:  # a cluster pipeline cannot carry scripts
+                await self._list(keys=[key], args=args)
+                drawn = await self._client.zrandmember(key, prune) if prune else []
+            else:
+                def build(pipe: redis.asyncio.client.Pipeline) -> None:
+                    pipe.evalsha(self._list.sha, 1, key, *args)
+                    if prune:
+                        pipe.zrandmember(key, prune)
+
+                drawn = (await self._pipeline(build))[-1] if prune else []
+            if isinstance(drawn, Exception):  # the draw failed: the next creation prunes
+                drawn = []
             drawn = [m.decode() for m in drawn or [] if m.decode() != session_id]
             if drawn:
                 async with self._client.pipeline(transaction=False) as pipe:
@@ -639,10 +667,9 @@ class RedisTier:
         keys = [session_key(session_id), lease_key(session_id), ring_key(session_id), ending_key(session_id)]
         args = [token, self._lease_ttl_ms, "1" if owner is None else "0", owner or "", self._held_ttl_ms]
         with self._translate():
-            if self._cluster or not self._ttl_ms:  # the index lives in another slot: its touch runs beside
-                touches = [self._touch_index_now(owner)] if self._ttl_ms else []
-                reply, *touched = await asyncio.gather(self._acquire(keys=keys, args=args), *touches,
-                                                       return_exceptions=True)
+            if self._cluster:  # the index lives in another slot: its touch runs beside
+                reply, *touched = await asyncio.gather(self._acquire(keys=keys, args=args),
+                                                       self._touch_index_now(owner), return_exceptions=True)
                 if isinstance(reply, BaseException):  # a touch that failed is the next use's to repeat
                     raise reply
             else:
@@ -665,7 +692,7 @@ class RedisTier:
             renewed = int(await self._renew(keys=[lease_key(session_id), session_key(session_id),
                                                   ring_key(session_id)],
                                             args=[token, self._lease_ttl_ms, self._held_ttl_ms]))
-        if renewed > 0 and self._ttl_ms:  # best effort, as a read's touch: the next renewal repeats it
+        if renewed > 0:  # best effort, as a read's touch: the next renewal repeats it
             try:
                 with self._translate():
                     await self._touch_index_now(owner)

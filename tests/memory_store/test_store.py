@@ -57,10 +57,10 @@ async def test_round_trip_is_bit_exact(store: MemoryStore, other_store: MemorySt
 
 async def test_info_reads_the_header_only(store: MemoryStore) -> None:
     owner = new_owner()
-    info = await store.create(owner=owner, tensors=make_state(m=5), mem_len=8, tokens_seen=7, metadata={"a": 1})
+    info = await store.create(owner=owner, tensors=make_state(m=5), mem_len=8, tokens_seen=7, metadata={"a": "1"})
     got = await store.info(info.session_id, owner=owner)
     assert got == info
-    assert (got.owner, got.version, got.tokens_seen, got.mem_len, got.metadata) == (owner, 1, 7, 8, {"a": 1})
+    assert (got.owner, got.version, got.tokens_seen, got.mem_len, got.metadata) == (owner, 1, 7, 8, {"a": "1"})
     assert got.bytes > state_bytes(m=5) and got.tier == "hot"
     assert got.created_at == got.updated_at > 0
     assert len(got.session_id) >= 22  # 128 random bits, urlsafe base64
@@ -130,10 +130,10 @@ async def test_unknown_and_malformed_ids_are_not_found(store: MemoryStore) -> No
 async def test_fork_is_independent(store: MemoryStore) -> None:
     owner = new_owner()
     state = make_state(seed=1, hot_only=True)
-    source = await store.create(owner=owner, tensors=state, mem_len=8, tokens_seen=4, metadata={"n": 1})
+    source = await store.create(owner=owner, tensors=state, mem_len=8, tokens_seen=4, metadata={"n": "1"})
     fork = await store.fork(source.session_id, owner=owner)
     assert fork.session_id != source.session_id
-    assert (fork.tokens_seen, fork.metadata, fork.version) == (4, {"n": 1}, 1)
+    assert (fork.tokens_seen, fork.metadata, fork.version) == (4, {"n": "1"}, 1)
     forked = await store.get(fork.session_id, owner=owner)
     assert_same(forked.tensors, state)
 
@@ -181,7 +181,8 @@ async def test_list_by_owner_with_pagination(store: MemoryStore) -> None:
     owner = new_owner()
     ids = []
     for i in range(5):
-        ids.append((await store.create(owner=owner, tensors=make_state(), mem_len=8, metadata={"i": i})).session_id)
+        made = await store.create(owner=owner, tensors=make_state(), mem_len=8, metadata={"i": str(i)})
+        ids.append(made.session_id)
     stranger = (await store.create(owner=new_owner(), tensors=make_state(), mem_len=8)).session_id
 
     seen, cursor, pages = [], None, 0
@@ -201,7 +202,7 @@ async def test_list_by_owner_with_pagination(store: MemoryStore) -> None:
     assert newest == ids[::-1]
     with pytest.raises(InvalidRequestError):
         await store.list(owner=owner, order="sideways")
-    assert [i.metadata["i"] for i in (await store.list(owner=owner, limit=5))[0]] == list(range(5))
+    assert [i.metadata["i"] for i in (await store.list(owner=owner, limit=5))[0]] == [str(i) for i in range(5)]
     assert (await store.list(owner=owner, limit=5))[1] is None
     with pytest.raises(InvalidRequestError):
         await store.list(owner=owner, after="garbage")
@@ -333,6 +334,43 @@ async def test_ttl_zero_means_forever(redis_url: str, raw: redis.asyncio.Redis) 
     async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=0) as store:
         info = await store.create(tensors=make_state(), mem_len=8)
         assert await raw.pttl(session_key(info.session_id)) == -1
+
+
+async def test_the_owner_index_outlives_its_sessions_whatever_ttl_each_server_had(redis_url: str,
+                                                                                  raw: redis.asyncio.Redis) -> None:
+    """Servers of other --session-ttl-s on one Redis (a rolling change, or a restart with another): the index's TTL
+    only grows, and a server that keeps sessions forever makes it persistent, as it makes them. The last writer's
+    TTL had ruled: a shorter one, or none at all, let the index expire while its sessions lived on, never listed
+    again (found by a helper)."""
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=600) as long, \
+            MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=2) as short, \
+            MemoryStore.from_url(redis_url, identity=IDENTITY, ttl_s=0) as forever:
+        owner = new_owner()
+        first = await long.create(owner=owner, tensors=make_state(), mem_len=8)
+        await short.create(owner=owner, tensors=make_state(), mem_len=8)
+        assert await raw.pttl(owner_key(owner)) > 500_000  # not cut to the short server's 30.2 s
+        await short.get(first.session_id, owner=owner)  # nor by its touches
+        async with short.lease(first.session_id, owner=owner, tensors=False):
+            pass
+        assert await raw.pttl(owner_key(owner)) > 500_000
+        async with forever.lease(first.session_id, owner=owner, tensors=False):  # used where sessions never expire
+            pass
+        assert await raw.pttl(owner_key(owner)) == -1
+        kept = await forever.create(owner=owner, tensors=make_state(), mem_len=8)
+        assert await raw.pttl(session_key(kept.session_id)) == -1
+        await long.create(owner=owner, tensors=make_state(), mem_len=8)
+        assert await raw.pttl(owner_key(owner)) == -1  # a TTL server leaves it persistent
+        listed, _ = await forever.list(owner=owner)
+        assert len(listed) == 4
+        other = new_owner()  # a new index made where sessions never expire is persistent from the start
+        await forever.create(owner=other, tensors=make_state(), mem_len=8)
+        assert await raw.pttl(owner_key(other)) == -1
+        await raw.delete(owner_key(other))  # gone (a crash between a creation's two writes): a lease lists it again
+        made = await forever.create(owner=other, tensors=make_state(), mem_len=8)
+        await raw.delete(owner_key(other))
+        async with forever.lease(made.session_id, owner=other, tensors=False):
+            pass
+        assert [i.session_id for i in (await forever.list(owner=other))[0]] == [made.session_id]
 
 
 async def test_a_fork_of_another_models_session_is_cold(redis_url: str) -> None:

@@ -208,8 +208,9 @@ def test_wrong_redis_type_is_a_corrupt_session(server, redis_url):
 
 
 @pytest.mark.parametrize("field,value", [("tokens_seen", -5), ("mem_len", 10**9), ("version", -1),
-                                         ("n_layer", 0), ("payload_bytes", -1)])
+                                         ("n_layer", 0), ("payload_bytes", -1), ("metadata", {"a": 1})])
 def test_header_values_out_of_range_are_422(server, redis_url, field, value):
+    """A metadata value that is not text: its export was a 500 (found by a helper)."""
     sid = httpx.post(server.url + "/v1/sessions", json={"text": "x"}).json()["id"]
     r = redis.Redis.from_url(redis_url)
     key = f"txl:{{{sid}}}"
@@ -217,6 +218,8 @@ def test_header_values_out_of_range_are_422(server, redis_url, field, value):
     header[field] = value
     r.hset(key, "header", json.dumps(header))
     assert assert_openai_error(httpx.get(f"{server.url}/v1/sessions/{sid}"), 422)["code"] == "session_corrupt"
+    export = httpx.get(f"{server.url}/v1/sessions/{sid}/export")
+    assert assert_openai_error(export, 422)["code"] == "session_corrupt"
     body = {**OK, "session_id": sid}
     assert assert_openai_error(httpx.post(server.url + "/v1/completions", json=body), 422)["code"] == "session_corrupt"
     assert httpx.delete(f"{server.url}/v1/sessions/{sid}").status_code == 200

@@ -64,13 +64,20 @@ ABSENT = -1
 # length the stored record must have (the state the patch was computed against),
 # then (offset, bytes) pairs; a record that does not match is left alone:
 # 'RESHAPE', and the caller writes it whole.
+#
+# Every script that writes is safe to run twice: redis-py sends a command again on a new
+# connection when the first broke, and a reply lost after the script ran would otherwise be answered for the
+# script's own effects: a commit that landed was a 409 'changed since it was leased', a creation 'already
+# exists', and a lease taken was BUSY to its own taker for its whole TTL (found by a helper). A header is
+# unique to its write (its version and its time), and a lease token to its taker.
 _WRITE = """
+local h = redis.call('HGET', KEYS[1], 'header')
+if h == ARGV[3] then return 'OK' end  -- this very write, sent again
 if ARGV[8] ~= '' then
   if redis.replicate_commands then redis.replicate_commands() end  -- TIME before writes: Redis 3.2-4 need it
   local t = redis.call('TIME')
   if tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000 > tonumber(ARGV[8]) then return {'EXPIRED', t[1], t[2]} end
 end
-local h = redis.call('HGET', KEYS[1], 'header')
 local doc
 if h then
   local ok
@@ -134,7 +141,9 @@ else
   mine = (doc.owner == ARGV[4])
 end
 if not mine then return 'NOT_FOUND' end
-if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
+if redis.call('GET', KEYS[2]) == ARGV[1] then  -- taken by this very call, sent again
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+elseif not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return {'BUSY', redis.call('PTTL', KEYS[2]), redis.call('GET', KEYS[4]) == redis.call('GET', KEYS[2]) and 1 or 0}
 end
 if ARGV[5] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[5]); redis.call('PEXPIRE', KEYS[3], ARGV[5]) end
@@ -184,6 +193,7 @@ _DEMOTE = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 'BUSY' end
 local h = redis.call('HGET', KEYS[1], 'header')
 if not h then return 'NOT_FOUND' end
+if h == ARGV[2] then return 'OK' end  -- sent again
 if h ~= ARGV[1] then return 'CONFLICT' end
 redis.call('HSET', KEYS[1], 'header', ARGV[2], 'payload', ARGV[3])
 redis.call('DEL', KEYS[3])
@@ -197,6 +207,7 @@ _SET_HEADER = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 'BUSY' end
 local h = redis.call('HGET', KEYS[1], 'header')
 if not h then return 'NOT_FOUND' end
+if h == ARGV[2] and h ~= ARGV[1] then return 'OK' end  -- sent again
 if h ~= ARGV[1] then return 'CONFLICT' end
 redis.call('HSET', KEYS[1], 'header', ARGV[2])
 for _, key in ipairs({KEYS[1], KEYS[3]}) do
@@ -250,6 +261,12 @@ class RedisClock:
     def now_ms(self) -> float:
         """At most what Redis's clock reads now (the clocks assumed to run at one rate)."""
         return self.redis_ms + (time.monotonic() - self.at) * 1000
+
+
+def timed_out(err: BaseException) -> bool:
+    """Whether ``err`` is Redis not answering within the store's timeout (not a refused or broken connection)."""
+    return isinstance(err, StoreUnavailable) and isinstance(err.__cause__, (redis.exceptions.TimeoutError,
+                                                                             TimeoutError))
 
 
 def session_key(session_id: str) -> str:

@@ -43,6 +43,7 @@ from memory_store.redis_tier import (
     client_name,
     connect_checked,
     redact_url,
+    timed_out,
 )
 from memory_store.session import Session, SessionInfo
 from txlserve.errors import (
@@ -490,8 +491,13 @@ class MemoryStore:
             token = secrets.token_hex(16)
             try:
                 status, raw, clock, unlisted = await self._redis.acquire(session_id, owner, token)
-            except BaseException:  # the script may have taken it before the reply was lost: give it back, or the
-                await self._give_back(session_id, token)  # session is busy to everyone until the lease's TTL
+            except BaseException as err:  # the script may have taken it before the reply was lost: give it back,
+                # or the session is busy to everyone until the lease's TTL. Not awaited where Redis stopped
+                # answering: the release waited a second store timeout before the caller heard of the first
+                if timed_out(err):  # (found by a helper)
+                    self._release_later(session_id, token, at_once=True)
+                else:
+                    await self._give_back(session_id, token)
                 raise
             if status == "NOT_FOUND":
                 raise SessionNotFound(f"session {session_id!r} not found")
@@ -531,14 +537,17 @@ class MemoryStore:
         except StoreUnavailable:
             self._release_later(session_id, token)
 
-    def _release_later(self, session_id: str, token: str) -> None:
+    def _release_later(self, session_id: str, token: str, *, at_once: bool = False) -> None:
         """A lease Redis did not hear released (it was away): released as soon as it answers again, within the
         lease's TTL (past it the lease is gone anyway). A Redis back from a restart restores the lease key from its
-        append-only file: the session was a 409 to everyone for the rest of the TTL, with no request running."""
+        append-only file: the session was a 409 to everyone for the rest of the TTL, with no request running.
+        ``at_once``: the first try now (a lease that may have been taken as its reply was lost)."""
         async def retry() -> None:
             deadline = time.monotonic() + self.config.lease_ttl_ms / 1000
+            wait = 0.0 if at_once else _RELEASE_RETRY_S
             while time.monotonic() < deadline:
-                await asyncio.sleep(min(_RELEASE_RETRY_S, max(0.0, deadline - time.monotonic())))
+                await asyncio.sleep(min(wait, max(0.0, deadline - time.monotonic())))
+                wait = _RELEASE_RETRY_S
                 with contextlib.suppress(StoreUnavailable):
                     await self._redis.release(session_id, token)
                     return

@@ -129,6 +129,29 @@ async def test_hung_redis_times_out(redis_server: Callable[..., RedisProcess]) -
         assert (await store.get(info.session_id)).version == 1
 
 
+async def test_a_lease_refused_by_a_hung_redis_costs_one_store_timeout(redis_server: Callable[..., RedisProcess]
+                                                                      ) -> None:
+    """The lease it may have taken is given back behind the caller's error: awaited, the give-back waited a
+    second store timeout (a 503 after 4 s of a 2 s timeout; found by a helper). It still lands once Redis
+    answers."""
+    server = redis_server()
+    async with MemoryStore.from_url(server.url, identity=IDENTITY, op_timeout_s=2) as store, \
+            MemoryStore.from_url(server.url, identity=IDENTITY) as other:
+        info = await store.create(tensors=make_state(), mem_len=8)
+        await store.get(info.session_id)  # the scripts loaded
+        server.pause()
+        try:
+            await fails_fast(lambda: store.lease(info.session_id), within_s=3.5)  # one timeout of 2 s, not two
+        finally:
+            server.resume()
+        deadline = time.monotonic() + 10  # the lease Redis took as it resumed is given back in the background
+        while (await other._redis.lease_state(info.session_id))[0]:
+            assert time.monotonic() < deadline, "the lease taken as Redis resumed was never given back"
+            await asyncio.sleep(0.05)  # poll, bounded by the deadline
+        async with other.lease(info.session_id) as lease:
+            assert lease.version == 1
+
+
 def _scripts_run(server: RedisProcess) -> int:
     client = redis.Redis(port=server.port, socket_timeout=5)
     try:
@@ -254,3 +277,94 @@ async def test_a_burst_past_the_connection_pool_is_a_429_not_an_outage(redis_url
         await watcher.delete("txl-test-never-pushed")
         await watcher.aclose()
         await client.aclose()
+
+
+class ReplyDropper:
+    """A TCP proxy between a store and Redis that passes every byte both ways, until armed with a marker (a
+    script's sha): the connection whose request carries it is then cut as Redis's answer comes, the answer unsent.
+    The script ran; only its reply was lost, as when a connection is reset (CLIENT KILL, a proxy, a failover)."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+        self.marker: bytes | None = None
+        self.cut = 0  # connections cut so far
+        self.seen_after_cut = 0  # requests carrying the last marker after its connection was cut: sent again
+        self._last: bytes | None = None
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        doomed = asyncio.Event()
+
+        async def requests() -> None:
+            while data := await reader.read(1 << 16):
+                if self._last is not None and self._last in data:
+                    self.seen_after_cut += 1
+                if self.marker is not None and self.marker in data:
+                    self._last, self.marker = self.marker, None
+                    doomed.set()
+                up_writer.write(data)
+                await up_writer.drain()
+
+        async def replies() -> None:
+            while data := await up_reader.read(1 << 16):
+                if doomed.is_set():  # the marked request's answer: never delivered
+                    self.cut += 1
+                    writer.transport.abort()
+                    up_writer.close()
+                    return
+                writer.write(data)
+                await writer.drain()
+
+        tasks = [asyncio.create_task(requests()), asyncio.create_task(replies())]
+        self._tasks.update(tasks)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            task.cancel()
+        writer.transport.abort()
+        up_writer.close()
+
+
+async def test_a_script_whose_reply_was_lost_to_a_broken_connection_stands_when_sent_again(redis_url: str) -> None:
+    """redis-py sends a command again on a new connection when the first broke. A write whose reply alone was lost
+    had run, and the script sent again was answered for its own effects: a commit that landed was a 409 'changed
+    since it was leased' (a client that retried wrote its text twice), a creation 'already exists', and a lease
+    taken was BUSY to its taker, then to everyone for its TTL (found by a helper, with CLIENT KILL). Each script
+    that writes now finds its own write and stands."""
+    dropper = ReplyDropper(redis_url)
+    async with dropper as url, MemoryStore.from_url(url, identity=IDENTITY, op_timeout_s=2) as store:
+        tier = store._redis
+        await tier.load_scripts()
+        info = await store.create(owner="u", tensors=make_state(seed=1), mem_len=8, tokens_seen=8)
+        dropper.marker = tier._write.sha.encode()
+        made = await store.create(owner="u", tensors=make_state(seed=2), mem_len=8, tokens_seen=8)  # no 409
+        assert (await store.info(made.session_id, owner="u")).version == 1
+        assert [dropper.cut, dropper.seen_after_cut] == [1, 1]  # cut, and sent again
+        for step in range(2):  # a commit that keeps its lease, then one that gives it back with its write
+            dropper.marker = tier._acquire.sha.encode()
+            async with store.lease(info.session_id, owner="u") as lease:  # not BUSY to its own taker
+                dropper.marker = tier._write.sha.encode()
+                done = await store.commit(lease, make_state(seed=3 + step), tokens_seen=16 + 8 * step,
+                                          release=step == 1)
+                assert done.version == 2 + step
+        assert dropper.cut == 5 and dropper.seen_after_cut >= 5
+        async with store.lease(info.session_id, owner="u") as lease:  # free: no lease left behind
+            assert lease.version == 3
+        got = await store.get(info.session_id, owner="u")
+        assert got.info.tokens_seen == 24
+        assert_same(got.tensors, make_state(seed=4))
+        dropper.marker = tier._set_header.sha.encode()
+        assert (await store.update_metadata(info.session_id, {"k": "v"}, owner="u")).metadata == {"k": "v"}
+        assert dropper.cut == 6

@@ -13,7 +13,14 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
-from txlserve_client import APITimeoutError, AsyncClient, Client, ServiceUnavailableError
+from txlserve_client import (
+    APIConnectionError,
+    APIError,
+    APITimeoutError,
+    AsyncClient,
+    Client,
+    ServiceUnavailableError,
+)
 
 from tests.clients.scripted_http import APPENDED, COMPLETION, SESSION, Reply, Scripted, sse, unavailable
 from tests.clients.scripted_ws import DONE, ScriptedWebSocket
@@ -91,13 +98,43 @@ def test_extra_body_goes_only_to_a_call_that_sends_one_and_a_misspelt_option_is_
             call(client, extra_headers=[("X-A", "1")])
         with pytest.raises(TypeError, match="timeout is seconds or an httpx.Timeout"):
             call(client, timeout="5")
-        with pytest.raises(ValueError, match="cannot carry") as info:
-            call(client, extra_headers={"X-Key": "secret\r\nX-Evil: 1"})
-        assert "secret" not in str(info.value)  # a header's value may be a key: never quoted
+        for bad in ("secret\r\nX-Evil: 1", "Bearer secret ", "\tsecret"):  # h11 refuses a space at either end
+            with pytest.raises(ValueError, match="cannot carry") as info:
+                call(client, extra_headers={"Authorization": bad})
+            assert "secret" not in str(info.value)  # a header's value may be a key: never quoted
+        with pytest.raises(ValueError, match="the client's to set"):
+            call(client, extra_headers={"Content-Length": "3"})  # h11's raw error as the body went
+        for timeout in (0, -1, float("inf"), float("nan"), 10**20, httpx.Timeout(5, read=-1)):
+            with pytest.raises(ValueError, match="seconds above 0"):
+                call(client, timeout=timeout)
         if not has_body:
             with pytest.raises(TypeError, match="'extra_body' \\(it sends no body\\)"):
                 call(client, extra_body={"a": 1})
     assert scripted.seen == []  # each refused before anything was sent
+
+
+def test_a_lists_later_pages_take_their_cursor_over_extra_query(scripted: Scripted) -> None:
+    """An ``after`` in ``extra_query`` is the first page's: later pages had sent it again over their own cursor,
+    and walked the same page without end (found by a helper). A query value given None is not sent."""
+    second = {**SESSION, "id": "s2"}
+    scripted.script(Reply(200, json.dumps({**PAGE, "has_more": True, "next_cursor": "s1"}).encode()),
+                    Reply(200, json.dumps({**PAGE, "data": [second]}).encode()))
+    with Client(base_url=scripted.url) as client:
+        ids = [s.id for s in client.sessions.list(limit=1, extra_query={"after": "s0", "limit": None, "x": "1"})]
+    assert ids == ["s1", "s2"]
+    first, then = (_query(seen.path) for seen in scripted.seen)
+    assert first == {"after": ["s0"], "x": ["1"]} and then == {"after": ["s1"], "x": ["1"]}  # no limit= at all
+
+
+@pytest.mark.anyio
+async def test_an_async_lists_later_pages_take_their_cursor_too(scripted: Scripted) -> None:
+    second = {**SESSION, "id": "s2"}
+    scripted.script(Reply(200, json.dumps({**PAGE, "has_more": True, "next_cursor": "s1"}).encode()),
+                    Reply(200, json.dumps({**PAGE, "data": [second]}).encode()))
+    async with AsyncClient(base_url=scripted.url) as client:
+        ids = [s.id async for s in client.sessions.list(limit=1, extra_query={"after": "s0"})]
+    assert ids == ["s1", "s2"]
+    assert [_query(seen.path)["after"] for seen in scripted.seen] == [["s0"], ["s1"]]
 
 
 def test_a_calls_timeout_replaces_the_clients_for_that_call(scripted: Scripted) -> None:
@@ -137,10 +174,10 @@ def test_with_options_shares_the_connections_and_changes_only_what_it_names(scri
         client.sessions.get("s1")
         elsewhere = client.with_options(base_url=scripted.url + "/")  # the same server, said otherwise
         assert elsewhere._http is client._http
-        other = client.with_options(base_url="http://127.0.0.1:9")
-        assert other._http is not client._http
+        other = client.with_options(base_url="http://127.0.0.1:9/v1")  # another server: the same pool serves it
+        assert other._http is client._http and other.base_url == "http://127.0.0.1:9"
         other.close()
-        assert other.is_closed and not client.is_closed  # its own pool: closed with it
+        assert not client.is_closed
         with pytest.raises(TypeError, match="'retries'"):
             client.with_options(retries=0)
         with pytest.raises(ValueError, match="api_key holds a character"):
@@ -150,11 +187,31 @@ def test_with_options_shares_the_connections_and_changes_only_what_it_names(scri
 
 def test_a_given_http_client_is_used_and_closed_with_the_client(scripted: Scripted) -> None:
     scripted.script(_reply("get"))
-    http = httpx.Client(headers={"X-Proxy-Auth": "p"})
+    hooked: list[str] = []
+    http = httpx.Client(headers={"X-Proxy-Auth": "p"}, event_hooks={"request": [lambda r: hooked.append(r.url.host)]})
     with Client(base_url=scripted.url, http_client=http) as client:
         client.sessions.get("s1")
-    assert scripted.seen[0].header("x-proxy-auth") == ["p"]  # its own settings hold
+        client.with_options(base_url=scripted.url.replace("127.0.0.1", "localhost")).sessions.get("s1")
+        assert client.timeout == httpx.Timeout(600, connect=5)  # httpx's default 5 s is not taken
+    assert scripted.seen[0].header("x-proxy-auth") == ["p"]  # its own settings hold, for a copy's too
+    assert hooked == ["127.0.0.1", "localhost"]
     assert http.is_closed
+    timed = httpx.Client(timeout=7)  # a timeout set on it is, where the client is given none
+    with Client(base_url=scripted.url, http_client=timed) as client:
+        assert client.timeout == httpx.Timeout(7)
+    with Client(base_url=scripted.url, http_client=httpx.Client(timeout=7), timeout=9) as client:
+        assert client.timeout == httpx.Timeout(9)
+    with pytest.raises(ValueError, match="seconds above 0"):
+        Client(base_url=scripted.url, timeout=-1)
+    with pytest.raises(TypeError, match="timeout is seconds"):
+        Client(base_url=scripted.url, timeout="5")  # type: ignore[arg-type]
+    # a header set on the http_client itself, which h11 refuses as it goes: not retried, and not quoted
+    scripted.script(_reply("get"))
+    with Client(base_url=scripted.url, http_client=httpx.Client(headers={"X-Key": "secret "})) as client, \
+            pytest.raises(APIError, match="could not be sent as HTTP") as info:
+        client.sessions.get("s1")
+    assert "secret" not in str(info.value) and not isinstance(info.value, APIConnectionError)
+    assert scripted.seen == []
     with pytest.raises(TypeError, match="an httpx.Client"):
         Client(base_url=scripted.url, http_client=httpx.AsyncClient())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="an httpx.AsyncClient"):
@@ -215,6 +272,17 @@ def test_a_websockets_headers_query_and_read_timeout(anyio_backend: str) -> None
     assert ("x-trace", "w") in headers1 and ("authorization", "Bearer k1") in headers1
     assert ("authorization", "Bearer k2") in headers2
     assert [v for k, v in headers2 if k == "user-agent"] == ["mine/2"]
+    with ScriptedWebSocket(_recording(seen, answer=True)) as srv, Client(base_url=srv.url) as client, \
+            client.ws.connect() as conn:
+        with pytest.raises(TypeError, match="timeout is the connection's"):
+            conn.completion(model="m", prompt="x", timeout=5)  # it had gone into the body
+        with pytest.raises(TypeError, match="'max_token'"):
+            conn.completion(model="m", prompt="x", max_token=5)  # the server's 400 before
+        with pytest.raises(TypeError, match="'timout'"):
+            client.ws.stream(model="m", prompt="x", timout=5)
+        with pytest.raises(ValueError, match="seconds above 0"):
+            client.ws.connect(timeout=float("inf"))
+        assert [c.text for c in conn.completion(model="m", prompt="ok", extra_body={"min_tokens": 1})] == ["ok", ""]
     with ScriptedWebSocket(_recording(seen, answer=False)) as srv, \
             Client(base_url=srv.url, timeout=60, max_retries=0) as client:
         started = time.monotonic()
@@ -239,3 +307,15 @@ def test_a_copy_with_another_key_is_that_key_on_the_live_server(keyed_server: Ke
             assert done.usage.completion_tokens == 2
         finally:
             bravo.sessions.delete(made.id)
+
+
+def test_a_websocket_completion_takes_the_fields_completions_create_names() -> None:
+    """The fields a WebSocket completion takes as keyword arguments are create's, sync and async alike."""
+    import inspect
+
+    from txlserve_client import AsyncCompletions, Completions
+    from txlserve_client._base import COMPLETION_FIELDS
+
+    for create in (Completions.create, AsyncCompletions.create):
+        named = set(inspect.signature(create).parameters) - {"self", "model", "prompt", "stream", "options"}
+        assert named == COMPLETION_FIELDS

@@ -53,11 +53,12 @@ class AsyncClient(BaseClient):
                  max_retries: int = DEFAULT_MAX_RETRIES, default_headers: Mapping[str, str] | None = None,
                  default_query: Mapping[str, Any] | None = None,
                  http_client: httpx.AsyncClient | None = None) -> None:
-        super().__init__(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
-                         default_headers=default_headers, default_query=default_query)
         if http_client is not None and not isinstance(http_client, httpx.AsyncClient):
             raise TypeError(f"http_client is an httpx.AsyncClient (Client takes an httpx.Client), not "
                             f"{type(http_client).__name__}")
+        super().__init__(base_url=base_url, api_key=api_key, timeout=api.timeout_with(timeout, http_client),
+                         max_retries=max_retries,
+                         default_headers=default_headers, default_query=default_query)
         self._http = http_client if http_client is not None else httpx.AsyncClient()  # as Client's
         self._owns_http = True
         self.completions = AsyncCompletions(self)
@@ -81,6 +82,8 @@ class AsyncClient(BaseClient):
                 if stream:  # an error body read here (httpx closes the response of a call without stream)
                     await response.aclose()
                 raise api.decoding_error(err, response if stream else None) from err
+            except httpx.LocalProtocolError as err:  # never retried: it fails the same way
+                raise api.given_up(api.unsendable(err), before) from None
             except httpx.TransportError as err:
                 before = api.connection_error(err)
                 before.__cause__ = err
@@ -190,11 +193,11 @@ class AsyncSessions:
         """``await`` it for one page (as the sync client's), or ``async for`` over it for every session."""
         api.session_list_call(limit, after, order).using(options)  # checked now, not when first awaited
 
-        async def page(cursor: str | None) -> AsyncSessionPage:
-            call = api.session_list_call(limit, cursor, order).using(options)
+        async def page(cursor: str | None, first: bool = False) -> AsyncSessionPage:
+            call = api.session_list_call(limit, cursor, order).using(options if first else api.next_page(options))
             return AsyncSessionPage(**await self._client._call(call), _fetch=page)
 
-        return AsyncSessionPager(lambda: page(after))
+        return AsyncSessionPager(lambda: page(after, first=True))
 
     async def update(self, session_id: str, *, metadata: Mapping[str, str | None],
                      **options: Unpack[BodyRequestOptions]) -> Session:
@@ -248,6 +251,6 @@ class AsyncWebSocket:
         ``options`` as ``Client.ws.stream``'s."""
         request = api.request_options(options)
         api.check_options(request, body=False, where="ws.stream()")
-        body = api.completion_body(model, prompt, False, options, options.pop("extra_body", None))
+        body = api.ws_completion_body(model, prompt, options, where="ws.stream()")
         return AsyncWebSocketStream({"type": "completion.create", **body},
                                     open=lambda: AsyncWebSocketConnection.open(self._client, request))

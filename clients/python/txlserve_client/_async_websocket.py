@@ -17,7 +17,7 @@ import websockets.asyncio.client
 import websockets.exceptions
 from websockets.protocol import State
 
-from txlserve_client._base import BaseClient, Prompt, close_soon, closed_error, completion_body
+from txlserve_client._base import BaseClient, Prompt, close_soon, closed_error, ws_completion_body
 from txlserve_client._exceptions import APIError, RequestCancelledError
 from txlserve_client._types import CompletionChunk
 from txlserve_client._websocket import (
@@ -108,7 +108,7 @@ class AsyncWebSocketConnection(_Running):
 
     def completion(self, *, model: str, prompt: Prompt = "", **options: Any) -> AsyncWebSocketStream:
         """The request is sent when the stream is first read (or entered with ``async with``)."""
-        body = completion_body(model, prompt, False, options, options.pop("extra_body", None))
+        body = ws_completion_body(model, prompt, options, where="completion()")
         stream = AsyncWebSocketStream({"type": "completion.create", **body}, conn=self)
         self._unsent = weakref.ref(stream)
         return stream

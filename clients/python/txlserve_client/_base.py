@@ -144,8 +144,9 @@ class Call(Generic[T]):
         headers = merged_headers(client._headers(), self.headers)
         if self.json is not None:
             headers["content-type"] = "application/json"
+        query = {k: v for k, v in {**client.default_query, **(self.params or {})}.items() if v is not None}
         request = http.build_request(
-            self.method, client.base_url + self.path, params={**client.default_query, **(self.params or {})},
+            self.method, client.base_url + self.path, params=query,
             headers=headers, content=None if self.json is None else json_body(self.json),
             timeout=client.timeout if self.timeout is _UNSET else self.timeout)
         for name in unsent(client.default_headers, self.headers):  # httpx's own defaults too (Accept: */*)
@@ -163,8 +164,33 @@ def check_options(options: Mapping[str, Any], *, body: bool, where: str) -> None
     for name in ("extra_headers", "extra_query", "extra_body"):
         if options.get(name) is not None and not isinstance(options[name], Mapping):
             raise TypeError(f"{name} is a mapping, not {type(options[name]).__name__}")
-    if not isinstance(options.get("timeout"), (int, float, httpx.Timeout, type(None))):
-        raise TypeError(f"timeout is seconds or an httpx.Timeout, not {type(options['timeout']).__name__}")
+    if "timeout" in options:
+        checked_timeout(options["timeout"])
+
+
+MAX_TIMEOUT_S = 1e9  # past it a socket's deadline overflows (OverflowError from deep in httpcore); None waits forever
+
+
+def checked_timeout(timeout: Any) -> httpx.Timeout:
+    """``timeout`` as an ``httpx.Timeout``, each of its waits a number of seconds above 0 (a socket cannot wait 0 s
+    or less: httpx failed as it connected, and sync and async differently) and at most ``MAX_TIMEOUT_S``, or None
+    (no limit). A value out of range failed deep in httpcore, websockets or the socket module, raw."""
+    if not isinstance(timeout, (int, float, httpx.Timeout, type(None))) or isinstance(timeout, bool):
+        raise TypeError(f"timeout is seconds or an httpx.Timeout, not {type(timeout).__name__}")
+    timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+    for name in ("connect", "read", "write", "pool"):
+        value = getattr(timeout, name)
+        if value is not None and not (isinstance(value, (int, float)) and 0 < value <= MAX_TIMEOUT_S):
+            raise ValueError(f"timeout{'' if name == 'read' else f' ({name})'} is seconds above 0 and at most "
+                             f"{MAX_TIMEOUT_S:g}, or None for no limit (got {value!r})")
+    return timeout
+
+
+def next_page(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A list's ``options`` for its next page: the page's cursor wins over an ``after`` in ``extra_query`` (which
+    had fetched the same page again, without end; openai-python's pages do the same)."""
+    query = {k: v for k, v in (options.get("extra_query") or {}).items() if k != "after"}
+    return {**options, "extra_query": query} if "extra_query" in options else dict(options)
 
 
 def request_options(fields: dict[str, Any]) -> dict[str, Any]:
@@ -186,9 +212,12 @@ def merged_headers(*layers: Mapping[str, str | None] | None) -> httpx.Headers:
             if not isinstance(name, str) or not isinstance(value, str):
                 raise TypeError(f"a header's name and value are str, not {type(name).__name__}: "
                                 f"{type(value).__name__}")
-            if not (_TOKEN.fullmatch(name) and value.isascii() and value.isprintable()):
+            if not (_TOKEN.fullmatch(name) and value.isascii() and value.isprintable() and value == value.strip()):
                 raise ValueError(f"the header {name[:60]!r} has a name or value an HTTP header cannot carry (a "
-                                 f"name is letters, digits and !#$%&'*+-.^_`|~; a value printable ASCII)")
+                                 f"name is letters, digits and !#$%&'*+-.^_`|~; a value printable ASCII, no space "
+                                 f"at either end)")
+            if name.lower() in _FRAMING:
+                raise ValueError(f"the header {name!r} is the client's to set, from the body it sends")
             headers[name] = value
     return headers
 
@@ -230,6 +259,25 @@ def completion_body(model: str, prompt: Prompt, stream: bool, options: Mapping[s
     if stream:
         body["stream"] = True
     return body
+
+
+# the fields ``completions.create`` names, which a WebSocket completion takes as keyword arguments too
+COMPLETION_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "logprobs", "echo", "n",
+                               "user", "session_id", "logit_bias", "frequency_penalty", "presence_penalty",
+                               "stream_options", "extra_body"})
+
+
+def ws_completion_body(model: str, prompt: Prompt, fields: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """A WebSocket completion's body from the fields ``completions.create`` takes. Any other is a TypeError, as it
+    is there: sent on, a misspelt one (``max_token=``) was the server's 400, and ``timeout=`` went into the body
+    (found by a helper). Fields this client does not name go in ``extra_body``."""
+    if unknown := sorted(set(fields) - COMPLETION_FIELDS):
+        if unknown[0] in RequestOptions.__optional_keys__:
+            raise TypeError(f"{where}: {unknown[0]} is the connection's, for its life: client.ws.connect("
+                            f"{unknown[0]}=...)")
+        raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r} (a field this client does not "
+                        f"name goes in extra_body)")
+    return completion_body(model, prompt, False, fields, fields.pop("extra_body", None))
 
 
 def completion_call(body: dict[str, Any]) -> Call[Completion]:
@@ -343,6 +391,22 @@ def stream_error(response: httpx.Response) -> APIError | None:
                     f"{response.status_code}), not an event stream (text/event-stream): is base_url the txlserve "
                     f"server's, with no proxy between that answers for it?", status=response.status_code,
                     response=response)
+
+
+def timeout_with(timeout: float | httpx.Timeout | None, http_client: httpx.Client | httpx.AsyncClient | None
+                 ) -> float | httpx.Timeout | None:
+    """A client's timeout: an ``http_client``'s own where one was set on it and none was given here (as in
+    openai-python); httpx's default of 5 s is not taken, which would cut a long prompt's wait for its first token."""
+    if timeout is DEFAULT_TIMEOUT and http_client is not None and http_client.timeout != httpx.Timeout(5.0):
+        return http_client.timeout
+    return timeout
+
+
+def unsendable(err: httpx.LocalProtocolError) -> APIError:
+    """A request HTTP cannot carry (h11 refused it as it went out): never retried, as the same request fails the
+    same way, and said without the bytes h11 quotes (a header's value may be a key)."""
+    said = re.sub(r"b(['\"]).*?\1", "…", str(err))[:200]
+    return APIError(f"the request could not be sent as HTTP ({type(err).__name__}: {said})", request=_request(err))
 
 
 def connection_error(err: Exception, url: str | None = None) -> APIConnectionError:
@@ -476,6 +540,7 @@ def given_up(error: APIError, before: APIError | None) -> APIError:
 # that quoted the whole header, key and all (found by a helper).
 _HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header's name (RFC 9110's token)
+_FRAMING = frozenset({"content-length", "transfer-encoding"})  # a wrong one was h11's raw error as the body went
 
 
 class BaseClient:
@@ -514,7 +579,7 @@ class BaseClient:
             raise ValueError("api_key holds a character an HTTP header cannot carry (a space, a newline, a "
                              "control or non-ASCII character; a key read from a file keeps its trailing newline: "
                              "strip it)")
-        self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        self.timeout = checked_timeout(timeout)
         self.max_retries = max_retries
 
     @property
@@ -540,16 +605,15 @@ class BaseClient:
                 "timeout": changes.get("timeout", self.timeout),
                 "max_retries": changes.get("max_retries", self.max_retries),
                 "default_headers": {**self.default_headers, **(changes.get("default_headers") or {})},
-                "default_query": {**self.default_query, **(changes.get("default_query") or {})}}
+                "default_query": {**self.default_query, **(changes.get("default_query") or {})}}  # None: not sent
 
     def with_options(self: C, **changes: Unpack[ClientOptions]) -> C:
         """A client like this one but for ``changes`` (openai-python's): ``client.with_options(timeout=5,
-        max_retries=0).sessions.get(sid)``. It shares this client's connections (a new ``base_url`` opens its own),
-        and its ``close()`` leaves them open; ``default_headers`` and ``default_query`` add to this client's."""
-        options = self._options(changes)
-        shared = options["base_url"].rstrip("/") == self.base_url
-        copy = type(self)(**options, http_client=self._http if shared else None)  # type: ignore[call-arg]
-        copy._owns_http = not shared
+        max_retries=0).sessions.get(sid)``. It shares this client's connections and ``http_client`` (its proxy,
+        certificates and hooks), whatever its ``base_url``, and its ``close()`` leaves them open;
+        ``default_headers`` and ``default_query`` add to this client's."""
+        copy = type(self)(**self._options(changes), http_client=self._http)  # type: ignore[call-arg]
+        copy._owns_http = False  # requests carry whole URLs: one pool serves any base_url
         return copy
 
     copy = with_options

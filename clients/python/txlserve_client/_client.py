@@ -51,11 +51,12 @@ class Client(BaseClient):
                  timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
                  max_retries: int = DEFAULT_MAX_RETRIES, default_headers: Mapping[str, str] | None = None,
                  default_query: Mapping[str, Any] | None = None, http_client: httpx.Client | None = None) -> None:
-        super().__init__(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
-                         default_headers=default_headers, default_query=default_query)
         if http_client is not None and not isinstance(http_client, httpx.Client):
             raise TypeError(f"http_client is an httpx.Client (AsyncClient takes an httpx.AsyncClient), not "
                             f"{type(http_client).__name__}")
+        super().__init__(base_url=base_url, api_key=api_key, timeout=api.timeout_with(timeout, http_client),
+                         max_retries=max_retries,
+                         default_headers=default_headers, default_query=default_query)
         # headers, query and timeout go on each request (Call.build), so that with_options' copies share this pool
         self._http = http_client if http_client is not None else httpx.Client()
         self._owns_http = True  # a copy's close() leaves its parent's pool open
@@ -80,6 +81,8 @@ class Client(BaseClient):
                 if stream:  # an error body read here (httpx closes the response of a call without stream)
                     response.close()
                 raise api.decoding_error(err, response if stream else None) from err
+            except httpx.LocalProtocolError as err:  # never retried: it fails the same way
+                raise api.given_up(api.unsendable(err), before) from None
             except httpx.TransportError as err:
                 before = api.connection_error(err)
                 before.__cause__ = err
@@ -195,7 +198,7 @@ class Sessions:
         """One page of sessions, oldest first (``order="desc"``: newest first); ``page.iter_all()`` continues
         through the later pages, with the same ``options``."""
         def fetch(cursor: str) -> SessionPage:
-            return self.list(limit=limit, after=cursor, order=order, **options)
+            return self.list(limit=limit, after=cursor, order=order, **api.next_page(options))
 
         call = api.session_list_call(limit, after, order).using(options)
         return SessionPage(**self._client._call(call), _fetch=fetch)
@@ -257,7 +260,7 @@ class WebSocket:
         fields and ``extra_body``, and the connection's ``RequestOptions``."""
         conn = self.connect(**api.request_options(options))
         try:
-            body = api.completion_body(model, prompt, False, options, options.pop("extra_body", None))
+            body = api.ws_completion_body(model, prompt, options, where="ws.stream()")
             return conn._start(body, owns_connection=True)
         except BaseException:
             conn.close()

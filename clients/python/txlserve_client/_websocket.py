@@ -54,10 +54,11 @@ from txlserve_client._base import (
     BaseClient,
     Prompt,
     check_options,
+    checked_timeout,
     closed_error,
-    completion_body,
     connection_error,
     merged_headers,
+    ws_completion_body,
 )
 from txlserve_client._exceptions import (
     APIConnectionError,
@@ -91,9 +92,9 @@ class Target:
     def of(cls, client: BaseClient, options: Mapping[str, Any]) -> Target:
         check_options(options, body=False, where="ws.connect()")
         headers = merged_headers(client._headers(), options.get("extra_headers"))
-        timeout = options.get("timeout", client.timeout)
-        timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
-        query = {**client.default_query, **(options.get("extra_query") or {})}
+        timeout = checked_timeout(options.get("timeout", client.timeout))
+        query = {k: v for k, v in {**client.default_query, **(options.get("extra_query") or {})}.items()
+                 if v is not None}
         url = str(httpx.URL(client.ws_url, params=query)) if query else client.ws_url
         return cls(url, {"additional_headers": [(k, v) for k, v in headers.items() if k != "user-agent"],
                          "user_agent_header": headers.get("user-agent"), "open_timeout": timeout.connect,
@@ -266,7 +267,7 @@ class WebSocketConnection(_Running):
                 raise closed_error()
 
     def completion(self, *, model: str, prompt: Prompt = "", **options: Any) -> WebSocketStream:
-        return self._start(completion_body(model, prompt, False, options, options.pop("extra_body", None)))
+        return self._start(ws_completion_body(model, prompt, options, where="completion()"))
 
     def _start(self, body: dict[str, Any], *, owns_connection: bool = False) -> WebSocketStream:
         """As ``AsyncWebSocketConnection._begin``: two threads' completions on one connection cancelled each other,

@@ -371,8 +371,10 @@ def decode_header(raw: bytes) -> Header:
         raise SessionCorrupt(f"session header has form {doc['form']!r} with {doc['window_tokens']} window tokens")
     if not 0 <= doc["mem_rows"] <= doc["mem_len"]:
         raise SessionCorrupt(f"session header declares {doc['mem_rows']} rows of a {doc['mem_len']}-slot memory")
-    if not all(isinstance(v, str) for v in doc["metadata"].values()):  # an export of it was a 500 (a helper's)
-        raise SessionCorrupt("session header field 'metadata' holds a value that is not a string")
+    # a value that is not text (the store's Python API took any JSON once) reads as its JSON: an export of it was a
+    # 500 (found by a helper), and the session stays usable and its metadata can be changed
+    doc["metadata"] = {k: v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+                       for k, v in doc["metadata"].items()}
     # Older servers stored lone surrogates, which no response can carry: keep such a session readable.
     doc["metadata"] = json.loads(json.dumps(doc["metadata"], ensure_ascii=False).encode("utf-8", "replace"))
     return Header(**{name: doc[name] for name in (*_FIELD_TYPES, *_OPTIONAL_FIELDS)})

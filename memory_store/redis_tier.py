@@ -193,7 +193,7 @@ _DEMOTE = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 'BUSY' end
 local h = redis.call('HGET', KEYS[1], 'header')
 if not h then return 'NOT_FOUND' end
-if h == ARGV[2] then return 'OK' end  -- sent again
+if h == ARGV[2] then return 'ALREADY' end  -- sent again, or another replica's sweep did the same first
 if h ~= ARGV[1] then return 'CONFLICT' end
 redis.call('HSET', KEYS[1], 'header', ARGV[2], 'payload', ARGV[3])
 redis.call('DEL', KEYS[3])
@@ -438,7 +438,8 @@ class RedisTier:
             pipe.evalsha(self._touch_script.sha, len(keys), *keys, self._ttl_ms, self._touch_slack_ms)
 
     def _touch_index(self, pipe: redis.asyncio.client.Pipeline, owner: str | None) -> None:
-        """Also where sessions never expire: the index is made persistent once (an earlier server's TTL on it)."""
+        """Also where sessions never expire, for a lease (its commit makes the session persistent): the index is
+        made persistent once (an earlier server's TTL on it)."""
         pipe.evalsha(self._touch_script.sha, 1, owner_key(owner), self._index_ttl_ms, self._touch_slack_ms)
 
     def _touch_index_now(self, owner: str | None) -> Awaitable[Any]:
@@ -499,8 +500,8 @@ class RedisTier:
         whole = payload and ring
         with self._translate():
             if self._cluster:  # a cluster pipeline cannot carry scripts: the touches run beside the read
-                touches = ([self._touch_script(keys=record, args=[self._ttl_ms, self._touch_slack_ms])]
-                           if touch and self._ttl_ms else []) + ([self._touch_index_now(owner)] if touch else [])
+                touches = [self._touch_script(keys=record, args=[self._ttl_ms, self._touch_slack_ms]),
+                           self._touch_index_now(owner)] if touch and self._ttl_ms else []
                 read = (self._read(keys=record) if whole
                         else self._client.hmget(session_key(session_id), fields))
                 values, *_ = await asyncio.gather(read, *touches, return_exceptions=True)
@@ -512,8 +513,8 @@ class RedisTier:
                         pipe.evalsha(self._read.sha, len(record), *record)
                     else:
                         pipe.hmget(session_key(session_id), fields)
-                    if touch:
-                        self._touch(pipe, *record)
+                    if touch and self._ttl_ms:  # where sessions never expire, a read leaves the index as it is:
+                        self._touch(pipe, *record)  # the session read keeps its TTL (a lease's commit drops it)
                         self._touch_index(pipe, owner)
 
                 values = (await self._pipeline(build))[0]
@@ -565,7 +566,8 @@ class RedisTier:
                     if prune:
                         pipe.zrandmember(key, prune)
 
-                drawn = (await self._pipeline(build))[-1] if prune else []
+                results = await self._pipeline(build)
+                drawn = results[-1] if prune else []
             if isinstance(drawn, Exception):  # the draw failed: the next creation prunes
                 drawn = []
             drawn = [m.decode() for m in drawn or [] if m.decode() != session_id]
@@ -653,8 +655,8 @@ class RedisTier:
                     yield session_id, header
 
     async def demote(self, session_id: str, *, header: bytes, payload: bytes, expected: bytes) -> str:
-        """Rewrite a session in place if unleased and its header is still ``expected``: OK, BUSY, NOT_FOUND or
-        CONFLICT."""
+        """Rewrite a session in place if unleased and its header is still ``expected``: OK, BUSY, NOT_FOUND,
+        CONFLICT, or ALREADY (it holds ``header``: this call's own write, sent again, or another sweep's)."""
         keys = [session_key(session_id), lease_key(session_id), ring_key(session_id)]
         with self._translate():
             return (await self._demote(keys=keys, args=[expected, header, payload])).decode()

@@ -494,6 +494,8 @@ class MemoryStore:
             except BaseException as err:  # the script may have taken it before the reply was lost: give it back,
                 # or the session is busy to everyone until the lease's TTL. Not awaited where Redis stopped
                 # answering: the release waited a second store timeout before the caller heard of the first
+                if isinstance(err, StoreOverloaded):  # no connection to send it on: nothing was taken
+                    raise
                 if timed_out(err):  # (found by a helper)
                     self._release_later(session_id, token, at_once=True)
                 else:

@@ -111,6 +111,9 @@ def test_extra_body_goes_only_to_a_call_that_sends_one_and_a_misspelt_option_is_
             with pytest.raises(TypeError, match="'extra_body' \\(it sends no body\\)"):
                 call(client, extra_body={"a": 1})
     assert scripted.seen == []  # each refused before anything was sent
+    with Client(base_url=scripted.url) as client:  # what h11 sends: a tab or space inside a value; None not given
+        call(client, extra_headers={"X-A": "a\tb c"}, extra_body=None)
+    assert scripted.seen[0].header("x-a") == ["a\tb c"]
 
 
 def test_a_lists_later_pages_take_their_cursor_over_extra_query(scripted: Scripted) -> None:
@@ -180,6 +183,11 @@ def test_with_options_shares_the_connections_and_changes_only_what_it_names(scri
         assert not client.is_closed
         with pytest.raises(TypeError, match="'retries'"):
             client.with_options(retries=0)
+        # a copy of a copy: a later name replaces an earlier one whatever its case (an earlier None had kept "c" out)
+        chained = client.with_options(default_headers={"x-a": None}).with_options(default_headers={"X-A": "c"})
+        scripted.script(_reply("get"))
+        chained.sessions.get("s1", extra_headers={"x-b": None, "X-B": "d"})
+        assert scripted.seen[0].header("x-a") == ["c"] and scripted.seen[0].header("x-b") == ["d"]
         with pytest.raises(ValueError, match="api_key holds a character"):
             client.with_options(api_key="two words")
     assert client.copy is not None and Client.copy is Client.with_options
@@ -280,6 +288,8 @@ def test_a_websockets_headers_query_and_read_timeout(anyio_backend: str) -> None
             conn.completion(model="m", prompt="x", max_token=5)  # the server's 400 before
         with pytest.raises(TypeError, match="'timout'"):
             client.ws.stream(model="m", prompt="x", timout=5)
+        with pytest.raises(TypeError, match="'max_token'"):  # before a socket is opened: none was
+            Client(base_url="http://127.0.0.1:9", max_retries=2).ws.stream(model="m", max_token=8)
         with pytest.raises(ValueError, match="seconds above 0"):
             client.ws.connect(timeout=float("inf"))
         assert [c.text for c in conn.completion(model="m", prompt="ok", extra_body={"min_tokens": 1})] == ["ok", ""]

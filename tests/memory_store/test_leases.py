@@ -15,7 +15,14 @@ from memory_store import MemoryStore
 from memory_store.redis_tier import ending_key, lease_key
 from tests.memory_store import holder
 from tests.memory_store.support import IDENTITY, assert_same, make_state, start_holder, state_bytes
-from txlserve.errors import CommitUnknown, SessionBusy, SessionConflict, SessionNotFound, StoreUnavailable
+from txlserve.errors import (
+    CommitUnknown,
+    SessionBusy,
+    SessionConflict,
+    SessionNotFound,
+    StoreOverloaded,
+    StoreUnavailable,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
@@ -244,6 +251,30 @@ async def test_a_lease_whose_reply_is_lost_is_given_back(
         await store.lease(info.session_id)
     async with other_store.lease(info.session_id) as lease:  # not busy: it was given back
         assert lease.version == 1
+
+
+async def test_a_lease_refused_for_want_of_a_connection_gives_nothing_back(
+    store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease never sent (every pooled connection busy: a 429) took nothing: its give-back waited for the same
+    busy pool, a second store timeout before the 429 (found by a reviewer)."""
+    info = await store.create(tensors=make_state(), mem_len=8)
+    tier = store._redis
+    released: list[str] = []
+
+    async def overloaded(*args: object) -> object:
+        raise StoreOverloaded("every connection to Redis at test stayed busy")
+
+    async def release(session_id: str, token: str) -> bool:
+        released.append(token)
+        return False
+
+    monkeypatch.setattr(tier, "acquire", overloaded)
+    monkeypatch.setattr(tier, "release", release)
+    with pytest.raises(StoreOverloaded):
+        await store.lease(info.session_id)
+    await asyncio.sleep(0)  # a background give-back would have started by now
+    assert released == [] and not store._owed
 
 
 @pytest.mark.parametrize("ran", [True, False])

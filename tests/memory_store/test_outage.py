@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from memory_store import MemoryStore
+from memory_store import MemoryStore, codec
 from tests.conftest import RedisProcess
 from tests.memory_store.support import IDENTITY, assert_same, make_state
 from txlserve.errors import SessionBusy, StoreUnavailable
@@ -365,6 +366,9 @@ async def test_a_script_whose_reply_was_lost_to_a_broken_connection_stands_when_
         got = await store.get(info.session_id, owner="u")
         assert got.info.tokens_seen == 24
         assert_same(got.tensors, make_state(seed=4))
+        raw = await tier.read(info.session_id, "u", payload=False)
+        renamed = codec.encode_header(dataclasses.replace(codec.decode_header(raw[0]), metadata={"k": "v"}))
         dropper.marker = tier._set_header.sha.encode()
-        assert (await store.update_metadata(info.session_id, {"k": "v"}, owner="u")).metadata == {"k": "v"}
+        assert await tier.set_header(info.session_id, header=renamed, expected=raw[0]) == "OK"  # not CONFLICT
+        assert (await store.info(info.session_id, owner="u")).metadata == {"k": "v"}
         assert dropper.cut == 6

@@ -353,7 +353,9 @@ async def test_the_owner_index_outlives_its_sessions_whatever_ttl_each_server_ha
         async with short.lease(first.session_id, owner=owner, tensors=False):
             pass
         assert await raw.pttl(owner_key(owner)) > 500_000
-        async with forever.lease(first.session_id, owner=owner, tensors=False):  # used where sessions never expire
+        await forever.get(first.session_id, owner=owner)  # read where sessions never expire: its TTL stays, and the
+        assert await raw.pttl(owner_key(owner)) > 500_000  # index's with it (made persistent, it outlived them all)
+        async with forever.lease(first.session_id, owner=owner, tensors=False):  # used there: its commit keeps it
             pass
         assert await raw.pttl(owner_key(owner)) == -1
         kept = await forever.create(owner=owner, tensors=make_state(), mem_len=8)
@@ -583,6 +585,20 @@ async def test_a_demoted_session_keeps_its_window_version_and_ttl(redis_server) 
             await store.commit(lease, _with_window(21), tokens_seen=31)
         assert (await store.info(info.session_id)).tier != "cold"
         assert store.metrics.demotions == 1
+
+
+async def test_two_replicas_sweeping_at_once_demote_a_session_once(redis_server) -> None:
+    """The rewrite is safe to send twice (a broken connection's resend finds its own write), so the replica that
+    lost the race finds the same cold header: it is not counted again (both had counted it; found by a reviewer)."""
+    url = redis_server().url
+    async with MemoryStore.from_url(url, identity=TOKENIZED) as one, \
+            MemoryStore.from_url(url, identity=TOKENIZED) as two:
+        for _ in range(5):
+            info = await one.create(tensors=_with_window(), mem_len=8, tokens_seen=30)
+            moved = await asyncio.gather(one.demote(info.session_id), two.demote(info.session_id))
+            assert sorted(moved) == [False, True]
+            assert (await two.info(info.session_id)).tier == "cold"
+        assert one.metrics.demotions + two.metrics.demotions == 5
 
 
 async def test_sweep_moves_idle_sessions_and_the_oldest_over_the_warm_budget(redis_server) -> None:

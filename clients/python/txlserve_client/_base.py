@@ -122,7 +122,7 @@ class Call(Generic[T]):
         if not options:
             return self
         headers, query, body = (options.get(k) for k in ("extra_headers", "extra_query", "extra_body"))
-        return replace(self, headers={**(self.headers or {}), **(headers or {})},
+        return replace(self, headers=header_layers(self.headers, headers),
                        params={**(self.params or {}), **(query or {})},
                        json=self.json if body is None else {**self.json, **body},
                        timeout=options.get("timeout", self.timeout))
@@ -158,7 +158,7 @@ def check_options(options: Mapping[str, Any], *, body: bool, where: str) -> None
     """Raise the TypeError Python raises for a keyword argument a call does not take, and for an option of the
     wrong kind: a misspelt option (``timout=``), passed through ``**options``, would otherwise be ignored."""
     allowed = BodyRequestOptions.__optional_keys__ if body else RequestOptions.__optional_keys__
-    if unknown := sorted(set(options) - allowed):
+    if unknown := sorted(k for k in set(options) - allowed if not (k == "extra_body" and options[k] is None)):
         extra = " (it sends no body)" if unknown[0] == "extra_body" else ""
         raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}{extra}")
     for name in ("extra_headers", "extra_query", "extra_body"):
@@ -212,14 +212,26 @@ def merged_headers(*layers: Mapping[str, str | None] | None) -> httpx.Headers:
             if not isinstance(name, str) or not isinstance(value, str):
                 raise TypeError(f"a header's name and value are str, not {type(name).__name__}: "
                                 f"{type(value).__name__}")
-            if not (_TOKEN.fullmatch(name) and value.isascii() and value.isprintable() and value == value.strip()):
+            if not (_TOKEN.fullmatch(name) and _VALUE.fullmatch(value)):
                 raise ValueError(f"the header {name[:60]!r} has a name or value an HTTP header cannot carry (a "
                                  f"name is letters, digits and !#$%&'*+-.^_`|~; a value printable ASCII, no space "
-                                 f"at either end)")
+                                 f"or tab at either end)")
             if name.lower() in _FRAMING:
                 raise ValueError(f"the header {name!r} is the client's to set, from the body it sends")
             headers[name] = value
     return headers
+
+
+def header_layers(*layers: Mapping[str, str | None] | None) -> dict[str, str | None]:
+    """Layers of headers as one, a later name replacing an earlier one whatever their case (a plain dict kept an
+    earlier None under another case, and a later value was dropped with it; found by a reviewer)."""
+    merged: dict[str, str | None] = {}
+    for layer in layers:
+        for name, value in (layer or {}).items():
+            for old in [k for k in merged if isinstance(name, str) and k.lower() == name.lower()]:
+                del merged[old]
+            merged[name] = value
+    return merged
 
 
 def unsent(*layers: Mapping[str, str | None] | None) -> set[str]:
@@ -540,6 +552,7 @@ def given_up(error: APIError, before: APIError | None) -> APIError:
 # that quoted the whole header, key and all (found by a helper).
 _HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header's name (RFC 9110's token)
+_VALUE = re.compile(r"(?:[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*)?")  # h11's: visible ASCII, inner spaces and tabs
 _FRAMING = frozenset({"content-length", "transfer-encoding"})  # a wrong one was h11's raw error as the body went
 
 
@@ -562,7 +575,7 @@ class BaseClient:
             if value is not None and not isinstance(value, Mapping):
                 raise TypeError(f"{name} is a mapping, not {type(value).__name__}")
         merged_headers(default_headers)  # checked now, not at the first call
-        self.default_headers: dict[str, str] = dict(default_headers or {})
+        self.default_headers: dict[str, str | None] = dict(default_headers or {})
         self.default_query: dict[str, Any] = dict(default_query or {})
         self.base_url = (base_url or os.environ.get("TXLSERVE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
         parts = urlsplit(self.base_url)
@@ -604,7 +617,7 @@ class BaseClient:
         return {"base_url": changes.get("base_url", self.base_url), "api_key": changes.get("api_key", self.api_key),
                 "timeout": changes.get("timeout", self.timeout),
                 "max_retries": changes.get("max_retries", self.max_retries),
-                "default_headers": {**self.default_headers, **(changes.get("default_headers") or {})},
+                "default_headers": header_layers(self.default_headers, changes.get("default_headers")),
                 "default_query": {**self.default_query, **(changes.get("default_query") or {})}}  # None: not sent
 
     def with_options(self: C, **changes: Unpack[ClientOptions]) -> C:

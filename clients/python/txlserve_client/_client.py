@@ -258,9 +258,10 @@ class WebSocket:
     def stream(self, *, model: str, prompt: api.Prompt = "", **options: Any) -> WebSocketStream:
         """One completion on a connection of its own, closed with the stream; ``options`` are the completion's
         fields and ``extra_body``, and the connection's ``RequestOptions``."""
-        conn = self.connect(**api.request_options(options))
+        request = api.request_options(options)
+        body = api.ws_completion_body(model, prompt, options, where="ws.stream()")  # a misspelt field before a socket
+        conn = self.connect(**request)
         try:
-            body = api.ws_completion_body(model, prompt, options, where="ws.stream()")
             return conn._start(body, owns_connection=True)
         except BaseException:
             conn.close()

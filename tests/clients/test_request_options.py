@@ -315,8 +315,14 @@ def test_a_copy_with_another_key_is_that_key_on_the_live_server(keyed_server: Ke
             done = bravo.completions.create(model=MODEL, prompt=" or", max_tokens=2, session_id=made.id,
                                             temperature=0, extra_headers={"X-Request-Id": "req-1"}, timeout=30)
             assert done.usage.completion_tokens == 2
+            # openai-python's _request_id: the id the server logged the call under (the caller's, where it sent one)
+            assert done._request_id == "req-1" and made._request_id and made._request_id != "req-1"
+            with bravo.completions.create(model=MODEL, prompt=" not", max_tokens=2, session_id=made.id,
+                                          stream=True, extra_headers={"X-Request-Id": "req-2"}) as stream:
+                assert stream._request_id == "req-2" and len(list(stream)) >= 2
+            assert bravo.sessions.get(made.id, extra_headers={"X-Request-Id": "req-3"})._request_id == "req-3"
         finally:
-            bravo.sessions.delete(made.id)
+            assert bravo.sessions.delete(made.id)._request_id
 
 
 def test_a_websocket_completion_takes_the_fields_completions_create_names() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import email.utils
 import json
 import os
@@ -132,11 +133,14 @@ class Call(Generic[T]):
         short, JSON of another shape) is an APIError naming what came, not a JSONDecodeError or a KeyError: every
         failure a call meets is an APIError (found by a helper)."""
         try:
-            return self.parse(response.json())
+            result = self.parse(response.json())
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
             raise APIError(f"the answer to {self.method} {self.path} is not a txlserve server's ({type(err).__name__}"
                            f"; {response.headers.get('content-type', 'no content type')})",
                            status=response.status_code, response=response) from None
+        if dataclasses.is_dataclass(result):  # openai-python's _request_id: the id the server logged the call under
+            object.__setattr__(result, "_request_id", response.headers.get("x-request-id"))
+        return result
 
     def build(self, http: httpx.Client | httpx.AsyncClient, client: BaseClient) -> httpx.Request:
         """The request, with ``client``'s headers, query and timeout under the call's own. They are set on each

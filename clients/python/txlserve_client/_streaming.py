@@ -142,6 +142,11 @@ class Stream(Iterator[CompletionChunk]):
         self._chunks = _iter_chunks(response)
         self._closed = False
 
+    @property
+    def _request_id(self) -> str | None:
+        """openai-python's: the id the server logged the request under (its ``x-request-id``)."""
+        return self.response.headers.get("x-request-id")
+
     def __del__(self) -> None:  # a stream never iterated: its generator never started, so its finally never runs
         with contextlib.suppress(Exception):  # at interpreter exit, or a response already torn down
             self.response.close()
@@ -184,6 +189,11 @@ class AsyncStream(AsyncIterator[CompletionChunk]):
         self._chunks = _aiter_chunks(response)  # no cycle: asyncio's finalizer closes it once the stream is dropped
         self._loop = asyncio.get_running_loop()
         self._closed = False
+
+    @property
+    def _request_id(self) -> str | None:
+        """openai-python's: the id the server logged the request under (its ``x-request-id``)."""
+        return self.response.headers.get("x-request-id")
 
     def __del__(self) -> None:
         """A stream never iterated: its generator never started, so asyncio has nothing to finalize, and the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,8 @@ class Choice:
 class Completion:
     """A completion; ``text``, ``finish_reason`` and ``logprobs`` are its first choice's, ``choices`` all of them
     (several for a list of prompts or ``n`` above 1)."""
+
+    _request_id: ClassVar[str | None] = None  # the answer's x-request-id, set on each (openai-python's)
 
     id: str
     created: int
@@ -144,6 +146,8 @@ class CompletionChunk:
 class Session:
     """A session's persistent memory, as the server describes it (times are Unix seconds)."""
 
+    _request_id: ClassVar[str | None] = None  # the answer's x-request-id, set on each (openai-python's)
+
     id: str
     model: str
     tokens_seen: int
@@ -189,6 +193,8 @@ class AppendResult(Session):
 
 @dataclass(frozen=True)
 class SessionDeleted:
+    _request_id: ClassVar[str | None] = None  # the answer's x-request-id, set on each (openai-python's)
+
     id: str
     deleted: bool
 

@@ -263,6 +263,15 @@ class RedisClock:
         return self.redis_ms + (time.monotonic() - self.at) * 1000
 
 
+def _raised_in_redis(err: BaseException) -> bool:
+    """Whether ``err`` was raised inside redis-py or the transport under it (its innermost frame's module)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    module = "" if tb is None else tb.tb_frame.f_globals.get("__name__", "")
+    return module.split(".")[0] in ("redis", "asyncio", "uvloop")
+
+
 def timed_out(err: BaseException) -> bool:
     """Whether ``err`` is Redis not answering within the store's timeout (not a refused or broken connection)."""
     return isinstance(err, StoreUnavailable) and isinstance(err.__cause__, (redis.exceptions.TimeoutError,
@@ -421,6 +430,14 @@ class RedisTier:
     def _translate(self) -> Iterator[None]:
         try:
             yield
+        except (RuntimeError, AttributeError) as err:
+            if not _raised_in_redis(err):  # ours: a defect to see as it is
+                raise
+            # redis-py's cluster client closes a connection another coroutine is using as a slot moves or a node
+            # fails ("unable to perform operation on <TCPTransport closed=True>", "'NoneType' object has no
+            # attribute 'writelines'"): an outage of the moment, not a 500 (found by a helper)
+            self._metrics.redis_errors += 1
+            raise StoreUnavailable(f"Redis at {self.where} dropped a connection in use: {type(err).__name__}") from err
         except redis.exceptions.ResponseError as err:
             if "WRONGTYPE" in str(err):  # a pipeline or script prefixes the server's text
                 raise SessionCorrupt("a key of the session has the wrong Redis type") from None
@@ -467,8 +484,17 @@ class RedisTier:
         return results
 
     async def ping(self) -> None:
+        """A cluster is asked its state too: every node answers PING while a slot has no node (CLUSTERDOWN), when
+        every session in that slot is a 503 (/ready had said 200; found by a helper)."""
         with self._translate():
             await self._client.ping()
+            if self._cluster:
+                info = await self._client.cluster_info(target_nodes=redis.asyncio.RedisCluster.PRIMARIES)
+                states = {i.get("cluster_state") for i in info.values()} if all(
+                    isinstance(i, dict) for i in info.values()) else {info.get("cluster_state")}
+                if states != {"ok"}:
+                    raise StoreUnavailable(f"the Redis Cluster at {self.where} is down (cluster_state: "
+                                           f"{', '.join(sorted(str(s) for s in states))})")
 
     async def load_scripts(self) -> None:
         """Load the scripts pipelines call by sha (a cluster's are sent whole where missing): at start, so that
@@ -622,10 +648,10 @@ class RedisTier:
                         pipe.hget(session_key(session_id), "header")
                     headers = await pipe.execute(raise_on_error=False)
                 for (score, session_id), header in zip(entries, headers, strict=True):
-                    if isinstance(header, redis.exceptions.ResponseError):
-                        if "WRONGTYPE" not in str(header):
-                            raise header
+                    if isinstance(header, redis.exceptions.ResponseError) and "WRONGTYPE" in str(header):
                         header = b""  # not a session hash: listed as corrupt, so skipped
+                    elif isinstance(header, BaseException):  # a node that timed out, failed over or moved the slot:
+                        raise header  # said as the store's outage (it was decoded as a header: a 500; a helper's)
                     if header is None:
                         dead.append(session_id)
                     elif len(live) < count:
@@ -673,7 +699,11 @@ class RedisTier:
         with self._translate():
             removed = await self._client.delete(session_key(session_id), lease_key(session_id), ring_key(session_id),
                                                 ending_key(session_id))
-            await self._client.zrem(owner_key(owner), session_id)
+        try:  # the index lives on another node of a cluster: a listing drops an entry whose session is gone, so a
+            with self._translate():  # failure here is no failure of the delete (it was a 503 inviting a retry that
+                await self._client.zrem(owner_key(owner), session_id)  # then found a 404; found by a helper)
+        except StoreUnavailable as err:
+            log.warning("session %s deleted; its owner's list keeps it until a listing drops it: %s", session_id, err)
         return removed > 0
 
     async def acquire(self, session_id: str, owner: str | None,

@@ -22,7 +22,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -65,7 +65,8 @@ _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _CURSOR_SCORE = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() also accepts '²'
 _PUT_ATTEMPTS = 5
 _UPDATE_ATTEMPTS = 16  # each try loses only to another write that landed: n updaters at once need n tries
-_RELEASE_RETRY_S = 0.25  # how often a release Redis missed is tried again while it is away
+_RELEASE_RETRY_S = 0.25  # how often a release (or a listing) Redis missed is tried again while it is away
+_INDEX_RETRY_FOR_S = 120.0  # how long a new session's listing is tried again: a cluster's failover, a restart
 
 
 class MemoryStore:
@@ -544,17 +545,27 @@ class MemoryStore:
         lease's TTL (past it the lease is gone anyway). A Redis back from a restart restores the lease key from its
         append-only file: the session was a 409 to everyone for the rest of the TTL, with no request running.
         ``at_once``: the first try now (a lease that may have been taken as its reply was lost)."""
+        self._later(f"txl-lease-release-{session_id}", lambda: self._redis.release(session_id, token),
+                    self.config.lease_ttl_ms / 1000, at_once=at_once)
+
+    def _later(self, name: str, write: Callable[[], Awaitable[object]], for_s: float, *,
+               at_once: bool = False) -> None:
+        """Run ``write`` in the background until Redis takes it, every ``_RELEASE_RETRY_S``, for ``for_s``."""
         async def retry() -> None:
-            deadline = time.monotonic() + self.config.lease_ttl_ms / 1000
+            deadline = time.monotonic() + for_s
             wait = 0.0 if at_once else _RELEASE_RETRY_S
             while time.monotonic() < deadline:
                 await asyncio.sleep(min(wait, max(0.0, deadline - time.monotonic())))
                 wait = _RELEASE_RETRY_S
-                with contextlib.suppress(StoreUnavailable):
-                    await self._redis.release(session_id, token)
+                try:
+                    await write()
                     return
+                except StoreUnavailable:
+                    pass
+                except Exception as err:  # never out of the retry unseen ("Task exception was never retrieved")
+                    log.warning("%s: the store's write failed (%s: %s); tried again", name, type(err).__name__, err)
 
-        task = asyncio.create_task(retry(), name=f"txl-lease-release-{session_id}")
+        task = asyncio.create_task(retry(), name=name)
         self._owed.add(task)
         task.add_done_callback(self._owed.discard)
 
@@ -769,9 +780,12 @@ class MemoryStore:
         writes."""
         try:
             await self._redis.index(owner, session_id, created_at)
-        except StoreUnavailable as err:
-            log.warning("session %s was stored, but its owner's list could not be updated (it is not listed): %s",
-                        session_id, err)
+        except StoreUnavailable as err:  # tried again until it lands: a cluster's failover (a few seconds) had left
+            # every session made meanwhile unlisted for good, their 201s given (found by a helper)
+            log.warning("session %s was stored, but its owner's list could not be updated yet (tried again until "
+                        "Redis answers, for %.0f s): %s", session_id, _INDEX_RETRY_FOR_S, err)
+            self._later(f"txl-index-{session_id}", lambda: self._redis.index(owner, session_id, created_at),
+                        _INDEX_RETRY_FOR_S)
 
     def _creation_time(self, now: float) -> float:
         """``now``, or a millisecond after the last session this store created: the owner index lists sessions

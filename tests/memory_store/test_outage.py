@@ -372,3 +372,19 @@ async def test_a_script_whose_reply_was_lost_to_a_broken_connection_stands_when_
         assert await tier.set_header(info.session_id, header=renamed, expected=raw[0]) == "OK"  # not CONFLICT
         assert (await store.info(info.session_id, owner="u")).metadata == {"k": "v"}
         assert dropper.cut == 6
+
+
+async def test_a_connection_redis_py_closed_under_a_call_is_an_outage_not_a_500(store: MemoryStore) -> None:
+    """redis-py's cluster client closes a connection another coroutine still uses as a slot moves or a node
+    fails: that call raises RuntimeError or AttributeError from inside redis-py or asyncio (a 500, and a lease's
+    background release died of it; found by a helper). Raised there, it is the store's outage; raised in our own
+    code, it stays what it is."""
+    tier = store._redis
+    inside: dict[str, object] = {"__name__": "redis.asyncio.connection"}
+    exec("def send():\n    raise RuntimeError('unable to perform operation on <TCPTransport closed=True>')\n"
+         "def write():\n    None.writelines([])", inside)
+    for call in (inside["send"], inside["write"]):
+        with pytest.raises(StoreUnavailable, match="dropped a connection in use"), tier._translate():
+            call()  # type: ignore[operator]
+    with pytest.raises(RuntimeError, match="ours"), tier._translate():
+        raise RuntimeError("ours")

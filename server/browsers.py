@@ -160,7 +160,10 @@ class BrowserChecks:
                 netloc = urlsplit(origin).netloc.lower()
             except ValueError:  # "http://[::1", say
                 netloc = ""
-            if netloc and netloc in {h.lower() for h in (host, forwarded) if h}:
+            # a proxy's X-Forwarded-Host is the page's host, port included; its Host may have lost the port (nginx's
+            # $host), which let a page of another port of that host in (found by a helper): where a proxy says
+            # which host the page came from, that alone is compared
+            if netloc and netloc == (forwarded or host or "").lower():
                 return None
         what = "a WebSocket" if websocket else f"a {scope.get('method')}"
         shown = (origin or "unknown")[:200]
@@ -169,10 +172,10 @@ class BrowserChecks:
         elif not http:
             why = "it is no http(s) origin, and not one of --cors-origins"
         else:
-            why = (f"its host is not this request's Host, {(host or '')[:100]!r}, " + (
-                f"nor its X-Forwarded-Host, {forwarded[:100]!r}" if forwarded else "and it has no X-Forwarded-Host")
-                + " (a reverse proxy passes the page's host on, port included: nginx's proxy_set_header "
-                  "X-Forwarded-Host $http_host)")
+            why = (f"its host is not this request's X-Forwarded-Host, {forwarded[:100]!r}" if forwarded else
+                   f"its host is not this request's Host, {(host or '')[:100]!r}, and it has no X-Forwarded-Host") + (
+                " (a reverse proxy passes the page's host on, port included: nginx's proxy_set_header "
+                "X-Forwarded-Host $http_host)")
         request_fields(scope)["refused"] = origin[:200] if origin is not None else f"Sec-Fetch-Site: {site[:20]}"
         return PermissionDenied(f"{what} from origin {shown!r} is not allowed: {why}. The server takes these from "
                                 "its own pages and from the origins of --cors-origins / TXLSERVE_CORS_ORIGINS; a "

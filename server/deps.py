@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 from collections.abc import MutableMapping
@@ -52,6 +53,33 @@ def takes_key(route: object) -> bool:
     return dependant is not None and any(d.call is owner for d in dependant.dependencies)
 
 
+# A browser's WebSocket can send no header of its own, but it can offer subprotocols: the playground offers
+# ``txlserve`` and ``txlserve.api-key.<the key, base64url>`` (Kubernetes' way for its bearer tokens), which a proxy
+# logs nowhere, where ``?api_key=`` went into nginx's error log with every upstream failure (found by a helper).
+SUBPROTOCOL = "txlserve"
+KEY_SUBPROTOCOL = "txlserve.api-key."
+
+
+def _subprotocol_key(ws: WebSocket) -> str | None:
+    for offered in ws.scope.get("subprotocols") or ():
+        if offered.startswith(KEY_SUBPROTOCOL):
+            encoded = offered[len(KEY_SUBPROTOCOL):]
+            try:
+                return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode("utf-8")
+            except (ValueError, UnicodeDecodeError):  # binascii.Error is a ValueError
+                raise AuthenticationError(f"the API key in the WebSocket's subprotocol ({KEY_SUBPROTOCOL}...) is "
+                                          "not base64url of UTF-8 text") from None
+    return None
+
+
 def ws_owner(ws: WebSocket) -> str | None:
-    key = _bearer(ws.headers.get("authorization")) or ws.query_params.get("api_key")
+    """The key from ``Authorization``, the ``txlserve.api-key.`` subprotocol, or ``?api_key=`` (kept for clients
+    that send it so; a proxy may log it)."""
+    key = _bearer(ws.headers.get("authorization")) or _subprotocol_key(ws) or ws.query_params.get("api_key")
     return owner_for_key(ws.app.state.runtime, key)
+
+
+def ws_subprotocol(ws: WebSocket) -> str | None:
+    """The subprotocol to accept: ``txlserve`` where offered (a browser fails a connection that offered some and
+    had none chosen; the key's own is never echoed back)."""
+    return SUBPROTOCOL if SUBPROTOCOL in (ws.scope.get("subprotocols") or ()) else None

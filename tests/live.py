@@ -97,9 +97,9 @@ NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p
 
 
 @contextlib.contextmanager
-def nginx(prefix: Path, conf: str, ready_url: str) -> Iterator[subprocess.Popen]:
-    """nginx running ``conf`` in ``prefix`` (its pid file, temp paths and stderr), once ``ready_url`` answers 200
-    through it (within 30 s, else the test fails with nginx's stderr); stopped on the way out."""
+def nginx(prefix: Path, conf: str, ready_url: str, ready_status: int = 200) -> Iterator[subprocess.Popen]:
+    """nginx running ``conf`` in ``prefix`` (its pid file, temp paths and stderr), once ``ready_url`` answers
+    ``ready_status`` through it (within 30 s, else the test fails with nginx's stderr); stopped on the way out."""
     import pytest
 
     if NGINX is None:
@@ -112,7 +112,7 @@ def nginx(prefix: Path, conf: str, ready_url: str) -> Iterator[subprocess.Popen]
         deadline = time.monotonic() + 30
         while True:
             try:
-                if httpx.get(ready_url, timeout=1).status_code == 200:
+                if httpx.get(ready_url, timeout=1).status_code == ready_status:
                     break
             except httpx.HTTPError:
                 pass

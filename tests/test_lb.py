@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.live import MODEL, NGINX, REPO, LiveServer, free_port, nginx, start_all
+from tests.live import MODEL, NGINX, REPO, LiveServer, free_port, nginx, start_all, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 TEXT = "Now is the winter of our discontent made glorious summer by this sun of York.\n"
@@ -23,16 +23,21 @@ def _metric(url: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:_total)? ([0-9.e+]+)$", text, re.M))
 
 
+def _conf(replicas: list[int], port: int) -> str:
+    """docker/nginx.conf, its two replicas and its port made local."""
+    conf = (REPO / "docker" / "nginx.conf").read_text()
+    conf = conf.replace("server txlserve-a:8000 resolve;", f"server 127.0.0.1:{replicas[0]};")
+    conf = conf.replace("server txlserve-b:8000 resolve;", f"server 127.0.0.1:{replicas[1]};")
+    return conf.replace("listen 8080;", f"listen 127.0.0.1:{port};")
+
+
 @pytest.fixture(scope="module")
 def balanced(checkpoint: Path, redis_url: str, tmp_path_factory) -> Iterator[tuple[str, list[LiveServer]]]:
     replicas = [LiveServer(checkpoint, redis_url=redis_url, data_dir=tmp_path_factory.mktemp(f"replica{i}"))
                 for i in range(2)]
     prefix = tmp_path_factory.mktemp("nginx")
     port = free_port()
-    conf = (REPO / "docker" / "nginx.conf").read_text()
-    conf = conf.replace("server txlserve-a:8000;", f"server 127.0.0.1:{replicas[0].port};")
-    conf = conf.replace("server txlserve-b:8000;", f"server 127.0.0.1:{replicas[1].port};")
-    conf = conf.replace("listen 8080;", f"listen 127.0.0.1:{port};")
+    conf = _conf([replicas[0].port, replicas[1].port], port)
     url = f"http://127.0.0.1:{port}"
     if NGINX is None:  # before the replicas start: they would take seconds for nothing
         pytest.skip("no nginx binary (apt-get install nginx-light): this test needs one")
@@ -97,3 +102,25 @@ def test_a_body_over_the_proxys_limit_is_refused_in_openais_shape(balanced):
         r = httpx.post(url + "/v1/completions", content=b"x" * size, timeout=60,
                        headers={"content-type": "application/json"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", (size, r.text[:200])
+
+
+def test_the_proxy_passes_the_clients_own_address_not_one_it_claims(balanced):
+    """nginx passed on a caller's own X-Forwarded-For, which uvicorn trusts from a proxy on loopback: the logs
+    showed the address a client claimed (found by a helper)."""
+    url, replicas = balanced
+    assert httpx.get(url + "/v1/models", headers={"X-Forwarded-For": "6.6.6.6", "X-Request-Id": "xff-probe"},
+                     timeout=30).status_code == 200
+    line = wait_for(lambda: next((ln for r in replicas for ln in r.log.read_text().splitlines()
+                                  if "xff-probe" in ln), None), 30, "the request's log line")
+    assert '"client": "127.0.0.1' in line.replace('":"', '": "') and "6.6.6.6" not in line, line
+
+
+def test_no_replica_answering_is_a_json_502(tmp_path):
+    """nginx's own 502 was its HTML page, without a request id (found by a helper)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with nginx(tmp_path, _conf([free_port(), free_port()], port), url + "/ready", ready_status=502):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+            r = httpx.request(method, url + path, json={"model": MODEL, "prompt": "x"}, timeout=30)
+            assert r.status_code == 502 and r.headers["content-type"].startswith("application/json"), r.text[:200]
+            assert r.json()["error"]["code"] == "bad_gateway" and r.headers.get("x-request-id")

@@ -337,6 +337,12 @@ def test_the_playground_with_api_keys_connects_once_a_key_is_typed_and_shows_a_s
         _settled(driver)
         assert _by_id(driver, "error").text == ""
         _create_and_continue(driver, "with the key")
+        # its WebSocket (which streamed just now) sends the key as a subprotocol, not in its URL, which a proxy's
+        # error log kept
+        import base64
+        assert "api_key" not in driver.execute_script("return wsUrl()")
+        assert driver.execute_script("return wsProtocols()") == [
+            "txlserve", "txlserve.api-key." + base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")]
 
         _type(driver, "new-text", "")  # an empty session, continued with no prompt: the server refuses it
         _by_id(driver, "create").click()

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from model.engine import TokenEvent
 from server.completion import Completion, Deltas, choices, events, launch, off_loop, the_prompts
-from server.deps import ws_owner
+from server.deps import ws_owner, ws_subprotocol
 from server.errors import classify, error_body, stream_error, unreadable_json, validation_message
 from server.protocol import CompletionRequest
 from server.scheduler import PromptScores
@@ -110,7 +110,7 @@ async def completions_ws(ws: WebSocket) -> None:
     except Exception as err:  # a 401
         await refuse(ws, err)
         return
-    await ws.accept()
+    await ws.accept(subprotocol=ws_subprotocol(ws))
     inbox = Inbox()
 
     async def reader() -> None:

@@ -156,6 +156,21 @@ def test_the_origin_check_refuses_what_a_page_of_another_origin_sends(kind, head
         assert ("X-Forwarded-Host" in err.message) is compared  # what a proxy in front must pass on, where it helps
 
 
+@pytest.mark.parametrize(("origin", "refused"), [
+    (b"http://127.0.0.1:8080", False),  # the page nginx served
+    (b"http://127.0.0.1", True),  # another port of that host: nginx's Host ($host) had lost its port, and matched
+    (b"https://127.0.0.1", True),
+    (b"http://127.0.0.1:8000", True),  # the replica's own port is not the page's, behind the proxy
+])
+def test_behind_a_proxy_the_origin_is_compared_with_its_forwarded_host_alone(origin, refused):
+    """docker/nginx.conf passes Host without its port and X-Forwarded-Host with it (found by a helper)."""
+    for kind in ("websocket", "http"):
+        headers = [(b"host", b"127.0.0.1"), (b"x-forwarded-host", b"127.0.0.1:8080"), (b"origin", origin)]
+        scope = {"type": kind, "server": SERVER, "headers": headers, "method": "POST"}
+        err = BrowserChecks(lambda *a: None, (), (), keyed=False).origin_refusal(scope)
+        assert (err is not None) is refused, (kind, origin)
+
+
 @pytest.mark.parametrize("bad", ["http://app.example", "app.example:8000", "app.example/", "", " app.example",
                                  "a..b", "*example.com", "**.example.com"])
 def test_an_allowed_host_that_no_host_header_could_match_is_refused_at_start(bad):

@@ -360,6 +360,29 @@ def test_no_key_in_any_log_line(keyed):
     assert every_byte not in log and KEYS[1].replace("-", "%2D") not in log
 
 
+def test_a_websocket_takes_its_key_as_a_subprotocol(keyed):
+    """What a page's WebSocket can send (no header of its own): ``txlserve`` and ``txlserve.api-key.`` + the key in
+    base64url, as the playground sends it. Its ``?api_key=`` went into nginx's error log with every failed upstream
+    (found by a helper)."""
+    import base64
+
+    from websockets.exceptions import InvalidStatus
+
+    def offer(key: bytes) -> list[str]:
+        return ["txlserve", "txlserve.api-key." + base64.urlsafe_b64encode(key).decode().rstrip("=")]
+
+    with connect(ws_url(keyed), subprotocols=offer(KEYS[0].encode())) as conn:
+        assert conn.subprotocol == "txlserve"  # a browser fails a connection whose offer had none chosen
+        conn.send(json.dumps({"type": "completion.create", **OK}))
+        while recv(conn)["type"] == "completion.delta":
+            pass
+    for bad in (offer(b"wrong-key-789"), ["txlserve", "txlserve.api-key.%%%"], ["txlserve", "txlserve.api-key.__8"]):
+        with pytest.raises(InvalidStatus, match="401"):
+            connect(ws_url(keyed), subprotocols=bad).close()
+    with connect(ws_url(keyed), additional_headers={"Authorization": f"Bearer {KEYS[0]}"}) as conn:
+        assert conn.subprotocol is None  # none offered, none chosen
+
+
 @pytest.mark.parametrize("key", ["\u00e9", "k\u00e9y-alpha-123", "\u20ac"])
 def test_a_non_ascii_key_is_401_not_500(keyed, key):
     """hmac.compare_digest refuses str with non-ASCII characters: such a key was a 500 and a reset connection."""

@@ -263,13 +263,18 @@ class RedisClock:
         return self.redis_ms + (time.monotonic() - self.at) * 1000
 
 
-def _raised_in_redis(err: BaseException) -> bool:
-    """Whether ``err`` was raised inside redis-py or the transport under it (its innermost frame's module)."""
+def _dropped_connection(err: BaseException) -> bool:
+    """Whether ``err`` is one of the two ways redis-py's cluster client fails a call whose connection another call
+    closed: the transport's "unable to perform operation on <TCPTransport closed=True>" (asyncio's or uvloop's), or
+    a connection's writer or reader already None in redis-py. Anything else keeps its traceback: matched by the
+    module alone, a misuse of redis-py of ours (a list where it takes a mapping) read as an outage (a reviewer's)."""
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    module = "" if tb is None else tb.tb_frame.f_globals.get("__name__", "")
-    return module.split(".")[0] in ("redis", "asyncio", "uvloop")
+    module = ("" if tb is None else tb.tb_frame.f_globals.get("__name__", "")).split(".")[0]
+    if isinstance(err, RuntimeError):
+        return module in ("asyncio", "uvloop", "redis") and "unable to perform operation on" in str(err)
+    return module == "redis" and str(err).startswith("'NoneType' object has no attribute")
 
 
 def timed_out(err: BaseException) -> bool:
@@ -431,7 +436,7 @@ class RedisTier:
         try:
             yield
         except (RuntimeError, AttributeError) as err:
-            if not _raised_in_redis(err):  # ours: a defect to see as it is
+            if not _dropped_connection(err):  # ours (or redis-py's of another kind): a defect to see as it is
                 raise
             # redis-py's cluster client closes a connection another coroutine is using as a slot moves or a node
             # fails ("unable to perform operation on <TCPTransport closed=True>", "'NoneType' object has no

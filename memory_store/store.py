@@ -67,6 +67,7 @@ _PUT_ATTEMPTS = 5
 _UPDATE_ATTEMPTS = 16  # each try loses only to another write that landed: n updaters at once need n tries
 _RELEASE_RETRY_S = 0.25  # how often a release (or a listing) Redis missed is tried again while it is away
 _INDEX_RETRY_FOR_S = 120.0  # how long a new session's listing is tried again: a cluster's failover, a restart
+_UNLISTED_MAX = 100_000  # new sessions' listings tried again at once, at most (a few hundred bytes each)
 
 
 class MemoryStore:
@@ -83,6 +84,11 @@ class MemoryStore:
         self._embedded: EmbeddedRedis | None = None
         self._leases: set[Lease] = set()
         self._owed: set[asyncio.Task] = set()  # releases Redis missed, retried until it answers (_release_later)
+        # sessions made whose owner's list Redis missed: session id -> (owner, created at, given up at); one task
+        # lists them again (_relist)
+        self._unlisted: dict[str, tuple[str | None, float, float]] = {}
+        self._relisting: asyncio.Task | None = None
+        self._closed = False
         self._last_created_ms = 0  # see _creation_time
         self._evicting: str | None = None  # Redis's eviction policy, where it evicts (check_eviction_policy)
 
@@ -192,8 +198,12 @@ class MemoryStore:
         """Release held leases, close connections, stop the embedded Redis if this store started it."""
         for lease in list(self._leases):
             await lease.release()
-        for task in list(self._owed):  # a Redis still away: the leases expire by themselves
-            task.cancel()
+        self._closed = True  # nothing is retried from here (a create still under way had started a retry after)
+        for task in [*self._owed, *([self._relisting] if self._relisting else [])]:
+            task.cancel()  # a Redis still away: the leases expire by themselves
+        if self._unlisted:
+            log.warning("%d session(s) made while their owner's list was unreachable stay unlisted (read by id, "
+                        "they are there)", len(self._unlisted))
         tier, self._tier = self._tier, None
         if tier is not None:
             await tier.aclose()
@@ -551,6 +561,9 @@ class MemoryStore:
     def _later(self, name: str, write: Callable[[], Awaitable[object]], for_s: float, *,
                at_once: bool = False) -> None:
         """Run ``write`` in the background until Redis takes it, every ``_RELEASE_RETRY_S``, for ``for_s``."""
+        if self._closed:
+            return
+
         async def retry() -> None:
             deadline = time.monotonic() + for_s
             wait = 0.0 if at_once else _RELEASE_RETRY_S
@@ -563,7 +576,8 @@ class MemoryStore:
                 except StoreUnavailable:
                     pass
                 except Exception as err:  # never out of the retry unseen ("Task exception was never retrieved")
-                    log.warning("%s: the store's write failed (%s: %s); tried again", name, type(err).__name__, err)
+                    log.warning("%s: the store's write failed (%s: %s)", name, type(err).__name__, err)
+                    return
 
         task = asyncio.create_task(retry(), name=name)
         self._owed.add(task)
@@ -776,16 +790,47 @@ class MemoryStore:
     async def _index(self, owner: str | None, session_id: str, created_at: float) -> None:
         """List a session just written. It exists whether or not this lands: an error here (a burst that held
         every connection, say) answered a 429 or 503 for a session that was made, so a client's retry made it
-        twice; it is logged, and the session is missing from its owner's list, as after a crash between the two
-        writes."""
+        twice. It is logged and tried again in the background (:meth:`_relist`): a cluster's failover (a few
+        seconds) had left every session made meanwhile unlisted for good, their 201s given (found by a helper)."""
         try:
             await self._redis.index(owner, session_id, created_at)
-        except StoreUnavailable as err:  # tried again until it lands: a cluster's failover (a few seconds) had left
-            # every session made meanwhile unlisted for good, their 201s given (found by a helper)
+        except StoreUnavailable as err:
             log.warning("session %s was stored, but its owner's list could not be updated yet (tried again until "
                         "Redis answers, for %.0f s): %s", session_id, _INDEX_RETRY_FOR_S, err)
-            self._later(f"txl-index-{session_id}", lambda: self._redis.index(owner, session_id, created_at),
-                        _INDEX_RETRY_FOR_S)
+            if self._closed:
+                return
+            if len(self._unlisted) >= _UNLISTED_MAX:  # a Redis away for long under a flood of creations
+                log.warning("session %s stays unlisted: %d others already wait to be listed", session_id,
+                            len(self._unlisted))
+                return
+            self._unlisted[session_id] = (owner, created_at, time.monotonic() + _INDEX_RETRY_FOR_S)
+            if self._relisting is None or self._relisting.done():
+                self._relisting = asyncio.create_task(self._relist(), name="txl-relist")
+
+    async def _relist(self) -> None:
+        """List again the sessions whose listing Redis missed, one at a time in one task (a task each had piled up
+        under a burst: 200 creations, 1,590 calls in 2 s; a reviewer's), backing off while none lands."""
+        wait = _RELEASE_RETRY_S
+        while self._unlisted and not self._closed:
+            await asyncio.sleep(wait)
+            landed = False
+            for session_id, (owner, created_at, until) in list(self._unlisted.items()):
+                if self._closed:
+                    return
+                if time.monotonic() > until:
+                    del self._unlisted[session_id]
+                    log.warning("session %s stays unlisted: its owner's list was unreachable for %.0f s", session_id,
+                                _INDEX_RETRY_FOR_S)
+                    continue
+                try:
+                    await self._redis.index(owner, session_id, created_at, prune=0)
+                except StoreUnavailable:
+                    continue
+                except Exception as err:  # never out of the task unseen
+                    log.warning("session %s stays unlisted (%s: %s)", session_id, type(err).__name__, err)
+                del self._unlisted[session_id]
+                landed = True
+            wait = _RELEASE_RETRY_S if landed else min(2 * wait, 5.0)
 
     def _creation_time(self, now: float) -> float:
         """``now``, or a millisecond after the last session this store created: the owner index lists sessions

@@ -163,7 +163,8 @@ class BrowserChecks:
             # a proxy's X-Forwarded-Host is the page's host, port included; its Host may have lost the port (nginx's
             # $host), which let a page of another port of that host in (found by a helper): where a proxy says
             # which host the page came from, that alone is compared
-            if netloc and netloc == (forwarded or host or "").lower():
+            page = forwarded.split(",")[0].strip() if forwarded else host  # proxies append theirs: the first is the
+            if netloc and netloc == (page or "").lower():  # client's, set by the proxy it reached
                 return None
         what = "a WebSocket" if websocket else f"a {scope.get('method')}"
         shown = (origin or "unknown")[:200]

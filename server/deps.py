@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request, WebSocket
 
 from server.runtime import Runtime
-from txlserve.errors import AuthenticationError
+from txlserve.errors import AuthenticationError, InvalidRequestError
 
 
 def request_fields(scope: MutableMapping[str, Any]) -> dict[str, Any]:
@@ -61,11 +61,17 @@ KEY_SUBPROTOCOL = "txlserve.api-key."
 
 
 def _subprotocol_key(ws: WebSocket) -> str | None:
-    for offered in ws.scope.get("subprotocols") or ():
-        if offered.startswith(KEY_SUBPROTOCOL):
-            encoded = offered[len(KEY_SUBPROTOCOL):]
-            try:
-                return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode("utf-8")
+    offered = ws.scope.get("subprotocols") or ()
+    for protocol in offered:
+        if protocol.startswith(KEY_SUBPROTOCOL):
+            if SUBPROTOCOL not in offered:  # none could be chosen: a browser fails the socket without a word
+                raise InvalidRequestError(f"a WebSocket that offers its key as a subprotocol offers {SUBPROTOCOL!r} "
+                                          f"too, for the server to choose: new WebSocket(url, [{SUBPROTOCOL!r}, "
+                                          f"'{KEY_SUBPROTOCOL}' + key])")
+            encoded = protocol[len(KEY_SUBPROTOCOL):]
+            try:  # strictly: urlsafe_b64decode dropped what is not of its alphabet, and "%%%" was an empty key
+                return base64.b64decode(encoded + "=" * (-len(encoded) % 4), altchars=b"-_",
+                                        validate=True).decode("utf-8")
             except (ValueError, UnicodeDecodeError):  # binascii.Error is a ValueError
                 raise AuthenticationError(f"the API key in the WebSocket's subprotocol ({KEY_SUBPROTOCOL}...) is "
                                           "not base64url of UTF-8 text") from None
@@ -74,9 +80,12 @@ def _subprotocol_key(ws: WebSocket) -> str | None:
 
 def ws_owner(ws: WebSocket) -> str | None:
     """The key from ``Authorization``, the ``txlserve.api-key.`` subprotocol, or ``?api_key=`` (kept for clients
-    that send it so; a proxy may log it)."""
+    that send it so; a proxy may log it). A server without keys reads none, as it ignores a header's."""
+    rt = ws.app.state.runtime
+    if not rt.settings.api_keys:
+        return None
     key = _bearer(ws.headers.get("authorization")) or _subprotocol_key(ws) or ws.query_params.get("api_key")
-    return owner_for_key(ws.app.state.runtime, key)
+    return owner_for_key(rt, key)
 
 
 def ws_subprotocol(ws: WebSocket) -> str | None:

@@ -95,7 +95,8 @@ class Settings:
                                "every waiting request joins the decode batch while it fits (on a GPU it is taken "
                                "whole at start-up: CUDA graphs read fixed addresses)")
     max_queue: int = _opt(256, "requests waiting beyond the batch before 429 (each server process's, with --workers "
-                               "or --api-server-count)")
+                               "or --api-server-count); at most as many as --batch-mb holds sessions, since each "
+                               "waits with its state in memory")
     max_tokens_limit: int = _opt(4096, "the largest max_tokens a request may ask for")
     max_prompt_bytes: int = _opt(1_000_000, "largest prompt, in tokens (bytes for a byte model); a request's "
                                  "prompts together, as sent (before truncate_prompt_tokens), an echoed one once "

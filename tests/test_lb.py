@@ -113,6 +113,9 @@ def test_the_proxy_passes_the_clients_own_address_not_one_it_claims(balanced):
     line = wait_for(lambda: next((ln for r in replicas for ln in r.log.read_text().splitlines()
                                   if "xff-probe" in ln), None), 30, "the request's log line")
     assert '"client": "127.0.0.1' in line.replace('":"', '": "') and "6.6.6.6" not in line, line
+    # a request without an id gets nginx's, which the replica logs and answers with: one id names it everywhere
+    r = httpx.get(url + "/v1/models", timeout=30)
+    wait_for(lambda: any(r.headers["x-request-id"] in rr.log.read_text() for rr in replicas), 30, "nginx's id logged")
 
 
 def test_no_replica_answering_is_a_json_502(tmp_path):
@@ -124,3 +127,5 @@ def test_no_replica_answering_is_a_json_502(tmp_path):
             r = httpx.request(method, url + path, json={"model": MODEL, "prompt": "x"}, timeout=30)
             assert r.status_code == 502 and r.headers["content-type"].startswith("application/json"), r.text[:200]
             assert r.json()["error"]["code"] == "bad_gateway" and r.headers.get("x-request-id")
+        mine = httpx.get(url + "/v1/models", headers={"X-Request-Id": "mine-123"}, timeout=30)
+        assert mine.headers["x-request-id"] == "mine-123"  # the caller's id, as a replica answers with it

@@ -478,3 +478,39 @@ async def test_closing_the_store_releases_its_leases(redis_url: str, store: Memo
         await other.lease(info.session_id)
     async with store.lease(info.session_id):
         pass
+
+
+async def test_listings_redis_missed_are_tried_again_by_one_task_and_not_after_close(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task each had piled up under a burst (200 creations, 1,590 calls in 2 s), and one was started after the
+    store closed (a reviewer's): one task lists them again, backing off while none lands, and none after close."""
+    from memory_store.redis_tier import owner_key
+
+    async with MemoryStore.from_url(redis_url, identity=IDENTITY) as store:
+        tier, owner = store._redis, "o-" + str(time.monotonic_ns())
+        index, calls = tier.index, []
+
+        async def away(*args: object, **kw: object) -> None:
+            calls.append(args)
+            raise StoreUnavailable("Redis at test is unavailable")
+
+        monkeypatch.setattr(tier, "index", away)
+        made = [(await store.create(owner=owner, tensors=make_state(), mem_len=8)).session_id for _ in range(50)]
+        assert len(store._unlisted) == 50 and not store._owed  # no task each
+        await asyncio.sleep(1.0)
+        assert len(calls) < 50 + 4 * 50  # the first tries, then a few rounds at most (it backs off)
+        monkeypatch.setattr(tier, "index", index)
+        deadline = time.monotonic() + 20
+        while store._unlisted:  # Redis back: every one is listed
+            assert time.monotonic() < deadline, "the sessions were never listed"
+            await asyncio.sleep(0.05)  # poll, bounded by the deadline
+        raw = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            assert await raw.zcard(owner_key(owner)) == 50
+        finally:
+            await raw.aclose()
+        assert {i.session_id for i in (await store.list(owner=owner, limit=100))[0]} == set(made)
+        monkeypatch.setattr(tier, "index", away)
+    await store._index(owner, "closed-meanwhile", 1.0)  # a create still under way as the store closed
+    assert not store._unlisted and not store._owed and (store._relisting is None or store._relisting.done())

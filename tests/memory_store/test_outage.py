@@ -388,3 +388,6 @@ async def test_a_connection_redis_py_closed_under_a_call_is_an_outage_not_a_500(
             call()  # type: ignore[operator]
     with pytest.raises(RuntimeError, match="ours"), tier._translate():
         raise RuntimeError("ours")
+    exec("def misused():\n    [].items()", inside)  # ours, failing inside redis-py: not an outage
+    with pytest.raises(AttributeError, match="'list' object"), tier._translate():
+        inside["misused"]()  # type: ignore[operator]

@@ -164,8 +164,9 @@ def test_the_origin_check_refuses_what_a_page_of_another_origin_sends(kind, head
 ])
 def test_behind_a_proxy_the_origin_is_compared_with_its_forwarded_host_alone(origin, refused):
     """docker/nginx.conf passes Host without its port and X-Forwarded-Host with it (found by a helper)."""
-    for kind in ("websocket", "http"):
-        headers = [(b"host", b"127.0.0.1"), (b"x-forwarded-host", b"127.0.0.1:8080"), (b"origin", origin)]
+    for kind, forwarded in (("websocket", b"127.0.0.1:8080"), ("http", b"127.0.0.1:8080"),
+                            ("http", b"127.0.0.1:8080, txlserve-inner:8000")):  # a second proxy appended its own
+        headers = [(b"host", b"127.0.0.1"), (b"x-forwarded-host", forwarded), (b"origin", origin)]
         scope = {"type": kind, "server": SERVER, "headers": headers, "method": "POST"}
         err = BrowserChecks(lambda *a: None, (), (), keyed=False).origin_refusal(scope)
         assert (err is not None) is refused, (kind, origin)

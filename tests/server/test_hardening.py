@@ -377,10 +377,21 @@ def test_a_websocket_takes_its_key_as_a_subprotocol(keyed):
         while recv(conn)["type"] == "completion.delta":
             pass
     for bad in (offer(b"wrong-key-789"), ["txlserve", "txlserve.api-key.%%%"], ["txlserve", "txlserve.api-key.__8"]):
-        with pytest.raises(InvalidStatus, match="401"):
+        with pytest.raises(InvalidStatus, match="401") as info:
             connect(ws_url(keyed), subprotocols=bad).close()
+        if "%%%" in bad[1]:  # said as what it is, not read as an empty key
+            assert b"not base64url" in info.value.response.body
+    with pytest.raises(InvalidStatus, match="400") as info:  # the key alone: none the server could choose
+        connect(ws_url(keyed), subprotocols=offer(KEYS[0].encode())[1:]).close()
+    assert b"'txlserve'" in info.value.response.body
     with connect(ws_url(keyed), additional_headers={"Authorization": f"Bearer {KEYS[0]}"}) as conn:
         assert conn.subprotocol is None  # none offered, none chosen
+
+
+def test_a_server_without_keys_reads_no_key_from_a_subprotocol(server):
+    """As it ignores an Authorization header: a page's stale key was a 401 there (a reviewer's)."""
+    with connect(ws_url(server), subprotocols=["txlserve", "txlserve.api-key.__8"]) as conn:
+        assert conn.subprotocol == "txlserve"
 
 
 @pytest.mark.parametrize("key", ["\u00e9", "k\u00e9y-alpha-123", "\u20ac"])

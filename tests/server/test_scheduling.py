@@ -65,3 +65,22 @@ def test_overload_answers_429_with_retry_after(checkpoint, redis_url, tmp_path):
                                                               "max_tokens": 2}).status_code == 200
     finally:
         srv.stop()
+
+
+def test_requests_wait_beyond_the_batch_at_most_as_many_as_its_memory_holds():
+    """Each request waiting beyond the batch holds its session's state: --max-queue of them had taken 800 MB of
+    the bundled model's states beside a 2 MB batch, and a model of 354 MB a session would have held 90 GB (found
+    by a helper). At most as many wait as --batch-mb holds rows, whatever --max-batch lets generate together."""
+    from types import SimpleNamespace
+
+    from server.runtime import Runtime
+
+    def most(batch_mb: int, max_queue: int, row_bytes: int, capacity: int) -> int:
+        rt = SimpleNamespace(settings=SimpleNamespace(batch_mb=batch_mb, max_queue=max_queue),
+                             engine=SimpleNamespace(row_bytes=row_bytes), scheduler=SimpleNamespace(capacity=capacity))
+        return Runtime.most_runs.fget(rt)  # type: ignore[attr-defined]
+
+    assert most(1024, 256, 1_600_000, 256) == 256 + 256  # the bundled model: the queue as set
+    assert most(2, 256, 1_600_000, 1) == 1 + 1  # its batch of one row: one waits
+    assert most(1024, 256, 354 << 20, 2) == 2 + 2  # WikiText-103's model: two wait, not 256
+    assert most(1024, 256, 1_600_000, 4) == 4 + 256  # --max-batch 4 with room for 671: the queue as set

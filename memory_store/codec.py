@@ -303,6 +303,7 @@ class RingPatch:
     runs: list[tuple[int, bytes]]
     least_rows: int
     before_nbytes: int
+    full_nbytes: int  # the ring's length once every slot is held (mem_len of them)
 
 
 def ring_patch(mems: torch.Tensor, *, before: int, tokens_seen: int, mem_len: int) -> RingPatch | None:
@@ -317,7 +318,7 @@ def ring_patch(mems: torch.Tensor, *, before: int, tokens_seen: int, mem_len: in
     start = before % mem_len
     first = min(n, mem_len - start)
     runs = [(start * slot, _raw(new[:first]))] + ([(0, _raw(new[first:]))] if n > first else [])
-    return RingPatch([run for run in runs if run[1]], rows - n, min(before, mem_len) * slot)
+    return RingPatch([run for run in runs if run[1]], rows - n, min(before, mem_len) * slot, mem_len * slot)
 
 
 def decode_ring(raw: bytes | None, header: Header) -> torch.Tensor:

@@ -665,7 +665,8 @@ class MemoryStore:
             else:
                 status = await write(guard=(header.format_version, header.fingerprint, header.n_layer,
                                             header.d_model, header.dtype, mem_len, prev.tokens_seen,
-                                            patch.least_rows, patch.before_nbytes), runs=patch.runs)
+                                            patch.least_rows, patch.before_nbytes, patch.full_nbytes),
+                                     runs=patch.runs)
             if status == "RESHAPE":  # the stored record is not the state the rows were appended to
                 status = await write(ring=await self._ring(tensors, tokens_seen=tokens_seen, mem_len=mem_len))
             if status == "NOT_FOUND":

@@ -190,3 +190,27 @@ async def test_the_legacy_format_is_what_older_servers_read(redis_url: str, othe
     assert safetensors.torch.load(await raw.hget(session_key(info.session_id), "payload"))["mems"].shape[1] == 30
     assert_same((await other_store.get(info.session_id)).tensors, state_after(doc, 30))
 
+
+
+async def test_a_ring_filled_by_appends_takes_its_bytes_in_redis_not_its_growth(store: MemoryStore,
+                                                                               raw: redis.asyncio.Redis) -> None:
+    """A string grown by SETRANGE keeps Redis's doubling allocation for good: a ring filled a few tokens at a time
+    (a chat) took 1.5-1.7x its bytes, which --warm-budget-mb does not see (found by a helper). Once filled it is
+    set again whole, and takes its bytes."""
+    doc = document(MEM_LEN + 20)
+    info = await store.create(tensors=state_after(doc, 1), mem_len=MEM_LEN, tokens_seen=1)
+    seen = 1
+    while seen < MEM_LEN + 20:
+        async with store.lease(info.session_id, tensors=False) as lease:
+            n = 3 if seen < 40 else 1
+            await store.commit(lease, state_after(doc, seen + n), tokens_seen=seen + n, appended=True)
+        seen += n
+        if seen == 31:  # still filling: what the patches allocate
+            growing = await raw.memory_usage(ring_key(info.session_id))
+    assert await raw.strlen(ring_key(info.session_id)) == RING_BYTES
+    used = await raw.memory_usage(ring_key(info.session_id))
+    assert used <= RING_BYTES * 1.1 + 256, (used, RING_BYTES, growing)
+    got = await store.get(info.session_id)  # and it reads back as written
+    assert_same(got.tensors, state_after(doc, seen))
+    ring_ttl, record_ttl = await raw.pttl(ring_key(info.session_id)), await raw.pttl(session_key(info.session_id))
+    assert (ring_ttl > 0) == (record_ttl > 0) and ring_ttl != -2  # set again, it keeps its record's TTL

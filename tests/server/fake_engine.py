@@ -41,6 +41,7 @@ class FakeEngine:
     decoder = SimpleNamespace(dtype=torch.float32)
     tokenizer_id = "byte:fake"
     window_len = N_LAYER * MEM_LEN + 1
+    row_bytes = 2 * N_LAYER * MEM_LEN * D_MODEL * 4  # a session's key and value rings, as Engine.row_bytes
 
     def check_window(self, window: list[int], tokens_seen: int, *, every_id: bool = False) -> list[int]:
         return window[-self.window_len:]

@@ -68,6 +68,7 @@ _UPDATE_ATTEMPTS = 16  # each try loses only to another write that landed: n upd
 _RELEASE_RETRY_S = 0.25  # how often a release (or a listing) Redis missed is tried again while it is away
 _INDEX_RETRY_FOR_S = 120.0  # how long a new session's listing is tried again: a cluster's failover, a restart
 _UNLISTED_MAX = 100_000  # new sessions' listings tried again at once, at most (a few hundred bytes each)
+_RELIST_FAILURES = 32  # listings tried again that fail before a round of them ends
 
 
 class MemoryStore:
@@ -796,14 +797,12 @@ class MemoryStore:
         try:
             await self._redis.index(owner, session_id, created_at)
         except StoreUnavailable as err:
+            if self._closed or len(self._unlisted) >= _UNLISTED_MAX:  # closing, or a flood while Redis is away
+                log.warning("session %s was stored, but its owner's list could not be updated: it stays unlisted "
+                            "(read by id, it is there): %s", session_id, err)
+                return
             log.warning("session %s was stored, but its owner's list could not be updated yet (tried again until "
                         "Redis answers, for %.0f s): %s", session_id, _INDEX_RETRY_FOR_S, err)
-            if self._closed:
-                return
-            if len(self._unlisted) >= _UNLISTED_MAX:  # a Redis away for long under a flood of creations
-                log.warning("session %s stays unlisted: %d others already wait to be listed", session_id,
-                            len(self._unlisted))
-                return
             self._unlisted[session_id] = (owner, created_at, time.monotonic() + _INDEX_RETRY_FOR_S)
             if self._relisting is None or self._relisting.done():
                 self._relisting = asyncio.create_task(self._relist(), name="txl-relist")
@@ -814,10 +813,10 @@ class MemoryStore:
         wait = _RELEASE_RETRY_S
         while self._unlisted and not self._closed:
             await asyncio.sleep(wait)
-            landed = False
+            landed, failed = False, 0
             for session_id, (owner, created_at, until) in list(self._unlisted.items()):
-                if self._closed:
-                    return
+                if self._closed or failed >= _RELIST_FAILURES:  # a round's tries end after that many failures:
+                    break  # 100,000 waiting on a Redis that refuses had cost seconds of CPU a round (a reviewer's)
                 if time.monotonic() > until:
                     del self._unlisted[session_id]
                     log.warning("session %s stays unlisted: its owner's list was unreachable for %.0f s", session_id,
@@ -826,6 +825,8 @@ class MemoryStore:
                 try:
                     await self._redis.index(owner, session_id, created_at, prune=0)
                 except StoreUnavailable:
+                    failed += 1  # to the back: the next round tries the others first (another node may answer)
+                    self._unlisted[session_id] = self._unlisted.pop(session_id)
                     continue
                 except Exception as err:  # never out of the task unseen
                     log.warning("session %s stays unlisted (%s: %s)", session_id, type(err).__name__, err)

@@ -196,7 +196,8 @@ def how_many(req: CompletionRequest, prompts: int, held: int) -> int:
                                   "session for other continuations)", param="n" if n > 1 else "prompt")
     if prompts * n > min(MAX_CHOICES, held):
         why = f"a request may have at most {MAX_CHOICES}" if prompts * n > MAX_CHOICES else (
-            f"this server holds at most {held} requests at once (--max-queue beyond the batch)")
+            f"this server holds at most {held} requests at once (the batch, and beyond it --max-queue, at most as "
+            f"many as --batch-mb holds)")
         raise InvalidRequestError(f"{prompts} prompt(s) x n {n} is {prompts * n} choices; {why}",
                                   param="n" if n > 1 else "prompt")
     return n

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import re
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -60,31 +61,42 @@ SUBPROTOCOL = "txlserve"
 KEY_SUBPROTOCOL = "txlserve.api-key."
 
 
-def _subprotocol_key(ws: WebSocket) -> str | None:
+def _offered_key(ws: WebSocket) -> str | None:
+    """The key subprotocol offered, if any; one offered without ``txlserve`` is refused, keys or not: none could
+    be chosen, and a browser fails such a socket without a word."""
     offered = ws.scope.get("subprotocols") or ()
-    for protocol in offered:
-        if protocol.startswith(KEY_SUBPROTOCOL):
-            if SUBPROTOCOL not in offered:  # none could be chosen: a browser fails the socket without a word
-                raise InvalidRequestError(f"a WebSocket that offers its key as a subprotocol offers {SUBPROTOCOL!r} "
-                                          f"too, for the server to choose: new WebSocket(url, [{SUBPROTOCOL!r}, "
-                                          f"'{KEY_SUBPROTOCOL}' + key])")
-            encoded = protocol[len(KEY_SUBPROTOCOL):]
-            try:  # strictly: urlsafe_b64decode dropped what is not of its alphabet, and "%%%" was an empty key
-                return base64.b64decode(encoded + "=" * (-len(encoded) % 4), altchars=b"-_",
-                                        validate=True).decode("utf-8")
-            except (ValueError, UnicodeDecodeError):  # binascii.Error is a ValueError
-                raise AuthenticationError(f"the API key in the WebSocket's subprotocol ({KEY_SUBPROTOCOL}...) is "
-                                          "not base64url of UTF-8 text") from None
-    return None
+    protocol = next((p for p in offered if p.startswith(KEY_SUBPROTOCOL)), None)
+    if protocol is not None and SUBPROTOCOL not in offered:
+        raise InvalidRequestError(f"a WebSocket that offers its key as a subprotocol offers {SUBPROTOCOL!r} too, for "
+                                  f"the server to choose: new WebSocket(url, [{SUBPROTOCOL!r}, '{KEY_SUBPROTOCOL}' "
+                                  f"+ key])")
+    return protocol
+
+
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
+
+
+def _subprotocol_key(protocol: str | None) -> str | None:
+    if protocol is None:
+        return None
+    encoded = protocol[len(KEY_SUBPROTOCOL):]
+    try:  # strictly base64url: urlsafe_b64decode dropped what is not of its alphabet, and "%%%" was an empty key
+        if not _BASE64URL.fullmatch(encoded):
+            raise ValueError(encoded)
+        return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):  # binascii.Error is a ValueError
+        raise AuthenticationError(f"the API key in the WebSocket's subprotocol ({KEY_SUBPROTOCOL}...) is not "
+                                  "base64url of UTF-8 text") from None
 
 
 def ws_owner(ws: WebSocket) -> str | None:
     """The key from ``Authorization``, the ``txlserve.api-key.`` subprotocol, or ``?api_key=`` (kept for clients
     that send it so; a proxy may log it). A server without keys reads none, as it ignores a header's."""
     rt = ws.app.state.runtime
+    protocol = _offered_key(ws)
     if not rt.settings.api_keys:
         return None
-    key = _bearer(ws.headers.get("authorization")) or _subprotocol_key(ws) or ws.query_params.get("api_key")
+    key = _bearer(ws.headers.get("authorization")) or _subprotocol_key(protocol) or ws.query_params.get("api_key")
     return owner_for_key(rt, key)
 
 

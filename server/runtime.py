@@ -167,9 +167,11 @@ class Runtime:
         (past it a request is a 429; a request's choices are runs). A request waiting beyond the batch holds its
         session's state (restored as it is submitted), so at most as many wait as ``--batch-mb`` holds rows: the
         waiting states take no more memory than the batch's own (256 of the bundled model's took 800 MB beside a
-        2 MB batch, and a model of 354 MB a session would have held 90 GB; found by a helper)."""
+        2 MB batch, and a model of 354 MB a session would have held 90 GB; found by a helper). With
+        ``--api-server-count`` N sharing one engine, each takes 1/N of the whole, or N of them held N times it."""
         held = max(1, (self.settings.batch_mb << 20) // max(1, self.engine.row_bytes))
-        return min(self.settings.max_queue, held) + self.scheduler.capacity
+        n = max(1, self.settings.api_server_count)  # API servers sharing one engine: each its share of the whole
+        return max(1, (self.scheduler.capacity + min(n * self.settings.max_queue, held)) // n)
 
     @property
     def engine_dead(self) -> str | None:

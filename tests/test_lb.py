@@ -129,3 +129,5 @@ def test_no_replica_answering_is_a_json_502(tmp_path):
             assert r.json()["error"]["code"] == "bad_gateway" and r.headers.get("x-request-id")
         mine = httpx.get(url + "/v1/models", headers={"X-Request-Id": "mine-123"}, timeout=30)
         assert mine.headers["x-request-id"] == "mine-123"  # the caller's id, as a replica answers with it
+        odd = httpx.get(url + "/v1/models", headers={"X-Request-Id": "my id {x}"}, timeout=30)
+        assert re.fullmatch(r"[0-9a-f]{32}", odd.headers["x-request-id"])  # one a replica would replace: nginx's

@@ -376,7 +376,8 @@ def test_a_websocket_takes_its_key_as_a_subprotocol(keyed):
         conn.send(json.dumps({"type": "completion.create", **OK}))
         while recv(conn)["type"] == "completion.delta":
             pass
-    for bad in (offer(b"wrong-key-789"), ["txlserve", "txlserve.api-key.%%%"], ["txlserve", "txlserve.api-key.__8"]):
+    for bad in (offer(b"wrong-key-789"), ["txlserve", "txlserve.api-key.%%%"], ["txlserve", "txlserve.api-key.__8"],
+                ["txlserve", "txlserve.api-key.a2V5+A"]):  # "+": base64, not base64url (was decoded)
         with pytest.raises(InvalidStatus, match="401") as info:
             connect(ws_url(keyed), subprotocols=bad).close()
         if "%%%" in bad[1]:  # said as what it is, not read as an empty key
@@ -392,6 +393,9 @@ def test_a_server_without_keys_reads_no_key_from_a_subprotocol(server):
     """As it ignores an Authorization header: a page's stale key was a 401 there (a reviewer's)."""
     with connect(ws_url(server), subprotocols=["txlserve", "txlserve.api-key.__8"]) as conn:
         assert conn.subprotocol == "txlserve"
+    from websockets.exceptions import InvalidStatus
+    with pytest.raises(InvalidStatus, match="400"):  # the key alone, keys or not: none could be chosen
+        connect(ws_url(server), subprotocols=["txlserve.api-key.aw"]).close()
 
 
 @pytest.mark.parametrize("key", ["\u00e9", "k\u00e9y-alpha-123", "\u20ac"])

@@ -75,8 +75,9 @@ def test_requests_wait_beyond_the_batch_at_most_as_many_as_its_memory_holds():
 
     from server.runtime import Runtime
 
-    def most(batch_mb: int, max_queue: int, row_bytes: int, capacity: int) -> int:
-        rt = SimpleNamespace(settings=SimpleNamespace(batch_mb=batch_mb, max_queue=max_queue),
+    def most(batch_mb: int, max_queue: int, row_bytes: int, capacity: int, api_servers: int = 1) -> int:
+        rt = SimpleNamespace(settings=SimpleNamespace(batch_mb=batch_mb, max_queue=max_queue,
+                                                      api_server_count=api_servers),
                              engine=SimpleNamespace(row_bytes=row_bytes), scheduler=SimpleNamespace(capacity=capacity))
         return Runtime.most_runs.fget(rt)  # type: ignore[attr-defined]
 
@@ -84,3 +85,6 @@ def test_requests_wait_beyond_the_batch_at_most_as_many_as_its_memory_holds():
     assert most(2, 256, 1_600_000, 1) == 1 + 1  # its batch of one row: one waits
     assert most(1024, 256, 354 << 20, 2) == 2 + 2  # WikiText-103's model: two wait, not 256
     assert most(1024, 256, 1_600_000, 4) == 4 + 256  # --max-batch 4 with room for 671: the queue as set
+    # API servers sharing one engine: each its share of the whole, or 4 of them held 4 times what one may
+    assert most(64, 256, 1_600_000, 41, api_servers=4) == (41 + 41) // 4
+    assert most(1024, 256, 1_600_000, 256, api_servers=2) == (256 + 512) // 2

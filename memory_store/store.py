@@ -22,7 +22,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -556,31 +556,25 @@ class MemoryStore:
         lease's TTL (past it the lease is gone anyway). A Redis back from a restart restores the lease key from its
         append-only file: the session was a 409 to everyone for the rest of the TTL, with no request running.
         ``at_once``: the first try now (a lease that may have been taken as its reply was lost)."""
-        self._later(f"txl-lease-release-{session_id}", lambda: self._redis.release(session_id, token),
-                    self.config.lease_ttl_ms / 1000, at_once=at_once)
-
-    def _later(self, name: str, write: Callable[[], Awaitable[object]], for_s: float, *,
-               at_once: bool = False) -> None:
-        """Run ``write`` in the background until Redis takes it, every ``_RELEASE_RETRY_S``, for ``for_s``."""
         if self._closed:
             return
 
         async def retry() -> None:
-            deadline = time.monotonic() + for_s
+            deadline = time.monotonic() + self.config.lease_ttl_ms / 1000
             wait = 0.0 if at_once else _RELEASE_RETRY_S
             while time.monotonic() < deadline:
                 await asyncio.sleep(min(wait, max(0.0, deadline - time.monotonic())))
                 wait = _RELEASE_RETRY_S
                 try:
-                    await write()
+                    await self._redis.release(session_id, token)
                     return
                 except StoreUnavailable:
                     pass
                 except Exception as err:  # never out of the retry unseen ("Task exception was never retrieved")
-                    log.warning("%s: the store's write failed (%s: %s)", name, type(err).__name__, err)
+                    log.warning("releasing session %s's lease failed (%s: %s)", session_id, type(err).__name__, err)
                     return
 
-        task = asyncio.create_task(retry(), name=name)
+        task = asyncio.create_task(retry(), name=f"txl-lease-release-{session_id}")
         self._owed.add(task)
         task.add_done_callback(self._owed.discard)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import re
@@ -80,13 +81,12 @@ def _subprotocol_key(protocol: str | None) -> str | None:
     if protocol is None:
         return None
     encoded = protocol[len(KEY_SUBPROTOCOL):]
-    try:  # strictly base64url: urlsafe_b64decode dropped what is not of its alphabet, and "%%%" was an empty key
-        if not _BASE64URL.fullmatch(encoded):
-            raise ValueError(encoded)
-        return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode("utf-8")
-    except (ValueError, UnicodeDecodeError):  # binascii.Error is a ValueError
-        raise AuthenticationError(f"the API key in the WebSocket's subprotocol ({KEY_SUBPROTOCOL}...) is not "
-                                  "base64url of UTF-8 text") from None
+    # strictly base64url: urlsafe_b64decode dropped what is not of its alphabet, and "%%%" was an empty key
+    if _BASE64URL.fullmatch(encoded):
+        with contextlib.suppress(ValueError):  # binascii.Error and UnicodeDecodeError are ValueErrors
+            return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode("utf-8")
+    raise AuthenticationError(f"the API key in the WebSocket's subprotocol ({KEY_SUBPROTOCOL}...) is not base64url "
+                              "of UTF-8 text")
 
 
 def ws_owner(ws: WebSocket) -> str | None:
